@@ -1,0 +1,37 @@
+"""Error feedback: carry each step's quantization residual into the next step's input.
+
+``x̃_t = x_t + e_{t-1}``, send ``Q(x̃_t)``, keep ``e_t = x̃_t - dec(Q(x̃_t))``. The residual lives
+in whichever space is quantized (whitened coordinates for GIFT), so Euclidean and GIFT
+comparisons can use it alike. A residual is only committed once the caller knows the step
+was applied, so a skipped (NaN/Inf) step never poisons it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ErrorFeedback:
+    """Residual buffer for one quantized tensor (or one flat bucket)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32, device=None):
+        self.residual = torch.zeros(numel, dtype=dtype, device=device)
+        self._pending: torch.Tensor | None = None
+
+    def compensate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + e`` as a new FP32 tensor of the shape of ``x``."""
+        return x.float() + self.residual.view_as(x)
+
+    def stage(self, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Remember ``compensated - decoded`` as the next residual, pending ``commit``."""
+        self._pending = (compensated.float() - decoded.float()).reshape(-1)
+
+    def commit(self, applied: bool = True) -> None:
+        """Adopt the staged residual if the step was applied; drop it otherwise."""
+        if applied and self._pending is not None:
+            self.residual.copy_(self._pending)
+        self._pending = None
+
+    def reset(self) -> None:
+        self.residual.zero_()
+        self._pending = None

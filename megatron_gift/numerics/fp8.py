@@ -1,0 +1,258 @@
+"""FP8 codec: encode FP32 tensors to a uint8 payload plus scales, decode back to FP32.
+
+Pure tensor code (no torch.distributed): the payload and scales are plain uint8/float32
+tensors, so they travel over any collective, gloo included.
+
+A tensor is viewed as a matrix ``x`` of shape ``[rows, cols]`` (a weight gradient
+``[d_out, d_in]``; a 1-D tensor is one row). Scales are chosen per *scaling group*:
+
+=========  =====================================  ==========================
+granularity  group                                  scale stored as
+=========  =====================================  ==========================
+TENSOR     the whole tensor                       1 x float32
+ROW        one row                                rows x float32
+BLOCK      1 x ``block`` along the input (cols)   rows x ceil(cols/block) x float32
+MX         1 x 32 along cols, power-of-two scale  rows x ceil(cols/32) x uint8 (E8M0)
+=========  =====================================  ==========================
+
+Encode: ``q = fp8(x / s)`` with ``s = amax / fp8_max`` (``amax`` over the group's finite
+values; ``s = 1`` for an all-zero group). MX rounds ``s`` up to a power of two, so the
+block maximum never clips. Decode: ``x̂ = float(q) * s``. Non-finite inputs are encoded as
+the format's NaN (E4M3) or Inf/NaN (E5M2) so they survive decode: a NaN check after the
+reduction still fires.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+MX_BLOCK = 32
+_E8M0_BIAS = 127
+
+
+class FP8Format(enum.Enum):
+    """The two OCP FP8 formats: E4M3 (3 mantissa bits, max 448) and E5M2 (2 bits, max 57344)."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is FP8Format.E4M3 else torch.float8_e5m2
+
+    @property
+    def mantissa_bits(self) -> int:
+        return 3 if self is FP8Format.E4M3 else 2
+
+    @property
+    def max(self) -> float:
+        return float(torch.finfo(self.dtype).max)
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive subnormal: 2^-9 for E4M3, 2^-16 for E5M2."""
+        return 2.0**-9 if self is FP8Format.E4M3 else 2.0**-16
+
+    @property
+    def ulp_at_max(self) -> float:
+        """Spacing of the top binade: 32 for E4M3, 8192 for E5M2."""
+        return 32.0 if self is FP8Format.E4M3 else 8192.0
+
+    @property
+    def max_code(self) -> int:
+        """Code of +max (sign bit clear): 0x7E for E4M3, 0x7B for E5M2."""
+        return 0x7E if self is FP8Format.E4M3 else 0x7B
+
+    @property
+    def nan_code(self) -> int:
+        return 0x7F if self is FP8Format.E4M3 else 0x7E
+
+
+class Scaling(enum.Enum):
+    """Scaling granularity; see the module docstring for the group each one scales."""
+
+    TENSOR = "tensor"
+    ROW = "row"
+    BLOCK = "block"
+    MX = "mx"
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Format and scaling granularity of one FP8 encoding."""
+
+    fmt: FP8Format = FP8Format.E4M3
+    scaling: Scaling = Scaling.BLOCK
+    block: int = 128
+
+    def __post_init__(self):
+        if not isinstance(self.fmt, FP8Format):
+            object.__setattr__(self, "fmt", FP8Format(self.fmt))
+        if not isinstance(self.scaling, Scaling):
+            object.__setattr__(self, "scaling", Scaling(self.scaling))
+        if self.scaling is Scaling.MX:
+            object.__setattr__(self, "block", MX_BLOCK)
+        if self.block <= 0:
+            raise ValueError(f"block size must be positive, got {self.block}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.fmt.value}-{self.scaling.value}"
+
+    def groups(self, rows: int, cols: int) -> tuple[int, int]:
+        """Shape ``[rows', groups per row]`` of the scale tensor for an ``[rows, cols]`` input."""
+        if self.scaling is Scaling.TENSOR:
+            return (1, 1)
+        if self.scaling is Scaling.ROW:
+            return (rows, 1)
+        return (rows, math.ceil(cols / self.block))
+
+    def scale_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.scaling is Scaling.MX else torch.float32
+
+    def scale_bytes(self, rows: int, cols: int) -> int:
+        r, g = self.groups(rows, cols)
+        return r * g * (1 if self.scaling is Scaling.MX else 4)
+
+    def encoded_bytes(self, rows: int, cols: int) -> int:
+        """Bytes on the wire for one encoded ``[rows, cols]`` tensor: payload plus scales."""
+        return rows * cols + self.scale_bytes(rows, cols)
+
+
+@dataclass
+class Encoded:
+    """An encoded tensor: ``payload`` uint8 ``[rows, cols]``; ``scales`` as ``CodecConfig.groups``."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel() * self.payload.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+@dataclass
+class CodecStats:
+    """Counts for encodes: non-zero inputs that decode to zero (``flushed``), inputs beyond the
+    format's range that saturated (``clipped``: only possible with an external ``amax``), codes
+    at the largest magnitude (``at_max``) and at the smallest subnormal (``at_min_subnormal``),
+    the paper's vulnerability signals, and non-finite inputs."""
+
+    numel: int = 0
+    flushed: int = 0
+    clipped: int = 0
+    at_max: int = 0
+    at_min_subnormal: int = 0
+    nonfinite: int = 0
+
+    def __iadd__(self, other: "CodecStats") -> "CodecStats":
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        return self
+
+
+def _as_matrix(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2:
+        return x
+    if x.dim() == 1:
+        return x.view(1, -1)
+    return x.reshape(x.shape[0], -1)
+
+
+def _grouped(x: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    """View ``x [rows, cols]`` as ``[rows', groups, group_size]``, zero-padding the last block."""
+    rows, cols = x.shape
+    if cfg.scaling is Scaling.TENSOR:
+        return x.reshape(1, 1, -1)
+    if cfg.scaling is Scaling.ROW:
+        return x.reshape(rows, 1, cols)
+    g = math.ceil(cols / cfg.block)
+    pad = g * cfg.block - cols
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(rows, g, cfg.block)
+
+
+def _ungrouped(y: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return y.reshape(rows, -1)[:, :cols]
+
+
+def group_amax(x: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    """Max |x| over the finite values of each scaling group, shape ``cfg.groups(*x.shape)``."""
+    a = _grouped(_as_matrix(x).float(), cfg).abs()
+    a = torch.where(torch.isfinite(a), a, 0.0)
+    return a.amax(dim=-1)
+
+
+def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    """Dequantization scales ``s = amax / fp8_max`` (1 where amax is 0); E8M0 codes for MX."""
+    # Clamped to FP32's smallest normal so that a group of tiny values never divides by zero.
+    s = torch.where(amax > 0, (amax / cfg.fmt.max).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    if cfg.scaling is not Scaling.MX:
+        return s.float()
+    # Round up to a power of two so that amax / s <= fp8_max: the block maximum never clips.
+    e = torch.ceil(torch.log2(s)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
+    return (e + _E8M0_BIAS).to(torch.uint8)
+
+
+def _scale_values(scales: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    if cfg.scaling is Scaling.MX:
+        return torch.exp2(scales.float() - _E8M0_BIAS)
+    return scales
+
+
+def encode(
+    x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None, stats: CodecStats | None = None
+) -> Encoded:
+    """Encode ``x`` (any float dtype, viewed as ``[rows, cols]``).
+
+    ``amax`` overrides the per-group maxima (e.g. a maximum shared by all ranks); values
+    beyond it saturate to ±fp8_max and are counted. When ``stats`` is given, it is
+    incremented with this encode's counts (costs extra passes; leave it None on hot paths).
+    """
+    xm = _as_matrix(x).float()
+    rows, cols = xm.shape
+    if amax is None:
+        amax = group_amax(xm, cfg)
+    scales = scales_from_amax(amax, cfg)
+    g = _grouped(xm, cfg)
+    y = g / _scale_values(scales, cfg).unsqueeze(-1)
+    fmax = cfg.fmt.max
+    q = torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), y).to(cfg.fmt.dtype).view(torch.uint8)
+    # torch saturates +-Inf to +-448 when casting to E4M3 (which has no Inf): force its NaN.
+    if cfg.fmt is FP8Format.E4M3:
+        q = torch.where(torch.isinf(y), q.new_tensor(cfg.fmt.nan_code), q)
+    if stats is not None:
+        stats += _count(g, y, q, cfg, numel=rows * cols)
+    return Encoded(payload=_ungrouped(q, rows, cols).contiguous(), scales=scales)
+
+
+def _count(g: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig, numel: int) -> CodecStats:
+    """Counts over the grouped tensors; the zero padding of a last block never counts."""
+    fin = torch.isfinite(y)
+    mag = q & 0x7F
+    return CodecStats(
+        numel=numel,
+        flushed=int(((g != 0) & fin & (mag == 0)).sum()),
+        clipped=int((fin & (y.abs() >= cfg.fmt.max + cfg.fmt.ulp_at_max / 2)).sum()),
+        at_max=int((fin & (mag == cfg.fmt.max_code)).sum()),
+        at_min_subnormal=int((fin & (mag == 1)).sum()),
+        nonfinite=int((~fin).sum()),
+    )
+
+
+def decode(enc: Encoded, cfg: CodecConfig, out_shape: torch.Size | tuple | None = None) -> torch.Tensor:
+    """Decode to FP32, shape ``[rows, cols]`` or ``out_shape``."""
+    rows, cols = enc.payload.shape
+    q = _grouped(enc.payload.view(cfg.fmt.dtype).float(), cfg)
+    x = _ungrouped(q * _scale_values(enc.scales, cfg).unsqueeze(-1), rows, cols)
+    return x.reshape(out_shape) if out_shape is not None else x
+
+
+def roundtrip(x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``decode(encode(x))`` in the shape of ``x``."""
+    return decode(encode(x, cfg, amax=amax), cfg, out_shape=x.shape)

@@ -1,0 +1,56 @@
+"""Geometry statistics that predict whether whitening lowers the FP8 round-trip error.
+
+Error model: FP8 rounding is relative per element and spreads isotropically over the d_in
+directions of whichever space is quantized. Euclidean: relative error² ≈ ε². Whitened
+(``U = G T``, mapped back by ``T⁻¹``, ``T Tᵀ = Â⁻¹``): error energy ≈ ε² ‖U‖² tr(Â)/d_in, so
+
+    ratio = RelL2_gift / RelL2_euclid ≈ ‖G T‖ · sqrt(tr(Â) / d_in) / ‖G‖          (model)
+
+Two-level version from shares alone: with ``p`` = share of tr(A) in its top-r eigenvalues,
+``q`` = share of ‖G‖² in that top-r subspace, ``ρ = r/d_in``, and Â taken as flat inside
+and outside the subspace::
+
+    ratio² ≈ ρ·q/p + (1-ρ)·(1-q)/(1-p)                                             (shares)
+
+Rows drawn like A (q = p) give ratio 1; gradient energy more concentrated than A's trace
+(q > p) gives ratio < 1. Shapes: ``G [d_out, d_in]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .whitening import LowRankFactor, LowRankWhitening
+
+
+@dataclass(frozen=True)
+class GeometryStats:
+    trace_share_top_r: float
+    grad_energy_share_top_r: float
+    predicted_ratio_shares: float
+    predicted_ratio_model: float
+
+
+def shares_ratio(p: float, q: float, rho: float) -> float:
+    """Two-level predicted GIFT/Euclidean RelL2 ratio from the shares ``p``, ``q`` and ``ρ = r/d``."""
+    if p >= 1.0 or rho >= 1.0:
+        return math.sqrt(rho * q / p) if p > 0 else float("nan")
+    if p <= 0.0:
+        return math.sqrt((1 - rho) * (1 - q))
+    return math.sqrt(rho * q / p + (1 - rho) * (1 - q) / (1 - p))
+
+
+def geometry_stats(g: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> GeometryStats:
+    """Shares and both predicted ratios for the gradient ``g [d_out, d_in]``."""
+    g64 = g.detach().to("cpu", torch.float64).reshape(-1, factor.d.shape[0])
+    d_in = g64.shape[1]
+    g_energy = float((g64 * g64).sum())
+    p = float(factor.lam.sum()) / factor.trace_a
+    q = float(((g64 @ factor.v) ** 2).sum()) / g_energy if g_energy > 0 else 0.0
+    rho = factor.v.shape[1] / d_in
+    u = whitening.apply(g.detach().float().reshape(-1, d_in)).double().cpu()
+    model = math.sqrt(float((u * u).sum()) * factor.trace / d_in / g_energy) if g_energy > 0 else float("nan")
+    return GeometryStats(p, q, shares_ratio(p, q, rho), model)

@@ -1,0 +1,129 @@
+"""Input-side whitening of a weight gradient from a low-rank-plus-diagonal K-FAC factor.
+
+Shapes: gradient ``G [d_out, d_in]``, factor ``A [d_in, d_in]``, rank ``r``.
+
+Approximation (``approximate_factor``): top-r eigenpairs ``A ≈ V Λ Vᵀ`` (``V [d_in, r]``) plus
+the residual diagonal, damped::
+
+    Â = D + V Λ Vᵀ,   D = max(diag(A) - diag(V Λ Vᵀ), 0) + δ·mean(diag A)
+
+Whitening (``LowRankWhitening``): with ``W = D^{-1/2} V Λ^{1/2}`` and its thin SVD
+``W = Q Σ Pᵀ`` (``Q [d_in, r]`` orthonormal, ``s = σ²``)::
+
+    D^{-1/2} Â D^{-1/2} = I + Q diag(s) Qᵀ
+    T   = D^{-1/2} (I + Q diag(c)  Qᵀ),   c  = (1+s)^{-1/2} - 1
+    T⁻¹ = (I + Q diag(c') Qᵀ) D^{1/2},    c' = (1+s)^{+1/2} - 1
+
+so ``Tᵀ Â T = I`` and ``T T⁻¹ = I`` exactly (``(1+c)²(1+s) = 1``, ``(1+c)(1+c') = 1``).
+``G T = G' + ((G' Q) ⊙ c) Qᵀ`` with ``G' = G D^{-1/2}``: O(d_out·d_in·r) time and
+O(d_in·r) memory, no d_in x d_in matrix. ``DenseCholeskyWhitening`` is the paper's
+variant (``T = L⁻ᵀ`` with ``Â = L Lᵀ``, O(d_out·d_in²)), kept as a benchmark reference.
+
+Determinism: the factor is built in FP64 on the CPU from FP32 statistics and rounded to
+FP32 once, so the same statistics give the same ``T`` bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LowRankFactor:
+    """``Â = diag(d) + V diag(lam) Vᵀ`` in FP64, plus ``trace_a = tr(A)`` of the exact factor."""
+
+    d: torch.Tensor
+    v: torch.Tensor
+    lam: torch.Tensor
+    trace_a: float
+
+    @property
+    def trace(self) -> float:
+        """``tr(Â) = Σ d + Σ λ`` (V is orthonormal)."""
+        return float(self.d.sum() + self.lam.sum())
+
+    def dense(self) -> torch.Tensor:
+        return torch.diag(self.d) + (self.v * self.lam) @ self.v.T
+
+
+def approximate_factor(a: torch.Tensor, rank: int, damping: float = 1e-3) -> LowRankFactor:
+    """Top-``rank`` eigenpairs of ``a`` plus its damped residual diagonal (see module doc)."""
+    a64 = a.detach().to("cpu", torch.float64)
+    a64 = 0.5 * (a64 + a64.T)
+    d_in = a64.shape[0]
+    r = max(0, min(rank, d_in))
+    evals, evecs = torch.linalg.eigh(a64)  # ascending
+    lam = evals[d_in - r :].flip(0).clamp_min(0.0)
+    v = evecs[:, d_in - r :].flip(1)
+    diag = torch.diagonal(a64)
+    mean_diag = float(diag.mean())
+    if mean_diag <= 0:
+        raise ValueError("K-FAC factor has a non-positive trace: no activations were seen")
+    resid = (diag - (v * v) @ lam).clamp_min(0.0)
+    return LowRankFactor(d=resid + damping * mean_diag, v=v, lam=lam, trace_a=float(diag.sum()))
+
+
+class LowRankWhitening:
+    """``T`` and ``T⁻¹`` of the module docstring, stored as ``D^{∓1/2}`` (d_in), ``Q`` (d_in x r), ``c``, ``c'`` (r)."""
+
+    def __init__(self, factor: LowRankFactor, dtype: torch.dtype = torch.float32, device=None):
+        d = factor.d
+        w = (factor.v * factor.lam.sqrt()) / d.sqrt().unsqueeze(1)
+        q, sig, _ = torch.linalg.svd(w, full_matrices=False)
+        s = sig * sig
+        self.rank = q.shape[1]
+        self.d_in = d.shape[0]
+        self.trace = factor.trace
+        self.d_inv_sqrt = d.rsqrt().to(device=device, dtype=dtype)
+        self.d_sqrt = d.sqrt().to(device=device, dtype=dtype)
+        self.q = q.to(device=device, dtype=dtype).contiguous()
+        self.c = ((1.0 + s).rsqrt() - 1.0).to(device=device, dtype=dtype)
+        self.c_inv = ((1.0 + s).sqrt() - 1.0).to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_statistics(cls, a: torch.Tensor, rank: int, damping: float = 1e-3, device=None) -> "LowRankWhitening":
+        return cls(approximate_factor(a, rank, damping), device=device if device is not None else a.device)
+
+    def _low_rank_update(self, x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        """``x (I + Q diag(coef) Qᵀ)`` for ``x [..., d_in]``."""
+        if self.rank == 0:
+            return x
+        return torch.addmm(x.reshape(-1, self.d_in), (x.reshape(-1, self.d_in) @ self.q) * coef, self.q.T).view_as(x)
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        """``G T`` for ``G [..., d_in]``."""
+        return self._low_rank_update(g * self.d_inv_sqrt, self.c)
+
+    def inverse(self, u: torch.Tensor) -> torch.Tensor:
+        """``U T⁻¹`` for ``U [..., d_in]``."""
+        return self._low_rank_update(u, self.c_inv) * self.d_sqrt
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``(T, T⁻¹)``, for tests and diagnostics only."""
+        eye = torch.eye(self.d_in, dtype=self.q.dtype, device=self.q.device)
+        return self.apply(eye), self.inverse(eye)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"d_inv_sqrt": self.d_inv_sqrt, "d_sqrt": self.d_sqrt, "q": self.q, "c": self.c, "c_inv": self.c_inv}
+
+
+class DenseCholeskyWhitening:
+    """The paper's transform: ``Â = L Lᵀ``, ``T = L⁻ᵀ`` (``G T`` by a triangular solve), ``T⁻¹ = Lᵀ``."""
+
+    def __init__(self, factor: LowRankFactor, dtype: torch.dtype = torch.float32, device=None):
+        self.d_in = factor.d.shape[0]
+        self.trace = factor.trace
+        self.l = torch.linalg.cholesky(factor.dense()).to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_statistics(cls, a: torch.Tensor, rank: int, damping: float = 1e-3, device=None) -> "DenseCholeskyWhitening":
+        return cls(approximate_factor(a, rank, damping), device=device if device is not None else a.device)
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        # G L⁻ᵀ = X  <=>  X Lᵀ = G
+        return torch.linalg.solve_triangular(self.l.T, g.reshape(-1, self.d_in), upper=True, left=False).view_as(g)
+
+    def inverse(self, u: torch.Tensor) -> torch.Tensor:
+        return (u.reshape(-1, self.d_in) @ self.l.T).view_as(u)

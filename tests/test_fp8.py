@@ -1,0 +1,150 @@
+"""FP8 codec: error bounds per format and granularity, byte counts, non-finite values, stats."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_gift.numerics import fp8
+from megatron_gift.numerics.fp8 import CodecConfig, CodecStats, FP8Format, Scaling
+
+CONFIGS = [CodecConfig(f, s) for f in FP8Format for s in Scaling]
+IDS = [c.name for c in CONFIGS]
+
+
+def _group_scales(enc, cfg, rows, cols):
+    """Per-element dequantization scale, for the error bound."""
+    s = enc.scales.float()
+    if cfg.scaling is Scaling.MX:
+        s = torch.exp2(s - 127)
+    r, g = cfg.groups(rows, cols)
+    s = s.reshape(r, g)
+    if cfg.scaling is Scaling.TENSOR:
+        return s.expand(rows, cols)
+    if cfg.scaling is Scaling.ROW:
+        return s.expand(rows, cols)
+    return s.repeat_interleave(cfg.block, dim=1)[:, :cols]
+
+
+def _assert_within_bound(x, cfg):
+    enc = fp8.encode(x, cfg)
+    y = fp8.decode(enc, cfg, out_shape=x.shape)
+    xm = x.reshape(enc.payload.shape).double()
+    ym = y.reshape(enc.payload.shape).double()
+    s = _group_scales(enc, cfg, *enc.payload.shape).double()
+    # Round to nearest: half an ULP relative in the normal range, half the smallest subnormal
+    # (times the group's scale) below it; plus FP32 rounding of the scale arithmetic.
+    rel = 2.0 ** -(cfg.fmt.mantissa_bits + 1)
+    bound = rel * xm.abs() + 0.5 * cfg.fmt.min_subnormal * s + 1e-6 * xm.abs()
+    err = (ym - xm).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3e}"
+
+
+magnitudes = st.sampled_from([0.0, 1e-40, 1e-30, 1e-8, 1e-3, 1.0, 1e3, 1e20, 1e38])
+
+
+@st.composite
+def matrices(draw):
+    rows = draw(st.integers(1, 5))
+    cols = draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(magnitudes)
+    spread = draw(st.sampled_from([0.0, 3.0, 12.0]))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * torch.exp2(torch.rand(rows, cols, generator=gen) * -spread)
+    x = (x * scale).float()
+    zeros = torch.rand(rows, cols, generator=gen) < draw(st.sampled_from([0.0, 0.3]))
+    x[zeros] = 0.0
+    if draw(st.booleans()):  # a huge outlier
+        x.view(-1)[draw(st.integers(0, rows * cols - 1))] = min(scale * 1e6, 3e38) if scale else 1.0
+    return x
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@settings(max_examples=60, deadline=None)
+@given(x=matrices())
+def test_roundtrip_error_bound(cfg, x):
+    _assert_within_bound(x, cfg)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_relative_error_of_gaussian(cfg):
+    """Typical RelL2 on Gaussian data: about 2^-(m+1)/sqrt(3) of the elements' magnitude."""
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    err = (fp8.roundtrip(x, cfg) - x).norm() / x.norm()
+    expected = 2.0 ** -(cfg.fmt.mantissa_bits + 1) / math.sqrt(3)
+    assert 0.5 * expected < err < 1.5 * expected
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("shape", [(7, 300), (1, 1), (3, 128), (2, 33)])
+def test_byte_counts(cfg, shape):
+    enc = fp8.encode(torch.randn(*shape), cfg)
+    rows, cols = shape
+    n_groups = {Scaling.TENSOR: 1, Scaling.ROW: rows}.get(cfg.scaling, rows * math.ceil(cols / cfg.block))
+    expected = rows * cols + n_groups * (1 if cfg.scaling is Scaling.MX else 4)
+    assert enc.payload.dtype == torch.uint8 and enc.payload.shape == shape
+    assert enc.nbytes == expected == cfg.encoded_bytes(rows, cols)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_nonfinite_survive(cfg):
+    x = torch.randn(4, 256)
+    x[0, 3] = float("inf")
+    x[1, 200] = float("-inf")
+    x[2, 0] = float("nan")
+    stats = CodecStats()
+    y = fp8.decode(fp8.encode(x, cfg, stats=stats), cfg)
+    for idx in [(0, 3), (1, 200), (2, 0)]:
+        assert not math.isfinite(y[idx].item())
+    finite = torch.isfinite(x)
+    assert torch.isfinite(y[finite]).all()
+    # the finite values keep their usual accuracy: Inf does not blow up the scale
+    assert (y[finite] - x[finite]).norm() / x[finite].norm() < 0.1
+    assert stats.nonfinite == 3 and stats.numel == x.numel()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_zeros_are_exact(cfg):
+    x = torch.zeros(3, 130)
+    enc = fp8.encode(x, cfg)
+    assert torch.equal(fp8.decode(enc, cfg), x)
+
+
+def test_mx_scale_is_power_of_two_and_never_clips():
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.MX)
+    x = torch.randn(16, 96) * torch.logspace(-6, 6, 96)
+    enc = fp8.encode(x, cfg)
+    assert enc.scales.dtype == torch.uint8 and enc.scales.shape == (16, 3)
+    stats = CodecStats()
+    fp8.encode(x, cfg, stats=stats)
+    assert stats.clipped == 0
+
+
+def test_shared_amax_saturates_and_is_counted():
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.TENSOR)
+    x = torch.tensor([[1.0, 2.0, 10.0, -10.0]])
+    stats = CodecStats()
+    enc = fp8.encode(x, cfg, amax=torch.tensor([[2.0]]), stats=stats)
+    y = fp8.decode(enc, cfg)
+    assert stats.clipped == 2
+    assert torch.equal(y, torch.tensor([[1.0, 2.0, 2.0, -2.0]]))
+
+
+def test_flush_to_zero_is_counted():
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.TENSOR)
+    x = torch.tensor([[1.0, 1e-9, -1e-9, 0.0]])
+    stats = CodecStats()
+    y = fp8.decode(fp8.encode(x, cfg, stats=stats), cfg)
+    assert stats.flushed == 2 and stats.at_max == 1
+    assert y[0, 1] == 0 and y[0, 3] == 0
+
+
+def test_config_validation():
+    assert CodecConfig("e5m2", "mx").block == 32
+    with pytest.raises(ValueError):
+        CodecConfig("e3m4", "block")
+    with pytest.raises(ValueError):
+        CodecConfig("e4m3", "block", block=0)

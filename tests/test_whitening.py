@@ -1,0 +1,156 @@
+"""K-FAC statistics, low-rank whitening, its inverse, determinism, and the predicted error ratio."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_gift.numerics import (
+    CodecConfig,
+    DenseCholeskyWhitening,
+    ErrorFeedback,
+    KFACStatistics,
+    LowRankWhitening,
+    approximate_factor,
+    geometry_stats,
+    roundtrip,
+)
+
+
+def spectrum_factor(d, decay=4.0, seed=0):
+    """A random SPD factor with eigenvalues spread over ``decay`` decades, and its square root's pieces."""
+    gen = torch.Generator().manual_seed(seed)
+    evals = torch.logspace(0, -decay, d, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return basis, evals
+
+
+def sample_rows(basis, evals, power, n, seed=1):
+    """Rows drawn from N(0, A^power): ``Z · V Λ^{power/2} Vᵀ``."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, basis.shape[0], generator=gen, dtype=torch.float64)
+    return (z @ (basis * evals ** (power / 2)) @ basis.T).float()
+
+
+@pytest.fixture(scope="module")
+def factor_a():
+    basis, evals = spectrum_factor(384)
+    return basis, evals, ((basis * evals) @ basis.T).float()
+
+
+@pytest.mark.parametrize("rank", [0, 8, 32, 384])
+def test_whitening_identities(factor_a, rank):
+    _, _, a = factor_a
+    f = approximate_factor(a, rank)
+    w = LowRankWhitening(f)
+    t, t_inv = w.dense()
+    ahat = f.dense().float()
+    eye = torch.eye(a.shape[0])
+    assert (t.T @ ahat @ t - eye).abs().max() < 1e-4
+    assert (t @ t_inv - eye).abs().max() < 1e-5
+    g = torch.randn(100, a.shape[0])
+    # FP32 rounding grows with T's condition number, sqrt(1e4) at full rank here
+    assert (w.inverse(w.apply(g)) - g).norm() / g.norm() < (1e-4 if rank == a.shape[0] else 1e-5)
+    # the low-rank path equals the dense matrices
+    assert torch.allclose(w.apply(g), g @ t, rtol=1e-4, atol=1e-4)
+
+
+def test_low_rank_matches_dense_factor(factor_a):
+    """Rank-r plus residual diagonal keeps the exact top-r spectrum and the exact diagonal (+ damping)."""
+    basis, evals, a = factor_a
+    f = approximate_factor(a, 16, damping=0.0)
+    assert torch.allclose(f.lam, evals[:16], rtol=1e-4)
+    assert torch.allclose(torch.diagonal(f.dense()), torch.diagonal(a).double(), rtol=1e-4)
+
+
+def test_dense_cholesky_reference(factor_a):
+    _, _, a = factor_a
+    f = approximate_factor(a, 32)
+    dense = DenseCholeskyWhitening(f)
+    eye = torch.eye(a.shape[0])
+    t = dense.apply(eye)
+    assert (t.T @ f.dense().float() @ t - eye).abs().max() < 1e-4
+    g = torch.randn(50, a.shape[0])
+    assert torch.allclose(dense.inverse(dense.apply(g)), g, rtol=1e-4, atol=1e-4)
+
+
+def _whitening_bytes(seed: int) -> bytes:
+    basis, evals = spectrum_factor(256, seed=seed)
+    a = ((basis * evals) @ basis.T).float()
+    w = LowRankWhitening.from_statistics(a, rank=32)
+    return b"".join(t.numpy().tobytes() for t in w.tensors().values())
+
+
+def test_factor_is_bitwise_deterministic_across_processes():
+    """Same statistics give the same T bit for bit, here and in a fresh process with other thread counts."""
+    here = _whitening_bytes(3)
+    assert here == _whitening_bytes(3)
+    code = (
+        "import sys, torch; torch.set_num_threads(int(sys.argv[1]));"
+        "from tests.test_whitening import _whitening_bytes;"
+        "sys.stdout.buffer.write(_whitening_bytes(3))"
+    )
+    for threads in (1, 2):
+        out = subprocess.run([sys.executable, "-c", code, str(threads)], capture_output=True, check=True).stdout
+        assert out == here
+
+
+def test_kfac_statistics_ema():
+    stats = KFACStatistics(8, ema=0.5)
+    x1, x2 = torch.randn(100, 8), torch.randn(3, 50, 8) * 2
+    stats.accumulate(x1[:40])
+    stats.accumulate(x1[40:])
+    a1 = stats.refresh().clone()
+    assert torch.allclose(a1, x1.T @ x1 / 100, atol=1e-5)
+    stats.accumulate(x2)
+    a2 = stats.refresh()
+    x2f = x2.reshape(-1, 8)
+    assert torch.allclose(a2, 0.5 * a1 + 0.5 * x2f.T @ x2f / 150, atol=1e-4)
+    with pytest.raises(RuntimeError):
+        stats.refresh()
+    restored = KFACStatistics(8, ema=0.5)
+    restored.load_state_dict(stats.state_dict())
+    assert torch.equal(restored.factor, stats.factor) and restored.refreshes == 2
+
+
+@pytest.mark.parametrize("power,helps", [(2, True), (1, False)])
+@pytest.mark.parametrize("codec", ["e4m3-block", "e5m2-tensor"])
+def test_predicted_ratio_matches_measured(factor_a, power, helps, codec):
+    """Rows from N(0, A²): whitening helps; rows from N(0, A): it does not. Prediction matches."""
+    basis, evals, a = factor_a
+    g = sample_rows(basis, evals, power, n=256)
+    cfg = CodecConfig(*codec.split("-"))
+    f = approximate_factor(a, 32)
+    w = LowRankWhitening(f)
+    euclid = ((roundtrip(g, cfg) - g).norm() / g.norm()).item()
+    gift = ((w.inverse(roundtrip(w.apply(g), cfg)) - g).norm() / g.norm()).item()
+    measured = gift / euclid
+    geo = geometry_stats(g, f, w)
+    if helps:
+        assert measured < 0.9 and geo.grad_energy_share_top_r > geo.trace_share_top_r + 0.1
+    else:
+        assert 0.95 < measured < 1.1 and abs(geo.grad_energy_share_top_r - geo.trace_share_top_r) < 0.05
+    assert abs(geo.predicted_ratio_model - measured) < 0.08 * measured
+    assert abs(geo.predicted_ratio_shares - measured) < 0.15 * measured
+
+
+def test_error_feedback_unbiased_over_steps():
+    """With error feedback the sum of decoded values tracks the sum of inputs to one quantum."""
+    cfg = CodecConfig("e4m3", "tensor")
+    x = torch.randn(64, 64) * 1e-3
+    x[0, 0] = 1.0  # one outlier sets the scale, the rest sits near the subnormal range
+    ef = ErrorFeedback(x.numel())
+    total = torch.zeros_like(x)
+    for _ in range(50):
+        xc = ef.compensate(x)
+        y = roundtrip(xc, cfg)
+        ef.stage(xc, y)
+        ef.commit()
+        total += y
+    plain = roundtrip(x, cfg) * 50
+    assert (total - 50 * x).norm() < 0.2 * (plain - 50 * x).norm()
+    staged = ef.residual.clone()
+    ef.stage(x + float("nan"), x)
+    ef.commit(applied=False)
+    assert torch.equal(ef.residual, staged)
