@@ -54,7 +54,7 @@ def matrices(draw):
     spread = draw(st.sampled_from([0.0, 3.0, 12.0]))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=gen) * torch.exp2(torch.rand(rows, cols, generator=gen) * -spread)
-    x = (x * scale).float()
+    x = (x.double() * scale).clamp(-3e38, 3e38).float()
     zeros = torch.rand(rows, cols, generator=gen) < draw(st.sampled_from([0.0, 0.3]))
     x[zeros] = 0.0
     if draw(st.booleans()):  # a huge outlier

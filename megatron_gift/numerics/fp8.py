@@ -25,6 +25,7 @@ reduction still fires.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -163,29 +164,26 @@ def _as_matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)
 
 
-def _grouped(x: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
-    """View ``x [rows, cols]`` as ``[rows', groups, group_size]``, zero-padding the last block."""
-    rows, cols = x.shape
-    if cfg.scaling is Scaling.TENSOR:
-        return x.reshape(1, 1, -1)
-    if cfg.scaling is Scaling.ROW:
-        return x.reshape(rows, 1, cols)
-    g = math.ceil(cols / cfg.block)
-    pad = g * cfg.block - cols
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(rows, g, cfg.block)
+@functools.lru_cache(maxsize=256)
+def _matrix_group_lengths(rows: int, cols: int, scaling: Scaling, block: int) -> torch.Tensor:
+    if scaling is Scaling.TENSOR:
+        return torch.tensor([rows * cols])
+    if scaling is Scaling.ROW:
+        return torch.full((rows,), cols)
+    per_row = [block] * (cols // block) + ([cols % block] if cols % block else [])
+    return torch.tensor(per_row).repeat(rows)
 
 
-def _ungrouped(y: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return y.reshape(rows, -1)[:, :cols]
+def group_lengths(rows: int, cols: int, cfg: CodecConfig, device=None) -> torch.Tensor:
+    """Lengths of the scaling groups of a row-major ``[rows, cols]`` matrix, in memory order."""
+    return _matrix_group_lengths(rows, cols, cfg.scaling, cfg.block).to(device)
 
 
-def group_amax(x: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
-    """Max |x| over the finite values of each scaling group, shape ``cfg.groups(*x.shape)``."""
-    a = _grouped(_as_matrix(x).float(), cfg).abs()
+def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Max |x| over the finite values of each contiguous segment of the flat ``x``."""
+    a = x.float().abs()
     a = torch.where(torch.isfinite(a), a, 0.0)
-    return a.amax(dim=-1)
+    return torch.segment_reduce(a, "max", lengths=lengths, unsafe=True)
 
 
 def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
@@ -199,45 +197,47 @@ def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     return (e + _E8M0_BIAS).to(torch.uint8)
 
 
-def _scale_values(scales: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+def scale_values(scales: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    """FP32 dequantization scales from stored scales (decodes E8M0 for MX)."""
     if cfg.scaling is Scaling.MX:
         return torch.exp2(scales.float() - _E8M0_BIAS)
     return scales
 
 
-def encode(
-    x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None, stats: CodecStats | None = None
+def encode_flat(
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    cfg: CodecConfig,
+    amax: torch.Tensor | None = None,
+    stats: CodecStats | None = None,
 ) -> Encoded:
-    """Encode ``x`` (any float dtype, viewed as ``[rows, cols]``).
+    """Encode the flat ``x [n]`` with one scale per contiguous group (``lengths`` sum to n).
 
     ``amax`` overrides the per-group maxima (e.g. a maximum shared by all ranks); values
     beyond it saturate to ±fp8_max and are counted. When ``stats`` is given, it is
-    incremented with this encode's counts (costs extra passes; leave it None on hot paths).
+    incremented with this encode's counts (extra passes; leave it None on hot paths).
     """
-    xm = _as_matrix(x).float()
-    rows, cols = xm.shape
+    x = x.float()
     if amax is None:
-        amax = group_amax(xm, cfg)
+        amax = segment_amax(x, lengths)
     scales = scales_from_amax(amax, cfg)
-    g = _grouped(xm, cfg)
-    y = g / _scale_values(scales, cfg).unsqueeze(-1)
+    y = x / torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
     fmax = cfg.fmt.max
     q = torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), y).to(cfg.fmt.dtype).view(torch.uint8)
     # torch saturates +-Inf to +-448 when casting to E4M3 (which has no Inf): force its NaN.
     if cfg.fmt is FP8Format.E4M3:
         q = torch.where(torch.isinf(y), q.new_tensor(cfg.fmt.nan_code), q)
     if stats is not None:
-        stats += _count(g, y, q, cfg, numel=rows * cols)
-    return Encoded(payload=_ungrouped(q, rows, cols).contiguous(), scales=scales)
+        stats += _count(x, y, q, cfg)
+    return Encoded(payload=q, scales=scales)
 
 
-def _count(g: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig, numel: int) -> CodecStats:
-    """Counts over the grouped tensors; the zero padding of a last block never counts."""
+def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) -> CodecStats:
     fin = torch.isfinite(y)
     mag = q & 0x7F
     return CodecStats(
-        numel=numel,
-        flushed=int(((g != 0) & fin & (mag == 0)).sum()),
+        numel=x.numel(),
+        flushed=int(((x != 0) & fin & (mag == 0)).sum()),
         clipped=int((fin & (y.abs() >= cfg.fmt.max + cfg.fmt.ulp_at_max / 2)).sum()),
         at_max=int((fin & (mag == cfg.fmt.max_code)).sum()),
         at_min_subnormal=int((fin & (mag == 1)).sum()),
@@ -245,12 +245,29 @@ def _count(g: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig, 
     )
 
 
+def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    """Decode a flat encoding to FP32 ``[n]``."""
+    q = enc.payload.reshape(-1).view(cfg.fmt.dtype).float()
+    return q * torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel())
+
+
+def encode(
+    x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None, stats: CodecStats | None = None
+) -> Encoded:
+    """Encode ``x`` viewed as ``[rows, cols]``: payload ``[rows, cols]``, scales ``cfg.groups(rows, cols)``."""
+    xm = _as_matrix(x)
+    rows, cols = xm.shape
+    lengths = group_lengths(rows, cols, cfg, device=x.device)
+    flat_amax = None if amax is None else amax.reshape(-1)
+    enc = encode_flat(xm.reshape(-1), lengths, cfg, amax=flat_amax, stats=stats)
+    return Encoded(payload=enc.payload.view(rows, cols), scales=enc.scales.view(cfg.groups(rows, cols)))
+
+
 def decode(enc: Encoded, cfg: CodecConfig, out_shape: torch.Size | tuple | None = None) -> torch.Tensor:
     """Decode to FP32, shape ``[rows, cols]`` or ``out_shape``."""
     rows, cols = enc.payload.shape
-    q = _grouped(enc.payload.view(cfg.fmt.dtype).float(), cfg)
-    x = _ungrouped(q * _scale_values(enc.scales, cfg).unsqueeze(-1), rows, cols)
-    return x.reshape(out_shape) if out_shape is not None else x
+    x = decode_flat(enc, group_lengths(rows, cols, cfg, device=enc.payload.device), cfg)
+    return x.view(out_shape if out_shape is not None else (rows, cols))
 
 
 def roundtrip(x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None) -> torch.Tensor:
