@@ -4,7 +4,7 @@ Pure tensor code: nothing here imports torch.distributed or Megatron.
 """
 
 from .error_feedback import ErrorFeedback
-from .fp8 import CodecConfig, CodecStats, Encoded, FP8Format, Scaling, decode, encode, roundtrip
+from .fp8 import CodecConfig, CodecStats, Encoded, FP8Format, Scaling, decode, decode_flat, encode, encode_flat, roundtrip
 from .geometry import GeometryStats, geometry_stats, shares_ratio
 from .kfac import KFACStatistics
 from .whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, approximate_factor
@@ -23,7 +23,9 @@ __all__ = [
     "Scaling",
     "approximate_factor",
     "decode",
+    "decode_flat",
     "encode",
+    "encode_flat",
     "geometry_stats",
     "roundtrip",
     "shares_ratio",

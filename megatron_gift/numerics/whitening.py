@@ -100,6 +100,14 @@ class LowRankWhitening:
         """``U T⁻¹`` for ``U [..., d_in]``."""
         return self._low_rank_update(u, self.c_inv) * self.d_sqrt
 
+    def projection(self, u: torch.Tensor, cols: slice) -> torch.Tensor:
+        """``U[:, cols] Q[cols]`` (``[k, r]``): a row's ``U Q`` is the sum of its column pieces'."""
+        return u @ self.q[cols]
+
+    def inverse_piece(self, u: torch.Tensor, proj: torch.Tensor, cols: slice) -> torch.Tensor:
+        """Columns ``cols`` of ``U T⁻¹`` from those of ``U`` and the whole rows' ``U Q`` (``proj [k, r]``)."""
+        return torch.addmm(u, proj * self.c_inv, self.q[cols].T) * self.d_sqrt[cols]
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``(T, T⁻¹)``, for tests and diagnostics only."""
         eye = torch.eye(self.d_in, dtype=self.q.dtype, device=self.q.device)

@@ -1,0 +1,195 @@
+"""Static plan of one flat gradient bucket for quantized collectives (no torch.distributed here).
+
+A bucket ``[numel]`` holds parameters at known offsets and is cut into ``num_shards``
+equal shards (shard ``j`` = ``[j·S, (j+1)·S)``, as Megatron's distributed optimizer cuts it).
+Elements of ``off`` parameters are *raw* (sent in the bucket's dtype); everything else,
+padding included, is *coded* in FP8. Scaling groups follow each parameter's granularity
+(``fp8.group_lengths``) and are additionally cut at shard boundaries, so every group lives in
+one shard and each shard's message is self-contained::
+
+    message_j = [scales_j | raw_j | payload_j]   (each section padded to 4 bytes)
+
+GIFT rows cut by a shard boundary are recorded as ``RowPiece``s so the receiver can apply
+the inverse transform with only an r-float exchange per piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Mode
+from ..numerics.fp8 import CodecConfig, group_lengths
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter's gradient: bucket elements ``[start, start + rows·cols)`` viewed ``[rows, cols]``."""
+
+    start: int
+    rows: int
+    cols: int
+    mode: Mode
+    name: str = ""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class RowPiece:
+    """Columns ``[c0, c1)`` of row ``row`` of GIFT segment ``seg``, inside one shard."""
+
+    seg: int
+    row: int
+    c0: int
+    c1: int
+
+    def flat(self, segment: Segment) -> tuple[int, int]:
+        base = segment.start + self.row * segment.cols
+        return base + self.c0, base + self.c1
+
+
+@dataclass
+class ShardPlan:
+    """What shard ``j`` holds and how its message is laid out."""
+
+    lo: int
+    hi: int
+    coded_runs: list[tuple[int, int]]
+    raw_runs: list[tuple[int, int]]
+    c_lo: int
+    c_hi: int
+    g_lo: int
+    g_hi: int
+    scale_bytes: int
+    raw_bytes: int
+    payload_bytes: int
+    gift_rows: list[tuple[int, int, int]]  # (segment, first full row, end row)
+    pieces: list[RowPiece]
+
+    @property
+    def message_bytes(self) -> int:
+        return self.scale_bytes + self.raw_bytes + self.payload_bytes
+
+
+class BucketLayout:
+    """The plan for one bucket; identical on every rank since it depends only on static shapes."""
+
+    def __init__(self, numel: int, num_shards: int, segments: list[Segment], codec: CodecConfig, raw_dtype: torch.dtype):
+        if numel % num_shards:
+            raise ValueError(f"bucket of {numel} elements does not split into {num_shards} equal shards")
+        segs = sorted(segments, key=lambda s: s.start)
+        for a, b in zip(segs, segs[1:]):
+            if a.end > b.start:
+                raise ValueError(f"parameters {a.name!r} and {b.name!r} overlap in the bucket")
+        if segs and segs[-1].end > numel:
+            raise ValueError(f"parameter {segs[-1].name!r} ends beyond the bucket")
+        self.numel = numel
+        self.num_shards = num_shards
+        self.shard_size = numel // num_shards
+        self.segments = segs
+        self.codec = codec
+        self.raw_dtype = raw_dtype
+        self.raw_runs = _merge([(s.start, s.end) for s in segs if s.mode is Mode.OFF])
+        self.coded_runs = _complement(self.raw_runs, numel)
+        self.group_lengths = self._group_lengths()
+        self.n_coded = sum(b - a for a, b in self.coded_runs)
+        self.shards = [self._shard(j) for j in range(num_shards)]
+        self.max_pieces = max((len(p.pieces) for p in self.shards), default=0)
+
+    def coded_index(self, pos: int) -> int:
+        """Index in the coded-element order of bucket position ``pos`` (a coded element)."""
+        return pos - sum(min(b, pos) - a for a, b in self.raw_runs if a < pos)
+
+    @property
+    def has_gift(self) -> bool:
+        return any(s.mode is Mode.GIFT for s in self.segments)
+
+    def _group_lengths(self) -> torch.Tensor:
+        """Scaling groups over the coded elements, in bucket order, cut at shard boundaries.
+
+        Padding between parameters forms groups of its own (zeros, sent exactly)."""
+        out = [torch.zeros(0, dtype=torch.int64)]
+        for a, b in self.coded_runs:
+            cuts = [torch.tensor([a]), torch.arange(-(-a // self.shard_size) * self.shard_size, b, self.shard_size)]
+            for s in self.segments:
+                if s.mode is not Mode.OFF and a <= s.start < b:
+                    lengths = group_lengths(s.rows, s.cols, self.codec)
+                    cuts.append(s.start + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lengths]), 0))
+            bounds = torch.unique(torch.cat(cuts))
+            bounds = bounds[(bounds >= a) & (bounds < b)]
+            out.append(torch.diff(torch.cat([bounds, torch.tensor([b])])))
+        return torch.cat(out)
+
+    def _shard(self, j: int) -> ShardPlan:
+        lo, hi = j * self.shard_size, (j + 1) * self.shard_size
+        coded = _clip(self.coded_runs, lo, hi)
+        raw = _clip(self.raw_runs, lo, hi)
+        c_lo = sum(min(b, lo) - a for a, b in self.coded_runs if a < lo)
+        c_hi = c_lo + sum(b - a for a, b in coded)
+        ends = torch.cumsum(self.group_lengths, 0)
+        g_lo = int(torch.searchsorted(ends, c_lo, right=True))
+        g_hi = int(torch.searchsorted(ends, c_hi, right=True))
+        n_groups = g_hi - g_lo
+        scale_size = torch.tensor([], dtype=self.codec.scale_dtype()).element_size()
+        raw_size = torch.tensor([], dtype=self.raw_dtype).element_size()
+        gift_rows, pieces = [], []
+        for i, s in enumerate(self.segments):
+            if s.mode is not Mode.GIFT or s.end <= lo or s.start >= hi:
+                continue
+            a, b = max(s.start, lo) - s.start, min(s.end, hi) - s.start
+            r0, r1 = -(-a // s.cols), b // s.cols  # full rows [r0, r1)
+            if r1 > r0:
+                gift_rows.append((i, r0, r1))
+            if a % s.cols:  # the shard starts inside a row (and may end in it too)
+                row = a // s.cols
+                pieces.append(RowPiece(i, row, a % s.cols, min(b - row * s.cols, s.cols)))
+            if b % s.cols and (a % s.cols == 0 or b // s.cols != a // s.cols):  # ends inside another row
+                pieces.append(RowPiece(i, b // s.cols, 0, b % s.cols))
+        return ShardPlan(
+            lo=lo,
+            hi=hi,
+            coded_runs=coded,
+            raw_runs=raw,
+            c_lo=c_lo,
+            c_hi=c_hi,
+            g_lo=g_lo,
+            g_hi=g_hi,
+            scale_bytes=_pad4(n_groups * scale_size),
+            raw_bytes=_pad4(sum(b - a for a, b in raw) * raw_size),
+            payload_bytes=_pad4(c_hi - c_lo),
+            gift_rows=gift_rows,
+            pieces=pieces,
+        )
+
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(runs):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def _complement(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for a, b in runs:
+        if a > pos:
+            out.append((pos, a))
+        pos = b
+    if pos < numel:
+        out.append((pos, numel))
+    return out
+
+
+def _clip(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(max(a, lo), min(b, hi)) for a, b in runs if a < hi and b > lo]

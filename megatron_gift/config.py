@@ -1,0 +1,67 @@
+"""Configuration: what each parameter's gradient is sent as, and how GIFT's factor is kept.
+
+Frozen dataclasses validated on construction, enums for choices, named recipes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from .numerics.fp8 import CodecConfig, FP8Format, Scaling
+
+
+class Mode(enum.Enum):
+    """Per-parameter gradient communication: Megatron's own precision, plain FP8, or whitened FP8."""
+
+    OFF = "off"
+    EUCLIDEAN = "euclidean"
+    GIFT = "gift"
+
+
+@dataclass(frozen=True)
+class GiftConfig:
+    """Everything the plugin needs; see ``megatron_gift.arguments`` for the matching flags.
+
+    ``layers``: regular expressions on parameter names that select which weights use ``mode``
+    (default: the weight matrices of linear layers). ``extra_layers`` puts other parameters
+    (embeddings, output layer) in plain FP8 as well.
+    """
+
+    mode: Mode = Mode.GIFT
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    rank: int = 32
+    damping: float = 1e-3
+    ema: float = 0.95
+    refresh_interval: int = 50
+    error_feedback: bool = False
+    layers: tuple[str, ...] = (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
+    euclidean_layers: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.mode, Mode):
+            object.__setattr__(self, "mode", Mode(self.mode))
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.damping <= 0:
+            raise ValueError(f"damping must be > 0, got {self.damping}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.refresh_interval < 1:
+            raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "euclidean_layers", tuple(self.euclidean_layers))
+
+
+RECIPES: dict[str, GiftConfig] = {
+    "fp8": GiftConfig(mode=Mode.EUCLIDEAN, codec=CodecConfig(FP8Format.E4M3, Scaling.BLOCK)),
+    "gift": GiftConfig(mode=Mode.GIFT, codec=CodecConfig(FP8Format.E4M3, Scaling.BLOCK)),
+    "paper": GiftConfig(mode=Mode.GIFT, codec=CodecConfig(FP8Format.E5M2, Scaling.TENSOR), error_feedback=True),
+}
+
+
+def recipe(name: str, **overrides) -> GiftConfig:
+    """A named configuration, optionally with fields replaced."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    return replace(RECIPES[name], **overrides)
