@@ -1,7 +1,8 @@
 """Static plan of one flat gradient bucket for quantized collectives (no torch.distributed here).
 
 A bucket ``[numel]`` holds parameters at known offsets and is cut into ``num_shards``
-equal shards (shard ``j`` = ``[j·S, (j+1)·S)``, as Megatron's distributed optimizer cuts it).
+shards ``[j·S, (j+1)·S)``, ``S = ceil(numel / num_shards)``, as Megatron's distributed
+optimizer cuts it (its buckets divide evenly; an all-reduce bucket's last shard may be short).
 Elements of ``off`` parameters are *raw* (sent in the bucket's dtype); everything else,
 padding included, is *coded* in FP8. Scaling groups follow each parameter's granularity
 (``fp8.group_lengths``) and are additionally cut at shard boundaries, so every group lives in
@@ -83,8 +84,6 @@ class BucketLayout:
     """The plan for one bucket; identical on every rank since it depends only on static shapes."""
 
     def __init__(self, numel: int, num_shards: int, segments: list[Segment], codec: CodecConfig, raw_dtype: torch.dtype):
-        if numel % num_shards:
-            raise ValueError(f"bucket of {numel} elements does not split into {num_shards} equal shards")
         segs = sorted(segments, key=lambda s: s.start)
         for a, b in zip(segs, segs[1:]):
             if a.end > b.start:
@@ -93,7 +92,7 @@ class BucketLayout:
             raise ValueError(f"parameter {segs[-1].name!r} ends beyond the bucket")
         self.numel = numel
         self.num_shards = num_shards
-        self.shard_size = numel // num_shards
+        self.shard_size = -(-numel // num_shards)
         self.segments = segs
         self.codec = codec
         self.raw_dtype = raw_dtype
@@ -118,7 +117,8 @@ class BucketLayout:
         Padding between parameters forms groups of its own (zeros, sent exactly)."""
         out = [torch.zeros(0, dtype=torch.int64)]
         for a, b in self.coded_runs:
-            cuts = [torch.tensor([a]), torch.arange(-(-a // self.shard_size) * self.shard_size, b, self.shard_size)]
+            first_cut = min(-(-a // self.shard_size) * self.shard_size, b)
+            cuts = [torch.tensor([a]), torch.arange(first_cut, b, self.shard_size)]
             for s in self.segments:
                 if s.mode is not Mode.OFF and a <= s.start < b:
                     lengths = group_lengths(s.rows, s.cols, self.codec)
@@ -129,7 +129,7 @@ class BucketLayout:
         return torch.cat(out)
 
     def _shard(self, j: int) -> ShardPlan:
-        lo, hi = j * self.shard_size, (j + 1) * self.shard_size
+        lo, hi = min(j * self.shard_size, self.numel), min((j + 1) * self.shard_size, self.numel)
         coded = _clip(self.coded_runs, lo, hi)
         raw = _clip(self.raw_runs, lo, hi)
         c_lo = sum(min(b, lo) - a for a, b in self.coded_runs if a < lo)

@@ -111,7 +111,9 @@ class _Codec:
 
 
 class QuantizedReduce:
-    """One bucket's quantized reduction in flight; ``wait()`` completes it in place in ``flat``."""
+    """One bucket's quantized reduction in flight; ``wait()`` completes it in place in ``flat``.
+
+    ``nonfinite`` (a bool tensor), when given, is set if the reduced shard holds NaN/Inf."""
 
     def __init__(
         self,
@@ -124,10 +126,12 @@ class QuantizedReduce:
         all_reduce: bool = False,
         ledger: CommLedger | None = None,
         async_op: bool = False,
+        nonfinite: torch.Tensor | None = None,
     ):
         self.flat, self.layout, self.group = flat, layout, group
         self.transforms, self.average, self.all_reduce = transforms, average, all_reduce
         self.ledger = ledger if ledger is not None else CommLedger()
+        self.nonfinite = nonfinite
         self.codec = _Codec(layout)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -180,6 +184,8 @@ class QuantizedReduce:
         if self.average:
             coded_sum /= self.world
             raw_sum /= self.world
+        if self.nonfinite is not None:  # device-side flag, no host sync
+            self.nonfinite |= ~(torch.isfinite(coded_sum).all() & torch.isfinite(raw_sum).all())
         if self.all_reduce:
             self._all_gather(plan, coded_sum, raw_sum)
             return

@@ -75,12 +75,21 @@ class LowRankWhitening:
         s = sig * sig
         self.rank = q.shape[1]
         self.d_in = d.shape[0]
-        self.trace = factor.trace
         self.d_inv_sqrt = d.rsqrt().to(device=device, dtype=dtype)
         self.d_sqrt = d.sqrt().to(device=device, dtype=dtype)
         self.q = q.to(device=device, dtype=dtype).contiguous()
         self.c = ((1.0 + s).rsqrt() - 1.0).to(device=device, dtype=dtype)
         self.c_inv = ((1.0 + s).sqrt() - 1.0).to(device=device, dtype=dtype)
+
+    @classmethod
+    def empty(cls, d_in: int, rank: int, dtype: torch.dtype = torch.float32, device=None) -> "LowRankWhitening":
+        """Uninitialized tensors of the right shapes, to receive a broadcast transform."""
+        w = cls.__new__(cls)
+        w.rank, w.d_in = rank, d_in
+        w.d_inv_sqrt, w.d_sqrt = (torch.empty(d_in, dtype=dtype, device=device) for _ in range(2))
+        w.q = torch.empty(d_in, rank, dtype=dtype, device=device)
+        w.c, w.c_inv = (torch.empty(rank, dtype=dtype, device=device) for _ in range(2))
+        return w
 
     @classmethod
     def from_statistics(cls, a: torch.Tensor, rank: int, damping: float = 1e-3, device=None) -> "LowRankWhitening":
@@ -122,7 +131,6 @@ class DenseCholeskyWhitening:
 
     def __init__(self, factor: LowRankFactor, dtype: torch.dtype = torch.float32, device=None):
         self.d_in = factor.d.shape[0]
-        self.trace = factor.trace
         self.l = torch.linalg.cholesky(factor.dense()).to(device=device, dtype=dtype)
 
     @classmethod

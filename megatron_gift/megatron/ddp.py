@@ -1,0 +1,291 @@
+"""Megatron-Core DDP whose bucket reductions send FP8 (Euclidean or GIFT-whitened) gradients.
+
+``GiftDistributedDataParallel`` builds Megatron's own buffers and bucket groups, then turns
+each bucket group into a ``GiftBucketGroup`` whose ``start_grad_sync`` launches
+``comm.QuantizedReduce`` instead of NCCL's reduce-scatter / all-reduce. That one override
+serves the overlapped backward-hook path, the synchronous path and the first batch, and
+``finish_grad_sync`` (Megatron's) waits on the returned handle. Buckets whose parameters
+are all ``off`` keep Megatron's collective untouched.
+
+Per step (``zero_grad_buffer`` marks the start): on refresh steps, forward pre-hooks add each
+GIFT layer's ``XᵀX``; the first bucket sync of that step sums them over the data-parallel
+group, folds them into the EMA factor and rebuilds ``T``, which one owner rank computes and
+broadcasts so every rank holds the identical transform.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+from ..comm.layout import BucketLayout, Segment
+from ..comm.quantized import CommLedger, QuantizedReduce
+from ..config import GiftConfig, Mode
+from ..numerics.error_feedback import ErrorFeedback
+from ..numerics.kfac import KFACStatistics
+from ..numerics.whitening import LowRankWhitening, approximate_factor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GiftParam:
+    """Plugin state of one FP8-communicated parameter."""
+
+    name: str
+    mode: Mode
+    stats: KFACStatistics | None = None
+    whitening: LowRankWhitening | None = None
+    owner: int = 0
+    stats_groups: list = field(default_factory=list)
+
+
+def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
+    """Mode of each parameter by name: ``cfg.layers`` → ``cfg.mode``, ``cfg.euclidean_layers`` →
+    Euclidean, the rest off. GIFT needs a 2-D weight; other shapes fall back to Euclidean."""
+    modes = {}
+    for name, p in named_params:
+        if any(re.search(pat, name) for pat in cfg.layers):
+            mode = cfg.mode
+            if mode is Mode.GIFT and p.dim() != 2:
+                mode = Mode.EUCLIDEAN
+        elif any(re.search(pat, name) for pat in cfg.euclidean_layers):
+            mode = Mode.EUCLIDEAN
+        else:
+            mode = Mode.OFF
+        modes[name] = mode
+    return modes
+
+
+class GiftBucketGroup(_ParamAndGradBucketGroup):
+    """A Megatron bucket group whose gradient reduction is quantized (see module doc)."""
+
+    gift: "GiftDistributedDataParallel"
+    gift_layouts: list[BucketLayout | None]
+    gift_params: list[list[GiftParam | None]]
+    gift_error_feedback: list[ErrorFeedback | None]
+
+    def start_grad_sync(self, force_all_reduce: bool | None = False):
+        if all(layout is None for layout in self.gift_layouts):
+            return super().start_grad_sync(force_all_reduce)
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return
+        assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        self._prepare_grads()
+        self.gift.refresh_factors(self)
+        use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
+        group = self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else self.data_parallel_group
+        async_op = self.ddp_config.overlap_grad_reduce
+        handles = []
+        for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback):
+            if layout is None:
+                raise RuntimeError("a bucket group mixes quantized and Megatron-only buckets")
+            transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
+            handles.append(
+                QuantizedReduce(
+                    bucket.grad_data,
+                    layout,
+                    group,
+                    transforms,
+                    error_feedback=ef,
+                    average=self.ddp_config.average_in_collective,
+                    all_reduce=not use_rs,
+                    ledger=self.gift.ledger,
+                    async_op=async_op,
+                    nonfinite=self.gift.nonfinite,
+                )
+            )
+        handle = _Handles(handles)
+        if async_op:
+            self.grad_reduce_handle = handle
+        else:
+            handle.wait()
+
+    def _prepare_grads(self) -> None:
+        """Megatron's pre-collective steps: extra main-grad copies, NaN check, gradient scaling."""
+        for bucket in self.buckets:
+            for param in bucket.params_with_extra_main_grads:
+                if getattr(param, "main_grad_copy_in_grad_buffer", None) is not None:
+                    param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self.check_grads(
+                check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                check_for_large=self.ddp_config.check_for_large_grads,
+            )
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def wait(self):
+        with torch.no_grad():
+            for h in self.handles:
+                h.wait()
+
+
+class GiftDistributedDataParallel(DistributedDataParallel):
+    """``DistributedDataParallel(config, ddp_config, module, ...)`` plus ``gift_config``."""
+
+    def __init__(self, config, ddp_config, module, *args, gift_config: GiftConfig | None = None, **kwargs):
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            raise ValueError(
+                "megatron-gift does not support num_distributed_optimizer_instances > 1 yet: "
+                "set --num-distributed-optimizer-instances 1 or turn --gift-mode off"
+            )
+        if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+            raise ValueError(
+                "reduce_scatter_with_fp32_accumulation replaces the same collective as megatron-gift "
+                "(which already sums in FP32): turn one of them off"
+            )
+        super().__init__(config, ddp_config, module, *args, **kwargs)
+        self.gift_config = gift_config or GiftConfig()
+        self.ledger = CommLedger()
+        self.step = 0
+        self.collecting = True
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self._device())
+        self.last_step_bytes: dict[str, int] = {}
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self._param_names = {p: n for n, p in named}
+        modes = param_modes(named, self.gift_config)
+        self.gift_params: dict[torch.nn.Parameter, GiftParam] = {}
+        for i, (name, p) in enumerate(named):
+            if modes[name] is not Mode.OFF:
+                self.gift_params[p] = GiftParam(name=name, mode=modes[name], owner=i)
+        self._hooks = self._register_stat_hooks()
+        for groups, expert in ((self.bucket_groups, False), (self.expert_parallel_bucket_groups, True)):
+            for bg in groups:
+                self._convert(bg, expert)
+        counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in (Mode.EUCLIDEAN, Mode.GIFT)}
+        logger.info("megatron-gift: %s; parameters: %s (the rest off)", self.gift_config, counts)
+
+    def _device(self):
+        for p in self.module.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    # -- construction ---------------------------------------------------------------------
+    def _convert(self, bg: _ParamAndGradBucketGroup, expert: bool) -> None:
+        bg.__class__ = GiftBucketGroup
+        bg.gift = self
+        bg.gift_layouts, bg.gift_params, bg.gift_error_feedback = [], [], []
+        dist_opt = self.ddp_config.use_distributed_optimizer
+        group = bg.intra_distributed_optimizer_instance_group if dist_opt else bg.data_parallel_group
+        for bucket in bg.buckets:
+            segments, params = [], []
+            for p in bucket.params_list:
+                start, end = bucket.param_to_index[p]
+                g = self.gift_params.get(p)
+                rows = p.shape[0] if p.dim() > 1 else 1
+                mode = g.mode if g is not None else Mode.OFF
+                if g is not None and g.mode is Mode.GIFT:
+                    g.owner = g.owner % group.size()
+                    g.stats_groups = [self.expt_dp_group if expert else self.dp_cp_group]
+                segments.append(Segment(start, rows, (end - start) // rows, mode, self._param_names[p]))
+                params.append(g)
+            if all(s.mode is Mode.OFF for s in segments):
+                bg.gift_layouts.append(None)
+                bg.gift_params.append([])
+                bg.gift_error_feedback.append(None)
+                continue
+            layout = BucketLayout(bucket.grad_data.numel(), group.size(), segments, self.gift_config.codec, bucket.grad_data.dtype)
+            order = sorted(range(len(segments)), key=lambda k: segments[k].start)
+            bg.gift_layouts.append(layout)
+            bg.gift_params.append([params[k] for k in order])
+            bg.gift_error_feedback.append(
+                ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
+            )
+
+    def _register_stat_hooks(self):
+        """Forward pre-hooks that add ``XᵀX`` of each GIFT weight's input on refresh steps."""
+        hooks = []
+        for mod_name, mod in self.module.named_modules():
+            w = getattr(mod, "weight", None)
+            g = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
+            if g is None or g.mode is not Mode.GIFT:
+                continue
+            g.stats = KFACStatistics(w.shape[1], ema=self.gift_config.ema, device=w.device)
+            hooks.append(mod.register_forward_pre_hook(self._stat_hook(g)))
+        return hooks
+
+    def _stat_hook(self, g: GiftParam):
+        def hook(module, args):
+            if self.collecting and module.training and args and isinstance(args[0], torch.Tensor):
+                g.stats.accumulate(args[0])
+
+        return hook
+
+    # -- per step -------------------------------------------------------------------------
+    def zero_grad_buffer(self):
+        """Megatron calls this at the start of every iteration: close the last step, open the next."""
+        super().zero_grad_buffer()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        applied = True
+        if self.gift_config.error_feedback:
+            flag = self.nonfinite.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a NaN anywhere skips the step everywhere
+            applied = not bool(flag.item())
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            for ef in getattr(bg, "gift_error_feedback", []):
+                if ef is not None:
+                    ef.commit(applied)
+        self.nonfinite.zero_()
+        self.last_step_bytes = self.ledger.as_dict()
+        self.ledger.reset()
+        self.step += 1
+        self.collecting = self.step % self.gift_config.refresh_interval == 0
+
+    def refresh_factors(self, bg: GiftBucketGroup) -> None:
+        """On a refresh step, fold the summed statistics of this group's GIFT weights into ``T``."""
+        for params in bg.gift_params:
+            for g in params:
+                if g is None or g.mode is not Mode.GIFT or g.stats is None or float(g.stats.tokens) == 0:
+                    continue
+                self._refresh(g, bg)
+
+    def _refresh(self, g: GiftParam, bg: GiftBucketGroup) -> None:
+        stats = g.stats
+        for group in g.stats_groups:
+            dist.all_reduce(stats.xtx, group=group)
+            dist.all_reduce(stats.tokens, group=group)
+            n = group.size()
+            self.ledger.add("all_reduce", "fp32", 2 * (n - 1) * (stats.xtx.numel() * 4 + 8) // max(n, 1))
+        if not bool(torch.isfinite(stats.xtx).all()):
+            logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
+            stats.xtx.zero_()
+            stats.tokens.zero_()
+            return
+        factor = stats.refresh()
+        group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group
+        rank = min(self.gift_config.rank, factor.shape[0])
+        if group.rank() == g.owner:
+            new = LowRankWhitening(approximate_factor(factor, rank, self.gift_config.damping), device=factor.device)
+        else:
+            new = LowRankWhitening.empty(factor.shape[0], rank, device=factor.device)
+        for t in new.tensors().values():
+            dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
+            self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)
+        self._remap_error_feedback(g, bg, g.whitening, new)
+        g.whitening = new
+
+    def _remap_error_feedback(self, g: GiftParam, bg: GiftBucketGroup, old, new) -> None:
+        """Carry a residual kept in the old whitened coordinates into the new ones."""
+        for layout, params, ef in zip(bg.gift_layouts, bg.gift_params, bg.gift_error_feedback):
+            if ef is None or g not in params:
+                continue
+            s = layout.segments[params.index(g)]
+            c = layout.coded_index(s.start)
+            view = ef.residual[c : c + s.rows * s.cols].view(s.rows, s.cols)
+            view.copy_(new.apply(old.inverse(view) if old is not None else view))
