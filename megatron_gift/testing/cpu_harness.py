@@ -1,0 +1,157 @@
+"""Run real Megatron-Core training code on a CPU-only machine (tests and CPU demos only).
+
+Megatron-Core assumes CUDA in a handful of places that have nothing to do with the
+arithmetic: it asks for the current CUDA device and stream, allocates small bookkeeping
+tensors with ``device='cuda'``, checks ``tensor.type() == 'torch.cuda.FloatTensor'`` and keeps
+per-region CUDA RNG states. :func:`install` redirects exactly those to CPU so that GPTModel
+(local spec), ``DistributedDataParallel`` and the Megatron optimizers run unchanged over gloo:
+
+* ``torch.cuda.current_device()`` returns ``torch.device('cpu')``;
+* ``torch.cuda.current_stream()`` / ``torch.cuda.Stream(...)`` return a stream stand-in whose
+  ``wait_event`` / ``wait_stream`` do nothing (CPU work is already ordered);
+  ``torch.cuda.stream(s)`` needs no patch (it is a no-op for a non-CUDA stream);
+* a torch-function mode moves ``device='cuda'`` / ``'cuda:N'`` arguments and ``Tensor.cuda()``
+  to CPU, and answers ``Tensor.type()`` with the CUDA name (``'torch.cuda.FloatTensor'``);
+* ``CudaRNGStatesTracker.add`` / ``.fork`` keep their named states as CPU generator states and
+  fork the CPU default generator (dropout in tensor-parallel regions draws from it).
+
+On Python 3.11 it also provides ``typing.override`` (from ``typing_extensions``), which
+``megatron.training`` imports.
+
+Nothing happens until :func:`install` is called; :func:`uninstall` (or leaving the
+``with install():`` block) restores everything. On a machine with CUDA, :func:`install` refuses:
+the redirections would silently move a real GPU run to the CPU. Limits: the torch-function mode
+acts only in the thread that called :func:`install`; positional devices (``t.to('cuda')``) are
+not rewritten; activation recomputation (``tensor_parallel.checkpoint``) still reads the real
+CUDA RNG and is not supported.
+"""
+
+import contextlib
+import typing
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_MISSING = object()
+_saved = []  # (owner, attribute name, original value or _MISSING) for every patched attribute
+_mode = None  # the active _CudaToCpu mode while installed
+
+
+class _Stream:
+    """CPU stand-in for ``torch.cuda.Stream``: CPU ops run in order, so every wait is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+def _is_cuda(device):
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Send CUDA placements to the CPU and report CPU tensors under their CUDA type names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and not kwargs and len(args) == 1 and args[0].is_cpu:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _rng_add(self, name, seed):
+    """``CudaRNGStatesTracker.add`` on CPU: store a CPU generator state seeded with ``seed``."""
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    self._is_initialized = True
+    self.seeds_.add(seed)
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+@contextlib.contextmanager
+def _rng_fork(self, name="model-parallel-rng"):  # Megatron's default tracker name
+    """``CudaRNGStatesTracker.fork`` on CPU: run the block on the named CPU generator state."""
+    if name not in self.states_:
+        raise Exception(f"rng state {name} is not added")
+    outer = torch.get_rng_state()
+    torch.set_rng_state(self.states_[name])
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+
+def _patch(owner, name, value):
+    _saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+class _Installed:
+    """What :func:`install` returns: leaving a ``with`` block on it uninstalls."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        uninstall()
+
+
+def install():
+    """Redirect Megatron-Core's CUDA-only calls to CPU (idempotent).
+
+    Returns a context manager that calls :func:`uninstall` on exit, so both
+    ``install()`` and ``with install(): ...`` work.
+    """
+    global _mode
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_gift.testing.cpu_harness is for CPU-only machines; CUDA is available, "
+            "so run on the GPU instead of redirecting CUDA calls to the CPU."
+        )
+    if _mode is None:
+        from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+        if not hasattr(typing, "override"):  # Python < 3.12; megatron.training needs it
+            import typing_extensions
+
+            _patch(typing, "override", typing_extensions.override)
+        _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
+        _patch(torch.cuda, "current_stream", lambda device=None: _Stream())
+        _patch(torch.cuda, "Stream", _Stream)
+        _patch(CudaRNGStatesTracker, "add", _rng_add)
+        _patch(CudaRNGStatesTracker, "fork", _rng_fork)
+        _mode = _CudaToCpu()
+        _mode.__enter__()
+    return _Installed()
+
+
+def uninstall():
+    """Undo :func:`install` (no-op when not installed)."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    while _saved:
+        owner, name, value = _saved.pop()
+        if value is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
+
+
+def installed():
+    """Whether the redirections are active."""
+    return _mode is not None

@@ -1,0 +1,135 @@
+"""Run a function on N local CPU processes joined by a gloo process group (multi-rank tests).
+
+Process start-up dominates (``import megatron.core`` takes seconds), so put many checks into
+one :func:`run_on_ranks` call rather than one call per check.
+"""
+
+import contextlib
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+
+import torch.distributed as dist
+
+from megatron_gift.testing import cpu_harness as _cpu_harness
+
+_GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
+
+
+class RankError(RuntimeError):
+    """A rank raised, crashed or hung; the message names the rank and carries its traceback."""
+
+
+def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, **kwargs):
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
+
+    Each process joins a gloo process group (``torch.distributed`` default group) on a free
+    localhost port, with ``OMP_NUM_THREADS=1`` and ``NO_VCS_VERSION=1``; with
+    ``cpu_harness=True`` it also calls :func:`cpu_harness.install` first. ``fn`` must be a
+    module-level (picklable) function and its return value picklable (tensors are fine).
+
+    Returns the per-rank return values in rank order. Raises :class:`RankError` when a rank
+    raises or dies (naming each failed rank with its traceback, the earliest failure first,
+    after at most a few seconds' wait for the peers' reports) or when ``timeout`` seconds pass;
+    the remaining processes are killed.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}
+    procs = []
+    try:
+        for rank in range(world_size):
+            proc = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
+                               args=(fn, rank, world_size, args, kwargs, cpu_harness, timeout,
+                                     results))
+            # Children read the environment when their interpreter starts (before unpickling fn).
+            with _environ(env, RANK=str(rank), LOCAL_RANK=str(rank)):
+                proc.start()
+            procs.append(proc)
+        return _collect(procs, results, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def _collect(procs, results, timeout):
+    """Wait for one message per rank; after the first failure, wait briefly for the others.
+
+    A failing rank usually makes its peers fail too (their collectives lose the connection),
+    so failures are reported in the order they happened: the first one is the cause.
+    """
+    deadline = time.monotonic() + timeout
+    values, failures = {}, {}  # rank -> result; rank -> (wall time, description)
+    while len(values) + len(failures) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for rank, proc in enumerate(procs):
+                if rank not in values and rank not in failures and proc.exitcode not in (None, 0):
+                    failures[rank] = (time.time(), f"died with exit code {proc.exitcode}")
+        else:
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+        if failures:
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+    if failures:
+        ordered = sorted(failures.items(), key=lambda item: item[1][0])
+        raise RankError("\n".join(f"rank {rank} of {len(procs)} failed:\n{text}"
+                                  for rank, (_, text) in ordered))
+    if len(values) < len(procs):
+        hung = [rank for rank in range(len(procs)) if rank not in values]
+        raise RankError(f"ranks {hung} did not finish within {timeout} s; killed")
+    return [values[rank] for rank in range(len(procs))]
+
+
+def _child(fn, rank, world_size, args, kwargs, cpu_harness, timeout, results):
+    """Process body: join the group, run ``fn``, report ``(rank, ok, payload)``, leave the group.
+
+    The report goes out before the group is destroyed, so a failing rank's report (and its
+    time stamp) comes before the failures it causes in its peers.
+    """
+    try:
+        if cpu_harness:
+            _cpu_harness.install()
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        # Plain pickle copies tensors by value; the default multiprocessing reducers would
+        # hand over shared memory that disappears when this process exits.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
+    except BaseException:
+        results.put((rank, False, (time.time(), traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(env, **more):
+    """Set environment variables for the duration of the block, then restore them."""
+    updates = {**env, **more}
+    old = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
