@@ -141,3 +141,107 @@ def test_dp2():
 @pytest.mark.slow
 def test_dp4_and_tp2_dp2():
     _check(run_on_ranks(_worker, 4, [(1, False), (2, False)], cpu_harness=True, timeout=1500))
+
+
+def _nan_worker(rank, world):
+    """bf16 + loss scaler: a NaN on rank 1 at step 1 makes every rank skip that step only."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    parallel_state.initialize_model_parallel(1, 1)
+    gpt = build_tiny_gpt(bf16=True, params_dtype=torch.bfloat16)
+    model = Float16Module(gpt.config, gpt)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True)
+    gift = GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True)
+    ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, loss_scale=1.0, use_distributed_optimizer=True), [ddp]
+    )
+    embedding = model.module.embedding
+    poison = embedding.register_forward_hook(lambda m, a, out: out * float("nan") if (ddp.step == 1 and rank == 1) else out)
+    steps = []
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        before = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        lm_loss(ddp, step, rank).backward()
+        ddp.finish_grad_sync()
+        ok, grad_norm, _ = opt.step()
+        after = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        steps.append(dict(ok=ok, grad_norm=grad_norm, unchanged=torch.equal(before, after)))
+    poison.remove()
+    ddp.zero_grad_buffer()  # closes step 2: commits its residual
+    state_finite = all(
+        torch.isfinite(t).all()
+        for g in ddp.gift_params.values()
+        for t in ([g.stats.factor] if g.stats is not None else []) + (list(g.whitening.tensors().values()) if g.whitening else [])
+    ) and all(torch.isfinite(ef.residual).all() for bg in ddp.bucket_groups for ef in bg.gift_error_feedback)
+    parallel_state.destroy_model_parallel()
+    return dict(steps=steps, state_finite=bool(state_finite))
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_skips_the_step_everywhere():
+    for res in run_on_ranks(_nan_worker, 2, cpu_harness=True, timeout=300):
+        ok = [s["ok"] for s in res["steps"]]
+        assert ok == [True, False, True], ok
+        assert res["steps"][1]["unchanged"] and not res["steps"][2]["unchanged"]
+        assert res["steps"][2]["grad_norm"] is not None and res["steps"][2]["grad_norm"] > 0
+        assert res["state_finite"], "a skipped step poisoned the factors or the error-feedback residual"
+
+
+def _sp_stats_worker(rank, world):
+    """TP=2 x DP=2, a column-parallel layer with sequence parallelism: A sums s/tp token chunks
+    over TP and DP ranks, and every data-parallel rank holds the same transform."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    parallel_state.initialize_model_parallel(2, 1)
+    hidden, seq, batch = 16, 8, 2
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=2, tensor_model_parallel_size=2,
+        sequence_parallel=True, use_cpu_initialization=True, params_dtype=torch.float32,
+    )
+
+    class Net(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.lin = ColumnParallelLinear(hidden, 24, config=config, init_method=torch.nn.init.normal_, bias=False)
+
+        def forward(self, x):
+            return self.lin(x)[0]
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = GiftDistributedDataParallel(
+        config, DistributedDataParallelConfig(), net, gift_config=GiftConfig(layers=(r"lin\.weight$",), rank=4)
+    )
+    chunks = [torch.randn(seq // 2, batch, hidden, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    ddp.zero_grad_buffer()
+    ddp(chunks[rank]).pow(2).sum().backward()
+    ddp.finish_grad_sync()
+    x = torch.cat([c.reshape(-1, hidden) for c in chunks]).double()
+    expected = x.T @ x / x.shape[0]
+    g = next(iter(ddp.gift_params.values()))
+    err = (g.stats.factor.double() - expected).abs().max().item()
+    q = g.whitening.q.clone()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    parallel_state.destroy_model_parallel()
+    return dict(err=err, q=q, dp_rank=dp_rank)
+
+
+@pytest.mark.slow
+def test_kfac_statistics_tensor_and_sequence_parallel():
+    res = run_on_ranks(_sp_stats_worker, 4, cpu_harness=True, timeout=300)
+    assert all(r["err"] < 1e-5 for r in res), [r["err"] for r in res]
+    # ranks 0/2 and 1/3 share a TP rank (data-parallel peers): identical transforms
+    assert torch.equal(res[0]["q"], res[2]["q"]) and torch.equal(res[1]["q"], res[3]["q"])

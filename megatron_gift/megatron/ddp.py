@@ -63,17 +63,29 @@ def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
     return modes
 
 
+def _layer_input(module, x: torch.Tensor) -> torch.Tensor:
+    """The linear map's input: Transformer Engine's fused norm+linear gets the pre-norm tensor,
+    so its norm is applied here (RMSNorm or LayerNorm, with zero-centred gamma)."""
+    ln_weight = getattr(module, "layer_norm_weight", None)
+    if ln_weight is None:
+        return x
+    w = ln_weight.float() + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
+    xf = x.float()
+    if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps) * w
+    bias = getattr(module, "layer_norm_bias", None)
+    return torch.nn.functional.layer_norm(xf, (xf.shape[-1],), w, None if bias is None else bias.float(), module.eps)
+
+
 class GiftBucketGroup(_ParamAndGradBucketGroup):
     """A Megatron bucket group whose gradient reduction is quantized (see module doc)."""
 
     gift: "GiftDistributedDataParallel"
-    gift_layouts: list[BucketLayout | None]
+    gift_layouts: list[BucketLayout]
     gift_params: list[list[GiftParam | None]]
     gift_error_feedback: list[ErrorFeedback | None]
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
-        if all(layout is None for layout in self.gift_layouts):
-            return super().start_grad_sync(force_all_reduce)
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
@@ -84,8 +96,6 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         async_op = self.ddp_config.overlap_grad_reduce
         handles = []
         for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback):
-            if layout is None:
-                raise RuntimeError("a bucket group mixes quantized and Megatron-only buckets")
             transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
             handles.append(
                 QuantizedReduce(
@@ -151,7 +161,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.gift_config = gift_config or GiftConfig()
         self.ledger = CommLedger()
-        self.step = 0
+        self.step = -1  # index of the current iteration once zero_grad_buffer() opened it
         self.collecting = True
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self._device())
         self.last_step_bytes: dict[str, int] = {}
@@ -162,10 +172,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         for i, (name, p) in enumerate(named):
             if modes[name] is not Mode.OFF:
                 self.gift_params[p] = GiftParam(name=name, mode=modes[name], owner=i)
-        self._hooks = self._register_stat_hooks()
-        for groups, expert in ((self.bucket_groups, False), (self.expert_parallel_bucket_groups, True)):
-            for bg in groups:
-                self._convert(bg, expert)
+        self._stat_hooks = self._register_stat_hooks()
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            self._convert(bg)
         counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in (Mode.EUCLIDEAN, Mode.GIFT)}
         logger.info("megatron-gift: %s; parameters: %s (the rest off)", self.gift_config, counts)
 
@@ -175,53 +184,65 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         return torch.device("cpu")
 
     # -- construction ---------------------------------------------------------------------
-    def _convert(self, bg: _ParamAndGradBucketGroup, expert: bool) -> None:
-        bg.__class__ = GiftBucketGroup
-        bg.gift = self
-        bg.gift_layouts, bg.gift_params, bg.gift_error_feedback = [], [], []
+    def _convert(self, bg: _ParamAndGradBucketGroup) -> None:
+        """Plan every bucket of ``bg`` and switch its class; groups with nothing to quantize stay Megatron's."""
         dist_opt = self.ddp_config.use_distributed_optimizer
         group = bg.intra_distributed_optimizer_instance_group if dist_opt else bg.data_parallel_group
+        plans = []
         for bucket in bg.buckets:
-            segments, params = [], []
+            entries = []
             for p in bucket.params_list:
                 start, end = bucket.param_to_index[p]
                 g = self.gift_params.get(p)
                 rows = p.shape[0] if p.dim() > 1 else 1
                 mode = g.mode if g is not None else Mode.OFF
-                if g is not None and g.mode is Mode.GIFT:
-                    g.owner = g.owner % group.size()
-                    g.stats_groups = [self.expt_dp_group if expert else self.dp_cp_group]
-                segments.append(Segment(start, rows, (end - start) // rows, mode, self._param_names[p]))
-                params.append(g)
-            if all(s.mode is Mode.OFF for s in segments):
-                bg.gift_layouts.append(None)
-                bg.gift_params.append([])
-                bg.gift_error_feedback.append(None)
-                continue
+                entries.append((Segment(start, rows, (end - start) // rows, mode, self._param_names[p]), g))
+            entries.sort(key=lambda e: e[0].start)
+            plans.append(entries)
+        if all(seg.mode is Mode.OFF for entries in plans for seg, _ in entries):
+            return
+        bg.__class__ = GiftBucketGroup
+        bg.gift = self
+        bg.gift_layouts, bg.gift_params, bg.gift_error_feedback = [], [], []
+        for bucket, entries in zip(bg.buckets, plans):
+            segments = [seg for seg, _ in entries]
             layout = BucketLayout(bucket.grad_data.numel(), group.size(), segments, self.gift_config.codec, bucket.grad_data.dtype)
-            order = sorted(range(len(segments)), key=lambda k: segments[k].start)
             bg.gift_layouts.append(layout)
-            bg.gift_params.append([params[k] for k in order])
+            bg.gift_params.append([g for _, g in entries])
             bg.gift_error_feedback.append(
                 ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
             )
+            for g in bg.gift_params[-1]:
+                if g is not None:
+                    g.owner %= group.size()
 
     def _register_stat_hooks(self):
-        """Forward pre-hooks that add ``XᵀX`` of each GIFT weight's input on refresh steps."""
+        """Forward pre-hooks that add ``XᵀX`` of each GIFT weight's input on refresh steps.
+
+        The statistics are summed over the data-parallel(+context-parallel) group, or the expert
+        data-parallel group for experts, and also over tensor-parallel ranks when a
+        column-parallel layer sees only ``s/tp`` tokens (sequence parallelism). A row-parallel
+        layer's ``in/tp`` columns give a diagonal block of A, consistent per TP shard."""
         hooks = []
-        for mod_name, mod in self.module.named_modules():
+        for mod in self.module.modules():
             w = getattr(mod, "weight", None)
             g = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
             if g is None or g.mode is not Mode.GIFT:
                 continue
             g.stats = KFACStatistics(w.shape[1], ema=self.gift_config.ema, device=w.device)
+            expert = not getattr(w, "allreduce", True)
+            g.stats_groups = [self.expt_dp_group if expert else self.dp_cp_group]
+            column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
+            if column_parallel and getattr(mod, "sequence_parallel", False) and self.tp_group.size() > 1:
+                g.stats_groups.append(self.tp_group)
             hooks.append(mod.register_forward_pre_hook(self._stat_hook(g)))
         return hooks
 
     def _stat_hook(self, g: GiftParam):
         def hook(module, args):
             if self.collecting and module.training and args and isinstance(args[0], torch.Tensor):
-                g.stats.accumulate(args[0])
+                with torch.no_grad():
+                    g.stats.accumulate(_layer_input(module, args[0]))
 
         return hook
 
@@ -229,9 +250,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     def zero_grad_buffer(self):
         """Megatron calls this at the start of every iteration: close the last step, open the next."""
         super().zero_grad_buffer()
-        self._end_step()
+        self._next_step()
 
-    def _end_step(self) -> None:
+    def _next_step(self) -> None:
         applied = True
         if self.gift_config.error_feedback:
             flag = self.nonfinite.to(torch.int32)
