@@ -12,9 +12,10 @@ from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 
 class Mode(enum.Enum):
-    """Per-parameter gradient communication: Megatron's own precision, plain FP8, or whitened FP8."""
+    """Per-parameter gradient communication: Megatron's own precision, BF16, plain FP8, or whitened FP8."""
 
     OFF = "off"
+    BF16 = "bf16"
     EUCLIDEAN = "euclidean"
     GIFT = "gift"
 

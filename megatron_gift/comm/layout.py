@@ -3,12 +3,13 @@
 A bucket ``[numel]`` holds parameters at known offsets and is cut into ``num_shards``
 shards ``[j·S, (j+1)·S)``, ``S = ceil(numel / num_shards)``, as Megatron's distributed
 optimizer cuts it (its buckets divide evenly; an all-reduce bucket's last shard may be short).
-Elements of ``off`` parameters are *raw* (sent in the bucket's dtype); everything else,
-padding included, is *coded* in FP8. Scaling groups follow each parameter's granularity
+Elements of ``off`` parameters are sent in the bucket's dtype and those of ``bf16``
+parameters in BF16 (the *plain* sections); everything else, padding included, is *coded*
+in FP8. Scaling groups follow each parameter's granularity
 (``fp8.group_lengths``) and are additionally cut at shard boundaries, so every group lives in
 one shard and each shard's message is self-contained::
 
-    message_j = [scales_j | raw_j | payload_j]   (each section padded to 4 bytes)
+    message_j = [scales_j | off_j | bf16_j | payload_j]   (each section padded to 4 bytes)
 
 GIFT rows cut by a shard boundary are recorded as ``RowPiece``s so the receiver can apply
 the inverse transform with only an r-float exchange per piece.
@@ -64,20 +65,20 @@ class ShardPlan:
     lo: int
     hi: int
     coded_runs: list[tuple[int, int]]
-    raw_runs: list[tuple[int, int]]
+    plain_runs: list[list[tuple[int, int]]]  # per plain class (off, bf16)
     c_lo: int
     c_hi: int
     g_lo: int
     g_hi: int
     scale_bytes: int
-    raw_bytes: int
+    plain_bytes: list[int]
     payload_bytes: int
     gift_rows: list[tuple[int, int, int]]  # (segment, first full row, end row)
     pieces: list[RowPiece]
 
     @property
     def message_bytes(self) -> int:
-        return self.scale_bytes + self.raw_bytes + self.payload_bytes
+        return self.scale_bytes + sum(self.plain_bytes) + self.payload_bytes
 
 
 class BucketLayout:
@@ -95,9 +96,9 @@ class BucketLayout:
         self.shard_size = -(-numel // num_shards)
         self.segments = segs
         self.codec = codec
-        self.raw_dtype = raw_dtype
-        self.raw_runs = _merge([(s.start, s.end) for s in segs if s.mode is Mode.OFF])
-        self.coded_runs = _complement(self.raw_runs, numel)
+        self.plain_dtypes = [raw_dtype, torch.bfloat16]
+        self.plain_runs = [_merge([(s.start, s.end) for s in segs if s.mode is m]) for m in (Mode.OFF, Mode.BF16)]
+        self.coded_runs = _complement(_merge([r for runs in self.plain_runs for r in runs]), numel)
         self.group_lengths = self._group_lengths()
         self.n_coded = sum(b - a for a, b in self.coded_runs)
         self.shards = [self._shard(j) for j in range(num_shards)]
@@ -105,7 +106,7 @@ class BucketLayout:
 
     def coded_index(self, pos: int) -> int:
         """Index in the coded-element order of bucket position ``pos`` (a coded element)."""
-        return pos - sum(min(b, pos) - a for a, b in self.raw_runs if a < pos)
+        return pos - sum(min(b, pos) - a for runs in self.plain_runs for a, b in runs if a < pos)
 
     @property
     def has_gift(self) -> bool:
@@ -120,7 +121,7 @@ class BucketLayout:
             first_cut = min(-(-a // self.shard_size) * self.shard_size, b)
             cuts = [torch.tensor([a]), torch.arange(first_cut, b, self.shard_size)]
             for s in self.segments:
-                if s.mode is not Mode.OFF and a <= s.start < b:
+                if s.mode in (Mode.EUCLIDEAN, Mode.GIFT) and a <= s.start < b:
                     lengths = group_lengths(s.rows, s.cols, self.codec)
                     cuts.append(s.start + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lengths]), 0))
             bounds = torch.unique(torch.cat(cuts))
@@ -131,7 +132,7 @@ class BucketLayout:
     def _shard(self, j: int) -> ShardPlan:
         lo, hi = min(j * self.shard_size, self.numel), min((j + 1) * self.shard_size, self.numel)
         coded = _clip(self.coded_runs, lo, hi)
-        raw = _clip(self.raw_runs, lo, hi)
+        plain = [_clip(runs, lo, hi) for runs in self.plain_runs]
         c_lo = sum(min(b, lo) - a for a, b in self.coded_runs if a < lo)
         c_hi = c_lo + sum(b - a for a, b in coded)
         ends = torch.cumsum(self.group_lengths, 0)
@@ -139,7 +140,6 @@ class BucketLayout:
         g_hi = int(torch.searchsorted(ends, c_hi, right=True))
         n_groups = g_hi - g_lo
         scale_size = torch.tensor([], dtype=self.codec.scale_dtype()).element_size()
-        raw_size = torch.tensor([], dtype=self.raw_dtype).element_size()
         gift_rows, pieces = [], []
         for i, s in enumerate(self.segments):
             if s.mode is not Mode.GIFT or s.end <= lo or s.start >= hi:
@@ -157,13 +157,15 @@ class BucketLayout:
             lo=lo,
             hi=hi,
             coded_runs=coded,
-            raw_runs=raw,
+            plain_runs=plain,
             c_lo=c_lo,
             c_hi=c_hi,
             g_lo=g_lo,
             g_hi=g_hi,
             scale_bytes=_pad4(n_groups * scale_size),
-            raw_bytes=_pad4(sum(b - a for a, b in raw) * raw_size),
+            plain_bytes=[
+                _pad4(sum(b - a for a, b in runs) * dtype.itemsize) for runs, dtype in zip(plain, self.plain_dtypes)
+            ],
             payload_bytes=_pad4(c_hi - c_lo),
             gift_rows=gift_rows,
             pieces=pieces,

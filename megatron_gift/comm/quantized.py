@@ -4,7 +4,7 @@ Sender (every rank, ``start_quantized_reduce``)::
 
     G_s ← G_s · T_s               for each GIFT segment s (whitened, in place)
     x̃  = coded(G) + e             error feedback, optional
-    send message_j(x̃) to rank j   one all-to-all: FP8 payload + scales + raw (off) values
+    send message_j(x̃) to rank j   one all-to-all: FP8 payload + scales + plain (off, bf16) values
 
 Receiver (``QuantizedReduce.wait``), for its shard j::
 
@@ -64,6 +64,14 @@ def _gather_runs(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tenso
     return torch.cat([flat[a:b] for a, b in runs]) if runs else flat.new_zeros(0)
 
 
+def _rank_order_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``Σ_i t[i]`` accumulated in FP32 in rank order (the same order on every rank)."""
+    acc = t[0].clone()
+    for i in range(1, world):
+        acc += t[i]
+    return acc
+
+
 def _scatter_runs(flat: torch.Tensor, runs: list[tuple[int, int]], values: torch.Tensor) -> None:
     pos = 0
     for a, b in runs:
@@ -72,37 +80,45 @@ def _scatter_runs(flat: torch.Tensor, runs: list[tuple[int, int]], values: torch
 
 
 class _Codec:
-    """Packs and unpacks shard messages ``[scales | raw | payload]`` for one layout."""
+    """Packs and unpacks shard messages ``[scales | off | bf16 | payload]`` for one layout."""
 
     def __init__(self, layout: BucketLayout):
         self.layout = layout
         self.cfg = layout.codec
 
-    def pack(self, plan: ShardPlan, enc: Encoded, raw: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(plan.message_bytes, dtype=torch.uint8, device=raw.device)
-        s = _bytes(enc.scales)
-        out[: s.numel()] = s
-        r = _bytes(raw)
-        out[plan.scale_bytes : plan.scale_bytes + r.numel()] = r
-        off = plan.scale_bytes + plan.raw_bytes
+    def plains(self, flat: torch.Tensor, plan: ShardPlan) -> list[torch.Tensor]:
+        """This shard's plain values from ``flat``, each class in its wire dtype."""
+        return [_gather_runs(flat, runs).to(dt) for runs, dt in zip(plan.plain_runs, self.layout.plain_dtypes)]
+
+    def pack(self, plan: ShardPlan, enc: Encoded, plains: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(plan.message_bytes, dtype=torch.uint8, device=enc.payload.device)
+        off = 0
+        for section, size in zip([enc.scales, *plains], [plan.scale_bytes, *plan.plain_bytes]):
+            b = _bytes(section)
+            out[off : off + b.numel()] = b
+            off += size
         out[off : off + enc.payload.numel()] = enc.payload
         return out
 
-    def unpack(self, plan: ShardPlan, msgs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``msgs [k, ≥ message_bytes]`` → (decoded coded values ``[k, n_coded]`` FP32, raw ``[k, n_raw]`` FP32)."""
+    def unpack(self, plan: ShardPlan, msgs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``msgs [k, ≥ message_bytes]`` → decoded coded values ``[k, n_coded]`` and each plain
+        class ``[k, n]``, all FP32."""
         n_groups, n_coded = plan.g_hi - plan.g_lo, plan.c_hi - plan.c_lo
-        n_raw = sum(b - a for a, b in plan.raw_runs)
         lengths = self.layout.group_lengths[plan.g_lo : plan.g_hi].to(msgs.device)
         scale_dtype = self.cfg.scale_dtype()
-        width = torch.tensor([], dtype=scale_dtype).element_size()
-        coded, raw = [], []
-        for m in msgs:
-            scales = m[: n_groups * width].view(scale_dtype)
-            payload = m[plan.scale_bytes + plan.raw_bytes :][:n_coded]
-            coded.append(decode_flat(Encoded(payload, scales), lengths, self.cfg))
-            rsz = torch.tensor([], dtype=self.layout.raw_dtype).element_size()
-            raw.append(m[plan.scale_bytes : plan.scale_bytes + n_raw * rsz].view(self.layout.raw_dtype).float())
-        return torch.stack(coded), torch.stack(raw)
+        payload_at = plan.scale_bytes + sum(plan.plain_bytes)
+        coded = torch.stack(
+            [
+                decode_flat(Encoded(m[payload_at : payload_at + n_coded], m[: n_groups * scale_dtype.itemsize].view(scale_dtype)), lengths, self.cfg)
+                for m in msgs
+            ]
+        )
+        plains, off = [], plan.scale_bytes
+        for runs, dt, size in zip(plan.plain_runs, self.layout.plain_dtypes, plan.plain_bytes):
+            n = sum(b - a for a, b in runs)
+            plains.append(msgs[:, off : off + n * dt.itemsize].contiguous().view(dt).float())
+            off += size
+        return coded, plains
 
     def encode(self, plan: ShardPlan, coded: torch.Tensor) -> Encoded:
         """Encode this shard's coded values (``[n_coded]``, in the shard's group layout)."""
@@ -147,7 +163,7 @@ class QuantizedReduce:
         send = []
         for j, plan in enumerate(layout.shards):
             shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
-            send.append(self.codec.pack(plan, shard_enc, _gather_runs(flat, plan.raw_runs)))
+            send.append(self.codec.pack(plan, shard_enc, self.codec.plains(flat, plan)))
         mine = layout.shards[self.rank]
         self.recv = torch.empty(self.world * mine.message_bytes, dtype=torch.uint8, device=flat.device)
         in_splits = [m.numel() for m in send]
@@ -176,38 +192,39 @@ class QuantizedReduce:
         if self.work is not None:
             self.work.wait()
         plan = self.layout.shards[self.rank]
-        coded, raw = self.codec.unpack(plan, self.recv.view(self.world, -1))
-        coded_sum, raw_sum = coded[0].clone(), raw[0].clone()
-        for i in range(1, self.world):  # FP32 accumulation in rank order
-            coded_sum += coded[i]
-            raw_sum += raw[i]
+        coded, plains = self.codec.unpack(plan, self.recv.view(self.world, -1))
+        sums = [_rank_order_sum(t, self.world) for t in (coded, *plains)]
         if self.average:
-            coded_sum /= self.world
-            raw_sum /= self.world
+            for t in sums:
+                t /= self.world
         if self.nonfinite is not None:  # device-side flag, no host sync
-            self.nonfinite |= ~(torch.isfinite(coded_sum).all() & torch.isfinite(raw_sum).all())
+            for t in sums:
+                self.nonfinite |= ~torch.isfinite(t).all()
+        coded_sum, plain_sums = sums[0], sums[1:]
         if self.all_reduce:
-            self._all_gather(plan, coded_sum, raw_sum)
+            self._all_gather(plan, coded_sum, plain_sums)
             return
         self._transform(coded_sum, plan.c_lo, plan.gift_rows, inverse=True)
         self._unwhiten_pieces(plan, coded_sum)
         _scatter_runs(self.flat, plan.coded_runs, coded_sum)
-        _scatter_runs(self.flat, plan.raw_runs, raw_sum)
+        for runs, values in zip(plan.plain_runs, plain_sums):
+            _scatter_runs(self.flat, runs, values)
 
-    def _all_gather(self, plan: ShardPlan, coded_sum: torch.Tensor, raw_sum: torch.Tensor) -> None:
+    def _all_gather(self, plan: ShardPlan, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor]) -> None:
         width = max(p.message_bytes for p in self.layout.shards)
         msg = torch.zeros(width, dtype=torch.uint8, device=self.flat.device)
-        raw = raw_sum.to(self.layout.raw_dtype)
-        msg[: plan.message_bytes] = self.codec.pack(plan, self.codec.encode(plan, coded_sum), raw)
+        plains = [t.to(dt) for t, dt in zip(plain_sums, self.layout.plain_dtypes)]
+        msg[: plan.message_bytes] = self.codec.pack(plan, self.codec.encode(plan, coded_sum), plains)
         gathered = torch.empty(self.world * width, dtype=torch.uint8, device=self.flat.device)
         self.ledger.add("all_gather", "fp8+scales", (self.world - 1) * width)
         _all_gather(gathered, msg, group=self.group)
         gathered = gathered.view(self.world, width)
         coded_all = torch.empty(self.layout.n_coded, device=self.flat.device)
         for j, p in enumerate(self.layout.shards):
-            coded, raw = self.codec.unpack(p, gathered[j : j + 1])
+            coded, plains = self.codec.unpack(p, gathered[j : j + 1])
             coded_all[p.c_lo : p.c_hi] = coded[0]
-            _scatter_runs(self.flat, p.raw_runs, raw[0])
+            for runs, values in zip(p.plain_runs, plains):
+                _scatter_runs(self.flat, runs, values[0])
         self._transform(coded_all, 0, [(i, 0, s.rows) for i, s in enumerate(self.layout.segments)], inverse=True)
         _scatter_runs(self.flat, self.layout.coded_runs, coded_all)
 
