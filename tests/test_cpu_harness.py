@@ -9,25 +9,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_gift.testing import RankError, cpu_harness, run_on_ranks
-from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss
+from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens
 
 STEPS = 3
 SETTINGS = [(dist_opt, overlap) for dist_opt in (True, False) for overlap in (True, False)]
-
-
-def _hand_averaged_grads(ref, ddp_model, step, rank, world_size):
-    """Load the DDP model's weights into ``ref``, backprop locally, all-gather, average in FP32."""
-    with torch.no_grad():
-        for p_ref, p in zip(ref.parameters(), ddp_model.module.parameters()):
-            p_ref.copy_(p)
-    ref.zero_grad()
-    lm_loss(ref, step, rank).backward()
-    local = torch.cat([p.grad.flatten() for p in ref.parameters()])
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    avg = torch.stack(gathered).sum(0) / world_size
-    sizes = [p.numel() for p in ref.parameters()]
-    return dict(zip(ddp_model.module.parameters(), avg.split(sizes)))
 
 
 def _check_reduced_grads(ddp_model, expected, rank, world_size, dist_opt):
@@ -35,12 +20,12 @@ def _check_reduced_grads(ddp_model, expected, rank, world_size, dist_opt):
     checked = 0
     for group in ddp_model.bucket_groups:
         for bucket in group.buckets:
-            want = torch.zeros_like(bucket.grad_data)
+            want = torch.zeros_like(bucket.grad_data, dtype=torch.float64)
             for param, (start, end) in bucket.param_to_index.items():
                 want[start:end] = expected[param]
             size = bucket.grad_data.numel() // world_size
             region = slice(rank * size, (rank + 1) * size) if dist_opt else slice(None)
-            torch.testing.assert_close(bucket.grad_data[region], want[region],
+            torch.testing.assert_close(bucket.grad_data[region].double(), want[region],
                                        rtol=1e-6, atol=1e-8)
             checked += 1
     return checked
@@ -71,9 +56,10 @@ def _train_and_check(rank, world_size):
         for step in range(STEPS):
             ddp_model.zero_grad_buffer()
             optimizer.zero_grad()
-            lm_loss(ddp_model, step, rank).backward()
+            tokens = random_tokens(step, rank)
+            lm_loss(ddp_model, tokens).backward()
             ddp_model.finish_grad_sync()
-            expected = _hand_averaged_grads(ref, ddp_model, step, rank, world_size)
+            expected = hand_average(ref, model, tokens)
             assert _check_reduced_grads(ddp_model, expected, rank, world_size,
                                         dist_opt) == num_buckets
             update_ok, grad_norm, _ = optimizer.step()

@@ -14,25 +14,10 @@ import torch.distributed as dist
 from megatron_gift.config import GiftConfig, Mode
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
-from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss
+from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens
 
 STEPS = 2
 BUCKETS = [(False, None), (True, None), (True, 6000)]  # (overlap, bucket_size): no overlap = one bucket
-
-
-def _hand_average(ref, model, step, dp_rank, dp_group):
-    """FP32 reference: load ``model``'s weights into ``ref``, backprop locally, average over DP."""
-    with torch.no_grad():
-        for p_ref, p in zip(ref.parameters(), model.parameters()):
-            p_ref.copy_(p)
-    ref.zero_grad()
-    lm_loss(ref, step, dp_rank).backward()
-    local = torch.cat([p.grad.flatten() for p in ref.parameters()])
-    world = dist.get_world_size(dp_group)
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=dp_group)
-    avg = torch.stack(gathered).double().sum(0) / world
-    return dict(zip(model.parameters(), avg.split([p.numel() for p in ref.parameters()])))
 
 
 def _regions(ddp, dist_opt, dp_rank, dp_size):
@@ -68,9 +53,10 @@ def _train(mode, dist_opt, overlap, bucket_size, tp, sp, stock=False):
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        lm_loss(ddp, step, dp_rank).backward()
+        tokens = random_tokens(step, dp_rank)
+        lm_loss(ddp, tokens).backward()
         ddp.finish_grad_sync()
-        expected = _hand_average(ref, model, step, dp_rank, dp_group)
+        expected = hand_average(ref, model, tokens, dp_group)
         for bucket, region in _regions(ddp, dist_opt, dp_rank, dp_size):
             want = torch.zeros_like(bucket.grad_data, dtype=torch.float64)
             for p, (a, b) in bucket.param_to_index.items():
@@ -168,7 +154,7 @@ def _nan_worker(rank, world):
         ddp.zero_grad_buffer()
         opt.zero_grad()
         before = torch.cat([p.detach().float().flatten() for p in model.parameters()])
-        lm_loss(ddp, step, rank).backward()
+        lm_loss(ddp, random_tokens(step, rank)).backward()
         ddp.finish_grad_sync()
         ok, grad_norm, _ = opt.step()
         after = torch.cat([p.detach().float().flatten() for p in model.parameters()])

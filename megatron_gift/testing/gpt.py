@@ -1,6 +1,8 @@
-"""A tiny Llama-style Megatron GPTModel and batches for multi-rank tests (local spec, no TE)."""
+"""A tiny Llama-style Megatron GPTModel, batches, and an FP32 hand-made gradient average,
+for multi-rank tests and CPU benchmarks (local spec, no Transformer Engine)."""
 
 import torch
+import torch.distributed as dist
 
 VOCAB, SEQ = 128, 32
 
@@ -25,9 +27,31 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
                     vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
 
 
-def lm_loss(model, step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq: int = SEQ):
-    """Mean LM loss on random tokens drawn from ``(step, seed)`` (e.g. seed = data-parallel rank)."""
+def random_tokens(step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> torch.Tensor:
+    """``[batch, seq + 1]`` random tokens drawn from ``(step, seed)`` (e.g. seed = data-parallel rank)."""
     gen = torch.Generator().manual_seed(1000 * step + seed)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of ``tokens [batch, seq + 1]``."""
+    batch, seq = tokens.shape[0], tokens.shape[1] - 1
     positions = torch.arange(seq).expand(batch, seq)
     return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
+
+
+def hand_average(ref, model, tokens: torch.Tensor, group=None) -> dict:
+    """FP32 reference for a data-parallel reduction: copy ``model``'s weights into ``ref``,
+    backprop this rank's ``tokens`` locally, all-gather and average over ``group`` in FP64.
+    Returns ``{param of model: averaged gradient (flat, float64)}``."""
+    with torch.no_grad():
+        for p_ref, p in zip(ref.parameters(), model.parameters()):
+            p_ref.copy_(p)
+    ref.zero_grad()
+    lm_loss(ref, tokens).backward()
+    local = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    avg = torch.stack(gathered).double().sum(0) / world
+    return dict(zip(model.parameters(), avg.split([p.numel() for p in ref.parameters()])))
