@@ -24,7 +24,8 @@ class Mode(enum.Enum):
 class GiftConfig:
     """Everything the plugin needs; see ``megatron_gift.arguments`` for the matching flags.
 
-    ``layers``: regular expressions on parameter names that select which weights use ``mode``
+    ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
+    instead of the full matrix (0: exact ``XᵀX``). ``layers``: regular expressions on parameter names that select which weights use ``mode``
     (default: the weight matrices of linear layers). ``extra_layers`` puts other parameters
     (embeddings, output layer) in plain FP8 as well.
     """
@@ -32,6 +33,7 @@ class GiftConfig:
     mode: Mode = Mode.GIFT
     codec: CodecConfig = field(default_factory=CodecConfig)
     rank: int = 32
+    sketch: int = 64
     damping: float = 1e-3
     ema: float = 0.95
     refresh_interval: int = 50
@@ -44,6 +46,8 @@ class GiftConfig:
             object.__setattr__(self, "mode", Mode(self.mode))
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.sketch and self.sketch < self.rank:
+            raise ValueError(f"sketch ({self.sketch}) must be 0 (exact statistics) or >= rank ({self.rank})")
         if self.damping <= 0:
             raise ValueError(f"damping must be > 0, got {self.damping}")
         if not 0.0 <= self.ema < 1.0:

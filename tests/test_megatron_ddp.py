@@ -164,7 +164,7 @@ def _nan_worker(rank, world):
     state_finite = all(
         torch.isfinite(t).all()
         for g in ddp.gift_params.values()
-        for t in ([g.stats.factor] if g.stats is not None else []) + (list(g.whitening.tensors().values()) if g.whitening else [])
+        for t in [*(g.stats.ema_sums or {}).values(), *(g.whitening.tensors().values() if g.whitening else [])]
     ) and all(torch.isfinite(ef.residual).all() for bg in ddp.bucket_groups for ef in bg.gift_error_feedback)
     parallel_state.destroy_model_parallel()
     return dict(steps=steps, state_finite=bool(state_finite))

@@ -29,7 +29,7 @@ from ..comm.quantized import CommLedger, QuantizedReduce
 from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
-from ..numerics.whitening import LowRankWhitening, approximate_factor
+from ..numerics.whitening import LowRankWhitening
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class GiftParam:
     mode: Mode
     stats: KFACStatistics | None = None
     whitening: LowRankWhitening | None = None
+    index: int = 0
     owner: int = 0
     stats_groups: list = field(default_factory=list)
 
@@ -171,7 +172,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.gift_params: dict[torch.nn.Parameter, GiftParam] = {}
         for i, (name, p) in enumerate(named):
             if modes[name] is not Mode.OFF:
-                self.gift_params[p] = GiftParam(name=name, mode=modes[name], owner=i)
+                self.gift_params[p] = GiftParam(name=name, mode=modes[name], index=i, owner=i)
         self._stat_hooks = self._register_stat_hooks()
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
             self._convert(bg)
@@ -229,7 +230,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             g = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
             if g is None or g.mode is not Mode.GIFT:
                 continue
-            g.stats = KFACStatistics(w.shape[1], ema=self.gift_config.ema, device=w.device)
+            g.stats = KFACStatistics(
+                w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=g.index, device=w.device
+            )
             expert = not getattr(w, "allreduce", True)
             g.stats_groups = [self.expt_dp_group if expert else self.dp_cp_group]
             column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
@@ -279,22 +282,22 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     def _refresh(self, g: GiftParam, bg: GiftBucketGroup) -> None:
         stats = g.stats
         for group in g.stats_groups:
-            dist.all_reduce(stats.xtx, group=group)
-            dist.all_reduce(stats.tokens, group=group)
             n = group.size()
-            self.ledger.add("all_reduce", "fp32", 2 * (n - 1) * (stats.xtx.numel() * 4 + 8) // max(n, 1))
-        if not bool(torch.isfinite(stats.xtx).all()):
+            for t in [*stats.sums.values(), stats.tokens]:
+                dist.all_reduce(t, group=group)
+                self.ledger.add("all_reduce", "fp32", 2 * (n - 1) * t.numel() * t.element_size() // n)
+        if not all(bool(torch.isfinite(t).all()) for t in stats.sums.values()):
             logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
-            stats.xtx.zero_()
-            stats.tokens.zero_()
+            stats.reset_accumulators()
             return
-        factor = stats.refresh()
+        stats.refresh()
         group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group
-        rank = min(self.gift_config.rank, factor.shape[0])
+        rank = stats.factor_rank(self.gift_config.rank)
+        device = stats.tokens.device
         if group.rank() == g.owner:
-            new = LowRankWhitening(approximate_factor(factor, rank, self.gift_config.damping), device=factor.device)
+            new = LowRankWhitening(stats.low_rank_factor(rank, self.gift_config.damping), device=device)
         else:
-            new = LowRankWhitening.empty(factor.shape[0], rank, device=factor.device)
+            new = LowRankWhitening.empty(stats.d_in, rank, device=device)
         for t in new.tensors().values():
             dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
             self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)

@@ -1,55 +1,104 @@
 """K-FAC input statistics of one linear layer: ``A = E[a aᵀ]`` over its input activations.
 
-``accumulate`` adds ``XᵀX`` (``X [tokens, d_in]``) and the token count in FP32 between
-refreshes. The caller may sum ``xtx`` and ``tokens`` over data-parallel ranks in place, then
-``refresh`` forms ``A_new = xtx / tokens`` and the EMA ``A <- β A + (1-β) A_new`` (the first
-refresh takes ``A_new``). No torch.distributed here.
+Between refreshes ``accumulate`` adds linear statistics of ``X [tokens, d_in]`` in FP32, and
+the token count. They are sums, so a caller may add them over data-parallel ranks in place
+(``sums``) before ``refresh`` divides by the tokens and folds them into an EMA
+(``S <- β S + (1-β) S_new``; the first refresh takes ``S_new``). Two kinds:
+
+* exact (``sketch=0``): ``XᵀX`` ``[d_in, d_in]``;
+* sketched (``sketch=k``): ``Y = XᵀX Ω`` ``[d_in, k]`` for a fixed Gaussian ``Ω [d_in, k]`` plus
+  ``diag(XᵀX)`` ``[d_in]``: O(d_in·k) memory and traffic. The top eigenpairs are then
+  recovered with a Nyström approximation (``whitening.factor_from_sketch``).
+
+No torch.distributed here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .whitening import LowRankFactor, approximate_factor, factor_from_sketch
+
+
+def sketch_matrix(d_in: int, k: int, seed: int) -> torch.Tensor:
+    """The fixed test matrix ``Ω [d_in, k]``, generated on the CPU so every rank gets the same one."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(d_in, k, generator=gen, dtype=torch.float32) / k**0.5
+
 
 class KFACStatistics:
-    """Running input factor ``A [d_in, d_in]`` (FP32) and the current refresh's accumulators."""
+    """Accumulators of the current refresh (``sums``, ``tokens``) and their EMA (``ema_sums``)."""
 
-    def __init__(self, d_in: int, ema: float = 0.95, device: torch.device | str | None = None):
+    def __init__(self, d_in: int, ema: float = 0.95, sketch: int = 0, seed: int = 0, device=None):
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
+        if sketch < 0:
+            raise ValueError(f"sketch size must be >= 0, got {sketch}")
         self.d_in = d_in
         self.ema = ema
-        self.xtx = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
+        self.omega = sketch_matrix(d_in, sketch, seed).to(device) if 0 < sketch < d_in else None
+        if self.omega is None:
+            self.sums = {"xtx": torch.zeros(d_in, d_in, device=device)}
+        else:
+            self.sums = {"y": torch.zeros(d_in, sketch, device=device), "diag": torch.zeros(d_in, device=device)}
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
-        self.factor: torch.Tensor | None = None
+        self.ema_sums: dict[str, torch.Tensor] | None = None
         self.refreshes = 0
 
     def accumulate(self, x: torch.Tensor) -> None:
-        """Add ``XᵀX`` of the activations ``x [..., d_in]``."""
+        """Add the statistics of the activations ``x [..., d_in]``."""
         x2 = x.detach().reshape(-1, self.d_in).float()
-        self.xtx.addmm_(x2.T, x2)
+        if self.omega is None:
+            self.sums["xtx"].addmm_(x2.T, x2)
+        else:
+            self.sums["y"].addmm_(x2.T, x2 @ self.omega)
+            self.sums["diag"].add_((x2 * x2).sum(0))
         self.tokens += x2.shape[0]
 
-    def refresh(self) -> torch.Tensor:
-        """Fold the accumulated statistics into the EMA factor, reset them, return ``A``."""
+    def refresh(self) -> dict[str, torch.Tensor]:
+        """Fold the accumulated statistics (divided by the tokens) into the EMA, reset them."""
         if self.tokens.item() <= 0:
             raise RuntimeError("KFACStatistics.refresh() with no accumulated tokens")
-        a_new = self.xtx / self.tokens.float()
-        a_new = 0.5 * (a_new + a_new.T)
-        if self.factor is None:
-            self.factor = a_new
+        new = {k: v / self.tokens.float() for k, v in self.sums.items()}
+        if "xtx" in new:
+            new["xtx"] = 0.5 * (new["xtx"] + new["xtx"].T)
+        if self.ema_sums is None:
+            self.ema_sums = new
         else:
-            self.factor.mul_(self.ema).add_(a_new, alpha=1.0 - self.ema)
-        self.xtx.zero_()
-        self.tokens.zero_()
+            for k, v in new.items():
+                self.ema_sums[k].mul_(self.ema).add_(v, alpha=1.0 - self.ema)
+        self.reset_accumulators()
         self.refreshes += 1
-        return self.factor
+        return self.ema_sums
+
+    def reset_accumulators(self) -> None:
+        for v in self.sums.values():
+            v.zero_()
+        self.tokens.zero_()
+
+    @property
+    def factor(self) -> torch.Tensor | None:
+        """The dense EMA factor ``A`` (exact statistics only)."""
+        return None if self.ema_sums is None else self.ema_sums.get("xtx")
+
+    def factor_rank(self, rank: int) -> int:
+        """The rank ``low_rank_factor(rank, ...)`` delivers: at most d_in, or the sketch size."""
+        return min(rank, self.d_in if self.omega is None else self.omega.shape[1])
+
+    def low_rank_factor(self, rank: int, damping: float) -> LowRankFactor:
+        """``Â = D + V Λ Vᵀ`` from the EMA statistics (eigendecomposition or Nyström)."""
+        if self.ema_sums is None:
+            raise RuntimeError("no statistics yet: refresh() first")
+        if self.omega is None:
+            return approximate_factor(self.ema_sums["xtx"], rank, damping)
+        return factor_from_sketch(self.ema_sums["y"], self.omega, self.ema_sums["diag"], rank, damping)
 
     def state_dict(self) -> dict:
-        return {"xtx": self.xtx, "tokens": self.tokens, "factor": self.factor, "refreshes": self.refreshes, "ema": self.ema}
+        return {"sums": self.sums, "tokens": self.tokens, "ema_sums": self.ema_sums, "refreshes": self.refreshes}
 
     def load_state_dict(self, state: dict) -> None:
-        self.xtx.copy_(state["xtx"])
+        for k, v in state["sums"].items():
+            self.sums[k].copy_(v)
         self.tokens.copy_(state["tokens"])
-        self.factor = None if state["factor"] is None else state["factor"].to(self.xtx).clone()
+        self.ema_sums = None if state["ema_sums"] is None else {k: v.clone() for k, v in state["ema_sums"].items()}
         self.refreshes = int(state["refreshes"])

@@ -2,8 +2,8 @@
 
 Shapes: gradient ``G [d_out, d_in]``, factor ``A [d_in, d_in]``, rank ``r``.
 
-Approximation (``approximate_factor``): top-r eigenpairs ``A ≈ V Λ Vᵀ`` (``V [d_in, r]``) plus
-the residual diagonal, damped::
+Approximation (``approximate_factor``, or ``factor_from_sketch`` from a Nyström sketch): top-r
+eigenpairs ``A ≈ V Λ Vᵀ`` (``V [d_in, r]``) plus the residual diagonal, damped::
 
     Â = D + V Λ Vᵀ,   D = max(diag(A) - diag(V Λ Vᵀ), 0) + δ·mean(diag A)
 
@@ -57,7 +57,31 @@ def approximate_factor(a: torch.Tensor, rank: int, damping: float = 1e-3) -> Low
     evals, evecs = torch.linalg.eigh(a64)  # ascending
     lam = evals[d_in - r :].flip(0).clamp_min(0.0)
     v = evecs[:, d_in - r :].flip(1)
-    diag = torch.diagonal(a64)
+    return _with_residual_diagonal(torch.diagonal(a64), v, lam, damping)
+
+
+def factor_from_sketch(y: torch.Tensor, omega: torch.Tensor, diag: torch.Tensor, rank: int, damping: float = 1e-3) -> LowRankFactor:
+    """Like ``approximate_factor`` from ``Y = A Ω`` (``[d_in, k]``), ``Ω`` and ``diag(A)`` only.
+
+    Stabilized single-pass Nyström approximation (Tropp et al., 2017): with a small shift
+    ``ν``, ``Y_ν = Y + νΩ``, ``ΩᵀY_ν = C Cᵀ``, ``E = Y_ν C⁻ᵀ = U Σ Pᵀ``; then
+    ``A ≈ U (Σ² - ν) Uᵀ`` and the top ``rank ≤ k`` pairs are kept."""
+    y64, om = y.detach().to("cpu", torch.float64), omega.detach().to("cpu", torch.float64)
+    nu = 1e-6 * float(torch.linalg.norm(y64)) + 1e-300
+    while True:  # FP32 statistics can leave ΩᵀY slightly indefinite: grow the shift until PD
+        y_nu = y64 + nu * om
+        core = om.T @ y_nu
+        c, info = torch.linalg.cholesky_ex(0.5 * (core + core.T))
+        if int(info) == 0:
+            break
+        nu *= 10.0
+    e = torch.linalg.solve_triangular(c, y_nu.T, upper=False).T
+    u, sig, _ = torch.linalg.svd(e, full_matrices=False)
+    r = max(0, min(rank, u.shape[1]))
+    return _with_residual_diagonal(diag.detach().to("cpu", torch.float64), u[:, :r], (sig[:r] ** 2 - nu).clamp_min(0.0), damping)
+
+
+def _with_residual_diagonal(diag: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, damping: float) -> LowRankFactor:
     mean_diag = float(diag.mean())
     if mean_diag <= 0:
         raise ValueError("K-FAC factor has a non-positive trace: no activations were seen")
