@@ -17,7 +17,7 @@ IDS = [c.name for c in CONFIGS]
 def _group_scales(enc, cfg, rows, cols):
     """Per-element dequantization scale, for the error bound."""
     s = enc.scales.float()
-    if cfg.scaling is Scaling.MX:
+    if cfg.pow2_scales:
         s = torch.exp2(s - 127)
     r, g = cfg.groups(rows, cols)
     s = s.reshape(r, g)
@@ -84,7 +84,7 @@ def test_byte_counts(cfg, shape):
     enc = fp8.encode(torch.randn(*shape), cfg)
     rows, cols = shape
     n_groups = {Scaling.TENSOR: 1, Scaling.ROW: rows}.get(cfg.scaling, rows * math.ceil(cols / cfg.block))
-    expected = rows * cols + n_groups * (1 if cfg.scaling is Scaling.MX else 4)
+    expected = rows * cols + n_groups * (1 if cfg.scaling in (Scaling.BLOCK, Scaling.MX) else 4)
     assert enc.payload.dtype == torch.uint8 and enc.payload.shape == shape
     assert enc.nbytes == expected == cfg.encoded_bytes(rows, cols)
 
@@ -113,11 +113,12 @@ def test_zeros_are_exact(cfg):
     assert torch.equal(fp8.decode(enc, cfg), x)
 
 
-def test_mx_scale_is_power_of_two_and_never_clips():
-    cfg = CodecConfig(FP8Format.E4M3, Scaling.MX)
+@pytest.mark.parametrize("scaling,groups", [(Scaling.MX, 3), (Scaling.BLOCK, 1)])
+def test_block_scales_are_powers_of_two_and_never_clip(scaling, groups):
+    cfg = CodecConfig(FP8Format.E4M3, scaling)
     x = torch.randn(16, 96) * torch.logspace(-6, 6, 96)
     enc = fp8.encode(x, cfg)
-    assert enc.scales.dtype == torch.uint8 and enc.scales.shape == (16, 3)
+    assert enc.scales.dtype == torch.uint8 and enc.scales.shape == (16, groups)
     stats = CodecStats()
     fp8.encode(x, cfg, stats=stats)
     assert stats.clipped == 0

@@ -1,0 +1,204 @@
+"""``megatron-gift bench comm``: bytes on the wire and fidelity of the reduced gradients in
+real multi-rank Megatron-Core runs on CPU (gloo), on the real text corpus.
+
+For each rank count and distributed-optimizer setting, a small Llama-style GPTModel trains a
+few steps per mode: ``fp32`` (stock Megatron DDP), ``bf16``, ``euclidean-e4m3`` and
+``gift-e4m3`` (all parameters quantized: linear weights in the mode, the rest Euclidean).
+Each step's reduced gradients are compared with an FP32 average of the same batches computed
+by hand (reference model, all-gather, FP64 sum).
+
+Bytes: the plugin counts what each rank sends (``comm.CommLedger``); stock Megatron's ring
+collectives are counted with the same model: reduce-scatter ``(R-1)/R·bytes``, all-reduce twice that.
+``bytes_per_step`` = gradient bytes + a factor refresh's bytes (statistics all-reduce, transform
+broadcast) amortized over the default refresh interval; GIFT refreshes every step here so that
+its fidelity is measured without a stale factor.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from ..config import GiftConfig, Mode
+from ..numerics.fp8 import CodecConfig
+
+MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
+LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
+REFRESH_INTERVAL = GiftConfig().refresh_interval
+REFRESH_COLLECTIVES = ("all_reduce/fp32", "broadcast/fp32")  # statistics sum, transform broadcast
+
+
+def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:
+    """The plugin configuration of a benchmark mode (None: stock Megatron DDP)."""
+    if mode == "fp32":
+        return None
+    if mode == "bf16":
+        return GiftConfig(mode=Mode.BF16, layers=(".*",))
+    kind = Mode.GIFT if mode.startswith("gift") else Mode.EUCLIDEAN
+    # The factor is refreshed every step here (fidelity without staleness); its bytes are
+    # amortized over the default interval below.
+    return GiftConfig(mode=kind, codec=codec, layers=(LINEAR,), euclidean_layers=(".*",), refresh_interval=1)
+
+
+def megatron_ring_bytes(ddp, dist_opt: bool) -> int:
+    """Bytes one rank sends in stock Megatron's ring reduce-scatter / all-reduce of every bucket."""
+    total = 0
+    for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        n = bg.intra_distributed_optimizer_instance_size if dist_opt else bg.data_parallel_group.size()
+        for bucket in bg.buckets:
+            nbytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
+            total += (1 if dist_opt else 2) * (n - 1) * nbytes // n
+    return total
+
+
+def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from ..megatron.ddp import GiftDistributedDataParallel
+    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss
+    from .corpus import build_token_corpus
+
+    parallel_state.initialize_model_parallel(1, 1)
+    corpus = build_token_corpus(vocab_size=spec["vocab"])
+    codec = CodecConfig(spec["format"], spec["scaling"])
+    model_args = dict(vocab=corpus.vocab_size, seq=spec["seq"], **spec["model"])
+    out = []
+    for dist_opt in (True, False):
+        for mode in MODES:
+            model, ref = build_tiny_gpt(**model_args), build_tiny_gpt(**model_args)
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=spec["bucket_size"]
+            )
+            cfg = gift_config(mode, codec)
+            if cfg is None:
+                ddp = DistributedDataParallel(model.config, ddp_config, model)
+            else:
+                ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=cfg)
+            opt = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=dist_opt), [ddp]
+            )
+            batches = corpus.batches(spec["seq"], spec["batch"], seed=rank)
+            steps = []
+            for _ in range(spec["steps"]):
+                inputs, targets = next(batches)
+                tokens = torch.cat([inputs, targets[:, -1:]], dim=1)
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                lm_loss(ddp, tokens).backward()
+                ddp.finish_grad_sync()
+                if cfg is None:
+                    sent = {"ring/" + ("reduce_scatter" if dist_opt else "all_reduce"): megatron_ring_bytes(ddp, dist_opt)}
+                else:
+                    sent = ddp.ledger.as_dict()
+                expected = hand_average(ref, model, tokens)
+                num, den, shards = 0.0, 0.0, []
+                for bg in ddp.bucket_groups:
+                    for bucket in bg.buckets:
+                        n = bucket.grad_data.numel()
+                        region = slice(rank * n // world, (rank + 1) * n // world) if dist_opt else slice(None)
+                        want = torch.zeros(n, dtype=torch.float64)
+                        for p, (a, b) in bucket.param_to_index.items():
+                            want[a:b] = expected[p]
+                        got = bucket.grad_data[region].double()
+                        num += float((got - want[region]).pow(2).sum())
+                        den += float(want[region].pow(2).sum())
+                        shards.append(bucket.grad_data[region].clone())
+                steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards))
+                opt.step()
+            params = torch.cat([p.detach().flatten() for p in model.parameters()])
+            out.append(dict(mode=mode, distributed_optimizer=dist_opt, steps=steps, params=params))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...] = (2, 4)) -> dict:
+    """Run every configuration, print a table, write JSON; returns the JSON document."""
+    from ..testing import run_on_ranks
+    from .corpus import build_token_corpus
+
+    spec = dict(
+        vocab=2048,
+        seq=64 if quick else 128,
+        batch=2 if quick else 4,
+        steps=2 if quick else 4,
+        bucket_size=40000,
+        format="e4m3",
+        scaling="block",
+        model=dict(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352)
+        if quick
+        else dict(num_layers=4, hidden_size=192, num_attention_heads=6, ffn_hidden_size=512),
+    )
+    t0 = time.time()
+    build_token_corpus(vocab_size=spec["vocab"])  # once, before the ranks read the cache
+    results = []
+    for world in ranks:
+        print(f"[bench comm] {world} ranks ...", file=sys.stderr, flush=True)
+        per_rank = run_on_ranks(_rank_main, world, spec, cpu_harness=True, timeout=1800)
+        results.extend(_summarize(per_rank, world))
+    doc = dict(
+        benchmark="comm",
+        command="megatron-gift bench comm" + (" --quick" if quick else ""),
+        machine=dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__),
+        spec=spec,
+        bytes_model="plugin: bytes each rank sends (all-to-all: what leaves the rank; ring all-gather: (R-1)*chunk); "
+        "stock Megatron: ring reduce-scatter (R-1)/R*bytes, all-reduce 2(R-1)/R*bytes",
+        wall_seconds=round(time.time() - t0, 1),
+        results=results,
+    )
+    print(format_table(results))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
+    rows = []
+    fp32_bytes = {}
+    for k, rec in enumerate(per_rank[0]):
+        mode, dist_opt = rec["mode"], rec["distributed_optimizer"]
+        runs = [r[k] for r in per_rank]
+        n = len(rec["steps"])
+        refresh_bytes = sum(v for s in rec["steps"] for k, v in s["bytes"].items() if k in REFRESH_COLLECTIVES) / n
+        grad_bytes = sum(v for s in rec["steps"] for k, v in s["bytes"].items() if k not in REFRESH_COLLECTIVES) / n
+        bytes_per_step = grad_bytes + refresh_bytes / REFRESH_INTERVAL
+        if mode == "fp32":
+            fp32_bytes[dist_opt] = bytes_per_step
+        err2 = sum(s["err2"] for r in runs for s in r["steps"])
+        ref2 = sum(s["ref2"] for r in runs for s in r["steps"])
+        identical = all(torch.equal(r["params"], runs[0]["params"]) for r in runs)
+        if not dist_opt:  # all-reduce: every rank holds the same reduced gradients
+            identical &= all(
+                torch.equal(a, b) for r in runs for s, s0 in zip(r["steps"], runs[0]["steps"]) for a, b in zip(s["grads"], s0["grads"])
+            )
+        rows.append(
+            dict(
+                mode=mode,
+                ranks=world,
+                distributed_optimizer=dist_opt,
+                bytes_per_step=int(bytes_per_step),
+                grad_bytes_per_step=int(grad_bytes),
+                refresh_bytes=int(refresh_bytes),
+                refresh_interval=REFRESH_INTERVAL,
+                bytes_ratio_vs_fp32=round(bytes_per_step / fp32_bytes[dist_opt], 4),
+                rel_l2_vs_fp32=(err2 / ref2) ** 0.5,
+                ranks_bitwise_identical=bool(identical),
+            )
+        )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = "| ranks | dist. opt. | mode | bytes/step/rank | vs FP32 | RelL2 vs FP32 | ranks identical |\n|---|---|---|---|---|---|---|"
+    lines = [
+        f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['bytes_per_step']:,} | "
+        f"{r['bytes_ratio_vs_fp32']:.3f} | {r['rel_l2_vs_fp32']:.2e} | {'yes' if r['ranks_bitwise_identical'] else 'NO'} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
