@@ -1,0 +1,60 @@
+"""Command-line interface: ``megatron-gift <group> <command>``.
+
+Groups are argparse subcommands; each leaf sets ``func(args) -> exit code``. Heavy modules
+are imported inside the handlers so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _bench_fidelity(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import fidelity
+
+    report = fidelity.run(
+        quick=args.quick, json_path=args.json, ranks=args.ranks, command=args.command_line, threads=args.threads or None
+    )
+    print(fidelity.format_tables(report), end="")
+    return 0
+
+
+def _add_bench(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    fid = commands.add_parser(
+        "fidelity",
+        help="FP8 gradient-sum error of Euclidean and GIFT schemes on a small Llama",
+        description="Train a small Llama on the Python docs and measure the RelL2 of FP8 data-parallel "
+        "gradient sums (Euclidean and GIFT, every format and scaling granularity).",
+    )
+    fid.add_argument("--quick", action="store_true", help="small preset (under 3 minutes on 2 CPU cores)")
+    fid.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    fid.add_argument("--ranks", type=_positive_int, default=8, metavar="N", help="simulated data-parallel ranks (default 8)")
+    fid.add_argument(
+        "--threads", type=int, default=1, metavar="N", help="torch intra-op threads (default 1; 0 keeps torch's default)"
+    )
+    fid.set_defaults(func=_bench_fidelity)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_bench(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["megatron-gift", *argv])
+    return args.func(args)
