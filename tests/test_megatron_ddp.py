@@ -231,3 +231,79 @@ def test_kfac_statistics_tensor_and_sequence_parallel():
     assert all(r["err"] < 1e-5 for r in res), [r["err"] for r in res]
     # ranks 0/2 and 1/3 share a TP rank (data-parallel peers): identical transforms
     assert torch.equal(res[0]["q"], res[2]["q"]) and torch.equal(res[1]["q"], res[3]["q"])
+
+
+def _pp_worker(rank, world):
+    """PP=2 x DP=2 with Megatron's pipeline schedule: each stage's reduced gradients against
+    stock Megatron DDP (FP32) on the same weights and data, for every mode."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    parallel_state.initialize_model_parallel(1, 2)
+    stage = dict(
+        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, hidden_size=72, ffn_hidden_size=136,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    dp_rank = parallel_state.get_data_parallel_rank()
+
+    def forward_step(data, model):
+        tokens = next(data)
+        out = model(tokens[:, :-1], torch.arange(32).expand(2, 32), None, labels=tokens[:, 1:])
+        return out, lambda output: (output.float().mean(), {})
+
+    def run_step(ddp, step):
+        ddp.zero_grad_buffer()
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([random_tokens(10 * step + m, dp_rank) for m in range(2)]),
+            model=[ddp], num_microbatches=2, seq_length=32, micro_batch_size=2, forward_only=False,
+        )
+        ddp.finish_grad_sync()  # what Megatron's finalize_model_grads does after the schedule
+        return [b.grad_data.clone() for bg in ddp.bucket_groups for b in bg.buckets]
+
+    out = {}
+    for mode, dist_opt in itertools.product(list(Mode), [True, False]):
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=6000)
+        model, ref_model = build_tiny_gpt(**stage), build_tiny_gpt(**stage)
+        gift = GiftConfig(mode=mode, rank=8, refresh_interval=1)
+        ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
+        ref = DistributedDataParallel(ref_model.config, DistributedDataParallelConfig(**vars(ddp_config)), ref_model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=dist_opt), [ddp])
+        rels, exact = [], True
+        for step in range(2):
+            opt.zero_grad()  # as Megatron's train_step: the optimizer aliased .grad to main_grad
+            got = run_step(ddp, step)
+            with torch.no_grad():
+                for p_ref, p in zip(ref_model.parameters(), model.parameters()):
+                    p_ref.copy_(p)
+            want = run_step(ref, step)
+            for g, w in zip(got, want):
+                region = slice(dp_rank * g.numel() // 2, (dp_rank + 1) * g.numel() // 2) if dist_opt else slice(None)
+                rels.append(((g[region] - w[region]).norm() / w[region].norm()).item())
+                exact &= torch.equal(g[region], w[region])
+            opt.step()
+        out[(mode.value, dist_opt)] = dict(
+            rels=rels, exact=exact, params=torch.cat([p.detach().flatten() for p in model.parameters()]),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        )
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_pp2_dp2():
+    res = run_on_ranks(_pp_worker, 4, cpu_harness=True, timeout=900)
+    for key in res[0]:
+        mode, _ = key
+        for r in res:
+            if mode == "off":
+                assert r[key]["exact"], (key, r[key]["rels"])
+            else:
+                assert max(r[key]["rels"]) < (0.06 if mode == "euclidean" else 0.1), (key, max(r[key]["rels"]))
+        stages = {}
+        for r in res:  # data-parallel peers of one stage hold identical parameters
+            stages.setdefault(r[key]["pp_rank"], []).append(r[key]["params"])
+        assert all(torch.equal(ps[0], p) for ps in stages.values() for p in ps), key

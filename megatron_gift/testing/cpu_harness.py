@@ -130,6 +130,7 @@ def install():
         _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
         _patch(torch.cuda, "current_stream", lambda device=None: _Stream())
         _patch(torch.cuda, "Stream", _Stream)
+        _patch(torch.cuda, "synchronize", lambda device=None: None)  # pipeline p2p after send/recv
         _patch(CudaRNGStatesTracker, "add", _rng_add)
         _patch(CudaRNGStatesTracker, "fork", _rng_fork)
         _mode = _CudaToCpu()

@@ -8,7 +8,8 @@ VOCAB, SEQ = 128, 32
 
 
 def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overrides):
-    """RoPE, SwiGLU, RMSNorm, no bias; the same seed (and parallel layout) gives the same weights."""
+    """RoPE, SwiGLU, RMSNorm, no bias; the same seed (and parallel layout) gives the same weights.
+    ``pre_process`` / ``post_process`` select a pipeline stage; other overrides go to the config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -22,9 +23,10 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
         normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, params_dtype=torch.float32,
     )
+    stage = {k: overrides.pop(k) for k in ("pre_process", "post_process") if k in overrides}
     kwargs.update(overrides)
     return GPTModel(TransformerConfig(**kwargs), get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
+                    vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope", **stage)
 
 
 def random_tokens(step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> torch.Tensor:
