@@ -11,14 +11,14 @@ granularity  group                                  scale stored as
 ===========  =====================================  ======================================
 TENSOR       the whole tensor                       1 x float32
 ROW          one row                                rows x float32
-BLOCK        1 x ``block`` (128) along cols         rows x ceil(cols/block) x uint8 (E8M0)
+BLOCK        1 x ``block`` (128) along cols         rows x ceil(cols/block) x bfloat16
 MX           1 x 32 along cols                      rows x ceil(cols/32) x uint8 (E8M0)
 ===========  =====================================  ======================================
 
 Encode: ``q = fp8(x / s)`` with ``s = amax / fp8_max`` (``amax`` over the group's finite
-values; ``s = 1`` for an all-zero group). Block and MX scales are rounded up to a power of
-two (one byte on the wire, 1/128 resp. 1/32 byte per element), so the block maximum never
-clips and FP8's relative precision is kept. Decode: ``x̂ = float(q) * s``. Non-finite inputs are encoded as
+values; ``s = 1`` for an all-zero group). Block scales are rounded up to BF16 (2/128 byte per
+element) and MX scales up to a power of two (OCP MX, 1/32 byte per element), so a group's
+maximum never clips. Decode: ``x̂ = float(q) * s``. Non-finite inputs are encoded as
 the format's NaN (E4M3) or Inf/NaN (E5M2) so they survive decode: a NaN check after the
 reduction still fires.
 """
@@ -113,17 +113,13 @@ class CodecConfig:
             return (rows, 1)
         return (rows, math.ceil(cols / self.block))
 
-    @property
-    def pow2_scales(self) -> bool:
-        """Block and MX scales are powers of two sent as one E8M0 byte; tensor and row scales FP32."""
-        return self.scaling in (Scaling.BLOCK, Scaling.MX)
-
     def scale_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.pow2_scales else torch.float32
+        """Tensor and row scales travel as FP32, block scales as BF16, MX scales as E8M0 bytes."""
+        return {Scaling.BLOCK: torch.bfloat16, Scaling.MX: torch.uint8}.get(self.scaling, torch.float32)
 
     def scale_bytes(self, rows: int, cols: int) -> int:
         r, g = self.groups(rows, cols)
-        return r * g * (1 if self.pow2_scales else 4)
+        return r * g * self.scale_dtype().itemsize
 
     def encoded_bytes(self, rows: int, cols: int) -> int:
         """Bytes on the wire for one encoded ``[rows, cols]`` tensor: payload plus scales."""
@@ -193,22 +189,26 @@ def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
-    """Dequantization scales ``s = amax / fp8_max`` (1 where amax is 0); E8M0 codes for block/MX."""
+    """Dequantization scales ``s = amax / fp8_max`` (1 where amax is 0) in the wire format."""
     # Clamped to FP32's smallest normal so that a group of tiny values never divides by zero.
     s = torch.where(amax > 0, (amax / cfg.fmt.max).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
-    if not cfg.pow2_scales:
-        return s.float()
-    # Round up to a power of two so that amax / s <= fp8_max: the block maximum never clips. The
-    # relative precision of the FP8 values is unchanged; only the subnormal threshold moves (<= 2x).
-    e = torch.ceil(torch.log2(s)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-    return (e + _E8M0_BIAS).to(torch.uint8)
+    if cfg.scaling is Scaling.MX:
+        # OCP MX: a power of two, rounded up so that amax / s <= fp8_max (the maximum never clips).
+        e = torch.ceil(torch.log2(s)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
+        return (e + _E8M0_BIAS).to(torch.uint8)
+    if cfg.scaling is Scaling.BLOCK:
+        # BF16 rounded up: the block maximum never clips and lands within 2^-8 of fp8_max, so it
+        # is still encoded (almost) exactly, for half the bytes of an FP32 scale.
+        b = s.to(torch.bfloat16)
+        return torch.where(b.float() < s, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
+    return s.float()
 
 
 def scale_values(scales: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """FP32 dequantization scales from stored scales (decodes E8M0 codes)."""
-    if cfg.pow2_scales:
+    if cfg.scaling is Scaling.MX:
         return torch.exp2(scales.float() - _E8M0_BIAS)
-    return scales
+    return scales.float()
 
 
 def encode_flat(
