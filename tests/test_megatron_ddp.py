@@ -66,10 +66,12 @@ def _train(mode, dist_opt, overlap, bucket_size, tp, sp, stock=False):
             grads.append(bucket.grad_data[region].clone())
         ok, _, _ = opt.step()
         assert ok
+    ddp.zero_grad_buffer()  # closes the last step: its byte count moves to last_step_bytes
+    sent = dict(getattr(ddp, "last_step_bytes", {}))
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     pieces = sum(layout.max_pieces for bg in ddp.bucket_groups for layout in getattr(bg, "gift_layouts", []) if layout)
     n_buckets = sum(len(bg.buckets) for bg in ddp.bucket_groups)
-    return dict(rels=rels, grads=grads, params=params, pieces=pieces, buckets=n_buckets)
+    return dict(rels=rels, grads=grads, params=params, pieces=pieces, buckets=n_buckets, sent=sent)
 
 
 def _worker(rank, world, layouts):
@@ -102,6 +104,9 @@ def _check(results, dist_opt_split_rows_expected=True):
                 assert max(res["rels"]) < 1e-6, key
             else:
                 assert max(res["rels"]) < (0.06 if mode == "euclidean" else 0.1), (key, max(res["rels"]))
+                # bytes are reported per step, by collective and dtype
+                assert res["sent"].get("all_to_all/fp8+scales", 0) > 0, (key, res["sent"])
+                assert (res["sent"].get("all_gather/fp8+scales", 0) > 0) == (not dist_opt), (key, res["sent"])
             if bucket_size is not None:
                 assert res["buckets"] >= 3, key
         # Ranks holding the same model shard (same TP rank) end with bit-identical parameters,
@@ -307,3 +312,18 @@ def test_pipeline_parallel_pp2_dp2():
         for r in res:  # data-parallel peers of one stage hold identical parameters
             stages.setdefault(r[key]["pp_rank"], []).append(r[key]["params"])
         assert all(torch.equal(ps[0], p) for ps in stages.values() for p in ps), key
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [("num_distributed_optimizer_instances", 2, "num_distributed_optimizer_instances"),
+     ("reduce_scatter_with_fp32_accumulation", True, "reduce_scatter_with_fp32_accumulation")],
+)
+def test_unsupported_ddp_settings_are_refused(field, value, match):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, **{field: value})
+    with pytest.raises(ValueError, match=match):
+        GiftDistributedDataParallel(None, ddp_config, torch.nn.Linear(2, 2))

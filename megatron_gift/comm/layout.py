@@ -100,9 +100,17 @@ class BucketLayout:
         self.plain_runs = [_merge([(s.start, s.end) for s in segs if s.mode is m]) for m in (Mode.OFF, Mode.BF16)]
         self.coded_runs = _complement(_merge([r for runs in self.plain_runs for r in runs]), numel)
         self.group_lengths = self._group_lengths()
+        self._lengths_on: dict[str, torch.Tensor] = {}
         self.n_coded = sum(b - a for a, b in self.coded_runs)
         self.shards = [self._shard(j) for j in range(num_shards)]
         self.max_pieces = max((len(p.pieces) for p in self.shards), default=0)
+
+    def group_lengths_on(self, device) -> torch.Tensor:
+        """``group_lengths`` on ``device``, copied there once."""
+        key = str(device)
+        if key not in self._lengths_on:
+            self._lengths_on[key] = self.group_lengths.to(device)
+        return self._lengths_on[key]
 
     def coded_index(self, pos: int) -> int:
         """Index in the coded-element order of bucket position ``pos`` (a coded element)."""

@@ -104,7 +104,7 @@ class _Codec:
         """``msgs [k, ≥ message_bytes]`` → decoded coded values ``[k, n_coded]`` and each plain
         class ``[k, n]``, all FP32."""
         n_groups, n_coded = plan.g_hi - plan.g_lo, plan.c_hi - plan.c_lo
-        lengths = self.layout.group_lengths[plan.g_lo : plan.g_hi].to(msgs.device)
+        lengths = self.layout.group_lengths_on(msgs.device)[plan.g_lo : plan.g_hi]
         scale_dtype = self.cfg.scale_dtype()
         payload_at = plan.scale_bytes + sum(plan.plain_bytes)
         coded = torch.stack(
@@ -122,7 +122,7 @@ class _Codec:
 
     def encode(self, plan: ShardPlan, coded: torch.Tensor) -> Encoded:
         """Encode this shard's coded values (``[n_coded]``, in the shard's group layout)."""
-        lengths = self.layout.group_lengths[plan.g_lo : plan.g_hi].to(coded.device)
+        lengths = self.layout.group_lengths_on(coded.device)[plan.g_lo : plan.g_hi]
         return encode_flat(coded, lengths, self.cfg)
 
 
@@ -157,11 +157,12 @@ class QuantizedReduce:
         self._transform(coded, 0, whole_rows=[(i, 0, s.rows) for i, s in enumerate(layout.segments)], inverse=False)
         if error_feedback is not None:
             coded = error_feedback.compensate(coded)
-        enc = encode_flat(coded, layout.group_lengths.to(flat.device), layout.codec)
+        lengths = layout.group_lengths_on(flat.device)
+        enc = encode_flat(coded, lengths, layout.codec)
         if error_feedback is not None:
-            error_feedback.stage(coded, decode_flat(enc, layout.group_lengths.to(flat.device), layout.codec))
+            error_feedback.stage(coded, decode_flat(enc, lengths, layout.codec))
         send = []
-        for j, plan in enumerate(layout.shards):
+        for plan in layout.shards:
             shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
             send.append(self.codec.pack(plan, shard_enc, self.codec.plains(flat, plan)))
         mine = layout.shards[self.rank]
@@ -192,7 +193,7 @@ class QuantizedReduce:
         if self.work is not None:
             self.work.wait()
         plan = self.layout.shards[self.rank]
-        coded, plains = self.codec.unpack(plan, self.recv.view(self.world, -1))
+        coded, plains = self.codec.unpack(plan, self.recv.view(self.world, plan.message_bytes))
         sums = [_rank_order_sum(t, self.world) for t in (coded, *plains)]
         if self.average:
             for t in sums:

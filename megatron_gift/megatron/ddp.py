@@ -239,6 +239,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             if column_parallel and getattr(mod, "sequence_parallel", False) and self.tp_group.size() > 1:
                 g.stats_groups.append(self.tp_group)
             hooks.append(mod.register_forward_pre_hook(self._stat_hook(g)))
+        for g in self.gift_params.values():
+            if g.mode is Mode.GIFT and g.stats is None:
+                logger.warning("megatron-gift: no module takes %s as its .weight; sending it Euclidean", g.name)
+                g.mode = Mode.EUCLIDEAN
         return hooks
 
     def _stat_hook(self, g: GiftParam):
@@ -273,11 +277,12 @@ class GiftDistributedDataParallel(DistributedDataParallel):
 
     def refresh_factors(self, bg: GiftBucketGroup) -> None:
         """On a refresh step, fold the summed statistics of this group's GIFT weights into ``T``."""
+        if not self.collecting:
+            return
         for params in bg.gift_params:
             for g in params:
-                if g is None or g.mode is not Mode.GIFT or g.stats is None or float(g.stats.tokens) == 0:
-                    continue
-                self._refresh(g, bg)
+                if g is not None and g.mode is Mode.GIFT:
+                    self._refresh(g, bg)
 
     def _refresh(self, g: GiftParam, bg: GiftBucketGroup) -> None:
         stats = g.stats
@@ -286,6 +291,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             for t in [*stats.sums.values(), stats.tokens]:
                 dist.all_reduce(t, group=group)
                 self.ledger.add("all_reduce", "fp32", 2 * (n - 1) * t.numel() * t.element_size() // n)
+        if float(stats.tokens) == 0:  # the layer saw no training tokens this step
+            return
         if not all(bool(torch.isfinite(t).all()) for t in stats.sums.values()):
             logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
             stats.reset_accumulators()
