@@ -1,0 +1,222 @@
+"""Megatron command-line flags (``--gift-*``) that build a :class:`GiftConfig`.
+
+``add_gift_args`` is an ``extra_args_provider`` for ``megatron.training.arguments.parse_args``;
+``chain_args_providers`` combines it with a script's own provider. ``--gift-mode`` defaults to
+``off``, so adding the flags changes nothing until asked. Every other default is read from
+``GiftConfig()``, the single source of truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from .config import GiftConfig, Mode
+from .megatron.ddp import param_modes
+from .numerics.fp8 import CodecConfig, FP8Format, Scaling
+
+_DEFAULT = GiftConfig()
+
+# GiftConfig/CodecConfig field names as they appear in their ValueError messages -> flag names.
+_FIELD_FLAGS = {
+    "rank": "--gift-rank",
+    "sketch": "--gift-sketch",
+    "damping": "--gift-damping",
+    "ema": "--gift-ema",
+    "refresh_interval": "--gift-refresh-interval",
+    "block size": "--gift-block-size",
+}
+_FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
+_SHOWN_NAMES = 8  # parameter names quoted in an error message
+
+
+def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract)."""
+    g = parser.add_argument_group("megatron-gift", "FP8 data-parallel gradient communication with GIFT whitening")
+    g.add_argument(
+        "--gift-mode",
+        choices=[m.value for m in Mode],
+        default=Mode.OFF.value,
+        help="What the --gift-layers gradients are sent as: off (Megatron's own reduction, the default), "
+        "bf16, euclidean (plain FP8) or gift (whitened FP8).",
+    )
+    g.add_argument(
+        "--gift-fp8-format",
+        choices=[f.value for f in FP8Format],
+        default=_DEFAULT.codec.fmt.value,
+        help="FP8 format on the wire (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-scaling",
+        choices=[s.value for s in Scaling],
+        default=_DEFAULT.codec.scaling.value,
+        help="FP8 scale granularity: one per tensor, row, 1x--gift-block-size block, or 1x32 MX block "
+        "(default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-block-size",
+        type=int,
+        default=_DEFAULT.codec.block,
+        help="Elements per scale with --gift-scaling block (mx always uses 32; default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-rank", type=int, default=_DEFAULT.rank, help="Rank of the whitening factor (default: %(default)s)."
+    )
+    g.add_argument(
+        "--gift-sketch",
+        type=int,
+        default=_DEFAULT.sketch,
+        help="Nyström sketch columns of the input statistics XᵀX; 0 keeps the exact XᵀX (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-refresh-interval",
+        type=int,
+        default=_DEFAULT.refresh_interval,
+        help="Iterations between whitening-factor refreshes (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-ema", type=float, default=_DEFAULT.ema, help="EMA decay of the input statistics (default: %(default)s)."
+    )
+    g.add_argument(
+        "--gift-damping",
+        type=float,
+        default=_DEFAULT.damping,
+        help="Damping added to the input statistics (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-layers",
+        nargs="+",
+        metavar="REGEX",
+        default=list(_DEFAULT.layers),
+        help="Regular expressions (re.search) on parameter names that use --gift-mode (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-euclidean-layers",
+        nargs="+",
+        metavar="REGEX",
+        default=list(_DEFAULT.euclidean_layers),
+        help="Further parameters (e.g. embeddings) sent as plain FP8.",
+    )
+    g.add_argument(
+        "--gift-error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULT.error_feedback,
+        help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-log-interval",
+        type=int,
+        default=0,
+        help="Iterations between megatron-gift log lines; 0 turns them off (default: %(default)s).",
+    )
+    return parser
+
+
+def chain_args_providers(*providers):
+    """One ``extra_args_provider`` that applies ``providers`` in order (Megatron accepts only one)."""
+
+    def provider(parser):
+        for p in providers:
+            parser = p(parser)
+        return parser
+
+    return provider
+
+
+def gift_config_from_args(args) -> GiftConfig | None:
+    """The configuration the flags ask for, or None with ``--gift-mode off``.
+
+    Out-of-range values raise GiftConfig's ``ValueError`` reworded with the flag names."""
+    if args.gift_mode == Mode.OFF.value:
+        return None
+    try:
+        return GiftConfig(
+            mode=Mode(args.gift_mode),
+            codec=CodecConfig(FP8Format(args.gift_fp8_format), Scaling(args.gift_scaling), args.gift_block_size),
+            rank=args.gift_rank,
+            sketch=args.gift_sketch,
+            damping=args.gift_damping,
+            ema=args.gift_ema,
+            refresh_interval=args.gift_refresh_interval,
+            error_feedback=args.gift_error_feedback,
+            layers=tuple(args.gift_layers),
+            euclidean_layers=tuple(args.gift_euclidean_layers),
+        )
+    except ValueError as e:
+        raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
+
+
+def validate_gift_args(args, named_parameters=None) -> None:
+    """Raise ``ValueError`` saying which flag to change when the ``--gift-*`` flags cannot work.
+
+    Checks value ranges, regular expressions and conflicts with other Megatron flags; given the
+    model's ``named_parameters`` (``(name, param)`` pairs, as the DDP wrapper will see them), also
+    that every pattern selects a parameter and that ``--gift-rank`` fits each GIFT layer."""
+    if args.gift_log_interval < 0:
+        raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
+    cfg = gift_config_from_args(args)
+    if cfg is None:
+        if args.gift_euclidean_layers:
+            raise ValueError(
+                "--gift-euclidean-layers has no effect with --gift-mode off: "
+                "choose --gift-mode bf16, euclidean or gift, or drop --gift-euclidean-layers"
+            )
+        return
+    patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
+    for flag, pats in patterns.items():
+        for pat in pats:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"{flag}: {pat!r} is not a valid regular expression ({e})") from e
+    _check_megatron_flags(args)
+    if named_parameters is not None:
+        _check_parameters(cfg, list(named_parameters), patterns)
+
+
+def _check_megatron_flags(args) -> None:
+    """Megatron features that replace or change the reduction megatron-gift takes over."""
+    off = "or set --gift-mode off"
+    for attr, flag in (
+        ("use_megatron_fsdp", "--use-megatron-fsdp"),
+        ("use_custom_fsdp", "--use-megatron-fsdp"),  # deprecated alias Megatron's validate_args still sets
+        ("use_torch_fsdp2", "--use-torch-fsdp2"),
+    ):
+        if getattr(args, attr, False):
+            raise ValueError(
+                f"megatron-gift extends Megatron's DistributedDataParallel and does not support {flag}: "
+                f"drop {flag} (use --use-distributed-optimizer for sharded optimizer states) {off}"
+            )
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    if instances > 1:
+        raise ValueError(
+            f"megatron-gift does not support --num-distributed-optimizer-instances > 1 (got {instances}): "
+            f"set it to 1 {off}"
+        )
+    if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False):
+        raise ValueError(
+            "--ddp-reduce-scatter-with-fp32-accumulation replaces the same collective as megatron-gift "
+            f"(which already sums in FP32): drop it {off}"
+        )
+
+
+def _check_parameters(cfg: GiftConfig, named: list, patterns: dict) -> None:
+    """Every pattern selects some parameter, and ``rank`` fits each GIFT layer's input size."""
+    names = [n for n, _ in named]
+    unmatched = [
+        f"{flag} {pat!r}" for flag, pats in patterns.items() for pat in pats if not any(re.search(pat, n) for n in names)
+    ]
+    if unmatched:
+        more = f", ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else ""
+        raise ValueError(
+            f"megatron-gift: no parameter name matches {', '.join(unmatched)}: fix or drop the pattern(s). "
+            f"Parameter names: {', '.join(names[:_SHOWN_NAMES])}{more}"
+        )
+    modes = param_modes(named, cfg)
+    narrow = [(n, p.shape[1]) for n, p in named if modes[n] is Mode.GIFT and p.shape[1] < cfg.rank]
+    if narrow:
+        listed = ", ".join(f"{n} (input size {d})" for n, d in narrow[:_SHOWN_NAMES])
+        raise ValueError(
+            f"--gift-rank {cfg.rank} exceeds the input size of GIFT layer(s) {listed}: lower --gift-rank to at most "
+            f"{min(d for _, d in narrow)} or leave those layers out of --gift-layers"
+        )

@@ -1,0 +1,185 @@
+"""``--gift-*`` flags parsed by Megatron's real ``parse_args``, mapped to GiftConfig, and validated."""
+
+import argparse
+import sys
+import typing
+
+import pytest
+import torch
+
+from megatron_gift.arguments import add_gift_args, chain_args_providers, gift_config_from_args, validate_gift_args
+from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
+
+MEGATRON_ARGV = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+]  # fmt: skip
+
+H = 64
+NAMED_PARAMS = [
+    (name, torch.empty(shape))
+    for name, shape in [
+        ("embedding.word_embeddings.weight", (128, H)),
+        ("decoder.layers.0.input_layernorm.weight", (H,)),
+        ("decoder.layers.0.self_attention.linear_qkv.weight", (3 * H, H)),
+        ("decoder.layers.0.self_attention.linear_proj.weight", (H, H)),
+        ("decoder.layers.0.mlp.linear_fc1.weight", (4 * H, H)),
+        ("decoder.layers.0.mlp.linear_fc2.weight", (H, 4 * H)),
+        ("decoder.final_layernorm.weight", (H,)),
+        ("output_layer.weight", (128, H)),
+    ]
+]
+
+
+@pytest.fixture(scope="module")
+def megatron_parse_args():
+    """Megatron's ``parse_args``; ``megatron.training`` needs ``typing.override`` (Python 3.12) at import."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not hasattr(typing, "override"):
+            import typing_extensions
+
+            mp.setattr(typing, "override", typing_extensions.override, raising=False)
+        from megatron.training.arguments import parse_args
+    return parse_args
+
+
+@pytest.fixture
+def parse(megatron_parse_args, monkeypatch):
+    """``parse(*flags, provider=add_gift_args)``: Megatron's namespace for the minimal model plus ``flags``."""
+
+    def run(*flags, provider=add_gift_args):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MEGATRON_ARGV, *flags])
+        return megatron_parse_args(extra_args_provider=provider, ignore_unknown_args=False)
+
+    return run
+
+
+def test_defaults_change_nothing(parse):
+    args = parse()
+    assert args.gift_mode == "off" and args.gift_log_interval == 0
+    assert gift_config_from_args(args) is None
+    validate_gift_args(args, NAMED_PARAMS)
+    plain = vars(parse(provider=None))
+    assert {k: v for k, v in vars(args).items() if not k.startswith("gift_")} == plain
+
+
+def test_defaults_come_from_gift_config(parse):
+    assert gift_config_from_args(parse("--gift-mode", "gift")) == GiftConfig()
+
+
+def test_every_flag_maps_to_config(parse):
+    args = parse(
+        "--gift-mode", "euclidean", "--gift-fp8-format", "e5m2", "--gift-scaling", "row",
+        "--gift-block-size", "64", "--gift-rank", "8", "--gift-sketch", "0",
+        "--gift-refresh-interval", "10", "--gift-ema", "0.5", "--gift-damping", "0.01",
+        "--gift-layers", r"linear_fc1\.weight$", r"linear_fc2\.weight$",
+        "--gift-euclidean-layers", "word_embeddings", "output_layer",
+        "--gift-error-feedback", "--gift-log-interval", "5",
+    )  # fmt: skip
+    assert gift_config_from_args(args) == GiftConfig(
+        mode=Mode.EUCLIDEAN,
+        codec=CodecConfig(FP8Format.E5M2, Scaling.ROW, 64),
+        rank=8,
+        sketch=0,
+        damping=0.01,
+        ema=0.5,
+        refresh_interval=10,
+        error_feedback=True,
+        layers=(r"linear_fc1\.weight$", r"linear_fc2\.weight$"),
+        euclidean_layers=("word_embeddings", "output_layer"),
+    )
+    assert args.gift_log_interval == 5
+    validate_gift_args(args, NAMED_PARAMS)
+    for mode in ("bf16", "gift"):
+        assert gift_config_from_args(parse("--gift-mode", mode)).mode is Mode(mode)
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-scaling", "mx")).codec.block == 32
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--gift-mode", "fp4"), ("--gift-fp8-format", "e3m4"), ("--gift-scaling", "column")]
+)
+def test_bad_choice_rejected_by_argparse(parse, capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        parse(flag, value)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and f"invalid choice: '{value}'" in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gift-ema", "1.0"], "--gift-ema must be in [0, 1), got 1.0"),
+        (["--gift-rank", "-1"], "--gift-rank must be >= 0"),
+        (["--gift-sketch", "16"], "--gift-sketch (16) must be 0 (exact statistics) or >= --gift-rank (32)"),
+        (["--gift-damping", "0"], "--gift-damping must be > 0"),
+        (["--gift-refresh-interval", "0"], "--gift-refresh-interval must be >= 1"),
+        (["--gift-block-size", "0"], "--gift-block-size must be positive"),
+        (["--gift-log-interval", "-1"], "--gift-log-interval must be >= 0"),
+        (["--gift-layers", "linear_(qkv"], "--gift-layers: 'linear_(qkv' is not a valid regular expression"),
+        (["--gift-euclidean-layers", "[emb"], "--gift-euclidean-layers: '[emb' is not a valid regular expression"),
+        (["--use-megatron-fsdp"], "does not support --use-megatron-fsdp"),
+        (["--use-torch-fsdp2"], "does not support --use-torch-fsdp2"),
+        (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances > 1 (got 2)"),
+        (["--ddp-reduce-scatter-with-fp32-accumulation"], "--ddp-reduce-scatter-with-fp32-accumulation replaces"),
+    ],
+)
+def test_validation_errors_name_the_flag(parse, flags, message):
+    args = parse("--gift-mode", "gift", *flags)
+    with pytest.raises(ValueError) as exc:
+        validate_gift_args(args)
+    assert message in str(exc.value)
+    if not flags[0].startswith("--gift-"):
+        assert "--gift-mode off" in str(exc.value)
+        validate_gift_args(parse(*flags))  # the same Megatron flags are fine with --gift-mode off
+
+
+def test_deprecated_custom_fsdp_attribute_rejected(parse):
+    args = parse("--gift-mode", "euclidean")
+    args.use_custom_fsdp = True  # what Megatron's validate_args sets alongside --use-megatron-fsdp
+    with pytest.raises(ValueError, match="does not support --use-megatron-fsdp"):
+        validate_gift_args(args)
+
+
+def test_euclidean_layers_need_a_mode(parse):
+    with pytest.raises(ValueError, match="--gift-euclidean-layers has no effect with --gift-mode off"):
+        validate_gift_args(parse("--gift-euclidean-layers", "word_embeddings"))
+
+
+def test_unmatched_pattern_lists_parameter_names(parse):
+    args = parse("--gift-mode", "gift", "--gift-euclidean-layers", "embeddings", r"lm_head\.weight")
+    with pytest.raises(ValueError) as exc:
+        validate_gift_args(args, NAMED_PARAMS)
+    msg = str(exc.value)
+    assert r"--gift-euclidean-layers 'lm_head\\.weight'" in msg and "'embeddings'" not in msg
+    assert "embedding.word_embeddings.weight" in msg and "output_layer.weight" in msg
+    validate_gift_args(args)  # without the model, patterns cannot be checked
+
+
+def test_rank_above_layer_input_size(parse):
+    args = parse("--gift-mode", "gift", "--gift-rank", "100", "--gift-sketch", "0")
+    with pytest.raises(ValueError) as exc:
+        validate_gift_args(args, NAMED_PARAMS)
+    msg = str(exc.value)
+    assert "--gift-rank 100" in msg and "decoder.layers.0.self_attention.linear_qkv.weight (input size 64)" in msg
+    assert "linear_fc2" not in msg and "at most 64" in msg  # fc2's input is 4H = 256
+    validate_gift_args(parse("--gift-mode", "euclidean", "--gift-rank", "100", "--gift-sketch", "0"), NAMED_PARAMS)
+
+
+def test_one_dimensional_parameters_are_not_gift_layers(parse):
+    """A pattern that also selects norms: those go Euclidean, so the rank check skips them."""
+    validate_gift_args(parse("--gift-mode", "gift", "--gift-layers", r"decoder\..*weight$"), NAMED_PARAMS)
+
+
+def test_chained_with_another_provider(parse):
+    def own(parser):
+        parser.add_argument_group("my-script").add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    args = parse("--my-flag", "3", "--gift-mode", "gift", provider=chain_args_providers(own, add_gift_args))
+    assert args.my_flag == 3 and gift_config_from_args(args) == GiftConfig()
+
+    parser = chain_args_providers(add_gift_args, own)(argparse.ArgumentParser())
+    assert "megatron-gift" in [g.title for g in parser._action_groups]
+    assert vars(parser.parse_args([]))["my_flag"] == 7
