@@ -214,7 +214,7 @@ def _sp_stats_worker(rank, world):
     torch.manual_seed(0)
     net = Net()
     ddp = GiftDistributedDataParallel(
-        config, DistributedDataParallelConfig(), net, gift_config=GiftConfig(layers=(r"lin\.weight$",), rank=4)
+        config, DistributedDataParallelConfig(), net, gift_config=GiftConfig(layers=(r"lin\.weight$",), rank=4, refresh_interval=1)
     )
     chunks = [torch.randn(seq // 2, batch, hidden, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ddp.zero_grad_buffer()
@@ -224,18 +224,32 @@ def _sp_stats_worker(rank, world):
     expected = x.T @ x / x.shape[0]
     g = next(iter(ddp.gift_params.values()))
     err = (g.stats.factor.double() - expected).abs().max().item()
-    q = g.whitening.q.clone()
+    q = torch.cat([t.flatten() for t in g.whitening.tensors().values()])
+    # If ranks ever computed different transforms, the owner's is broadcast: perturb one rank.
     dp_rank = parallel_state.get_data_parallel_rank()
+    if dp_rank != g.owner:
+        g.stats.low_rank_factor = lambda *a, f=g.stats.low_rank_factor: _perturbed(f(*a))
+    ddp.zero_grad_buffer()
+    ddp(chunks[rank]).pow(2).sum().backward()
+    ddp.finish_grad_sync()
+    q_after_mismatch = torch.cat([t.flatten() for t in g.whitening.tensors().values()])
     parallel_state.destroy_model_parallel()
-    return dict(err=err, q=q, dp_rank=dp_rank)
+    return dict(err=err, q=q, q2=q_after_mismatch, dp_rank=dp_rank)
+
+
+def _perturbed(factor):
+    factor.d = factor.d * 1.5  # changes D^{-1/2} and c
+    return factor
 
 
 @pytest.mark.slow
 def test_kfac_statistics_tensor_and_sequence_parallel():
     res = run_on_ranks(_sp_stats_worker, 4, cpu_harness=True, timeout=300)
     assert all(r["err"] < 1e-5 for r in res), [r["err"] for r in res]
-    # ranks 0/2 and 1/3 share a TP rank (data-parallel peers): identical transforms
-    assert torch.equal(res[0]["q"], res[2]["q"]) and torch.equal(res[1]["q"], res[3]["q"])
+    # ranks 0/2 and 1/3 share a TP rank (data-parallel peers): identical transforms, also after
+    # one of them computed a different one
+    for key in ("q", "q2"):
+        assert torch.equal(res[0][key], res[2][key]) and torch.equal(res[1][key], res[3][key]), key
 
 
 def _pp_worker(rank, world):

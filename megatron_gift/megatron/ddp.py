@@ -8,9 +8,10 @@ serves the overlapped backward-hook path, the synchronous path and the first bat
 are all ``off`` keep Megatron's collective untouched.
 
 Per step (``zero_grad_buffer`` marks the start): on refresh steps, forward pre-hooks add each
-GIFT layer's ``XᵀX``; the first bucket sync of that step sums them over the data-parallel
-group, folds them into the EMA factor and rebuilds ``T``, which one owner rank computes and
-broadcasts so every rank holds the identical transform.
+GIFT layer's input statistics; the first bucket sync of that step sums them over the
+data-parallel group, folds them into the EMA and rebuilds ``T``. Every rank computes ``T`` in
+FP64 from the same summed statistics; a checksum confirms all ranks agree bit for bit (if not,
+the layer's owner rank broadcasts its ``T``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
             mode = Mode.OFF
         modes[name] = mode
     return modes
+
+
+def _identical_on_all_ranks(tensors, group) -> bool:
+    """Whether every rank of ``group`` holds bit-identical ``tensors``: the min and max over ranks
+    of an exact integer checksum of their bits agree (two 8-byte all-reduces)."""
+    tensors = list(tensors)
+    checksum = sum(int(t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()) for t in tensors)
+    lo_hi = torch.tensor([-checksum, checksum], dtype=torch.int64, device=tensors[0].device)
+    dist.all_reduce(lo_hi, op=dist.ReduceOp.MAX, group=group)
+    return int(lo_hi[0]) == -checksum and int(lo_hi[1]) == checksum
 
 
 def _layer_input(module, x: torch.Tensor) -> torch.Tensor:
@@ -298,16 +309,14 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             stats.reset_accumulators()
             return
         stats.refresh()
+        new = LowRankWhitening(stats.low_rank_factor(stats.factor_rank(self.gift_config.rank), self.gift_config.damping),
+                               device=stats.tokens.device)
         group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group
-        rank = stats.factor_rank(self.gift_config.rank)
-        device = stats.tokens.device
-        if group.rank() == g.owner:
-            new = LowRankWhitening(stats.low_rank_factor(rank, self.gift_config.damping), device=device)
-        else:
-            new = LowRankWhitening.empty(stats.d_in, rank, device=device)
-        for t in new.tensors().values():
-            dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
-            self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)
+        if not _identical_on_all_ranks(new.tensors().values(), group):
+            logger.warning("megatron-gift: ranks computed different transforms for %s; using rank %d's", g.name, g.owner)
+            for t in new.tensors().values():
+                dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
+                self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)
         self._remap_error_feedback(g, bg, g.whitening, new)
         g.whitening = new
 
