@@ -223,7 +223,7 @@ def _sp_stats_worker(rank, world):
     x = torch.cat([c.reshape(-1, hidden) for c in chunks]).double()
     expected = x.T @ x / x.shape[0]
     g = next(iter(ddp.gift_params.values()))
-    err = (g.stats.factor.double() - expected).abs().max().item()
+    err = ((g.stats.factor.double() - expected).abs().max() / expected.abs().max()).item()
     q = torch.cat([t.flatten() for t in g.whitening.tensors().values()])
     # If ranks ever computed different transforms, the owner's is broadcast: perturb one rank.
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -245,7 +245,7 @@ def _perturbed(factor):
 @pytest.mark.slow
 def test_kfac_statistics_tensor_and_sequence_parallel():
     res = run_on_ranks(_sp_stats_worker, 4, cpu_harness=True, timeout=300)
-    assert all(r["err"] < 1e-5 for r in res), [r["err"] for r in res]
+    assert all(r["err"] < 2**-7 for r in res), [r["err"] for r in res]  # statistics travel in BF16
     # ranks 0/2 and 1/3 share a TP rank (data-parallel peers): identical transforms, also after
     # one of them computed a different one
     for key in ("q", "q2"):

@@ -299,9 +299,13 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         stats = g.stats
         for group in g.stats_groups:
             n = group.size()
-            for t in [*stats.sums.values(), stats.tokens]:
-                dist.all_reduce(t, group=group)
-                self.ledger.add("all_reduce", "fp32", 2 * (n - 1) * t.numel() * t.element_size() // n)
+            for t in stats.sums.values():  # a preconditioner's statistics: BF16 on the wire suffices
+                wire = t.to(torch.bfloat16)
+                dist.all_reduce(wire, group=group)
+                t.copy_(wire)
+                self.ledger.add("all_reduce", "bf16", 2 * (n - 1) * wire.numel() * 2 // n)
+            dist.all_reduce(stats.tokens, group=group)
+            self.ledger.add("all_reduce", "fp64", 2 * (n - 1) * 8 // n)
         if float(stats.tokens) == 0:  # the layer saw no training tokens this step
             return
         if not all(bool(torch.isfinite(t).all()) for t in stats.sums.values()):
