@@ -1,0 +1,212 @@
+"""Put :class:`GiftDistributedDataParallel` where ``megatron.training`` builds its DDP wrapper.
+
+Megatron-Core 0.19's training loop constructs ``DistributedDataParallel`` itself, looked up by
+name at call time in two places:
+
+* ``megatron.training.models.dist_utils.DistributedDataParallel`` -- the ``ModelConfig`` /
+  ``ModelBuilder`` path that Megatron-LM's ``pretrain_gpt.py`` (and
+  :mod:`megatron_gift.pretrain_gpt`) takes (``_ddp_wrap``);
+* ``megatron.training.training.DDP`` -- the older ``model_provider`` path (``get_model``).
+
+:func:`gift_ddp` rebinds both names, for the duration of a ``with`` block around
+``pretrain(...)``, to a subclass of :class:`GiftDistributedDataParallel` that carries the
+:class:`GiftConfig` (Megatron passes only its own constructor arguments). Both places compare
+the class they picked with that same global (``DP is DistributedDataParallel`` decides whether
+the distributed optimizer's parameter layout is computed), so the swap keeps those branches.
+Nothing else in Megatron changes: isinstance checks against Megatron's class still hold for
+the subclass. With ``gift_config=None`` (``--gift-mode off``) the block changes nothing, so
+Megatron's own ``DistributedDataParallel`` is used.
+
+The alternative, a ``ModelConfig.post_wrap_hooks`` entry, runs after Megatron's DDP has built
+its buffers and registered its gradient hooks; converting that object in place would mean
+re-running DDP's constructor on it. Rebinding the class before construction is smaller.
+
+:func:`enable_cpu_training` is the CPU opt-in of the launcher (CPU demos and tests only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import typing
+
+from ..config import GiftConfig
+from .ddp import GiftDistributedDataParallel
+
+# (module, global name) where megatron.training looks up the DDP class when it wraps a model.
+DDP_SITES = (
+    ("megatron.training.models.dist_utils", "DistributedDataParallel"),
+    ("megatron.training.training", "DDP"),
+)
+
+
+def _print_rank0(msg: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def shim_typing_override() -> None:
+    """``megatron.training`` imports ``typing.override`` (Python 3.12); provide it on 3.11."""
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
+def gift_ddp_class(gift_config: GiftConfig, validate=None, log_interval: int = 0) -> type:
+    """A :class:`GiftDistributedDataParallel` subclass constructed with Megatron's arguments only.
+
+    ``validate``: called with the wrapped module's trainable ``(name, param)`` pairs before the
+    buffers are built (e.g. ``functools.partial(validate_gift_args, args)``); ``log_interval``:
+    every that many iterations, rank 0 prints the bytes the last iteration's gradient
+    reduction sent (``--gift-log-interval``; 0: never)."""
+
+    class TrainingGiftDistributedDataParallel(GiftDistributedDataParallel):
+        """GiftDistributedDataParallel with the launcher's GiftConfig bound (see :func:`gift_ddp`)."""
+
+        def __init__(self, config, ddp_config, module, *args, **kwargs):
+            kwargs.setdefault("gift_config", gift_config)
+            if validate is not None:
+                validate([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+            super().__init__(config, ddp_config, module, *args, **kwargs)
+
+        def zero_grad_buffer(self):
+            super().zero_grad_buffer()
+            if log_interval and self.step > 0 and self.step % log_interval == 0:
+                sent = self.last_step_bytes
+                _print_rank0(
+                    f"megatron-gift: iteration {self.step}: gradient reduction sent {sum(sent.values())} bytes "
+                    f"from this rank ({', '.join(f'{k} {v}' for k, v in sent.items()) or 'nothing'})"
+                )
+
+    TrainingGiftDistributedDataParallel.__qualname__ = TrainingGiftDistributedDataParallel.__name__
+    return TrainingGiftDistributedDataParallel
+
+
+@contextlib.contextmanager
+def gift_ddp(gift_config: GiftConfig | None, validate=None, log_interval: int = 0):
+    """Within the block, ``megatron.training`` wraps models in GIFT's DDP (see the module doc).
+
+    Yields the class installed, or None when ``gift_config`` is None (nothing changes then).
+    Raises ``RuntimeError`` if a site no longer holds Megatron's ``DistributedDataParallel``
+    (another patch, or a Megatron version that moved it) instead of silently training without GIFT.
+    """
+    if gift_config is None:
+        yield None
+        return
+    shim_typing_override()
+    from megatron.core.distributed import DistributedDataParallel
+
+    cls = gift_ddp_class(gift_config, validate=validate, log_interval=log_interval)
+    saved = []
+    for module_name, attr in DDP_SITES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # an older megatron.training without the ModelBuilder path
+            continue
+        current = getattr(module, attr, None)
+        if current is not DistributedDataParallel:
+            raise RuntimeError(
+                f"megatron-gift: {module_name}.{attr} is {current!r}, not Megatron-Core's DistributedDataParallel; "
+                "cannot install GiftDistributedDataParallel there"
+            )
+        saved.append((module, attr, current))
+    if not saved:
+        raise RuntimeError(f"megatron-gift: none of {[f'{m}.{a}' for m, a in DDP_SITES]} can be imported")
+    for module, attr, _ in saved:
+        setattr(module, attr, cls)
+    try:
+        yield cls
+    finally:
+        for module, attr, original in saved:
+            setattr(module, attr, original)
+
+
+def describe_wrappers(model_chunks) -> str:
+    """``'<module>.<class>'`` of the DDP wrapper(s) of ``model_chunks`` (for the launcher's log line)."""
+    names = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model_chunks})
+    gift = all(isinstance(m, GiftDistributedDataParallel) for m in model_chunks)
+    return f"{', '.join(names)} ({'a GiftDistributedDataParallel' if gift else 'not GIFT'})"
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Skip ``initialize_megatron``'s ``make`` of the dataset helpers when they are already built.
+
+    ``pretrain`` -> ``initialize_megatron`` -> ``_compile_dependencies`` runs
+    ``megatron.core.datasets.utils.compile_helpers()`` (``make -C megatron/core/datasets``) on
+    rank 0 and exits if it fails. The PyPI wheel ships the compiled ``helpers_cpp`` extension
+    but no Makefile, so that ``make`` always fails there. When ``helpers_cpp`` imports, this
+    replaces ``compile_helpers`` with a no-op and returns True; otherwise (a source checkout
+    with its Makefile) it changes nothing and returns False."""
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False
+    utils = importlib.import_module("megatron.core.datasets.utils")
+    utils.compile_helpers = lambda: None
+    return True
+
+
+# --------------------------------------------------------------------------- CPU opt-in
+
+
+def enable_cpu_training() -> None:
+    """Let ``megatron.training.pretrain`` run on a CPU-only machine (CPU demos and tests only).
+
+    Installs :func:`megatron_gift.testing.cpu_harness.install` (which refuses when CUDA is
+    available) and the redirections listed in :data:`CPU_REDIRECTS`, which only
+    ``megatron.training``'s start-up needs. The rest is done by Megatron flags, see :data:`CPU_FLAGS`.
+    Meant for a launcher process; there is no undo."""
+    import functools
+
+    import torch
+
+    from ..testing import cpu_harness
+
+    cpu_harness.install()
+    shim_typing_override()
+    training = importlib.import_module("megatron.training.training")
+    if getattr(training.initialize_megatron, "_megatron_gift_cpu", False):
+        return
+    # initialize_megatron() asserts torch.cuda.is_available() unless allow_no_cuda=True.
+    patched = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+    patched._megatron_gift_cpu = True
+    training.initialize_megatron = patched
+    # _initialize_distributed() builds the model-parallel groups, and _set_random_seed() the
+    # tensor-parallel RNG states (that cpu_harness keeps as CPU generator states), only when
+    # torch.cuda.device_count() > 0; the device it then selects is never used on CPU.
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    # validate_args() asks for the GPU architecture (torch.cuda.get_device_properties) when
+    # tensor or context parallelism is on; below 10 (pre-Blackwell) it then requires
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, set here when unset (it means nothing on CPU).
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+CPU_REDIRECTS = (
+    "megatron.training.training.initialize_megatron -> initialize_megatron(allow_no_cuda=True)",
+    "torch.cuda.device_count() -> 1",
+    "torch.cuda.set_device(device) -> no-op",
+    "megatron.training.arguments.get_device_arch_version() -> 0 (and CUDA_DEVICE_MAX_CONNECTIONS=1 if unset)",
+)
+"""What :func:`enable_cpu_training` redirects beyond ``cpu_harness.install()``."""
+
+CPU_FLAGS = (
+    "--distributed-backend", "gloo",
+    "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--transformer-impl", "local",
+    "--rerun-mode", "disabled",  # its state saving reads torch.cuda.get_rng_state()
+)  # fmt: skip
+"""Megatron flags the CPU path puts in front of the command line (later flags win)."""
+

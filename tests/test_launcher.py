@@ -1,0 +1,183 @@
+"""``python -m megatron_gift.pretrain_gpt``: Megatron's own training loop with GIFT's DDP swapped in.
+
+The slow test launches the real thing with ``torch.distributed.run`` (2 gloo ranks, ``--gift-cpu``)
+on the benchmark corpus written as a Megatron indexed dataset, once with ``--gift-mode gift``
+and once with ``--gift-mode off``, and reads Megatron's log: the wrapper class each run used,
+GIFT's per-iteration byte counts, and the losses. The fast tests cover the indexed-dataset
+writer and the DDP swap on their own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gift.bench.corpus import TokenCorpus, build_token_corpus
+from megatron_gift.bench.indexed_data import document_lengths, megatron_data_args, write_indexed_dataset
+from megatron_gift.config import GiftConfig
+from megatron_gift.megatron import training as gift_training
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--train-iters", "3", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+    "--use-distributed-optimizer", "--overlap-grad-reduce",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--split", "98,2,0",
+    "--gift-log-interval", "1",
+]  # fmt: skip
+GIFT = ["--gift-mode", "gift", "--gift-rank", "8", "--gift-sketch", "16", "--gift-refresh-interval", "1"]
+
+LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+|nan|inf)")
+WRAPPED_RE = re.compile(r"megatron-gift: model wrapped in (\S+) \((a GiftDistributedDataParallel|not GIFT)\)")
+BYTES_RE = re.compile(r"megatron-gift: iteration (\d+): gradient reduction sent (\d+) bytes from this rank \((.*)\)")
+
+
+# --------------------------------------------------------------------------- indexed dataset
+
+
+def _synthetic_corpus(tmp_path: Path) -> TokenCorpus:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 300, size=n).astype(np.int32) for n in (5, 1, 17, 3)]
+    tokens = np.concatenate([np.append(d, 0) for d in docs]).astype(np.int32)
+    return TokenCorpus(
+        tokens=torch.from_numpy(tokens),
+        vocab_size=300,
+        tokenizer_path=tmp_path / "bpe-v1-0123456789abcdef-300.json",
+        manifest={},
+        eot_id=0,
+    )
+
+
+def test_indexed_dataset_one_document_per_eot(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    corpus = _synthetic_corpus(tmp_path)
+    prefix = write_indexed_dataset(corpus)
+    assert prefix == str(tmp_path / "indexed-v1-0123456789abcdef-300")
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 4 and list(ds.document_indices) == [0, 1, 2, 3, 4]
+    assert [len(ds[i]) for i in range(4)] == [6, 2, 18, 4]
+    assert all(ds[i][-1] == 0 and (ds[i][:-1] != 0).all() for i in range(4))
+    assert np.array_equal(np.concatenate([ds[i] for i in range(4)]), corpus.tokens.numpy())
+    assert ds.index.dtype == np.uint16  # Megatron's choice for a vocabulary this small
+
+    mtime = os.stat(prefix + ".bin").st_mtime_ns
+    assert write_indexed_dataset(corpus) == prefix and os.stat(prefix + ".bin").st_mtime_ns == mtime  # cached
+    assert megatron_data_args(corpus, prefix) == [
+        "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+        "--null-tokenizer-eod-id", "0",
+    ]  # fmt: skip
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_document_lengths_counts_an_unterminated_tail():
+    assert document_lengths(np.array([3, 0, 4, 4]), 0).tolist() == [2, 2]
+    assert document_lengths(np.array([0, 0]), 0).tolist() == [1, 1]
+
+
+# --------------------------------------------------------------------------- the DDP swap
+
+
+def _sites():
+    gift_training.shim_typing_override()
+    import megatron.training.models.dist_utils as dist_utils
+    import megatron.training.training as training
+
+    return dist_utils, training
+
+
+def test_gift_ddp_swaps_both_sites_and_restores_them():
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    dist_utils, training = _sites()
+    with gift_training.gift_ddp(None) as cls:  # --gift-mode off: nothing changes
+        assert cls is None
+        assert dist_utils.DistributedDataParallel is DistributedDataParallel and training.DDP is DistributedDataParallel
+    with gift_training.gift_ddp(GiftConfig()) as cls:
+        assert issubclass(cls, GiftDistributedDataParallel)
+        assert dist_utils.DistributedDataParallel is cls and training.DDP is cls
+    assert dist_utils.DistributedDataParallel is DistributedDataParallel and training.DDP is DistributedDataParallel
+
+
+def test_gift_ddp_refuses_a_site_that_is_not_megatrons_class(monkeypatch):
+    dist_utils, training = _sites()
+    monkeypatch.setattr(dist_utils, "DistributedDataParallel", type("Other", (), {}))
+    with pytest.raises(RuntimeError, match="dist_utils.DistributedDataParallel"):
+        with gift_training.gift_ddp(GiftConfig()):
+            pass
+    from megatron.core.distributed import DistributedDataParallel
+
+    assert training.DDP is DistributedDataParallel  # nothing was half-installed
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _launch(tmp_path: Path, data_args: list[str], gift_args: list[str]) -> str:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *TINY, *data_args,
+        "--data-cache-path", str(tmp_path / "index-cache"), *gift_args,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1")
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"launcher failed ({res.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def _losses(out: str) -> list[float]:
+    found = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
+    assert sorted(found) == [1, 2, 3], out[-3000:]
+    return [found[i] for i in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("the --gift-cpu launcher refuses to run where CUDA is available")
+    tmp = tmp_path_factory.mktemp("launcher")
+    data_args = megatron_data_args(build_token_corpus(vocab_size=2048))
+    return {"gift": _launch(tmp, data_args, GIFT), "off": _launch(tmp, data_args, ["--gift-mode", "off"])}
+
+
+@pytest.mark.slow
+def test_launcher_trains_with_gift_ddp_and_stock_ddp(runs):
+    gift, off = runs["gift"], runs["off"]
+
+    # Which DDP wrapped the model: GIFT's in the gift run, Megatron's own with --gift-mode off.
+    assert WRAPPED_RE.findall(gift) == [
+        ("megatron_gift.megatron.training.TrainingGiftDistributedDataParallel", "a GiftDistributedDataParallel")
+    ]
+    assert WRAPPED_RE.findall(off) == [
+        ("megatron.core.distributed.distributed_data_parallel.DistributedDataParallel", "not GIFT")
+    ]
+
+    # GIFT's reduction really ran: FP8 payloads every iteration, and (refresh interval 1) the
+    # summed K-FAC statistics; the off run has no GIFT traffic at all.
+    sent = {int(i): (int(n), detail) for i, n, detail in BYTES_RE.findall(gift)}
+    assert sorted(sent) == [1, 2], gift[-3000:]  # iteration k is reported when k+1 starts
+    for n, detail in sent.values():
+        assert n > 0 and "all_to_all/fp8+scales" in detail and "all_reduce/" in detail, detail
+    assert not BYTES_RE.findall(off)
+
+    # Both train: finite, decreasing losses; the first iteration (before any reduction) is the
+    # same model on the same data, and FP8 gradients keep the later ones close to stock DDP's.
+    lg, lo = _losses(gift), _losses(off)
+    for losses in (lg, lo):
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert lg[0] == pytest.approx(lo[0], rel=1e-6)
+    assert lg == pytest.approx(lo, rel=1e-2)
