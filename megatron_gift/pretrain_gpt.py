@@ -26,8 +26,8 @@ Any other ``--tokenizer-type`` Megatron supports works as in Megatron-LM (``Hugg
 needs ``transformers``).
 
 CPU (demos and tests only, gloo): ``--gift-cpu`` (or ``MEGATRON_GIFT_CPU=1``) redirects Megatron's
-CUDA-only calls (:func:`megatron_gift.megatron.training.enable_cpu_training`) and puts the flags in
-:data:`megatron_gift.megatron.training.CPU_FLAGS` in front of the command line. It refuses to
+CUDA-only calls (:func:`megatron_gift.testing.cpu_harness.install_for_training`) and puts the flags in
+:data:`megatron_gift.testing.cpu_harness.TRAINING_FLAGS` in front of the command line. It refuses to
 run when CUDA is available.
 """
 
@@ -257,8 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     from .megatron import training as gift_training
 
     if _cpu_requested(argv):
-        gift_training.enable_cpu_training()
-        argv = [*gift_training.CPU_FLAGS, *argv]
+        from .testing import cpu_harness
+
+        cpu_harness.install_for_training()
+        argv = [*cpu_harness.TRAINING_FLAGS, *argv]
         if "--gift-cpu" not in argv:
             argv.append("--gift-cpu")
     else:

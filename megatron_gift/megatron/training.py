@@ -20,15 +20,12 @@ Megatron's own ``DistributedDataParallel`` is used.
 The alternative, a ``ModelConfig.post_wrap_hooks`` entry, runs after Megatron's DDP has built
 its buffers and registered its gradient hooks; converting that object in place would mean
 re-running DDP's constructor on it. Rebinding the class before construction is smaller.
-
-:func:`enable_cpu_training` is the CPU opt-in of the launcher (CPU demos and tests only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import typing
 
 from ..config import GiftConfig
@@ -148,65 +145,3 @@ def use_prebuilt_dataset_helpers() -> bool:
     utils = importlib.import_module("megatron.core.datasets.utils")
     utils.compile_helpers = lambda: None
     return True
-
-
-# --------------------------------------------------------------------------- CPU opt-in
-
-
-def enable_cpu_training() -> None:
-    """Let ``megatron.training.pretrain`` run on a CPU-only machine (CPU demos and tests only).
-
-    Installs :func:`megatron_gift.testing.cpu_harness.install` (which refuses when CUDA is
-    available) and the redirections listed in :data:`CPU_REDIRECTS`, which only
-    ``megatron.training``'s start-up needs. The rest is done by Megatron flags, see :data:`CPU_FLAGS`.
-    Meant for a launcher process; there is no undo."""
-    import functools
-
-    import torch
-
-    from ..testing import cpu_harness
-
-    cpu_harness.install()
-    shim_typing_override()
-    training = importlib.import_module("megatron.training.training")
-    if getattr(training.initialize_megatron, "_megatron_gift_cpu", False):
-        return
-    # initialize_megatron() asserts torch.cuda.is_available() unless allow_no_cuda=True.
-    patched = functools.partial(training.initialize_megatron, allow_no_cuda=True)
-    patched._megatron_gift_cpu = True
-    training.initialize_megatron = patched
-    # _initialize_distributed() builds the model-parallel groups, and _set_random_seed() the
-    # tensor-parallel RNG states (that cpu_harness keeps as CPU generator states), only when
-    # torch.cuda.device_count() > 0; the device it then selects is never used on CPU.
-    torch.cuda.device_count = lambda: 1
-    torch.cuda.set_device = lambda device: None
-    # validate_args() asks for the GPU architecture (torch.cuda.get_device_properties) when
-    # tensor or context parallelism is on; below 10 (pre-Blackwell) it then requires
-    # CUDA_DEVICE_MAX_CONNECTIONS=1, set here when unset (it means nothing on CPU).
-    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 0
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-
-
-CPU_REDIRECTS = (
-    "megatron.training.training.initialize_megatron -> initialize_megatron(allow_no_cuda=True)",
-    "torch.cuda.device_count() -> 1",
-    "torch.cuda.set_device(device) -> no-op",
-    "megatron.training.arguments.get_device_arch_version() -> 0 (and CUDA_DEVICE_MAX_CONNECTIONS=1 if unset)",
-)
-"""What :func:`enable_cpu_training` redirects beyond ``cpu_harness.install()``."""
-
-CPU_FLAGS = (
-    "--distributed-backend", "gloo",
-    "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-rope-fusion",
-    "--no-persist-layer-norm",
-    "--transformer-impl", "local",
-    "--rerun-mode", "disabled",  # its state saving reads torch.cuda.get_rng_state()
-)  # fmt: skip
-"""Megatron flags the CPU path puts in front of the command line (later flags win)."""
-

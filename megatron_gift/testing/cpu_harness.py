@@ -138,6 +138,49 @@ def install():
     return _Installed()
 
 
+def install_for_training():
+    """:func:`install`, plus what ``megatron.training.pretrain``'s start-up needs on CPU (the CPU
+    demo and launcher tests; combine with :data:`TRAINING_FLAGS`). Undone by :func:`uninstall`.
+
+    * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``: it gets that argument;
+    * ``torch.cuda.device_count()`` is 1: Megatron builds the model-parallel groups and the
+      tensor-parallel RNG states only when it is positive; ``torch.cuda.set_device`` does nothing;
+    * ``get_device_arch_version()`` is 0 (``validate_args`` asks for the GPU architecture with
+      tensor or context parallelism) and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set if unset.
+    """
+    import functools
+    import importlib
+    import os
+
+    installed_harness = install()
+    training = importlib.import_module("megatron.training.training")
+    if not getattr(training.initialize_megatron, "_cpu_harness", False):
+        patched = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+        patched._cpu_harness = True
+        _patch(training, "initialize_megatron", patched)
+        _patch(torch.cuda, "device_count", lambda: 1)
+        _patch(torch.cuda, "set_device", lambda device: None)
+        _patch(importlib.import_module("megatron.training.arguments"), "get_device_arch_version", lambda: 0)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return installed_harness
+
+
+TRAINING_FLAGS = (
+    "--distributed-backend", "gloo",
+    "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--transformer-impl", "local",
+    "--rerun-mode", "disabled",  # its state saving reads torch.cuda.get_rng_state()
+)  # fmt: skip
+"""Megatron flags a CPU training run puts in front of its command line (later flags win)."""
+
+
 def uninstall():
     """Undo :func:`install` (no-op when not installed)."""
     global _mode
