@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Llama-300M / Llama-600M pretraining recipes (the GIFT paper's setups) with megatron-gift.
+#
+#   MODEL=300m|600m VARIANT=bf16|euclidean|gift DATA_PATH=... bash examples/pretrain_llama.sh [extra flags]
+#   DRY_RUN=1 ... (or --dry-run as the first argument): print the command and exit.
+#
+# Runs on one node of a multi-node job; start it on every node with the same environment and
+# that node's NODE_RANK. Extra arguments are appended to the command (later flags win).
+#
+# Model (MODEL): 300m: 24 layers, hidden 1024, 16 heads, FFN 2736, seq 4096;
+#                600m: 32 layers, hidden 1280, 20 heads, FFN 3456, seq 2048.
+# Both: RoPE, SwiGLU, RMSNorm, no bias, untied embeddings, global batch 512, micro-batch 4,
+# bf16, distributed optimizer, overlapped gradient reduce-scatter and parameter all-gather.
+#
+# Variant (VARIANT), the data-parallel gradient reduction:
+#   bf16       Megatron's own reduction (--gift-mode off: megatron-gift changes nothing);
+#   euclidean  every linear layer's weight gradient sent as plain FP8 (E5M2, per-tensor scale);
+#   gift       the paper's selection: GIFT-whitened FP8 for mlp.linear_fc2 (the down projection),
+#              plain FP8 for the other linear layers.
+#
+# Environment (defaults in brackets):
+#   NNODES [1]  GPUS_PER_NODE [8]  NODE_RANK [0]  MASTER_ADDR [localhost]  MASTER_PORT [6000]
+#   TP [1]  PP [1]              tensor / pipeline parallel sizes (DP = NNODES*GPUS_PER_NODE/(TP*PP))
+#   DATA_PATH                   Megatron indexed-dataset prefix (e.g. /data/owt/owt_text_document);
+#                               MOCK_DATA=1 trains on Megatron's mock data instead
+#   TOKENIZER_TYPE [HuggingFaceTokenizer]  TOKENIZER_MODEL [gpt2]  the tokenizer DATA_PATH was made with
+#   TRAIN_ITERS [300m: 3000, 600m: 12000]  (about 6B / 12B tokens)   LR [3e-4]  MIN_LR [3e-5]
+#   WARMUP_ITERS [TRAIN_ITERS/20]  SAVE_DIR (unset: no checkpoints)  LOG_INTERVAL [10]
+#   GIFT_ARGS                   extra --gift-* flags (e.g. "--gift-rank 16 --gift-log-interval 100")
+#   PYTHON [python]  (torchrun is run as: $PYTHON -m torch.distributed.run)
+set -euo pipefail
+
+dry_run=${DRY_RUN:-0}
+if [[ ${1:-} == --dry-run ]]; then
+    dry_run=1
+    shift
+fi
+
+MODEL=${MODEL:-300m}
+VARIANT=${VARIANT:-gift}
+case $MODEL in
+    300m) model=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2736)
+          seq=4096 iters=3000 ;;
+    600m) model=(--num-layers 32 --hidden-size 1280 --num-attention-heads 20 --ffn-hidden-size 3456)
+          seq=2048 iters=12000 ;;
+    *) echo "pretrain_llama.sh: MODEL must be 300m or 600m, got '$MODEL'" >&2; exit 2 ;;
+esac
+case $VARIANT in
+    bf16) gift=(--gift-mode off) ;;
+    euclidean) gift=(--gift-mode euclidean --gift-fp8-format e5m2 --gift-scaling tensor) ;;
+    gift) gift=(--gift-mode gift --gift-fp8-format e5m2 --gift-scaling tensor
+                --gift-layers '\.mlp\.linear_fc2\.weight$'
+                --gift-euclidean-layers '\.linear_(qkv|proj|fc1)\.weight$') ;;
+    *) echo "pretrain_llama.sh: VARIANT must be bf16, euclidean or gift, got '$VARIANT'" >&2; exit 2 ;;
+esac
+read -r -a gift_extra <<<"${GIFT_ARGS:-}"
+
+NNODES=${NNODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8} TP=${TP:-1} PP=${PP:-1}
+MICRO_BATCH=4 GLOBAL_BATCH=512
+world=$((NNODES * GPUS_PER_NODE))
+if ((world % (TP * PP))); then
+    echo "pretrain_llama.sh: $world GPUs are not divisible by TP*PP = $((TP * PP))" >&2; exit 2
+fi
+dp=$((world / (TP * PP)))
+if ((GLOBAL_BATCH % (MICRO_BATCH * dp))); then
+    echo "pretrain_llama.sh: global batch $GLOBAL_BATCH is not a multiple of micro-batch $MICRO_BATCH x DP $dp" >&2
+    exit 2
+fi
+TRAIN_ITERS=${TRAIN_ITERS:-$iters}
+
+if [[ ${MOCK_DATA:-0} == 1 ]]; then
+    data=(--mock-data)
+elif [[ -n ${DATA_PATH:-} ]]; then
+    data=(--data-path "$DATA_PATH" --split 949,50,1)
+elif [[ $dry_run == 1 ]]; then
+    data=(--data-path '${DATA_PATH}' --split 949,50,1)
+else
+    echo "pretrain_llama.sh: set DATA_PATH to an indexed-dataset prefix (see examples/README.md) or MOCK_DATA=1" >&2
+    exit 2
+fi
+parallel=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+((TP > 1)) && parallel+=(--sequence-parallel)
+ckpt=()
+[[ -n ${SAVE_DIR:-} ]] && ckpt=(--save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval 1000)
+
+cmd=(
+    "${PYTHON:-python}" -m torch.distributed.run
+    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "${NODE_RANK:-0}"
+    --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-6000}"
+    -m megatron_gift.pretrain_gpt
+    "${model[@]}" --seq-length "$seq" --max-position-embeddings "$seq"
+    --position-embedding-type rope --rotary-base 10000 --swiglu --normalization RMSNorm
+    --disable-bias-linear --untie-embeddings-and-output-weights
+    --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+    --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    "${parallel[@]}"
+    --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0
+    --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}" --lr-decay-style cosine
+    --lr-warmup-iters "${WARMUP_ITERS:-$((TRAIN_ITERS / 20))}"
+    "${data[@]}" --tokenizer-type "${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
+    --tokenizer-model "${TOKENIZER_MODEL:-gpt2}"
+    --log-interval "${LOG_INTERVAL:-10}" --log-throughput --eval-interval 1000 --eval-iters 10
+    "${ckpt[@]}"
+    "${gift[@]}" "${gift_extra[@]}"
+    "$@"
+)
+
+if [[ $dry_run == 1 ]]; then
+    printf '%q ' "${cmd[@]}"
+    echo
+    exit 0
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+exec "${cmd[@]}"

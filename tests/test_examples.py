@@ -1,0 +1,145 @@
+"""examples/: the Llama-300M/600M recipes print the command they would run (DRY_RUN=1)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_gift.arguments import add_gift_args, gift_config_from_args, validate_gift_args
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+SIZES = {
+    "300m": {"--num-layers": "24", "--hidden-size": "1024", "--num-attention-heads": "16",
+             "--ffn-hidden-size": "2736", "--seq-length": "4096"},
+    "600m": {"--num-layers": "32", "--hidden-size": "1280", "--num-attention-heads": "20",
+             "--ffn-hidden-size": "3456", "--seq-length": "2048"},
+}  # fmt: skip
+COMMON_FLAGS = (
+    "--position-embedding-type", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+)  # fmt: skip
+MODES = {"bf16": "off", "euclidean": "euclidean", "gift": "gift"}
+
+
+def _dry_run(script: str, *args: str, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "MOCK_DATA", "GIFT_ARGS", "TP", "PP")}
+    return subprocess.run(
+        ["bash", str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        env={**base, "DRY_RUN": "1", **env},
+        timeout=30,
+    )
+
+
+def _command(script: str, *args: str, **env) -> list[str]:
+    res = _dry_run(script, *args, **env)
+    assert res.returncode == 0, res.stderr
+    return shlex.split(res.stdout)
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    assert cmd.count(flag) == 1, flag
+    return cmd[cmd.index(flag) + 1]
+
+
+def _gift_namespace(cmd: list[str]) -> argparse.Namespace:
+    """The ``--gift-*`` flags of ``cmd`` parsed by a parser that has only the gift group."""
+    after = cmd[cmd.index("megatron_gift.pretrain_gpt") + 1 :]
+    parser = add_gift_args(argparse.ArgumentParser(allow_abbrev=False))
+    ns, unknown = parser.parse_known_args(after)
+    stray = [a for a in unknown if a.startswith("--gift")]
+    assert not stray, f"--gift-* flags add_gift_args does not know: {stray}"
+    return ns
+
+
+@pytest.mark.parametrize("model", ["300m", "600m"])
+@pytest.mark.parametrize("variant", ["bf16", "euclidean", "gift"])
+@pytest.mark.parametrize("how", ["wrapper", "MODEL"])
+def test_recipe_prints_the_models_command(model, variant, how):
+    if how == "wrapper":
+        cmd = _command(f"llama_{model}.sh", VARIANT=variant)
+    else:
+        cmd = _command("pretrain_llama.sh", MODEL=model, VARIANT=variant)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "megatron_gift.pretrain_gpt" in cmd
+    for flag, value in SIZES[model].items():
+        assert _value(cmd, flag) == value, flag
+    assert _value(cmd, "--max-position-embeddings") == SIZES[model]["--seq-length"]
+    assert _value(cmd, "--normalization") == "RMSNorm" and _value(cmd, "--position-embedding-type") == "rope"
+    assert _value(cmd, "--global-batch-size") == "512" and _value(cmd, "--micro-batch-size") == "4"
+    for flag in COMMON_FLAGS:
+        assert flag in cmd, flag
+    assert _value(cmd, "--gift-mode") == MODES[variant]
+
+    ns = _gift_namespace(cmd)
+    assert ns.gift_mode == MODES[variant]
+    validate_gift_args(ns)  # flag-level checks (no Megatron flags on this namespace: defaults apply)
+    cfg = gift_config_from_args(ns)
+    if variant == "bf16":
+        assert cfg is None
+    else:
+        assert cfg.mode.value == variant
+    if variant == "gift":  # the paper's selection: GIFT only on the down projection
+        assert any("linear_fc2" in p for p in cfg.layers) and not any("fc2" in p for p in cfg.euclidean_layers)
+
+
+def test_recipe_environment_and_extra_flags():
+    cmd = _command(
+        "llama_600m.sh", "--dry-run", "--train-iters", "7",
+        DRY_RUN="0", NNODES="8", GPUS_PER_NODE="8", TP="2", PP="1", DATA_PATH="/d/owt_text_document",
+        GIFT_ARGS="--gift-rank 16 --gift-log-interval 100", VARIANT="gift",
+    )  # fmt: skip
+    assert _value(cmd, "--nnodes") == "8" and _value(cmd, "--nproc-per-node") == "8"
+    assert _value(cmd, "--tensor-model-parallel-size") == "2" and "--sequence-parallel" in cmd
+    assert _value(cmd, "--data-path") == "/d/owt_text_document"
+    assert cmd[-2:] == ["--train-iters", "7"]  # extra flags come last (argparse: last one wins)
+    ns = _gift_namespace(cmd)
+    assert ns.gift_rank == 16 and ns.gift_log_interval == 100
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"MODEL": "1b"}, "MODEL must be"),
+        ({"VARIANT": "fp4"}, "VARIANT must be"),
+        ({"NNODES": "6"}, "not a multiple"),  # 48 GPUs: 512 / (4 x 48) is not an integer
+        ({"GPUS_PER_NODE": "8", "TP": "3"}, "not divisible"),
+        ({"DRY_RUN": "0", "PYTHON": "false"}, "DATA_PATH"),  # a real run needs data
+    ],
+)
+def test_recipe_refuses_bad_settings(env, message):
+    res = _dry_run("pretrain_llama.sh", **env)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_scripts_are_bash_n_clean():
+    for script in [*EXAMPLES.glob("*.sh"), *(ROOT / "patches").glob("*.sh")]:
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert res.returncode == 0, f"{script}: {res.stderr}"
+
+
+def test_recipe_megatron_flags_exist():
+    """Every non-gift flag of the recipe is one Megatron-Core 0.19's argument parser defines."""
+    from megatron_gift.megatron.training import shim_typing_override
+
+    shim_typing_override()  # megatron.training imports typing.override (Python 3.12)
+    pytest.importorskip("megatron.training.arguments")
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    known = set(parser._option_string_actions)
+    for model in SIZES:
+        cmd = _command("pretrain_llama.sh", MODEL=model, VARIANT="gift", TP="2", SAVE_DIR="/ckpt")
+        after = cmd[cmd.index("megatron_gift.pretrain_gpt") + 1 :]
+        flags = {a for a in after if a.startswith("--") and not a.startswith("--gift-")}
+        assert flags and not flags - known, sorted(flags - known)
