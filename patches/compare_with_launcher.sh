@@ -63,6 +63,13 @@ flags=(
 py_dir=$(dirname "$(command -v "$py")")
 [[ -x $py_dir/python3 ]] && export PATH="$py_dir:$PATH"
 export PYTHONPATH="$mlm${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+# Build the checkout's dataset helpers for this Python (the Makefile's own python3/python3-config
+# may be another interpreter); both programs then skip Megatron's `make` at start-up.
+if ! "$py" -c 'import megatron.core.datasets.helpers_cpp' 2>/dev/null; then
+    make -s -C "$mlm/megatron/core/datasets" \
+        CPPFLAGS="$("$py" -m pybind11 --includes)" \
+        LIBEXT="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+fi
 run() {  # run NAME ARGS...: torchrun on this machine, output in $work/NAME.log
     local name=$1
     shift
