@@ -174,6 +174,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.gift_config = gift_config or GiftConfig()
         self.ledger = CommLedger()
         self.step = -1  # index of the current iteration once zero_grad_buffer() opened it
+        self._step_open = False
         self.collecting = True
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self._device())
         self.last_step_bytes: dict[str, int] = {}
@@ -268,9 +269,16 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     def zero_grad_buffer(self):
         """Megatron calls this at the start of every iteration: close the last step, open the next."""
         super().zero_grad_buffer()
-        self._next_step()
+        self._close_step()
+        self.step += 1
+        self.collecting = self.step % self.gift_config.refresh_interval == 0
+        self._step_open = True
 
-    def _next_step(self) -> None:
+    def _close_step(self) -> None:
+        """Commit (or, after a NaN/Inf anywhere, drop) the step's error-feedback residuals and
+        move its byte count to ``last_step_bytes``; a no-op when no step is open."""
+        if not self._step_open:
+            return
         applied = True
         if self.gift_config.error_feedback:
             flag = self.nonfinite.to(torch.int32)
@@ -283,8 +291,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.nonfinite.zero_()
         self.last_step_bytes = self.ledger.as_dict()
         self.ledger.reset()
-        self.step += 1
-        self.collecting = self.step % self.gift_config.refresh_interval == 0
+        self._step_open = False
 
     def refresh_factors(self, bg: GiftBucketGroup) -> None:
         """On a refresh step, fold the summed statistics of this group's GIFT weights into ``T``."""
@@ -321,15 +328,68 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             for t in new.tensors().values():
                 dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
                 self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)
-        self._remap_error_feedback(g, bg, g.whitening, new)
+        self._remap_error_feedback(g, g.whitening, new)
         g.whitening = new
 
-    def _remap_error_feedback(self, g: GiftParam, bg: GiftBucketGroup, old, new) -> None:
+    def _remap_error_feedback(self, g: GiftParam, old, new) -> None:
         """Carry a residual kept in the old whitened coordinates into the new ones."""
-        for layout, params, ef in zip(bg.gift_layouts, bg.gift_params, bg.gift_error_feedback):
-            if ef is None or g not in params:
+        for view, owner in self._residual_views():
+            if owner is g:
+                view.copy_(new.apply(old.inverse(view) if old is not None else view))
+
+    # -- checkpoint state -------------------------------------------------------------------
+    def gift_state_dict(self) -> dict:
+        """This rank's plugin state after the current step (call it after the optimizer step),
+        keyed by parameter name so it reloads under another data-parallel size: step counter,
+        per-parameter mode, K-FAC statistics, transform and error-feedback residual (in the
+        parameter's quantized coordinates)."""
+        self._close_step()
+        params = {}
+        for g in self.gift_params.values():
+            entry = {"mode": g.mode.value}
+            if g.stats is not None:
+                entry["stats"] = g.stats.state_dict()
+            if g.whitening is not None:
+                entry["whitening"] = {k: t.clone() for k, t in g.whitening.tensors().items()}
+            params[g.name] = entry
+        for view, g in self._residual_views():
+            params[g.name]["residual"] = view.clone()
+        return {"step": self.step, "params": params}
+
+    def load_gift_state_dict(self, state: dict) -> list[str]:
+        """Restore ``gift_state_dict()`` output; returns what could not be restored (logged)."""
+        self.step = int(state["step"])  # the next zero_grad_buffer() opens the following step
+        self._step_open = False
+        missing = []
+        for g in self.gift_params.values():
+            entry = state["params"].get(g.name)
+            if entry is None or entry["mode"] != g.mode.value:
+                missing.append(g.name)
                 continue
-            s = layout.segments[params.index(g)]
-            c = layout.coded_index(s.start)
-            view = ef.residual[c : c + s.rows * s.cols].view(s.rows, s.cols)
-            view.copy_(new.apply(old.inverse(view) if old is not None else view))
+            if g.stats is not None and "stats" in entry:
+                g.stats.load_state_dict(entry["stats"])
+            if "whitening" in entry:
+                w = entry["whitening"]
+                g.whitening = LowRankWhitening.empty(w["q"].shape[0], w["q"].shape[1], device=w["q"].device)
+                for k, t in g.whitening.tensors().items():
+                    t.copy_(w[k])
+        for view, g in self._residual_views():
+            entry = state["params"].get(g.name, {})
+            if "residual" in entry:
+                view.copy_(entry["residual"])
+            elif g.name not in missing:
+                missing.append(g.name)
+        if missing:
+            logger.warning("megatron-gift: no saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
+        return missing
+
+    def _residual_views(self):
+        """(error-feedback residual of one parameter as ``[rows, cols]``, its GiftParam) pairs."""
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            for layout, params, ef in zip(getattr(bg, "gift_layouts", []), getattr(bg, "gift_params", []), getattr(bg, "gift_error_feedback", [])):
+                if ef is None:
+                    continue
+                for seg, g in zip(layout.segments, params):
+                    if g is not None:
+                        c = layout.coded_index(seg.start)
+                        yield ef.residual[c : c + seg.rows * seg.cols].view(seg.rows, seg.cols), g
