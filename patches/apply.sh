@@ -58,5 +58,6 @@ elif git apply "${prefix[@]}" --reverse --check "$patch" 2>/dev/null; then
 else
     echo "apply.sh: error: $patch does not apply to $dir/pretrain_gpt.py (git apply --check says):" >&2
     git apply "${prefix[@]}" --check "$patch" >&2 || true
-    die "pretrain_gpt.py differs from core_r0.19.0's: check out core_r0.19.0 (git -C $dir checkout core_r0.19.0 -- pretrain_gpt.py) and rerun"
+    die "pretrain_gpt.py differs from core_r0.19.0's:" \
+        "check out core_r0.19.0 (git -C $dir checkout core_r0.19.0 -- pretrain_gpt.py) and rerun"
 fi

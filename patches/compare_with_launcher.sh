@@ -102,7 +102,8 @@ if ! diff -u "$work/launcher.loss" "$work/patched.loss"; then
 fi
 for name in launcher patched; do
     if [[ $(gift_lines "$work/$name.log") -eq 0 ]]; then
-        echo "compare_with_launcher.sh: $name printed no megatron-gift gradient-reduction lines (GIFT's DDP not used?)" >&2
+        echo "compare_with_launcher.sh: $name printed no megatron-gift gradient-reduction lines" \
+            "(GIFT's DDP not used? the check needs a --gift-mode other than off)" >&2
         status=1
     fi
 done

@@ -120,7 +120,8 @@ def test_patch_touches_only_pretrain_gpt(patch_text, hunks):
 def test_patch_adds_the_provider_and_wraps_pretrain(hunks):
     added = "\n".join(line[1:] for _, _, _, _, b in hunks for line in b if line.startswith("+"))
     removed = "\n".join(line[1:] for _, _, _, _, b in hunks for line in b if line.startswith("-"))
-    assert "from megatron_gift.arguments import" in added and "from megatron_gift.megatron.training import gift_ddp" in added
+    assert "from megatron_gift.arguments import" in added
+    assert "from megatron_gift.megatron.training import gift_ddp" in added
     # The script's own provider (ModelOpt's, when installed) is kept, chained before the gift group.
     assert "chain_args_providers(add_modelopt_args, add_gift_args)" in added
     assert "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None" in removed
