@@ -14,9 +14,11 @@
 #
 # Variant (VARIANT), the data-parallel gradient reduction:
 #   bf16       Megatron's own reduction (--gift-mode off: megatron-gift changes nothing);
-#   euclidean  every linear layer's weight gradient sent as plain FP8 (E5M2, per-tensor scale);
+#   euclidean  every linear layer's weight gradient sent as plain FP8 (the package default,
+#              E4M3 with 1x128 block scales: see the README's fidelity benchmark);
 #   gift       the paper's selection: GIFT-whitened FP8 for mlp.linear_fc2 (the down projection),
-#              plain FP8 for the other linear layers.
+#              plain FP8 for the other linear layers, same format and scales.
+#   Add GIFT_ARGS="--gift-fp8-format e5m2 --gift-scaling tensor" for the paper's own codec.
 #
 # Environment (defaults in brackets):
 #   NNODES [1]  GPUS_PER_NODE [8]  NODE_RANK [0]  MASTER_ADDR [localhost]  MASTER_PORT [6000]
@@ -47,9 +49,8 @@ case $MODEL in
 esac
 case $VARIANT in
     bf16) gift=(--gift-mode off) ;;
-    euclidean) gift=(--gift-mode euclidean --gift-fp8-format e5m2 --gift-scaling tensor) ;;
-    gift) gift=(--gift-mode gift --gift-fp8-format e5m2 --gift-scaling tensor
-                --gift-layers '\.mlp\.linear_fc2\.weight$'
+    euclidean) gift=(--gift-mode euclidean) ;;
+    gift) gift=(--gift-mode gift --gift-layers '\.mlp\.linear_fc2\.weight$'
                 --gift-euclidean-layers '\.linear_(qkv|proj|fc1)\.weight$') ;;
     *) echo "pretrain_llama.sh: VARIANT must be bf16, euclidean or gift, got '$VARIANT'" >&2; exit 2 ;;
 esac
