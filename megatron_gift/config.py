@@ -1,14 +1,14 @@
 """Configuration: what each parameter's gradient is sent as, and how GIFT's factor is kept.
 
-Frozen dataclasses validated on construction, enums for choices, named recipes.
+Frozen dataclasses validated on construction, enums for choices.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from .numerics.fp8 import CodecConfig, FP8Format, Scaling
+from .numerics.fp8 import CodecConfig
 
 
 class Mode(enum.Enum):
@@ -56,17 +56,3 @@ class GiftConfig:
             raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval}")
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "euclidean_layers", tuple(self.euclidean_layers))
-
-
-RECIPES: dict[str, GiftConfig] = {
-    "fp8": GiftConfig(mode=Mode.EUCLIDEAN, codec=CodecConfig(FP8Format.E4M3, Scaling.BLOCK)),
-    "gift": GiftConfig(mode=Mode.GIFT, codec=CodecConfig(FP8Format.E4M3, Scaling.BLOCK)),
-    "paper": GiftConfig(mode=Mode.GIFT, codec=CodecConfig(FP8Format.E5M2, Scaling.TENSOR), error_feedback=True),
-}
-
-
-def recipe(name: str, **overrides) -> GiftConfig:
-    """A named configuration, optionally with fields replaced."""
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
-    return replace(RECIPES[name], **overrides)

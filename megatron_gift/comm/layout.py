@@ -116,10 +116,6 @@ class BucketLayout:
         """Index in the coded-element order of bucket position ``pos`` (a coded element)."""
         return pos - sum(min(b, pos) - a for runs in self.plain_runs for a, b in runs if a < pos)
 
-    @property
-    def has_gift(self) -> bool:
-        return any(s.mode is Mode.GIFT for s in self.segments)
-
     def _group_lengths(self) -> torch.Tensor:
         """Scaling groups over the coded elements, in bucket order, cut at shard boundaries.
 
