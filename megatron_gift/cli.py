@@ -64,10 +64,34 @@ def _add_bench(subparsers) -> None:
     com.set_defaults(func=_bench_comm)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from megatron_gift import demo
+
+    preset = {"iters": args.train_iters} if args.train_iters else None
+    doc = demo.run(quick=args.quick, out=args.out, preset=preset, command=args.command_line)
+    print(demo.format_table(doc), end="")
+    return 0
+
+
+def _add_demo(subparsers) -> None:
+    dem = subparsers.add_parser(
+        "demo",
+        help="train a small Llama with FP32, BF16, Euclidean-E4M3 and GIFT-E4M3 gradients; report loss and bytes",
+        description="Train a small Llama-style Megatron GPTModel on the real corpus on 2 CPU ranks (gloo) through "
+        "python -m megatron_gift.pretrain_gpt, once per gradient-communication mode (FP32, BF16, Euclidean-E4M3, "
+        "GIFT-E4M3), and write metrics.json, report.md and plots to --out.",
+    )
+    dem.add_argument("--quick", action="store_true", help="small preset (2 layers, hidden 64, 20 iterations)")
+    dem.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default: %(default)s)")
+    dem.add_argument("--train-iters", type=_positive_int, default=None, help=argparse.SUPPRESS)  # tests
+    dem.set_defaults(func=_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
+    _add_demo(subparsers)
     return parser
 
 
