@@ -24,6 +24,8 @@ class Mode(enum.Enum):
 class GiftConfig:
     """Everything the plugin needs; see ``megatron_gift.arguments`` for the matching flags.
 
+    ``refresh_interval``: steps between factor refreshes (before the first interval also at
+    steps 1, 2, 4, ..., each replacing the factor; later refreshes fold into the ``ema``).
     ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
     instead of the full matrix (0: exact ``XᵀX``). ``layers``: regular expressions on parameter names that select which weights use ``mode``
     (default: the weight matrices of linear layers). ``extra_layers`` puts other parameters

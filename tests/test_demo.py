@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -64,10 +65,12 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     for name, m in doc["modes"].items():
         assert len(m["loss_curve"]) == 12 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
         assert m["final_loss"] == m["loss_curve"][-1] and m["bytes_per_step"] > 0
-    # GIFT's bytes include its statistics all-reduce at the first refresh, averaged over the
-    # reported iterations: 12 iterations keep that under the 0.3x bound (4 would not).
+    # A step without a factor refresh moves at most 0.26x FP32's bytes; the average includes
+    # GIFT's statistics all-reduces at its warm-up refreshes (steps 0, 1, 2, 4, 8 here).
     for name in ("euclidean-e4m3", "gift-e4m3"):
-        assert doc["modes"][name]["bytes_per_step"] < 0.3 * fp32, (name, doc["modes"][name]["bytes_per_step"], fp32)
+        m = doc["modes"][name]
+        last = sum(int(n) for n in re.findall(r"\S+ (\d+)", m["bytes_detail_last"]))
+        assert last <= 0.26 * fp32 and m["bytes_per_step"] < 0.35 * fp32, (name, last, m["bytes_per_step"], fp32)
     assert doc["modes"]["bf16"]["bytes_per_step"] == pytest.approx(0.5 * fp32, rel=0.02)
     # Same model, data and seed: the first iteration (before any reduction) has the same loss.
     first = [m["loss_curve"][0] for m in doc["modes"].values()]

@@ -271,8 +271,15 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         super().zero_grad_buffer()
         self._close_step()
         self.step += 1
-        self.collecting = self.step % self.gift_config.refresh_interval == 0
+        self.collecting = self._is_refresh_step(self.step)
         self._step_open = True
+
+    def _is_refresh_step(self, step: int) -> bool:
+        """Every ``refresh_interval`` steps, and before the first interval also at steps 1, 2, 4,
+        8, ...: activations drift fastest early in training, and a stale factor amplifies FP8
+        error instead of shrinking it."""
+        n = self.gift_config.refresh_interval
+        return step % n == 0 or (step < n and step & (step - 1) == 0)
 
     def _close_step(self) -> None:
         """Commit (or, after a NaN/Inf anywhere, drop) the step's error-feedback residuals and
@@ -319,7 +326,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
             stats.reset_accumulators()
             return
-        stats.refresh()
+        stats.refresh(ema=0.0 if self.step < self.gift_config.refresh_interval else None)  # warm-up: latest only
         new = LowRankWhitening(stats.low_rank_factor(stats.factor_rank(self.gift_config.rank), self.gift_config.damping),
                                device=stats.tokens.device)
         group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group

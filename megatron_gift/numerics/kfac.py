@@ -55,8 +55,10 @@ class KFACStatistics:
             self.sums["diag"].add_((x2 * x2).sum(0))
         self.tokens += x2.shape[0]
 
-    def refresh(self) -> dict[str, torch.Tensor]:
-        """Fold the accumulated statistics (divided by the tokens) into the EMA, reset them."""
+    def refresh(self, ema: float | None = None) -> dict[str, torch.Tensor]:
+        """Fold the accumulated statistics (divided by the tokens) into the EMA, reset them.
+        ``ema`` overrides the configured decay for this refresh (0: replace)."""
+        ema = self.ema if ema is None else ema
         if self.tokens.item() <= 0:
             raise RuntimeError("KFACStatistics.refresh() with no accumulated tokens")
         new = {k: v / self.tokens.float() for k, v in self.sums.items()}
@@ -66,7 +68,7 @@ class KFACStatistics:
             self.ema_sums = new
         else:
             for k, v in new.items():
-                self.ema_sums[k].mul_(self.ema).add_(v, alpha=1.0 - self.ema)
+                self.ema_sums[k].mul_(ema).add_(v, alpha=1.0 - ema)
         self.reset_accumulators()
         self.refreshes += 1
         return self.ema_sums
