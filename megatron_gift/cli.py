@@ -87,11 +87,32 @@ def _add_demo(subparsers) -> None:
     dem.set_defaults(func=_demo)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from megatron_gift import report
+
+    for kind, path in report.render(args.run_dir, out=args.out).items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _add_report(subparsers) -> None:
+    rep = subparsers.add_parser(
+        "report",
+        help="plots and report.md from a run's gradient telemetry (gift_telemetry.jsonl)",
+        description="Read RUN_DIR/gift_telemetry.jsonl (or the file given) and write per-layer RelL2 heat map, "
+        "mode timeline with the policy's switches, loss curve and report.md.",
+    )
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding gift_telemetry.jsonl, or the file itself")
+    rep.add_argument("--out", default=None, metavar="DIR", help="output directory (default: the file's directory)")
+    rep.set_defaults(func=_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
     _add_demo(subparsers)
+    _add_report(subparsers)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Numerics: FP8 codec, K-FAC statistics, whitening, geometry statistics, error feedback.
+"""Numerics: FP8 codec, K-FAC statistics, whitening, geometry statistics, gradient profiles, error feedback.
 
 Pure tensor code: nothing here imports torch.distributed or Megatron.
 """
@@ -7,6 +7,8 @@ from .error_feedback import ErrorFeedback
 from .fp8 import CodecConfig, CodecStats, Encoded, FP8Format, Scaling, decode, decode_flat, encode, encode_flat, roundtrip
 from .geometry import GeometryStats, geometry_stats, shares_ratio
 from .kfac import KFACStatistics
+from .profile import FIELDS as PROFILE_FIELDS
+from .profile import ProfileSummary, profile_gradient, summarize
 from .whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, approximate_factor
 
 __all__ = [
@@ -20,6 +22,8 @@ __all__ = [
     "KFACStatistics",
     "LowRankFactor",
     "LowRankWhitening",
+    "PROFILE_FIELDS",
+    "ProfileSummary",
     "Scaling",
     "approximate_factor",
     "decode",
@@ -27,6 +31,8 @@ __all__ = [
     "encode",
     "encode_flat",
     "geometry_stats",
+    "profile_gradient",
     "roundtrip",
     "shares_ratio",
+    "summarize",
 ]
