@@ -1,0 +1,85 @@
+"""Fused Triton kernels for the two hot paths of a GIFT gradient exchange, with the pure-PyTorch
+code as reference and fallback:
+
+- sender, ``whiten_encode``: ``U = G T`` and its FP8 codes and scales in one pass over ``G``
+  after the small ``G Q`` (1x128 block scales; TENSOR/ROW/MX scaling take two passes);
+- receiver, ``decode_sum_unwhiten``: decode R ranks' messages, sum them in FP32 in rank order,
+  ``÷ R`` if averaging, and apply ``T⁻¹``.
+
+Each agrees with ``reference_whiten_encode`` / ``reference_decode_sum_unwhiten``: ``U`` and
+``T⁻¹`` to FP32 rounding; the codes and scales bit for bit those of ``fp8.encode(U)`` (so those of
+the reference where there is no whitening), and the rank sum bit for bit. The kernels' math is in
+``kernels/fused.py``. They run where ``available(device)``: on CUDA, or on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, set before the first call here: triton reads it when the
+kernels are defined), for every scaling with groups up to ``fused.MAX_TILE`` wide; elsewhere,
+and without triton, the reference runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..numerics.fp8 import CodecConfig, Encoded
+from ..numerics.whitening import LowRankWhitening
+from .reference import reference_decode_sum_unwhiten, reference_whiten_encode
+
+__all__ = [
+    "available",
+    "whiten_encode",
+    "decode_sum_unwhiten",
+    "reference_whiten_encode",
+    "reference_decode_sum_unwhiten",
+]
+
+
+@functools.cache
+def _fused():
+    """The kernel module, or None where triton does not import."""
+    try:
+        from . import fused
+    except ImportError:
+        return None
+    return fused
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: triton imports, and ``device`` is CUDA or
+    the interpreter is on."""
+    device = torch.device(device)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return _fused() is not None
+
+
+def _use_kernels(t: torch.Tensor, cfg: CodecConfig) -> bool:
+    return t.numel() > 0 and available(t.device) and cfg.block <= _fused().MAX_TILE
+
+
+def whiten_encode(
+    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None
+) -> Encoded:
+    """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
+    ``[rows, cols]`` uint8, scales ``cfg.groups(rows, cols)``; ``out``, when given, receives
+    ``G T`` in FP32 (e.g. for error feedback)."""
+    if _use_kernels(g, cfg):
+        return _fused().whiten_encode(g, whitening, cfg, out=out)
+    return reference_whiten_encode(g, whitening, cfg, out=out)
+
+
+def decode_sum_unwhiten(
+    payloads: torch.Tensor,
+    scales: torch.Tensor,
+    rows: int,
+    cols: int,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    average: bool,
+) -> torch.Tensor:
+    """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
+    messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them."""
+    if _use_kernels(payloads, cfg):
+        return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average)
+    return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average)

@@ -1,0 +1,224 @@
+"""Fused Triton kernels vs the pure-PyTorch reference: codes, scales and the rank sum bit for bit,
+the whitening ``T`` and ``T⁻¹`` to FP32 rounding.
+
+On the CPU the kernels run under Triton's interpreter, which has to be on (``TRITON_INTERPRET=1``)
+when the kernels are defined (``kernels.fused`` is imported at their first use, or by
+``test_kernels_compile_for_sm90``): ``test_kernels_under_interpreter`` runs this file again in a
+fresh process with it set, where the kernel tests below run on the CPU. Without the variable they
+run on CUDA (``gpu``-marked: skipped on machines without it)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_gift import kernels
+from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_whiten_encode
+from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode
+from megatron_gift.numerics.whitening import LowRankWhitening
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
+CONFIGS = [CodecConfig(fmt=f, scaling=s) for f in FP8Format for s in Scaling]
+SHAPES = [(1, 1), (1, 300), (20, 257)]
+
+
+@pytest.fixture
+def kernels_only(monkeypatch):
+    """Fails any call that would fall back to the reference: the Triton path must be taken."""
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("fell back to the PyTorch reference")
+
+    monkeypatch.setattr(kernels, "reference_whiten_encode", fallback)
+    monkeypatch.setattr(kernels, "reference_decode_sum_unwhiten", fallback)
+
+
+def _gradient(rows, cols, seed, device, special=True):
+    """Magnitudes over many binades; with ``special``: NaN (both signs), ±Inf, a zero block, FP32
+    subnormals and -0."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(rows, cols, generator=gen) * torch.exp(3 * torch.randn(rows, cols, generator=gen))
+    if special and rows * cols > 1:
+        flat = g.view(-1)
+        n = flat.numel()
+        odd = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-40, -3e-42, -0.0])
+        flat[torch.randperm(n, generator=gen)[: len(odd)]] = odd[:n]
+        g[-1, : min(cols, 130)] = 0.0
+    return g.to(device)
+
+
+def _whitening(cols, rank, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * cols + 8, cols, generator=gen) * torch.linspace(0.1, 3.0, cols)
+    return LowRankWhitening.from_statistics(x.T @ x / x.shape[0], rank, device=device)
+
+
+def _assert_same_encoding(enc, ref):
+    assert enc.payload.dtype == torch.uint8 and enc.payload.shape == ref.payload.shape
+    assert enc.scales.dtype == ref.scales.dtype and enc.scales.shape == ref.scales.shape
+    assert torch.equal(enc.payload, ref.payload)
+    assert torch.equal(enc.scales.view(-1).view(torch.uint8), ref.scales.view(-1).view(torch.uint8))
+
+
+def _assert_same_bits(x, ref):
+    """Bitwise equal FP32 tensors, any NaN counting as equal to any NaN."""
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(x), nan)
+    assert torch.equal(torch.where(nan, 0.0, x).view(torch.int32), torch.where(nan, 0.0, ref).view(torch.int32))
+
+
+def _assert_fp32_close(x, ref):
+    assert torch.isfinite(x).all()
+    assert float((x - ref).norm()) <= 1e-5 * float(ref.norm())
+    assert float((x - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def _messages(world, rows, cols, cfg, device, special):
+    encs = [encode(_gradient(rows, cols, seed, device, special), cfg) for seed in range(world)]
+    return torch.stack([e.payload.reshape(-1) for e in encs]), torch.stack([e.scales.reshape(-1) for e in encs])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_available(device):
+    assert kernels.available(torch.device(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_encode_is_bitwise_the_codec(device, shape, cfg, kernels_only):
+    g = _gradient(*shape, seed=1, device=device)
+    _assert_same_encoding(kernels.whiten_encode(g, None, cfg), encode(g, cfg))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FP8Format)
+def test_encode_rounds_every_fp8_value_and_tie(device, fmt, kernels_only):
+    """Rows of one 1x128 block that start with fp8_max (scale 1): every FP8 value, the midpoints
+    between neighbours (ties to even) and the FP32 numbers on either side, both signs."""
+    values = torch.arange(fmt.max_code + 1, dtype=torch.uint8).view(fmt.dtype).float()
+    mid = (values[1:] + values[:-1]) / 2
+    inf = torch.full_like(mid, float("inf"))
+    x = torch.cat([values, mid, torch.nextafter(mid, inf), torch.nextafter(mid, -inf), torch.tensor([1e-45, 2e-39])])
+    x = torch.cat([x, -x])
+    per_row = 127
+    x = torch.cat([x, x.new_zeros(-x.numel() % per_row)]).view(-1, per_row)
+    g = torch.cat([torch.full((x.shape[0], 1), fmt.max), x], dim=1).to(device)
+    cfg = CodecConfig(fmt=fmt)
+    ref = encode(g, cfg)
+    assert (ref.scales == 1).all()
+    _assert_same_encoding(kernels.whiten_encode(g, None, cfg), ref)
+
+
+WHITEN_CASES = [(CodecConfig(scaling=s), (20, 257), 4) for s in Scaling] + [
+    (CodecConfig(fmt=FP8Format.E5M2), (20, 257), 4),
+    (CodecConfig(), (1, 200), 4),
+    (CodecConfig(), (20, 257), 0),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,shape,rank", WHITEN_CASES, ids=lambda v: getattr(v, "name", None))
+def test_whiten_encode(device, cfg, shape, rank, kernels_only):
+    """``U = G T`` to FP32 rounding, and its encoding bit for bit the codec's encoding of that ``U``."""
+    g = _gradient(*shape, seed=2, device=device, special=False)
+    w = _whitening(shape[1], rank, device)
+    u, u_ref = torch.empty_like(g), torch.empty_like(g)
+    enc = kernels.whiten_encode(g, w, cfg, out=u)
+    reference_whiten_encode(g, w, cfg, out=u_ref)
+    _assert_fp32_close(u, u_ref)
+    _assert_same_encoding(enc, encode(u, cfg))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (9, 300)])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
+def test_decode_sum_is_bitwise(device, average, shape, cfg, kernels_only):
+    payloads, scales = _messages(3, *shape, cfg, device, special=True)
+    out = kernels.decode_sum_unwhiten(payloads, scales, *shape, None, cfg, average)
+    _assert_same_bits(out, reference_decode_sum_unwhiten(payloads, scales, *shape, None, cfg, average))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("rank", [0, 4])
+@pytest.mark.parametrize("cfg", [CodecConfig(), CodecConfig(scaling=Scaling.ROW)], ids=lambda c: c.name)
+def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
+    rows, cols = 9, 300
+    payloads, scales = _messages(3, rows, cols, cfg, device, special=False)
+    w = _whitening(cols, rank, device)
+    out = kernels.decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average)
+    _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average))
+
+
+def _run(args, **env):
+    env = {**os.environ, **env}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+if not INTERPRET:  # the outer run only, so that the interpreter run's summary has no skips
+
+    def test_kernels_under_interpreter():
+        """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
+        proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], TRITON_INTERPRET="1")
+        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+        summary = proc.stdout.strip().splitlines()[-1]
+        assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+
+    E4M3 = dict(MANT=3, BIAS=7, E4M3=True)
+    E5M2 = dict(MANT=2, BIAS=15, E4M3=False)
+    # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
+    SM90_CASES = [
+        ("_whiten_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **E4M3), True, True),
+        ("_whiten_encode_kernel", dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **E5M2), False, False),
+        ("_whiten_encode_kernel", dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **E5M2), False, True),
+        ("_decode_sum_kernel", dict(AVERAGE=True, **E4M3), False, True),
+        ("_decode_sum_kernel", dict(AVERAGE=False, **E5M2), False, False),
+        ("_unwhiten_kernel", {}, True, False),
+    ]
+
+    @pytest.mark.parametrize("name,constexprs,fusion,divides", SM90_CASES)
+    def test_kernels_compile_for_sm90(name, constexprs, fusion, divides):
+        """Without a GPU: each kernel compiles to an sm_90 cubin, divides with IEEE rounding, never
+        flushes subnormals, and leaves products unfused where the launcher turns FMA off."""
+        from triton import compile as triton_compile
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from megatron_gift.kernels import fused
+
+        kernel = getattr(fused, name)
+        tile = {"WIDTH": 128, "BLOCK_R": 16, "BLOCK_C": 128}
+        constexprs = {**{k: v for k, v in tile.items() if k in kernel.arg_names}, **constexprs}
+        pointers = {"code_ptr": "*u8", "scale_ptr": "*i16" if constexprs.get("PASS") == 2 else "*fp32"}
+        signature = {
+            a: "constexpr" if a in constexprs else pointers.get(a, "*fp32") if a.endswith("_ptr") else "i32"
+            for a in kernel.arg_names
+        }
+        src = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+        asm = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": fusion}).asm
+        assert asm["cubin"]
+        ptx = asm["ptx"]
+        assert ".ftz" not in ptx
+        assert ("div.rn.f32" in ptx) == divides and "div.full" not in ptx and "div.approx" not in ptx
+        assert fusion or "fma." not in ptx
+
+    def test_imports_and_falls_back_without_triton():
+        code = textwrap.dedent(
+            """
+            import sys, torch
+            sys.modules["triton"] = None  # makes `import triton` raise ImportError
+            from megatron_gift import kernels
+            from megatron_gift.numerics.fp8 import CodecConfig, encode
+            assert not kernels.available(torch.device("cpu"))
+            g = torch.randn(3, 200)
+            assert torch.equal(kernels.whiten_encode(g, None, CodecConfig()).payload, encode(g, CodecConfig()).payload)
+            """
+        )
+        proc = _run(["-c", code], TRITON_INTERPRET="1")
+        assert proc.returncode == 0, proc.stderr[-5000:]
