@@ -35,6 +35,13 @@ def _bench_comm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_overhead(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import overhead
+
+    overhead.run(quick=args.quick, json_path=args.json, device=args.device, command=args.command_line)
+    return 0
+
+
 def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -62,6 +69,17 @@ def _add_bench(subparsers) -> None:
     com.add_argument("--json", metavar="PATH", help="write the results as JSON")
     com.add_argument("--ranks", type=_positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)")
     com.set_defaults(func=_bench_comm)
+    ovh = commands.add_parser(
+        "overhead",
+        help="per-layer time of the GIFT transform, the FP8 codec and the dense-Cholesky transform vs the layer's fwd+bwd",
+        description="Time the plugin's per-layer work (low-rank T and T^-1, FP8 encode+decode, whiten+encode, "
+        "decode+sum+unwhiten, the paper's dense-Cholesky T) on the Llama-300M/600M and demo linear-layer shapes, "
+        "next to each layer's forward+backward matmuls for one micro-batch.",
+    )
+    ovh.add_argument("--quick", action="store_true", help="Llama-600M and demo shapes, 1024 tokens (under 2 minutes on a CPU)")
+    ovh.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ovh.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    ovh.set_defaults(func=_bench_overhead)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -107,11 +125,53 @@ def _add_report(subparsers) -> None:
     rep.set_defaults(func=_report)
 
 
+def _model(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from megatron_gift import perfmodel
+
+    cluster = perfmodel.GH200
+    names = [f.name for f in dataclasses.fields(cluster)]
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in names or not value:
+            raise SystemExit(f"megatron-gift model: --set wants FIELD=VALUE, FIELD one of {', '.join(names)}; got {item!r}")
+        cluster = dataclasses.replace(cluster, **{key: type(getattr(cluster, key))(value)})
+    perfmodel.run(model=args.model, cluster=cluster, overhead_json=args.overhead_json, json_path=args.json,
+                  comm_json=args.comm_json or str(perfmodel.COMM_JSON), validate_overhead_json=args.validate_cpu,
+                  validate_iters=args.iters, command=args.command_line)  # fmt: skip
+    return 0
+
+
+def _add_model(subparsers) -> None:
+    mod = subparsers.add_parser(
+        "model",
+        help="analytic step-time model: FP32/BF16/FP8/GIFT gradient reduction on 8 to 512 GH200-like GPUs",
+        description="Predict the step time of Llama-300M/600M data-parallel training with FP32, BF16, Euclidean-FP8 and "
+        "GIFT-FP8 gradient reduction (alpha-beta collectives, Megatron buckets and overlap, the plugin's measured "
+        "overheads); check the byte model against a bench comm JSON and, with --validate-cpu, step times against "
+        "CPU gloo runs of the demo model.",
+    )
+    mod.add_argument("--model", default="llama-600m", choices=["llama-300m", "llama-600m"])
+    mod.add_argument("--overhead-json", metavar="PATH", help="plugin costs from a bench overhead JSON of the target GPU "
+                     "(default: HBM-bandwidth estimates)")  # fmt: skip
+    mod.add_argument("--comm-json", metavar="PATH", default=None,
+                     help="bench comm JSON to check the byte model against (default: the checkout's bench/results/comm-cpu.json)")  # fmt: skip
+    mod.add_argument("--validate-cpu", metavar="OVERHEAD_JSON", help="also train the demo model on 2 gloo ranks per mode "
+                     "and compare step times, with the plugin's costs from this CPU overhead JSON (~4 min)")  # fmt: skip
+    mod.add_argument("--iters", type=_positive_int, default=30, help="iterations per mode of --validate-cpu (default 30)")
+    mod.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override a machine parameter, e.g. --set inter_bw=50e9 --set gpus_per_node=8")  # fmt: skip
+    mod.add_argument("--json", metavar="PATH", help="write the tables and checks as JSON")
+    mod.set_defaults(func=_model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
     _add_demo(subparsers)
+    _add_model(subparsers)
     _add_report(subparsers)
     return parser
 

@@ -1,0 +1,76 @@
+"""``bench overhead`` on tiny shapes: JSON schema, every path timed, low-rank T cheaper than dense Cholesky at large d_in."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_gift.bench import overhead
+from megatron_gift.cli import build_parser, main
+
+TINY = {"tiny": dict(layers=1, hidden=64, heads=2, ffn=176, seq=16, micro_batch=2)}
+PATHS = {"layer_fwd_bwd", "lowrank_apply", "lowrank_inverse", "dense_apply", "dense_inverse", "fp8_encode_decode",
+         "copy", "factor_build"}  # fmt: skip
+
+
+def test_cli_runs_bench_overhead_quick(tmp_path, monkeypatch):
+    monkeypatch.setattr(overhead, "MODELS", TINY)
+    monkeypatch.setattr(overhead, "QUICK_MODELS", ("tiny",))
+    monkeypatch.setattr(overhead, "QUICK_TOKENS", 8)
+    path = tmp_path / "o.json"
+    assert main(["bench", "overhead", "--quick", "--device", "cpu", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert {"machine", "command", "config", "schema", "results", "summary", "targets"} <= set(doc)
+    assert doc["command"] == f"megatron-gift bench overhead --quick --device cpu --json {path}"
+    assert doc["config"]["tokens_per_micro_batch"] == 8
+    layers = {"qkv": [192, 64], "proj": [64, 64], "fc1": [352, 64], "fc2": [64, 176]}
+    for layer, shape in layers.items():
+        recs = {r["path"]: r for r in doc["results"] if r["layer"] == layer}
+        assert PATHS <= set(recs), layer
+        for r in recs.values():
+            assert r["model"] == "tiny" and r["shape"] == shape and r["seconds"] > 0 and r["samples"] >= 2
+            assert r["device"] == "cpu"
+        assert recs["layer_fwd_bwd"]["tokens"] == 8
+        assert recs["copy"]["bytes_per_s"] > 0 and recs["fp8_encode_decode"]["bytes_per_s"] > 0
+        for op in ("apply", "inverse"):
+            assert recs[f"dense_{op}"]["dense_over_lowrank"] == pytest.approx(
+                recs[f"dense_{op}"]["seconds"] / recs[f"lowrank_{op}"]["seconds"]
+            )
+        assert {"whiten_encode_reference", "decode_sum_unwhiten_reference"} <= set(recs)
+        assert "whiten_encode_fused" not in recs  # only where compiled Triton runs (CUDA)
+    assert [s["layer"] for s in doc["summary"]] == list(layers)
+    for s in doc["summary"]:
+        assert s["pipeline"] == "reference" and s["pipeline_s"] > 0
+        assert s["transform_codec_over_layer"] == pytest.approx((s["transform_s"] + s["codec_s"]) / s["layer_fwd_bwd_s"])
+    assert doc["targets"] == {"device": "cpu"}  # no Llama-600M shapes in this run
+
+
+def test_dense_cholesky_costs_more_than_low_rank_at_large_d_in():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as run() does on a CPU
+    try:
+        recs = overhead.measure_layer(("t", "fc2"), (128, 2048), 16, torch.device("cpu"), overhead.CodecConfig())
+    finally:
+        torch.set_num_threads(threads)
+    (row,) = overhead.summarize(recs)
+    assert row["dense_over_lowrank"] > 2, row  # O(d_out d_in^2) vs O(d_out d_in r): ~30x in FLOPs here
+
+
+def test_targets_read_the_600m_rows():
+    doc = {"results": [{"device": "cuda"}], "summary": [
+        dict(model="llama-600m", layer=k, layer_fwd_bwd_s=1.0, transform_s=0.004, codec_s=0.006, dense_over_lowrank=d)
+        for k, d in (("qkv", 3.0), ("fc2", 20.0))]}  # fmt: skip
+    t = overhead.targets(doc)
+    assert t["transform_codec_over_layer_fwd_bwd_600m"] == pytest.approx(0.01)
+    assert t["target_transform_codec_le_2pct"] and t["dense_over_lowrank_d_in_3456"] == 20.0
+    assert t["target_dense_over_lowrank_ge_15"]
+
+
+def test_layer_shapes_swiglu():
+    assert overhead.layer_shapes(overhead.MODELS["llama-600m"]) == {
+        "qkv": (3840, 1280), "proj": (1280, 1280), "fc1": (6912, 1280), "fc2": (1280, 3456)}  # fmt: skip
+
+
+def test_cli_parses_bench_overhead():
+    args = build_parser().parse_args(["bench", "overhead", "--quick", "--json", "x.json"])
+    assert args.quick and args.json == "x.json" and args.device is None and args.func.__name__ == "_bench_overhead"
