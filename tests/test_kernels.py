@@ -5,7 +5,8 @@ On the CPU the kernels run under Triton's interpreter, which has to be on (``TRI
 when the kernels are defined (``kernels.fused`` is imported at their first use, or by
 ``test_kernels_compile_for_sm90``): ``test_kernels_under_interpreter`` runs this file again in a
 fresh process with it set, where the kernel tests below run on the CPU. Without the variable they
-run on CUDA (``gpu``-marked: skipped on machines without it)."""
+run on CUDA (``gpu``-marked: skipped on machines without it). The interpreter run also checks
+``QuantizedReduce`` with the kernels forced on against its PyTorch path, on two gloo ranks."""
 
 import os
 import subprocess
@@ -14,11 +15,17 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_gift import kernels
+from megatron_gift.comm import quantized
+from megatron_gift.comm.layout import BucketLayout, Segment
+from megatron_gift.config import Mode
 from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_whiten_encode
+from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode
 from megatron_gift.numerics.whitening import LowRankWhitening
+from megatron_gift.testing import run_on_ranks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -156,12 +163,113 @@ def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
     _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average))
 
 
+# Two shards of 800: "c" has a row cut by the boundary (row 0: 20 columns in shard 0) and whole
+# rows 1-4 in shard 1; "b" lies in shard 0 and "d" in shard 1, whole.
+COMM_LAYOUT = (
+    1600,
+    [
+        Segment(0, 12, 40, Mode.GIFT, "a"),
+        Segment(480, 1, 7, Mode.OFF, "norm"),
+        Segment(512, 5, 50, Mode.EUCLIDEAN, "b"),
+        Segment(780, 5, 100, Mode.GIFT, "c"),
+        Segment(1300, 1, 6, Mode.BF16, "bias"),
+        Segment(1320, 3, 90, Mode.EUCLIDEAN, "d"),
+    ],
+)
+# (codec, all_reduce, average); "e5m2-tensor" has no block in "c" (its group spans the cut row).
+COMM_CASES = [
+    (codec, all_reduce, not all_reduce)
+    for codec in ("e4m3-block", "e5m2-tensor", "e4m3-row", "e4m3-mx")
+    for all_reduce in (False, True)
+]
+
+
+def _comm_inputs(world):
+    numel, segments = COMM_LAYOUT
+    grads = [torch.zeros(numel) for _ in range(world)]
+    for k, s in enumerate(segments):
+        for rank, g in enumerate(grads):
+            g[s.start : s.end] = _gradient(s.rows, s.cols, 100 * rank + k, "cpu", special=False).view(-1)
+    transforms = [_whitening(s.cols, 4, "cpu", seed=k) if s.mode is Mode.GIFT else None for k, s in enumerate(segments)]
+    return grads, transforms
+
+
+def _comm_worker(rank, world):
+    """Each case through ``QuantizedReduce`` twice, the PyTorch path then the kernels forced on,
+    counting the kernels' launches; a fallback to the kernels' reference fails."""
+    from megatron_gift.kernels import fused
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("fell back to the PyTorch reference")
+
+    kernels.reference_whiten_encode = kernels.reference_decode_sum_unwhiten = fallback
+    calls = {"whiten_encode": 0, "decode_sum_unwhiten": 0}
+    for name in calls:
+        def counted(*args, _f=getattr(fused, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+
+        setattr(fused, name, counted)
+    numel, segments = COMM_LAYOUT
+    grads, transforms = _comm_inputs(world)
+    out = {}
+    for codec, all_reduce, average in COMM_CASES:
+        layout = BucketLayout(numel, world, segments, CodecConfig(*codec.split("-")), torch.float32)
+        for use in (False, True):
+            quantized.USE_KERNELS = use
+            before = dict(calls)
+            flat = grads[rank].clone()
+            group = dist.group.WORLD
+            quantized.QuantizedReduce(flat, layout, group, transforms, average=average, all_reduce=all_reduce).wait()
+            out[(codec, all_reduce, average, use)] = (flat, {k: calls[k] - before[k] for k in calls})
+    # Error feedback keeps the sender on the PyTorch path: the same residual either way.
+    layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
+    for use in (False, True):
+        quantized.USE_KERNELS = use
+        ef = ErrorFeedback(layout.n_coded)
+        quantized.QuantizedReduce(grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef).wait()
+        out[("ef", use)] = ef._pending
+    return out
+
+
 def _run(args, **env):
     env = {**os.environ, **env}
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-if not INTERPRET:  # the outer run only, so that the interpreter run's summary has no skips
+if INTERPRET:
+
+    def test_quantized_reduce_with_kernels():
+        """Kernel path vs PyTorch path of ``QuantizedReduce``: Euclidean and plain values bit for
+        bit, GIFT ones to FP32 rounding; the result within FP8 error of the FP32 reduction and, for
+        the all-reduce, bit-identical on both ranks; the kernels actually ran."""
+        world = 2
+        results = run_on_ranks(_comm_worker, world, timeout=300)
+        numel, segments = COMM_LAYOUT
+        grads, _ = _comm_inputs(world)
+        gift = torch.zeros(numel, dtype=torch.bool)
+        for s in segments:
+            gift[s.start : s.end] = s.mode is Mode.GIFT
+        for codec, all_reduce, average in COMM_CASES:
+            reference = torch.stack(grads).double().sum(0) / (world if average else 1)
+            for rank, res in enumerate(results):
+                torch_path, _ = res[(codec, all_reduce, average, False)]
+                kernel_path, calls = res[(codec, all_reduce, average, True)]
+                key = (codec, all_reduce, average, rank)
+                assert calls["whiten_encode"] > 0 and calls["decode_sum_unwhiten"] > 0, (key, calls)
+                lo, hi = (0, numel) if all_reduce else (rank * numel // world, (rank + 1) * numel // world)
+                got, want, g = kernel_path[lo:hi], torch_path[lo:hi], gift[lo:hi]
+                assert torch.equal(got[~g], want[~g]), key
+                assert float((got[g] - want[g]).norm()) <= 1e-5 * float(want[g].norm()), key
+                ref = reference[lo:hi]
+                tol = 0.08 if codec.startswith("e4m3") else 0.16
+                assert float((got.double() - ref).norm()) < tol * float(ref.norm()), key
+                if all_reduce:
+                    assert torch.equal(kernel_path, results[0][(codec, all_reduce, average, True)][0]), key
+        for res in results:
+            assert torch.equal(res[("ef", True)], res[("ef", False)])
+
+else:  # the outer run only, so that the interpreter run's summary has no skips
 
     def test_kernels_under_interpreter():
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""

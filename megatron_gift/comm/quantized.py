@@ -15,19 +15,44 @@ Receiver (``QuantizedReduce.wait``), for its shard j::
 All-reduce = the same reduce-scatter, then each rank re-encodes its reduced shard (still
 whitened) and an all-gather moves the FP8 messages; every rank decodes the same bytes and
 applies ``T⁻¹`` to whole rows, so all ranks hold bit-identical gradients.
+
+Fused kernels (``megatron_gift.kernels``, where ``USE_KERNELS`` allows them): a *block* is the
+whole rows of a GIFT or Euclidean parameter inside one shard whose scaling groups in the layout
+are exactly the codec's groups of that ``[rows, cols]`` matrix (rows never cut by the shard for
+BLOCK/MX/ROW scaling; for TENSOR scaling only a parameter the shard boundaries do not cut
+inside). The sender encodes a block with ``kernels.whiten_encode`` (``G T`` and FP8 in one
+pass), the receiver sums it with ``kernels.decode_sum_unwhiten`` (decode, rank-order sum and
+``T⁻¹`` in one pass; the all-reduce's first sum leaves it whitened, the all-gather's decode
+unwhitens it); everything else takes the PyTorch path above. Blocks depend only on the layout,
+so every rank takes the same path and all-reduce results stay bit-identical across ranks. The
+kernels' ``G T`` and ``T⁻¹`` equal PyTorch's to FP32 rounding, their codes, scales and sums are
+PyTorch's bit for bit. With error feedback the sender stays on the PyTorch path (the kernel
+cannot add the residual before encoding); the receiver still uses the kernels.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from .. import kernels
+from ..config import Mode
+from ..kernels.reference import rank_order_sum
 from ..numerics.error_feedback import ErrorFeedback
-from ..numerics.fp8 import Encoded, decode_flat, encode_flat
+from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode_flat, group_lengths
 from ..numerics.whitening import LowRankWhitening
-from .layout import BucketLayout, ShardPlan
+from .layout import BucketLayout, ShardPlan, _complement, _merge
+
+Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
+
+USE_KERNELS: bool | None = None
+"""Whether blocks go through the fused Triton kernels: None (default) on CUDA where they are
+``kernels.available``; True wherever they are available, the CPU included when Triton's
+interpreter is on (slow: for tests); False never. Every rank of a group must see the same value."""
 
 
 class CommLedger:
@@ -64,14 +89,6 @@ def _gather_runs(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tenso
     return torch.cat([flat[a:b] for a, b in runs]) if runs else flat.new_zeros(0)
 
 
-def _rank_order_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """``Σ_i t[i]`` accumulated in FP32 in rank order (the same order on every rank)."""
-    acc = t[0].clone()
-    for i in range(1, world):
-        acc += t[i]
-    return acc
-
-
 def _scatter_runs(flat: torch.Tensor, runs: list[tuple[int, int]], values: torch.Tensor) -> None:
     pos = 0
     for a, b in runs:
@@ -79,8 +96,139 @@ def _scatter_runs(flat: torch.Tensor, runs: list[tuple[int, int]], values: torch
         pos += b - a
 
 
+def _kernels_on(device: torch.device) -> bool:
+    """Whether this reduction uses the kernels, by ``USE_KERNELS`` (the same on every rank)."""
+    if USE_KERNELS is False or (USE_KERNELS is None and device.type != "cuda"):
+        return False
+    return kernels.available(device)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Rows ``[r0, r1)`` of segment ``seg`` (``cols`` wide): coded elements ``[c, c + n)`` that are
+    exactly the groups ``[g, g + n_groups)``, the codec's groups of the ``[r1 - r0, cols]`` matrix;
+    ``c`` and ``g`` count from the start of the enclosing range (bucket or shard)."""
+
+    seg: int
+    r0: int
+    r1: int
+    cols: int
+    c: int
+    g: int
+    n_groups: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.r1 - self.r0, self.cols
+
+    @property
+    def n(self) -> int:
+        return (self.r1 - self.r0) * self.cols
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A range of coded values (the bucket's or one shard's) split into kernel ``blocks`` and the
+    rest: coded runs ``rest_runs`` and group runs ``rest_groups`` (relative to the range) for the
+    flat codec, and the GIFT rows ``(seg, r0, r1)`` of the range outside blocks whose transform the
+    PyTorch path applies (``rest_rows``)."""
+
+    blocks: tuple[_Block, ...]
+    rest_runs: list[tuple[int, int]]
+    rest_groups: list[tuple[int, int]]
+    rest_rows: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The split of the whole bucket (sender, all-gather) and of each shard (receiver)."""
+
+    bucket: _Split
+    shards: list[_Split]
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> {use kernels: _Plan}
+
+
+def _plan(layout: BucketLayout, use_kernels: bool) -> _Plan:
+    """The layout's split, with no blocks unless ``use_kernels`` (computed once per layout)."""
+    plans = _PLANS.setdefault(layout, {})
+    if use_kernels not in plans:
+        plans[use_kernels] = _make_plan(layout, use_kernels)
+    return plans[use_kernels]
+
+
+def _shard_blocks(layout: BucketLayout, plan: ShardPlan, starts: torch.Tensor) -> list[_Block]:
+    """Each GIFT/Euclidean segment's whole rows inside the shard, where their groups in the layout
+    are the matrix codec's groups (shard-relative coordinates)."""
+    out = []
+    for i, s in enumerate(layout.segments):
+        if s.mode not in (Mode.EUCLIDEAN, Mode.GIFT) or s.end <= plan.lo or s.start >= plan.hi:
+            continue
+        r0, r1 = -(-(max(s.start, plan.lo) - s.start) // s.cols), (min(s.end, plan.hi) - s.start) // s.cols
+        if r1 <= r0:
+            continue
+        c = layout.coded_index(s.start + r0 * s.cols)
+        g = int(torch.searchsorted(starts, c))
+        want = group_lengths(r1 - r0, s.cols, layout.codec)
+        have = layout.group_lengths[g : g + want.numel()]
+        if g < starts.numel() and int(starts[g]) == c and torch.equal(have, want):
+            out.append(_Block(i, r0, r1, s.cols, c - plan.c_lo, g - plan.g_lo, want.numel()))
+    return out
+
+
+def _make_plan(layout: BucketLayout, use_kernels: bool) -> _Plan:
+    starts = torch.cumsum(layout.group_lengths, 0) - layout.group_lengths
+    shards = []
+    for p in layout.shards:
+        blocks = _shard_blocks(layout, p, starts) if use_kernels else []
+        in_blocks = {b.seg for b in blocks}
+        shards.append(
+            _Split(
+                blocks=tuple(blocks),
+                rest_runs=_complement([(b.c, b.c + b.n) for b in blocks], p.c_hi - p.c_lo),
+                rest_groups=_complement([(b.g, b.g + b.n_groups) for b in blocks], p.g_hi - p.g_lo),
+                rest_rows=[rows for rows in p.gift_rows if rows[0] not in in_blocks],
+            )
+        )
+    pairs = list(zip(layout.shards, shards))
+    blocks = [replace(b, c=b.c + p.c_lo, g=b.g + p.g_lo) for p, sp in pairs for b in sp.blocks]
+    rest_rows = []
+    for i, s in enumerate(layout.segments):
+        if s.mode is Mode.GIFT:
+            covered = [(b.r0, b.r1) for b in blocks if b.seg == i]
+            rest_rows += [(i, r0, r1) for r0, r1 in _complement(covered, s.rows)]
+    bucket = _Split(
+        blocks=tuple(blocks),
+        rest_runs=_merge([(a + p.c_lo, b + p.c_lo) for p, sp in pairs for a, b in sp.rest_runs]),
+        rest_groups=_merge([(a + p.g_lo, b + p.g_lo) for p, sp in pairs for a, b in sp.rest_groups]),
+        rest_rows=rest_rows,
+    )
+    return _Plan(bucket=bucket, shards=shards)
+
+
+def _encode(
+    coded: torch.Tensor, lengths: torch.Tensor, split: _Split, cfg: CodecConfig, whitenings: Whitenings | None
+) -> Encoded:
+    """``encode_flat(coded, lengths)`` with the split's blocks encoded by the fused kernel, which
+    first whitens block rows by ``whitenings[seg]`` when ``whitenings`` is given."""
+    enc = encode_flat(_gather_runs(coded, split.rest_runs), _gather_runs(lengths, split.rest_groups), cfg)
+    if not split.blocks:
+        return enc
+    payload = torch.empty(coded.numel(), dtype=torch.uint8, device=coded.device)
+    scales = torch.empty(lengths.numel(), dtype=cfg.scale_dtype(), device=coded.device)
+    _scatter_runs(payload, split.rest_runs, enc.payload)
+    _scatter_runs(scales, split.rest_groups, enc.scales)
+    for b in split.blocks:
+        w = whitenings[b.seg] if whitenings is not None else None
+        block = kernels.whiten_encode(coded[b.c : b.c + b.n].view(b.shape), w, cfg)
+        payload[b.c : b.c + b.n] = block.payload.view(-1)
+        scales[b.g : b.g + b.n_groups] = block.scales.view(-1)
+    return Encoded(payload=payload, scales=scales)
+
+
 class _Codec:
-    """Packs and unpacks shard messages ``[scales | off | bf16 | payload]`` for one layout."""
+    """Packs shard messages ``[scales | off | bf16 | payload]`` for one layout and reduces them."""
 
     def __init__(self, layout: BucketLayout):
         self.layout = layout
@@ -100,17 +248,30 @@ class _Codec:
         out[off : off + enc.payload.numel()] = enc.payload
         return out
 
-    def unpack(self, plan: ShardPlan, msgs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``msgs [k, ≥ message_bytes]`` → decoded coded values ``[k, n_coded]`` and each plain
-        class ``[k, n]``, all FP32."""
+    def _sections(self, plan: ShardPlan, msgs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload ``[k, n_coded]`` (uint8) and scales ``[k, n_groups]`` sections of ``msgs``."""
         n_groups, n_coded = plan.g_hi - plan.g_lo, plan.c_hi - plan.c_lo
-        lengths = self.layout.group_lengths_on(msgs.device)[plan.g_lo : plan.g_hi]
         scale_dtype = self.cfg.scale_dtype()
         payload_at = plan.scale_bytes + sum(plan.plain_bytes)
-        coded = torch.stack(
+        scales = msgs[:, : n_groups * scale_dtype.itemsize].contiguous().view(-1).view(scale_dtype)
+        return msgs[:, payload_at : payload_at + n_coded], scales.view(msgs.shape[0], n_groups)
+
+    def reduce(
+        self, plan: ShardPlan, split: _Split, msgs: torch.Tensor, average: bool, whitenings: Whitenings | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``Σ_i dec(msgs[i])`` (``÷ k`` if ``average``) of ``k`` messages ``[k, ≥ message_bytes]`` of
+        shard ``plan``, FP32 in rank order: coded values ``[n_coded]`` and each plain class. Blocks
+        go through the fused kernel, which also applies ``T⁻¹`` of ``whitenings[seg]`` when
+        ``whitenings`` is given; the rest stays as summed (still whitened)."""
+        k = msgs.shape[0]
+        payloads, scales = self._sections(plan, msgs)
+        lengths = _gather_runs(self.layout.group_lengths_on(msgs.device)[plan.g_lo : plan.g_hi], split.rest_groups)
+        rest = torch.stack(
             [
-                decode_flat(Encoded(m[payload_at : payload_at + n_coded], m[: n_groups * scale_dtype.itemsize].view(scale_dtype)), lengths, self.cfg)
-                for m in msgs
+                decode_flat(
+                    Encoded(_gather_runs(p, split.rest_runs), _gather_runs(s, split.rest_groups)), lengths, self.cfg
+                )
+                for p, s in zip(payloads, scales)
             ]
         )
         plains, off = [], plan.scale_bytes
@@ -118,12 +279,22 @@ class _Codec:
             n = sum(b - a for a, b in runs)
             plains.append(msgs[:, off : off + n * dt.itemsize].contiguous().view(dt).float())
             off += size
-        return coded, plains
-
-    def encode(self, plan: ShardPlan, coded: torch.Tensor) -> Encoded:
-        """Encode this shard's coded values (``[n_coded]``, in the shard's group layout)."""
-        lengths = self.layout.group_lengths_on(coded.device)[plan.g_lo : plan.g_hi]
-        return encode_flat(coded, lengths, self.cfg)
+        sums = [rank_order_sum(t, k) for t in (rest, *plains)]
+        if average:
+            for t in sums:
+                t /= k
+        if not split.blocks:
+            return sums[0], sums[1:]
+        coded = torch.empty(plan.c_hi - plan.c_lo, device=msgs.device)
+        _scatter_runs(coded, split.rest_runs, sums[0])
+        for b in split.blocks:
+            w = whitenings[b.seg] if whitenings is not None else None
+            g = slice(b.g, b.g + b.n_groups)
+            block = kernels.decode_sum_unwhiten(
+                payloads[:, b.c : b.c + b.n], scales[:, g], *b.shape, w, self.cfg, average
+            )
+            coded[b.c : b.c + b.n] = block.view(-1)
+        return coded, sums[1:]
 
 
 class QuantizedReduce:
@@ -153,12 +324,16 @@ class QuantizedReduce:
         self.rank = dist.get_rank(group)
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
+        use_kernels = _kernels_on(flat.device)
+        self.plan = _plan(layout, use_kernels)
+        # The kernel cannot add the error-feedback residual between G T and the encoding.
+        split = _plan(layout, use_kernels and error_feedback is None).bucket
         coded = _gather_runs(flat, layout.coded_runs).float()  # aliases flat when FP32 and contiguous
-        self._transform(coded, 0, whole_rows=[(i, 0, s.rows) for i, s in enumerate(layout.segments)], inverse=False)
+        self._transform(coded, 0, split.rest_rows, inverse=False)
         if error_feedback is not None:
             coded = error_feedback.compensate(coded)
         lengths = layout.group_lengths_on(flat.device)
-        enc = encode_flat(coded, lengths, layout.codec)
+        enc = _encode(coded, lengths, split, layout.codec, transforms)
         if error_feedback is not None:
             error_feedback.stage(coded, decode_flat(enc, lengths, layout.codec))
         send = []
@@ -192,41 +367,41 @@ class QuantizedReduce:
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-        plan = self.layout.shards[self.rank]
-        coded, plains = self.codec.unpack(plan, self.recv.view(self.world, plan.message_bytes))
-        sums = [_rank_order_sum(t, self.world) for t in (coded, *plains)]
-        if self.average:
-            for t in sums:
-                t /= self.world
-        if self.nonfinite is not None:  # device-side flag, no host sync
-            for t in sums:
+        plan, split = self.layout.shards[self.rank], self.plan.shards[self.rank]
+        msgs = self.recv.view(self.world, plan.message_bytes)
+        whitenings = None if self.all_reduce else self.transforms  # the all-reduce sends the sum whitened
+        coded_sum, plain_sums = self.codec.reduce(plan, split, msgs, self.average, whitenings)
+        # Device-side flag, no host sync; blocks are checked after T⁻¹, which keeps NaN and Inf non-finite.
+        if self.nonfinite is not None:
+            for t in (coded_sum, *plain_sums):
                 self.nonfinite |= ~torch.isfinite(t).all()
-        coded_sum, plain_sums = sums[0], sums[1:]
         if self.all_reduce:
-            self._all_gather(plan, coded_sum, plain_sums)
+            self._all_gather(plan, split, coded_sum, plain_sums)
             return
-        self._transform(coded_sum, plan.c_lo, plan.gift_rows, inverse=True)
+        self._transform(coded_sum, plan.c_lo, split.rest_rows, inverse=True)
         self._unwhiten_pieces(plan, coded_sum)
         _scatter_runs(self.flat, plan.coded_runs, coded_sum)
         for runs, values in zip(plan.plain_runs, plain_sums):
             _scatter_runs(self.flat, runs, values)
 
-    def _all_gather(self, plan: ShardPlan, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor]) -> None:
+    def _all_gather(self, plan: ShardPlan, split: _Split, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor]):
         width = max(p.message_bytes for p in self.layout.shards)
         msg = torch.zeros(width, dtype=torch.uint8, device=self.flat.device)
         plains = [t.to(dt) for t, dt in zip(plain_sums, self.layout.plain_dtypes)]
-        msg[: plan.message_bytes] = self.codec.pack(plan, self.codec.encode(plan, coded_sum), plains)
+        lengths = self.layout.group_lengths_on(coded_sum.device)[plan.g_lo : plan.g_hi]
+        enc = _encode(coded_sum, lengths, split, self.codec.cfg, None)
+        msg[: plan.message_bytes] = self.codec.pack(plan, enc, plains)
         gathered = torch.empty(self.world * width, dtype=torch.uint8, device=self.flat.device)
         self.ledger.add("all_gather", "fp8+scales", (self.world - 1) * width)
         _all_gather(gathered, msg, group=self.group)
         gathered = gathered.view(self.world, width)
         coded_all = torch.empty(self.layout.n_coded, device=self.flat.device)
-        for j, p in enumerate(self.layout.shards):
-            coded, plains = self.codec.unpack(p, gathered[j : j + 1])
-            coded_all[p.c_lo : p.c_hi] = coded[0]
+        for j, (p, sp) in enumerate(zip(self.layout.shards, self.plan.shards)):
+            coded, plains = self.codec.reduce(p, sp, gathered[j : j + 1], False, self.transforms)
+            coded_all[p.c_lo : p.c_hi] = coded
             for runs, values in zip(p.plain_runs, plains):
-                _scatter_runs(self.flat, runs, values[0])
-        self._transform(coded_all, 0, [(i, 0, s.rows) for i, s in enumerate(self.layout.segments)], inverse=True)
+                _scatter_runs(self.flat, runs, values)
+        self._transform(coded_all, 0, self.plan.bucket.rest_rows, inverse=True)
         _scatter_runs(self.flat, self.layout.coded_runs, coded_all)
 
     def _unwhiten_pieces(self, plan: ShardPlan, coded_sum: torch.Tensor) -> None:

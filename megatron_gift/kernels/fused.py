@@ -16,7 +16,7 @@ scales): a first pass writes the per-tile amax, ``fp8.scales_from_amax`` turns t
 maxima into scales, and a second pass recomputes ``U`` and encodes it.
 
 Receiver, ``decode_sum_unwhiten``: per tile ``S = Σ_{i<R} fp8⁻¹(code_i) · s_i`` in FP32, rank 0
-first and in rank order (as ``comm.quantized._rank_order_sum``), ``÷ R`` when averaging; then
+first and in rank order (as ``reference.rank_order_sum``), ``÷ R`` when averaging; then
 ``P' = S Q diag(c')`` (torch.matmul) and ``S T⁻¹ = (S + P' Qᵀ) D^{1/2}`` in place.
 
 The FP8 codes are built and read with integer arithmetic on the FP32 bits (no FP8 dtypes),

@@ -1,14 +1,22 @@
 """The pure-PyTorch hot paths that the Triton kernels fuse: the reference they are tested
-against and the path taken wherever Triton cannot run. Built from ``numerics`` and
-``comm.quantized`` without restating their math."""
+against and the path taken wherever Triton cannot run. Built from ``numerics`` without
+restating its math; ``rank_order_sum`` is the receivers' summation order, which
+``comm.quantized`` uses as well."""
 
 from __future__ import annotations
 
 import torch
 
-from ..comm.quantized import _rank_order_sum
 from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode, group_lengths
 from ..numerics.whitening import LowRankWhitening
+
+
+def rank_order_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``Σ_i t[i]`` accumulated in FP32 in rank order (the same order on every rank)."""
+    acc = t[0].clone()
+    for i in range(1, world):
+        acc += t[i]
+    return acc
 
 
 def reference_whiten_encode(
@@ -37,7 +45,7 @@ def reference_decode_sum_unwhiten(
     lengths = group_lengths(rows, cols, cfg, device=payloads.device)
     messages = zip(payloads.reshape(world, -1), scales.reshape(world, -1))
     decoded = torch.stack([decode_flat(Encoded(p, s), lengths, cfg) for p, s in messages])
-    acc = _rank_order_sum(decoded, world)
+    acc = rank_order_sum(decoded, world)
     if average:
         acc /= world
     acc = acc.view(rows, cols)
