@@ -24,7 +24,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins"
 "${pip[@]}" torch
 "${pip[@]}" numpy packaging setuptools pybind11
 "${pip[@]}" --ignore-requires-python --no-deps megatron-core
-"${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions
+"${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil
 "${pip[@]}" --no-deps --no-build-isolation -e .
 
 echo "$want" > "$stamp"

@@ -27,6 +27,7 @@ CUDA RNG and is not supported.
 """
 
 import contextlib
+import functools
 import typing
 
 import torch
@@ -138,6 +139,29 @@ def install():
     return _Installed()
 
 
+def _state_dict_with_optimizer_state(state_dict):
+    @functools.wraps(state_dict)
+    def wrapper(self):
+        if not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return state_dict(self)
+
+    return wrapper
+
+
+def _load_state_dict_with_steps(load_state_dict):
+    @functools.wraps(load_state_dict)
+    def wrapper(self, state_dict):
+        load_state_dict(self, state_dict)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                if "step" in group and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]))
+
+    return wrapper
+
+
 def install_for_training():
     """:func:`install`, plus what ``megatron.training.pretrain``'s start-up needs on CPU (the CPU
     demo and launcher tests; combine with :data:`TRAINING_FLAGS`). Undone by :func:`uninstall`.
@@ -146,9 +170,17 @@ def install_for_training():
     * ``torch.cuda.device_count()`` is 1: Megatron builds the model-parallel groups and the
       tensor-parallel RNG states only when it is positive; ``torch.cuda.set_device`` does nothing;
     * ``get_device_arch_version()`` is 0 (``validate_args`` asks for the GPU architecture with
-      tensor or context parallelism) and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set if unset.
+      tensor or context parallelism) and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set if unset;
+    * ``torch.cuda.get_rng_state()`` is an empty state and ``set_rng_state`` does nothing (there is
+      no CUDA generator; checkpoints save the CPU generator and the tracker's CPU states anyway);
+    * two fixes of the distributed optimizer's torch-optimizer fallback (no Transformer Engine or
+      apex), which checkpoint loading needs: ``state_dict()`` first gives an optimizer without
+      state its dummy state (Megatron's own ``_init_optimizer_states_with_dummy_values``, which
+      loading overwrites; the fallback reads ``step`` from that state and fails otherwise), and
+      ``load_state_dict()`` gives every parameter its own ``step`` tensor holding the checkpoint's
+      step (the fallback shares one tensor, which torch's Adam increments once per parameter, and
+      the parameter-state load then overwrites it with the dummy step: wrong bias correction).
     """
-    import functools
     import importlib
     import os
 
@@ -161,6 +193,11 @@ def install_for_training():
         _patch(torch.cuda, "device_count", lambda: 1)
         _patch(torch.cuda, "set_device", lambda device: None)
         _patch(importlib.import_module("megatron.training.arguments"), "get_device_arch_version", lambda: 0)
+        _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.empty(0, dtype=torch.uint8))
+        _patch(torch.cuda, "set_rng_state", lambda new_state, device="cuda": None)
+        distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
+        _patch(distrib, "state_dict", _state_dict_with_optimizer_state(distrib.state_dict))
+        _patch(distrib, "load_state_dict", _load_state_dict_with_steps(distrib.load_state_dict))
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return installed_harness
 

@@ -1,0 +1,209 @@
+"""GIFT state in Megatron's distributed checkpoints (``--ckpt-format torch_dist``).
+
+``megatron.training`` saves and loads the *unwrapped* model, so the DDP wrapper's state never
+reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions of
+``megatron.training.checkpointing`` (both looked up by name when called):
+
+* ``generate_state_dict`` (save and load) adds, per model chunk ``i``, ``ShardedObject`` s:
+  ``gift.chunk{i}.dense`` (step, modes, statistics, transforms of the dense parameters;
+  global shape ``(pp, tp)``, one replica per data-parallel(+context) rank),
+  ``gift.chunk{i}.expert`` (expert weights; ``(pp, expert-tp, ep)``, replicas over the expert
+  data-parallel group) and, with error feedback, ``gift.chunk{i}.residuals`` (this rank's own
+  residuals; ``(world,)``). A common entry ``gift_meta`` (saved by rank 0) records the layout.
+* ``_load_base_checkpoint``: its first call (``rank0=True``, the common state) yields
+  ``gift_meta``, which decides what the load requests: nothing without GIFT state or with
+  another TP/PP/EP layout, everything but the residuals with another data-parallel size; the
+  second call's result is handed to each :class:`GiftDistributedDataParallel`. Every decision is
+  logged on rank 0.
+
+Other checkpoint formats keep working but carry no GIFT state (a warning says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+META_KEY = "gift_meta"
+STATE_KEY = "gift"
+VERSION = 1
+
+
+def _log(msg: str, *args, warning: bool = False) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (logger.warning if warning else logger.info)(msg, *args)
+        print("megatron-gift: " + msg % args, flush=True)
+
+
+def layout() -> dict:
+    """This run's parallel layout, as recorded in ``gift_meta``."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world": dist.get_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+    }
+
+
+def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "residuals"), state: dict | None = None) -> dict:
+    """``{key: ShardedObject}`` of one model chunk's GIFT state (``data=None`` to describe a load)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    where = {
+        "dense": ((pp, ps.get_tensor_model_parallel_world_size(), 1),
+                  (pp_rank, ps.get_tensor_model_parallel_rank(), 0),
+                  ps.get_data_parallel_rank(with_context_parallel=True)),
+        "expert": ((pp, ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_world_size()),
+                   (pp_rank, ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank()),
+                   ps.get_expert_data_parallel_rank()),
+        "residuals": ((dist.get_world_size(),), (dist.get_rank(),), 0),
+    }  # fmt: skip
+    data = split_state(ddp, state) if state is not None else {}
+    out = {}
+    for part in parts:
+        if part == "expert" and not any(g.expert for g in ddp.gift_params.values()):
+            continue
+        if part == "residuals" and not ddp.gift_config.error_feedback:
+            continue
+        shape, offset, replica = where[part]
+        key = f"{STATE_KEY}.chunk{chunk}.{part}"
+        out[key] = ShardedObject(key, data.get(part), shape, offset, replica_id=replica)
+    return out
+
+
+def split_state(ddp, state: dict) -> dict:
+    """``gift_state_dict()`` output split into the dense, expert and residual parts."""
+    expert = {g.name for g in ddp.gift_params.values() if g.expert}
+    parts = {"dense": {"step": state["step"], "params": {}}, "expert": {"step": state["step"], "params": {}}, "residuals": {}}
+    for part in ("dense", "expert"):  # decisions are keyed by parameter name: each part keeps all
+        if "policy" in state:
+            parts[part]["policy"] = state["policy"]
+    for name, entry in state["params"].items():
+        entry = dict(entry)
+        if "residual" in entry:
+            parts["residuals"][name] = entry.pop("residual")
+        parts["expert" if name in expert else "dense"]["params"][name] = entry
+    return parts
+
+
+def merge_state(loaded: dict) -> dict:
+    """Inverse of :func:`split_state` over whichever parts were loaded."""
+    state = {"step": None, "params": {}}
+    for part in ("dense", "expert"):
+        if part in loaded:
+            state["step"] = loaded[part]["step"]
+            state["params"].update(loaded[part]["params"])
+            if "policy" in loaded[part]:
+                state["policy"] = loaded[part]["policy"]
+    for name, residual in loaded.get("residuals", {}).items():
+        state["params"].setdefault(name, {})["residual"] = residual
+    return state
+
+
+class _Hooks:
+    """The wrapped ``generate_state_dict`` / ``_load_base_checkpoint`` and what they share."""
+
+    def __init__(self, instances: list):
+        self.instances = instances  # every GiftDistributedDataParallel built inside the block
+        self.meta: dict | None = None  # gift_meta of the checkpoint being loaded
+        self.loading: list = []  # the GIFT DDP of each model chunk being loaded into
+        self.warned_format = False
+
+    def chunks(self, model) -> list:
+        """The GIFT DDP wrapping each (unwrapped) model chunk, or None."""
+        from megatron.core.utils import unwrap_model
+
+        by_module = {id(unwrap_model(d)): d for d in self.instances}
+        return [by_module.get(id(m)) for m in model]
+
+    def generate(self, original):
+        def generate_state_dict(args, model, *a, **kw):
+            state_dict = original(args, model, *a, **kw)
+            chunks = self.chunks(model)
+            if not any(c is not None for c in chunks):
+                return state_dict
+            if args.ckpt_format != "torch_dist":
+                if not self.warned_format:
+                    _log("--ckpt-format %s: GIFT state is not saved or loaded (use torch_dist)", args.ckpt_format, warning=True)
+                    self.warned_format = True
+                return state_dict
+            loading = bool((kw.get("optim_sd_kwargs") or {}).get("is_loading"))
+            if loading:
+                parts = self.parts_to_load()
+                self.loading = chunks
+                for i, ddp in enumerate(chunks):
+                    if ddp is not None and parts:
+                        state_dict.update(sharded_objects(ddp, i, parts))
+            else:
+                state_dict[META_KEY] = {"version": VERSION, **layout(), "chunks": len(chunks)}
+                for i, ddp in enumerate(chunks):
+                    if ddp is not None:
+                        state_dict.update(sharded_objects(ddp, i, state=ddp.gift_state_dict()))
+            return state_dict
+
+        return generate_state_dict
+
+    def parts_to_load(self) -> tuple[str, ...]:
+        """What the checkpoint being loaded can give this run, from its ``gift_meta`` (logged)."""
+        meta, now = self.meta, layout()
+        if meta is None:
+            _log("the checkpoint has no GIFT state: statistics, transforms and error feedback start fresh", warning=True)
+            return ()
+        changed = [k for k in ("tp", "pp", "ep", "etp") if meta.get(k) != now[k]]
+        if changed:
+            _log("the checkpoint's GIFT state was written with another layout (%s); starting it fresh",
+                 ", ".join(f"{k} {meta.get(k)} -> {now[k]}" for k in changed), warning=True)  # fmt: skip
+            return ()
+        if meta["world"] != now["world"]:
+            _log("the checkpoint was written by %d ranks (data-parallel %d), this run has %d (data-parallel %d): "
+                 "GIFT statistics and transforms restored, error-feedback residuals (per rank) start at zero",
+                 meta["world"], meta["dp"], now["world"], now["dp"], warning=True)  # fmt: skip
+            return ("dense", "expert")
+        return ("dense", "expert", "residuals")
+
+    def load(self, original):
+        def _load_base_checkpoint(load_dir, args, rank0=False, *a, **kw):
+            result = original(load_dir, args, rank0, *a, **kw)
+            state_dict = result[0]
+            if rank0:
+                self.meta = state_dict.get(META_KEY) if isinstance(state_dict, dict) else None
+                return result
+            chunks, self.loading = self.loading, []
+            if not isinstance(state_dict, dict):
+                return result
+            resume_residuals = self.meta is not None and self.meta["world"] == dist.get_world_size()
+            for i, ddp in enumerate(chunks):
+                loaded = {key.rsplit(".", 1)[1]: state_dict.pop(key) for key in list(state_dict) if key.startswith(f"{STATE_KEY}.chunk{i}.")}
+                if ddp is not None and loaded:
+                    ddp.load_gift_state_dict(merge_state(loaded), residuals=resume_residuals)
+                    _log("GIFT state restored (step %d)", ddp.step)
+            state_dict.pop(META_KEY, None)
+            return result
+
+        return _load_base_checkpoint
+
+
+@contextlib.contextmanager
+def checkpoint_hooks(instances: list):
+    """Within the block, Megatron's checkpoints carry the GIFT state of ``instances`` (see module doc)."""
+    module = importlib.import_module("megatron.training.checkpointing")
+    hooks = _Hooks(instances)
+    saved = {name: getattr(module, name) for name in ("generate_state_dict", "_load_base_checkpoint")}
+    module.generate_state_dict = hooks.generate(saved["generate_state_dict"])
+    module._load_base_checkpoint = hooks.load(saved["_load_base_checkpoint"])
+    try:
+        yield hooks
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
