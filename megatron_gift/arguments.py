@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import GiftConfig, Mode
+from .config import GiftConfig, Mode, PolicyConfig
 from .megatron.ddp import param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 _DEFAULT = GiftConfig()
+_POLICY = PolicyConfig()
+AUTO = "auto"
 
 # GiftConfig/CodecConfig field names as they appear in their ValueError messages -> flag names.
 _FIELD_FLAGS = {
@@ -25,6 +27,12 @@ _FIELD_FLAGS = {
     "ema": "--gift-ema",
     "refresh_interval": "--gift-refresh-interval",
     "block size": "--gift-block-size",
+    "margin": "--gift-policy-margin",
+    "hysteresis": "--gift-policy-hysteresis",
+    "bf16_bound": "--gift-bf16-bound",
+    "profile_steps": "--gift-profile-steps",
+    "profile_interval": "--gift-profile-interval",
+    "log_interval": "--gift-log-interval",
 }
 _FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
 _SHOWN_NAMES = 8  # parameter names quoted in an error message
@@ -88,7 +96,39 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="+",
         metavar="REGEX",
         default=list(_DEFAULT.layers),
-        help="Regular expressions (re.search) on parameter names that use --gift-mode (default: %(default)s).",
+        help="Regular expressions (re.search) on parameter names that use --gift-mode (default: %(default)s). "
+        f"'{AUTO}' (with --gift-mode gift, optionally followed by patterns of the candidates, else the default "
+        "ones) chooses GIFT, Euclidean or BF16 per layer from profiles of its gradients (see --gift-profile-*).",
+    )
+    g.add_argument(
+        "--gift-profile-steps",
+        type=int,
+        default=_POLICY.profile_steps,
+        help=f"--gift-layers {AUTO}: profile every one of the first N iterations (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-profile-interval",
+        type=int,
+        default=_POLICY.profile_interval,
+        help=f"--gift-layers {AUTO}: then profile every N iterations (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-policy-margin",
+        type=float,
+        default=_POLICY.margin,
+        help=f"--gift-layers {AUTO}: relative RelL2 gain GIFT needs over Euclidean (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-policy-hysteresis",
+        type=int,
+        default=_POLICY.hysteresis,
+        help=f"--gift-layers {AUTO}: consecutive profiles before a layer switches (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-bf16-bound",
+        type=float,
+        default=_POLICY.bf16_bound,
+        help=f"--gift-layers {AUTO}: FP8 RelL2 above which a layer falls back to BF16 (default: %(default)s).",
     )
     g.add_argument(
         "--gift-euclidean-layers",
@@ -106,8 +146,16 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--gift-log-interval",
         type=int,
-        default=0,
-        help="Iterations between megatron-gift log lines; 0 turns them off (default: %(default)s).",
+        default=_DEFAULT.log_interval,
+        help="Iterations between megatron-gift log lines and telemetry records (per-layer RelL2, cosine, "
+        "saturation, mode, bytes; to --gift-telemetry-dir and Megatron's TensorBoard / W&B writers); "
+        "0 turns them off (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-telemetry-dir",
+        default=None,
+        metavar="DIR",
+        help="Where gift_telemetry.jsonl goes (default: --save, else --tensorboard-dir).",
     )
     return parser
 
@@ -139,11 +187,32 @@ def gift_config_from_args(args) -> GiftConfig | None:
             ema=args.gift_ema,
             refresh_interval=args.gift_refresh_interval,
             error_feedback=args.gift_error_feedback,
-            layers=tuple(args.gift_layers),
+            layers=tuple(p for p in args.gift_layers if p != AUTO) or _DEFAULT.layers,
             euclidean_layers=tuple(args.gift_euclidean_layers),
+            policy=_policy_from_args(args),
+            log_interval=args.gift_log_interval,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
+
+
+def telemetry_dir(args) -> str | None:
+    """The directory of ``gift_telemetry.jsonl``: ``--gift-telemetry-dir``, else ``--save``, else ``--tensorboard-dir``."""
+    return args.gift_telemetry_dir or args.save or args.tensorboard_dir
+
+
+def _policy_from_args(args) -> PolicyConfig | None:
+    if AUTO not in args.gift_layers:
+        return None
+    if args.gift_mode != Mode.GIFT.value:
+        raise ValueError(f"--gift-layers {AUTO} chooses among GIFT, Euclidean and BF16: it needs --gift-mode gift")
+    return PolicyConfig(
+        margin=args.gift_policy_margin,
+        hysteresis=args.gift_policy_hysteresis,
+        bf16_bound=args.gift_bf16_bound,
+        profile_steps=args.gift_profile_steps,
+        profile_interval=args.gift_profile_interval,
+    )
 
 
 def validate_gift_args(args, named_parameters=None) -> None:
@@ -163,6 +232,8 @@ def validate_gift_args(args, named_parameters=None) -> None:
             )
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
+    if args.gift_log_interval and not telemetry_dir(args):
+        raise ValueError("--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save)")
     for flag, pats in patterns.items():
         for pat in pats:
             try:

@@ -6,6 +6,7 @@ Frozen dataclasses validated on construction, enums for choices.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from .numerics.fp8 import CodecConfig
@@ -21,6 +22,37 @@ class Mode(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """How ``--gift-layers auto`` picks each layer's mode from its profiles (``policy.LayerPolicy``).
+
+    ``margin``: relative gain GIFT needs over Euclidean (and the BF16 return band);
+    ``hysteresis``: consecutive profiles before a switch; ``bf16_bound``: FP8 RelL2 above which
+    the layer goes BF16 (``math.inf``: never); profiles are taken on the first ``profile_steps``
+    steps, then every ``profile_interval`` steps."""
+
+    margin: float = 0.05
+    hysteresis: int = 2
+    bf16_bound: float = 0.1
+    profile_steps: int = 8
+    profile_interval: int = 50
+
+    def __post_init__(self):
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        for name in ("hysteresis", "profile_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
+        if not self.bf16_bound > 0 or math.isnan(self.bf16_bound):
+            raise ValueError(f"bf16_bound must be > 0, got {self.bf16_bound}")
+
+    def is_profile_step(self, step: int) -> bool:
+        return step < self.profile_steps or step % self.profile_interval == 0
+
+
+@dataclass(frozen=True)
 class GiftConfig:
     """Everything the plugin needs; see ``megatron_gift.arguments`` for the matching flags.
 
@@ -28,8 +60,10 @@ class GiftConfig:
     steps 1, 2, 4, ..., each replacing the factor; later refreshes fold into the ``ema``).
     ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
     instead of the full matrix (0: exact ``XᵀX``). ``layers``: regular expressions on parameter names that select which weights use ``mode``
-    (default: the weight matrices of linear layers). ``extra_layers`` puts other parameters
-    (embeddings, output layer) in plain FP8 as well.
+    (default: the weight matrices of linear layers). ``euclidean_layers`` puts other parameters
+    (embeddings, output layer) in plain FP8 as well. ``policy``: when set, ``layers`` are
+    candidates whose mode (Euclidean, GIFT or BF16) is chosen from measurement
+    (``--gift-layers auto``). ``log_interval``: steps between telemetry records (0: none).
     """
 
     mode: Mode = Mode.GIFT
@@ -42,6 +76,8 @@ class GiftConfig:
     error_feedback: bool = False
     layers: tuple[str, ...] = (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
     euclidean_layers: tuple[str, ...] = ()
+    policy: PolicyConfig | None = None
+    log_interval: int = 0
 
     def __post_init__(self):
         if not isinstance(self.mode, Mode):
@@ -56,5 +92,9 @@ class GiftConfig:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.refresh_interval < 1:
             raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval}")
+        if self.log_interval < 0:
+            raise ValueError(f"log_interval must be >= 0 (0: off), got {self.log_interval}")
+        if self.policy is not None and self.mode is not Mode.GIFT:
+            raise ValueError(f"an automatic layer policy needs mode gift (it chooses per layer), got {self.mode.value}")
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "euclidean_layers", tuple(self.euclidean_layers))

@@ -17,29 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import Mode
+from .config import Mode, PolicyConfig
 from .numerics.profile import ProfileSummary
 
 CHOICES = (Mode.EUCLIDEAN, Mode.GIFT, Mode.BF16)
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """``margin``: relative gain GIFT needs over Euclidean (and the BF16 return band);
-    ``hysteresis``: consecutive profiles before a switch; ``bf16_bound``: FP8 RelL2 above which
-    the layer goes BF16 (``math.inf``: never)."""
-
-    margin: float = 0.05
-    hysteresis: int = 2
-    bf16_bound: float = 0.1
-
-    def __post_init__(self):
-        if not 0.0 <= self.margin < 1.0:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
-        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int) or self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be an integer >= 1, got {self.hysteresis!r}")
-        if not self.bf16_bound > 0:
-            raise ValueError(f"bf16_bound must be > 0, got {self.bf16_bound}")
 
 
 @dataclass(frozen=True)

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from .arguments import add_gift_args, chain_args_providers, gift_config_from_args, validate_gift_args
+    from .arguments import add_gift_args, chain_args_providers, gift_config_from_args, telemetry_dir, validate_gift_args
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *argv]  # Megatron's parse_args reads sys.argv
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     # --gift-layers pattern be required to match one of its parameters.
     whole_model = args.pipeline_model_parallel_size == 1 and args.virtual_pipeline_model_parallel_size is None
     validate = functools.partial(validate_gift_args, args) if whole_model else None
-    with gift_training.gift_ddp(gift_config, validate=validate, log_interval=args.gift_log_interval):
+    with gift_training.gift_ddp(gift_config, validate=validate, telemetry_dir=telemetry_dir(args)):
         pretrain(
             cfg,
             train_valid_test_datasets_provider,

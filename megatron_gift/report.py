@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-TELEMETRY_FILE = "gift_telemetry.jsonl"
-MODES = ("off", "bf16", "euclidean", "gift")
+from .telemetry import MODE_CODES as MODES
+from .telemetry import TELEMETRY_FILE
 MODE_COLORS = ("lightgray", "tab:blue", "tab:orange", "tab:green")
 
 

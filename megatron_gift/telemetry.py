@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 MODE_CODES = ("off", "bf16", "euclidean", "gift")
+TELEMETRY_FILE = "gift_telemetry.jsonl"  # in a run's directory; `megatron-gift report RUN_DIR` reads it
 
 
 def jsonable(x):
@@ -78,22 +79,25 @@ def scalars(line: dict) -> dict[str, float]:
 
 
 class TelemetryWriter:
-    """Appends lines to ``path_jsonl`` (created with its directory) and forwards scalars to a
-    ``SummaryWriter``-like ``tensorboard`` (``add_scalar(tag, value, step)``) and a wandb-like
-    ``wandb`` module or run (``log(dict, step=)``)."""
+    """Appends lines to ``path_jsonl`` (created with its directory; None: no file) and forwards
+    scalars to a ``SummaryWriter``-like ``tensorboard`` (``add_scalar(tag, value, step)``) and a
+    wandb-like ``wandb`` module or run (``log(dict, step=)``)."""
 
-    def __init__(self, path_jsonl: str | os.PathLike, tensorboard=None, wandb=None):
-        self.path = Path(path_jsonl)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path_jsonl: str | os.PathLike | None, tensorboard=None, wandb=None):
+        self.path = None if path_jsonl is None else Path(path_jsonl)
         self.tensorboard = tensorboard
         self.wandb = wandb
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, record: dict) -> dict:
         """Write ``{"step": step, **record}`` as one line (flushed); returns the line as written."""
         line = jsonable({"step": int(step), **{k: v for k, v in record.items() if k != "step"}})
-        self._file.write(json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n")
+            self._file.flush()
         values = scalars(line)
         if self.tensorboard is not None:
             for tag, value in values.items():
@@ -103,7 +107,8 @@ class TelemetryWriter:
         return line
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "TelemetryWriter":
         return self

@@ -56,6 +56,7 @@ flags=(
     --mock-data --tokenizer-type NullTokenizer --vocab-size 2048
     --data-cache-path "$work/index-cache"
     --gift-mode gift --gift-rank 8 --gift-sketch 16 --gift-refresh-interval 1 --gift-log-interval 1
+    --gift-telemetry-dir "$work/telemetry"
     "$@"
 )
 

@@ -7,8 +7,14 @@ import typing
 import pytest
 import torch
 
-from megatron_gift.arguments import add_gift_args, chain_args_providers, gift_config_from_args, validate_gift_args
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.arguments import (
+    add_gift_args,
+    chain_args_providers,
+    gift_config_from_args,
+    telemetry_dir,
+    validate_gift_args,
+)
+from megatron_gift.config import GiftConfig, Mode, PolicyConfig
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 MEGATRON_ARGV = [
@@ -75,7 +81,7 @@ def test_every_flag_maps_to_config(parse):
         "--gift-refresh-interval", "10", "--gift-ema", "0.5", "--gift-damping", "0.01",
         "--gift-layers", r"linear_fc1\.weight$", r"linear_fc2\.weight$",
         "--gift-euclidean-layers", "word_embeddings", "output_layer",
-        "--gift-error-feedback", "--gift-log-interval", "5",
+        "--gift-error-feedback", "--gift-log-interval", "5", "--gift-telemetry-dir", "/tmp/run",
     )  # fmt: skip
     assert gift_config_from_args(args) == GiftConfig(
         mode=Mode.EUCLIDEAN,
@@ -88,8 +94,9 @@ def test_every_flag_maps_to_config(parse):
         error_feedback=True,
         layers=(r"linear_fc1\.weight$", r"linear_fc2\.weight$"),
         euclidean_layers=("word_embeddings", "output_layer"),
+        log_interval=5,
     )
-    assert args.gift_log_interval == 5
+    assert telemetry_dir(args) == "/tmp/run"
     validate_gift_args(args, NAMED_PARAMS)
     for mode in ("bf16", "gift"):
         assert gift_config_from_args(parse("--gift-mode", mode)).mode is Mode(mode)
@@ -117,6 +124,11 @@ def test_bad_choice_rejected_by_argparse(parse, capsys, flag, value):
         (["--gift-refresh-interval", "0"], "--gift-refresh-interval must be >= 1"),
         (["--gift-block-size", "0"], "--gift-block-size must be positive"),
         (["--gift-log-interval", "-1"], "--gift-log-interval must be >= 0"),
+        (["--gift-log-interval", "10"], "--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir"),
+        (["--gift-layers", "auto", "--gift-policy-margin", "1.5"], "--gift-policy-margin must be in [0, 1)"),
+        (["--gift-layers", "auto", "--gift-policy-hysteresis", "0"], "--gift-policy-hysteresis must be an integer >= 1"),
+        (["--gift-layers", "auto", "--gift-bf16-bound", "0"], "--gift-bf16-bound must be > 0"),
+        (["--gift-layers", "auto", "--gift-profile-interval", "0"], "--gift-profile-interval must be an integer >= 1"),
         (["--gift-layers", "linear_(qkv"], "--gift-layers: 'linear_(qkv' is not a valid regular expression"),
         (["--gift-euclidean-layers", "[emb"], "--gift-euclidean-layers: '[emb' is not a valid regular expression"),
         (["--use-megatron-fsdp"], "does not support --use-megatron-fsdp"),
@@ -133,6 +145,19 @@ def test_validation_errors_name_the_flag(parse, flags, message):
     if not flags[0].startswith("--gift-"):
         assert "--gift-mode off" in str(exc.value)
         validate_gift_args(parse(*flags))  # the same Megatron flags are fine with --gift-mode off
+
+
+def test_auto_layers_make_a_policy_over_the_candidates(parse):
+    cfg = gift_config_from_args(parse("--gift-mode", "gift", "--gift-layers", "auto", "--gift-profile-steps", "3",
+                                      "--gift-profile-interval", "20", "--gift-policy-hysteresis", "1"))  # fmt: skip
+    assert cfg.layers == GiftConfig().layers  # the default candidates
+    assert cfg.policy == PolicyConfig(hysteresis=1, profile_steps=3, profile_interval=20)
+    assert [cfg.policy.is_profile_step(s) for s in (0, 2, 3, 19, 20, 40)] == [True, True, False, False, True, True]
+    cfg = gift_config_from_args(parse("--gift-mode", "gift", "--gift-layers", "auto", r"linear_fc2\.weight$"))
+    assert cfg.layers == (r"linear_fc2\.weight$",) and cfg.policy == PolicyConfig()
+    assert gift_config_from_args(parse("--gift-mode", "gift")).policy is None
+    with pytest.raises(ValueError, match="--gift-layers auto chooses among GIFT, Euclidean and BF16: it needs --gift-mode gift"):
+        gift_config_from_args(parse("--gift-mode", "euclidean", "--gift-layers", "auto"))
 
 
 def test_deprecated_custom_fsdp_attribute_rejected(parse):

@@ -9,6 +9,7 @@ writer and the DDP swap on their own.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -130,7 +131,8 @@ def _launch(tmp_path: Path, data_args: list[str], gift_args: list[str]) -> str:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *TINY, *data_args,
-        "--data-cache-path", str(tmp_path / "index-cache"), *gift_args,
+        "--data-cache-path", str(tmp_path / "index-cache"), "--gift-telemetry-dir", str(tmp_path / "telemetry"),
+        *gift_args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1")
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
@@ -151,7 +153,11 @@ def runs(tmp_path_factory):
         pytest.skip("the --gift-cpu launcher refuses to run where CUDA is available")
     tmp = tmp_path_factory.mktemp("launcher")
     data_args = megatron_data_args(build_token_corpus(vocab_size=2048))
-    return {"gift": _launch(tmp, data_args, GIFT), "off": _launch(tmp, data_args, ["--gift-mode", "off"])}
+    return {
+        "gift": _launch(tmp, data_args, GIFT),
+        "off": _launch(tmp, data_args, ["--gift-mode", "off"]),
+        "telemetry": tmp / "telemetry" / "gift_telemetry.jsonl",
+    }
 
 
 @pytest.mark.slow
@@ -181,3 +187,14 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(runs):
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     assert lg[0] == pytest.approx(lo[0], rel=1e-6)
     assert lg == pytest.approx(lo, rel=1e-2)
+
+    # Telemetry (--gift-log-interval 1): a record per closed iteration with every GIFT layer's
+    # reduced-gradient error against the FP32 sum, and the loss Megatron logged for it.
+    records = [json.loads(line) for line in runs["telemetry"].read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]  # iteration 3 is still open when training ends
+    # Megatron's log does not reset its loss sum after a run's first iteration: it prints the
+    # mean of iterations 1 and 2 at iteration 2; telemetry has each iteration's own loss.
+    assert [r["loss"] for r in records] == pytest.approx([lg[0], 2 * lg[1] - lg[0]], rel=1e-5)
+    for r in records:
+        assert len(r["layers"]) == 8 and all(v["mode"] == "gift" for v in r["layers"].values())
+        assert all(0 < v["rel_l2"] < 0.1 and v["cos"] > 0.99 for v in r["layers"].values()), r["layers"]

@@ -16,6 +16,7 @@ the layer's owner rank broadcasts its ``T``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from ..comm.quantized import CommLedger, QuantizedReduce
 from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
-from ..numerics.whitening import LowRankWhitening
+from ..numerics.whitening import LowRankFactor, LowRankWhitening
+from .monitor import Monitor
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +42,21 @@ class GiftParam:
     """Plugin state of one FP8-communicated parameter."""
 
     name: str
-    mode: Mode
+    mode: Mode  # what its gradient is sent as now
+    candidate: bool = False  # keeps K-FAC statistics and a whitening: may be sent GIFT
     stats: KFACStatistics | None = None
+    factor: LowRankFactor | None = None
     whitening: LowRankWhitening | None = None
     index: int = 0
     owner: int = 0
+    expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
     stats_groups: list = field(default_factory=list)
 
 
 def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
     """Mode of each parameter by name: ``cfg.layers`` → ``cfg.mode``, ``cfg.euclidean_layers`` →
-    Euclidean, the rest off. GIFT needs a 2-D weight; other shapes fall back to Euclidean."""
+    Euclidean, the rest off. GIFT needs a 2-D weight; other shapes fall back to Euclidean. (With a
+    policy, the GIFT ones are its candidates, starting Euclidean.)"""
     modes = {}
     for name, p in named_params:
         if any(re.search(pat, name) for pat in cfg.layers):
@@ -63,6 +69,13 @@ def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
             mode = Mode.OFF
         modes[name] = mode
     return modes
+
+
+def _to(tree, device):
+    """A copy of a nested dict of tensors on ``device``."""
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    return tree.to(device, copy=True) if isinstance(tree, torch.Tensor) else tree
 
 
 def _identical_on_all_ranks(tensors, group) -> bool:
@@ -105,6 +118,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         self.gift.refresh_factors(self)
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else self.data_parallel_group
+        refs = self.gift.monitor.before_reduce(self, group, self.gift.step)
         async_op = self.ddp_config.overlap_grad_reduce
         handles = []
         for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback):
@@ -123,7 +137,10 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
                     nonfinite=self.gift.nonfinite,
                 )
             )
-        handle = _Handles(handles)
+        after = None
+        if refs is not None:
+            after = lambda: self.gift.monitor.after_reduce(self, group, refs, self.ddp_config.average_in_collective)  # noqa: E731
+        handle = _Handles(handles, after)
         if async_op:
             self.grad_reduce_handle = handle
         else:
@@ -147,13 +164,17 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
 
 
 class _Handles:
-    def __init__(self, handles):
-        self.handles = handles
+    """The bucket group's reductions; ``after()`` runs once they are complete."""
+
+    def __init__(self, handles, after=None):
+        self.handles, self.after = handles, after
 
     def wait(self):
         with torch.no_grad():
             for h in self.handles:
                 h.wait()
+            if self.after is not None:
+                self.after()
 
 
 class GiftDistributedDataParallel(DistributedDataParallel):
@@ -178,18 +199,25 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.collecting = True
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self._device())
         self.last_step_bytes: dict[str, int] = {}
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        # names as in the model, without the prefixes of wrappers such as Float16Module
+        named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
         modes = param_modes(named, self.gift_config)
+        self.monitor = Monitor(self.gift_config, self.set_mode, verbose=not dist.is_initialized() or dist.get_rank() == 0)
         self.gift_params: dict[torch.nn.Parameter, GiftParam] = {}
         for i, (name, p) in enumerate(named):
             if modes[name] is not Mode.OFF:
-                self.gift_params[p] = GiftParam(name=name, mode=modes[name], index=i, owner=i)
+                candidate = modes[name] is Mode.GIFT
+                mode = self.monitor.policy.mode(name) if candidate and self.monitor.policy else modes[name]
+                expert = not getattr(p, "allreduce", True)
+                self.gift_params[p] = GiftParam(name, mode, candidate, index=i, owner=i, expert=expert)
         self._stat_hooks = self._register_stat_hooks()
+        self._bucket_of: dict[int, tuple] = {}  # id(GiftParam) -> (bucket group, bucket index)
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
             self._convert(bg)
-        counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in (Mode.EUCLIDEAN, Mode.GIFT)}
-        logger.info("megatron-gift: %s; parameters: %s (the rest off)", self.gift_config, counts)
+        counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
+        auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
+        logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
 
     def _device(self):
         for p in self.module.parameters():
@@ -217,17 +245,43 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         bg.__class__ = GiftBucketGroup
         bg.gift = self
         bg.gift_layouts, bg.gift_params, bg.gift_error_feedback = [], [], []
-        for bucket, entries in zip(bg.buckets, plans):
-            segments = [seg for seg, _ in entries]
-            layout = BucketLayout(bucket.grad_data.numel(), group.size(), segments, self.gift_config.codec, bucket.grad_data.dtype)
-            bg.gift_layouts.append(layout)
+        for i, (bucket, entries) in enumerate(zip(bg.buckets, plans)):
+            bg.gift_layouts.append(self._layout(bucket, [seg for seg, _ in entries], group.size()))
             bg.gift_params.append([g for _, g in entries])
-            bg.gift_error_feedback.append(
-                ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
-            )
+            bg.gift_error_feedback.append(self._error_feedback(bg.gift_layouts[-1], bucket))
             for g in bg.gift_params[-1]:
                 if g is not None:
                     g.owner %= group.size()
+                    self._bucket_of[id(g)] = (bg, i)
+
+    def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
+        return BucketLayout(bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype)
+
+    def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
+        return ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
+
+    def set_mode(self, g: GiftParam, mode: Mode) -> None:
+        """Send ``g`` as ``mode`` from now on: re-plan its bucket; an error-feedback residual moves
+        between whitened and plain coordinates (and is dropped when ``g`` leaves FP8)."""
+        if mode is g.mode:
+            return
+        bg, i = self._bucket_of[id(g)]
+        layout, params, ef = bg.gift_layouts[i], bg.gift_params[i], bg.gift_error_feedback[i]
+        mine = {id(p) for p in params if p is not None}
+        residuals = {id(p): view.clone() for view, p in self._residual_views() if id(p) in mine}
+        old, g.mode = g.mode, mode
+        segments = [dataclasses.replace(seg, mode=p.mode) if p is not None else seg for seg, p in zip(layout.segments, params)]
+        bg.gift_layouts[i] = self._layout(bg.buckets[i], segments, layout.num_shards)
+        bg.gift_error_feedback[i] = self._error_feedback(bg.gift_layouts[i], bg.buckets[i])
+        if ef is None:
+            return
+        for view, p in self._residual_views():
+            r = residuals.get(id(p))
+            if r is None:
+                continue
+            if p is g and g.whitening is not None:  # whitened coordinates: plain ones while there is no T
+                r = g.whitening.inverse(r) if old is Mode.GIFT else g.whitening.apply(r)
+            view.copy_(r)
 
     def _register_stat_hooks(self):
         """Forward pre-hooks that add ``XᵀX`` of each GIFT weight's input on refresh steps.
@@ -240,21 +294,20 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         for mod in self.module.modules():
             w = getattr(mod, "weight", None)
             g = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
-            if g is None or g.mode is not Mode.GIFT:
+            if g is None or not g.candidate:
                 continue
             g.stats = KFACStatistics(
                 w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=g.index, device=w.device
             )
-            expert = not getattr(w, "allreduce", True)
-            g.stats_groups = [self.expt_dp_group if expert else self.dp_cp_group]
+            g.stats_groups = [self.expt_dp_group if g.expert else self.dp_cp_group]
             column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
             if column_parallel and getattr(mod, "sequence_parallel", False) and self.tp_group.size() > 1:
                 g.stats_groups.append(self.tp_group)
             hooks.append(mod.register_forward_pre_hook(self._stat_hook(g)))
         for g in self.gift_params.values():
-            if g.mode is Mode.GIFT and g.stats is None:
+            if g.candidate and g.stats is None:
                 logger.warning("megatron-gift: no module takes %s as its .weight; sending it Euclidean", g.name)
-                g.mode = Mode.EUCLIDEAN
+                g.mode, g.candidate = Mode.EUCLIDEAN, False
         return hooks
 
     def _stat_hook(self, g: GiftParam):
@@ -299,6 +352,15 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.last_step_bytes = self.ledger.as_dict()
         self.ledger.reset()
         self._step_open = False
+        self.monitor.close(self.step, self._segments(), self.last_step_bytes)
+
+    def _segments(self):
+        """``(GiftParam, Segment, bucket element size)`` of every plugin parameter."""
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            for bucket, layout, params in zip(bg.buckets, getattr(bg, "gift_layouts", []), getattr(bg, "gift_params", [])):
+                for seg, g in zip(layout.segments, params):
+                    if g is not None:
+                        yield g, seg, bucket.grad_data.element_size()
 
     def refresh_factors(self, bg: GiftBucketGroup) -> None:
         """On a refresh step, fold the summed statistics of this group's GIFT weights into ``T``."""
@@ -306,7 +368,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             return
         for params in bg.gift_params:
             for g in params:
-                if g is not None and g.mode is Mode.GIFT:
+                if g is not None and g.candidate:
                     self._refresh(g, bg)
 
     def _refresh(self, g: GiftParam, bg: GiftBucketGroup) -> None:
@@ -327,15 +389,16 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             stats.reset_accumulators()
             return
         stats.refresh(ema=0.0 if self.step < self.gift_config.refresh_interval else None)  # warm-up: latest only
-        new = LowRankWhitening(stats.low_rank_factor(stats.factor_rank(self.gift_config.rank), self.gift_config.damping),
-                               device=stats.tokens.device)
+        g.factor = stats.low_rank_factor(stats.factor_rank(self.gift_config.rank), self.gift_config.damping)
+        new = LowRankWhitening(g.factor, device=stats.tokens.device)
         group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group
         if not _identical_on_all_ranks(new.tensors().values(), group):
             logger.warning("megatron-gift: ranks computed different transforms for %s; using rank %d's", g.name, g.owner)
             for t in new.tensors().values():
                 dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
                 self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)
-        self._remap_error_feedback(g, g.whitening, new)
+        if g.mode is Mode.GIFT:
+            self._remap_error_feedback(g, g.whitening, new)
         g.whitening = new
 
     def _remap_error_feedback(self, g: GiftParam, old, new) -> None:
@@ -346,49 +409,73 @@ class GiftDistributedDataParallel(DistributedDataParallel):
 
     # -- checkpoint state -------------------------------------------------------------------
     def gift_state_dict(self) -> dict:
-        """This rank's plugin state after the current step (call it after the optimizer step),
-        keyed by parameter name so it reloads under another data-parallel size: step counter,
-        per-parameter mode, K-FAC statistics, transform and error-feedback residual (in the
-        parameter's quantized coordinates)."""
+        """This rank's plugin state after the current step (call it after the optimizer step), on
+        the CPU and keyed by parameter name: ``{"step", "params": {name: {"mode", "stats",
+        "whitening", "residual"}}, "policy"}`` (``policy``: the layer decisions of ``--gift-layers
+        auto``). Everything but ``residual`` (the error-feedback residual
+        in the parameter's quantized coordinates, this rank's own) is identical on all ranks
+        that hold the parameter."""
         self._close_step()
         params = {}
         for g in self.gift_params.values():
             entry = {"mode": g.mode.value}
             if g.stats is not None:
-                entry["stats"] = g.stats.state_dict()
+                entry["stats"] = _to(g.stats.state_dict(), "cpu")
             if g.whitening is not None:
-                entry["whitening"] = {k: t.clone() for k, t in g.whitening.tensors().items()}
+                entry["whitening"] = _to(g.whitening.tensors(), "cpu")
             params[g.name] = entry
         for view, g in self._residual_views():
-            params[g.name]["residual"] = view.clone()
-        return {"step": self.step, "params": params}
+            params[g.name]["residual"] = view.to("cpu", copy=True)
+        state = {"step": self.step, "params": params}
+        if self.monitor.policy is not None:
+            state["policy"] = self.monitor.policy.state_dict()
+        return state
 
-    def load_gift_state_dict(self, state: dict) -> list[str]:
-        """Restore ``gift_state_dict()`` output; returns what could not be restored (logged)."""
+    def load_gift_state_dict(self, state: dict, residuals: bool = True) -> list[str]:
+        """Restore ``gift_state_dict()`` output; returns the parameters left fresh (and logs them).
+
+        ``residuals=False``: keep the error-feedback residuals at zero (they belong to the ranks
+        of another data-parallel layout) without counting them as missing."""
         self.step = int(state["step"])  # the next zero_grad_buffer() opens the following step
         self._step_open = False
+        device = self._device()
+        policy = self.monitor.policy
+        if policy is not None and "policy" in state:  # the layer decisions, before anything else is placed
+            policy.load_state_dict(state["policy"])
+            for g in self.gift_params.values():
+                if g.candidate:
+                    self.set_mode(g, policy.mode(g.name))
         missing = []
         for g in self.gift_params.values():
             entry = state["params"].get(g.name)
-            if entry is None or entry["mode"] != g.mode.value:
+            if entry is None or entry["mode"] != g.mode.value or not self._load_param(g, _to(entry, device)):
                 missing.append(g.name)
-                continue
-            if g.stats is not None and "stats" in entry:
-                g.stats.load_state_dict(entry["stats"])
-            if "whitening" in entry:
-                w = entry["whitening"]
-                g.whitening = LowRankWhitening.empty(w["q"].shape[0], w["q"].shape[1], device=w["q"].device)
-                for k, t in g.whitening.tensors().items():
-                    t.copy_(w[k])
         for view, g in self._residual_views():
             entry = state["params"].get(g.name, {})
-            if "residual" in entry:
+            if not residuals or g.name in missing:
+                view.zero_()
+            elif "residual" in entry and entry["residual"].shape == view.shape:
                 view.copy_(entry["residual"])
-            elif g.name not in missing:
+            else:
+                view.zero_()
                 missing.append(g.name)
         if missing:
-            logger.warning("megatron-gift: no saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
+            logger.warning("megatron-gift: no usable saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
         return missing
+
+    def _load_param(self, g: GiftParam, entry: dict) -> bool:
+        """Statistics and transform of one parameter; False if they don't fit this configuration."""
+        if g.stats is not None:
+            saved = entry.get("stats")
+            if saved is None or any(saved["sums"][k].shape != t.shape for k, t in g.stats.sums.items()):
+                return False
+            g.stats.load_state_dict(saved)
+        if "whitening" in entry:
+            w = entry["whitening"]
+            g.whitening = LowRankWhitening.empty(w["q"].shape[0], w["q"].shape[1], device=w["q"].device)
+            for k, t in g.whitening.tensors().items():
+                t.copy_(w[k])
+        return True
 
     def _residual_views(self):
         """(error-feedback residual of one parameter as ``[rows, cols]``, its GiftParam) pairs."""
@@ -397,6 +484,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 if ef is None:
                     continue
                 for seg, g in zip(layout.segments, params):
-                    if g is not None:
+                    if g is not None and seg.mode in (Mode.EUCLIDEAN, Mode.GIFT):
                         c = layout.coded_index(seg.start)
                         yield ef.residual[c : c + seg.rows * seg.cols].view(seg.rows, seg.cols), g

@@ -1,4 +1,5 @@
-"""Put :class:`GiftDistributedDataParallel` where ``megatron.training`` builds its DDP wrapper.
+"""Put :class:`GiftDistributedDataParallel` where ``megatron.training`` builds its DDP wrapper
+(and its state into Megatron's checkpoints, :mod:`megatron_gift.megatron.checkpoint`).
 
 Megatron-Core 0.19's training loop constructs ``DistributedDataParallel`` itself, looked up by
 name at call time in two places:
@@ -25,10 +26,14 @@ re-running DDP's constructor on it. Rebinding the class before construction is s
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import typing
+from pathlib import Path
 
 from ..config import GiftConfig
+from ..telemetry import TELEMETRY_FILE, TelemetryWriter
+from .checkpoint import checkpoint_hooks
 from .ddp import GiftDistributedDataParallel
 
 # (module, global name) where megatron.training looks up the DDP class when it wraps a model.
@@ -53,13 +58,16 @@ def shim_typing_override() -> None:
         typing.override = typing_extensions.override
 
 
-def gift_ddp_class(gift_config: GiftConfig, validate=None, log_interval: int = 0) -> type:
+def gift_ddp_class(gift_config: GiftConfig, validate=None, telemetry_dir=None, instances: list | None = None) -> type:
     """A :class:`GiftDistributedDataParallel` subclass constructed with Megatron's arguments only.
 
     ``validate``: called with the wrapped module's trainable ``(name, param)`` pairs before the
-    buffers are built (e.g. ``functools.partial(validate_gift_args, args)``); ``log_interval``:
-    every that many iterations, rank 0 prints the bytes the last iteration's gradient
-    reduction sent (``--gift-log-interval``; 0: never)."""
+    buffers are built (e.g. ``functools.partial(validate_gift_args, args)``). Every
+    ``gift_config.log_interval`` iterations rank 0 prints the bytes the last iteration's
+    gradient reduction sent, and the step's telemetry record goes to :func:`telemetry_sink`
+    (``telemetry_dir``). ``instances``: a list each new instance is appended to (the checkpoint
+    and loss hooks find them there)."""
+    log_interval = gift_config.log_interval
 
     class TrainingGiftDistributedDataParallel(GiftDistributedDataParallel):
         """GiftDistributedDataParallel with the launcher's GiftConfig bound (see :func:`gift_ddp`)."""
@@ -69,11 +77,15 @@ def gift_ddp_class(gift_config: GiftConfig, validate=None, log_interval: int = 0
             if validate is not None:
                 validate([(n, p) for n, p in module.named_parameters() if p.requires_grad])
             super().__init__(config, ddp_config, module, *args, **kwargs)
+            if instances is not None:
+                instances.append(self)
+            if log_interval:
+                self.monitor.sink = telemetry_sink(telemetry_dir)
 
         def zero_grad_buffer(self):
             super().zero_grad_buffer()
-            if log_interval and self.step > 0 and self.step % log_interval == 0:
-                sent = self.last_step_bytes
+            sent = self.last_step_bytes
+            if log_interval and self.step > 0 and self.step % log_interval == 0 and sent:
                 _print_rank0(
                     f"megatron-gift: iteration {self.step}: gradient reduction sent {sum(sent.values())} bytes "
                     f"from this rank ({', '.join(f'{k} {v}' for k, v in sent.items()) or 'nothing'})"
@@ -83,8 +95,46 @@ def gift_ddp_class(gift_config: GiftConfig, validate=None, log_interval: int = 0
     return TrainingGiftDistributedDataParallel
 
 
+def telemetry_sink(directory):
+    """Where this rank's telemetry records go: ``<directory>/gift_telemetry.jsonl`` from data-parallel
+    rank 0 (``gift_telemetry-pp<P>-tp<T>.jsonl`` for the other model-parallel coordinates), and
+    Megatron's TensorBoard / W&B writers on the rank that holds them; None if neither applies."""
+    from megatron.core import parallel_state as ps
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    path = None
+    if directory is not None and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+        coords = ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_tensor_model_parallel_world_size() > 1
+        path = Path(directory) / (f"gift_telemetry-pp{pp}-tp{tp}.jsonl" if coords and (pp or tp) else TELEMETRY_FILE)
+    tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
+    if path is None and tensorboard is None and wandb is None:
+        return None
+    return TelemetryWriter(path, tensorboard=tensorboard, wandb=wandb).log
+
+
 @contextlib.contextmanager
-def gift_ddp(gift_config: GiftConfig | None, validate=None, log_interval: int = 0):
+def _loss_hook(instances: list):
+    """Hand the logged language-model loss of each iteration to the instances' telemetry."""
+    training = importlib.import_module("megatron.training.training")
+    original = training.training_log
+
+    @functools.wraps(original)
+    def training_log(loss_dict, *args, **kwargs):
+        loss = loss_dict.get("lm loss", next(iter(loss_dict.values()), None)) if loss_dict else None
+        for ddp in instances:
+            ddp.monitor.loss = None if loss is None else float(loss)
+        return original(loss_dict, *args, **kwargs)
+
+    training.training_log = training_log
+    try:
+        yield
+    finally:
+        training.training_log = original
+
+
+@contextlib.contextmanager
+def gift_ddp(gift_config: GiftConfig | None, validate=None, telemetry_dir=None):
     """Within the block, ``megatron.training`` wraps models in GIFT's DDP (see the module doc).
 
     Yields the class installed, or None when ``gift_config`` is None (nothing changes then).
@@ -97,7 +147,8 @@ def gift_ddp(gift_config: GiftConfig | None, validate=None, log_interval: int = 
     shim_typing_override()
     from megatron.core.distributed import DistributedDataParallel
 
-    cls = gift_ddp_class(gift_config, validate=validate, log_interval=log_interval)
+    instances = []
+    cls = gift_ddp_class(gift_config, validate=validate, telemetry_dir=telemetry_dir, instances=instances)
     saved = []
     for module_name, attr in DDP_SITES:
         try:
@@ -116,7 +167,8 @@ def gift_ddp(gift_config: GiftConfig | None, validate=None, log_interval: int = 
     for module, attr, _ in saved:
         setattr(module, attr, cls)
     try:
-        yield cls
+        with checkpoint_hooks(instances), _loss_hook(instances):
+            yield cls
     finally:
         for module, attr, original in saved:
             setattr(module, attr, original)

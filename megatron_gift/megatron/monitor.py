@@ -1,0 +1,160 @@
+"""Per-layer measurement inside the DDP's bucket reductions: profiles for ``--gift-layers auto``
+and the telemetry records of ``--gift-log-interval``.
+
+On a *profile step* (the policy's schedule, or a logging step) each bucket group, just before
+its quantized reduction, profiles every plugin parameter's local gradient
+(:func:`~megatron_gift.numerics.profile.profile_gradient`: round trips, saturation, geometry);
+one MAX all-reduce (shared per-tensor scales) and one SUM all-reduce (the additive profiles)
+over the reduction group give every rank the same summaries, so the policy's decisions are
+identical everywhere. On a *logging step* it also keeps an FP32 copy of the buckets' local
+gradients; once the reduction is done, an FP32 all-reduce of that copy is the reference for the
+reduced gradient's RelL2 and cosine (on each rank's own shard, summed over ranks). Steps that
+neither profile nor log cost nothing here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..config import GiftConfig, Mode
+from ..numerics.profile import profile_gradient, summarize
+from ..policy import LayerPolicy
+
+logger = logging.getLogger(__name__)
+
+_FP8 = (Mode.EUCLIDEAN, Mode.GIFT)
+
+
+def wire_bytes(mode: Mode, rows: int, cols: int, cfg: GiftConfig, raw_itemsize: int) -> int:
+    """Bytes of one parameter's gradient in a rank's messages (before the collective's ``(R-1)/R``)."""
+    if mode in _FP8:
+        return cfg.codec.encoded_bytes(rows, cols)
+    return rows * cols * (2 if mode is Mode.BF16 else raw_itemsize)
+
+
+class Monitor:
+    """Profiles, policy decisions and telemetry of one :class:`GiftDistributedDataParallel`.
+
+    ``sink(step, record)`` receives each logging step's record (the schema of
+    :mod:`megatron_gift.telemetry`); ``loss`` may be set by the training loop before the step
+    closes."""
+
+    def __init__(self, cfg: GiftConfig, set_mode, verbose: bool):
+        self.cfg = cfg
+        self.set_mode = set_mode  # set_mode(GiftParam, Mode): switch a parameter and re-plan its bucket
+        self.verbose = verbose  # print decisions (rank 0)
+        self.policy = LayerPolicy(cfg.policy) if cfg.policy is not None else None
+        self.sink = None
+        self.loss: float | None = None
+        self.summaries: dict[str, object] = {}
+        self.reduced: dict[str, tuple[float | None, float | None]] = {}
+        self.decisions: list[dict] = []
+
+    def is_log_step(self, step: int) -> bool:
+        return self.cfg.log_interval > 0 and step % self.cfg.log_interval == 0
+
+    def is_profile_step(self, step: int) -> bool:
+        return self.is_log_step(step) or (self.policy is not None and self.cfg.policy.is_profile_step(step))
+
+    # -- before and after one bucket group's reduction ----------------------------------------
+    def before_reduce(self, bg, group, step: int):
+        """Profile ``bg``'s parameters, apply the policy's decisions; on logging steps return
+        the FP32 copies of the local gradients that :meth:`after_reduce` compares with."""
+        if not self.is_profile_step(step):
+            return None
+        entries = [
+            (bucket, seg, g)
+            for bucket, layout, params in zip(bg.buckets, bg.gift_layouts, bg.gift_params)
+            for seg, g in zip(layout.segments, params)
+            if g is not None
+        ]
+        if not entries:
+            return None
+        grads = [bucket.grad_data[seg.start : seg.end].view(seg.rows, seg.cols) for bucket, seg, _ in entries]
+        amax = torch.stack([x.detach().abs().max().float() for x in grads])
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        vec = torch.stack(
+            [
+                profile_gradient(x, self.cfg.codec, g.whitening, g.factor, amax[k])
+                for k, (x, (_, _, g)) in enumerate(zip(grads, entries))
+            ]
+        )
+        dist.all_reduce(vec, group=group)
+        decide = self.policy is not None and self.cfg.policy.is_profile_step(step)
+        for (_, _, g), v in zip(entries, vec):
+            summary = summarize(v)
+            self.summaries[g.name] = summary
+            if decide and g.candidate:
+                d = self.policy.decide(g.name, summary)
+                if d.changed:
+                    change = f"iteration {step + 1}: {g.name}: {d.previous.value} -> {d.mode.value} ({d.reason})"
+                    self.decisions.append({"step": step + 1, "param": g.name, "from": d.previous.value, "to": d.mode.value, "reason": d.reason})
+                    if self.verbose:
+                        print(f"megatron-gift: {change}", flush=True)
+                    logger.info("megatron-gift: %s", change)
+                    self.set_mode(g, d.mode)
+        if not self.is_log_step(step):
+            return None
+        return [bucket.grad_data.detach().float().clone() for bucket in bg.buckets]
+
+    def after_reduce(self, bg, group, refs, average: bool) -> None:
+        """RelL2 and cosine of each reduced gradient against the FP32 sum of ``refs``."""
+        world, rank = group.size(), group.rank()
+        rows, names = [], []
+        for ref, bucket, layout, params in zip(refs, bg.buckets, bg.gift_layouts, bg.gift_params):
+            dist.all_reduce(ref, group=group)
+            if average:
+                ref /= world
+            shard = layout.shards[rank]
+            for seg, g in zip(layout.segments, params):
+                if g is None:
+                    continue
+                a, b = max(seg.start, shard.lo), min(seg.end, shard.hi)
+                x = bucket.grad_data[a:b].double() if a < b else ref.new_zeros(0, dtype=torch.float64)
+                y = ref[a:b].double() if a < b else x
+                rows.append(torch.stack([((x - y) ** 2).sum(), (y * y).sum(), (x * y).sum(), (x * x).sum()]))
+                names.append(g.name)
+        if not rows:
+            return
+        sums = torch.stack(rows)
+        dist.all_reduce(sums, group=group)
+        for name, (err, ref_sq, dot, dec_sq) in zip(names, sums.tolist()):
+            rel = math.sqrt(err / ref_sq) if ref_sq > 0 else None
+            cos = dot / math.sqrt(dec_sq * ref_sq) if dec_sq * ref_sq > 0 else None
+            self.reduced[name] = (rel, cos)
+
+    # -- the step's record -----------------------------------------------------------------
+    def close(self, step: int, params, sent: dict[str, int]) -> dict | None:
+        """The telemetry record of ``step`` if it logs (handed to ``sink``), else None. Records and
+        decisions count iterations from 1, as Megatron's log does (``step`` counts from 0).
+
+        ``params``: ``(GiftParam, Segment, bytes per element in the bucket)`` of every plugin
+        parameter; ``sent``: the step's ``CommLedger.as_dict()``."""
+        record = None
+        if self.is_log_step(step):
+            layers = {}
+            for g, seg, itemsize in params:
+                s = self.summaries.get(g.name)
+                gift = g.mode is Mode.GIFT and s is not None and s.gift_saturation is not None
+                rel, cos = self.reduced.get(g.name, (None, None))
+                layers[g.name] = {
+                    "mode": g.mode.value,
+                    "rel_l2": rel,
+                    "cos": cos,
+                    "saturation": None if s is None else (s.gift_saturation if gift else s.saturation),
+                    "underflow": None if s is None else (s.gift_underflow if gift else s.underflow),
+                    "top_r_share": None if s is None else s.top_r_share,
+                    "bytes": wire_bytes(g.mode, seg.rows, seg.cols, self.cfg, itemsize),
+                    "profile": s,
+                }
+            record = {"step": step + 1, "loss": self.loss, "bytes": dict(sent), "layers": layers, "decisions": self.decisions}
+            if self.sink is not None:
+                self.sink(step + 1, record)
+        if record is not None or self.cfg.log_interval == 0:
+            self.decisions = []
+        self.summaries, self.reduced, self.loss = {}, {}, None
+        return record
