@@ -34,7 +34,7 @@ class PolicyConfig:
     hysteresis: int = 2
     bf16_bound: float = 0.1
     profile_steps: int = 8
-    profile_interval: int = 50
+    profile_interval: int = 10
 
     def __post_init__(self):
         if not 0.0 <= self.margin < 1.0:

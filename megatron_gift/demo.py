@@ -32,6 +32,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -43,8 +44,13 @@ MODES = {
     "bf16": ["--gift-mode", "bf16", "--gift-layers", ".*"],
     "euclidean-e4m3": ["--gift-mode", "euclidean", "--gift-euclidean-layers", ".*"],
     "gift-e4m3": ["--gift-mode", "gift", "--gift-euclidean-layers", ".*"],
+    "gift-auto": ["--gift-mode", "gift", "--gift-layers", "auto", "--gift-euclidean-layers", ".*"],
 }
-LABELS = {"fp32": "FP32", "bf16": "BF16", "euclidean-e4m3": "Euclidean-E4M3", "gift-e4m3": "GIFT-E4M3"}
+LABELS = {
+    "fp32": "FP32", "bf16": "BF16", "euclidean-e4m3": "Euclidean-E4M3", "gift-e4m3": "GIFT-E4M3",
+    "gift-auto": "auto (GIFT/Euclidean/BF16 per layer)",
+}  # fmt: skip
+FIXED = ("bf16", "euclidean-e4m3", "gift-e4m3")  # the fixed choices gift-auto is compared with, per layer
 
 PRESETS = {
     "quick": dict(
@@ -78,12 +84,27 @@ def model_args(p: dict, seed: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed: int) -> list[str]:
+def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed: int, telemetry: Path) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
         "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *model_args(p, seed), *data_args,
-        "--data-cache-path", str(cache), *MODES[mode],
+        "--data-cache-path", str(cache), "--gift-telemetry-dir", str(telemetry), *MODES[mode],
     ]  # fmt: skip
+
+
+def per_layer_rel_l2(telemetry: Path, skip: int) -> dict[str, float]:
+    """Mean over the logged iterations after the first ``skip`` of each layer's reduced-gradient
+    RelL2 (against the FP32 sum), from a run's telemetry."""
+    from .report import read_telemetry
+
+    sums: dict[str, list[float]] = {}
+    for line in read_telemetry(telemetry):
+        if line["step"] <= skip:
+            continue
+        for name, layer in line.get("layers", {}).items():
+            if layer.get("rel_l2") is not None:
+                sums.setdefault(name, []).append(layer["rel_l2"])
+    return {name: sum(v) / len(v) for name, v in sums.items()}
 
 
 def parse_log(text: str) -> dict:
@@ -143,6 +164,7 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
     """Train every mode, write the metrics, report and plots to ``out``; return the metrics document."""
     from .bench.corpus import build_token_corpus
     from .bench.indexed_data import megatron_data_args
+    from .report import read_telemetry, render
 
     name = "quick" if quick else "default"
     p = dict(PRESETS[name], **(preset or {}))
@@ -154,7 +176,9 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
     modes = {}
     commands = {}
     for mode in MODES:
-        cmd = launcher_command(p, mode, data_args, out / "index-cache", seed)
+        telemetry = out / "telemetry" / mode
+        shutil.rmtree(telemetry, ignore_errors=True)  # telemetry appends: start each run afresh
+        cmd = launcher_command(p, mode, data_args, out / "index-cache", seed, telemetry)
         commands[mode] = shlex.join(["OMP_NUM_THREADS=1", *cmd])
         print(f"[demo] {mode}: training {p['iters']} iterations on {RANKS} gloo ranks ...", file=sys.stderr, flush=True)
         t0 = time.time()
@@ -185,6 +209,9 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
             grad_buffer_padded_elements=sum(parsed["bucket_padded_elements"]) or None,
             wall_seconds=round(time.time() - t0, 1),
         )
+        if mode != "fp32":
+            modes[mode]["per_layer_rel_l2"] = per_layer_rel_l2(telemetry, skip=p["iters"] // 2)
+            modes[mode]["final_layer_modes"] = {k: v["mode"] for k, v in read_telemetry(telemetry)[-1]["layers"].items()}
     fp32 = modes["fp32"]
     for m in modes.values():
         m["loss_gap_to_fp32"] = m["final_loss"] - fp32["final_loss"]
@@ -209,17 +236,34 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
         "sends, statistics all-reduces on GIFT refresh steps included), averaged; the last iteration is not "
         "reported (iteration k's line is printed when k+1 starts). FP32 (--gift-mode off): Megatron's ring "
         "reduce-scatter of each bucket, (R-1)/R x 4 bytes x padded bucket elements, as bench.comm.megatron_ring_bytes.",
-        per_layer_rel_l2=None,
-        per_layer_rel_l2_note="not available from the training logs (no per-layer telemetry yet); "
-        "see `megatron-gift bench comm` / `bench fidelity` for reduced-gradient RelL2",
+        per_layer_rel_l2_note=f"mean over iterations {p['iters'] // 2 + 1}-{p['iters'] - 1} of each layer's reduced "
+        "gradient RelL2 against the FP32 sum of the same local gradients (telemetry, --gift-log-interval 1; "
+        "the last iteration is still open when training ends)",
+        auto=auto_summary(modes),
         wall_seconds=round(time.time() - t_start, 1),
         modes=modes,
     )
+    doc["auto_report"] = {k: str(v.relative_to(out)) for k, v in render(out / "telemetry" / "gift-auto", out / "auto").items()}
     (out / "metrics.json").write_text(json.dumps(doc, indent=1) + "\n")
     write_plots(doc, out)
     (out / "report.md").write_text(format_report(doc))
     print(f"[demo] done in {doc['wall_seconds']:.0f}s; wrote {out}/report.md, metrics.json, *.png", file=sys.stderr)
     return doc
+
+
+def auto_summary(modes: dict) -> dict:
+    """Per candidate layer of ``gift-auto``: its RelL2 against the best fixed choice's, and its final mode."""
+    auto = modes["gift-auto"]["per_layer_rel_l2"]
+    layers = {}
+    for name in sorted(modes["gift-e4m3"]["per_layer_rel_l2"]):
+        if not name.endswith(".weight") or name not in auto or "linear_" not in name:
+            continue
+        fixed = {m: modes[m]["per_layer_rel_l2"].get(name) for m in FIXED}
+        best = min((m for m in FIXED if m != "bf16" and fixed[m] is not None), key=lambda m: fixed[m])
+        layers[name] = dict(auto=auto[name], **fixed, best_fp8=best, ratio_to_best_fp8=auto[name] / fixed[best],
+                            auto_mode=modes["gift-auto"]["final_layer_modes"][name])  # fmt: skip
+    within = sum(v["ratio_to_best_fp8"] <= 1.05 for v in layers.values())
+    return dict(layers=layers, within_5_percent=within, candidates=len(layers))
 
 
 def write_plots(doc: dict, out: Path) -> list[Path]:
@@ -230,8 +274,8 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
 
     modes = doc["modes"]
     p = doc["preset"]
-    colors = {"fp32": "black", "bf16": "tab:blue", "euclidean-e4m3": "tab:orange", "gift-e4m3": "tab:green"}
-    styles = {"fp32": "-", "bf16": "--", "euclidean-e4m3": "-.", "gift-e4m3": ":"}
+    colors = {"fp32": "black", "bf16": "tab:blue", "euclidean-e4m3": "tab:orange", "gift-e4m3": "tab:green", "gift-auto": "tab:red"}
+    styles = {"fp32": "-", "bf16": "--", "euclidean-e4m3": "-.", "gift-e4m3": ":", "gift-auto": (0, (1, 1))}
     paths = []
 
     fig, (ax, dx) = plt.subplots(
@@ -240,8 +284,8 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
     base = modes["fp32"]["loss_curve"]
     for name, m in modes.items():
         its = range(1, len(m["loss_curve"]) + 1)
-        ax.plot(its, m["loss_curve"], styles[name], color=colors[name], lw=1.6, label=f"{m['label']} ({m['final_loss']:.3f})")
-        dx.plot(its, [a - b for a, b in zip(m["loss_curve"], base)], styles[name], color=colors[name], lw=1.4)
+        ax.plot(its, m["loss_curve"], linestyle=styles[name], color=colors[name], lw=1.6, label=f"{m['label']} ({m['final_loss']:.3f})")
+        dx.plot(its, [a - b for a, b in zip(m["loss_curve"], base)], linestyle=styles[name], color=colors[name], lw=1.4)
     ax.set_ylabel("training loss (lm loss)")
     ax.set_title(
         f"Loss: {p['layers']}-layer Llama, hidden {p['hidden']}, seq {p['seq']}, {doc['ranks']} ranks "
@@ -278,6 +322,26 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
     paths.append(out / "bytes_per_step.png")
     fig.savefig(paths[-1])
     plt.close(fig)
+
+    layers = doc["auto"]["layers"]
+    names = list(layers)
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(names) + 1.6), dpi=110)
+    shown = ("bf16", "euclidean-e4m3", "gift-e4m3", "gift-auto")
+    height = 0.8 / len(shown)
+    for k, m in enumerate(shown):
+        values = [layers[n]["auto" if m == "gift-auto" else m] for n in names]
+        ax.barh([i + (k - 1.5) * height for i in range(len(names))], values, height, color=colors[m], label=modes[m]["label"])
+    ax.set_yticks(range(len(names)), [n.replace("decoder.layers.", "").replace(".weight", "") for n in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("reduced-gradient RelL2 vs FP32 sum (mean over the second half)")
+    ax.set_title("Per-layer fidelity of the gradient reduction", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "per_layer_rel_l2.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
     return paths
 
 
@@ -287,6 +351,16 @@ def format_table(doc: dict) -> str:
         f"| {m['label']} | {m['final_loss']:.4f} | {m['loss_gap_to_fp32']:+.4f} | {m['bytes_per_step']:,.0f} | "
         f"{m['bytes_ratio_to_fp32']:.3f} |"
         for m in doc["modes"].values()
+    ]
+    return "\n".join([head, *rows]) + "\n"
+
+
+def format_layer_table(doc: dict) -> str:
+    head = "| layer | BF16 | Euclidean | GIFT | auto | auto's mode | auto / best FP8 |\n|---|---|---|---|---|---|---|"
+    rows = [
+        f"| {name} | {v['bf16']:.4f} | {v['euclidean-e4m3']:.4f} | {v['gift-e4m3']:.4f} | {v['auto']:.4f} | "
+        f"{v['auto_mode']} | {v['ratio_to_best_fp8']:.3f} |"
+        for name, v in doc["auto"]["layers"].items()
     ]
     return "\n".join([head, *rows]) + "\n"
 
@@ -309,12 +383,24 @@ def format_report(doc: dict) -> str:
         format_table(doc),
         "Modes: FP32 = `--gift-mode off` (Megatron's own DDP); BF16 = `--gift-mode bf16 --gift-layers '.*'`; "
         "Euclidean-E4M3 = `--gift-mode euclidean --gift-euclidean-layers '.*'`; GIFT-E4M3 = `--gift-mode gift "
-        "--gift-euclidean-layers '.*'` (linear weights whitened, embeddings/output layer/norms plain FP8). "
-        "Every gradient goes through the plugin in the three compressed modes, so their bytes compare with FP32's.",
+        "--gift-euclidean-layers '.*'` (linear weights whitened, embeddings/output layer/norms plain FP8); auto = "
+        "`--gift-mode gift --gift-layers auto --gift-euclidean-layers '.*'` (each linear weight GIFT, Euclidean or "
+        "BF16 as its profiles decide). Every gradient goes through the plugin in the compressed modes, so their "
+        "bytes compare with FP32's.",
         "",
         "Bytes: " + doc["bytes_model"],
         "",
-        "Per-layer RelL2 of the reduced gradients: " + doc["per_layer_rel_l2_note"] + ".",
+        "Per-layer RelL2 of the reduced gradients: " + doc["per_layer_rel_l2_note"] + ". `auto` "
+        "(`--gift-layers auto`) against the better fixed FP8 choice for each layer: "
+        f"{doc['auto']['within_5_percent']} of {doc['auto']['candidates']} layers within 5%.",
+        "",
+        format_layer_table(doc),
+        "![per-layer RelL2](per_layer_rel_l2.png)",
+        "",
+        "`--gift-layers auto`'s decisions: [auto/report.md](auto/report.md) (from `megatron-gift report "
+        "telemetry/gift-auto --out auto`).",
+        "",
+        "![mode timeline](auto/mode_timeline.png)",
         "",
         "Last iteration's byte breakdown per mode:",
         "",

@@ -8,7 +8,9 @@ with ``e``/``g`` the measured Euclidean/GIFT RelL2, ``m = margin``, ``b = bf16_b
   width ``m`` between the two, so a ratio hovering near 1 does not flap). GIFT is a candidate
   only when it was measured.
 * BF16: when the better FP8 RelL2 ``min(e, g) > b``; back to FP8 only once it is ``< b·(1-m)``.
-* A switch happens after ``hysteresis`` consecutive profiles asking for the same other mode.
+* A switch happens after ``hysteresis`` consecutive profiles asking for the same other mode,
+  except leaving GIFT when it is clearly worse (``g > e·(1+m)``): that happens at once, since a
+  whitening that has gone stale between profiles can multiply the error.
 * A profile with non-finite entries or a zero gradient changes nothing (and resets the count).
 """
 
@@ -98,6 +100,9 @@ class LayerPolicy:
         pending_target, count = self.pending.get(name, (target, 0))
         count = count + 1 if pending_target is target else 1
         n = self.config.hysteresis
+        g_clearly_worse = g is not None and g > e * (1.0 + self.config.margin)
+        if current is Mode.GIFT and target is Mode.EUCLIDEAN and g_clearly_worse:
+            n = 1
         if count < n:
             self.pending[name] = (target, count)
             return Decision(current, f"{why} ({count} of {n} profiles; keep {current.value})", current)

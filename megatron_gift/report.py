@@ -27,8 +27,11 @@ MODE_COLORS = ("lightgray", "tab:blue", "tab:orange", "tab:green")
 
 
 def read_telemetry(path: str | os.PathLike) -> list[dict]:
-    """The lines of a telemetry file, one per step in step order."""
-    text = Path(path).read_text(encoding="utf-8").splitlines()
+    """The lines of a telemetry file (or of a run directory's), one per step in step order."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TELEMETRY_FILE
+    text = path.read_text(encoding="utf-8").splitlines()
     by_step = {}
     for i, raw in enumerate(text):
         if not raw.strip():

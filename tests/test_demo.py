@@ -1,4 +1,4 @@
-"""``megatron-gift demo``: the command line parses (fast), and a short real run of all four modes
+"""``megatron-gift demo``: the command line parses (fast), and a short real run of all five modes
 writes its report, plots and metrics with finite losses and FP8 bytes well under FP32's (slow)."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     pngs = sorted(out.glob("*.png"))
     assert len(pngs) >= 2 and all(p.stat().st_size > 10_000 for p in pngs)
     doc = json.loads((out / "metrics.json").read_text())
-    assert set(doc["modes"]) == {"fp32", "bf16", "euclidean-e4m3", "gift-e4m3"}
+    assert set(doc["modes"]) == {"fp32", "bf16", "euclidean-e4m3", "gift-e4m3", "gift-auto"}
     fp32 = doc["modes"]["fp32"]["bytes_per_step"]
     for name, m in doc["modes"].items():
         assert len(m["loss_curve"]) == 12 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
@@ -74,5 +74,15 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     assert doc["modes"]["bf16"]["bytes_per_step"] == pytest.approx(0.5 * fp32, rel=0.02)
     # Same model, data and seed: the first iteration (before any reduction) has the same loss.
     first = [m["loss_curve"][0] for m in doc["modes"].values()]
-    assert first == pytest.approx([first[0]] * 4, rel=1e-6)
+    assert first == pytest.approx([first[0]] * 5, rel=1e-6)
+    # Per-layer RelL2 from each plugin mode's telemetry, and auto's decisions rendered by `report`.
+    auto = doc["auto"]
+    assert auto["candidates"] == 8 and 0 <= auto["within_5_percent"] <= 8  # 2 layers x qkv, proj, fc1, fc2
+    for layer in auto["layers"].values():
+        assert layer["bf16"] < min(layer["euclidean-e4m3"], layer["gift-e4m3"]) < 0.1 and layer["auto"] < 0.1
+        assert layer["auto_mode"] in ("euclidean", "gift", "bf16")
+    assert (out / "per_layer_rel_l2.png").stat().st_size > 10_000
+    assert {"report", "mode_timeline", "rel_l2_heatmap"} <= set(doc["auto_report"])
+    assert all((out / path).is_file() for path in doc["auto_report"].values())
+    assert "auto / best FP8" in (out / "report.md").read_text()
     assert set(doc["launcher_commands"]) == set(doc["modes"]) and doc["machine"]["cpus"] == os.cpu_count()

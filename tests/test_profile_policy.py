@@ -172,6 +172,14 @@ def test_policy_does_not_flap():
         assert policy.decide("a", _summary(0.02, 0.0199 if i < 6 else (0.021 if i % 2 else 0.019))).mode is Mode.GIFT
 
 
+def test_policy_leaves_a_clearly_worse_gift_at_once():
+    policy = LayerPolicy(PolicyConfig(margin=0.05, hysteresis=3), initial={"a": Mode.GIFT})
+    slightly = policy.decide("a", _summary(0.02, 0.0205))  # worse, inside the band: hysteresis applies
+    assert slightly.mode is Mode.GIFT and "1 of 3 profiles" in slightly.reason
+    clearly = policy.decide("a", _summary(0.02, 0.05))
+    assert clearly == Decision(Mode.EUCLIDEAN, "gift 0.05 ≥ euclidean 0.02 for 1 profile", Mode.GIFT)
+
+
 def test_policy_holds_on_bad_profiles_and_restores_its_state():
     policy = LayerPolicy(PolicyConfig(hysteresis=3))
     policy.decide("a", _summary(0.02, 0.01))
