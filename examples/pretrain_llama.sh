@@ -28,6 +28,7 @@
 #   TOKENIZER_TYPE [HuggingFaceTokenizer]  TOKENIZER_MODEL [gpt2]  the tokenizer DATA_PATH was made with
 #   TRAIN_ITERS [300m: 3000, 600m: 12000]  (about 6B / 12B tokens)   LR [3e-4]  MIN_LR [3e-5]
 #   WARMUP_ITERS [TRAIN_ITERS/20]  SAVE_DIR (unset: no checkpoints)  LOG_INTERVAL [10]
+#   TELEMETRY_DIR [SAVE_DIR, else runs/llama-MODEL-VARIANT]: gift_telemetry.jsonl (--gift-log-interval)
 #   GIFT_ARGS                   extra --gift-* flags (e.g. "--gift-rank 16 --gift-log-interval 100")
 #   PYTHON [python]  (torchrun is run as: $PYTHON -m torch.distributed.run)
 set -euo pipefail
@@ -102,7 +103,7 @@ cmd=(
     "${data[@]}" --tokenizer-type "${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
     --tokenizer-model "${TOKENIZER_MODEL:-gpt2}"
     --log-interval "${LOG_INTERVAL:-10}" --log-throughput --eval-interval 1000 --eval-iters 10
-    "${ckpt[@]}"
+    "${ckpt[@]}" --gift-telemetry-dir "${TELEMETRY_DIR:-${SAVE_DIR:-runs/llama-$MODEL-$VARIANT}}"
     "${gift[@]}" "${gift_extra[@]}"
     "$@"
 )
