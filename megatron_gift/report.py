@@ -125,7 +125,7 @@ def render(run: str | os.PathLike, out: str | os.PathLike | None = None) -> dict
         ax.set_title("Reduced-gradient RelL2 per layer (blank: not measured)", fontsize=10)
         fig.tight_layout()
         written["rel_l2_heatmap"] = out / "rel_l2_heatmap.png"
-        fig.savefig(written["rel_l2_heatmap"])
+        fig.savefig(written["rel_l2_heatmap"], bbox_inches="tight")
         plt.close(fig)
 
     if (mode >= 0).any():
