@@ -42,6 +42,13 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_telemetry(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import telemetry_cost
+
+    telemetry_cost.run(quick=args.quick, json_path=args.json, command=args.command_line)
+    return 0
+
+
 def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -80,6 +87,16 @@ def _add_bench(subparsers) -> None:
     ovh.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ovh.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ovh.set_defaults(func=_bench_overhead)
+    tel = commands.add_parser(
+        "telemetry",
+        help="per-step cost of telemetry and --gift-layers auto, logging off vs on (2 CPU ranks)",
+        description="Train a small Megatron GPTModel on 2 CPU ranks (gloo) through GiftDistributedDataParallel in "
+        "several configurations at once (round-robin) and time the steps: logging off, a logging interval the run never "
+        "reaches, a policy that never profiles, logging / profiling every step; median, IQR and ratios.",
+    )
+    tel.add_argument("--quick", action="store_true", help="tiny model, 4 timed steps (a smoke test, not a measurement)")
+    tel.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    tel.set_defaults(func=_bench_telemetry)
 
 
 def _demo(args: argparse.Namespace) -> int:
