@@ -26,8 +26,12 @@ Step time of one data-parallel rank (``m = max(1, global_batch / (micro_batch·N
   is a what-if, NOT implemented: intra-node all-to-all, then an inter-node all-to-all of ``S/g``.
   With the distributed optimizer every mode then all-gathers the BF16 parameters (2 B).
   GIFT adds, per refresh (every ``refresh_interval`` steps): the K-FAC sketch statistics
-  (``4·tokens·d_in·k`` FLOPs per micro-batch), their BF16 ring all-reduce (``(d_in·k + d_in)·2`` B) and
-  building ``T`` on the CPU (``factor_build`` of the overhead benchmark).
+  (``4·tokens·d_in·k`` FLOPs per micro-batch), their BF16 ring all-reduce (``(d_in·k + d_in)·2`` B),
+  building each layer's factor and ``T`` on the CPU of its owner rank only (owners round-robin, all at
+  once: ``ceil(layers/N)·factor_build`` of the overhead benchmark on the critical path) and one ring
+  broadcast per layer of the result (FP64 factor ``d, V, λ, tr A`` + FP32 ``T``:
+  ``8·(d_in·r + d_in + r + 1) + 4·(d_in·r + 2·d_in + 2·r)`` B at rank ``r``, timed as a ring all-gather
+  of that buffer: a pipelined ring broadcast moves each byte over each link once).
 * **Plugin work** (serial on the compute stream): encode (+ ``G T``) of each bucket when its last
   gradient is ready, decode + sum (+ ``T⁻¹``) when Megatron waits on it: per element costs of
   ``Overheads``, from a ``bench overhead`` JSON or HBM-bandwidth defaults.
@@ -260,7 +264,7 @@ def buckets(w: Workload, mode: str, dp: int, fp8_params: str = "all", bucket_siz
 def step_time(w: Workload, c: Cluster, mode: str, gpus: int, overheads: Overheads | None = None,
               schedule: str = "overlap", fp8_params: str = "all", gift_layers: tuple[str, ...] = GIFT_KINDS,
               refresh_interval: int = GiftConfig().refresh_interval, sketch: int = GiftConfig().sketch,
-              compute_seconds: float | None = None, bucket_size: int | None = None) -> dict:  # fmt: skip
+              rank: int = GiftConfig().rank, compute_seconds: float | None = None, bucket_size: int | None = None) -> dict:  # fmt: skip
     """Predicted seconds of one training step on ``gpus`` data-parallel ranks, with its parts.
 
     ``compute_seconds``: measured compute time of one micro-batch (fwd+bwd) instead of the FLOP model."""
@@ -307,13 +311,16 @@ def step_time(w: Workload, c: Cluster, mode: str, gpus: int, overheads: Overhead
     else:
         grad_exposed, gather_exposed = sum(comm) + sum(send) + sum(recv), sum(gather)
     refresh = refresh_bytes = 0.0
-    if mode == "gift":  # per refresh: statistics (sketch + diagonal in BF16, token count in FP64), T on the CPU
+    if mode == "gift":  # per refresh: statistics (sketch + diagonal in BF16, token count in FP64), then
+        # each layer's factor + T built on its owner (ceil(layers/N) per rank, in parallel) and broadcast
         d_ins = [s[1] for name, s, _ in w.parameters() if is_gift(name, gift_layers)]
         stats_flops = sum(4.0 * tokens * d * min(sketch, d) for d in d_ins) * micro
         stats_bytes = sum((d * min(sketch, d) + d) * 2.0 + 8 for d in d_ins)
-        per_refresh = stats_flops * per_flop + 2 * ring_time(stats_bytes, gpus, c) + ovh.factor_build_s * len(d_ins)
+        bcast = [8.0 * (d * r + d + r + 1) + 4.0 * (d * r + 2 * d + 2 * r) for d, r in ((d, min(rank, d)) for d in d_ins)]
+        per_refresh = (stats_flops * per_flop + 2 * ring_time(stats_bytes, gpus, c)
+                       + ovh.factor_build_s * math.ceil(len(d_ins) / gpus) + sum(ring_time(b, gpus, c) for b in bcast))  # fmt: skip
         refresh = per_refresh / refresh_interval
-        refresh_bytes = 2 * (gpus - 1) / gpus * stats_bytes / refresh_interval
+        refresh_bytes = (gpus - 1) / gpus * (2 * stats_bytes + sum(bcast)) / refresh_interval
     compute = micro * (sum(fwd) + sum(bwd))
     grad_bytes = sum(b.wire_bytes for b in bks) * (gpus - 1) / gpus * (1 if dist_opt else 2)
     return dict(mode=mode, gpus=gpus, micro_batches=micro, schedule=schedule,
@@ -346,11 +353,11 @@ def format_scaling(rows: list[dict], title: str, paper: bool = True) -> str:
     lines = [head]
     for n in gpus:
         f = by[(n, "fp32")]
-        paper = (f"GIFT {PAPER_64_GH200['gift']:+.2f}%, FP8 {PAPER_64_GH200['euclidean']:+.2f}%"
-                 if paper and n == PAPER_64_GH200["gpus"] else "")  # fmt: skip
+        ref = (f"GIFT {PAPER_64_GH200['gift']:+.2f}%, FP8 {PAPER_64_GH200['euclidean']:+.2f}%"
+               if paper and n == PAPER_64_GH200["gpus"] else "")  # fmt: skip
         cells = [f"{by[(n, m)]['vs_fp32_pct']:+.2f}% ({by[(n, m)]['vs_bf16_pct']:+.2f}%)" for m in MODES[1:]]
         lines.append(f"| {n} | {f['micro_batches']} | {1e3 * f['step_s']:.1f} | "
-                     f"{1e3 * (f['grad_exposed_s'] + f['param_gather_exposed_s']):.1f} | " + " | ".join(cells) + f" | {paper} |")  # fmt: skip
+                     f"{1e3 * (f['grad_exposed_s'] + f['param_gather_exposed_s']):.1f} | " + " | ".join(cells) + f" | {ref} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

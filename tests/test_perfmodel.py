@@ -74,6 +74,19 @@ def test_gift_costs_more_than_euclidean_and_refresh_amortizes():
     assert g10["refresh_s"] == pytest.approx(g["refresh_s"] / 10)
 
 
+def test_factor_builds_are_shared_over_ranks():
+    # 32 GIFT layers (fc2), each built on one owner: ceil(32/N) builds per rank, then one broadcast per layer
+    slow = dataclasses.replace(OVH, factor_build_s=1.0)
+    for gpus, builds in ((8, 4), (64, 1), (16, 2)):
+        r = pm.step_time(W, pm.GH200, "gift", gpus, slow)
+        fast = pm.step_time(W, pm.GH200, "gift", gpus, dataclasses.replace(OVH, factor_build_s=0.0))
+        assert (r["refresh_s"] - fast["refresh_s"]) * 50 == pytest.approx(builds)
+    d, r = 3456, 32  # fc2's factor (FP64) and T (FP32), on top of the statistics all-reduce
+    bcast = 32 * (8 * (d * r + d + r + 1) + 4 * (d * r + 2 * d + 2 * r))
+    stats = 32 * ((d * 64 + d) * 2 + 8)
+    assert pm.step_time(W, pm.GH200, "gift", 64, OVH)["refresh_bytes_per_rank"] == pytest.approx(63 / 64 * (2 * stats + bcast) / 50)
+
+
 def test_byte_model_matches_bench_comm():
     rows = pm.comm_bytes_check(str(ROOT / "bench/results/comm-cpu.json"))
     assert len(rows) == 16
@@ -113,6 +126,7 @@ def test_cli_model_json_and_set(tmp_path, capsys):
     assert set(t) >= {"gift_vs_fp32_pct", "euclidean_vs_fp32_pct", "gift_at_least_10_5_pct_faster"}
     assert all(doc["cluster_sources"][k] for k in ("inter_bw", "intra_bw", "mfu", "peak_flops", "gpus_per_node"))
     assert len(doc["bytes_check"]["rows"]) == 16
-    assert "paper (64 GH200)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "paper (64 GH200)" in out and "| GIFT -7.60%, FP8 -10.79% |" in out  # the paper's figures in the 64-GPU rows
     with pytest.raises(SystemExit):
         main(["model", "--set", "warp_speed=9"])

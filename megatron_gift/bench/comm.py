@@ -9,9 +9,9 @@ by hand (reference model, all-gather, FP64 sum).
 
 Bytes: the plugin counts what each rank sends (``comm.CommLedger``); stock Megatron's ring
 collectives are counted with the same model: reduce-scatter ``(R-1)/R·bytes``, all-reduce twice that.
-``bytes_per_step`` = gradient bytes + a factor refresh's bytes (statistics all-reduce; a transform
-broadcast only if ranks disagreed) amortized over the default refresh interval; GIFT refreshes every step here so that
-its fidelity is measured without a stale factor.
+``bytes_per_step`` = gradient bytes + a factor refresh's bytes (statistics all-reduce, each layer's
+factor and transform broadcast from the rank that built them) amortized over the default refresh
+interval; GIFT refreshes every step here so that its fidelity is measured without a stale factor.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..numerics.fp8 import CodecConfig
 MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
 LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
 REFRESH_INTERVAL = GiftConfig().refresh_interval
-REFRESH_COLLECTIVES = ("all_reduce/bf16", "all_reduce/fp64", "broadcast/fp32")  # statistics sums, fallback broadcast
+REFRESH_COLLECTIVES = ("all_reduce/bf16", "all_reduce/fp64", "broadcast/fp64", "broadcast/fp32")  # statistics, factors
 
 
 def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:

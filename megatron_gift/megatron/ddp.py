@@ -9,9 +9,9 @@ are all ``off`` keep Megatron's collective untouched.
 
 Per step (``zero_grad_buffer`` marks the start): on refresh steps, forward pre-hooks add each
 GIFT layer's input statistics; the first bucket sync of that step sums them over the
-data-parallel group, folds them into the EMA and rebuilds ``T``. Every rank computes ``T`` in
-FP64 from the same summed statistics; a checksum confirms all ranks agree bit for bit (if not,
-the layer's owner rank broadcasts its ``T``).
+data-parallel group and folds them into the EMA for every GIFT layer. Each layer's factor and
+``T`` are then built (FP64, CPU) only on its owner rank, the layers spread round-robin over the
+reduction group, and broadcast from there: every rank holds the owner's bits by construction.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class GiftParam:
     factor: LowRankFactor | None = None
     whitening: LowRankWhitening | None = None
     index: int = 0
-    owner: int = 0
+    owner: int = 0  # rank in its bucket group's reduction group that builds its factor
     expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
     stats_groups: list = field(default_factory=list)
 
@@ -78,16 +78,6 @@ def _to(tree, device):
     return tree.to(device, copy=True) if isinstance(tree, torch.Tensor) else tree
 
 
-def _identical_on_all_ranks(tensors, group) -> bool:
-    """Whether every rank of ``group`` holds bit-identical ``tensors``: the min and max over ranks
-    of an exact integer checksum of their bits agree (two 8-byte all-reduces)."""
-    tensors = list(tensors)
-    checksum = sum(int(t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()) for t in tensors)
-    lo_hi = torch.tensor([-checksum, checksum], dtype=torch.int64, device=tensors[0].device)
-    dist.all_reduce(lo_hi, op=dist.ReduceOp.MAX, group=group)
-    return int(lo_hi[0]) == -checksum and int(lo_hi[1]) == checksum
-
-
 def _layer_input(module, x: torch.Tensor) -> torch.Tensor:
     """The linear map's input: Transformer Engine's fused norm+linear gets the pre-norm tensor,
     so its norm is applied here (RMSNorm or LayerNorm, with zero-centred gamma)."""
@@ -115,7 +105,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             return
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
         self._prepare_grads()
-        self.gift.refresh_factors(self)
+        self.gift.refresh_factors()
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else self.data_parallel_group
         refs = self.gift.monitor.before_reduce(self, group, self.gift.step)
@@ -210,11 +200,15 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 candidate = modes[name] is Mode.GIFT
                 mode = self.monitor.policy.mode(name) if candidate and self.monitor.policy else modes[name]
                 expert = not getattr(p, "allreduce", True)
-                self.gift_params[p] = GiftParam(name, mode, candidate, index=i, owner=i, expert=expert)
+                self.gift_params[p] = GiftParam(name, mode, candidate, index=i, expert=expert)
         self._stat_hooks = self._register_stat_hooks()
         self._bucket_of: dict[int, tuple] = {}  # id(GiftParam) -> (bucket group, bucket index)
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
             self._convert(bg)
+        assigned: dict = {}  # each GIFT layer's factor is built on one rank: round-robin per group
+        for g, group in self._gift_layers():
+            g.owner = assigned.get(group, 0) % group.size()
+            assigned[group] = assigned.get(group, 0) + 1
         counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
         auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
@@ -251,7 +245,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             bg.gift_error_feedback.append(self._error_feedback(bg.gift_layouts[-1], bucket))
             for g in bg.gift_params[-1]:
                 if g is not None:
-                    g.owner %= group.size()
                     self._bucket_of[id(g)] = (bg, i)
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
@@ -362,16 +355,32 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                     if g is not None:
                         yield g, seg, bucket.grad_data.element_size()
 
-    def refresh_factors(self, bg: GiftBucketGroup) -> None:
-        """On a refresh step, fold the summed statistics of this group's GIFT weights into ``T``."""
+    def refresh_factors(self) -> None:
+        """On a refresh step, at the first bucket sync (every forward of the step is done): sum
+        every GIFT layer's statistics and fold them into its EMA, build each layer's factor and
+        ``T`` on its owner rank (all owners at once), then broadcast them. Statistics stop here."""
         if not self.collecting:
             return
-        for params in bg.gift_params:
-            for g in params:
-                if g is not None and g.candidate:
-                    self._refresh(g, bg)
+        self.collecting = False
+        todo = [(g, group) for g, group in self._gift_layers() if self._fold_statistics(g)]
+        built = {id(g): self._build(g) for g, group in todo if group.rank() == g.owner}
+        for g, group in todo:
+            factor, new = self._broadcast_factor(g, group, built.get(id(g)))
+            if g.mode is Mode.GIFT:
+                self._remap_error_feedback(g, g.whitening, new)
+            g.factor, g.whitening = factor, new
 
-    def _refresh(self, g: GiftParam, bg: GiftBucketGroup) -> None:
+    def _gift_layers(self):
+        """``(GiftParam, its bucket group's reduction group)`` of every GIFT layer, in one order on all ranks."""
+        dist_opt = self.ddp_config.use_distributed_optimizer
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            group = bg.intra_distributed_optimizer_instance_group if dist_opt else bg.data_parallel_group
+            for params in getattr(bg, "gift_params", []):
+                yield from ((g, group) for g in params if g is not None and g.candidate)
+
+    def _fold_statistics(self, g: GiftParam) -> bool:
+        """Sum ``g``'s statistics over its groups and fold them into the EMA; False (on every rank
+        alike: the sums are) when the layer saw no tokens or non-finite activations."""
         stats = g.stats
         for group in g.stats_groups:
             n = group.size()
@@ -383,23 +392,46 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             dist.all_reduce(stats.tokens, group=group)
             self.ledger.add("all_reduce", "fp64", 2 * (n - 1) * 8 // n)
         if float(stats.tokens) == 0:  # the layer saw no training tokens this step
-            return
+            return False
         if not all(bool(torch.isfinite(t).all()) for t in stats.sums.values()):
             logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
             stats.reset_accumulators()
-            return
+            return False
         stats.refresh(ema=0.0 if self.step < self.gift_config.refresh_interval else None)  # warm-up: latest only
-        g.factor = stats.low_rank_factor(stats.factor_rank(self.gift_config.rank), self.gift_config.damping)
-        new = LowRankWhitening(g.factor, device=stats.tokens.device)
-        group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group
-        if not _identical_on_all_ranks(new.tensors().values(), group):
-            logger.warning("megatron-gift: ranks computed different transforms for %s; using rank %d's", g.name, g.owner)
-            for t in new.tensors().values():
-                dist.broadcast(t, src=dist.get_global_rank(group, g.owner), group=group)
-                self.ledger.add("broadcast", "fp32", t.numel() * 4 if group.rank() == g.owner else 0)
-        if g.mode is Mode.GIFT:
-            self._remap_error_feedback(g, g.whitening, new)
-        g.whitening = new
+        return True
+
+    def _build(self, g: GiftParam) -> tuple[LowRankFactor, LowRankWhitening]:
+        factor = g.stats.low_rank_factor(g.stats.factor_rank(self.gift_config.rank), self.gift_config.damping)
+        return factor, LowRankWhitening(factor, device=g.stats.tokens.device)
+
+    def _broadcast_factor(self, g: GiftParam, group, built) -> tuple[LowRankFactor, LowRankWhitening]:
+        """The owner's factor (FP64, CPU) and ``T`` (FP32) on every rank of ``group``: one broadcast
+        of their bytes, FP64 part first. ``built``: ``_build(g)`` on the owner, None elsewhere."""
+        n, device = group.size(), g.stats.tokens.device
+        if built is None:
+            d_in, r = g.stats.d_in, g.stats.factor_rank(self.gift_config.rank)
+            factor = LowRankFactor(torch.empty(d_in, dtype=torch.float64), torch.empty(d_in, r, dtype=torch.float64),
+                                   torch.empty(r, dtype=torch.float64), 0.0)  # fmt: skip
+            built = factor, LowRankWhitening.empty(d_in, r, device=device)
+        if n == 1:
+            return built
+        factor, whitening = built
+        trace_a = torch.tensor([factor.trace_a], dtype=torch.float64)
+        fp64 = [factor.d, factor.v, factor.lam, trace_a]
+        fp32 = list(whitening.tensors().values())
+        buf = torch.cat([t.to(device).contiguous().view(-1).view(torch.uint8) for t in fp64 + fp32])
+        dist.broadcast(buf, src=dist.get_global_rank(group, g.owner), group=group)
+        if group.rank() != g.owner:
+            pos = 0
+            for t in fp64 + fp32:
+                nbytes = t.numel() * t.element_size()
+                t.copy_(buf[pos : pos + nbytes].view(t.dtype).view(t.shape))
+                pos += nbytes
+            factor.trace_a = float(trace_a)
+        # a ring broadcast: every rank but one forwards the whole buffer, (n-1)/n of it per rank on average
+        for dtype, parts in (("fp64", fp64), ("fp32", fp32)):
+            self.ledger.add("broadcast", dtype, (n - 1) * sum(t.numel() * t.element_size() for t in parts) // n)
+        return factor, whitening
 
     def _remap_error_feedback(self, g: GiftParam, old, new) -> None:
         """Carry a residual kept in the old whitened coordinates into the new ones."""
