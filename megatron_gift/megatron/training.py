@@ -88,7 +88,7 @@ def gift_ddp_class(gift_config: GiftConfig, validate=None, telemetry_dir=None, i
             if log_interval and self.step > 0 and self.step % log_interval == 0 and sent:
                 _print_rank0(
                     f"megatron-gift: iteration {self.step}: gradient reduction sent {sum(sent.values())} bytes "
-                    f"from this rank ({', '.join(f'{k} {v}' for k, v in sent.items()) or 'nothing'})"
+                    f"from this rank ({', '.join(f'{k} {v}' for k, v in sent.items())})"
                 )
 
     TrainingGiftDistributedDataParallel.__qualname__ = TrainingGiftDistributedDataParallel.__name__
