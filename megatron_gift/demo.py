@@ -80,15 +80,20 @@ def model_args(p: dict, seed: int) -> list[str]:
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, p["iters"] // 10)),
         "--use-distributed-optimizer", "--overlap-grad-reduce",
         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000", "--split", "98,2,0",
-        "--seed", str(seed), "--gift-log-interval", "1",
+        "--seed", str(seed),
     ]  # fmt: skip
 
 
-def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed: int, telemetry: Path) -> list[str]:
+def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed: int,
+                     telemetry: Path | None = None) -> list[str]:  # fmt: skip
+    """The launcher command of one mode. With ``telemetry`` (the demo) the plugin prints its bytes and writes
+    telemetry to that directory every iteration (``--gift-log-interval 1``); without it (step timing, as
+    :func:`megatron_gift.perfmodel.validate_cpu`) it does neither."""
+    logging = ["--gift-log-interval", "1", "--gift-telemetry-dir", str(telemetry)] if telemetry else []
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
         "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *model_args(p, seed), *data_args,
-        "--data-cache-path", str(cache), "--gift-telemetry-dir", str(telemetry), *MODES[mode],
+        "--data-cache-path", str(cache), *logging, *MODES[mode],
     ]  # fmt: skip
 
 
@@ -126,7 +131,8 @@ def ring_reduce_scatter_bytes(padded_elements: list[int], ranks: int = RANKS, el
     return sum((ranks - 1) * n * element_size // ranks for n in padded_elements)
 
 
-def _run_mode(mode: str, cmd: list[str], log_path: Path, iters: int, timeout: float) -> str:
+def run_mode(mode: str, cmd: list[str], log_path: Path, iters: int, timeout: float) -> str:
+    """Run one launcher command, its output to ``log_path`` and its losses to stderr; return the log."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1", PYTHONUNBUFFERED="1")
     t0 = time.time()
     lines = []
@@ -182,7 +188,7 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
         commands[mode] = shlex.join(["OMP_NUM_THREADS=1", *cmd])
         print(f"[demo] {mode}: training {p['iters']} iterations on {RANKS} gloo ranks ...", file=sys.stderr, flush=True)
         t0 = time.time()
-        parsed = parse_log(_run_mode(mode, cmd, out / "logs" / f"{mode}.log", p["iters"], timeout))
+        parsed = parse_log(run_mode(mode, cmd, out / "logs" / f"{mode}.log", p["iters"], timeout))
         curve = parsed["loss_curve"]
         if len(curve) != p["iters"]:
             raise RuntimeError(f"{mode}: found {len(curve)} loss lines, expected {p['iters']} (see {out}/logs/{mode}.log)")

@@ -434,18 +434,27 @@ def measured_step_seconds(log_text: str, skip: int = 3) -> float:
     return statistics.quantiles(times, n=4)[0]
 
 
-def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-validation") -> dict:
+def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-validation", seed: int = 1234,
+                 timeout: float = 1800) -> dict:  # fmt: skip
     """Train the demo model (``demo.PRESETS['default']``, ``iters`` iterations, 2 gloo ranks) once per mode
-    through the launcher, measure gloo's latency and bandwidth, and compare each mode's measured step time
-    with the model's: compute is calibrated on the FP32 run (its step minus the modeled FP32 communication),
-    everything else is predicted (gloo α/β, the plugin's per-element costs from ``overhead_json``)."""
-    from .demo import PRESETS
-    from .demo import run as run_demo
+    (fp32, bf16, euclidean-e4m3, gift-e4m3) through the demo's launcher command without its telemetry
+    (``demo.launcher_command`` with no telemetry directory: no per-step profiling or FP32 reference
+    all-reduce, which the model leaves out), logs in ``out/logs/<mode>.log``; measure gloo's latency and
+    bandwidth, and compare each mode's measured step time with the model's: compute is calibrated on the
+    FP32 run (its step minus the modeled FP32 communication), everything else is predicted (gloo α/β, the
+    plugin's per-element costs from ``overhead_json``)."""
+    from .bench.corpus import build_token_corpus
+    from .bench.indexed_data import megatron_data_args
+    from .demo import PRESETS, launcher_command, run_mode
 
     p = dict(PRESETS["default"], iters=iters)
-    run_demo(out=out, preset={"iters": iters})
-    measured = {m: measured_step_seconds((Path(out) / "logs" / f"{m}.log").read_text())
-                for m in ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")}  # fmt: skip
+    logs = Path(out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    data_args = megatron_data_args(build_token_corpus(vocab_size=p["vocab"]))
+    measured = {}
+    for m in ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3"):
+        cmd = launcher_command(p, m, data_args, Path(out) / "index-cache", seed)
+        measured[m] = measured_step_seconds(run_mode(m, cmd, logs / f"{m}.log", iters, timeout))
     gloo = measure_gloo()
     ring, a2a = gloo["fits"]["ring"], gloo["fits"]["all_to_all"]
     cpu = Cluster(name="cpu-gloo", gpus_per_node=2, intra_bw=ring["bandwidth"], intra_latency=ring["alpha_s"],
@@ -466,9 +475,9 @@ def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-val
                          error_pct=100 * (pred["step_s"] / measured[key] - 1), prediction=pred))  # fmt: skip
     return dict(preset=p, gloo=gloo,
                 cluster=asdict(cpu), overheads=asdict(ovh), compute_s_calibrated=compute, rows=rows,
-                note="compute calibrated on the FP32 run, so its prediction equals the measurement by construction; "
-                "the demo's BF16 mode is the plugin's (all-to-all of BF16), modeled as a 2-byte ring reduce-scatter "
-                "(the same bytes on 2 ranks)")  # fmt: skip
+                note="every mode measured without telemetry (--gift-log-interval 0); compute calibrated on the FP32 "
+                "run, so its prediction equals the measurement by construction; the demo's BF16 mode is the "
+                "plugin's (all-to-all of BF16), modeled as a 2-byte ring reduce-scatter (the same bytes on 2 ranks)")  # fmt: skip
 
 
 SENSITIVITY = (("mfu", (0.25, 0.55)), ("inter_bw", (12.5e9, 50e9)), ("gpus_per_node", (8,)), ("efficiency", (0.6,)))
