@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from .testing import launch
+
 RANKS = 2
 MODES = {
     "fp32": ["--gift-mode", "off"],
@@ -64,7 +66,6 @@ PRESETS = {
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([-+0-9.eE]+|nan|inf)")
 BYTES_RE = re.compile(r"megatron-gift: iteration (\d+): gradient reduction sent (\d+) bytes from this rank \((.*)\)")
 BUCKET_RE = re.compile(r"Params for bucket (\d+) \((\d+) elements, (\d+) padded size")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def model_args(p: dict, seed: int) -> list[str]:
@@ -90,11 +91,7 @@ def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed
     telemetry to that directory every iteration (``--gift-log-interval 1``); without it (step timing, as
     :func:`megatron_gift.perfmodel.validate_cpu`) it does neither."""
     logging = ["--gift-log-interval", "1", "--gift-telemetry-dir", str(telemetry)] if telemetry else []
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-        "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *model_args(p, seed), *data_args,
-        "--data-cache-path", str(cache), *logging, *MODES[mode],
-    ]  # fmt: skip
+    return launch.launcher_command(RANKS, *model_args(p, seed), *data_args, "--data-cache-path", str(cache), *logging, *MODES[mode])
 
 
 def per_layer_rel_l2(telemetry: Path, skip: int) -> dict[str, float]:
@@ -133,12 +130,12 @@ def ring_reduce_scatter_bytes(padded_elements: list[int], ranks: int = RANKS, el
 
 def run_mode(mode: str, cmd: list[str], log_path: Path, iters: int, timeout: float) -> str:
     """Run one launcher command, its output to ``log_path`` and its losses to stderr; return the log."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1", PYTHONUNBUFFERED="1")
+    env = {**os.environ, **launch.ENV, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     lines = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd, cwd=launch.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
         try:
             for line in proc.stdout:

@@ -10,11 +10,8 @@ log what they did.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +20,8 @@ import torch
 
 from megatron_gift.bench.corpus import build_token_corpus
 from megatron_gift.bench.indexed_data import megatron_data_args
+from megatron_gift.testing.launch import run_launcher
 
-ROOT = Path(__file__).resolve().parents[1]
 
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -44,16 +41,8 @@ LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+)")
 
 
 def _launch(tmp: Path, ranks: int, *args: str) -> str:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *FLAGS,
-        *megatron_data_args(build_token_corpus(vocab_size=2048)), "--data-cache-path", str(tmp / "index-cache"), *args,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1")
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, f"launcher failed ({res.returncode}):\n{out[-6000:]}"
-    return out
+    data = megatron_data_args(build_token_corpus(vocab_size=2048))
+    return run_launcher(ranks, *FLAGS, *data, "--data-cache-path", str(tmp / "index-cache"), *args, timeout=200)
 
 
 def _checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:

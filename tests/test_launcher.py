@@ -13,8 +13,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,8 @@ from megatron_gift.bench.corpus import TokenCorpus, build_token_corpus
 from megatron_gift.bench.indexed_data import document_lengths, megatron_data_args, write_indexed_dataset
 from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training as gift_training
+from megatron_gift.testing.launch import run_launcher
 
-ROOT = Path(__file__).resolve().parents[1]
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -128,17 +126,10 @@ def test_gift_ddp_refuses_a_site_that_is_not_megatrons_class(monkeypatch):
 
 
 def _launch(tmp_path: Path, data_args: list[str], gift_args: list[str]) -> str:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *TINY, *data_args,
-        "--data-cache-path", str(tmp_path / "index-cache"), "--gift-telemetry-dir", str(tmp_path / "telemetry"),
-        *gift_args,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", NO_VCS_VERSION="1")
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, f"launcher failed ({res.returncode}):\n{out[-6000:]}"
-    return out
+    return run_launcher(
+        2, *TINY, *data_args, "--data-cache-path", str(tmp_path / "index-cache"),
+        "--gift-telemetry-dir", str(tmp_path / "telemetry"), *gift_args, timeout=110,
+    )  # fmt: skip
 
 
 def _losses(out: str) -> list[float]:
