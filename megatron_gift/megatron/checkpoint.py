@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 META_KEY = "gift_meta"
 STATE_KEY = "gift"
 VERSION = 1
 
 
-def _log(msg: str, *args, warning: bool = False) -> None:
+def _log(msg: str, *args) -> None:
+    """One line on rank 0, next to Megatron's own checkpoint messages."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        (logger.warning if warning else logger.info)(msg, *args)
         print("megatron-gift: " + msg % args, flush=True)
 
 
@@ -135,7 +132,7 @@ class _Hooks:
                 return state_dict
             if args.ckpt_format != "torch_dist":
                 if not self.warned_format:
-                    _log("--ckpt-format %s: GIFT state is not saved or loaded (use torch_dist)", args.ckpt_format, warning=True)
+                    _log("--ckpt-format %s: GIFT state is not saved or loaded (use torch_dist)", args.ckpt_format)
                     self.warned_format = True
                 return state_dict
             loading = bool((kw.get("optim_sd_kwargs") or {}).get("is_loading"))
@@ -158,17 +155,17 @@ class _Hooks:
         """What the checkpoint being loaded can give this run, from its ``gift_meta`` (logged)."""
         meta, now = self.meta, layout()
         if meta is None:
-            _log("the checkpoint has no GIFT state: statistics, transforms and error feedback start fresh", warning=True)
+            _log("the checkpoint has no GIFT state: statistics, transforms and error feedback start fresh")
             return ()
         changed = [k for k in ("tp", "pp", "ep", "etp") if meta.get(k) != now[k]]
         if changed:
             _log("the checkpoint's GIFT state was written with another layout (%s); starting it fresh",
-                 ", ".join(f"{k} {meta.get(k)} -> {now[k]}" for k in changed), warning=True)  # fmt: skip
+                 ", ".join(f"{k} {meta.get(k)} -> {now[k]}" for k in changed))  # fmt: skip
             return ()
         if meta["world"] != now["world"]:
             _log("the checkpoint was written by %d ranks (data-parallel %d), this run has %d (data-parallel %d): "
                  "GIFT statistics and transforms restored, error-feedback residuals (per rank) start at zero",
-                 meta["world"], meta["dp"], now["world"], now["dp"], warning=True)  # fmt: skip
+                 meta["world"], meta["dp"], now["world"], now["dp"])  # fmt: skip
             return ("dense", "expert")
         return ("dense", "expert", "residuals")
 

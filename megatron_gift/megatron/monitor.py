@@ -14,7 +14,6 @@ neither profile nor log cost nothing here.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -23,8 +22,6 @@ import torch.distributed as dist
 from ..config import GiftConfig, Mode
 from ..numerics.profile import profile_gradient, summarize
 from ..policy import LayerPolicy
-
-logger = logging.getLogger(__name__)
 
 _FP8 = (Mode.EUCLIDEAN, Mode.GIFT)
 
@@ -95,7 +92,6 @@ class Monitor:
                     self.decisions.append({"step": step + 1, "param": g.name, "from": d.previous.value, "to": d.mode.value, "reason": d.reason})
                     if self.verbose:
                         print(f"megatron-gift: {change}", flush=True)
-                    logger.info("megatron-gift: %s", change)
                     self.set_mode(g, d.mode)
         if not self.is_log_step(step):
             return None
