@@ -26,11 +26,15 @@ from .telemetry import TELEMETRY_FILE
 MODE_COLORS = ("lightgray", "tab:blue", "tab:orange", "tab:green")
 
 
+def telemetry_path(run: str | os.PathLike) -> Path:
+    """A run directory's telemetry file, or ``run`` itself when it is the file."""
+    path = Path(run)
+    return path / TELEMETRY_FILE if path.is_dir() else path
+
+
 def read_telemetry(path: str | os.PathLike) -> list[dict]:
     """The lines of a telemetry file (or of a run directory's), one per step in step order."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / TELEMETRY_FILE
+    path = telemetry_path(path)
     text = path.read_text(encoding="utf-8").splitlines()
     by_step = {}
     for i, raw in enumerate(text):
@@ -103,9 +107,7 @@ def render(run: str | os.PathLike, out: str | os.PathLike | None = None) -> dict
     from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm
     from matplotlib.patches import Patch
 
-    path = Path(run)
-    if path.is_dir():
-        path = path / TELEMETRY_FILE
+    path = telemetry_path(run)
     lines = read_telemetry(path)
     if not lines:
         raise ValueError(f"{path}: no telemetry lines")
