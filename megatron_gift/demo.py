@@ -94,13 +94,11 @@ def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed
     return launch.launcher_command(RANKS, *model_args(p, seed), *data_args, "--data-cache-path", str(cache), *logging, *MODES[mode])
 
 
-def per_layer_rel_l2(telemetry: Path, skip: int) -> dict[str, float]:
+def per_layer_rel_l2(lines: list[dict], skip: int) -> dict[str, float]:
     """Mean over the logged iterations after the first ``skip`` of each layer's reduced-gradient
-    RelL2 (against the FP32 sum), from a run's telemetry."""
-    from .report import read_telemetry
-
+    RelL2 (against the FP32 sum), from a run's telemetry lines."""
     sums: dict[str, list[float]] = {}
-    for line in read_telemetry(telemetry):
+    for line in lines:
         if line["step"] <= skip:
             continue
         for name, layer in line.get("layers", {}).items():
@@ -213,8 +211,9 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
             wall_seconds=round(time.time() - t0, 1),
         )
         if mode != "fp32":
-            modes[mode]["per_layer_rel_l2"] = per_layer_rel_l2(telemetry, skip=p["iters"] // 2)
-            modes[mode]["final_layer_modes"] = {k: v["mode"] for k, v in read_telemetry(telemetry)[-1]["layers"].items()}
+            lines = read_telemetry(telemetry)
+            modes[mode]["per_layer_rel_l2"] = per_layer_rel_l2(lines, skip=p["iters"] // 2)
+            modes[mode]["final_layer_modes"] = {k: v["mode"] for k, v in lines[-1]["layers"].items()}
     fp32 = modes["fp32"]
     for m in modes.values():
         m["loss_gap_to_fp32"] = m["final_loss"] - fp32["final_loss"]
