@@ -57,6 +57,10 @@ UPSTREAM = {
         ("aa26caaa069c5c4f", "replaced on CPU by testing/cpu_harness.py (activation recomputation)"),
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state":
         ("b179c9d95438b61c", "replaced on CPU by testing/cpu_harness.py (activation recomputation)"),
+    "megatron.core.tensor_parallel.random:CheckpointFunction.backward":
+        ("43b157a2ebec22ef", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
+    "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute":
+        ("1bc8c9c07aba7453", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
 }  # fmt: skip
 
 

@@ -7,8 +7,9 @@ import torch.distributed as dist
 VOCAB, SEQ = 128, 32
 
 
-def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overrides):
+def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, num_experts: int | None = None, **overrides):
     """RoPE, SwiGLU, RMSNorm, no bias; the same seed (and parallel layout) gives the same weights.
+    ``num_experts``: Megatron's MoE layer (local spec, one expert linear pair each) as every MLP.
     ``pre_process`` / ``post_process`` select a pipeline stage; other overrides go to the config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -24,8 +25,11 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
         attention_dropout=0.0, params_dtype=torch.float32,
     )
     stage = {k: overrides.pop(k) for k in ("pre_process", "post_process") if k in overrides}
+    if num_experts:
+        kwargs.update(num_moe_experts=num_experts, moe_ffn_hidden_size=kwargs["ffn_hidden_size"])
     kwargs.update(overrides)
-    return GPTModel(TransformerConfig(**kwargs), get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    return GPTModel(TransformerConfig(**kwargs), spec,
                     vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope", **stage)
 
 
