@@ -24,8 +24,32 @@ from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import gathered_local_gradients, reduction_errors
 
 WIRE_BF16 = 2.0**-8  # the statistics are summed over ranks with BF16 on the wire
-MOE = dict(num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
-           expert_tensor_parallel_size=1, moe_router_topk=2, moe_token_dispatcher_type="alltoall")  # fmt: skip
+HIDDEN, TOKENS = 64, 32  # tokens per tensor-parallel rank (sequence parallelism)
+
+
+def build_moe_layer(seed: int = 1234):
+    """Megatron's MoELayer from the local GPT layer spec: 4 experts (SwiGLU), top-2 router, all-gather
+    dispatch, TP 2 with sequence parallelism (Megatron requires it with EP and TP), EP 2, expert TP 1.
+    The whole GPTModel cannot run this layout on CPU: torch's norms refuse sequence parallelism."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=128, moe_ffn_hidden_size=128,
+        num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, params_dtype=torch.float32,
+        tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1, use_cpu_initialization=True,
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm").submodules.mlp
+    return spec(config=config)  # an MlpBuilder, as TransformerLayer calls it
+
+
+def moe_loss(layer, x):
+    return layer(x)[0].square().mean()
 
 
 def _gift(mode, **kw):
@@ -39,16 +63,16 @@ def _moe_case(mode):
 
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
-    model, ref = build_tiny_gpt(**MOE), build_tiny_gpt(**MOE)
-    gift = _gift(mode, layers=(r"linear_fc\d\.weight$", r"linear_qkv\.weight$"))
+    model, ref = build_moe_layer(), build_moe_layer()
+    gift = _gift(mode, layers=(r"linear_fc\d\.weight$", r"router\.weight$"))
     ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=gift)
     inputs = {}  # expert fc1 name -> inputs seen on this rank
     names = {m: n for n, m in model.named_modules()}
     hooks = [m.register_forward_pre_hook(lambda m, a: inputs.setdefault(names[m], []).append(a[0].detach().double()))
              for n, m in model.named_modules() if n.endswith("linear_fc1") and "experts" in n]  # fmt: skip
     ddp.zero_grad_buffer()
-    tokens = random_tokens(0, ps.get_data_parallel_rank())
-    lm_loss(ddp, tokens).backward()
+    x = torch.randn(TOKENS, 1, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()))
+    moe_loss(ddp, x).backward()
     ddp.finish_grad_sync()  # refresh step: statistics folded (warm-up: the EMA is the latest step)
     for h in hooks:
         h.remove()
@@ -64,7 +88,7 @@ def _moe_case(mode):
         want = xtx / count
         stats_err[name] = float((got - want).norm() / want.norm())
     dense_dp = ps.get_data_parallel_group(with_context_parallel=True)
-    local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens),
+    local = gathered_local_gradients(ref, model, lambda m: moe_loss(m, x),
                                      lambda p: edp if not getattr(p, "allreduce", True) else dense_dp)  # fmt: skip
     scale = 1.0 / dense_dp.size()  # Megatron scales experts by 1/dp too, then sums over expert-dp
     errors = reduction_errors(ddp, local, lambda p: scale)
