@@ -1,14 +1,6 @@
 """Megatron layouts and options beyond the main matrix, on 2 gloo ranks (one spawn): each reduced
-gradient is checked against a hand-made FP32 (FP64) reduction of the ranks' local gradients.
-
-The bound is the FP8 analysis, not a measured number: Euclidean E4M3 with per-block scales
-rounds each element of each rank's (pre-scaled) contribution with relative error at most
-``u8 = 2**-4`` in the normal range and absolute error at most ``2**-10 * amax_block / 448`` below
-it; the FP32 sum adds nothing at this size, and a BF16 gradient buffer adds ``2**-9`` relative at
-the local accumulation and at the final rounding. So
-``‖got - want‖ <= c * (u8 + u_buf) * Σ_r ‖g_r‖ + sqrt(n) * 2**-18 * Σ_r max|g_r|``
-with ``c`` the scaling (1/dp for an average) and ``u_buf`` 2**-8 for BF16 buffers, 0 for FP32.
-Covers --grad-reduce-in-bf16, average_in_collective, calculate_per_token_loss (a sum),
+gradient is checked against a hand-made FP64 reduction of the ranks' local gradients, within the
+analytic Euclidean FP8 bound of :mod:`megatron_gift.testing.reference`. Covers --grad-reduce-in-bf16, average_in_collective, calculate_per_token_loss (a sum),
 check_for_nan_in_grad, data-parallel size 1 (TP=2), context parallelism 2 (a non-attention model:
 local attention has no CP), activation recomputation (defect 5: each micro-batch counted once)
 and an embedding selected for GIFT (defect 6: sent Euclidean, gradient within the bound).
@@ -22,42 +14,13 @@ from megatron_gift.config import GiftConfig, Mode
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import SEQ, build_tiny_gpt, lm_loss, random_tokens
+from megatron_gift.testing.reference import U_BF16, U_FP32, gathered_local_gradients, reduction_errors
 
-U8 = 2.0**-4  # E4M3 unit roundoff (3 mantissa bits)
-SUBNORMAL = 2.0**-10 / 448  # E4M3's smallest spacing relative to the block maximum
 BATCH = 2
 
 
 def euclidean(**kw):
     return GiftConfig(mode=Mode.EUCLIDEAN, codec=CodecConfig("e4m3", "block"), error_feedback=False, **kw)
-
-
-def _reference(ref, model, loss_fn, group) -> dict:
-    """``{param of model: (sum over group of the local gradients (FP64), Σ‖g_r‖, Σ max|g_r|)}``."""
-    with torch.no_grad():
-        for p_ref, p in zip(ref.parameters(), model.parameters()):
-            p_ref.copy_(p)
-    ref.zero_grad()
-    loss_fn(ref).backward()
-    out = {}
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        g = p_ref.grad.double().flatten()
-        gathered = [torch.empty_like(g) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, g, group=group)
-        stacked = torch.stack(gathered)
-        out[p] = (stacked.sum(0), float(stacked.norm(dim=1).sum()), float(stacked.abs().amax(dim=1).sum()))
-    return out
-
-
-def _errors(model, reference, scale: float, u_buf: float = 0.0) -> list[tuple[str, float, float]]:
-    """``(name, ‖got - want‖, bound)`` of every parameter (whole ``main_grad``: no distributed optimizer)."""
-    names = {p: n for n, p in model.named_parameters()}
-    out = []
-    for p, (total, norms, maxes) in reference.items():
-        got = p.main_grad.double().flatten()
-        bound = scale * ((U8 + u_buf) * norms + got.numel() ** 0.5 * SUBNORMAL * maxes) + 1e-12
-        out.append((names[p], float((got - scale * total).norm()), bound))
-    return out
 
 
 def _gpt_case(name, dp_group, gift, ddp_kwargs=None, per_token=False, **model_kw):
@@ -75,11 +38,11 @@ def _gpt_case(name, dp_group, gift, ddp_kwargs=None, per_token=False, **model_kw
     lm_loss(ddp, tokens).backward()
     seen = {g.name: float(g.stats.tokens) for g in ddp.gift_params.values() if g.stats is not None}
     ddp.finish_grad_sync()
-    reference = _reference(ref, model, lambda m: lm_loss(m, tokens), dp_group)
-    n = dist.get_world_size(dp_group)
+    local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
+    scale = 1.0 if per_token else 1.0 / dist.get_world_size(dp_group)
     bf16 = model_kw.get("params_dtype") is torch.bfloat16 and not (ddp_kwargs or {}).get("grad_reduce_in_fp32", False)
     modes = {g.name: g.mode.value for g in ddp.gift_params.values()}
-    return name, dict(errors=_errors(model, reference, 1.0 if per_token else 1.0 / n, 2.0**-8 if bf16 else 0.0),
+    return name, dict(errors=reduction_errors(ddp, local, lambda p: scale, U_BF16 if bf16 else U_FP32),
                       tokens_seen=seen, modes=modes,
                       grads=torch.cat([p.main_grad.float().flatten() for p in model.parameters()]))  # fmt: skip
 
@@ -131,10 +94,11 @@ def _cp_case(rank):
     ddp(x).square().mean().backward()
     ddp.finish_grad_sync()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    reference = _reference(ref, model, lambda m: m(x).square().mean(), group)
+    local = gathered_local_gradients(ref, model, lambda m: m(x).square().mean(), lambda p: group)
     sizes = (parallel_state.get_data_parallel_world_size(), group.size())
+    errors = reduction_errors(ddp, local, lambda p: 1.0 / group.size())
     parallel_state.destroy_model_parallel()
-    return "context_parallel_2", dict(errors=_errors(model, reference, 1.0 / group.size()), sizes=sizes, modes={},
+    return "context_parallel_2", dict(errors=errors, sizes=sizes, modes={},
                                       grads=torch.cat([p.main_grad.flatten() for p in model.parameters()]))  # fmt: skip
 
 

@@ -8,6 +8,8 @@ several distributed-optimizer instances; each checked against a hand-made FP64 r
   within the BF16 wire rounding of the statistics (2**-8 relative). Euclidean gradients of dense
   and expert weights are within the FP8 bound of ``megatron_gift.testing.reference``; GIFT
   gradients are bit-identical across the replicas of each weight.
+* virtual pipeline parallelism 2 on PP 2 x DP 2 (Megatron's interleaved schedule): ``off`` is
+  bitwise stock Megatron's, Euclidean within the FP8 bound, DP peers bit-identical.
 * num_distributed_optimizer_instances 2 (defect 10) on DP 4: ``off`` is bitwise Megatron's; the
   quantized intra-instance reduce-scatter plus the FP32 inter-instance all-reduce is within the
   FP8 bound of the 4-rank average, and ranks holding the same shard hold the same bits.
@@ -78,9 +80,9 @@ def _moe_case(mode):
         h.remove()
     edp = ps.get_expert_data_parallel_group()
     stats_err = {}
-    for name, xs in inputs.items():
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
-        xtx, count = x.T @ x, torch.tensor([float(x.shape[0])], dtype=torch.float64)
+    for name, xs in inputs.items() if mode is Mode.GIFT else ():
+        seen = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
+        xtx, count = seen.T @ seen, torch.tensor([float(seen.shape[0])], dtype=torch.float64)
         dist.all_reduce(xtx, group=edp)
         dist.all_reduce(count, group=edp)
         g = ddp.gift_params[model.get_submodule(name).weight]
@@ -128,6 +130,62 @@ def _instances_case(mode, stock=False):
                 intra_rank=ddp.bucket_groups[0].intra_distributed_optimizer_instance_rank)  # fmt: skip
 
 
+def _vpp_case(mode):
+    """Virtual pipeline 2 on PP 2 x DP 2 (4 layers, one per chunk), Megatron's interleaved schedule:
+    ``off`` bitwise stock Megatron, Euclidean within the FP8 bound of the local gradients' sum."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    def chunks():
+        return [build_tiny_gpt(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32, vp_stage=i,
+                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i))
+                for i in range(2)]  # fmt: skip
+
+    dp_rank = ps.get_data_parallel_rank()
+    batches = [random_tokens(m, dp_rank) for m in range(2)]
+
+    def forward_step(data, model):
+        tokens = next(data)
+        out = model(tokens[:, :-1], torch.arange(32).expand(2, 32), None, labels=tokens[:, 1:])
+        return out, lambda output: (output.float().mean(), {})
+
+    def run(ddps):
+        for d in ddps:
+            d.zero_grad_buffer()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(batches) for _ in ddps],
+                                    model=ddps, num_microbatches=2, seq_length=32, micro_batch_size=2, forward_only=False)  # fmt: skip
+
+    model, ref_model = chunks(), chunks()
+    cfg = dict(use_distributed_optimizer=False, overlap_grad_reduce=True, bucket_size=6000)
+    gift = [GiftDistributedDataParallel(c.config, DistributedDataParallelConfig(**cfg), c, disable_bucketing=i > 0,
+                                        gift_config=_gift(mode)) for i, c in enumerate(model)]  # fmt: skip
+    ref = [DistributedDataParallel(c.config, DistributedDataParallelConfig(overlap_grad_reduce=False), c) for c in ref_model]
+    run(gift)
+    for d in gift:
+        d.finish_grad_sync()
+    run(ref)  # without overlap, main_grad holds the local gradients until finish_grad_sync
+    dp = ps.get_data_parallel_group()
+    local = {}
+    for c, r in zip(model, ref_model):
+        for p, p_ref in zip(c.parameters(), r.parameters()):
+            g = p_ref.main_grad.double().flatten()
+            gathered = [torch.empty_like(g) for _ in range(dp.size())]
+            dist.all_gather(gathered, g, group=dp)
+            local[p] = torch.stack(gathered)
+    for d in ref:
+        d.finish_grad_sync()
+    exact = all(torch.equal(p.main_grad, q.main_grad) for c, r in zip(model, ref_model) for p, q in zip(c.parameters(), r.parameters()))
+    errors = [e for d in gift for e in reduction_errors(d, local, lambda p: 1.0 / dp.size())]
+    grads = torch.cat([p.main_grad.flatten() for c in model for p in c.parameters()])
+    return dict(exact=exact, errors=errors, grads=grads, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                modes=[g.mode.value for d in gift for g in d.gift_params.values()])  # fmt: skip
+
+
 def _worker(rank, world):
     from megatron.core import parallel_state as ps
 
@@ -140,6 +198,10 @@ def _worker(rank, world):
     out["instances", "stock"] = _instances_case(Mode.OFF, stock=True)
     for mode in (Mode.OFF, Mode.EUCLIDEAN, Mode.GIFT):
         out["instances", mode.value] = _instances_case(mode)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=2)
+    for mode in (Mode.OFF, Mode.EUCLIDEAN, Mode.GIFT):
+        out["vpp", mode.value] = _vpp_case(mode)
     ps.destroy_model_parallel()
     return out
 
@@ -184,3 +246,17 @@ def test_several_distributed_optimizer_instances(results):
             by_shard.setdefault(res["instances", mode]["intra_rank"], []).append(res["instances", mode]["shards"])
         for group in by_shard.values():
             assert len(group) == 2 and all(all(torch.equal(a, b) for a, b in zip(s, group[0])) for s in group), mode
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_parallelism(results):
+    for res in results:
+        assert res["vpp", "off"]["exact"]
+        over = [e for e in res["vpp", "euclidean"]["errors"] if e[1] > e[2]]
+        assert not over, over
+        assert "gift" in res["vpp", "gift"]["modes"]
+    for mode in ("euclidean", "gift"):  # data-parallel peers of a stage hold the same bits
+        stages = {}
+        for res in results:
+            stages.setdefault(res["vpp", mode]["pp_rank"], []).append(res["vpp", mode]["grads"])
+        assert all(len(g) == 2 and torch.equal(g[0], g[1]) for g in stages.values()), mode

@@ -10,7 +10,7 @@ VOCAB, SEQ = 128, 32
 def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, num_experts: int | None = None, **overrides):
     """RoPE, SwiGLU, RMSNorm, no bias; the same seed (and parallel layout) gives the same weights.
     ``num_experts``: Megatron's MoE layer (local spec, one expert linear pair each) as every MLP.
-    ``pre_process`` / ``post_process`` select a pipeline stage; other overrides go to the config."""
+    ``pre_process`` / ``post_process`` (and ``vp_stage``) select a pipeline stage; other overrides go to the config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -24,7 +24,7 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, num_exp
         normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, params_dtype=torch.float32,
     )
-    stage = {k: overrides.pop(k) for k in ("pre_process", "post_process") if k in overrides}
+    stage = {k: overrides.pop(k) for k in ("pre_process", "post_process", "vp_stage") if k in overrides}
     if num_experts:
         kwargs.update(num_moe_experts=num_experts, moe_ffn_hidden_size=kwargs["ffn_hidden_size"])
     kwargs.update(overrides)
