@@ -1,13 +1,14 @@
 """Four gloo ranks, one spawn: Megatron's MoE layer (local spec) with expert parallelism, and
 several distributed-optimizer instances; each checked against a hand-made FP64 reduction.
 
-* MoE (defect 4): TP 2 with sequence parallelism, EP 2, expert TP 1 (expert data-parallel 2).
-  Each expert linear's K-FAC statistics must be the sum of its own inputs over its expert
-  data-parallel replicas only (its tensor-parallel peers hold other experts); the reference is
-  ``XᵀX`` of the inputs a test hook recorded, summed over the expert data-parallel group in FP64,
-  within the BF16 wire rounding of the statistics (2**-8 relative). Euclidean gradients of dense
-  and expert weights are within the FP8 bound of ``megatron_gift.testing.reference``; GIFT
-  gradients are bit-identical across the replicas of each weight.
+* MoE (defect 4), TP 2 with sequence parallelism, EP 2, expert TP 1 (expert data-parallel 2),
+  and TP 4, EP 2, expert TP 2 (the dense and expert tensor-parallel groups differ). Each expert
+  linear's K-FAC statistics must be the sum of its own inputs over its expert data-parallel
+  replicas and, when it is sequence-parallel, its expert tensor-parallel peers (not the dense
+  TP group, whose ranks hold other experts); the reference is ``XᵀX`` of the inputs a test hook
+  recorded, summed over those groups in FP64, within the BF16 wire rounding of the statistics
+  (2**-8 relative). Euclidean gradients of dense and expert weights are within the FP8 bound of
+  ``megatron_gift.testing.reference``; GIFT gradients are bit-identical across the replicas.
 * virtual pipeline parallelism 2 on PP 2 x DP 2 (Megatron's interleaved schedule): ``off`` is
   bitwise stock Megatron's, Euclidean within the FP8 bound, DP peers bit-identical.
 * num_distributed_optimizer_instances 2 (defect 10) on DP 4: ``off`` is bitwise Megatron's; the
@@ -29,10 +30,13 @@ WIRE_BF16 = 2.0**-8  # the statistics are summed over ranks with BF16 on the wir
 HIDDEN, TOKENS = 64, 32  # tokens per tensor-parallel rank (sequence parallelism)
 
 
-def build_moe_layer(seed: int = 1234):
+LAYOUTS = {"tp2-ep2-etp1": (2, 2, 1), "tp4-ep2-etp2": (4, 2, 2)}  # (TP, EP, expert TP) on 4 ranks
+
+
+def build_moe_layer(tp: int, ep: int, etp: int, seed: int = 1234):
     """Megatron's MoELayer from the local GPT layer spec: 4 experts (SwiGLU), top-2 router, all-gather
-    dispatch, TP 2 with sequence parallelism (Megatron requires it with EP and TP), EP 2, expert TP 1.
-    The whole GPTModel cannot run this layout on CPU: torch's norms refuse sequence parallelism."""
+    dispatch, sequence parallelism (Megatron requires it with EP and TP). The whole GPTModel cannot
+    run these layouts on CPU: torch's norms refuse sequence parallelism."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -43,8 +47,8 @@ def build_moe_layer(seed: int = 1234):
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=128, moe_ffn_hidden_size=128,
         num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, params_dtype=torch.float32,
-        tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
-        expert_tensor_parallel_size=1, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, sequence_parallel=True, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, use_cpu_initialization=True,
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm").submodules.mlp
     return spec(config=config)  # an MlpBuilder, as TransformerLayer calls it
@@ -59,13 +63,13 @@ def _gift(mode, **kw):
                       error_feedback=False, **kw)  # fmt: skip
 
 
-def _moe_case(mode):
+def _moe_case(mode, layout):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
-    model, ref = build_moe_layer(), build_moe_layer()
+    model, ref = build_moe_layer(*layout), build_moe_layer(*layout)
     gift = _gift(mode, layers=(r"linear_fc\d\.weight$", r"router\.weight$"))
     ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=gift)
     inputs = {}  # expert fc1 name -> inputs seen on this rank
@@ -83,8 +87,10 @@ def _moe_case(mode):
     for name, xs in inputs.items() if mode is Mode.GIFT else ():
         seen = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
         xtx, count = seen.T @ seen, torch.tensor([float(seen.shape[0])], dtype=torch.float64)
-        dist.all_reduce(xtx, group=edp)
-        dist.all_reduce(count, group=edp)
+        sequence_parallel = model.get_submodule(name).sequence_parallel  # it sees s/etp of the tokens
+        for group in [edp] + ([ps.get_expert_tensor_parallel_group()] if sequence_parallel else []):
+            dist.all_reduce(xtx, group=group)
+            dist.all_reduce(count, group=group)
         g = ddp.gift_params[model.get_submodule(name).weight]
         got = g.stats.ema_sums["xtx"].double()
         want = xtx / count
@@ -190,10 +196,11 @@ def _worker(rank, world):
     from megatron.core import parallel_state as ps
 
     out = {}
-    ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
-    for mode in (Mode.EUCLIDEAN, Mode.GIFT):
-        out["moe", mode.value] = _moe_case(mode)
-    ps.destroy_model_parallel()
+    for name, (tp, ep, etp) in LAYOUTS.items():
+        ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        for mode in (Mode.EUCLIDEAN, Mode.GIFT) if etp == 1 else (Mode.GIFT,):
+            out[name, mode.value] = _moe_case(mode, (tp, ep, etp))
+        ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=2)
     out["instances", "stock"] = _instances_case(Mode.OFF, stock=True)
     for mode in (Mode.OFF, Mode.EUCLIDEAN, Mode.GIFT):
@@ -214,20 +221,21 @@ def results():
 @pytest.mark.slow
 def test_expert_statistics_sum_over_expert_data_parallel_only(results):
     for res in results:
-        errs = res["moe", "gift"]["stats_err"]
-        assert errs and max(errs.values()) <= WIRE_BF16, errs
+        for layout in LAYOUTS:
+            errs = res[layout, "gift"]["stats_err"]
+            assert errs and max(errs.values()) <= WIRE_BF16, (layout, errs)
 
 
 @pytest.mark.slow
 def test_moe_gradients_against_fp64_reduction(results):
     for res in results:
-        over = [e for e in res["moe", "euclidean"]["errors"] if e[1] > e[2]]
+        over = [e for e in res["tp2-ep2-etp1", "euclidean"]["errors"] if e[1] > e[2]]
         assert not over, over
-        assert any("experts" in n and m == "gift" for n, m in res["moe", "gift"]["modes"].items())
+        assert any("experts" in n and m == "gift" for n, m in res["tp2-ep2-etp1", "gift"]["modes"].items())
     for mode in ("euclidean", "gift"):  # replicas of an expert (same EP and TP rank) hold the same bits
         by_replica = {}
         for res in results:
-            by_replica.setdefault((res["moe", mode]["ep_rank"], res["moe", mode]["tp_rank"]), []).append(res["moe", mode])
+            by_replica.setdefault((res["tp2-ep2-etp1", mode]["ep_rank"], res["tp2-ep2-etp1", mode]["tp_rank"]), []).append(res["tp2-ep2-etp1", mode])
         for group in by_replica.values():
             assert all(torch.equal(r["expert_grads"], group[0]["expert_grads"]) for r in group), mode
 

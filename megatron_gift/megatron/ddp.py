@@ -145,7 +145,8 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else self.data_parallel_group
         refs = self.gift.monitor.before_reduce(self, group, self.gift.step)
-        async_op = self.ddp_config.overlap_grad_reduce
+        # as Megatron: with several instances finish_grad_sync waits on a stream, not on a handle
+        async_op = self.ddp_config.overlap_grad_reduce and self.ddp_config.num_distributed_optimizer_instances == 1
         handles = []
         for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback):
             transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
