@@ -211,7 +211,7 @@ def _add_model(subparsers) -> None:
     mod.add_argument("--schedule", default="overlap", choices=["overlap", "sync"],
                      help="overlap: distributed optimizer, overlapped grad reduce and param gather (the recipes); sync: "
                      "one all-reduce after the backward (the paper's artifact) (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (first --gpus)")
+    mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
     mod.add_argument("--overhead-json", metavar="PATH", help="plugin costs from a bench overhead JSON of the target GPU "
                      "(default: HBM-bandwidth estimates)")  # fmt: skip
     mod.add_argument("--comm-json", metavar="PATH", default=None,

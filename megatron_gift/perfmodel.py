@@ -27,17 +27,19 @@ micro-batches of ``micro_batch x seq`` tokens)::
         t = latency + (p-1)/p·S·max((1 - [n>1]/g)/B_intra, [n>1]/(g·B_inter)) / efficiency
 
   - flat all-to-all (the plugin's one-level exchange: ``S/p`` to every peer, no aggregation):
-    ``α + (p-1)·α_peer + max((g-1)/p·S/B_intra, (p-g)/p·S/B_inter)/a2a_efficiency``; a many-peer
-    all-to-all reaches a lower fraction of the link than a ring (``a2a_efficiency``).
-  - two-level exchange (ZeRO++'s hierarchical qgZ pattern): (a) reduce-scatter among the node's ``g``
-    ranks in ``intra_dtype`` (an NCCL ring over NVLink; FP8: an all-to-all, then decode + sum + re-encode of
-    the slice); (b) one encode (+ GIFT's ``G T``) of the rank's ``1/g`` slice; (c) FP8 all-to-all of that
-    slice among the ``n`` ranks with the same local index (``(n-1)/n·S_fp8/g`` bytes through the NIC);
-    (d) decode + FP32 sum + ``T⁻¹`` of the rank's shard, on the communication side (overlapped with later
-    buckets: only the last one is exposed). Per rank: NVLink ``(g-1)/g·S_intra``, NIC ``(n-1)/n·S_fp8/g``.
-    Stages of consecutive buckets pipeline (NVLink, encode, NIC, decode are separate resources).
-    All-reduce (no distributed optimizer): then encode of the shard, FP8 all-gather inter-node, then
-    intra-node (rings), decode of the whole bucket.
+    ``α + (p-1)·α_peer + max((g-1)/p·S/(B_intra·nvlink_a2a_efficiency), (p-g)/p·S/(B_inter·a2a_efficiency))``;
+    a many-peer all-to-all reaches a lower fraction of a NIC than a ring (``a2a_efficiency``).
+  - two-level exchange (ZeRO++'s hierarchical qgZ pattern, ``comm.hierarchical``): (a) reduce-scatter among
+    the node's ``g`` ranks in ``intra_dtype``: an all-to-all over NVLink, then the node's partial sums of the
+    rank's ``1/g`` slice (``E`` elements summed; FP8: the flat path's message of ``G T``, decoded);
+    (b) one encode (+ GIFT's ``G T``) of the ``1/g`` slice; (c) FP8 all-to-all of that slice among the ``n``
+    ranks with the same local index (``(n-1)/n·S_fp8/g`` bytes through the NIC); (d) decode + FP32 sum +
+    ``T⁻¹`` of the rank's shard on the communication side (overlapped with later buckets: only the last is
+    exposed). Per rank: NVLink ``(g-1)/g·S_intra``, NIC ``(n-1)/n·S_fp8/g``. Stages of consecutive buckets
+    pipeline (NVLink, encode, NIC, decode are separate resources). All-reduce (no distributed optimizer):
+    re-encode of the shard, FP8 all-gather inter-node then intra-node (rings), decode of the whole bucket and
+    ``T⁻¹`` of whole rows. One rank per node or one node: the flat exchange (what ``--gift-exchange auto``
+    runs).
 * **Modes** (bytes per element as sent): ``fp32``/``bf16``: Megatron's ring reduce-scatter in 4/2 B;
   ``euclidean``/``gift``: FP8 payload + scales (``CodecConfig().encoded_bytes``: 1 + 2/128 B for 1x128
   blocks) for the FP8 parameters (``fp8_params``: ``"all"`` as the paper, ``"linear"``: linear weights, the
@@ -116,7 +118,11 @@ class Cluster:
     """the same for a many-peer all-to-all: assumed lower than a ring's. An all-to-all cannot aggregate
     the node's NICs and each peer's message is small (NCCL maintainer, NVIDIA/nccl-tests#267); users report
     20-25 GB/s alltoall busbw on 400 Gb/s NICs at 2-16 nodes (NVIDIA/nccl#1792, NVIDIA/nccl#2409: 0.4-0.5 of
-    the link) against 46-48 GB/s for tuned rings. ``--sensitivity`` shows 0.4 and 0.8."""
+    the link) against 46-48 GB/s for tuned rings. ``--sensitivity`` shows 0.4 and 0.8. Applies to the NIC
+    part of an all-to-all."""
+    nvlink_a2a_efficiency: float = 0.8
+    """the same for the NVLink part of an all-to-all: assumed equal to ``efficiency``; the limits above are the
+    NIC's (one NIC, many remote peers), the node's GPUs are connected directly or through NVSwitch."""
     peak_flops: float = 989e12
     """dense BF16 tensor-core peak of the H100/GH200 GPU (NVIDIA datasheet)."""
     mfu: float = 0.4
@@ -125,7 +131,8 @@ class Cluster:
     """HBM3 bandwidth of the 96 GB GH200 (NVIDIA datasheet); only the default overheads use it."""
 
     def __post_init__(self):
-        for name in ("intra_bw", "inter_bw", "efficiency", "a2a_efficiency", "peak_flops", "mfu", "hbm_bw"):
+        for name in ("intra_bw", "inter_bw", "efficiency", "a2a_efficiency", "nvlink_a2a_efficiency", "peak_flops", "mfu",
+                     "hbm_bw"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name} must be > 0, got {getattr(self, name)!r}")
         if self.gpus_per_node < 1 or min(self.intra_latency, self.inter_latency, self.a2a_peer_latency) < 0:
@@ -291,7 +298,7 @@ def all_to_all_time(nbytes: float, p: int, c: Cluster, g: int | None = None) -> 
         return 0.0
     g = min(g or c.gpus_per_node, p)
     latency = (c.intra_latency if p <= g else c.inter_latency) + (p - 1) * c.a2a_peer_latency
-    intra = (g - 1) / p * nbytes / (c.intra_bw * c.a2a_efficiency)
+    intra = (g - 1) / p * nbytes / (c.intra_bw * c.nvlink_a2a_efficiency)
     inter = (p - g) / p * nbytes / (c.inter_bw * c.a2a_efficiency)
     return latency + max(intra, inter)
 
@@ -372,35 +379,37 @@ def ring_bytes(nbytes: float, p: int, g: int) -> tuple[float, float]:
 
 def exchange(b: Bucket, mode: str, g: int, n: int, c: Cluster, ovh: Overheads, dist_opt: bool,
              intra_dtype: str = "bf16") -> Exchange:  # fmt: skip
-    """The collectives and plugin work of one bucket's reduce-scatter (``dist_opt``) or all-reduce."""
+    """The collectives and plugin work of one bucket's reduce-scatter (``dist_opt``) or all-reduce, as
+    ``comm.quantized`` (flat) and ``comm.hierarchical`` (two-level; flat where ``g`` or ``n`` is 1) run them."""
     p, e, eg = g * n, b.elements, b.gift_elements
     reps = 1 if dist_opt else 2
     if mode in ("fp32", "bf16"):
         nv, nic = ring_bytes(b.wire_bytes, p, g)
         return Exchange(0.0, [(BOTH, ring_time(b.wire_bytes, p, c, g))] * reps, 0.0, reps * nv, reps * nic)
     whiten = ovh.transform / 2  # G T (or U T^-1) per element: half of the measured apply + inverse
-    if not mode.endswith("2level"):  # today's flat exchange: all-to-all, decode + sum + T^-1 inside the wait
+    # all-reduce: the owner re-encodes its summed shard, every rank decodes all shards, then T^-1 on whole rows
+    gather_work = ovh.encode * e / p + ovh.decode * e + whiten * eg
+    if not mode.endswith("2level") or g == 1 or n == 1:  # flat: decode + sum + T^-1 inside Megatron's wait
         stages = [(BOTH, all_to_all_time(b.wire_bytes, p, c, g))]
         nv, nic = (g - 1) / p * b.wire_bytes, (p - g) / p * b.wire_bytes
-        recv = ovh.decode * e + whiten * eg / p
-        if not dist_opt:  # encode the shard, ring all-gather of FP8, every rank decodes everything
+        recv = ovh.decode * e + (whiten * eg / p if dist_opt else gather_work)
+        if not dist_opt:  # ring all-gather of the FP8 shards
             stages.append((BOTH, ring_time(b.wire_bytes, p, c, g)))
             agn, agi = ring_bytes(b.wire_bytes, p, g)
-            nv, nic, recv = nv + agn, nic + agi, recv + ovh.encode * e / p + ovh.decode * e
+            nv, nic = nv + agn, nic + agi
         return Exchange(ovh.encode * e + whiten * eg, stages, recv, nv, nic)
     s_intra, s8 = b.intra_bytes[intra_dtype], b.wire_bytes
-    if intra_dtype == "fp8":  # encode (+ G T) everything, all-to-all in the node, decode + sum, re-encode the slice
-        send, intra = ovh.encode * e + whiten * eg, all_to_all_time(s8, g, c, g)
-        slice_work = ovh.decode * e + ovh.encode * e / g
-    else:
-        send, intra = 0.0, ring_time(s_intra, g, c, g)
-        slice_work = (ovh.encode * e + whiten * eg) / g
-    stages = [(("nvlink",), intra), (("encode",), slice_work), (("nic",), all_to_all_time(s8 / g, n, c, 1)),
-              (("decode",), ovh.decode * e / g + whiten * eg / p)]  # fmt: skip
+    if intra_dtype == "fp8":  # the flat path's message of G T; node partial sums (decode + sum), re-encode the slice
+        send, slice_work = ovh.encode * e + whiten * eg, ovh.decode * e + ovh.encode * e / g
+    else:  # node partial sums of the g messages (E elements), then G T and encode of the 1/g slice
+        send, slice_work = 0.0, ovh.decode * e + (ovh.encode * e + whiten * eg) / g
+    stages = [(("nvlink",), all_to_all_time(s_intra, g, c, g)), (("encode",), slice_work),
+              (("nic",), all_to_all_time(s8 / g, n, c, 1)),
+              (("decode",), ovh.decode * e / g + (whiten * eg / p if dist_opt else 0.0))]  # fmt: skip
     nv, nic = two_level_bytes(s_intra, s8, g, n)
-    if not dist_opt:  # encode the shard, FP8 all-gather inter-node then intra-node, decode the whole bucket
-        stages += [(("encode",), ovh.encode * e / p), (("nic",), ring_time(s8 / g, n, c, 1)),
-                   (("nvlink",), ring_time(s8, g, c, g)), (("decode",), ovh.decode * e)]  # fmt: skip
+    if not dist_opt:  # FP8 all-gather inter-node then intra-node (rings)
+        stages += [(("nic",), ring_time(s8 / g, n, c, 1)), (("nvlink",), ring_time(s8, g, c, g)),
+                   (("decode",), gather_work)]  # fmt: skip
         agn, agi = two_level_bytes(s8, s8, g, n)
         nv, nic = nv + agn, nic + agi
     return Exchange(send, stages, 0.0, nv, nic)
@@ -526,12 +535,12 @@ def format_plan(p: dict, w: Workload) -> str:
     """Markdown table of one configuration's modes, then the verdict lines."""
     lines = [_config_line(p, w), "",
              "| mode | step ms | vs BF16 | vs FP32 | compute ms | grad reduce exposed ms | param gather exposed ms | "
-             "plugin work ms | NVLink MB/rank | NIC MB/rank |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "plugin work ms | GIFT refresh ms | NVLink MB/rank | NIC MB/rank |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in p["rows"]:
         name = LABELS[r["mode"]] + (f" (intra {r['intra_dtype']})" if r["intra_dtype"] else "")
         lines.append(f"| {name} | {1e3 * r['step_s']:.1f} | {r['vs_bf16_pct']:+.1f}% | {r['vs_fp32_pct']:+.1f}% | "
                      f"{1e3 * r['compute_s']:.1f} | {1e3 * r['grad_exposed_s']:.1f} | {1e3 * r['param_gather_exposed_s']:.1f} | "
-                     f"{1e3 * r['plugin_s']:.1f} | {r['nvlink_bytes_per_rank'] / 1e6:.0f} | {r['nic_bytes_per_rank'] / 1e6:.0f} |")  # fmt: skip
+                     f"{1e3 * r['plugin_s']:.1f} | {1e3 * r['refresh_s']:.1f} | {r['nvlink_bytes_per_rank'] / 1e6:.0f} | {r['nic_bytes_per_rank'] / 1e6:.0f} |")  # fmt: skip
     lines += ["", *p["verdicts"], f"recommended: {LABELS[p['recommended']]}", ""]
     return "\n".join(lines) + "\n"
 
@@ -550,8 +559,8 @@ def format_summary(plans: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SENSITIVITY = (("a2a_efficiency", (0.4, 0.8)), ("efficiency", (0.6, 0.95)), ("mfu", (0.25, 0.55)),
-               ("inter_bw", (0.5, 2.0)), ("inter_latency", (0.5, 2.0)))  # fmt: skip
+SENSITIVITY = (("a2a_efficiency", (0.4, 0.8)), ("nvlink_a2a_efficiency", (0.4,)), ("efficiency", (0.6, 0.95)),
+               ("mfu", (0.25, 0.55)), ("inter_bw", (0.5, 2.0)), ("inter_latency", (0.5, 2.0)))  # fmt: skip
 """fields moved one at a time: absolute values, except ``inter_bw`` and ``inter_latency`` (factors)."""
 
 
@@ -593,7 +602,7 @@ def run(w: Workload, cluster: Cluster = GH200, gpus: tuple[int, ...] = (64, 256,
         validate_iters: int = 30, measured_json: str | None = None, show_sensitivity: bool = False,
         command: str | None = None, **kw) -> dict:  # fmt: skip
     """The planner: per GPU count a table of modes with verdicts, a summary row each, optionally the sensitivity
-    at the first count; the byte check against ``comm_json`` and (optionally) the CPU step-time validation
+    at the largest count; the byte check against ``comm_json`` and (optionally) the CPU step-time validation
     (``measured_json``: reuse that model JSON's measured step times instead of training again). Prints, writes JSON.
     ``kw``: ``step_time``'s schedule, fp8_params, bucket_size, intra_dtype."""
     ovh = Overheads.from_json(overhead_json, f"llama-{w.name}") if overhead_json else Overheads.from_hbm(cluster)
@@ -612,8 +621,8 @@ def run(w: Workload, cluster: Cluster = GH200, gpus: tuple[int, ...] = (64, 256,
         out.append(f"paper ({PAPER_64_GH200['source']}): GIFT {PAPER_64_GH200['gift']:+.2f}%, FP8 "
                    f"{PAPER_64_GH200['euclidean']:+.2f}% vs FP32 (its own NCCL FP8 all-reduce, sync schedule)\n")  # fmt: skip
     if show_sensitivity:
-        doc["sensitivity"] = sensitivity(w, cluster, gpus[0], ovh, **kw)
-        out.append(format_sensitivity(doc["sensitivity"], gpus[0]))
+        doc["sensitivity"] = sensitivity(w, cluster, max(gpus), ovh, **kw)
+        out.append(format_sensitivity(doc["sensitivity"], max(gpus)))
     if comm_json and Path(comm_json).exists():
         doc["bytes_check"] = dict(source=comm_json, rows=comm_bytes_check(comm_json))
         out.append(format_bytes_check(doc["bytes_check"]["rows"]))
@@ -727,7 +736,8 @@ def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-val
     if measured_json:
         old = json.load(open(measured_json))["cpu_validation"]
         measured = {key: r["measured_s"] for (mode, key), r in zip(VALIDATION_MODES, old["rows"])}
-        return predict_validation(old["preset"], measured, old["gloo"], overhead_json)
+        return dict(predict_validation(old["preset"], measured, old["gloo"], overhead_json),
+                    measured_in=f"reused from {measured_json}")  # fmt: skip
     from .bench.corpus import build_token_corpus
     from .bench.indexed_data import megatron_data_args
     from .demo import PRESETS, launcher_command, run_mode
@@ -740,7 +750,7 @@ def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-val
     for _, m in VALIDATION_MODES:
         cmd = launcher_command(p, m, data_args, Path(out) / "index-cache", seed)
         measured[m] = measured_step_seconds(run_mode(m, cmd, logs / f"{m}.log", iters, timeout))
-    return predict_validation(p, measured, measure_gloo(), overhead_json)
+    return dict(predict_validation(p, measured, measure_gloo(), overhead_json), measured_in="measured by this run")
 
 
 def predict_validation(p: dict, measured: dict, gloo: dict, overhead_json: str) -> dict:
@@ -750,7 +760,7 @@ def predict_validation(p: dict, measured: dict, gloo: dict, overhead_json: str) 
     ring, a2a = gloo["fits"]["ring"], gloo["fits"]["all_to_all"]
     cpu = Cluster(name="cpu-gloo", gpus_per_node=2, intra_bw=ring["bandwidth"], intra_latency=ring["alpha_s"],
                   a2a_peer_latency=max(0.0, a2a["alpha_s"] - ring["alpha_s"]), efficiency=1.0,
-                  a2a_efficiency=a2a["bandwidth"] / ring["bandwidth"])  # fmt: skip
+                  a2a_efficiency=a2a["bandwidth"] / ring["bandwidth"], nvlink_a2a_efficiency=a2a["bandwidth"] / ring["bandwidth"])  # fmt: skip
     w = Workload(name="demo", layers=p["layers"], hidden=p["hidden"], heads=p["heads"], ffn=p["ffn"], seq=p["seq"],
                  micro_batch=p["micro_batch"], global_batch=p["global_batch"], vocab=p["vocab"])  # fmt: skip
     ovh = Overheads.from_json(overhead_json, "demo")

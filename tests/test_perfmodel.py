@@ -17,7 +17,7 @@ FREE = dataclasses.replace(OVH, encode=0.0, decode=0.0, transform=0.0, factor_bu
 ROOT = Path(__file__).resolve().parents[1]
 # a small machine with round numbers for hand-computed references
 TOY = pm.Cluster(name="toy", gpus_per_node=4, intra_bw=100e9, inter_bw=10e9, intra_latency=1e-6, inter_latency=1e-5,
-                 a2a_peer_latency=1e-7, efficiency=1.0, a2a_efficiency=0.5)  # fmt: skip
+                 a2a_peer_latency=1e-7, efficiency=1.0, a2a_efficiency=0.5, nvlink_a2a_efficiency=0.5)  # fmt: skip
 
 
 def test_parameter_count_and_buckets():
@@ -76,13 +76,22 @@ def test_two_level_exchange_by_hand():
     b = pm.Bucket(elements=10**6, wire_bytes=1e6, intra_bytes={"fp32": 4e6, "bf16": 2e6, "fp8": 1e6})
     x = pm.exchange(b, "euclidean-2level", 4, 8, TOY, FREE, dist_opt=True, intra_dtype="bf16")
     times = {r[0]: s for r, s in x.stages}
-    assert times["nvlink"] == pytest.approx(3e-6 + 0.75 * 2e6 / 100e9, rel=1e-12)  # BF16 ring over the node's 4
+    # BF16 all-to-all among the node's 4 at half the NVLink rate: 3/4 x 2 MB / 50 GB/s + 1 us + 3 x 0.1 us
+    assert times["nvlink"] == pytest.approx(0.75 * 2e6 / 50e9 + 1e-6 + 3e-7, rel=1e-12)
     # FP8 all-to-all of the 1/4 slice among 8 nodes at half the link rate: 7/8 x 250 kB / 5 GB/s + 10 us + 7 x 0.1 us
     assert times["nic"] == pytest.approx(7 / 8 * 250e3 / 5e9 + 1e-5 + 7e-7, rel=1e-12)
     assert (x.nvlink_bytes, x.nic_bytes) == (pytest.approx(1.5e6), pytest.approx(7 / 8 * 250e3))
     assert pm.two_level_bytes(2e6, 1.2e6, 4, 3) == (pytest.approx(1.5e6), pytest.approx(2e5))
     fp32 = pm.exchange(b, "euclidean-2level", 4, 8, TOY, FREE, dist_opt=True, intra_dtype="fp32")
     assert fp32.nvlink_bytes == pytest.approx(3e6) and fp32.nic_bytes == x.nic_bytes
+    # plugin work, 1 s per element each: node partial sums of E elements, G T and encode of E/4 (1/4 of the GIFT
+    # rows), then decode of E/4 and T^-1 of the rank's 1/32 shard
+    ones = dataclasses.replace(FREE, encode=1.0, decode=1.0, transform=2.0)
+    gb = dataclasses.replace(b, gift_elements=4000)
+    work = {r[0]: s for r, s in pm.exchange(gb, "gift-2level", 4, 8, TOY, ones, True).stages}
+    assert work["encode"] == pytest.approx(1e6 + 1e6 / 4 + 4000 / 4) and work["decode"] == pytest.approx(1e6 / 4 + 4000 / 32)
+    for g, n in ((1, 8), (4, 1)):  # one rank per node or one node: the flat exchange
+        assert pm.exchange(b, "euclidean-2level", g, n, TOY, ones, True) == pm.exchange(b, "euclidean", g, n, TOY, ones, True)
 
 
 def test_pipeline_and_decode_placement_by_hand():
@@ -123,7 +132,7 @@ def test_ledger_per_rank_matches_the_byte_formulas():
 def test_more_bandwidth_or_less_latency_never_slows_a_step(mode, schedule):
     base = pm.step_time(W, pm.GH200, mode, 64, OVH, schedule=schedule)["step_s"]
     for field, factor in (("inter_bw", 2.0), ("intra_bw", 2.0), ("inter_latency", 0.5), ("intra_latency", 0.5),
-                          ("a2a_efficiency", 1.25)):  # fmt: skip
+                          ("a2a_efficiency", 1.25), ("nvlink_a2a_efficiency", 1.25)):  # fmt: skip
         faster = dataclasses.replace(pm.GH200, **{field: getattr(pm.GH200, field) * factor})
         assert pm.step_time(W, faster, mode, 64, OVH, schedule=schedule)["step_s"] <= base + 1e-12, field
     slower = dataclasses.replace(pm.GH200, inter_bw=pm.GH200.inter_bw / 4)
