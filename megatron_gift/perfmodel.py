@@ -620,6 +620,14 @@ def run(w: Workload, cluster: Cluster = GH200, gpus: tuple[int, ...] = (64, 256,
     if w.name == PAPER_64_GH200["model"] and PAPER_64_GH200["gpus"] in gpus:
         out.append(f"paper ({PAPER_64_GH200['source']}): GIFT {PAPER_64_GH200['gift']:+.2f}%, FP8 "
                    f"{PAPER_64_GH200['euclidean']:+.2f}% vs FP32 (its own NCCL FP8 all-reduce, sync schedule)\n")  # fmt: skip
+    for p in doc["plans"]:
+        if p["model"] == "600m" and p["gpus"] == 512:
+            t = p["targets"]
+            out.append(f"issue 10 targets (600m, 512 GPUs of {p['cluster']}): Euclidean FP8 two-level "
+                       f"{t['euclidean_vs_bf16_pct']:+.1f}% vs BF16 (target <= -12%: "
+                       f"{'met' if t['euclidean_at_least_12_pct_faster'] else 'not met'}), GIFT "
+                       f"{t['gift_minus_euclidean_points']:+.1f} points from it (target within 1: "
+                       f"{'met' if t['gift_within_1_point'] else 'not met'})\n")  # fmt: skip
     if show_sensitivity:
         doc["sensitivity"] = sensitivity(w, cluster, max(gpus), ovh, **kw)
         out.append(format_sensitivity(doc["sensitivity"], max(gpus)))
