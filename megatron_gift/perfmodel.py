@@ -383,6 +383,8 @@ def exchange(b: Bucket, mode: str, g: int, n: int, c: Cluster, ovh: Overheads, d
     ``comm.quantized`` (flat) and ``comm.hierarchical`` (two-level; flat where ``g`` or ``n`` is 1) run them."""
     p, e, eg = g * n, b.elements, b.gift_elements
     reps = 1 if dist_opt else 2
+    if p == 1:  # nothing to communicate, nothing to quantize (the plugin leaves the gradient to Megatron)
+        return Exchange(0.0, [], 0.0, 0.0, 0.0)
     if mode in ("fp32", "bf16"):
         nv, nic = ring_bytes(b.wire_bytes, p, g)
         return Exchange(0.0, [(BOTH, ring_time(b.wire_bytes, p, c, g))] * reps, 0.0, reps * nv, reps * nic)
@@ -491,7 +493,7 @@ def gift_refresh(w: Workload, c: Cluster, mode: str, dp: int, g: int, ovh: Overh
     """GIFT's per-step share of a refresh (seconds, bytes per rank): statistics (sketch + diagonal in BF16, token
     count in FP64) over ``tokens`` per step, then each layer's factor + T built on its owner (``ceil(layers/dp)``
     per rank, in parallel) and broadcast."""
-    if not mode.startswith("gift"):
+    if not mode.startswith("gift") or dp == 1:
         return 0.0, 0.0
     d_ins = [s[1] for name, s, _ in w.parameters() if is_gift(name, gift_layers)]
     stats_flops = sum(4.0 * tokens * d * min(sketch, d) for d in d_ins)

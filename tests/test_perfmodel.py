@@ -112,6 +112,14 @@ def test_pipeline_and_decode_placement_by_hand():
     assert pm.overlapped_grad_reduce([1.0, 1.0], side) == pytest.approx(1.1)
 
 
+def test_one_data_parallel_rank_costs_nothing():
+    # TP 4 x PP 2 on 8 GPUs: one data-parallel rank, every mode is Megatron's step
+    w = pm.workload("600m", tp=4, pp=2, global_batch=8)
+    steps = {m: pm.step_time(w, pm.GH200, m, 8, OVH) for m in pm.MODES}
+    assert len({r["step_s"] for r in steps.values()}) == 1
+    assert all(r["grad_bytes_per_rank"] == 0 and r["plugin_s"] == 0 == r["refresh_s"] for r in steps.values())
+
+
 def test_ledger_per_rank_matches_the_byte_formulas():
     s8, s2 = W.numel() * (1 + 2 / 128), W.numel() * 2.0  # FP8 payload + 1x128 block scales; BF16
     c = dataclasses.replace(pm.GH200, gpus_per_node=4)
