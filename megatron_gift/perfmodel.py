@@ -634,8 +634,8 @@ def run(w: Workload, cluster: Cluster = GH200, gpus: tuple[int, ...] = (64, 256,
         doc["sensitivity"] = sensitivity(w, cluster, max(gpus), ovh, **kw)
         out.append(format_sensitivity(doc["sensitivity"], max(gpus)))
     if comm_json and Path(comm_json).exists():
-        doc["bytes_check"] = dict(source=comm_json, rows=comm_bytes_check(comm_json))
-        out.append(format_bytes_check(doc["bytes_check"]["rows"]))
+        doc["bytes_check"] = dict(source=comm_json, rows=comm_bytes_check(comm_json), links=comm_links_check(comm_json))
+        out.append(format_bytes_check(doc["bytes_check"]["rows"], doc["bytes_check"]["links"]))
     if validate_overhead_json:
         doc["cpu_validation"] = validate_cpu(validate_overhead_json, iters=validate_iters, measured_json=measured_json)
         out.append(format_validation(doc["cpu_validation"]))
@@ -658,28 +658,50 @@ def _field_docs() -> dict[str, str]:
 ELAPSED_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
-def comm_bytes_check(path: str) -> list[dict]:
-    """Predicted vs measured bytes per step per rank of a ``bench comm`` JSON (its model: every parameter
-    quantized, GIFT on every linear weight, refresh traffic amortized over its interval). A record with
-    ``ranks_per_node`` is placed on simulated nodes of that size; ``exchange: "two-level"`` selects the
-    two-level modes (intra-node dtype from ``intra_node``, default bf16)."""
-    doc = json.load(open(path))
+def _bench_comm_prediction(doc: dict, mode: str, ranks: int, ranks_per_node: int, dist_opt: bool,
+                           refresh_interval: int = GiftConfig().refresh_interval, exchange: str = "flat",
+                           intra_node: str | None = None) -> dict:  # fmt: skip
+    """``step_time`` of one ``bench comm`` configuration (its model: every parameter quantized, GIFT on every
+    linear weight), ``ranks_per_node`` ranks on each simulated node."""
     spec, m = doc["spec"], doc["spec"]["model"]
+    w = Workload(name="bench-comm", layers=m["num_layers"], hidden=m["hidden_size"], heads=m["num_attention_heads"],
+                 ffn=m["ffn_hidden_size"], seq=spec["seq"], micro_batch=spec["batch"],
+                 global_batch=spec["batch"] * ranks, vocab=spec["vocab"])  # fmt: skip
+    c = replace(GH200, gpus_per_node=ranks_per_node)
+    mode = mode.removesuffix("-e4m3") + ("-2level" if exchange == "two-level" else "")
+    return step_time(w, c, mode, ranks, Overheads.from_hbm(c), fp8_params="all", schedule="overlap" if dist_opt else "sync",
+                     gift_layers=LINEAR_KINDS, refresh_interval=refresh_interval, bucket_size=spec["bucket_size"],
+                     intra_dtype=intra_node or "bf16")  # fmt: skip
+
+
+def comm_bytes_check(path: str) -> list[dict]:
+    """Predicted vs measured bytes per step per rank of a ``bench comm`` JSON's runs on one node (refresh
+    traffic amortized over its interval)."""
+    doc = json.load(open(path))
     rows = []
     for r in doc["results"]:
-        w = Workload(name="bench-comm", layers=m["num_layers"], hidden=m["hidden_size"], heads=m["num_attention_heads"],
-                     ffn=m["ffn_hidden_size"], seq=spec["seq"], micro_batch=spec["batch"],
-                     global_batch=spec["batch"] * r["ranks"], vocab=spec["vocab"])  # fmt: skip
-        mode = r["mode"].removesuffix("-e4m3") + ("-2level" if r.get("exchange") == "two-level" else "")
-        c = replace(GH200, gpus_per_node=r.get("ranks_per_node", GH200.gpus_per_node))
-        pred = step_time(w, c, mode, r["ranks"], Overheads.from_hbm(c), fp8_params="all",
-                         schedule="overlap" if r["distributed_optimizer"] else "sync", gift_layers=LINEAR_KINDS,
-                         refresh_interval=r["refresh_interval"], bucket_size=spec["bucket_size"],
-                         intra_dtype=r.get("intra_node", "bf16"))  # fmt: skip
+        pred = _bench_comm_prediction(doc, r["mode"], r["ranks"], r["ranks"], r["distributed_optimizer"], r["refresh_interval"])
         predicted = pred["grad_bytes_per_rank"] + pred["refresh_bytes_per_rank"]
-        rows.append(dict(ranks=r["ranks"], ranks_per_node=pred["ranks_per_node"], distributed_optimizer=r["distributed_optimizer"],
-                         mode=mode, measured=r["bytes_per_step"], predicted=round(predicted),
-                         ratio=predicted / r["bytes_per_step"]))  # fmt: skip
+        rows.append(dict(ranks=r["ranks"], distributed_optimizer=r["distributed_optimizer"], mode=pred["mode"],
+                         measured=r["bytes_per_step"], predicted=round(predicted), ratio=predicted / r["bytes_per_step"]))  # fmt: skip
+    return rows
+
+
+def comm_links_check(path: str) -> list[dict]:
+    """Predicted vs measured gradient bytes per rank by link (``links`` of a ``bench comm --nodes`` JSON: flat
+    and two-level exchanges on simulated nodes; the busiest rank). The flat all-reduce's FP8 all-gather is
+    modeled as an NCCL ring, which the ledger counts as direct sends: those rows are marked ``ring_vs_direct``."""
+    doc = json.load(open(path))
+    rows = []
+    for r in doc.get("links", []):
+        p, g = r["nodes"] * r["ranks_per_node"], r["ranks_per_node"]
+        pred = _bench_comm_prediction(doc, r["mode"], p, g, r["distributed_optimizer"], exchange=r["exchange"],
+                                      intra_node=r["intra_node"])  # fmt: skip
+        rows.append(dict(nodes=r["nodes"], ranks_per_node=g, distributed_optimizer=r["distributed_optimizer"],
+                         mode=pred["mode"], intra_node=r["intra_node"],
+                         ring_vs_direct=r["exchange"] == "flat" and not r["distributed_optimizer"],
+                         intra_ratio=pred["nvlink_bytes_per_rank"] / r["intra_per_rank"] if r["intra_per_rank"] else None,
+                         inter_ratio=pred["nic_bytes_per_rank"] / r["inter_per_rank"]))  # fmt: skip
     return rows
 
 
@@ -792,11 +814,19 @@ def predict_validation(p: dict, measured: dict, gloo: dict, overhead_json: str) 
                 "the plugin modes are today's flat exchange")  # fmt: skip
 
 
-def format_bytes_check(rows: list[dict]) -> str:
+def format_bytes_check(rows: list[dict], links: list[dict]) -> str:
     lines = ["Bytes per step per rank, model vs `bench comm` (measured)\n",
-             "| ranks | per node | dist. opt. | mode | measured | model | model/measured |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['ranks']} | {r['ranks_per_node']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['measured']:,} | "
+             "| ranks | dist. opt. | mode | measured | model | model/measured |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['measured']:,} | "
               f"{r['predicted']:,} | {r['ratio']:.4f} |" for r in rows]  # fmt: skip
+    if links:
+        lines += ["", "Gradient bytes per rank by link on simulated nodes, model / `bench comm` ledger\n",
+                  "| nodes x ranks | dist. opt. | mode | intra dtype | NVLink (intra) | NIC (inter) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in links:
+            intra = "-" if r["intra_ratio"] is None else f"{r['intra_ratio']:.4f}"
+            lines.append(f"| {r['nodes']}x{r['ranks_per_node']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | "
+                         f"{r['intra_node'] or '-'} | {intra} | {r['inter_ratio']:.4f}"
+                         f"{' (ring vs direct sends)' if r['ring_vs_direct'] else ''} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -202,19 +202,20 @@ def test_byte_model_matches_bench_comm():
         assert r["ratio"] == pytest.approx(1.0, abs=0.005), r
 
 
-def test_byte_check_reads_simulated_nodes(tmp_path):
+def test_link_check_on_simulated_nodes(tmp_path):
     doc = json.loads((ROOT / "bench/results/comm-cpu.json").read_text())
-    doc["results"] = [dict(ranks=4, ranks_per_node=2, exchange="two-level", mode="euclidean-e4m3", distributed_optimizer=True,
-                           refresh_interval=50, bytes_per_step=1)]  # fmt: skip
-    path = tmp_path / "comm.json"
-    path.write_text(json.dumps(doc))
-    (row,) = pm.comm_bytes_check(str(path))
     # bench comm's model: 4 layers, hidden 192, FFN 512, vocabulary 2048; FP8 payload + 2 B per row and 128 columns
     shapes = 4 * [(576, 192), (192, 192), (1024, 192), (192, 512), (1, 192), (1, 192)] + [(2048, 192)] * 2 + [(1, 192)]
     numel = sum(r * c for r, c in shapes)
     s8 = sum(r * c + 2 * r * -(-c // 128) for r, c in shapes)
-    assert row["mode"] == "euclidean-2level" and row["ranks_per_node"] == 2
-    assert row["predicted"] == round(1 / 2 * 2 * numel + 1 / 2 * s8 / 2)  # 2 nodes x 2: BF16 within the node
+    intra, inter = 1 / 2 * 2 * numel, 1 / 2 * s8 / 2  # 2 nodes x 2 ranks, BF16 within the node
+    doc["links"] = [dict(nodes=2, ranks_per_node=2, mode="euclidean-e4m3", distributed_optimizer=True, exchange="two-level",
+                         intra_node="bf16", intra_per_rank=intra, inter_per_rank=inter)]  # fmt: skip
+    path = tmp_path / "comm.json"
+    path.write_text(json.dumps(doc))
+    (row,) = pm.comm_links_check(str(path))
+    assert row["mode"] == "euclidean-2level" and not row["ring_vs_direct"]
+    assert row["intra_ratio"] == pytest.approx(1.0, rel=1e-12) and row["inter_ratio"] == pytest.approx(1.0, rel=1e-12)
 
 
 def test_overheads_from_json(tmp_path):
