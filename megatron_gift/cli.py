@@ -148,19 +148,19 @@ def _model(args: argparse.Namespace) -> int:
     from megatron_gift import perfmodel
 
     cluster = perfmodel.CLUSTERS[args.cluster]
-    for field, value in (("gpus_per_node", args.gpus_per_node), ("inter_bw", args.nic_gbps), ("intra_bw", args.nvlink_gbps)):
-        if value is not None:
-            cluster = dataclasses.replace(cluster, **{field: value if field == "gpus_per_node" else value * 1e9 / 8})
     names = [f.name for f in dataclasses.fields(cluster)]
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in names or not value:
-            raise SystemExit(f"megatron-gift model: --set wants FIELD=VALUE, FIELD one of {', '.join(names)}; got {item!r}")
-        cluster = dataclasses.replace(cluster, **{key: type(getattr(cluster, key))(value)})
     if args.measured and not args.validate_cpu:
         raise SystemExit("megatron-gift model: --measured needs --validate-cpu OVERHEAD_JSON")
     dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "seq", "vocab")}
     try:
+        for field, value in (("gpus_per_node", args.gpus_per_node), ("inter_bw", args.nic_gbps), ("intra_bw", args.nvlink_gbps)):
+            if value is not None:
+                cluster = dataclasses.replace(cluster, **{field: value if field == "gpus_per_node" else value * 1e9 / 8})
+        for item in args.set:
+            key, _, value = item.partition("=")
+            if key not in names or not value:
+                raise ValueError(f"--set wants FIELD=VALUE, FIELD one of {', '.join(names)}; got {item!r}")
+            cluster = dataclasses.replace(cluster, **{key: type(getattr(cluster, key))(value)})
         w = perfmodel.workload(args.model, micro_batch=args.micro_batch, global_batch=args.global_batch, tp=args.tp,
                                pp=args.pp, **dims)
         for gpus in args.gpus:  # every configuration is checked before anything is printed

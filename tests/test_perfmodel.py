@@ -263,7 +263,7 @@ def test_cli_planner(tmp_path, capsys):
     assert all(doc["cluster_sources"][k] for k in ("inter_bw", "intra_bw", "a2a_efficiency", "efficiency", "mfu"))
     assert len(doc["bytes_check"]["rows"]) == 16
     for bad in (["--set", "warp_speed=9"], ["--tp", "3"], ["--model", "custom", "--layers", "2"],
-                ["--gpus", "100"], ["--measured", "x.json"]):  # fmt: skip
+                ["--gpus", "100"], ["--measured", "x.json"], ["--nic-gbps", "-1"], ["--set", "mfu=0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             main(["model", *bad])
 
