@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import GiftConfig, Mode, PolicyConfig
-from .megatron.ddp import param_modes
+from .config import GiftConfig, Mode, PolicyConfig, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 _DEFAULT = GiftConfig()

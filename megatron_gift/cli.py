@@ -1,14 +1,35 @@
 """Command-line interface: ``megatron-gift <group> <command>``.
 
 Groups are argparse subcommands; each leaf sets ``func(args) -> exit code``. Heavy modules
-are imported inside the handlers so that ``--help`` stays fast.
+are imported inside the handlers so that ``--help`` stays fast, and so that the training path
+never needs what only these commands use: ``bench``, ``demo`` and ``report`` (and ``model
+--validate-cpu``) need the optional ``bench`` extra (matplotlib, tokenizers) and say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
+
+BENCH_EXTRA = ("matplotlib", "tokenizers")  # pyproject.toml's [project.optional-dependencies] bench
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it, or a broken installation
+        return False
+
+
+def require_bench_extra(command: str) -> None:
+    """Stop with the install line when a module of the ``bench`` extra is missing."""
+    missing = [m for m in BENCH_EXTRA if not _importable(m)]
+    if missing:
+        raise SystemExit(
+            f"megatron-gift {command} needs {', '.join(missing)} (the bench extra): pip install 'megatron-gift[bench]'"
+        )
 
 
 def _positive_int(text: str) -> int:
@@ -51,6 +72,7 @@ def _bench_telemetry(args: argparse.Namespace) -> int:
 
 def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
+    bench.set_defaults(needs_bench_extra=True)
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     fid = commands.add_parser(
         "fidelity",
@@ -119,7 +141,7 @@ def _add_demo(subparsers) -> None:
     dem.add_argument("--quick", action="store_true", help="small preset (2 layers, hidden 64, 20 iterations)")
     dem.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default: %(default)s)")
     dem.add_argument("--train-iters", type=_positive_int, default=None, help=argparse.SUPPRESS)  # tests
-    dem.set_defaults(func=_demo)
+    dem.set_defaults(func=_demo, needs_bench_extra=True)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -139,12 +161,14 @@ def _add_report(subparsers) -> None:
     )
     rep.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding gift_telemetry.jsonl, or the file itself")
     rep.add_argument("--out", default=None, metavar="DIR", help="output directory (default: the file's directory)")
-    rep.set_defaults(func=_report)
+    rep.set_defaults(func=_report, needs_bench_extra=True)
 
 
 def _model(args: argparse.Namespace) -> int:
     import dataclasses
 
+    if args.validate_cpu:
+        require_bench_extra("model --validate-cpu")
     from megatron_gift import perfmodel
 
     cluster = perfmodel.CLUSTERS[args.cluster]
@@ -241,4 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["megatron-gift", *argv])
+    if getattr(args, "needs_bench_extra", False):
+        require_bench_extra(args.command)
     return args.func(args)
