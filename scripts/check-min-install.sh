@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Manual check (not run by CI; about 2 min): megatron-gift installed with `pip install --no-deps -e .`
+# Manual check (not run by CI; minutes, mostly installing torch): megatron-gift installed with `pip install --no-deps -e .`
 # into a fresh venv that has only torch, megatron-core and what they need at import gives a working
 # launcher, without the bench extra (matplotlib, tokenizers). Builds ${VENV:-/tmp/venv-min}, prints
 # the launcher's --gift-* flags, then trains 3 iterations on 2 CPU ranks with Megatron's mock data.
