@@ -70,6 +70,11 @@ def test_defaults_change_nothing(parse):
     assert {k: v for k, v in vars(args).items() if not k.startswith("gift_")} == plain
 
 
+def test_default_mode_is_off_in_flags_and_config(parse):
+    assert parse().gift_mode == GiftConfig().mode.value == "off"  # adding the flags changes nothing
+    assert gift_config_from_args(parse()) is None
+
+
 def test_defaults_come_from_gift_config(parse):
     assert gift_config_from_args(parse("--gift-mode", "gift")) == GiftConfig(mode=Mode.GIFT)
 
