@@ -94,11 +94,23 @@ runpy.run_module("megatron_gift.pretrain_gpt", run_name="__main__", alter_sys=Tr
     assert not missing, missing
 
 
-@pytest.mark.parametrize("argv", [["report", "runs/none"], ["demo", "--quick"], ["bench", "comm", "--quick"]])
-def test_bench_commands_name_the_extra_they_need(argv):
+@pytest.mark.parametrize(
+    "argv, needs",
+    [(["report", "runs/none"], "matplotlib"), (["demo", "--quick"], "matplotlib, tokenizers"),
+     (["bench", "comm", "--quick"], "tokenizers"), (["model", "--validate-cpu", "x.json"], "tokenizers")],
+)  # fmt: skip
+def test_bench_commands_name_the_extra_they_need(argv, needs):
     res = _run(f"from megatron_gift.cli import main\nmain({argv!r})")
     assert res.returncode == 1, (res.stdout, res.stderr[-2000:])
-    assert "matplotlib, tokenizers (the bench extra): pip install 'megatron-gift[bench]'" in res.stderr
+    assert f"needs {needs} (the bench extra): pip install 'megatron-gift[bench]'" in res.stderr
+
+
+def test_gpu_check_commands_need_no_bench_extra():
+    """bench/gpu_check.sh runs ``bench overhead`` and ``model`` in a training container."""
+    from megatron_gift.cli import build_parser
+
+    for argv in (["bench", "overhead"], ["bench", "telemetry"], ["model"]):
+        assert getattr(build_parser().parse_args(argv), "needs", ()) == (), argv
 
 
 def _private_uses(source: str, package: str, targets: tuple[str, ...]) -> list[str]:
