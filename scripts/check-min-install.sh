@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv=${VENV:-/tmp/venv-min}
+if [[ -e $venv && ! -f $venv/pyvenv.cfg ]]; then
+  echo "check-min-install: $venv exists and is not a venv; set VENV to a new path" >&2; exit 2
+fi
 rm -rf "$venv"
 "${PYTHON:-python3}" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c scripts/requirements-cpu.txt)
