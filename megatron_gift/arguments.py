@@ -1,9 +1,9 @@
 """Megatron command-line flags (``--gift-*``) that build a :class:`GiftConfig`.
 
 ``add_gift_args`` is an ``extra_args_provider`` for ``megatron.training.arguments.parse_args``;
-``chain_args_providers`` combines it with a script's own provider. ``--gift-mode`` defaults to
-``off``, so adding the flags changes nothing until asked. Every other default is read from
-``GiftConfig()``, the single source of truth.
+``chain_args_providers`` combines it with a script's own provider. Every default is read from
+``GiftConfig()``, the single source of truth; ``--gift-mode`` defaults to ``off`` as
+``GiftConfig().mode`` does, so adding the flags changes nothing until asked.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import GiftConfig, Mode, PolicyConfig
-from .megatron.ddp import param_modes
+from .config import GiftConfig, Mode, PolicyConfig, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 _DEFAULT = GiftConfig()
@@ -44,7 +43,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--gift-mode",
         choices=[m.value for m in Mode],
-        default=Mode.OFF.value,
+        default=_DEFAULT.mode.value,
         help="What the --gift-layers gradients are sent as: off (Megatron's own reduction, the default), "
         "bf16, euclidean (plain FP8) or gift (whitened FP8).",
     )

@@ -1,14 +1,36 @@
 """Command-line interface: ``megatron-gift <group> <command>``.
 
 Groups are argparse subcommands; each leaf sets ``func(args) -> exit code``. Heavy modules
-are imported inside the handlers so that ``--help`` stays fast.
+are imported inside the handlers so that ``--help`` stays fast, and so that the training path
+never needs what only these commands use: the optional ``bench`` extra (matplotlib for plots,
+tokenizers for the text corpus). A command that needs part of it names the modules it needs
+(``needs``) and says how to install them when they are missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
+
+PLOTS, CORPUS = ("matplotlib",), ("tokenizers",)  # pyproject.toml's [project.optional-dependencies] bench
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it, or a broken installation
+        return False
+
+
+def require_bench_extra(command: str, modules: tuple[str, ...]) -> None:
+    """Stop with the install line when one of ``modules`` (of the ``bench`` extra) is missing."""
+    missing = [m for m in modules if not _importable(m)]
+    if missing:
+        raise SystemExit(
+            f"{command} needs {', '.join(missing)} (the bench extra): pip install 'megatron-gift[bench]'"
+        )
 
 
 def _positive_int(text: str) -> int:
@@ -64,7 +86,7 @@ def _add_bench(subparsers) -> None:
     fid.add_argument(
         "--threads", type=int, default=1, metavar="N", help="torch intra-op threads (default 1; 0 keeps torch's default)"
     )
-    fid.set_defaults(func=_bench_fidelity)
+    fid.set_defaults(func=_bench_fidelity, needs=CORPUS)
     com = commands.add_parser(
         "comm",
         help="bytes on the wire and reduced-gradient error of real multi-rank Megatron runs",
@@ -75,7 +97,7 @@ def _add_bench(subparsers) -> None:
     com.add_argument("--quick", action="store_true", help="smaller model and fewer steps")
     com.add_argument("--json", metavar="PATH", help="write the results as JSON")
     com.add_argument("--ranks", type=_positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)")
-    com.set_defaults(func=_bench_comm)
+    com.set_defaults(func=_bench_comm, needs=CORPUS)
     ovh = commands.add_parser(
         "overhead",
         help="per-layer time of the GIFT transform, the FP8 codec and the dense-Cholesky transform vs the layer's fwd+bwd",
@@ -119,7 +141,7 @@ def _add_demo(subparsers) -> None:
     dem.add_argument("--quick", action="store_true", help="small preset (2 layers, hidden 64, 20 iterations)")
     dem.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default: %(default)s)")
     dem.add_argument("--train-iters", type=_positive_int, default=None, help=argparse.SUPPRESS)  # tests
-    dem.set_defaults(func=_demo)
+    dem.set_defaults(func=_demo, needs=PLOTS + CORPUS)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -139,12 +161,14 @@ def _add_report(subparsers) -> None:
     )
     rep.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding gift_telemetry.jsonl, or the file itself")
     rep.add_argument("--out", default=None, metavar="DIR", help="output directory (default: the file's directory)")
-    rep.set_defaults(func=_report)
+    rep.set_defaults(func=_report, needs=PLOTS)
 
 
 def _model(args: argparse.Namespace) -> int:
     import dataclasses
 
+    if args.validate_cpu:  # trains on the text corpus
+        require_bench_extra(args.command_line, CORPUS)
     from megatron_gift import perfmodel
 
     cluster = perfmodel.CLUSTERS[args.cluster]
@@ -241,4 +265,5 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["megatron-gift", *argv])
+    require_bench_extra(args.command_line, getattr(args, "needs", ()))
     return args.func(args)

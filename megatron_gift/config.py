@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 
 from .numerics.fp8 import CodecConfig
@@ -56,6 +57,9 @@ class PolicyConfig:
 class GiftConfig:
     """Everything the plugin needs; see ``megatron_gift.arguments`` for the matching flags.
 
+    ``mode`` defaults to ``off``, as ``--gift-mode`` does: a default ``GiftConfig()`` changes
+    nothing (every gradient goes through Megatron's own reduction) until a mode is chosen.
+
     ``refresh_interval``: steps between factor refreshes (before the first interval also at
     steps 1, 2, 4, ..., each replacing the factor; later refreshes fold into the ``ema``).
     ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
@@ -66,7 +70,7 @@ class GiftConfig:
     (``--gift-layers auto``). ``log_interval``: steps between telemetry records (0: none).
     """
 
-    mode: Mode = Mode.GIFT
+    mode: Mode = Mode.OFF
     codec: CodecConfig = field(default_factory=CodecConfig)
     rank: int = 32
     sketch: int = 64
@@ -98,3 +102,21 @@ class GiftConfig:
             raise ValueError(f"an automatic layer policy needs mode gift (it chooses per layer), got {self.mode.value}")
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "euclidean_layers", tuple(self.euclidean_layers))
+
+
+def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
+    """Mode of each parameter by name: ``cfg.layers`` → ``cfg.mode``, ``cfg.euclidean_layers`` →
+    Euclidean, the rest off. GIFT needs a 2-D weight; other shapes fall back to Euclidean. (With a
+    policy, the GIFT ones are its candidates, starting Euclidean.)"""
+    modes = {}
+    for name, p in named_params:
+        if any(re.search(pat, name) for pat in cfg.layers):
+            mode = cfg.mode
+            if mode is Mode.GIFT and p.dim() != 2:
+                mode = Mode.EUCLIDEAN
+        elif any(re.search(pat, name) for pat in cfg.euclidean_layers):
+            mode = Mode.EUCLIDEAN
+        else:
+            mode = Mode.OFF
+        modes[name] = mode
+    return modes

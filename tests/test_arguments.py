@@ -70,8 +70,13 @@ def test_defaults_change_nothing(parse):
     assert {k: v for k, v in vars(args).items() if not k.startswith("gift_")} == plain
 
 
+def test_default_mode_is_off_in_flags_and_config(parse):
+    assert parse().gift_mode == GiftConfig().mode.value == "off"  # adding the flags changes nothing
+    assert gift_config_from_args(parse()) is None
+
+
 def test_defaults_come_from_gift_config(parse):
-    assert gift_config_from_args(parse("--gift-mode", "gift")) == GiftConfig()
+    assert gift_config_from_args(parse("--gift-mode", "gift")) == GiftConfig(mode=Mode.GIFT)
 
 
 def test_every_flag_maps_to_config(parse):
@@ -203,7 +208,7 @@ def test_chained_with_another_provider(parse):
         return parser
 
     args = parse("--my-flag", "3", "--gift-mode", "gift", provider=chain_args_providers(own, add_gift_args))
-    assert args.my_flag == 3 and gift_config_from_args(args) == GiftConfig()
+    assert args.my_flag == 3 and gift_config_from_args(args) == GiftConfig(mode=Mode.GIFT)
 
     parser = chain_args_providers(add_gift_args, own)(argparse.ArgumentParser())
     assert "megatron-gift" in [g.title for g in parser._action_groups]

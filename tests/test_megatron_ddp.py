@@ -214,7 +214,7 @@ def _sp_stats_worker(rank, world):
     torch.manual_seed(0)
     net = Net()
     ddp = GiftDistributedDataParallel(
-        config, DistributedDataParallelConfig(), net, gift_config=GiftConfig(layers=(r"lin\.weight$",), rank=4, refresh_interval=1)
+        config, DistributedDataParallelConfig(), net, gift_config=GiftConfig(mode=Mode.GIFT, layers=(r"lin\.weight$",), rank=4, refresh_interval=1)
     )
     chunks = [torch.randn(seq // 2, batch, hidden, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ddp.zero_grad_buffer()

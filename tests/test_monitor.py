@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_gift.config import GiftConfig, PolicyConfig
+from megatron_gift.config import GiftConfig, Mode, PolicyConfig
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.telemetry import jsonable
 from megatron_gift.testing import run_on_ranks
@@ -28,7 +28,7 @@ def _ddp(policy: PolicyConfig):
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
     model = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
-    cfg = GiftConfig(codec=CodecConfig("e4m3", "block"), rank=8, refresh_interval=1, error_feedback=True,
+    cfg = GiftConfig(mode=Mode.GIFT, codec=CodecConfig("e4m3", "block"), rank=8, refresh_interval=1, error_feedback=True,
                      policy=policy, log_interval=1)  # fmt: skip
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000)
     return model, GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=cfg)
