@@ -38,7 +38,7 @@ def random_tokens(step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq:
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of ``tokens [batch, seq + 1]``."""
     batch, seq = tokens.shape[0], tokens.shape[1] - 1
-    positions = torch.arange(seq).expand(batch, seq)
+    positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
     return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
 
 
