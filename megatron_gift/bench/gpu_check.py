@@ -32,7 +32,7 @@ import torch
 
 from . import gpu_codec, gpu_step, overhead
 
-DRY_RUN_MODEL = dict(layers=2, hidden=64, heads=4, ffn=128, seq=32, micro_batch=2)
+DRY_RUN_MODEL = {k: gpu_step.SPECS["dry-run"][k] for k in ("layers", "hidden", "heads", "ffn", "seq", "micro_batch")}
 FILES = {"overhead": "overhead-gpu.json", "codec": "gpu-codec.json", "step": "gpu-step.json", "check": "gpu-check.json"}
 
 
@@ -83,6 +83,18 @@ def _overhead(model_name: str, model: dict, device: torch.device, mach: dict) ->
     return doc
 
 
+def plugin_over_linear_gemms(ovh: dict | None, step: dict | None) -> dict | None:
+    """The plugin's per-step work (``gpu-step``) over the BF16 fwd+bwd matmuls of the step's linear
+    layers alone (``overhead``'s ``layer_fwd_bwd`` per token x layers x tokens per step): a stricter
+    yardstick than the whole step, whose unfused local-spec attention a TE/flash-attention run would not pay."""
+    if ovh is None or step is None:
+        return None
+    layers = next(iter(ovh["config"]["models"].values()))["layers"]
+    gemm_s = layers * step["summary"]["tokens_per_step"] * sum(s["layer_fwd_bwd_s"] / s["tokens"] for s in ovh["summary"])
+    modes = {m: r["plugin_s"] / gemm_s for m, r in step["summary"]["modes"].items() if not m.startswith("off")}
+    return dict(linear_gemms_s=gemm_s, plugin_over_linear_gemms=modes)
+
+
 def _part(name: str, fn, out: Path, mach: dict, kind: str, status: dict) -> dict | None:
     """Run one part, write its JSON (with the machine named), record its wall time or its error."""
     print(f"== gpu_check: {name} ({kind})", flush=True)
@@ -119,7 +131,8 @@ def run(out: Path, dry_run: bool, kernel_xml: str | None = None) -> int:
     summary = dict(
         benchmark="gpu-check", kind=kind, machine=mach, wall_seconds=round(time.time() - t0, 1), parts=status,
         kernel_tests=kernel_tests(kernel_xml),
-        targets=dict(overhead=ovh and ovh["targets"], codec=codec and codec["targets"], step=step and step["targets"]),
+        targets=dict(overhead=ovh and ovh["targets"], codec=codec and codec["targets"], step=step and step["targets"],
+                     strict=plugin_over_linear_gemms(ovh, step)),
     )  # fmt: skip
     (out / FILES["check"]).write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["targets"], indent=1), flush=True)
