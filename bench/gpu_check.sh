@@ -22,31 +22,36 @@ case "${1:-}" in
 esac
 if [ -n "${OUT:-}" ]; then out=$OUT; elif ((${#dry[@]})); then out=$(mktemp -d); else out=bench/results; fi
 mkdir -p "$out"
-exec > >(tee "$out/gpu-check.log") 2>&1
-py=${PYTHON:-python3}
-export NO_VCS_VERSION=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# one process, one rank: NCCL (and gloo in the dry run) bootstrap over loopback; no network there
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-echo "== gpu_check: results to $out"
 
-if ! "$py" -c "import megatron.core" 2>/dev/null; then
-  wheels=(.cache/wheels/megatron_core-*.whl)
-  if [ ! -e "${wheels[0]}" ]; then
-    echo "== no megatron-core here and no wheel in .cache/wheels/: run scripts/fetch-gpu-wheels.sh on a machine" \
-      "with network access and carry .cache/wheels with the call (docs/gpu-check.md)"
-    exit 2
+main() {
+  py=${PYTHON:-python3}
+  export NO_VCS_VERSION=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # one process, one rank: NCCL (and gloo in the dry run) bootstrap over loopback; no network there
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+  echo "== gpu_check: results to $out"
+
+  if ! "$py" -c "import megatron.core" 2>/dev/null; then
+    wheels=(.cache/wheels/megatron_core-*.whl)
+    if [ ! -e "${wheels[0]}" ]; then
+      echo "== no megatron-core here and no wheel in .cache/wheels/: run scripts/fetch-gpu-wheels.sh on a machine" \
+        "with network access and carry .cache/wheels with the call (docs/gpu-check.md)"
+      return 2
+    fi
+    site=$(mktemp -d)
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" || return 2
+    export PYTHONPATH="$PYTHONPATH:$site"
+    echo "== megatron-core installed from ${wheels[*]}"
   fi
-  site=$(mktemp -d)
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" || exit 2
-  export PYTHONPATH="$PYTHONPATH:$site"
-  echo "== megatron-core installed from ${wheels[*]}"
-fi
 
-status=0
-step() { echo "== $*"; "$@" || { rc=$?; echo "== failed ($rc): $*"; ((status)) || status=$rc; }; }
-if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
-step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py --junitxml "$out/kernel-tests.xml"
-step "$py" -m megatron_gift.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
-step "$py" -m megatron_gift model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
-echo "== gpu_check: done (status $status); files in $out"
-exit "$status"
+  status=0
+  step() { echo "== $*"; "$@" || { rc=$?; echo "== failed ($rc): $*"; ((status)) || status=$rc; }; }
+  if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
+  step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py --junitxml "$out/kernel-tests.xml"
+  step "$py" -m megatron_gift.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
+  step "$py" -m megatron_gift model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
+  echo "== gpu_check: done (status $status); files in $out"
+  return "$status"
+}
+
+main 2>&1 | tee "$out/gpu-check.log"
+exit "${PIPESTATUS[0]}"
