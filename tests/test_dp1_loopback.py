@@ -115,3 +115,47 @@ def test_loopback_flag():
     assert not gift_config_from_args(parser.parse_args(["--gift-mode", "euclidean"])).loopback
     with pytest.raises(ValueError, match="--gift-loopback has no effect with --gift-mode off"):
         validate_gift_args(parser.parse_args(["--gift-loopback"]))
+
+
+MOE = dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True, moe_token_dispatcher_type="allgather",
+           expert_model_parallel_size=2)  # fmt: skip
+
+
+def _expert_grads(gift: GiftConfig | None, rank: int) -> dict:
+    """``{name: main_grad}`` of the expert weights after one backward and reduction (2 ranks, EP 2)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    model = build_tiny_gpt(**MOE)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    if gift is None:
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
+    else:
+        ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
+    ddp.zero_grad_buffer()
+    lm_loss(ddp, random_tokens(0, rank)).backward()
+    ddp.finish_grad_sync()
+    return {n: p.main_grad.clone() for n, p in model.named_parameters() if not getattr(p, "allreduce", True)}
+
+
+def _ep_worker(rank, world):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)  # expert data-parallel size 1, dense 2
+    every = dict(codec=CODEC, euclidean_layers=(".*",))
+    out = dict(stock=_expert_grads(None, rank), plugin=_expert_grads(GiftConfig(mode=Mode.EUCLIDEAN, **every), rank),
+               loopback=_expert_grads(GiftConfig(mode=Mode.EUCLIDEAN, loopback=True, **every), rank))  # fmt: skip
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_expert_data_parallel_group_of_one_keeps_megatrons_expert_gradients():
+    """Expert parallelism over both ranks: each expert's gradient has a reduction group of one rank
+    (the dense weights still reduce over two, quantized)."""
+    for res in run_on_ranks(_ep_worker, 2, cpu_harness=True, timeout=600):
+        stock = res["stock"]
+        assert len(stock) == 4  # fc1 and fc2 of this rank's expert, 2 layers
+        for name, want in stock.items():
+            assert torch.equal(res["plugin"][name], want), name
+            assert not torch.equal(res["loopback"][name], want), name

@@ -25,7 +25,8 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
     )
     stage = {k: overrides.pop(k) for k in ("pre_process", "post_process") if k in overrides}
     kwargs.update(overrides)
-    return GPTModel(TransformerConfig(**kwargs), get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(num_experts=kwargs.get("num_moe_experts"), normalization="RMSNorm")
+    return GPTModel(TransformerConfig(**kwargs), spec,
                     vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope", **stage)
 
 
