@@ -144,6 +144,7 @@ def format_table(doc: dict) -> str:
     """Markdown: GB/s and fraction of copy per path and implementation, summed over the layers."""
     lines = ["| path | impl | GB/s | / same-size copy | / large copy |", "|---|---|---|---|---|"]
     for s in doc["summary"]:
-        lines.append(f"| {s['path']} | {s['impl']} | {s['bytes_per_s'] / 1e9:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} |")
+        gbs = s["bytes_per_s"] / 1e9
+        lines.append(f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} |")
     lines.append(f"\nlarge copy: {doc['copy_large']['bytes_per_s'] / 1e9:.1f} GB/s ({doc['copy_large']['bytes']} bytes moved)")
     return "\n".join(lines) + "\n"

@@ -210,5 +210,6 @@ def format_table(doc: dict) -> str:
     for mode, m in s["modes"].items():
         refresh = f"{1e3 * m['refresh_step_s']:.1f}" if m["refresh_step_s"] else "-"
         peak = f"{m['peak_memory_bytes'] / 2**30:.2f}" if m["peak_memory_bytes"] else "-"
-        lines.append(f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {100 * m['plugin_over_step']:.2f}% | {refresh} | {peak} |")
+        share = f"{100 * m['plugin_over_step']:.2f}%"
+        lines.append(f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | {peak} |")
     return "\n".join(lines) + "\n"
