@@ -143,6 +143,14 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
     )
     g.add_argument(
+        "--gift-loopback",
+        action="store_true",
+        default=_DEFAULT.loopback,
+        help="Benchmarking tool: quantize gradients even where the data-parallel group has one rank (encode, "
+        "decode, sum, unwhiten, nothing sent), to measure the plugin's on-GPU cost on one GPU. Without it a "
+        "group of one keeps Megatron's reduction and gradient bit for bit.",
+    )
+    g.add_argument(
         "--gift-log-interval",
         type=int,
         default=_DEFAULT.log_interval,
@@ -190,6 +198,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             euclidean_layers=tuple(args.gift_euclidean_layers),
             policy=_policy_from_args(args),
             log_interval=args.gift_log_interval,
+            loopback=args.gift_loopback,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
@@ -224,11 +233,11 @@ def validate_gift_args(args, named_parameters=None) -> None:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
     cfg = gift_config_from_args(args)
     if cfg is None:
-        if args.gift_euclidean_layers:
-            raise ValueError(
-                "--gift-euclidean-layers has no effect with --gift-mode off: "
-                "choose --gift-mode bf16, euclidean or gift, or drop --gift-euclidean-layers"
-            )
+        for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
+            if value:
+                raise ValueError(
+                    f"{flag} has no effect with --gift-mode off: choose --gift-mode bf16, euclidean or gift, or drop {flag}"
+                )
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):

@@ -68,6 +68,9 @@ class GiftConfig:
     (embeddings, output layer) in plain FP8 as well. ``policy``: when set, ``layers`` are
     candidates whose mode (Euclidean, GIFT or BF16) is chosen from measurement
     (``--gift-layers auto``). ``log_interval``: steps between telemetry records (0: none).
+    ``loopback``: a benchmarking switch: quantize even where the reduction group has one rank
+    (encode, decode, sum, unwhiten, nothing sent), so one GPU measures the plugin's whole on-GPU
+    cost; without it such a group keeps Megatron's reduction and its gradient bit for bit.
     """
 
     mode: Mode = Mode.OFF
@@ -82,6 +85,7 @@ class GiftConfig:
     euclidean_layers: tuple[str, ...] = ()
     policy: PolicyConfig | None = None
     log_interval: int = 0
+    loopback: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mode, Mode):
