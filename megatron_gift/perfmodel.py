@@ -21,7 +21,7 @@ Step time of one data-parallel rank (``m = max(1, global_batch / (micro_batch·N
   ``α + (p-1)·α_peer + max((g-1)/p·S/B_intra, (p-g)/p·S/B_inter)``.
 * **Modes** (bytes per element as sent): ``fp32``/``bf16``: Megatron's ring reduce-scatter in 4/2 B;
   ``euclidean``/``gift``: the plugin's all-to-all of FP8 payload + scales (``CodecConfig().encoded_bytes``
-  of each weight's shape: 1 + 2/128 B for 1x128 blocks) for the FP8 parameters and 4 B for the rest
+  of each weight's shape: 1 + 4/128 B for 1x128 blocks with FP32 scales) for the FP8 parameters and 4 B for the rest
   (``fp8_params``: ``"all"`` as the paper and the demo, ``"linear"`` as the recipes); ``euclidean-2level``
   is a what-if, NOT implemented: intra-node all-to-all, then an inter-node all-to-all of ``S/g``.
   With the distributed optimizer every mode then all-gathers the BF16 parameters (2 B).

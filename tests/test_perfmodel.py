@@ -28,7 +28,7 @@ def test_fp8_bytes_are_a_quarter_of_fp32_plus_block_scales():
     bf16 = sum(b.wire_bytes for b in pm.buckets(W, "bf16", 64))
     fp8 = sum(b.wire_bytes for b in pm.buckets(W, "euclidean", 64, fp8_params="all"))
     assert bf16 == fp32 / 2
-    assert fp8 == pytest.approx(fp32 * (0.25 + 2 / 128 / 4), rel=1e-12)  # every width here is a multiple of 128
+    assert fp8 == pytest.approx(fp32 * (0.25 + 4 / 128 / 4), rel=1e-12)  # an FP32 scale per 1x128 block; every width here is a multiple of 128
     recipe = sum(b.wire_bytes for b in pm.buckets(W, "euclidean", 64, fp8_params="linear"))
     assert fp8 < recipe < fp32  # embeddings and output layer stay FP32
 
