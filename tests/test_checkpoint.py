@@ -42,7 +42,7 @@ LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+)")
 
 def _launch(tmp: Path, ranks: int, *args: str) -> str:
     data = megatron_data_args(build_token_corpus(vocab_size=2048))
-    return run_launcher(ranks, *FLAGS, *data, "--data-cache-path", str(tmp / "index-cache"), *args, timeout=200)
+    return run_launcher(ranks, *FLAGS, *data, "--data-cache-path", str(tmp / "index-cache"), *args)
 
 
 def _checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:

@@ -24,6 +24,7 @@ from megatron_gift.bench.indexed_data import document_lengths, megatron_data_arg
 from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training as gift_training
 from megatron_gift.testing.launch import run_launcher
+from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 
 
 TINY = [
@@ -128,8 +129,22 @@ def test_gift_ddp_refuses_a_site_that_is_not_megatrons_class(monkeypatch):
 def _launch(tmp_path: Path, data_args: list[str], gift_args: list[str]) -> str:
     return run_launcher(
         2, *TINY, *data_args, "--data-cache-path", str(tmp_path / "index-cache"),
-        "--gift-telemetry-dir", str(tmp_path / "telemetry"), *gift_args, timeout=110,
+        "--gift-telemetry-dir", str(tmp_path / "telemetry"), *gift_args,
     )  # fmt: skip
+
+
+def test_launcher_limit_scales_with_the_environment(monkeypatch):
+    """Wall-clock limits are ``default x $MEGATRON_GIFT_TEST_TIMEOUT_SCALE``; a run killed at its
+    limit says how long it ran and which variable raises the limit (issue 12, defect 1)."""
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "2.5")
+    assert wall_limit(100) == 250
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "0.0005")  # 0.45 s of the default 900 s: less than Python's start-up
+    with pytest.raises(RuntimeError, match=f"killed after 0 s.*{TIMEOUT_SCALE_ENV}"):
+        run_launcher(2, "--help")
+    for bad in ("0", "-1", "fast"):
+        monkeypatch.setenv(TIMEOUT_SCALE_ENV, bad)
+        with pytest.raises(ValueError, match=TIMEOUT_SCALE_ENV):
+            wall_limit(1)
 
 
 def _losses(out: str) -> list[float]:

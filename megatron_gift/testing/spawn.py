@@ -19,6 +19,20 @@ import torch.distributed as dist
 from megatron_gift.testing import cpu_harness as _cpu_harness
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
+TIMEOUT_SCALE_ENV = "MEGATRON_GIFT_TEST_TIMEOUT_SCALE"
+
+
+def wall_limit(seconds: float) -> float:
+    """``seconds`` times ``$MEGATRON_GIFT_TEST_TIMEOUT_SCALE`` (default 1): the wall-clock limit of a
+    multi-process run, raised on a slow or loaded machine without editing the tests."""
+    raw = os.environ.get(TIMEOUT_SCALE_ENV, "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0:
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r}: expected a positive number (a factor on every limit)")
+    return seconds * scale
 
 
 class RankError(RuntimeError):
@@ -35,9 +49,10 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, **kwar
 
     Returns the per-rank return values in rank order. Raises :class:`RankError` when a rank
     raises or dies (naming each failed rank with its traceback, the earliest failure first,
-    after at most a few seconds' wait for the peers' reports) or when ``timeout`` seconds pass;
-    the remaining processes are killed.
+    after at most a few seconds' wait for the peers' reports) or when ``wall_limit(timeout)``
+    seconds pass; the remaining processes are killed.
     """
+    timeout = wall_limit(timeout)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
@@ -88,7 +103,8 @@ def _collect(procs, results, timeout):
                                   for rank, (_, text) in ordered))
     if len(values) < len(procs):
         hung = [rank for rank in range(len(procs)) if rank not in values]
-        raise RankError(f"ranks {hung} did not finish within {timeout} s; killed")
+        raise RankError(f"ranks {hung} did not finish within {timeout:.0f} s; killed "
+                        f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)")
     return [values[rank] for rank in range(len(procs))]
 
 
