@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_gift.numerics import fp8
 from megatron_gift.numerics.fp8 import CodecConfig, CodecStats, FP8Format, Scaling
+from tests.reference import fp8_roundtrip
 
 CONFIGS = [CodecConfig(f, s) for f in FP8Format for s in Scaling]
 IDS = [c.name for c in CONFIGS]
@@ -134,6 +135,16 @@ def test_group_maximum_decodes_to_itself(cfg):
         i = xg.abs().argmax()
         xmax, ymax = xg[i].double(), yg[i].double()
         assert (ymax - xmax).abs() <= ((1 + 2.0**-24) ** 2 - 1) * xmax.abs()
+
+
+@pytest.mark.parametrize("fmt", list(FP8Format))
+@pytest.mark.parametrize("scaling", [Scaling.TENSOR, Scaling.BLOCK])
+def test_matches_an_independent_roundtrip(fmt, scaling):
+    """Bit for bit the round trip written from the definition with torch's FP8 cast (tests/reference.py)."""
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 300)
+    cfg = CodecConfig(fmt, scaling)
+    want = fp8_roundtrip(x, fmt.dtype, None if scaling is Scaling.TENSOR else cfg.block)
+    assert torch.equal(fp8.roundtrip(x, cfg), want)
 
 
 def test_block_maxima_are_unbiased():
