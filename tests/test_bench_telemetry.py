@@ -13,6 +13,7 @@ SPEC = telemetry_cost.PRESETS["quick"]
 STEPS = SPEC["warmup"] + SPEC["steps"]
 
 
+@pytest.mark.cpu_harness
 def test_bench_telemetry_quick(tmp_path, capsys):
     path = tmp_path / "telemetry.json"
     assert main(["bench", "telemetry", "--quick", "--json", str(path)]) == 0

@@ -9,7 +9,6 @@ import os
 import re
 
 import pytest
-import torch
 
 from megatron_gift import demo
 from megatron_gift.cli import build_parser
@@ -49,9 +48,8 @@ def test_demo_log_parsing_and_ring_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_harness
 def test_demo_writes_report_plots_and_metrics(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("the --gift-cpu launcher refuses to run where CUDA is available")
     from megatron_gift.cli import main
 
     out = tmp_path / "demo"

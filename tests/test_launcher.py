@@ -155,8 +155,6 @@ def _losses(out: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("the --gift-cpu launcher refuses to run where CUDA is available")
     tmp = tmp_path_factory.mktemp("launcher")
     data_args = megatron_data_args(build_token_corpus(vocab_size=2048))
     return {
@@ -167,6 +165,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_harness
 def test_launcher_trains_with_gift_ddp_and_stock_ddp(runs):
     gift, off = runs["gift"], runs["off"]
 

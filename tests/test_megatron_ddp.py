@@ -17,6 +17,7 @@ from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens
 from tests.bounds import reduced_rel_l2_bound
 
+pytestmark = pytest.mark.cpu_harness
 STEPS = 2
 BUCKETS = [(False, None), (True, None), (True, 6000)]  # (overlap, bucket_size): no overlap = one bucket
 

@@ -10,6 +10,7 @@ modes survive ``gift_state_dict`` / ``load_gift_state_dict`` into a fresh model.
 import json
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -20,6 +21,7 @@ from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens
 from tests.bounds import reduced_rel_l2_bound
 
+pytestmark = pytest.mark.cpu_harness
 STEPS = 4
 
 

@@ -17,7 +17,6 @@ from megatron_gift.numerics import (
     LowRankFactor,
     LowRankWhitening,
     approximate_factor,
-    geometry_stats,
     profile_gradient,
     roundtrip,
     summarize,
