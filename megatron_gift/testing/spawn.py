@@ -14,6 +14,7 @@ import socket
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from megatron_gift.testing import cpu_harness as _cpu_harness
@@ -39,12 +40,13 @@ class RankError(RuntimeError):
     """A rank raised, crashed or hung; the message names the rank and carries its traceback."""
 
 
-def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, **kwargs):
+def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backend="gloo", **kwargs):
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
 
-    Each process joins a gloo process group (``torch.distributed`` default group) on a free
-    localhost port, with ``OMP_NUM_THREADS=1`` and ``NO_VCS_VERSION=1``; with
-    ``cpu_harness=True`` it also calls :func:`cpu_harness.install` first. ``fn`` must be a
+    Each process joins a ``backend`` process group (``torch.distributed`` default group; gloo,
+    or nccl with rank ``r`` on CUDA device ``r``) on a free localhost port, with
+    ``OMP_NUM_THREADS=1`` and ``NO_VCS_VERSION=1``; with ``cpu_harness=True`` it also calls
+    :func:`cpu_harness.install` first. ``fn`` must be a
     module-level (picklable) function and its return value picklable (tensors are fine).
 
     Returns the per-rank return values in rank order. Raises :class:`RankError` when a rank
@@ -61,7 +63,7 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, **kwar
     try:
         for rank in range(world_size):
             proc = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
-                               args=(fn, rank, world_size, args, kwargs, cpu_harness, timeout,
+                               args=(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout,
                                      results))
             # Children read the environment when their interpreter starts (before unpickling fn).
             with _environ(env, RANK=str(rank), LOCAL_RANK=str(rank)):
@@ -108,7 +110,7 @@ def _collect(procs, results, timeout):
     return [values[rank] for rank in range(len(procs))]
 
 
-def _child(fn, rank, world_size, args, kwargs, cpu_harness, timeout, results):
+def _child(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout, results):
     """Process body: join the group, run ``fn``, report ``(rank, ok, payload)``, leave the group.
 
     The report goes out before the group is destroyed, so a failing rank's report (and its
@@ -117,7 +119,9 @@ def _child(fn, rank, world_size, args, kwargs, cpu_harness, timeout, results):
     try:
         if cpu_harness:
             _cpu_harness.install()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         # Plain pickle copies tensors by value; the default multiprocessing reducers would
         # hand over shared memory that disappears when this process exits.
