@@ -84,14 +84,23 @@ def run(rows: int, cols: int, seed: int) -> list[dict]:
     ]
 
 
+COLUMNS = {  # JSON field -> (table heading, format)
+    "data": ("data", "{}"),
+    "variant": ("scale", "{}"),
+    "bytes_per_element": ("B/element", "{:.4f}"),
+    "rel_l2": ("RelL2", "{:.3e}"),
+    "max_mean_signed_rel_err": ("mean signed err. of block max", "{:+.2e}"),
+    "max_largest_abs_rel_err": ("largest abs. err. of block max", "{:.2e}"),
+}
+
+
 def format_table(results: list[dict]) -> str:
-    head = "| data | scale | B/element | RelL2 | mean signed err. of block max | largest abs. err. of block max |\n|---|---|---|---|---|---|"
-    lines = [
-        f"| {r['data']} | {r['variant']} | {r['bytes_per_element']:.4f} | {r['rel_l2']:.3e} | "
-        f"{r['max_mean_signed_rel_err']:+.2e} | {r['max_largest_abs_rel_err']:.2e} |"
-        for r in results
-    ]
-    return "\n".join([head, *lines]) + "\n"
+    def row(cells) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    lines = [row(h for h, _ in COLUMNS.values()), "|---" * len(COLUMNS) + "|"]
+    lines += [row(fmt.format(r[k]) for k, (_, fmt) in COLUMNS.items()) for r in results]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
