@@ -23,6 +23,11 @@ independent errors for RelL2 to sit close to its expectation.
 import math
 
 GRADIENT_CORRELATION = 1.5  # largest c = sqrt(Σ‖G_r‖²)/‖ΣG_r‖ allowed (1.15 measured, see above)
+# GIFT makes its error in whitened coordinates U = G T and maps it back with T⁻¹, which can
+# amplify it up to κ(T) (the geometry model's ratio when the error is isotropic, docs/testing.md):
+# no a-priori bound tighter than κ(T) · E4M3's. Kept at the earlier 0.1 (measured at most 0.076,
+# 2.1x Euclidean's, on the tiny GPT of test_megatron_ddp.py): an observed, not a derived, bound.
+GIFT_REL_L2 = 0.1
 
 
 def reduced_rel_l2_bound(mantissa_bits: int, c: float = GRADIENT_CORRELATION) -> float:

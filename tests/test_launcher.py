@@ -25,6 +25,7 @@ from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training as gift_training
 from megatron_gift.testing.launch import run_launcher
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
+from tests.bounds import GIFT_REL_L2
 
 
 TINY = [
@@ -202,4 +203,6 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(runs):
     assert [r["loss"] for r in records] == pytest.approx([lg[0], 2 * lg[1] - lg[0]], rel=1e-5)
     for r in records:
         assert len(r["layers"]) == 8 and all(v["mode"] == "gift" for v in r["layers"].values())
-        assert all(0 < v["rel_l2"] < 0.1 and v["cos"] > 0.99 for v in r["layers"].values()), r["layers"]
+        # tests/bounds.py; an error of RelL2 e turns the gradient by at most asin(e): cos ≥ sqrt(1 - e²) (less FP32 rounding)
+        assert all(0 < v["rel_l2"] < GIFT_REL_L2 and v["cos"] >= math.sqrt(1 - v["rel_l2"] ** 2) - 1e-6
+                   for v in r["layers"].values()), r["layers"]  # fmt: skip
