@@ -41,8 +41,8 @@ micro-batches of ``micro_batch x seq`` tokens)::
     ``T⁻¹`` of whole rows. One rank per node or one node: the flat exchange (what ``--gift-exchange auto``
     runs).
 * **Modes** (bytes per element as sent): ``fp32``/``bf16``: Megatron's ring reduce-scatter in 4/2 B;
-  ``euclidean``/``gift``: FP8 payload + scales (``CodecConfig().encoded_bytes``: 1 + 2/128 B for 1x128
-  blocks) for the FP8 parameters (``fp8_params``: ``"all"`` as the paper, ``"linear"``: linear weights, the
+  ``euclidean``/``gift``: FP8 payload + scales (``CodecConfig().encoded_bytes``: 1 + 4/128 B for 1x128
+  blocks, FP32 scales) for the FP8 parameters (``fp8_params``: ``"all"`` as the paper, ``"linear"``: linear weights, the
   rest in BF16), over the flat all-to-all (today's placement: encode on the compute stream when the bucket's
   last gradient is ready, decode + sum + ``T⁻¹`` inside Megatron's wait after the backward) or the
   two-level exchange (``-2level``). With the distributed optimizer every mode then all-gathers the BF16

@@ -76,7 +76,14 @@ def test_default_mode_is_off_in_flags_and_config(parse):
 
 
 def test_defaults_come_from_gift_config(parse):
-    assert gift_config_from_args(parse("--gift-mode", "gift")) == GiftConfig(mode=Mode.GIFT)
+    """The flags' defaults are GiftConfig's, which are the documented ones (written out here, not
+    read from GiftConfig: a changed default must change this test too)."""
+    cfg = gift_config_from_args(parse("--gift-mode", "gift"))
+    assert cfg == GiftConfig(mode=Mode.GIFT)
+    assert (cfg.mode, cfg.codec.fmt, cfg.codec.scaling, cfg.codec.block) == (Mode.GIFT, FP8Format.E4M3, Scaling.BLOCK, 128)
+    assert (cfg.rank, cfg.sketch, cfg.damping, cfg.ema, cfg.refresh_interval) == (32, 64, 1e-3, 0.95, 50)
+    assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
+    assert cfg.layers == (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
 
 
 def test_every_flag_maps_to_config(parse):

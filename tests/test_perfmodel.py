@@ -55,7 +55,7 @@ def test_fp8_bytes_are_a_quarter_of_fp32_plus_block_scales():
     bf16 = sum(b.wire_bytes for b in pm.buckets(W, "bf16", 64))
     fp8 = sum(b.wire_bytes for b in pm.buckets(W, "euclidean", 64, fp8_params="all"))
     assert bf16 == fp32 / 2
-    assert fp8 == pytest.approx(fp32 * (0.25 + 2 / 128 / 4), rel=1e-12)  # every width here is a multiple of 128
+    assert fp8 == pytest.approx(fp32 * (0.25 + 4 / 128 / 4), rel=1e-12)  # an FP32 scale per 1x128 block; every width here is a multiple of 128
     recipe = sum(b.wire_bytes for b in pm.buckets(W, "euclidean", 64, fp8_params="linear"))
     assert fp8 < recipe < bf16  # embeddings, output layer and norms go as BF16
 
@@ -121,7 +121,7 @@ def test_one_data_parallel_rank_costs_nothing():
 
 
 def test_ledger_per_rank_matches_the_byte_formulas():
-    s8, s2 = W.numel() * (1 + 2 / 128), W.numel() * 2.0  # FP8 payload + 1x128 block scales; BF16
+    s8, s2 = W.numel() * (1 + 4 / 128), W.numel() * 2.0  # FP8 payload + FP32 1x128 block scales; BF16
     c = dataclasses.replace(pm.GH200, gpus_per_node=4)
     two = pm.step_time(W, c, "euclidean-2level", 512, FREE)  # 4 per node x 128 nodes
     assert two["nic_bytes_per_rank"] == pytest.approx(127 / 128 * s8 / 4, rel=1e-9)
@@ -204,10 +204,10 @@ def test_byte_model_matches_bench_comm():
 
 def test_link_check_on_simulated_nodes(tmp_path):
     doc = json.loads((ROOT / "bench/results/comm-cpu.json").read_text())
-    # bench comm's model: 4 layers, hidden 192, FFN 512, vocabulary 2048; FP8 payload + 2 B per row and 128 columns
+    # bench comm's model: 4 layers, hidden 192, FFN 512, vocabulary 2048; FP8 payload + a 4 B scale per row and 128 columns
     shapes = 4 * [(576, 192), (192, 192), (1024, 192), (192, 512), (1, 192), (1, 192)] + [(2048, 192)] * 2 + [(1, 192)]
     numel = sum(r * c for r, c in shapes)
-    s8 = sum(r * c + 2 * r * -(-c // 128) for r, c in shapes)
+    s8 = sum(r * c + 4 * r * -(-c // 128) for r, c in shapes)
     intra, inter = 1 / 2 * 2 * numel, 1 / 2 * s8 / 2  # 2 nodes x 2 ranks, BF16 within the node
     doc["links"] = [dict(nodes=2, ranks_per_node=2, mode="euclidean-e4m3", distributed_optimizer=True, exchange="two-level",
                          intra_node="bf16", intra_per_rank=intra, inter_per_rank=inter)]  # fmt: skip
