@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gift.megatron import upstream
+from megatron_gift import upstream
 from megatron_gift.megatron.training import shim_typing_override
 
 

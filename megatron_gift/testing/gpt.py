@@ -7,9 +7,8 @@ import torch.distributed as dist
 VOCAB, SEQ = 128, 32
 
 
-def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, num_experts: int | None = None, **overrides):
+def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overrides):
     """RoPE, SwiGLU, RMSNorm, no bias; the same seed (and parallel layout) gives the same weights.
-    ``num_experts``: Megatron's MoE layer (local spec, one expert linear pair each) as every MLP.
     ``pre_process`` / ``post_process`` (and ``vp_stage``) select a pipeline stage; other overrides go to the config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -25,10 +24,8 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, num_exp
         attention_dropout=0.0, params_dtype=torch.float32,
     )
     stage = {k: overrides.pop(k) for k in ("pre_process", "post_process", "vp_stage") if k in overrides}
-    if num_experts:
-        kwargs.update(num_moe_experts=num_experts, moe_ffn_hidden_size=kwargs["ffn_hidden_size"])
     kwargs.update(overrides)
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=kwargs.get("num_moe_experts"), normalization="RMSNorm")
     return GPTModel(TransformerConfig(**kwargs), spec,
                     vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope", **stage)
 
@@ -42,7 +39,7 @@ def random_tokens(step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq:
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of ``tokens [batch, seq + 1]``."""
     batch, seq = tokens.shape[0], tokens.shape[1] - 1
-    positions = torch.arange(seq).expand(batch, seq)
+    positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
     return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
 
 
