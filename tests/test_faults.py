@@ -27,12 +27,12 @@ from megatron_gift.bench.corpus import build_token_corpus
 from megatron_gift.bench.indexed_data import megatron_data_args
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.launch import ENV, ROOT, launcher_command
+from megatron_gift.testing.spawn import wall_limit
 
 from .test_checkpoint import FLAGS, GIFT, LOSS_RE, _bitwise_equal, _contents, _launch
 
 SHORT = ["--train-iters", "4", "--save-interval", "2"]  # later flags win over FLAGS'
 KILL_AT = re.compile(r"iteration\s+3/")
-LAUNCH_TIMEOUT_S = float(os.environ.get("MEGATRON_GIFT_TEST_LAUNCH_TIMEOUT", "900"))
 
 
 def _run_and_kill(tmp, save) -> str:
@@ -48,7 +48,7 @@ def _run_and_kill(tmp, save) -> str:
                 ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "megatron_gift.pretrain_gpt" in " ".join(c.cmdline())]
                 killed = max(ranks, key=lambda c: c.pid)
                 os.kill(killed.pid, signal.SIGKILL)
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        proc.wait(timeout=wall_limit(900.0))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -81,8 +81,11 @@ def test_killed_rank_resumes_bitwise_from_the_last_checkpoint(killed_and_resumed
     # as in test_checkpoint: the run arguments and the CPU generator (the data loader's seed draw) differ
     differ = [k for k in whole if not k.startswith(("common_state", "rng_state")) and not _bitwise_equal(whole[k], resumed[k])]
     assert differ == []
-    last = lambda log: {int(i): v for i, v in LOSS_RE.findall(log)}[4]  # noqa: E731
-    assert last(logs["resumed"]) == last(logs["whole"])
+    # The first resumed iteration logs the uninterrupted run's loss. (The last one's logged loss
+    # differs after any resume, with --gift-mode off too: 7.563098 vs 7.550075 in this set-up,
+    # while the iteration-4 checkpoints are bitwise equal; a Megatron logging matter.)
+    loss = lambda log: {int(i): v for i, v in LOSS_RE.findall(log)}[3]  # noqa: E731
+    assert loss(logs["resumed"]) == loss(logs["whole"])
 
 
 def _misfit_worker(rank, world):

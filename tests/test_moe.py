@@ -70,7 +70,8 @@ def _moe_case(mode, layout):
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
     model, ref = build_moe_layer(*layout), build_moe_layer(*layout)
-    gift = _gift(mode, layers=(r"linear_fc\d\.weight$", r"router\.weight$"))
+    # TP 4 x EP 2 leaves data-parallel groups of one: loopback keeps GIFT (and its statistics) on there
+    gift = _gift(mode, layers=(r"linear_fc\d\.weight$", r"router\.weight$"), loopback=layout[2] > 1)
     ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=gift)
     inputs = {}  # expert fc1 name -> inputs seen on this rank
     names = {m: n for n, m in model.named_modules()}
