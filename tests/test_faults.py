@@ -101,7 +101,8 @@ def _misfit_worker(rank, world):
 
     def trained(hidden=64, sketch=0, steps=1):
         model = build_tiny_gpt(hidden_size=hidden, ffn_hidden_size=2 * hidden)
-        gift = GiftConfig(mode=Mode.GIFT, rank=8, sketch=sketch, refresh_interval=1, error_feedback=True)
+        gift = GiftConfig(mode=Mode.GIFT, rank=8, sketch=sketch, refresh_interval=1, error_feedback=True,
+                          loopback=True)  # one rank: GIFT state exists only with loopback  # fmt: skip
         ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=gift)
         for step in range(steps):
             ddp.zero_grad_buffer()
