@@ -13,6 +13,7 @@ import re
 
 from .config import GiftConfig, Mode, PolicyConfig, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
+from .upstream import TESTED_VERSIONS, check_version
 
 _DEFAULT = GiftConfig()
 _POLICY = PolicyConfig()
@@ -159,6 +160,11 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "0 turns them off (default: %(default)s).",
     )
     g.add_argument(
+        "--gift-allow-untested-megatron",
+        action="store_true",
+        help=f"Run with a megatron-core version the plugin was not tested with ({', '.join(TESTED_VERSIONS)}).",
+    )
+    g.add_argument(
         "--gift-telemetry-dir",
         default=None,
         metavar="DIR",
@@ -248,6 +254,7 @@ def validate_gift_args(args, named_parameters=None) -> None:
                 re.compile(pat)
             except re.error as e:
                 raise ValueError(f"{flag}: {pat!r} is not a valid regular expression ({e})") from e
+    check_version(allow_untested=args.gift_allow_untested_megatron)
     _check_megatron_flags(args)
     if named_parameters is not None:
         _check_parameters(cfg, list(named_parameters), patterns)
@@ -266,11 +273,21 @@ def _check_megatron_flags(args) -> None:
                 f"megatron-gift extends Megatron's DistributedDataParallel and does not support {flag}: "
                 f"drop {flag} (use --use-distributed-optimizer for sharded optimizer states) {off}"
             )
-    instances = getattr(args, "num_distributed_optimizer_instances", 1)
-    if instances > 1:
+    graphs = [flag for attr, flag in (("enable_cuda_graph", "--enable-cuda-graph"), ("external_cuda_graph", "--external-cuda-graph"))
+              if getattr(args, attr, False)]  # fmt: skip
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+        graphs.append(f"--cuda-graph-impl {args.cuda_graph_impl}")
+    if graphs:
         raise ValueError(
-            f"megatron-gift does not support --num-distributed-optimizer-instances > 1 (got {instances}): "
-            f"set it to 1 {off}"
+            f"megatron-gift does not support CUDA graphs ({', '.join(graphs)}): its reduction does not wait on "
+            f"graph-replayed weight gradients and graphs do not replay its statistics hooks; drop them {off}"
+        )
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    if instances > 1 and (args.gift_log_interval or AUTO in args.gift_layers):
+        raise ValueError(
+            f"--num-distributed-optimizer-instances {instances}: megatron-gift's telemetry and --gift-layers {AUTO} "
+            "compare with a reduction inside one instance: set --gift-log-interval 0 and choose layers by pattern "
+            f"{off}"
         )
     if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False):
         raise ValueError(

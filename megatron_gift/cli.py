@@ -71,6 +71,13 @@ def _bench_telemetry(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_memory(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import memory
+
+    memory.run(quick=args.quick, json_path=args.json, ranks=args.ranks, command=args.command_line)
+    return 0
+
+
 def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -119,6 +126,18 @@ def _add_bench(subparsers) -> None:
     tel.add_argument("--quick", action="store_true", help="tiny model, 4 timed steps (a smoke test, not a measurement)")
     tel.add_argument("--json", metavar="PATH", help="write the results as JSON")
     tel.set_defaults(func=_bench_telemetry)
+    mem = commands.add_parser(
+        "memory",
+        help="peak extra bytes per parameter over stock Megatron, per mode and option (2/4/8 CPU ranks)",
+        description="Wrap a small Megatron GPTModel in Megatron's DDP and in GiftDistributedDataParallel (each mode, "
+        "error feedback, statistics, telemetry) on gloo ranks and count the live tensor bytes of a few training steps: "
+        "peak, held and transient bytes per parameter over stock Megatron.",
+    )
+    mem.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, 4 configurations, 1 step")
+    mem.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    mem.add_argument("--ranks", type=_positive_int, nargs="+", default=None, metavar="N",
+                     help="data-parallel sizes (default 2 4 8; --quick: 2)")  # fmt: skip
+    mem.set_defaults(func=_bench_memory)
 
 
 def _demo(args: argparse.Namespace) -> int:

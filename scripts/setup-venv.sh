@@ -20,12 +20,13 @@ echo "setup-venv: installing the CPU environment into $venv (about 1.5 min)" >&2
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
 
 # Order matters: numpy before megatron-core (else pip picks a 3.12-only numpy), and
-# megatron-core without its dependency metadata; `import megatron.core` needs triton.
+# megatron-core without its dependency metadata; `import megatron.core` needs triton, and
+# parallel_state needs einops for several distributed-optimizer instances.
 # tokenizers and matplotlib are the package's `bench` extra (the demo, benchmarks and reports).
 "${pip[@]}" torch
 "${pip[@]}" numpy packaging setuptools pybind11
 "${pip[@]}" --ignore-requires-python --no-deps megatron-core
-"${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil
+"${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil einops
 "${pip[@]}" --no-deps --no-build-isolation -e .
 
 echo "$want" > "$stamp"

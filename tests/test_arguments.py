@@ -145,7 +145,10 @@ def test_bad_choice_rejected_by_argparse(parse, capsys, flag, value):
         (["--gift-euclidean-layers", "[emb"], "--gift-euclidean-layers: '[emb' is not a valid regular expression"),
         (["--use-megatron-fsdp"], "does not support --use-megatron-fsdp"),
         (["--use-torch-fsdp2"], "does not support --use-torch-fsdp2"),
-        (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances > 1 (got 2)"),
+        (["--num-distributed-optimizer-instances", "2", "--gift-layers", "auto"], "compare with a reduction inside one"),
+        (["--enable-cuda-graph"], "does not support CUDA graphs (--enable-cuda-graph)"),
+        (["--external-cuda-graph"], "does not support CUDA graphs (--external-cuda-graph)"),
+        (["--cuda-graph-impl", "local"], "does not support CUDA graphs (--cuda-graph-impl local)"),
         (["--ddp-reduce-scatter-with-fp32-accumulation"], "--ddp-reduce-scatter-with-fp32-accumulation replaces"),
     ],
 )

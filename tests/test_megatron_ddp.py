@@ -374,8 +374,7 @@ def test_pipeline_parallel_pp2_dp2():
 
 @pytest.mark.parametrize(
     "field,value,match",
-    [("num_distributed_optimizer_instances", 2, "num_distributed_optimizer_instances"),
-     ("reduce_scatter_with_fp32_accumulation", True, "reduce_scatter_with_fp32_accumulation")],
+    [("reduce_scatter_with_fp32_accumulation", True, "reduce_scatter_with_fp32_accumulation")],
 )
 def test_unsupported_ddp_settings_are_refused(field, value, match):
     from megatron.core.distributed import DistributedDataParallelConfig

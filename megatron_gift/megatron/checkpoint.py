@@ -13,8 +13,12 @@ reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions 
 * ``_load_base_checkpoint``: its first call (``rank0=True``, the common state) yields
   ``gift_meta``, which decides what the load requests: nothing without GIFT state or with
   another TP/PP/EP layout, everything but the residuals with another data-parallel size; the
-  second call's result is handed to each :class:`GiftDistributedDataParallel`. Every decision is
-  logged on rank 0.
+  second call's result is handed to each :class:`GiftDistributedDataParallel` (:func:`restore`).
+  Every decision is logged on rank 0.
+
+A GIFT state that does not fit this run (another ``gift_meta`` version, other shapes, missing or
+garbled entries) is never half-applied and never fails the load: the message says why and the
+GIFT state starts fresh (the rest of the checkpoint loads as usual).
 
 Other checkpoint formats keep working but carry no GIFT state (a warning says so).
 """
@@ -157,6 +161,11 @@ class _Hooks:
         if meta is None:
             _log("the checkpoint has no GIFT state: statistics, transforms and error feedback start fresh")
             return ()
+        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+            version = meta.get("version") if isinstance(meta, dict) else meta
+            _log("the checkpoint's GIFT state has format version %r, this megatron-gift reads version %d: "
+                 "starting it fresh", version, VERSION)  # fmt: skip
+            return ()
         changed = [k for k in ("tp", "pp", "ep", "etp") if meta.get(k) != now[k]]
         if changed:
             _log("the checkpoint's GIFT state was written with another layout (%s); starting it fresh",
@@ -182,13 +191,43 @@ class _Hooks:
             resume_residuals = self.meta is not None and self.meta["world"] == dist.get_world_size()
             for i, ddp in enumerate(chunks):
                 loaded = {key.rsplit(".", 1)[1]: state_dict.pop(key) for key in list(state_dict) if key.startswith(f"{STATE_KEY}.chunk{i}.")}
-                if ddp is not None and loaded:
-                    ddp.load_gift_state_dict(merge_state(loaded), residuals=resume_residuals)
+                if ddp is not None and loaded and restore(ddp, loaded, resume_residuals):
                     _log("GIFT state restored (step %d)", ddp.step)
             state_dict.pop(META_KEY, None)
             return result
 
         return _load_base_checkpoint
+
+
+def restore(ddp, loaded: dict, residuals: bool = True) -> bool:
+    """Load the parts ``loaded`` (``{"dense"|"expert"|"residuals": object}``) into ``ddp``; True if
+    they were applied. A state that does not fit (garbled, truncated, other shapes) leaves ``ddp``
+    as it was before (fresh) and says why: False."""
+    fresh = ddp.gift_state_dict()
+    try:
+        ddp.load_gift_state_dict(merge_state(loaded), residuals=residuals)
+        _check_loaded(ddp)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        ddp.load_gift_state_dict(fresh)
+        for g in ddp.gift_params.values():  # a transform loaded before the failure: none when fresh
+            if "whitening" not in fresh["params"][g.name]:
+                g.factor = g.whitening = None
+        _log("the checkpoint's GIFT state does not fit this run (%s: %s): statistics, transforms and error "
+             "feedback start fresh", type(e).__name__, e)  # fmt: skip
+        return False
+    return True
+
+
+def _check_loaded(ddp) -> None:
+    """``ValueError`` if a loaded statistic or transform does not match its layer's input size."""
+    for g in ddp.gift_params.values():
+        if g.stats is not None and g.stats.ema_sums is not None:
+            for k, t in g.stats.ema_sums.items():
+                if k not in g.stats.sums or t.shape != g.stats.sums[k].shape:
+                    raise ValueError(f"{g.name}: saved statistics {k} {tuple(t.shape)} for input size {g.stats.d_in}")
+        if g.whitening is not None and g.stats is not None and g.whitening.tensors()["q"].shape[0] != g.stats.d_in:
+            raise ValueError(f"{g.name}: saved transform for input size {g.whitening.tensors()['q'].shape[0]}, "
+                             f"the layer has {g.stats.d_in}")  # fmt: skip
 
 
 @contextlib.contextmanager

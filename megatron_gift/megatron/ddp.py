@@ -33,6 +33,7 @@ from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..numerics.whitening import LowRankFactor, LowRankWhitening
 from .monitor import Monitor
+from ..upstream import check_version
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,41 @@ def _layer_input(module, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.layer_norm(xf, (xf.shape[-1],), w, None if bias is None else bias.float(), module.eps)
 
 
+def refuse_unsupported(config, ddp_config, gift_config: GiftConfig) -> None:
+    """``ValueError`` (``RuntimeError`` for an untested megatron-core) for what the plugin cannot serve.
+
+    CUDA graphs: ``start_grad_sync`` would have to wait on each graph's weight-gradient event, and
+    a replayed graph does not run the forward pre-hooks that collect GIFT's statistics."""
+    check_version()
+    graphs = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(config, f, False)]
+    if getattr(config, "cuda_graph_impl", "none") != "none":
+        graphs.append(f"cuda_graph_impl={config.cuda_graph_impl!r}")
+    if graphs:
+        raise ValueError(
+            f"megatron-gift does not support CUDA graphs ({', '.join(graphs)}): its reduction does not wait on "
+            "graph-replayed weight gradients and its statistics hooks are not replayed; drop --enable-cuda-graph / "
+            "--external-cuda-graph / --cuda-graph-impl, or turn GIFT off"
+        )
+    if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+        raise ValueError(
+            "reduce_scatter_with_fp32_accumulation replaces the same collective as megatron-gift "
+            "(which already sums in FP32): turn one of them off"
+        )
+    monitored = gift_config.log_interval or gift_config.policy is not None
+    if ddp_config.num_distributed_optimizer_instances > 1 and monitored:
+        raise ValueError(
+            "megatron-gift's telemetry and --gift-layers auto compare with a reduction inside one distributed-"
+            "optimizer instance: with num_distributed_optimizer_instances > 1 set --gift-log-interval 0 and "
+            "choose the layers by pattern"
+        )
+
+
+def _is_linear(module) -> bool:
+    """Whether ``module`` multiplies its floating-point input by its ``weight`` (a linear layer:
+    ``torch.nn.Linear``, Megatron's and Transformer Engine's ``*Linear`` classes)."""
+    return isinstance(module, torch.nn.Linear) or any(c.__name__.endswith("Linear") for c in type(module).__mro__)
+
+
 class GiftBucketGroup(_ParamAndGradBucketGroup):
     """A Megatron bucket group whose gradient reduction is quantized (see module doc)."""
 
@@ -109,7 +145,8 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else self.data_parallel_group
         refs = self.gift.monitor.before_reduce(self, group, self.gift.step)
-        async_op = self.ddp_config.overlap_grad_reduce
+        # as Megatron: with several instances finish_grad_sync waits on a stream, not on a handle
+        async_op = self.ddp_config.overlap_grad_reduce and self.ddp_config.num_distributed_optimizer_instances == 1
         handles = []
         for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback):
             transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
@@ -130,11 +167,31 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         after = None
         if refs is not None:
             after = lambda: self.gift.monitor.after_reduce(self, group, refs, self.ddp_config.average_in_collective)  # noqa: E731
-        handle = _Handles(handles, after)
+        inter = None
+        if use_rs and self.ddp_config.num_distributed_optimizer_instances > 1:
+            inter = self._all_reduce_across_instances
+        handle = _Handles(handles, after, inter)
         if async_op:
             self.grad_reduce_handle = handle
         else:
             handle.wait()
+
+    def _all_reduce_across_instances(self) -> None:
+        """Several distributed-optimizer instances: sum this rank's reduced shard of every bucket
+        over the instances in FP32 (averaged with ``average_in_collective``), as Megatron's
+        inter-instance all-reduce does after the intra-instance reduce-scatter."""
+        group = self.inter_distributed_optimizer_instance_group
+        n, r = group.size(), self.intra_distributed_optimizer_instance_rank
+        for bucket in self.buckets:
+            size = bucket.grad_data.numel() // self.intra_distributed_optimizer_instance_size
+            shard = bucket.grad_data[r * size : (r + 1) * size]
+            total = shard.float()  # the shard itself when the buffer is FP32
+            dist.all_reduce(total, group=group)
+            if self.ddp_config.average_in_collective:
+                total /= n
+            if total is not shard:
+                shard.copy_(total)
+            self.gift.ledger.add("all_reduce", "fp32", 2 * (n - 1) * total.numel() * 4 // n)
 
     def _prepare_grads(self) -> None:
         """Megatron's pre-collective steps: extra main-grad copies, NaN check, gradient scaling."""
@@ -154,15 +211,18 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
 
 
 class _Handles:
-    """The bucket group's reductions; ``after()`` runs once they are complete."""
+    """The bucket group's reductions; then ``inter()`` (the reduction across distributed-optimizer
+    instances) and ``after()`` run, once."""
 
-    def __init__(self, handles, after=None):
-        self.handles, self.after = handles, after
+    def __init__(self, handles, after=None, inter=None):
+        self.handles, self.after, self.inter = handles, after, inter
 
     def wait(self):
         with torch.no_grad():
             for h in self.handles:
                 h.wait()
+            if self.inter is not None:
+                self.inter()
             if self.after is not None:
                 self.after()
 
@@ -171,18 +231,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     """``DistributedDataParallel(config, ddp_config, module, ...)`` plus ``gift_config``."""
 
     def __init__(self, config, ddp_config, module, *args, gift_config: GiftConfig | None = None, **kwargs):
-        if ddp_config.num_distributed_optimizer_instances > 1:
-            raise ValueError(
-                "megatron-gift does not support num_distributed_optimizer_instances > 1 yet: "
-                "set --num-distributed-optimizer-instances 1 or turn --gift-mode off"
-            )
-        if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
-            raise ValueError(
-                "reduce_scatter_with_fp32_accumulation replaces the same collective as megatron-gift "
-                "(which already sums in FP32): turn one of them off"
-            )
-        super().__init__(config, ddp_config, module, *args, **kwargs)
         self.gift_config = gift_config or GiftConfig()
+        refuse_unsupported(config, ddp_config, self.gift_config)
+        super().__init__(config, ddp_config, module, *args, **kwargs)
         self.ledger = CommLedger()
         self.step = -1  # index of the current iteration once zero_grad_buffer() opened it
         self._step_open = False
@@ -286,32 +337,53 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         """Forward pre-hooks that add ``XᵀX`` of each GIFT weight's input on refresh steps.
 
         The statistics are summed over the data-parallel(+context-parallel) group, or the expert
-        data-parallel group for experts, and also over tensor-parallel ranks when a
-        column-parallel layer sees only ``s/tp`` tokens (sequence parallelism). A row-parallel
-        layer's ``in/tp`` columns give a diagonal block of A, consistent per TP shard."""
+        data-parallel group for experts, and also over the layer's tensor-parallel group (for
+        experts the expert tensor-parallel group) when a column-parallel layer sees only ``s/tp``
+        tokens (sequence parallelism). A row-parallel layer's ``in/tp`` columns give a diagonal
+        block of A, consistent per TP shard. Only linear layers (weight times a floating-point
+        input) are whitened: a weight that is no linear layer's (an embedding's, whose input is
+        token ids; a tied output layer's) is sent Euclidean."""
         hooks = []
         for mod in self.module.modules():
             w = getattr(mod, "weight", None)
             g = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
-            if g is None or not g.candidate:
+            if g is None or not g.candidate or not _is_linear(mod):
                 continue
             g.stats = KFACStatistics(
                 w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=g.index, device=w.device
             )
             g.stats_groups = [self.expt_dp_group if g.expert else self.dp_cp_group]
             column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
-            if column_parallel and getattr(mod, "sequence_parallel", False) and self.tp_group.size() > 1:
-                g.stats_groups.append(self.tp_group)
+            tp_group = self._tensor_parallel_group(mod, g)
+            if column_parallel and getattr(mod, "sequence_parallel", False) and tp_group.size() > 1:
+                g.stats_groups.append(tp_group)
             hooks.append(mod.register_forward_pre_hook(self._stat_hook(g)))
         for g in self.gift_params.values():
             if g.candidate and g.stats is None:
-                logger.warning("megatron-gift: no module takes %s as its .weight; sending it Euclidean", g.name)
+                logger.warning(
+                    "megatron-gift: %s is no linear layer's weight (whitening needs a floating-point input it "
+                    "multiplies, e.g. not an embedding's token ids); sending it Euclidean", g.name
+                )
                 g.mode, g.candidate = Mode.EUCLIDEAN, False
         return hooks
 
+    def _tensor_parallel_group(self, mod, g: GiftParam):
+        """The group a sequence-parallel layer splits its tokens over: the layer's own
+        (``tp_group``), else the expert tensor-parallel group for experts, the dense one otherwise."""
+        own = getattr(mod, "tp_group", None)
+        if isinstance(own, dist.ProcessGroup):
+            return own
+        if g.expert:
+            from megatron.core import parallel_state
+
+            return parallel_state.get_expert_tensor_parallel_group()
+        return self.tp_group
+
     def _stat_hook(self, g: GiftParam):
         def hook(module, args):
-            if self.collecting and module.training and args and isinstance(args[0], torch.Tensor):
+            # a forward inside a backward pass is activation recomputation: its micro-batch was counted
+            recomputed = torch._C._current_graph_task_id() != -1
+            if self.collecting and module.training and not recomputed and args and isinstance(args[0], torch.Tensor):
                 with torch.no_grad():
                     g.stats.accumulate(_layer_input(module, args[0]))
 

@@ -13,7 +13,11 @@ per-region CUDA RNG states. :func:`install` redirects exactly those to CPU so th
 * a torch-function mode moves ``device='cuda'`` / ``'cuda:N'`` arguments and ``Tensor.cuda()``
   to CPU, and answers ``Tensor.type()`` with the CUDA name (``'torch.cuda.FloatTensor'``);
 * ``CudaRNGStatesTracker.add`` / ``.fork`` keep their named states as CPU generator states and
-  fork the CPU default generator (dropout in tensor-parallel regions draws from it).
+  fork the CPU default generator (dropout in tensor-parallel regions draws from it);
+* the CUDA generator state that activation recomputation (``tensor_parallel.checkpoint``) saves
+  and restores around the recomputed forward is empty (it restores the CPU generator and the
+  tracker's states, which is all a CPU run draws from), and the recomputation itself runs with
+  these redirections (``CheckpointFunction.backward``, ``CheckpointWithoutOutput._recompute``).
 
 On Python 3.11 it also provides ``typing.override`` (from ``typing_extensions``), which
 ``megatron.training`` imports.
@@ -22,8 +26,7 @@ Nothing happens until :func:`install` is called; :func:`uninstall` (or leaving t
 ``with install():`` block) restores everything. On a machine with CUDA, :func:`install` refuses:
 the redirections would silently move a real GPU run to the CPU. Limits: the torch-function mode
 acts only in the thread that called :func:`install`; positional devices (``t.to('cuda')``) are
-not rewritten; activation recomputation (``tensor_parallel.checkpoint``) still reads the real
-CUDA RNG and is not supported.
+not rewritten.
 """
 
 import contextlib
@@ -67,6 +70,20 @@ class _CudaToCpu(TorchFunctionMode):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
+
+
+def _in_mode(fn):
+    """``fn`` with the redirections active: a mode is off inside its own handler, so a backward
+    started through it runs without them, and activation recomputation runs forwards in there."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _mode is None or _mode in torch.overrides._get_current_function_mode_stack():
+            return fn(*args, **kwargs)
+        with _mode:
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _rng_add(self, name, seed):
@@ -122,6 +139,7 @@ def install():
             "so run on the GPU instead of redirecting CUDA calls to the CPU."
         )
     if _mode is None:
+        from megatron.core.tensor_parallel import random as tp_random
         from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
         if not hasattr(typing, "override"):  # Python < 3.12; megatron.training needs it
@@ -134,6 +152,10 @@ def install():
         _patch(torch.cuda, "synchronize", lambda device=None: None)  # pipeline p2p after send/recv
         _patch(CudaRNGStatesTracker, "add", _rng_add)
         _patch(CudaRNGStatesTracker, "fork", _rng_fork)
+        _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8))
+        _patch(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
+        _patch(tp_random.CheckpointFunction, "backward", staticmethod(_in_mode(tp_random.CheckpointFunction.backward)))
+        _patch(tp_random.CheckpointWithoutOutput, "_recompute", _in_mode(tp_random.CheckpointWithoutOutput._recompute))
         _mode = _CudaToCpu()
         _mode.__enter__()
     return _Installed()

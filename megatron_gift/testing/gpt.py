@@ -9,7 +9,7 @@ VOCAB, SEQ = 128, 32
 
 def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overrides):
     """RoPE, SwiGLU, RMSNorm, no bias; the same seed (and parallel layout) gives the same weights.
-    ``pre_process`` / ``post_process`` select a pipeline stage; other overrides go to the config."""
+    ``pre_process`` / ``post_process`` (and ``vp_stage``) select a pipeline stage; other overrides go to the config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -23,7 +23,7 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
         normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, params_dtype=torch.float32,
     )
-    stage = {k: overrides.pop(k) for k in ("pre_process", "post_process") if k in overrides}
+    stage = {k: overrides.pop(k) for k in ("pre_process", "post_process", "vp_stage") if k in overrides}
     kwargs.update(overrides)
     spec = get_gpt_layer_local_spec(num_experts=kwargs.get("num_moe_experts"), normalization="RMSNorm")
     return GPTModel(TransformerConfig(**kwargs), spec,

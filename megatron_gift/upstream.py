@@ -1,0 +1,96 @@
+"""What megatron-gift takes from Megatron-Core by name: the versions it was tested with, and a
+fingerprint of every upstream function it re-implements, wraps or replaces.
+
+``GiftBucketGroup.start_grad_sync`` re-implements Megatron's method, the checkpoint and training
+hooks wrap Megatron functions, and the CPU harness replaces a few CUDA-only ones. A new
+Megatron-Core release can change any of them without an error: :func:`check_version` refuses an
+untested version at start-up (override: ``--gift-allow-untested-megatron`` or
+``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``), and ``tests/test_upstream_guard.py`` compares
+:func:`fingerprint` of each entry of :data:`UPSTREAM` with the one it had when the plugin's
+code was written against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import os
+
+TESTED_VERSIONS = ("0.19.2",)
+ALLOW_ENV = "MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON"
+
+# "module:qualified name" -> (sha256 of its source in megatron-core 0.19.2, first 16 hex digits,
+# and where the plugin depends on it.
+UPSTREAM = {
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync":
+        ("62f8f12d579769ef", "re-implemented by megatron/ddp.py GiftBucketGroup.start_grad_sync"),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync":
+        ("caa9a2e7f33849c5", "waits on the handle GiftBucketGroup.start_grad_sync sets"),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads":
+        ("94e99add61f34256", "called by GiftBucketGroup._prepare_grads"),
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer":
+        ("6bbd2a84649f6c87", "extended by GiftDistributedDataParallel.zero_grad_buffer (opens a step)"),
+    "megatron.training.models.dist_utils:_ddp_wrap":
+        ("13b438c376603bcb", "megatron/training.py rebinds the DistributedDataParallel it constructs"),
+    "megatron.training.training:get_model":
+        ("b05b5cd0d24b9e5d", "megatron/training.py rebinds the DDP it constructs"),
+    "megatron.training.training:training_log":
+        ("5e34a182d566e325", "wrapped by megatron/training.py (logged loss to telemetry)"),
+    "megatron.training.checkpointing:generate_state_dict":
+        ("056da0775f13ba7e", "wrapped by megatron/checkpoint.py (GIFT ShardedObjects)"),
+    "megatron.training.checkpointing:_load_base_checkpoint":
+        ("9a7e9e8de2428c67", "wrapped by megatron/checkpoint.py (gift_meta, GIFT state)"),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add":
+        ("e5e9ab39a7c1e085", "replaced on CPU by testing/cpu_harness.py _rng_add"),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork":
+        ("6821e1e397253d43", "replaced on CPU by testing/cpu_harness.py _rng_fork"),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict":
+        ("fe621ae6a622b587", "wrapped on CPU by testing/cpu_harness.py"),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict":
+        ("7e5f988b86b48501", "wrapped on CPU by testing/cpu_harness.py"),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values":
+        ("0338de756278b654", "called on CPU by testing/cpu_harness.py"),
+    "megatron.core.datasets.utils:compile_helpers":
+        ("84029a50ae8cfac1", "replaced by megatron/training.py use_prebuilt_dataset_helpers"),
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state":
+        ("aa26caaa069c5c4f", "replaced on CPU by testing/cpu_harness.py (activation recomputation)"),
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state":
+        ("b179c9d95438b61c", "replaced on CPU by testing/cpu_harness.py (activation recomputation)"),
+    "megatron.core.tensor_parallel.random:CheckpointFunction.backward":
+        ("43b157a2ebec22ef", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
+    "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute":
+        ("1bc8c9c07aba7453", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
+}  # fmt: skip
+
+
+def installed_version() -> str:
+    """megatron-core's version as installed (``megatron.core.package_info``)."""
+    return importlib.import_module("megatron.core.package_info").__shortversion__
+
+
+def check_version(allow_untested: bool = False) -> None:
+    """Raise ``RuntimeError`` naming the versions unless megatron-core is one in :data:`TESTED_VERSIONS`
+    (or ``allow_untested`` / the environment variable :data:`ALLOW_ENV` says to go on anyway)."""
+    version = installed_version()
+    if version in TESTED_VERSIONS or allow_untested or os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+        return
+    raise RuntimeError(
+        f"megatron-gift re-implements parts of Megatron-Core's gradient reduction and was tested with "
+        f"megatron-core {', '.join(TESTED_VERSIONS)}; this is megatron-core {version}. Install a tested version, "
+        f"or accept the risk with --gift-allow-untested-megatron (or {ALLOW_ENV}=1) and run tests/test_upstream_guard.py"
+    )
+
+
+def resolve(key: str):
+    """The function ``"module:qualified.name"`` names."""
+    module_name, qualname = key.split(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def fingerprint(key: str) -> str:
+    """sha256 (16 hex digits) of the upstream source of ``key``, unwrapped from this plugin's patches."""
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(resolve(key))).encode()).hexdigest()[:16]

@@ -1,0 +1,40 @@
+"""``megatron-gift bench memory``: the byte tracker counts what it should, and a --quick run (2 ranks)
+writes its table with ``off`` costing nothing over stock Megatron."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_gift.bench import memory
+
+
+def test_live_bytes_tracks_allocations_views_and_frees():
+    tracker = memory.LiveBytes()
+    with tracker:
+        a = torch.ones(1000)  # 4000 B
+        b = a * 2  # 4000 B
+        view = b[:10]  # no new storage
+        a.add_(1)  # in place: no new storage
+        del a
+        c = torch.zeros(500, dtype=torch.bfloat16)  # 1000 B
+        del b  # the view keeps its storage alive
+        assert (tracker.live, tracker.peak) == (5000, 8000)
+        del view
+        assert tracker.live == 1000
+    assert c.numel() == 500
+
+
+@pytest.mark.slow
+def test_quick_run(tmp_path):
+    path = tmp_path / "memory.json"
+    doc = memory.run(quick=True, json_path=str(path))
+    assert json.loads(path.read_text())["machine"]["cpu_count"] >= 1
+    rows = {r["config"]: r for r in doc["results"]}
+    assert set(rows) == set(memory.QUICK_CONFIGS) and all(r["ranks"] == 2 for r in rows.values())
+    # off is Megatron's own reduction: nothing beyond a flag or two (bytes, not bytes per parameter)
+    assert abs(rows["off"]["peak_extra_B_per_param"]) < 0.01 and abs(rows["off"]["held_extra_B_per_param"]) < 0.01
+    # FP8 needs encode/decode buffers; error feedback holds an FP32 residual per coded element
+    assert rows["euclidean"]["transient_extra_B_per_param"] > 0
+    assert rows["gift+error-feedback"]["held_extra_B_per_param"] > rows["euclidean"]["held_extra_B_per_param"] + 1.0
+    assert "| off |" in memory.format_table(doc["results"])
