@@ -36,7 +36,7 @@ def _setup():
     basis, evals = spectrum_factor(D_IN, seed=0)
     stats = KFACStatistics(D_IN)
     stats.accumulate(sample_rows(basis, evals, 1, n=4000, seed=11))
-    stats.refresh()
+    stats.fold()
     return basis, evals, stats.low_rank_factor(32, 1e-3)
 
 
@@ -216,7 +216,7 @@ def _dp_worker(rank, world):
     stats.accumulate(sample_rows(basis, evals, 1, n=1000 + 500 * rank, seed=50 + rank))
     for t in (*stats.sums.values(), stats.tokens):
         dist.all_reduce(t)
-    stats.refresh()
+    stats.fold()
     factor = stats.low_rank_factor(32, 1e-3)
     w = LowRankWhitening(factor)
     policy = LayerPolicy(PolicyConfig(margin=0.05, hysteresis=2))
