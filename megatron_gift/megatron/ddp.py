@@ -510,11 +510,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             state["policy"] = self.monitor.policy.state_dict()
         return state
 
-    def load_gift_state_dict(self, state: dict, residuals: bool = True) -> list[str]:
+    def load_gift_state_dict(self, state: dict, local: bool = True) -> list[str]:
         """Restore ``gift_state_dict()`` output; returns the parameters left fresh (and logs them).
 
-        ``residuals=False``: keep the error-feedback residuals at zero (they belong to the ranks
-        of another data-parallel layout) without counting them as missing."""
+        ``local=False``: the per-rank state (K-FAC statistics, error-feedback residuals) belongs to
+        the ranks of another data-parallel layout: it starts afresh, without counting as missing."""
         self.step = int(state["step"])  # the next zero_grad_buffer() opens the following step
         self._step_open = False
         device = self._device()
@@ -527,11 +527,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         missing = []
         for g in self.gift_params.values():
             entry = state["params"].get(g.name)
-            if entry is None or entry["mode"] != g.mode.value or not self._load_param(g, _to(entry, device)):
+            if entry is None or entry["mode"] != g.mode.value or not self._load_param(g, _to(entry, device), local):
                 missing.append(g.name)
         for view, g in self._residual_views():
             entry = state["params"].get(g.name, {})
-            if not residuals or g.name in missing:
+            if not local or g.name in missing:
                 view.zero_()
             elif "residual" in entry and entry["residual"].shape == view.shape:
                 view.copy_(entry["residual"])
@@ -542,9 +542,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             logger.warning("megatron-gift: no usable saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
         return missing
 
-    def _load_param(self, g: GiftParam, entry: dict) -> bool:
-        """Statistics and transform of one parameter; False if they don't fit this configuration."""
-        if g.stats is not None:
+    def _load_param(self, g: GiftParam, entry: dict, local: bool) -> bool:
+        """Statistics (``local``) and transform of one parameter; False if they don't fit this configuration."""
+        if g.stats is not None and local:
             saved = entry.get("stats")
             if saved is None or "ema_tokens" not in saved or any(saved["sums"][k].shape != t.shape for k, t in g.stats.sums.items()):
                 return False
