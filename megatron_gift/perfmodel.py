@@ -25,12 +25,13 @@ Step time of one data-parallel rank (``m = max(1, global_batch / (micro_batch·N
   (``fp8_params``: ``"all"`` as the paper and the demo, ``"linear"`` as the recipes); ``euclidean-2level``
   is a what-if, NOT implemented: intra-node all-to-all, then an inter-node all-to-all of ``S/g``.
   With the distributed optimizer every mode then all-gathers the BF16 parameters (2 B).
-  GIFT adds, per refresh (every ``refresh_interval`` steps): the K-FAC sketch statistics
-  (``4·tokens·d_in·k`` FLOPs per micro-batch), their BF16 ring all-reduce (``(d_in·k + d_in)·2`` B),
+  GIFT adds, every step, the K-FAC sketch statistics (``4·tokens·d_in·k`` FLOPs per micro-batch,
+  folded into a local per-step EMA) and, per refresh (every ``refresh_interval`` steps): the FP32
+  ring all-reduce of those EMAs (``(d_in·k + d_in + 1)·4`` B),
   building each layer's factor and ``T`` on the CPU of its owner rank only (owners round-robin, all at
   once: ``ceil(layers/N)·factor_build`` of the overhead benchmark on the critical path) and one ring
-  broadcast per layer of the result (FP64 factor ``d, V, λ, tr A`` + FP32 ``T``:
-  ``8·(d_in·r + d_in + r + 1) + 4·(d_in·r + 2·d_in + 2·r)`` B at rank ``r``, timed as a ring all-gather
+  broadcast per layer of the result (FP64 factor ``d, V, λ`` and a header ``tr A``, damping, choice
+  + FP32 ``T``: ``8·(d_in·r + d_in + r + 3) + 4·(d_in·r + 2·d_in + 2·r)`` B at rank ``r``, timed as a ring all-gather
   of that buffer: a pipelined ring broadcast moves each byte over each link once).
 * **Plugin work** (serial on the compute stream): encode (+ ``G T``) of each bucket when its last
   gradient is ready, decode + sum (+ ``T⁻¹``) when Megatron waits on it: per element costs of
@@ -311,15 +312,15 @@ def step_time(w: Workload, c: Cluster, mode: str, gpus: int, overheads: Overhead
     else:
         grad_exposed, gather_exposed = sum(comm) + sum(send) + sum(recv), sum(gather)
     refresh = refresh_bytes = 0.0
-    if mode == "gift":  # per refresh: statistics (sketch + diagonal in BF16, token count in FP64), then
-        # each layer's factor + T built on its owner (ceil(layers/N) per rank, in parallel) and broadcast
+    if mode == "gift":  # every step: statistics; per refresh: their EMAs (sketch + diagonal + tokens, FP32)
+        # summed, each layer's factor + T built on its owner (ceil(layers/N) per rank, in parallel) and broadcast
         d_ins = [s[1] for name, s, _ in w.parameters() if is_gift(name, gift_layers)]
         stats_flops = sum(4.0 * tokens * d * min(sketch, d) for d in d_ins) * micro
-        stats_bytes = sum((d * min(sketch, d) + d) * 2.0 + 8 for d in d_ins)
-        bcast = [8.0 * (d * r + d + r + 1) + 4.0 * (d * r + 2 * d + 2 * r) for d, r in ((d, min(rank, d)) for d in d_ins)]
-        per_refresh = (stats_flops * per_flop + 2 * ring_time(stats_bytes, gpus, c)
-                       + ovh.factor_build_s * math.ceil(len(d_ins) / gpus) + sum(ring_time(b, gpus, c) for b in bcast))  # fmt: skip
-        refresh = per_refresh / refresh_interval
+        stats_bytes = sum((d * min(sketch, d) + d + 1) * 4.0 for d in d_ins)
+        bcast = [8.0 * (d * r + d + r + 3) + 4.0 * (d * r + 2 * d + 2 * r) for d, r in ((d, min(rank, d)) for d in d_ins)]
+        per_refresh = (2 * ring_time(stats_bytes, gpus, c) + ovh.factor_build_s * math.ceil(len(d_ins) / gpus)
+                       + sum(ring_time(b, gpus, c) for b in bcast))  # fmt: skip
+        refresh = stats_flops * per_flop + per_refresh / refresh_interval
         refresh_bytes = (gpus - 1) / gpus * (2 * stats_bytes + sum(bcast)) / refresh_interval
     compute = micro * (sum(fwd) + sum(bwd))
     grad_bytes = sum(b.wire_bytes for b in bks) * (gpus - 1) / gpus * (1 if dist_opt else 2)

@@ -268,6 +268,7 @@ def _owner_build_worker(rank, world):
                 owned=sorted(g.name for g in layers if g.owner == rank),
                 state=torch.cat([t.flatten().double() for g in layers
                                  for t in (g.factor.d, g.factor.v, g.factor.lam, torch.tensor([g.factor.trace_a]),
+                                           torch.tensor([-1.0 if g.damping is None else g.damping]),  # the choice
                                            *g.whitening.tensors().values())]),
                 sent=ddp.ledger.as_dict(),
             ))  # fmt: skip
