@@ -217,9 +217,9 @@ def run_scratch(cfg: AxesConfig) -> tuple[list[dict], list[dict]]:
 # --------------------------------------------------------------------------- pretrained model
 
 
-def run_pretrained(cfg: AxesConfig, seq_len: int = 64) -> tuple[list[dict], list[dict]]:
-    """all-MiniLM-L6-v2 at its shipped weights: factor from ``kfac_batches`` batches of the
-    training documents, gradients of held-out documents (every 10th)."""
+def _pretrained_statistics(cfg: AxesConfig, seq_len: int):
+    """all-MiniLM-L6-v2, its tokenizer, the held-out documents (every 10th) and each layer's
+    ``KFACStatistics`` averaged over ``kfac_batches`` batches of the other documents."""
     from megatron_gift.bench import pretrained
 
     model, tokenizer = pretrained.load()
@@ -236,6 +236,15 @@ def run_pretrained(cfg: AxesConfig, seq_len: int = 64) -> tuple[list[dict], list
             for n, x in acts.items():
                 stats[n].accumulate(x)
                 stats[n].fold(ema=stats[n].folds / (stats[n].folds + 1))  # the plain mean
+    return model, tokenizer, held_docs, stats
+
+
+def run_pretrained(cfg: AxesConfig, seq_len: int = 64) -> tuple[list[dict], list[dict]]:
+    """all-MiniLM-L6-v2 at its shipped weights: factor from ``kfac_batches`` batches of the
+    training documents, gradients of held-out documents."""
+    from megatron_gift.bench import pretrained
+
+    model, tokenizer, held_docs, stats = _pretrained_statistics(cfg, seq_len)
     ranks = sorted({*cfg.gift_ranks, cfg.rank})
     sources = {n: {("damping_rank", "static", 0): factors_by_rank(s.factor, ranks)} for n, s in stats.items()}
     batches = {}
@@ -244,6 +253,26 @@ def run_pretrained(cfg: AxesConfig, seq_len: int = 64) -> tuple[list[dict], list
         stream = pretrained.pair_batches(held_docs, tokenizer, seq_len, cfg.ranks * per_shard, per_shard, cfg.seed + 1 + i)
         batches[per_shard * 2 * seq_len] = next(stream)
     return _measure(model, batches, sources, cfg, 0), []
+
+
+def statistics_precision(cfg: AxesConfig, seq_len: int = 64) -> list[dict]:
+    """What BF16 statistics (the previous wire format: the summed A rounded to BF16) cost against
+    FP32, per pretrained layer: relative error of the residual diagonal ``D`` (rank ``cfg.rank``,
+    no damping) and of the damped ``D`` at δ = 1, against FP64 factors of the FP32 statistics."""
+    _, _, _, stats = _pretrained_statistics(cfg, seq_len)
+    out = []
+    for n, s in stats.items():
+        a = s.factor
+        ref = factors_by_rank(a.double(), [cfg.rank])[cfg.rank]
+        row = {"layer": n, "layer_type": layer_type(n), "top_r_trace_share": float(ref.lam.sum()) / ref.trace_a}
+        for name, approx in (("fp32", a), ("bf16", a.bfloat16().float())):
+            f = factors_by_rank(approx, [cfg.rank])[cfg.rank]
+            for delta in (0.0, 1.0):
+                rel = (f.with_damping(delta).d - ref.with_damping(delta).d).abs() / ref.with_damping(delta).d.clamp_min(1e-300)
+                row[f"{name}_d_relerr_median_delta{delta:g}"] = float(rel.median())
+                row[f"{name}_d_relerr_max_delta{delta:g}"] = float(rel.max())
+        out.append(row)
+    return out
 
 
 # --------------------------------------------------------------------------- summary
@@ -308,13 +337,20 @@ def format_tables(summary: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_gift.bench.fidelity_axes", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", choices=("scratch", "pretrained"))
+    ap.add_argument("model", choices=("scratch", "pretrained", "precision"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else AxesConfig()
     t0 = time.perf_counter()
+    if args.model == "precision":
+        rows = statistics_precision(cfg)
+        Path(args.json).write_text(json.dumps(_rounded({"benchmark": "statistics-precision", "machine": machine(), "rows": rows,
+                                                        "command": "python -m megatron_gift.bench.fidelity_axes precision --json " + args.json})) + "\n")  # fmt: skip
+        keys = [k for k in rows[0] if k.endswith(("median_delta0", "max_delta0", "median_delta1"))]
+        print(_md_table(["layer", "top-r trace share", *keys], [[r["layer"], r["top_r_trace_share"], *(r[k] for k in keys)] for r in rows]))
+        return 0
     records, points = (run_scratch if args.model == "scratch" else run_pretrained)(cfg)
     summary = summarize(records)
     report = {

@@ -369,8 +369,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         broadcast."""
         if self.collecting:
             self.collecting = False
-            for g, _ in self._gift_layers():
-                self._fold_statistics(g)
+            for g, _ in self._gift_layers():  # local compute only: non-finite values are caught in the sums
+                g.stats.fold()
             if self._is_refresh_step(self.step):
                 self._global_stats = self._sum_statistics()
         todo = [(g, grp, grad, self._global_stats.pop(id(g))) for g, grp, grad in self._gift_layers_of(bucket_group)
@@ -396,11 +396,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             for seg, g in zip(layout.segments, params):
                 if g is not None and g.candidate:
                     yield g, group, bucket.grad_data[seg.start : seg.end].view(seg.rows, seg.cols)
-
-    def _fold_statistics(self, g: GiftParam) -> None:
-        """Fold ``g``'s statistics of this step into its local per-step EMA: local compute only (a
-        non-finite value is caught where the EMAs are summed)."""
-        g.stats.fold()
 
     def _sum_statistics(self) -> dict[int, tuple]:
         """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups: one
