@@ -66,9 +66,9 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
         assert len(m["loss_curve"]) == 12 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
         assert m["final_loss"] == m["loss_curve"][-1] and m["bytes_per_step"] > 0
     # A step without a factor refresh moves at most 0.26x FP32's bytes, and Euclidean never
-    # refreshes; GIFT's average also carries the statistics all-reduces and factor broadcasts of
-    # its warm-up refreshes (steps 0, 1, 2, 4, 8 here), large next to this tiny model's gradients.
-    for name, bound in (("euclidean-e4m3", 0.26), ("gift-e4m3", 0.45), ("gift-auto", 0.45)):
+    # refreshes; GIFT's average also carries the FP32 statistics all-reduces and factor broadcasts
+    # of its refreshes (steps 0, 1, 2, 4, 8, 10 here: 6 of 12), large next to this tiny model's gradients.
+    for name, bound in (("euclidean-e4m3", 0.26), ("gift-e4m3", 0.6), ("gift-auto", 0.6)):
         m = doc["modes"][name]
         last = sum(int(n) for n in re.findall(r"\S+ (\d+)", m["bytes_detail_last"]))
         assert last <= 0.26 * fp32 and m["bytes_per_step"] < bound * fp32, (name, last, m["bytes_per_step"], fp32)

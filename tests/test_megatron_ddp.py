@@ -289,6 +289,7 @@ def test_factors_are_built_by_their_owner_and_broadcast():
             assert s["built"] == s["owned"], s["built"]  # each rank built exactly the layers it owns
             assert abs(len(s["owned"]) - n / 2) <= 0.5  # round-robin: half each
             assert s["sent"].get("broadcast/fp64", 0) > 0 and s["sent"].get("broadcast/fp32", 0) > 0, s["sent"]
+            assert s["sent"].get("all_reduce/fp32", 0) > 0 and "all_reduce/bf16" not in s["sent"], s["sent"]  # FP32 statistics
         assert sorted(sum((s["built"] for s in per_rank), [])) == sorted(set(sum((s["owned"] for s in per_rank), [])))
         assert len(sum((s["built"] for s in per_rank), [])) == n
         assert torch.equal(per_rank[0]["state"], per_rank[1]["state"])
