@@ -1,4 +1,4 @@
-"""``bench comm`` on 2 CPU ranks: schema, FP8 bytes at most 0.26x FP32, ranks bit-identical."""
+"""``bench comm`` on 2 CPU ranks: schema, FP8 gradient bytes at most 0.26x FP32, ranks bit-identical."""
 
 import pytest
 
@@ -19,8 +19,10 @@ def test_bench_comm_quick(tmp_path):
             assert r["rel_l2_vs_fp32"] < 1e-6
         elif r["mode"] == "bf16":
             assert r["bytes_ratio_vs_fp32"] == pytest.approx(0.5, abs=0.01) and r["rel_l2_vs_fp32"] < 1e-2
-        else:
-            assert r["bytes_ratio_vs_fp32"] <= 0.26, r
+        else:  # the FP8 gradient itself; GIFT adds its refreshes' statistics and factors, amortized
+            fp32 = next(f["bytes_per_step"] for f in rows if f["mode"] == "fp32" and f["distributed_optimizer"] == r["distributed_optimizer"])
+            assert r["grad_bytes_per_step"] <= 0.26 * fp32, r
+            assert (r["refresh_bytes"] > 0) == r["mode"].startswith("gift"), r
             assert r["rel_l2_vs_fp32"] < 0.06, r
     assert (tmp_path / "comm.json").exists()
 
