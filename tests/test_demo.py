@@ -55,7 +55,7 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     from megatron_gift.cli import main
 
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--train-iters", "12", "--out", str(out)]) == 0
+    assert main(["demo", "--quick", "--train-iters", "13", "--out", str(out)]) == 0  # the last step is no refresh
     assert (out / "report.md").is_file() and "| GIFT-E4M3 |" in (out / "report.md").read_text()
     pngs = sorted(out.glob("*.png"))
     assert len(pngs) >= 2 and all(p.stat().st_size > 10_000 for p in pngs)
@@ -63,11 +63,11 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     assert set(doc["modes"]) == {"fp32", "bf16", "euclidean-e4m3", "gift-e4m3", "gift-auto"}
     fp32 = doc["modes"]["fp32"]["bytes_per_step"]
     for name, m in doc["modes"].items():
-        assert len(m["loss_curve"]) == 12 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
+        assert len(m["loss_curve"]) == 13 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
         assert m["final_loss"] == m["loss_curve"][-1] and m["bytes_per_step"] > 0
     # A step without a factor refresh moves at most 0.26x FP32's bytes, and Euclidean never
     # refreshes; GIFT's average also carries the FP32 statistics all-reduces and factor broadcasts
-    # of its refreshes (steps 0, 1, 2, 4, 8, 10 here: 6 of 12), large next to this tiny model's gradients.
+    # of its refreshes (steps 0, 1, 2, 4, 8, 10 here: 6 of 13), large next to this tiny model's gradients.
     for name, bound in (("euclidean-e4m3", 0.26), ("gift-e4m3", 0.6), ("gift-auto", 0.6)):
         m = doc["modes"][name]
         last = sum(int(n) for n in re.findall(r"\S+ (\d+)", m["bytes_detail_last"]))
