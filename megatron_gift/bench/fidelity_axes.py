@@ -340,9 +340,12 @@ def main(argv=None) -> int:
     ap.add_argument("model", choices=("scratch", "pretrained", "precision"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", help="tokens per rank to measure (default: the preset's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else AxesConfig()
+    if args.tokens:
+        cfg = dataclasses.replace(cfg, tokens_per_rank=tuple(args.tokens))
     t0 = time.perf_counter()
     if args.model == "precision":
         rows = statistics_precision(cfg)
