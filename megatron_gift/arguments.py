@@ -83,13 +83,16 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Iterations between whitening-factor refreshes (default: %(default)s).",
     )
     g.add_argument(
-        "--gift-ema", type=float, default=_DEFAULT.ema, help="EMA decay of the input statistics (default: %(default)s)."
-    )
+        "--gift-ema", type=float, default=_DEFAULT.ema,
+        help="Per-step EMA decay of the input statistics (default: %(default)s).",
+    )  # fmt: skip
     g.add_argument(
         "--gift-damping",
-        type=float,
-        default=_DEFAULT.damping,
-        help="Damping added to the input statistics (default: %(default)s).",
+        type=_damping,
+        default=_DEFAULT.damping if _DEFAULT.damping is not None else AUTO,
+        help="Damping added to the factor's diagonal, relative to mean(diag A), or 'auto': chosen per layer at "
+        f"every refresh among {_DEFAULT.damping_candidates} and Euclidean by the local error each gives "
+        "(default: %(default)s).",
     )
     g.add_argument(
         "--gift-layers",
@@ -173,6 +176,11 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _damping(text: str) -> str | float:
+    """``--gift-damping``: ``auto`` or a number."""
+    return AUTO if text == AUTO else float(text)
+
+
 def chain_args_providers(*providers):
     """One ``extra_args_provider`` that applies ``providers`` in order (Megatron accepts only one)."""
 
@@ -196,7 +204,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             codec=CodecConfig(FP8Format(args.gift_fp8_format), Scaling(args.gift_scaling), args.gift_block_size),
             rank=args.gift_rank,
             sketch=args.gift_sketch,
-            damping=args.gift_damping,
+            damping=None if args.gift_damping == AUTO else args.gift_damping,
             ema=args.gift_ema,
             refresh_interval=args.gift_refresh_interval,
             error_feedback=args.gift_error_feedback,

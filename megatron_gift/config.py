@@ -60,8 +60,12 @@ class GiftConfig:
     ``mode`` defaults to ``off``, as ``--gift-mode`` does: a default ``GiftConfig()`` changes
     nothing (every gradient goes through Megatron's own reduction) until a mode is chosen.
 
-    ``refresh_interval``: steps between factor refreshes (before the first interval also at
-    steps 1, 2, 4, ..., each replacing the factor; later refreshes fold into the ``ema``).
+    ``ema``: per-step decay of the input statistics' EMA (every step folds its statistics in).
+    ``refresh_interval``: steps between factor rebuilds from that EMA (before the first interval
+    also at steps 1, 2, 4, ...). ``damping``: added to the factor's diagonal, relative to
+    mean(diag A); ``None`` (``--gift-damping auto``) chooses it per layer at every rebuild among
+    ``damping_candidates`` and Euclidean (no whitening), from the error each gives on the factor
+    owner's own gradient (``numerics.profile.choose_damping``). Defaults: docs/fidelity.md.
     ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
     instead of the full matrix (0: exact ``XᵀX``). ``layers``: regular expressions on parameter names that select which weights use ``mode``
     (default: the weight matrices of linear layers). ``euclidean_layers`` puts other parameters
@@ -77,9 +81,10 @@ class GiftConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     rank: int = 32
     sketch: int = 64
-    damping: float = 1e-3
+    damping: float | None = None
+    damping_candidates: tuple[float, ...] = (0.3, 1.0, 3.0, 10.0)
     ema: float = 0.95
-    refresh_interval: int = 50
+    refresh_interval: int = 10
     error_feedback: bool = False
     layers: tuple[str, ...] = (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
     euclidean_layers: tuple[str, ...] = ()
@@ -94,8 +99,11 @@ class GiftConfig:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if self.sketch and self.sketch < self.rank:
             raise ValueError(f"sketch ({self.sketch}) must be 0 (exact statistics) or >= rank ({self.rank})")
-        if self.damping <= 0:
-            raise ValueError(f"damping must be > 0, got {self.damping}")
+        if self.damping is not None and not self.damping > 0:
+            raise ValueError(f"damping must be > 0 or auto, got {self.damping}")
+        object.__setattr__(self, "damping_candidates", tuple(self.damping_candidates))
+        if not self.damping_candidates or not all(c > 0 for c in self.damping_candidates):
+            raise ValueError(f"damping_candidates must be positive, got {self.damping_candidates}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.refresh_interval < 1:

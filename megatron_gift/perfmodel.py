@@ -46,11 +46,12 @@ micro-batches of ``micro_batch x seq`` tokens)::
   rest in BF16), over the flat all-to-all (today's placement: encode on the compute stream when the bucket's
   last gradient is ready, decode + sum + ``T⁻¹`` inside Megatron's wait after the backward) or the
   two-level exchange (``-2level``). With the distributed optimizer every mode then all-gathers the BF16
-  parameters (2 B). GIFT adds, per refresh (every ``refresh_interval`` steps): the K-FAC sketch statistics
-  (``4·tokens·d_in·k`` FLOPs per micro-batch), their BF16 ring all-reduce (``(d_in·k + d_in)·2`` B), each
-  layer's factor and ``T`` built on the CPU of its owner (``ceil(layers/dp)·factor_build``) and one ring
-  broadcast per layer (``8·(d_in·r + d_in + r + 1) + 4·(d_in·r + 2·d_in + 2·r)`` B, timed as a ring
-  all-gather).
+  parameters (2 B). GIFT adds, every step, the K-FAC sketch statistics (``4·tokens·d_in·k`` FLOPs per micro-batch,
+  folded into a local per-step EMA) and, per refresh (every ``refresh_interval`` steps): the FP32 ring
+  all-reduce of those EMAs (``(d_in·k + d_in + 1)·4`` B), each layer's factor and ``T`` built on the CPU of
+  its owner (``ceil(layers/dp)·factor_build``) and one ring broadcast per layer (FP64 factor ``d, V, λ`` with
+  a header ``tr A``, damping, choice, + FP32 ``T``: ``8·(d_in·r + d_in + r + 3) + 4·(d_in·r + 2·d_in + 2·r)``
+  B, timed as a ring all-gather).
 * **Schedules**: ``overlap`` (the recipes: distributed optimizer, ``--overlap-grad-reduce`` during the last
   micro-batch's backward, then Megatron's waits in bucket order; ``--overlap-param-gather`` during the next
   forward) and ``sync`` (the paper's artifact: one all-reduce after the backward, nothing overlapped).
@@ -490,18 +491,18 @@ def step_time(w: Workload, c: Cluster, mode: str, gpus: int, overheads: Overhead
 
 def gift_refresh(w: Workload, c: Cluster, mode: str, dp: int, g: int, ovh: Overheads, gift_layers: tuple[str, ...],
                  interval: int, sketch: int, rank: int, tokens: int, per_flop: float) -> tuple[float, float]:  # fmt: skip
-    """GIFT's per-step share of a refresh (seconds, bytes per rank): statistics (sketch + diagonal in BF16, token
-    count in FP64) over ``tokens`` per step, then each layer's factor + T built on its owner (``ceil(layers/dp)``
-    per rank, in parallel) and broadcast."""
+    """GIFT's per-step cost (seconds, bytes per rank): the sketch statistics of ``tokens`` every step, and per
+    refresh the FP32 all-reduce of their EMAs (sketch + diagonal + token count), each layer's factor + T built
+    on its owner (``ceil(layers/dp)`` per rank, in parallel) and broadcast."""
     if not mode.startswith("gift") or dp == 1:
         return 0.0, 0.0
     d_ins = [s[1] for name, s, _ in w.parameters() if is_gift(name, gift_layers)]
     stats_flops = sum(4.0 * tokens * d * min(sketch, d) for d in d_ins)
-    stats_bytes = sum((d * min(sketch, d) + d) * 2.0 + 8 for d in d_ins)
-    bcast = [8.0 * (d * r + d + r + 1) + 4.0 * (d * r + 2 * d + 2 * r) for d, r in ((d, min(rank, d)) for d in d_ins)]
-    per_refresh = (stats_flops * per_flop + 2 * ring_time(stats_bytes, dp, c, g)
-                   + ovh.factor_build_s * math.ceil(len(d_ins) / dp) + sum(ring_time(b, dp, c, g) for b in bcast))  # fmt: skip
-    return per_refresh / interval, (dp - 1) / dp * (2 * stats_bytes + sum(bcast)) / interval
+    stats_bytes = sum((d * min(sketch, d) + d + 1) * 4.0 for d in d_ins)
+    bcast = [8.0 * (d * r + d + r + 3) + 4.0 * (d * r + 2 * d + 2 * r) for d, r in ((d, min(rank, d)) for d in d_ins)]
+    per_refresh = (2 * ring_time(stats_bytes, dp, c, g) + ovh.factor_build_s * math.ceil(len(d_ins) / dp)
+                   + sum(ring_time(b, dp, c, g) for b in bcast))  # fmt: skip
+    return stats_flops * per_flop + per_refresh / interval, (dp - 1) / dp * (2 * stats_bytes + sum(bcast)) / interval
 
 
 def plan(w: Workload, c: Cluster, gpus: int, overheads: Overheads, **kw) -> dict:

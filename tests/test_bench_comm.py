@@ -27,6 +27,7 @@ def test_bench_comm_quick(tmp_path):
             # gradient bytes: 1 B per element plus a 4 B scale per group, against FP32's 4 B; the
             # narrowest group of the quick model is 96 wide (fc2: 352 = 2 x 128 + 96), 1% for padding
             assert r["grad_bytes_per_step"] <= (0.25 + 4 / (4 * 96)) * 1.01 * fp32["bytes_per_step"], r
+            assert (r["refresh_bytes"] > 0) == r["mode"].startswith("gift"), r  # GIFT's refreshes, amortized
             # tests/bounds.py
             assert r["rel_l2_vs_fp32"] < (reduced_rel_l2_bound(3) if r["mode"].startswith("euclidean") else GIFT_REL_L2), r
     assert (tmp_path / "comm.json").exists()

@@ -99,13 +99,17 @@ def test_resumed_run_is_bitwise_identical_to_the_uninterrupted_one(runs):
     whole = _contents(tmp / "whole" / "iter_0000006", tmp)
     resumed = _contents(tmp / "resumed" / "iter_0000006", tmp)
     gift = sorted(k for k in whole if k.startswith("gift."))
-    # dense state (replicated over the 2 data-parallel ranks: one copy) and both ranks' residuals
-    assert [k.split("/")[0] for k in gift] == ["gift.chunk0.dense", "gift.chunk0.residuals", "gift.chunk0.residuals"]
+    # dense state (replicated over the 2 data-parallel ranks: one copy), both ranks' local
+    # statistics (per-step EMAs, summed only at refreshes) and both ranks' residuals
+    assert [k.split("/")[0] for k in gift] == ["gift.chunk0.dense", *["gift.chunk0.local"] * 2, *["gift.chunk0.residuals"] * 2]
     state = whole[gift[0]]
     assert state["step"] == 5 and len(state["params"]) == 8
     assert "decoder.layers.0.mlp.linear_fc2.weight" in state["params"]  # names without wrapper prefixes
-    assert all(p["mode"] == "gift" and "whitening" in p and "stats" in p for p in state["params"].values())
-    residuals = [whole[k] for k in gift[1:]]
+    assert all(p["mode"] == "gift" and "whitening" in p and "damping" in p for p in state["params"].values())
+    local = [whole[k] for k in gift[1:3]]
+    assert all(len(s) == 8 and all(e["folds"] == 6 for e in s.values()) for s in local)
+    assert not _bitwise_equal(local[0], local[1])  # each rank keeps its own EMA
+    residuals = [whole[k] for k in gift[3:]]
     assert all(len(r) == 8 for r in residuals) and any(bool(t.abs().sum() > 0) for r in residuals for t in r.values())
     assert not _bitwise_equal(residuals[0], residuals[1])  # each rank keeps its own
     assert whole.keys() == resumed.keys()
@@ -127,7 +131,7 @@ def test_another_data_parallel_size_restores_all_but_the_residuals(runs):
     _, logs = runs
     log = logs["one_rank"]
     assert "written by 2 ranks (data-parallel 2), this run has 1 (data-parallel 1)" in log
-    assert "error-feedback residuals (per rank) start at zero" in log
+    assert "K-FAC statistics and error-feedback residuals (per rank) start afresh" in log
     assert "GIFT state restored (step 2)" in log
     assert sorted(int(i) for i, _ in LOSS_RE.findall(log)) == [4, 5, 6]
 

@@ -53,7 +53,7 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     from megatron_gift.cli import main
 
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--train-iters", "12", "--out", str(out)]) == 0
+    assert main(["demo", "--quick", "--train-iters", "13", "--out", str(out)]) == 0  # the last step is no refresh
     assert (out / "report.md").is_file() and "| GIFT-E4M3 |" in (out / "report.md").read_text()
     pngs = sorted(out.glob("*.png"))
     assert len(pngs) >= 2 and all(p.stat().st_size > 10_000 for p in pngs)
@@ -61,7 +61,7 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     assert set(doc["modes"]) == {"fp32", "bf16", "euclidean-e4m3", "gift-e4m3", "gift-auto"}
     fp32 = doc["modes"]["fp32"]["bytes_per_step"]
     for name, m in doc["modes"].items():
-        assert len(m["loss_curve"]) == 12 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
+        assert len(m["loss_curve"]) == 13 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
         # the losses Megatron printed, read from the run's own log with this test's pattern
         logged = re.findall(r"lm loss: ([-+0-9.eE]+) \|", (out / "logs" / f"{name}.log").read_text())
         assert m["loss_curve"] == [float(v) for v in logged] and m["final_loss"] == float(logged[-1]), name
@@ -69,10 +69,10 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     # A step without a factor refresh sends 1 B per element plus an FP32 scale per group, against
     # FP32's 4 B: 0.25 + 4 / (4 · 64) = 0.2656x, since the quick model's widest group is a 64-wide
     # row (hidden 64); 1% more for shard padding. Euclidean never refreshes; GIFT's average also
-    # carries the statistics all-reduces and factor broadcasts of its warm-up refreshes (steps 0,
-    # 1, 2, 4, 8 here), large next to this tiny model's gradients.
+    # carries the FP32 statistics all-reduces and factor broadcasts of its warm-up refreshes (steps 0,
+    # 1, 2, 4, 8, 10 here: 6 of 13), large next to this tiny model's gradients.
     fp8_share = (0.25 + 4 / (4 * demo.PRESETS["quick"]["hidden"])) * 1.01
-    for name, bound in (("euclidean-e4m3", fp8_share), ("gift-e4m3", 0.45), ("gift-auto", 0.45)):
+    for name, bound in (("euclidean-e4m3", fp8_share), ("gift-e4m3", 0.6), ("gift-auto", 0.6)):
         m = doc["modes"][name]
         last = sum(int(n) for n in re.findall(r"\S+ (\d+)", m["bytes_detail_last"]))
         assert last <= fp8_share * fp32 and m["bytes_per_step"] < bound * fp32, (name, last, m["bytes_per_step"], fp32)

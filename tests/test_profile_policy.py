@@ -21,6 +21,7 @@ from megatron_gift.numerics import (
     roundtrip,
     summarize,
 )
+from megatron_gift.numerics.profile import choose_damping
 from megatron_gift.policy import Decision, LayerPolicy, PolicyConfig
 from megatron_gift.report import read_telemetry, render
 from megatron_gift.telemetry import TelemetryWriter
@@ -37,7 +38,7 @@ def _setup():
     basis, evals = spectrum_factor(D_IN, seed=0)
     stats = KFACStatistics(D_IN)
     stats.accumulate(sample_rows(basis, evals, 1, n=4000, seed=11))
-    stats.refresh()
+    stats.fold()
     return basis, evals, stats.low_rank_factor(32, 1e-3)
 
 
@@ -235,7 +236,7 @@ def _dp_worker(rank, world):
     stats.accumulate(sample_rows(basis, evals, 1, n=1000 + 500 * rank, seed=50 + rank))
     for t in (*stats.sums.values(), stats.tokens):
         dist.all_reduce(t)
-    stats.refresh()
+    stats.fold()
     factor = stats.low_rank_factor(32, 1e-3)
     w = LowRankWhitening(factor)
     policy = LayerPolicy(PolicyConfig(margin=0.05, hysteresis=2))
@@ -360,3 +361,31 @@ def test_report_renders_plots_and_decisions(tmp_path):
     assert "| all_to_all/fp8+scales | 1,012 |" in md
     assert cli_main(["report", str(run / "gift_telemetry.jsonl")]) == 0
     assert (run / "mode_timeline.png").exists() and (run / "report.md").exists()
+
+
+# -- damping chosen per layer ---------------------------------------------------------------------
+
+
+def test_choose_damping_picks_the_smallest_local_error(setup):
+    """The estimates are the round-trip errors computed independently here, and the choice is their
+    argmin: a gradient concentrated in A's top subspace (rows ~ A²) gets a whitening; one whose
+    energy lies in A's *bottom* directions (rows ~ A⁻¹), which T⁻¹ amplifies, stays Euclidean."""
+    basis, evals, factor = setup
+    candidates = (0.3, 1.0, 3.0)
+    for power, expect_gift in ((2, True), (-1, False)):
+        g = _grad(basis, evals, power, seed=5)
+        chosen, errs = choose_damping(g, factor, candidates, CFG)
+        assert errs[None] == pytest.approx(float((roundtrip(g, CFG) - g).norm()), rel=1e-6)
+        for delta in candidates:
+            w = LowRankWhitening(factor.with_damping(delta))
+            u = w.apply(g)
+            assert errs[delta] == pytest.approx(float(w.inverse(roundtrip(u, CFG) - u).norm()), rel=1e-5)
+        assert chosen == min(errs, key=lambda k: errs[k])
+        assert (chosen is not None) == expect_gift, errs
+
+
+def test_choose_damping_falls_back_to_euclidean_on_non_finite_estimates(setup):
+    basis, evals, factor = setup
+    g = _grad(basis, evals, 2, seed=6)
+    g[0, 0] = float("nan")
+    assert choose_damping(g, factor, (1.0,), CFG)[0] is None

@@ -16,6 +16,7 @@ from megatron_gift.numerics import (
     geometry_stats,
     roundtrip,
 )
+from megatron_gift.numerics.whitening import factor_from_sketch
 
 
 def spectrum_factor(d, decay=4.0, seed=0):
@@ -115,21 +116,124 @@ def test_factor_is_bitwise_deterministic_across_processes():
 
 
 def test_kfac_statistics_ema():
+    """Per-step EMA of (sums, tokens): the first fold gives the step's mean, later ones the
+    token-weighted EMA of sums over that of tokens (both start at 0); a step without tokens changes nothing."""
     stats = KFACStatistics(8, ema=0.5)
     x1, x2 = torch.randn(100, 8), torch.randn(3, 50, 8) * 2
     stats.accumulate(x1[:40])
     stats.accumulate(x1[40:])
-    a1 = stats.refresh()["xtx"].clone()
+    stats.fold()
+    a1 = stats.factor.clone()
     assert torch.allclose(a1, x1.T @ x1 / 100, atol=1e-5)
     stats.accumulate(x2)
-    a2 = stats.refresh()["xtx"]
+    stats.fold()
     x2f = x2.reshape(-1, 8)
-    assert torch.allclose(a2, 0.5 * a1 + 0.5 * x2f.T @ x2f / 150, atol=1e-4)
-    with pytest.raises(RuntimeError):
-        stats.refresh()
+    # E = β(1-β) S1 + (1-β) S2, M = β(1-β) N1 + (1-β) N2
+    assert torch.allclose(stats.factor, (0.25 * x1.T @ x1 + 0.5 * x2f.T @ x2f) / (0.25 * 100 + 0.5 * 150), atol=1e-4)
+    before = stats.factor.clone()
+    stats.fold()  # no tokens this step
+    assert torch.allclose(stats.factor, before, rtol=1e-6)
     restored = KFACStatistics(8, ema=0.5)
     restored.load_state_dict(stats.state_dict())
-    assert torch.equal(restored.factor, stats.factor) and restored.refreshes == 2
+    assert torch.equal(restored.factor, stats.factor) and restored.folds == 3
+    with pytest.raises(RuntimeError):
+        KFACStatistics(8).averages()
+
+
+@pytest.mark.parametrize("sketch", [0, 4])
+def test_sum_of_local_emas_is_the_ema_of_global_statistics(sketch):
+    """Linearity, exactly in FP64: dyadic activations and β = 0.75 keep every product and sum
+    exact, so Σ_ranks (local EMA) equals the EMA of the globally summed per-step statistics bit
+    for bit, unequal token counts and a rank without tokens included."""
+    ranks, steps, d = 3, 6, 8
+    gen = torch.Generator().manual_seed(0)
+    local = [KFACStatistics(d, ema=0.75, sketch=sketch, seed=1, dtype=torch.float64) for _ in range(ranks)]
+    glob = KFACStatistics(d, ema=0.75, sketch=sketch, seed=1, dtype=torch.float64)
+    glob.omega = local[0].omega = local[1].omega = local[2].omega = None if sketch == 0 else torch.randint(-2, 3, (d, sketch), generator=gen).double()
+    for step in range(steps):
+        for r, stats in enumerate(local):
+            n = 0 if (step, r) == (2, 1) else 4 + 3 * r + step
+            x = torch.randint(-4, 5, (n, d), generator=gen).double() / 4
+            stats.accumulate(x)
+            glob.accumulate(x)
+            stats.fold()
+        glob.fold()
+    for k in glob.ema_sums:
+        assert torch.equal(sum(s.ema_sums[k] for s in local), glob.ema_sums[k]), k
+    assert torch.equal(sum(s.ema_tokens for s in local), glob.ema_tokens)
+    summed = ({k: sum(s.ema_sums[k] for s in local) for k in glob.ema_sums}, sum(s.ema_tokens for s in local))
+    for k, v in glob.averages(summed).items():
+        assert torch.equal(v, glob.averages()[k])
+
+
+def test_statistics_are_fp32_and_bf16_would_cost_the_residual_diagonal():
+    """Sums, EMAs and their averages stay FP32. Why it matters: with 99% of the trace in the top
+    r eigenvalues, D = diag(A) - diag(VΛVᵀ) is a 1% difference, so BF16's 2^-9 relative rounding of
+    diag(A) becomes ~2^-9/0.01 ≈ 20% on D; FP32's 2^-24 stays ~1e-5."""
+    d, r = 64, 8
+    basis = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))[0]
+    evals = torch.cat([torch.full((r,), 99.0 / r), torch.full((d - r,), 1.0 / (d - r))])
+    a = (basis * evals) @ basis.T
+    stats = KFACStatistics(d, sketch=0)
+    stats.accumulate(torch.randn(10, d))
+    stats.fold()
+    assert all(t.dtype == torch.float32 for t in (*stats.sums.values(), *stats.ema_sums.values(), *stats.averages().values()))
+    exact = approximate_factor(a, r, damping=0.0).d
+    errs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        errs[dtype] = float(((approximate_factor(a.to(dtype), r, damping=0.0).d - exact).abs() / exact).max())
+    assert errs[torch.float32] < 64 * 2**-24 / 0.01  # d · u32 / residual share: the eigensolver's error on D
+    assert errs[torch.bfloat16] > 0.02  # BF16: several percent (measured ~20%)
+
+
+@pytest.mark.parametrize("damping", [1e-3, 0.1, 1.0, 10.0])
+def test_damping_bounds_the_transform(factor_a, damping):
+    """Tᵀ Â T = I gives ‖T⁻¹‖₂² = λmax(Â) ≤ max diag(A) + λ1(A) + δ·m and ‖T‖₂² = 1/λmin(Â) ≤ 1/(δ·m)
+    (m = mean diag A, D ≥ δ·m): so the quantization error T⁻¹ can amplify relative to the
+    whitened signal is at most κ(T) ≤ sqrt((max diag A + λ1 + δm)/(δm)); larger δ, smaller bound."""
+    _, evals, a = factor_a
+    m = float(torch.diagonal(a).mean())
+    f = approximate_factor(a, 16, damping)
+    t, t_inv = (x.double() for x in LowRankWhitening(f).dense())
+    spec = torch.linalg.eigvalsh(f.dense())
+    tol = 1 + 1e-4  # FP32 transform of an FP64 factor: relative error ~ d·u32
+    n_t, n_inv = float(torch.linalg.matrix_norm(t, 2)), float(torch.linalg.matrix_norm(t_inv, 2))
+    assert n_inv**2 == pytest.approx(float(spec[-1]), rel=1e-4) and n_t**2 == pytest.approx(1 / float(spec[0]), rel=1e-3)
+    assert n_inv**2 <= (float(torch.diagonal(a).max()) + float(evals.max()) + damping * m) * tol
+    assert n_t**2 <= tol / (damping * m)
+    if damping >= 0.1:
+        assert n_t * n_inv <= ((float(torch.diagonal(a).max()) + float(evals.max()) + damping * m) / (damping * m)) ** 0.5 * tol
+
+
+def test_with_damping_replaces_the_damping(factor_a):
+    _, _, a = factor_a
+    f = approximate_factor(a, 8, 1e-3)
+    assert torch.allclose(f.with_damping(3.0).d, approximate_factor(a, 8, 3.0).d, rtol=1e-12)
+    assert f.with_damping(3.0).damping == 3.0
+
+
+def test_nystrom_shift_is_bounded_and_falls_back_to_the_diagonal(caplog):
+    """A sketch whose core never becomes positive definite (NaN) ends after max_shifts tries with a
+    rank-0 (damped diagonal) factor and a warning, instead of looping forever."""
+    d, k = 16, 8
+    diag = torch.linspace(1, 2, d)
+    with caplog.at_level("WARNING"):
+        f = factor_from_sketch(torch.full((d, k), float("nan")), torch.randn(d, k), diag, rank=4, damping=0.5)
+    assert "stayed indefinite" in caplog.text
+    assert f.v.shape == (d, 0) and torch.allclose(f.d, diag.double() + 0.5 * 1.5)
+    w = LowRankWhitening(f)
+    assert torch.allclose(w.apply(torch.ones(2, d)), (1 / f.d.sqrt()).float().expand(2, d))
+    # an indefinite but finite core: found after a few shifts, not a fallback
+    caplog.clear()
+    om = torch.randn(d, k, generator=torch.Generator().manual_seed(0))
+    factor_from_sketch(-om, om, diag, rank=4)
+    assert "stayed indefinite" not in caplog.text
+
+
+def test_identity_whitening_is_exact():
+    g = torch.randn(5, 12)
+    w = LowRankWhitening.identity(12)
+    assert torch.equal(w.apply(g), g) and torch.equal(w.inverse(g), g) and w.rank == 0
 
 
 def test_sketched_statistics_whiten_like_exact(factor_a):
@@ -140,7 +244,7 @@ def test_sketched_statistics_whiten_like_exact(factor_a):
     exact, sketched = KFACStatistics(d), KFACStatistics(d, sketch=64, seed=7)
     for stats in (exact, sketched):
         stats.accumulate(x)
-        stats.refresh()
+        stats.fold()
     assert sketched.sums["y"].shape == (d, 64) and "xtx" not in sketched.sums
     f_exact, f_sketch = exact.low_rank_factor(32, 1e-3), sketched.low_rank_factor(32, 1e-3)
     assert torch.allclose(f_sketch.lam[:8], f_exact.lam[:8], rtol=0.2)  # a flat top: Nyström undershoots a little

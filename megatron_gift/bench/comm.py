@@ -29,7 +29,7 @@ from ..numerics.fp8 import CodecConfig
 MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
 LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
 REFRESH_INTERVAL = GiftConfig().refresh_interval
-REFRESH_COLLECTIVES = ("all_reduce/bf16", "all_reduce/fp64", "broadcast/fp64", "broadcast/fp32")  # statistics, factors
+REFRESH_COLLECTIVES = ("all_reduce/fp32", "broadcast/fp64", "broadcast/fp32")  # statistics (FP32 EMAs), factors
 
 
 def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:

@@ -256,7 +256,7 @@ def _train_to(trainer: Trainer, model: LlamaModel, step: int, kfac_batches: int)
         for name, x in acts.items():
             stats[name].accumulate(x)
     for s in stats.values():
-        s.refresh()
+        s.fold(ema=0.0)  # the plain mean of the K-FAC batches
     return {name: s.factor for name, s in stats.items()}, statistics.fmean(losses)
 
 

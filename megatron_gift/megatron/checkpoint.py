@@ -5,16 +5,18 @@ reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions 
 ``megatron.training.checkpointing`` (both looked up by name when called):
 
 * ``generate_state_dict`` (save and load) adds, per model chunk ``i``, ``ShardedObject`` s:
-  ``gift.chunk{i}.dense`` (step, modes, statistics, transforms of the dense parameters;
+  ``gift.chunk{i}.dense`` (step, modes, transforms and damping choices of the dense parameters;
   global shape ``(pp, tp)``, one replica per data-parallel(+context) rank),
   ``gift.chunk{i}.expert`` (expert weights; ``(pp, expert-tp, ep)``, replicas over the expert
-  data-parallel group) and, with error feedback, ``gift.chunk{i}.residuals`` (this rank's own
-  residuals; ``(world,)``). A common entry ``gift_meta`` (saved by rank 0) records the layout.
+  data-parallel group), ``gift.chunk{i}.local`` (this rank's own K-FAC statistics: each rank keeps
+  a local per-step EMA, summed over ranks only at a refresh; ``(world,)``) and, with error
+  feedback, ``gift.chunk{i}.residuals`` (this rank's own residuals; ``(world,)``). A common entry
+  ``gift_meta`` (saved by rank 0) records the layout.
 * ``_load_base_checkpoint``: its first call (``rank0=True``, the common state) yields
   ``gift_meta``, which decides what the load requests: nothing without GIFT state or with
-  another TP/PP/EP layout, everything but the residuals with another data-parallel size; the
-  second call's result is handed to each :class:`GiftDistributedDataParallel` (:func:`restore`).
-  Every decision is logged on rank 0.
+  another TP/PP/EP layout, everything but the per-rank parts with another data-parallel size; the
+  second call's result is handed to each :class:`GiftDistributedDataParallel`. Every decision is
+  logged on rank 0.
 
 A GIFT state that does not fit this run (another ``gift_meta`` version, other shapes, missing or
 garbled entries) is never half-applied and never fails the load: the message says why and the
@@ -55,7 +57,7 @@ def layout() -> dict:
     }
 
 
-def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "residuals"), state: dict | None = None) -> dict:
+def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "local", "residuals"), state: dict | None = None) -> dict:
     """``{key: ShardedObject}`` of one model chunk's GIFT state (``data=None`` to describe a load)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -70,12 +72,15 @@ def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "residuals"), sta
                    ps.get_expert_data_parallel_rank()),
         "residuals": ((dist.get_world_size(),), (dist.get_rank(),), 0),
     }  # fmt: skip
+    where["local"] = where["residuals"]
     data = split_state(ddp, state) if state is not None else {}
     out = {}
     for part in parts:
         if part == "expert" and not any(g.expert for g in ddp.gift_params.values()):
             continue
         if part == "residuals" and not ddp.gift_config.error_feedback:
+            continue
+        if part == "local" and not any(g.stats is not None for g in ddp.gift_params.values()):
             continue
         shape, offset, replica = where[part]
         key = f"{STATE_KEY}.chunk{chunk}.{part}"
@@ -84,16 +89,18 @@ def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "residuals"), sta
 
 
 def split_state(ddp, state: dict) -> dict:
-    """``gift_state_dict()`` output split into the dense, expert and residual parts."""
+    """``gift_state_dict()`` output split into the dense, expert and per-rank (statistics, residual) parts."""
     expert = {g.name for g in ddp.gift_params.values() if g.expert}
-    parts = {"dense": {"step": state["step"], "params": {}}, "expert": {"step": state["step"], "params": {}}, "residuals": {}}
+    parts = {"dense": {"step": state["step"], "params": {}}, "expert": {"step": state["step"], "params": {}}, "local": {},
+             "residuals": {}}  # fmt: skip
     for part in ("dense", "expert"):  # decisions are keyed by parameter name: each part keeps all
         if "policy" in state:
             parts[part]["policy"] = state["policy"]
     for name, entry in state["params"].items():
         entry = dict(entry)
-        if "residual" in entry:
-            parts["residuals"][name] = entry.pop("residual")
+        for key, part in (("residual", "residuals"), ("stats", "local")):
+            if key in entry:
+                parts[part][name] = entry.pop(key)
         parts["expert" if name in expert else "dense"]["params"][name] = entry
     return parts
 
@@ -107,8 +114,9 @@ def merge_state(loaded: dict) -> dict:
             state["params"].update(loaded[part]["params"])
             if "policy" in loaded[part]:
                 state["policy"] = loaded[part]["policy"]
-    for name, residual in loaded.get("residuals", {}).items():
-        state["params"].setdefault(name, {})["residual"] = residual
+    for key, part in (("residual", "residuals"), ("stats", "local")):
+        for name, value in loaded.get(part, {}).items():
+            state["params"].setdefault(name, {})[key] = value
     return state
 
 
@@ -173,10 +181,10 @@ class _Hooks:
             return ()
         if meta["world"] != now["world"]:
             _log("the checkpoint was written by %d ranks (data-parallel %d), this run has %d (data-parallel %d): "
-                 "GIFT statistics and transforms restored, error-feedback residuals (per rank) start at zero",
+                 "GIFT transforms restored; K-FAC statistics and error-feedback residuals (per rank) start afresh",
                  meta["world"], meta["dp"], now["world"], now["dp"])  # fmt: skip
             return ("dense", "expert")
-        return ("dense", "expert", "residuals")
+        return ("dense", "expert", "local", "residuals")
 
     def load(self, original):
         def _load_base_checkpoint(load_dir, args, rank0=False, *a, **kw):
@@ -188,10 +196,10 @@ class _Hooks:
             chunks, self.loading = self.loading, []
             if not isinstance(state_dict, dict):
                 return result
-            resume_residuals = self.meta is not None and self.meta["world"] == dist.get_world_size()
+            resume_local = self.meta is not None and self.meta["world"] == dist.get_world_size()
             for i, ddp in enumerate(chunks):
                 loaded = {key.rsplit(".", 1)[1]: state_dict.pop(key) for key in list(state_dict) if key.startswith(f"{STATE_KEY}.chunk{i}.")}
-                if ddp is not None and loaded and restore(ddp, loaded, resume_residuals):
+                if ddp is not None and loaded and restore(ddp, loaded, resume_local):
                     _log("GIFT state restored (step %d)", ddp.step)
             state_dict.pop(META_KEY, None)
             return result
@@ -199,13 +207,13 @@ class _Hooks:
         return _load_base_checkpoint
 
 
-def restore(ddp, loaded: dict, residuals: bool = True) -> bool:
-    """Load the parts ``loaded`` (``{"dense"|"expert"|"residuals": object}``) into ``ddp``; True if
+def restore(ddp, loaded: dict, local: bool = True) -> bool:
+    """Load the parts ``loaded`` (``{"dense"|"expert"|"local"|"residuals": object}``) into ``ddp``; True if
     they were applied. A state that does not fit (garbled, truncated, other shapes) leaves ``ddp``
     as it was before (fresh) and says why: False."""
     fresh = ddp.gift_state_dict()
     try:
-        ddp.load_gift_state_dict(merge_state(loaded), residuals=residuals)
+        ddp.load_gift_state_dict(merge_state(loaded), local=local)
         _check_loaded(ddp)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         ddp.load_gift_state_dict(fresh)

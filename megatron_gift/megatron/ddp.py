@@ -7,11 +7,14 @@ serves the overlapped backward-hook path, the synchronous path and the first bat
 ``finish_grad_sync`` (Megatron's) waits on the returned handle. Buckets whose parameters
 are all ``off`` keep Megatron's collective untouched.
 
-Per step (``zero_grad_buffer`` marks the start): on refresh steps, forward pre-hooks add each
-GIFT layer's input statistics; the first bucket sync of that step sums them over the
-data-parallel group and folds them into the EMA for every GIFT layer. Each layer's factor and
-``T`` are then built (FP64, CPU) only on its owner rank, the layers spread round-robin over the
-reduction group, and broadcast from there: every rank holds the owner's bits by construction.
+Per step (``zero_grad_buffer`` marks the start): forward pre-hooks add each GIFT layer's input
+statistics; the first bucket sync of the step folds them into the rank's local per-step EMA
+(local compute only). On refresh steps that first sync also sums the local EMAs over the
+data-parallel group (FP32; by linearity the EMA of the global statistics), and each bucket
+group's sync then builds its layers' factors and ``T`` (FP64, CPU) only on their owner ranks
+(the layers spread round-robin over the reduction group), choosing the damping there from the
+owner's own local gradient (``--gift-damping auto``), and broadcasts them with the choice:
+every rank holds the owner's bits by construction.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..comm.quantized import CommLedger, QuantizedReduce
 from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
+from ..numerics.profile import choose_damping
 from ..numerics.whitening import LowRankFactor, LowRankWhitening
 from .monitor import Monitor
 from ..upstream import check_version
@@ -52,6 +56,7 @@ class GiftParam:
     owner: int = 0  # rank in its bucket group's reduction group that builds its factor
     expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
     stats_groups: list = field(default_factory=list)
+    damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
 
 
 def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
@@ -141,7 +146,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             return
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
         self._prepare_grads()
-        self.gift.refresh_factors()
+        self.gift.refresh_factors(self)
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = self.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else self.data_parallel_group
         refs = self.gift.monitor.before_reduce(self, group, self.gift.step)
@@ -238,6 +243,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.step = -1  # index of the current iteration once zero_grad_buffer() opened it
         self._step_open = False
         self.collecting = True
+        self._global_stats: dict[int, tuple] = {}  # id(GiftParam) -> its summed EMA, on a refresh step until built
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self._device())
         self.last_step_bytes: dict[str, int] = {}
         # names as in the model, without the prefixes of wrappers such as Float16Module
@@ -334,7 +340,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             view.copy_(r)
 
     def _register_stat_hooks(self):
-        """Forward pre-hooks that add ``XᵀX`` of each GIFT weight's input on refresh steps.
+        """Forward pre-hooks that add ``XᵀX`` (sketched) of each GIFT weight's input every step.
 
         The statistics are summed over the data-parallel(+context-parallel) group, or the expert
         data-parallel group for experts, and also over the layer's tensor-parallel group (for
@@ -395,7 +401,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         super().zero_grad_buffer()
         self._close_step()
         self.step += 1
-        self.collecting = self._is_refresh_step(self.step)
+        self.collecting = True
         self._step_open = True
 
     def _is_refresh_step(self, step: int) -> bool:
@@ -433,69 +439,102 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                     if g is not None:
                         yield g, seg, bucket.grad_data.element_size()
 
-    def refresh_factors(self) -> None:
-        """On a refresh step, at the first bucket sync (every forward of the step is done): sum
-        every GIFT layer's statistics and fold them into its EMA, build each layer's factor and
-        ``T`` on its owner rank (all owners at once), then broadcast them. Statistics stop here."""
-        if not self.collecting:
-            return
-        self.collecting = False
-        todo = [(g, group) for g, group in self._gift_layers() if self._fold_statistics(g)]
-        built = {id(g): self._build(g) for g, group in todo if group.rank() == g.owner}
-        for g, group in todo:
-            factor, new = self._broadcast_factor(g, group, built.get(id(g)))
+    def refresh_factors(self, bucket_group) -> None:
+        """At every bucket group's sync. The first of the step (every forward of the step is done)
+        folds each GIFT layer's statistics into its local EMA and, on a refresh step, sums those
+        over the statistics groups. Then, on a refresh step, the layers of ``bucket_group`` get
+        their factor, damping and ``T``, built on the owner (whose gradient is ready now) and
+        broadcast."""
+        if self.collecting:
+            self.collecting = False
+            for g, _ in self._gift_layers():  # local compute only: non-finite values are caught in the sums
+                g.stats.fold()
+            if self._is_refresh_step(self.step):
+                self._global_stats = self._sum_statistics()
+        todo = [(g, grp, grad, self._global_stats.pop(id(g))) for g, grp, grad in self._gift_layers_of(bucket_group)
+                if id(g) in self._global_stats]  # fmt: skip
+        built = {id(g): self._build(g, grad, summed) for g, grp, grad, summed in todo if grp.rank() == g.owner}
+        for g, group, _, _ in todo:
+            factor, new, damping = self._broadcast_factor(g, group, built.get(id(g)))
+            if damping is None:
+                new = LowRankWhitening.identity(g.stats.d_in, device=g.stats.tokens.device)
             if g.mode is Mode.GIFT:
                 self._remap_error_feedback(g, g.whitening, new)
-            g.factor, g.whitening = factor, new
+            g.factor, g.whitening, g.damping = factor, new, damping
 
     def _gift_layers(self):
         """``(GiftParam, its bucket group's reduction group)`` of every GIFT layer, in one order on all ranks."""
-        dist_opt = self.ddp_config.use_distributed_optimizer
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
-            group = bg.intra_distributed_optimizer_instance_group if dist_opt else bg.data_parallel_group
-            for params in getattr(bg, "gift_params", []):
-                yield from ((g, group) for g in params if g is not None and g.candidate)
+            yield from ((g, group) for g, group, _ in self._gift_layers_of(bg))
 
-    def _fold_statistics(self, g: GiftParam) -> bool:
-        """Sum ``g``'s statistics over its groups and fold them into the EMA; False (on every rank
-        alike: the sums are) when the layer saw no tokens or non-finite activations."""
-        stats = g.stats
-        for group in g.stats_groups:
-            n = group.size()
-            for t in stats.sums.values():  # a preconditioner's statistics: BF16 on the wire suffices
-                wire = t.to(torch.bfloat16)
-                dist.all_reduce(wire, group=group)
-                t.copy_(wire)
-                self.ledger.add("all_reduce", "bf16", 2 * (n - 1) * wire.numel() * 2 // n)
-            dist.all_reduce(stats.tokens, group=group)
-            self.ledger.add("all_reduce", "fp64", 2 * (n - 1) * 8 // n)
-        if float(stats.tokens) == 0:  # the layer saw no training tokens this step
-            return False
-        if not all(bool(torch.isfinite(t).all()) for t in stats.sums.values()):
-            logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
-            stats.reset_accumulators()
-            return False
-        stats.refresh(ema=0.0 if self.step < self.gift_config.refresh_interval else None)  # warm-up: latest only
-        return True
+    def _gift_layers_of(self, bg):
+        """``(GiftParam, reduction group, local gradient [rows, cols])`` of the GIFT layers of one bucket group."""
+        group = bg.intra_distributed_optimizer_instance_group if self.ddp_config.use_distributed_optimizer else bg.data_parallel_group
+        for bucket, layout, params in zip(bg.buckets, getattr(bg, "gift_layouts", []), getattr(bg, "gift_params", [])):
+            for seg, g in zip(layout.segments, params):
+                if g is not None and g.candidate:
+                    yield g, group, bucket.grad_data[seg.start : seg.end].view(seg.rows, seg.cols)
 
-    def _build(self, g: GiftParam) -> tuple[LowRankFactor, LowRankWhitening]:
-        factor = g.stats.low_rank_factor(g.stats.factor_rank(self.gift_config.rank), self.gift_config.damping)
-        return factor, LowRankWhitening(factor, device=g.stats.tokens.device)
+    def _sum_statistics(self) -> dict[int, tuple]:
+        """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups: one
+        FP32 all-reduce per group for all layers at once. By linearity this is the EMA of the
+        global statistics. Layers whose sum saw no tokens or is non-finite are left out (the same
+        on every rank: the sums are); a non-finite one also restarts its EMA, with a warning."""
+        by_groups: dict[tuple, list[GiftParam]] = {}
+        for g, _ in self._gift_layers():
+            by_groups.setdefault(tuple(g.stats_groups), []).append(g)
+        out = {}
+        for groups, layers in by_groups.items():
+            parts = [t for g in layers for t in (*g.stats.ema_sums.values(), g.stats.ema_tokens.reshape(1))]
+            flat = torch.cat([t.reshape(-1).float() for t in parts])
+            for group in groups:
+                dist.all_reduce(flat, group=group)
+                n = group.size()
+                self.ledger.add("all_reduce", "fp32", 2 * (n - 1) * flat.numel() * 4 // n)
+            pos = 0
+            for g in layers:
+                sums = {}
+                for k, t in g.stats.ema_sums.items():
+                    sums[k] = flat[pos : pos + t.numel()].view(t.shape)
+                    pos += t.numel()
+                tokens = flat[pos].double()
+                pos += 1
+                if not all(bool(torch.isfinite(t).all()) for t in sums.values()):
+                    logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", g.name)
+                    g.stats.reset_ema()
+                elif float(tokens) > 0:
+                    out[id(g)] = (sums, tokens)
+        return out
 
-    def _broadcast_factor(self, g: GiftParam, group, built) -> tuple[LowRankFactor, LowRankWhitening]:
-        """The owner's factor (FP64, CPU) and ``T`` (FP32) on every rank of ``group``: one broadcast
-        of their bytes, FP64 part first. ``built``: ``_build(g)`` on the owner, None elsewhere."""
+    def _build(self, g: GiftParam, grad: torch.Tensor, summed: tuple) -> tuple[LowRankFactor, LowRankWhitening, float | None]:
+        """Factor, ``T`` and damping of ``g`` from its summed EMA ``summed`` (on its owner). ``--gift-damping
+        auto``: the candidate with the least local error on ``grad`` (this rank's own gradient), or
+        None for Euclidean; the factor and ``T`` then use the best damping among the candidates."""
+        cfg = self.gift_config
+        factor = g.stats.low_rank_factor(g.stats.factor_rank(cfg.rank), 0.0, ema=summed)
+        if cfg.damping is not None:
+            chosen = best = cfg.damping
+        else:
+            chosen, errs = choose_damping(grad, factor, cfg.damping_candidates, cfg.codec)
+            best = min(cfg.damping_candidates, key=lambda c: errs[c])
+        factor = factor.with_damping(best)
+        return factor, LowRankWhitening(factor, device=g.stats.tokens.device), chosen
+
+    def _broadcast_factor(self, g: GiftParam, group, built) -> tuple[LowRankFactor, LowRankWhitening, float | None]:
+        """The owner's factor (FP64, CPU), ``T`` (FP32) and damping choice on every rank of ``group``:
+        one broadcast of their bytes, FP64 part first. ``built``: ``_build(g, ...)`` on the owner,
+        None elsewhere."""
         n, device = group.size(), g.stats.tokens.device
         if built is None:
             d_in, r = g.stats.d_in, g.stats.factor_rank(self.gift_config.rank)
             factor = LowRankFactor(torch.empty(d_in, dtype=torch.float64), torch.empty(d_in, r, dtype=torch.float64),
                                    torch.empty(r, dtype=torch.float64), 0.0)  # fmt: skip
-            built = factor, LowRankWhitening.empty(d_in, r, device=device)
+            built = factor, LowRankWhitening.empty(d_in, r, device=device), None
         if n == 1:
             return built
-        factor, whitening = built
-        trace_a = torch.tensor([factor.trace_a], dtype=torch.float64)
-        fp64 = [factor.d, factor.v, factor.lam, trace_a]
+        factor, whitening, chosen = built
+        header = torch.tensor([factor.trace_a, factor.damping, -1.0 if chosen is None else chosen], dtype=torch.float64)
+        fp64 = [factor.d, factor.v, factor.lam, header]
         fp32 = list(whitening.tensors().values())
         buf = torch.cat([t.to(device).contiguous().view(-1).view(torch.uint8) for t in fp64 + fp32])
         dist.broadcast(buf, src=dist.get_global_rank(group, g.owner), group=group)
@@ -505,11 +544,12 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 nbytes = t.numel() * t.element_size()
                 t.copy_(buf[pos : pos + nbytes].view(t.dtype).view(t.shape))
                 pos += nbytes
-            factor.trace_a = float(trace_a)
+            factor.trace_a, factor.damping = float(header[0]), float(header[1])
+            chosen = None if header[2] < 0 else float(header[2])
         # a ring broadcast: every rank but one forwards the whole buffer, (n-1)/n of it per rank on average
         for dtype, parts in (("fp64", fp64), ("fp32", fp32)):
             self.ledger.add("broadcast", dtype, (n - 1) * sum(t.numel() * t.element_size() for t in parts) // n)
-        return factor, whitening
+        return factor, whitening, chosen
 
     def _remap_error_feedback(self, g: GiftParam, old, new) -> None:
         """Carry a residual kept in the old whitened coordinates into the new ones."""
@@ -520,8 +560,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     # -- checkpoint state -------------------------------------------------------------------
     def gift_state_dict(self) -> dict:
         """This rank's plugin state after the current step (call it after the optimizer step), on
-        the CPU and keyed by parameter name: ``{"step", "params": {name: {"mode", "stats",
-        "whitening", "residual"}}, "policy"}`` (``policy``: the layer decisions of ``--gift-layers
+        the CPU and keyed by parameter name: ``{"step", "params": {name: {"mode", "stats" (step
+        accumulators and local per-step EMA), "whitening", "damping" (None: Euclidean chosen),
+        "residual"}}, "policy"}`` (``policy``: the layer decisions of ``--gift-layers
         auto``). Everything but ``residual`` (the error-feedback residual
         in the parameter's quantized coordinates, this rank's own) is identical on all ranks
         that hold the parameter."""
@@ -533,6 +574,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 entry["stats"] = _to(g.stats.state_dict(), "cpu")
             if g.whitening is not None:
                 entry["whitening"] = _to(g.whitening.tensors(), "cpu")
+                entry["damping"] = g.damping
             params[g.name] = entry
         for view, g in self._residual_views():
             params[g.name]["residual"] = view.to("cpu", copy=True)
@@ -541,11 +583,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             state["policy"] = self.monitor.policy.state_dict()
         return state
 
-    def load_gift_state_dict(self, state: dict, residuals: bool = True) -> list[str]:
+    def load_gift_state_dict(self, state: dict, local: bool = True) -> list[str]:
         """Restore ``gift_state_dict()`` output; returns the parameters left fresh (and logs them).
 
-        ``residuals=False``: keep the error-feedback residuals at zero (they belong to the ranks
-        of another data-parallel layout) without counting them as missing."""
+        ``local=False``: the per-rank state (K-FAC statistics, error-feedback residuals) belongs to
+        the ranks of another data-parallel layout: it starts afresh, without counting as missing."""
         self.step = int(state["step"])  # the next zero_grad_buffer() opens the following step
         self._step_open = False
         device = self._device()
@@ -558,11 +600,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         missing = []
         for g in self.gift_params.values():
             entry = state["params"].get(g.name)
-            if entry is None or entry["mode"] != g.mode.value or not self._load_param(g, _to(entry, device)):
+            if entry is None or entry["mode"] != g.mode.value or not self._load_param(g, _to(entry, device), local):
                 missing.append(g.name)
         for view, g in self._residual_views():
             entry = state["params"].get(g.name, {})
-            if not residuals or g.name in missing:
+            if not local or g.name in missing:
                 view.zero_()
             elif "residual" in entry and entry["residual"].shape == view.shape:
                 view.copy_(entry["residual"])
@@ -573,11 +615,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             logger.warning("megatron-gift: no usable saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
         return missing
 
-    def _load_param(self, g: GiftParam, entry: dict) -> bool:
-        """Statistics and transform of one parameter; False if they don't fit this configuration."""
-        if g.stats is not None:
+    def _load_param(self, g: GiftParam, entry: dict, local: bool) -> bool:
+        """Statistics (``local``) and transform of one parameter; False if they don't fit this configuration."""
+        if g.stats is not None and local:
             saved = entry.get("stats")
-            if saved is None or any(saved["sums"][k].shape != t.shape for k, t in g.stats.sums.items()):
+            if saved is None or "ema_tokens" not in saved or any(saved["sums"][k].shape != t.shape for k, t in g.stats.sums.items()):
                 return False
             g.stats.load_state_dict(saved)
         if "whitening" in entry:
@@ -585,6 +627,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             g.whitening = LowRankWhitening.empty(w["q"].shape[0], w["q"].shape[1], device=w["q"].device)
             for k, t in g.whitening.tensors().items():
                 t.copy_(w[k])
+            g.damping = entry.get("damping")
         return True
 
     def _residual_views(self):

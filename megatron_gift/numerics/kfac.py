@@ -1,16 +1,22 @@
 """K-FAC input statistics of one linear layer: ``A = E[a aᵀ]`` over its input activations.
 
-Between refreshes ``accumulate`` adds linear statistics of ``X [tokens, d_in]`` in FP32, and
-the token count. They are sums, so a caller may add them over data-parallel ranks in place
-(``sums``) before ``refresh`` divides by the tokens and folds them into an EMA
-(``S <- β S + (1-β) S_new``; the first refresh takes ``S_new``). Two kinds:
+Every step ``accumulate`` adds linear statistics ``S_t`` of ``X [tokens, d_in]`` and the token
+count ``N_t``; ``fold`` puts them into a per-step EMA of both, in FP32 (tokens FP64)::
+
+    E_t = β E_{t-1} + (1-β) S_t,    M_t = β M_{t-1} + (1-β) N_t,    A_t = E_t / M_t
+
+Both are linear in ``(S, N)``, so summing every rank's local ``(E, M)`` gives exactly the EMA of
+the global statistics; the ratio needs no bias correction (the first fold gives ``S_1/N_1``) and a
+step without tokens leaves ``A`` unchanged. Two kinds of ``S``:
 
 * exact (``sketch=0``): ``XᵀX`` ``[d_in, d_in]``;
 * sketched (``sketch=k``): ``Y = XᵀX Ω`` ``[d_in, k]`` for a fixed Gaussian ``Ω [d_in, k]`` plus
   ``diag(XᵀX)`` ``[d_in]``: O(d_in·k) memory and traffic. The top eigenpairs are then
   recovered with a Nyström approximation (``whitening.factor_from_sketch``).
 
-No torch.distributed here.
+FP32 throughout: the residual diagonal ``D = diag(A) - diag(V Λ Vᵀ)`` is a difference of
+near-equal numbers when the top-r part holds most of the trace, so BF16 (~0.4%) on ``diag(A)``
+would become tens of percent on ``D``. No torch.distributed here.
 """
 
 from __future__ import annotations
@@ -27,27 +33,31 @@ def sketch_matrix(d_in: int, k: int, seed: int) -> torch.Tensor:
 
 
 class KFACStatistics:
-    """Accumulators of the current refresh (``sums``, ``tokens``) and their EMA (``ema_sums``)."""
+    """The step's accumulators (``sums``, ``tokens``) and their per-step EMA (``ema_sums``, ``ema_tokens``).
 
-    def __init__(self, d_in: int, ema: float = 0.95, sketch: int = 0, seed: int = 0, device=None):
+    ``dtype``: of the sums and EMAs (FP32; FP64 for exactness checks)."""
+
+    def __init__(self, d_in: int, ema: float = 0.95, sketch: int = 0, seed: int = 0, device=None,
+                 dtype: torch.dtype = torch.float32):  # fmt: skip
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         if sketch < 0:
             raise ValueError(f"sketch size must be >= 0, got {sketch}")
         self.d_in = d_in
         self.ema = ema
-        self.omega = sketch_matrix(d_in, sketch, seed).to(device) if 0 < sketch < d_in else None
+        self.omega = sketch_matrix(d_in, sketch, seed).to(device, dtype) if 0 < sketch < d_in else None
         if self.omega is None:
-            self.sums = {"xtx": torch.zeros(d_in, d_in, device=device)}
+            self.sums = {"xtx": torch.zeros(d_in, d_in, device=device, dtype=dtype)}
         else:
-            self.sums = {"y": torch.zeros(d_in, sketch, device=device), "diag": torch.zeros(d_in, device=device)}
+            self.sums = {k: torch.zeros(shape, device=device, dtype=dtype) for k, shape in (("y", (d_in, sketch)), ("diag", (d_in,)))}
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
-        self.ema_sums: dict[str, torch.Tensor] | None = None
-        self.refreshes = 0
+        self.ema_sums = {k: torch.zeros_like(v) for k, v in self.sums.items()}
+        self.ema_tokens = torch.zeros((), dtype=torch.float64, device=device)
+        self.folds = 0
 
     def accumulate(self, x: torch.Tensor) -> None:
-        """Add the statistics of the activations ``x [..., d_in]``."""
-        x2 = x.detach().reshape(-1, self.d_in).float()
+        """Add the statistics of the activations ``x [..., d_in]`` to this step's."""
+        x2 = x.detach().reshape(-1, self.d_in).to(self.sums[next(iter(self.sums))].dtype)
         if self.omega is None:
             self.sums["xtx"].addmm_(x2.T, x2)
         else:
@@ -55,52 +65,66 @@ class KFACStatistics:
             self.sums["diag"].add_((x2 * x2).sum(0))
         self.tokens += x2.shape[0]
 
-    def refresh(self, ema: float | None = None) -> dict[str, torch.Tensor]:
-        """Fold the accumulated statistics (divided by the tokens) into the EMA, reset them.
-        ``ema`` overrides the configured decay for this refresh (0: replace)."""
-        ema = self.ema if ema is None else ema
-        if self.tokens.item() <= 0:
-            raise RuntimeError("KFACStatistics.refresh() with no accumulated tokens")
-        new = {k: v / self.tokens.float() for k, v in self.sums.items()}
-        if "xtx" in new:
-            new["xtx"] = 0.5 * (new["xtx"] + new["xtx"].T)
-        if self.ema_sums is None:
-            self.ema_sums = new
-        else:
-            for k, v in new.items():
-                self.ema_sums[k].mul_(ema).add_(v, alpha=1.0 - ema)
+    def finite(self) -> bool:
+        """Whether this step's accumulators are all finite."""
+        return all(bool(torch.isfinite(t).all()) for t in self.sums.values())
+
+    def fold(self, ema: float | None = None, step: "KFACStatistics | None" = None) -> None:
+        """Fold this step's accumulators (or those of ``step``, left as they are) into the EMA
+        (module doc), then reset ours. ``ema`` overrides the configured decay for this fold (0: replace)."""
+        beta = self.ema if ema is None else ema
+        src = step if step is not None else self
+        for k, v in src.sums.items():
+            self.ema_sums[k].mul_(beta).add_(v, alpha=1.0 - beta)
+        self.ema_tokens.mul_(beta).add_(src.tokens, alpha=1.0 - beta)
         self.reset_accumulators()
-        self.refreshes += 1
-        return self.ema_sums
+        self.folds += 1
+
+    def reset_ema(self) -> None:
+        """Forget the EMA (e.g. after non-finite statistics): the next fold starts it afresh."""
+        for v in self.ema_sums.values():
+            v.zero_()
+        self.ema_tokens.zero_()
 
     def reset_accumulators(self) -> None:
         for v in self.sums.values():
             v.zero_()
         self.tokens.zero_()
 
+    def averages(self, ema: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """``A``'s statistics ``E / M`` of this rank's EMA, or of ``ema = (sums, tokens)`` (e.g. summed over ranks)."""
+        sums, tokens = ema if ema is not None else (self.ema_sums, self.ema_tokens)
+        if float(tokens) <= 0:
+            raise RuntimeError("KFACStatistics: no statistics folded yet")
+        out = {k: v / tokens.to(v.dtype) for k, v in sums.items()}
+        if "xtx" in out:
+            out["xtx"] = 0.5 * (out["xtx"] + out["xtx"].T)
+        return out
+
     @property
-    def factor(self) -> torch.Tensor | None:
+    def factor(self) -> torch.Tensor:
         """The dense EMA factor ``A`` (exact statistics only)."""
-        return None if self.ema_sums is None else self.ema_sums.get("xtx")
+        return self.averages()["xtx"]
 
     def factor_rank(self, rank: int) -> int:
         """The rank ``low_rank_factor(rank, ...)`` delivers: at most d_in, or the sketch size."""
         return min(rank, self.d_in if self.omega is None else self.omega.shape[1])
 
-    def low_rank_factor(self, rank: int, damping: float) -> LowRankFactor:
-        """``Â = D + V Λ Vᵀ`` from the EMA statistics (eigendecomposition or Nyström)."""
-        if self.ema_sums is None:
-            raise RuntimeError("no statistics yet: refresh() first")
+    def low_rank_factor(self, rank: int, damping: float, ema=None) -> LowRankFactor:
+        """``Â = D + V Λ Vᵀ`` from the EMA statistics (or ``ema``, as in ``averages``): eigendecomposition or Nyström."""
+        avg = self.averages(ema)
         if self.omega is None:
-            return approximate_factor(self.ema_sums["xtx"], rank, damping)
-        return factor_from_sketch(self.ema_sums["y"], self.omega, self.ema_sums["diag"], rank, damping)
+            return approximate_factor(avg["xtx"], rank, damping)
+        return factor_from_sketch(avg["y"], self.omega, avg["diag"], rank, damping)
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums, "tokens": self.tokens, "ema_sums": self.ema_sums, "refreshes": self.refreshes}
+        return {"sums": self.sums, "tokens": self.tokens, "ema_sums": self.ema_sums, "ema_tokens": self.ema_tokens,
+                "folds": self.folds}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        for k, v in state["sums"].items():
-            self.sums[k].copy_(v)
+        for mine, saved in ((self.sums, state["sums"]), (self.ema_sums, state["ema_sums"])):
+            for k, v in saved.items():
+                mine[k].copy_(v)
         self.tokens.copy_(state["tokens"])
-        self.ema_sums = None if state["ema_sums"] is None else {k: v.clone() for k, v in state["ema_sums"].items()}
-        self.refreshes = int(state["refreshes"])
+        self.ema_tokens.copy_(state["ema_tokens"])
+        self.folds = int(state["folds"])

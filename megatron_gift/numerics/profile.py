@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import CodecConfig, CodecStats, Scaling, decode, encode
+from .fp8 import CodecConfig, CodecStats, Scaling, decode, encode, roundtrip
 from .geometry import geometry_stats, shares_ratio
 from .whitening import LowRankFactor, LowRankWhitening
 
@@ -205,3 +205,25 @@ def summarize(vec: torch.Tensor) -> ProfileSummary:
         predicted_ratio=model,
         predicted_ratio_shares=shares,
     )
+
+
+def damping_errors(g: torch.Tensor, factor: LowRankFactor, candidates, cfg: CodecConfig) -> dict:
+    """Local estimate of each candidate's FP8 error on one rank's gradient ``g [d_out, d_in]``:
+    ``‖(q(G T_δ) - G T_δ) T_δ⁻¹‖`` for each relative damping ``δ`` in ``candidates`` (``T_δ``
+    from ``factor.with_damping(δ)``), and ``‖q(G) - G‖`` under the key ``None`` (Euclidean)."""
+    g = g.detach().float()
+    out = {None: float((roundtrip(g, cfg) - g).norm())}
+    for delta in candidates:
+        w = LowRankWhitening(factor.with_damping(delta), device=g.device)
+        u = w.apply(g)
+        out[delta] = float(w.inverse(roundtrip(u, cfg) - u).norm())
+    return out
+
+
+def choose_damping(g: torch.Tensor, factor: LowRankFactor, candidates, cfg: CodecConfig) -> tuple[float | None, dict]:
+    """The candidate of ``damping_errors`` with the smallest error (``None``: Euclidean; it wins
+    ties and non-finite estimates), and all the estimates."""
+    errs = damping_errors(g, factor, candidates, cfg)
+    finite = {k: e for k, e in errs.items() if math.isfinite(e)}
+    best = min(finite, key=lambda k: (finite[k], k is not None)) if None in finite else None
+    return best, errs

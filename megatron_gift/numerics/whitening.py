@@ -25,19 +25,29 @@ FP32 once, so the same statistics give the same ``T`` bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class LowRankFactor:
-    """``Â = diag(d) + V diag(lam) Vᵀ`` in FP64, plus ``trace_a = tr(A)`` of the exact factor."""
+    """``Â = diag(d) + V diag(lam) Vᵀ`` in FP64, plus ``trace_a = tr(A)`` of the exact factor and
+    the relative ``damping`` δ that ``d`` includes (``δ·mean(diag A)``)."""
 
     d: torch.Tensor
     v: torch.Tensor
     lam: torch.Tensor
     trace_a: float
+    damping: float = 0.0
+
+    def with_damping(self, damping: float) -> "LowRankFactor":
+        """The same factor with relative damping ``damping`` instead of ``self.damping``."""
+        mean_diag = self.trace_a / self.d.shape[0]
+        return replace(self, d=self.d + (damping - self.damping) * mean_diag, damping=damping)
 
     @property
     def trace(self) -> float:
@@ -50,35 +60,53 @@ class LowRankFactor:
 
 def approximate_factor(a: torch.Tensor, rank: int, damping: float = 1e-3) -> LowRankFactor:
     """Top-``rank`` eigenpairs of ``a`` plus its damped residual diagonal (see module doc)."""
+    return factors_by_rank(a, [rank], damping)[rank]
+
+
+def factors_by_rank(a: torch.Tensor, ranks, damping: float = 0.0) -> dict[int, LowRankFactor]:
+    """``approximate_factor(a, r, damping)`` for every ``r`` in ``ranks``, from one eigendecomposition."""
     a64 = a.detach().to("cpu", torch.float64)
     a64 = 0.5 * (a64 + a64.T)
     d_in = a64.shape[0]
-    r = max(0, min(rank, d_in))
     evals, evecs = torch.linalg.eigh(a64)  # ascending
-    lam = evals[d_in - r :].flip(0).clamp_min(0.0)
-    v = evecs[:, d_in - r :].flip(1)
-    return _with_residual_diagonal(torch.diagonal(a64), v, lam, damping)
+    out = {}
+    for rank in ranks:
+        r = max(0, min(rank, d_in))
+        lam = evals[d_in - r :].flip(0).clamp_min(0.0)
+        v = evecs[:, d_in - r :].flip(1)
+        out[rank] = _with_residual_diagonal(torch.diagonal(a64), v, lam, damping)
+    return out
 
 
-def factor_from_sketch(y: torch.Tensor, omega: torch.Tensor, diag: torch.Tensor, rank: int, damping: float = 1e-3) -> LowRankFactor:
+def factor_from_sketch(y: torch.Tensor, omega: torch.Tensor, diag: torch.Tensor, rank: int, damping: float = 1e-3,
+                       max_shifts: int = 12) -> LowRankFactor:  # fmt: skip
     """Like ``approximate_factor`` from ``Y = A Ω`` (``[d_in, k]``), ``Ω`` and ``diag(A)`` only.
 
     Stabilized single-pass Nyström approximation (Tropp et al., 2017): with a small shift
     ``ν``, ``Y_ν = Y + νΩ``, ``ΩᵀY_ν = C Cᵀ``, ``E = Y_ν C⁻ᵀ = U Σ Pᵀ``; then
-    ``A ≈ U (Σ² - ν) Uᵀ`` and the top ``rank ≤ k`` pairs are kept."""
+    ``A ≈ U (Σ² - ν) Uᵀ`` and the top ``rank ≤ k`` pairs are kept. FP32 statistics can leave
+    ``ΩᵀY`` slightly indefinite: ``ν`` grows 10x at a time, at most ``max_shifts`` times (from
+    1e-6·‖Y‖ to 1e6·‖Y‖); if the core is still not positive definite (e.g. non-finite ``Y``)
+    the factor falls back to the damped diagonal alone (rank 0), with a warning."""
     y64, om = y.detach().to("cpu", torch.float64), omega.detach().to("cpu", torch.float64)
+    d64 = diag.detach().to("cpu", torch.float64)
     nu = 1e-6 * float(torch.linalg.norm(y64)) + 1e-300
-    while True:  # FP32 statistics can leave ΩᵀY slightly indefinite: grow the shift until PD
+    for _ in range(max_shifts + 1):
         y_nu = y64 + nu * om
         core = om.T @ y_nu
         c, info = torch.linalg.cholesky_ex(0.5 * (core + core.T))
         if int(info) == 0:
             break
         nu *= 10.0
+    else:
+        logger.warning("megatron-gift: the Nyström core stayed indefinite after %d shifts (non-finite or "
+                       "corrupt statistics?): using the diagonal of A alone for this factor", max_shifts)  # fmt: skip
+        empty = torch.zeros(d64.shape[0], 0, dtype=torch.float64)
+        return _with_residual_diagonal(d64, empty, empty[0], damping)
     e = torch.linalg.solve_triangular(c, y_nu.T, upper=False).T
     u, sig, _ = torch.linalg.svd(e, full_matrices=False)
     r = max(0, min(rank, u.shape[1]))
-    return _with_residual_diagonal(diag.detach().to("cpu", torch.float64), u[:, :r], (sig[:r] ** 2 - nu).clamp_min(0.0), damping)
+    return _with_residual_diagonal(d64, u[:, :r], (sig[:r] ** 2 - nu).clamp_min(0.0), damping)
 
 
 def _with_residual_diagonal(diag: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, damping: float) -> LowRankFactor:
@@ -86,7 +114,7 @@ def _with_residual_diagonal(diag: torch.Tensor, v: torch.Tensor, lam: torch.Tens
     if mean_diag <= 0:
         raise ValueError("K-FAC factor has a non-positive trace: no activations were seen")
     resid = (diag - (v * v) @ lam).clamp_min(0.0)
-    return LowRankFactor(d=resid + damping * mean_diag, v=v, lam=lam, trace_a=float(diag.sum()))
+    return LowRankFactor(d=resid + damping * mean_diag, v=v, lam=lam, trace_a=float(diag.sum()), damping=damping)
 
 
 class LowRankWhitening:
@@ -113,6 +141,14 @@ class LowRankWhitening:
         w.d_inv_sqrt, w.d_sqrt = (torch.empty(d_in, dtype=dtype, device=device) for _ in range(2))
         w.q = torch.empty(d_in, rank, dtype=dtype, device=device)
         w.c, w.c_inv = (torch.empty(rank, dtype=dtype, device=device) for _ in range(2))
+        return w
+
+    @classmethod
+    def identity(cls, d_in: int, dtype: torch.dtype = torch.float32, device=None) -> "LowRankWhitening":
+        """``T = I`` (rank 0, ``D = I``): the layer is sent as plain FP8, bit for bit."""
+        w = cls.empty(d_in, 0, dtype=dtype, device=device)
+        for t in (w.d_inv_sqrt, w.d_sqrt):
+            t.fill_(1.0)
         return w
 
     @classmethod
