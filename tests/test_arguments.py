@@ -81,7 +81,8 @@ def test_defaults_come_from_gift_config(parse):
     cfg = gift_config_from_args(parse("--gift-mode", "gift"))
     assert cfg == GiftConfig(mode=Mode.GIFT)
     assert (cfg.mode, cfg.codec.fmt, cfg.codec.scaling, cfg.codec.block) == (Mode.GIFT, FP8Format.E4M3, Scaling.BLOCK, 128)
-    assert (cfg.rank, cfg.sketch, cfg.damping, cfg.ema, cfg.refresh_interval) == (32, 64, 1e-3, 0.95, 50)
+    assert (cfg.rank, cfg.sketch, cfg.damping, cfg.ema, cfg.refresh_interval) == (32, 64, None, 0.95, 10)  # damping None: auto
+    assert cfg.damping_candidates == (0.3, 1.0, 3.0, 10.0)
     assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
     assert cfg.layers == (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
 

@@ -111,7 +111,8 @@ def _misfit_worker(rank, world):
         return ddp
 
     def fresh(ddp):
-        return all(g.whitening is None and (g.stats is None or g.stats.ema_sums is None) for g in ddp.gift_params.values())
+        return all(g.whitening is None and (g.stats is None or (g.stats.folds == 0 and float(g.stats.ema_tokens) == 0))
+                   for g in ddp.gift_params.values())  # fmt: skip
 
     source = trained()
     saved = checkpoint.split_state(source, source.gift_state_dict())
