@@ -58,17 +58,25 @@ class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
     ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that.
 
-    ``links`` splits the quantized exchanges' bytes by the link they cross (``intra``: to a rank
-    on the same node, ``inter``: through the NIC), as if each peer's bytes went to it directly."""
+    ``links`` splits the quantized exchanges' bytes by ``(link, dtype)``, the link being the one
+    they cross (``intra``: to a rank on the same node, ``inter``: through the NIC), as if each
+    peer's bytes went to it directly."""
 
     def __init__(self):
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
-        self.links: dict[str, int] = defaultdict(int)
+        self.links: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(self, collective: str, dtype: str, nbytes: int, links: dict[str, int] | None = None) -> None:
         self.bytes[(collective, dtype)] += int(nbytes)
         for link, n in (links or {}).items():
-            self.links[link] += int(n)
+            self.links[(link, dtype)] += int(n)
+
+    def by_link(self) -> dict[str, int]:
+        """Bytes per link (``intra``, ``inter``), every dtype together."""
+        out: dict[str, int] = defaultdict(int)
+        for (link, _), n in self.links.items():
+            out[link] += n
+        return dict(out)
 
     def total(self) -> int:
         return sum(self.bytes.values())
@@ -244,9 +252,10 @@ class _Codec:
         """This shard's plain values from ``flat``, each class in its wire dtype."""
         return [_gather_runs(flat, runs).to(dt) for runs, dt in zip(plan.plain_runs, self.layout.plain_dtypes)]
 
-    def plain_values(self, plan: ShardPlan, msg: torch.Tensor) -> list[torch.Tensor]:
-        """Each plain class of one message ``[≥ message_bytes]`` (uint8) as FP32 (may alias ``msg``)."""
-        out, off = [], plan.scale_bytes
+    def plain_values(self, plan: ShardPlan, msg: torch.Tensor, start: int | None = None) -> list[torch.Tensor]:
+        """Each plain class of one message ``[≥ message_bytes]`` (uint8) as FP32 (may alias ``msg``);
+        the classes start at byte ``start`` (default: after the scales)."""
+        out, off = [], plan.scale_bytes if start is None else start
         for runs, dt, size in zip(plan.plain_runs, self.layout.plain_dtypes, plan.plain_bytes):
             n = sum(b - a for a, b in runs)
             out.append(msg[off : off + n * dt.itemsize].view(dt).float())
@@ -352,21 +361,8 @@ class QuantizedReduce:
         self.plan = _plan(layout, use_kernels)
         # The kernel cannot add the error-feedback residual between G T and the encoding.
         split = _plan(layout, use_kernels and error_feedback is None).bucket
-        coded = _gather_runs(flat, layout.coded_runs).float()  # aliases flat when FP32 and contiguous
-        if not all_reduce and coded.data_ptr() == flat.data_ptr() and _whitens(split.rest_rows, transforms):
-            coded = coded.clone()  # G T in place would overwrite the shards other ranks own
-        transform_rows(layout, transforms, coded, 0, split.rest_rows, inverse=False)
-        if error_feedback is not None:
-            coded = error_feedback.compensate(coded)
-        lengths = layout.group_lengths_on(flat.device)
-        enc = _encode(coded, lengths, split, layout.codec, transforms)
-        if error_feedback is not None:
-            error_feedback.stage(coded, decode_flat(enc, lengths, layout.codec))
-        sizes = [p.message_bytes for p in layout.shards]
-        send = torch.zeros(sum(sizes), dtype=torch.uint8, device=flat.device)
-        for plan, at, size in zip(layout.shards, _starts(sizes), sizes):
-            shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
-            self.codec.pack(plan, shard_enc, self.codec.plains(flat, plan), out=send[at : at + size])
+        order = list(range(self.world))
+        send, sizes = encode_messages(self.codec, split, flat, transforms, order, error_feedback, keep=not all_reduce)
         mine = layout.shards[self.rank]
         self.recv = torch.empty(self.world * mine.message_bytes, dtype=torch.uint8, device=flat.device)
         links = topology.link_bytes(self.rank, sizes) if topology is not None else None
@@ -398,13 +394,37 @@ class QuantizedReduce:
             decode_gathered(self.codec, self.plan, self.transforms, gathered.view(self.world, width), self.flat)
             return
         transform_rows(self.layout, self.transforms, coded_sum, plan.c_lo, split.rest_rows, inverse=True)
-        transform_pieces(self.layout, self.transforms, [self.rank], [coded_sum], self.group, lambda m: [m],
-                         self.ledger, self._links, inverse=True)  # fmt: skip
+        PieceExchange(self.layout, self.transforms, [self.rank], [coded_sum], self.group, lambda m: [m],
+                      self.ledger, self._links, inverse=True).finish()  # fmt: skip
         write_shard(self.flat, plan, coded_sum, plain_sums)
 
     def _links(self, chunk: int) -> dict[str, int] | None:
         """Links crossed by ``chunk`` bytes sent to every other rank of the group."""
         return self.topology.link_bytes(self.rank, [chunk] * self.world) if self.topology is not None else None
+
+
+def encode_messages(codec: "_Codec", split: _Split, flat: torch.Tensor, transforms: Whitenings, order: list[int],
+                    error_feedback: ErrorFeedback | None = None, keep: bool = True) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    """The FP8 messages of shards ``order`` (whitened, error-compensated) one after another in one
+    buffer, and their sizes. ``keep``: leave ``flat`` as it was (else ``G T`` may be written into it)."""
+    layout = codec.layout
+    coded = _gather_runs(flat, layout.coded_runs).float()  # aliases flat when FP32 and contiguous
+    if keep and coded.data_ptr() == flat.data_ptr() and _whitens(split.rest_rows, transforms):
+        coded = coded.clone()  # G T in place would overwrite the shards other ranks own
+    transform_rows(layout, transforms, coded, 0, split.rest_rows, inverse=False)
+    if error_feedback is not None:
+        coded = error_feedback.compensate(coded)
+    lengths = layout.group_lengths_on(flat.device)
+    enc = _encode(coded, lengths, split, layout.codec, transforms)
+    if error_feedback is not None:
+        error_feedback.stage(coded, decode_flat(enc, lengths, layout.codec))
+    sizes = [layout.shards[j].message_bytes for j in order]
+    send = torch.zeros(sum(sizes), dtype=torch.uint8, device=flat.device)
+    for j, at, size in zip(order, _starts(sizes), sizes):
+        plan = layout.shards[j]
+        shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
+        codec.pack(plan, shard_enc, codec.plains(flat, plan), out=send[at : at + size])
+    return send, sizes
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -441,47 +461,58 @@ def transform_rows(layout: BucketLayout, transforms: Whitenings, coded: torch.Te
         view.copy_(t.inverse(view) if inverse else t.apply(view))
 
 
-def transform_pieces(layout: BucketLayout, transforms: Whitenings, held: list[int], coded: list[torch.Tensor],
-                     group, held_by, ledger: CommLedger, links, inverse: bool) -> None:  # fmt: skip
+class PieceExchange:
     """``T`` (or ``T⁻¹``) of the rows cut by shard boundaries, in place, from r-float exchanges.
 
     This rank holds shards ``held`` (their coded values ``coded[h]``); member ``m`` of ``group``
     holds ``held_by(m)`` (as many), and together they hold every shard. Each piece's partial
     projection (``U[:, cols] Q[cols]``, or ``G'[:, cols] Q[cols]`` with ``G' = G D^{-1/2}`` for ``T``)
-    goes out in one all-gather; each piece then sums its row's partials in shard order (the
-    same sum on every rank) and finishes its columns. ``links(chunk)``: the ledger's link split."""
-    segs, ts = layout.segments, transforms
-    if not any(ts[q.seg] is not None for other in layout.shards for q in other.pieces):
-        return
-    r_max = max(t.rank for t in ts if t is not None)
-    mine = torch.zeros(len(held), layout.max_pieces, r_max, device=coded[0].device)
-    views = []
-    for h, (j, values) in enumerate(zip(held, coded)):
-        plan = layout.shards[j]
-        for k, p in enumerate(plan.pieces):
-            a, b = p.flat(segs[p.seg])
-            c = layout.coded_index(a) - plan.c_lo
-            views.append((p, values[c : c + b - a].view(1, -1)))
-            if ts[p.seg] is not None:
-                project = ts[p.seg].projection if inverse else ts[p.seg].apply_projection
-                mine[h, k, : ts[p.seg].rank] = project(views[-1][1], slice(p.c0, p.c1))[0]
-    world = group.size()
-    every = torch.empty(world * mine.numel(), device=mine.device)
-    ledger.add("all_gather", "fp32", (world - 1) * mine.numel() * 4, links(mine.numel() * 4))
-    _all_gather(every, mine.view(-1), group=group)
-    every = every.view(world, *mine.shape)
-    where = {j: (m, h) for m in range(world) for h, j in enumerate(held_by(m))}
-    for p, view in views:
-        t = ts[p.seg]
-        if t is None:
-            continue
-        proj = torch.zeros(1, t.rank, device=view.device)
-        for j, other in enumerate(layout.shards):
-            for k, q in enumerate(other.pieces):
-                if (q.seg, q.row) == (p.seg, p.row):
-                    proj += every[where[j]][k, : t.rank]
-        finish = t.inverse_piece if inverse else t.apply_piece
-        view.copy_(finish(view, proj, slice(p.c0, p.c1)))
+    goes out in one all-gather (``work``, asynchronous if ``async_op``); ``finish()`` then sums each
+    row's partials in shard order (the same sum on every rank) and transforms each piece's columns.
+    ``links(chunk)``: the ledger's link split of ``chunk`` bytes sent to every other member."""
+
+    def __init__(self, layout: BucketLayout, transforms: Whitenings, held: list[int], coded: list[torch.Tensor],
+                 group, held_by, ledger: CommLedger, links, inverse: bool, async_op: bool = False):  # fmt: skip
+        self.layout, self.transforms, self.inverse = layout, transforms, inverse
+        self.views, self.work, self.where = [], None, {}
+        ts = transforms
+        if not any(ts[q.seg] is not None for other in layout.shards for q in other.pieces):
+            return
+        r_max = max(t.rank for t in ts if t is not None)
+        mine = torch.zeros(len(held), layout.max_pieces, r_max, device=coded[0].device)
+        for h, (j, values) in enumerate(zip(held, coded)):
+            plan = layout.shards[j]
+            for k, p in enumerate(plan.pieces):
+                a, b = p.flat(layout.segments[p.seg])
+                c = layout.coded_index(a) - plan.c_lo
+                self.views.append((p, values[c : c + b - a].view(1, -1)))
+                if ts[p.seg] is not None:
+                    project = ts[p.seg].projection if inverse else ts[p.seg].apply_projection
+                    mine[h, k, : ts[p.seg].rank] = project(self.views[-1][1], slice(p.c0, p.c1))[0]
+        world = group.size()
+        self.shape = (world, *mine.shape)
+        self.every = torch.empty(world * mine.numel(), device=mine.device)
+        ledger.add("all_gather", "fp32", (world - 1) * mine.numel() * 4, links(mine.numel() * 4))
+        self.work = _all_gather(self.every, mine.view(-1), group=group, async_op=async_op)
+        self.where = {j: (m, h) for m in range(world) for h, j in enumerate(held_by(m))}
+
+    def finish(self) -> None:
+        if not self.views:
+            return
+        if self.work is not None:
+            self.work.wait()
+        every = self.every.view(self.shape)
+        for p, view in self.views:
+            t = self.transforms[p.seg]
+            if t is None:
+                continue
+            proj = torch.zeros(1, t.rank, device=view.device)
+            for j, other in enumerate(self.layout.shards):
+                for k, q in enumerate(other.pieces):
+                    if (q.seg, q.row) == (p.seg, p.row):
+                        proj += every[self.where[j]][k, : t.rank]
+            finish = t.inverse_piece if self.inverse else t.apply_piece
+            view.copy_(finish(view, proj, slice(p.c0, p.c1)))
 
 
 def decode_gathered(codec: "_Codec", plan: _Plan, transforms: Whitenings, gathered: torch.Tensor, flat: torch.Tensor) -> None:

@@ -105,13 +105,18 @@ def topology_of(global_ranks: list[int], ranks_per_node: int | None) -> Topology
 
 @dataclass(frozen=True)
 class TwoLevelGroups:
-    """A reduction group, its topology, and this rank's intra-node and inter-node subgroups
-    (None where the topology needs no two-level exchange)."""
+    """A reduction group, its topology, and this rank's subgroups (None where the topology needs
+    no two-level exchange): ``intra`` for the first stage, launched as a bucket starts; ``inter``,
+    ``intra_late`` (same ranks as ``intra``) and ``whole`` (same ranks as ``group``) for the
+    exchanges launched later, when earlier ones complete. Process groups order their collectives;
+    keeping the two kinds apart keeps that order the same on every rank."""
 
     group: object
     topology: Topology
     intra: object = None
     inter: object = None
+    intra_late: object = None
+    whole: object = None
 
 
 def build_groups(groups: list, ranks_per_node: int | None) -> list[TwoLevelGroups]:
@@ -128,8 +133,8 @@ def build_groups(groups: list, ranks_per_node: int | None) -> list[TwoLevelGroup
         topo = topology_of(list(ranks), ranks_per_node)
         if not topo.two_level:
             continue
-        subgroups = {}
-        for kind, members in (("intra", topo.intra_ranks), ("inter", topo.inter_ranks)):
+        subgroups = {("whole", ranks): dist.new_group(list(ranks))}
+        for kind, members in (("intra", topo.intra_ranks), ("intra_late", topo.intra_ranks), ("inter", topo.inter_ranks)):
             seen = set()
             for i in range(topo.world):
                 key = tuple(ranks[j] for j in members(i))
@@ -144,7 +149,7 @@ def build_groups(groups: list, ranks_per_node: int | None) -> list[TwoLevelGroup
             continue
         topo, subgroups = created[ranks]
         i = dist.get_rank(g)
-        intra = subgroups[("intra", tuple(ranks[j] for j in topo.intra_ranks(i)))]
-        inter = subgroups[("inter", tuple(ranks[j] for j in topo.inter_ranks(i)))]
-        out.append(TwoLevelGroups(g, topo, intra, inter))
+        node, peers = tuple(ranks[j] for j in topo.intra_ranks(i)), tuple(ranks[j] for j in topo.inter_ranks(i))
+        out.append(TwoLevelGroups(g, topo, subgroups[("intra", node)], subgroups[("inter", peers)],
+                                  subgroups[("intra_late", node)], subgroups[("whole", ranks)]))  # fmt: skip
     return out
