@@ -263,9 +263,9 @@ class TwoLevelPipeline:
 
 def start_reduction(flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGroups, transforms: Whitenings,
                     intra: str, error_feedback: ErrorFeedback | None, pipeline: TwoLevelPipeline | None, **common):  # fmt: skip
-    """The two-level reduction where the topology has several nodes of several ranks (and no error
-    feedback, whose residual belongs to one rank's whole bucket), else the flat one; ``common``:
-    ``average``, ``all_reduce``, ``ledger``, ``async_op``, ``nonfinite``."""
-    if groups.topology.two_level and error_feedback is None:
+    """The two-level reduction where ``groups`` has its subgroups (several nodes of several ranks)
+    and there is no error feedback (its residual belongs to one rank's whole bucket), else the flat
+    one; ``common``: ``average``, ``all_reduce``, ``ledger``, ``async_op``, ``nonfinite``."""
+    if groups.intra is not None and error_feedback is None:
         return TwoLevelReduce(flat, layout, groups, transforms, intra=intra, pipeline=pipeline, **common)
     return QuantizedReduce(flat, layout, groups.group, transforms, error_feedback=error_feedback, topology=groups.topology, **common)

@@ -119,8 +119,8 @@ class TwoLevelGroups:
     whole: object = None
 
 
-def build_groups(groups: list, ranks_per_node: int | None) -> list[TwoLevelGroups]:
-    """``TwoLevelGroups`` of each of this rank's reduction ``groups``.
+def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = True) -> list[TwoLevelGroups]:
+    """``TwoLevelGroups`` of each of this rank's reduction ``groups`` (no subgroups unless ``two_level``).
 
     Collective over the default group (``new_group`` must be called by every process for every
     subgroup, in one order): every rank contributes its groups' global ranks, and the subgroups
@@ -131,7 +131,7 @@ def build_groups(groups: list, ranks_per_node: int | None) -> list[TwoLevelGroup
     created = {}
     for ranks in sorted({r for lists in everyone for r in lists}):
         topo = topology_of(list(ranks), ranks_per_node)
-        if not topo.two_level:
+        if not (two_level and topo.two_level):
             continue
         subgroups = {("whole", ranks): dist.new_group(list(ranks))}
         for kind, members in (("intra", topo.intra_ranks), ("intra_late", topo.intra_ranks), ("inter", topo.inter_ranks)):

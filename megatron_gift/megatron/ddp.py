@@ -261,10 +261,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         converted = [bg for bg in self.bucket_groups + self.expert_parallel_bucket_groups if isinstance(bg, GiftBucketGroup)]
         groups = [bg.intra_distributed_optimizer_instance_group if dist_opt else bg.data_parallel_group for bg in converted]
         cfg = self.gift_config
-        rpn = ranks_per_node_from_env(cfg.ranks_per_node) if cfg.exchange == "auto" else None
-        for bg, placed in zip(converted, build_groups(groups, rpn)):
+        rpn = ranks_per_node_from_env(cfg.ranks_per_node)
+        for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange == "auto")):
             bg.gift_groups = placed
-            if placed.topology.two_level and cfg.error_feedback:
+            if placed.intra is not None and cfg.error_feedback:
                 logger.info("megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)")
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
