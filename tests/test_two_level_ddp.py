@@ -12,7 +12,7 @@ import torch
 from megatron_gift.config import GiftConfig, Mode
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
-from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens
+from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens, reduced_regions
 
 STEPS = 2
 # (mode, extra Euclidean patterns): GIFT linear weights + Euclidean embeddings + the rest off in one
@@ -47,15 +47,9 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra):
         ddp.finish_grad_sync()
         links = ddp.ledger.by_link()
         expected = hand_average(ref, model, tokens, dp_group)
-        for bg in ddp.bucket_groups:
-            for bucket in bg.buckets:
-                n = bucket.grad_data.numel()
-                region = slice(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size) if dist_opt else slice(None)
-                want = torch.zeros(n, dtype=torch.float64)
-                for p, (a, b) in bucket.param_to_index.items():
-                    want[a:b] = expected[p]
-                rels.append(((bucket.grad_data[region].double() - want[region]).norm() / want[region].norm()).item())
-                grads.append(bucket.grad_data[region].clone())
+        for got, want in reduced_regions(ddp, expected, dp_rank, dp_size, dist_opt):
+            rels.append(((got - want).norm() / want.norm()).item())
+            grads.append(got)
         ok, _, _ = opt.step()
         assert ok
     two_level = [bg.gift_groups.intra is not None for bg in ddp.bucket_groups if hasattr(bg, "gift_groups")]

@@ -63,7 +63,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..megatron.ddp import GiftDistributedDataParallel
-    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss
+    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss, reduced_regions
     from .corpus import build_token_corpus
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -100,17 +100,10 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                     sent = ddp.ledger.as_dict()
                 expected = hand_average(ref, model, tokens)
                 num, den, shards = 0.0, 0.0, []
-                for bg in ddp.bucket_groups:
-                    for bucket in bg.buckets:
-                        n = bucket.grad_data.numel()
-                        region = slice(rank * n // world, (rank + 1) * n // world) if dist_opt else slice(None)
-                        want = torch.zeros(n, dtype=torch.float64)
-                        for p, (a, b) in bucket.param_to_index.items():
-                            want[a:b] = expected[p]
-                        got = bucket.grad_data[region].double()
-                        num += float((got - want[region]).pow(2).sum())
-                        den += float(want[region].pow(2).sum())
-                        shards.append(bucket.grad_data[region].clone())
+                for got, want in reduced_regions(ddp, expected, rank, world, dist_opt):
+                    num += float((got - want).pow(2).sum())
+                    den += float(want.pow(2).sum())
+                    shards.append(got.float())
                 steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards))
                 opt.step()
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -232,7 +225,7 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from ..megatron.ddp import GiftDistributedDataParallel
-    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss
+    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss, reduced_regions
     from .corpus import build_token_corpus
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -253,19 +246,12 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
         ddp.finish_grad_sync()
         links = {f"{link}/{dtype}": n for (link, dtype), n in sorted(ddp.ledger.links.items())}
         expected = hand_average(ref, model, tokens)
-        err2 = ref2 = 0.0
-        bucket_bytes = fp8_bytes = 0
-        for bg in ddp.bucket_groups:
-            for bucket, layout in zip(bg.buckets, bg.gift_layouts):
-                n = bucket.grad_data.numel()
-                region = slice(rank * n // world, (rank + 1) * n // world) if dist_opt else slice(None)
-                want = torch.zeros(n, dtype=torch.float64)
-                for p, (a, b) in bucket.param_to_index.items():
-                    want[a:b] = expected[p]
-                err2 += float((bucket.grad_data[region].double() - want[region]).pow(2).sum())
-                ref2 += float(want[region].pow(2).sum())
-                bucket_bytes += n * 4
-                fp8_bytes += sum(p.message_bytes for p in layout.shards)
+        regions = list(reduced_regions(ddp, expected, rank, world, dist_opt))
+        err2 = sum(float((got - want).pow(2).sum()) for got, want in regions)
+        ref2 = sum(float(want.pow(2).sum()) for _, want in regions)
+        buckets = [(b, lay) for bg in ddp.bucket_groups for b, lay in zip(bg.buckets, bg.gift_layouts)]
+        bucket_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b, _ in buckets)
+        fp8_bytes = sum(p.message_bytes for _, lay in buckets for p in lay.shards)
         out.append(dict(mode=mode, distributed_optimizer=dist_opt, exchange=exchange if exchange == "flat" else "two-level",
                         intra_node=intra if exchange != "flat" else None, links=links, err2=err2, ref2=ref2,
                         bucket_bytes=bucket_bytes, fp8_bytes=fp8_bytes))  # fmt: skip
