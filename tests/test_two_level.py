@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_gift.arguments import gift_config_from_args, validate_gift_args
 from megatron_gift.comm.hierarchical import TwoLevelPipeline, TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.quantized import CommLedger, QuantizedReduce
@@ -16,6 +17,7 @@ from megatron_gift.comm.topology import Topology, build_groups, topology_of
 from megatron_gift.config import Mode
 from megatron_gift.numerics import CodecConfig, decode_flat, encode_flat
 from megatron_gift.testing import run_on_ranks
+from tests.test_arguments import megatron_parse_args, parse  # noqa: F401  (fixtures)
 from tests.test_comm import _bucket_grads, _transforms
 
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -269,3 +271,62 @@ def test_topology_of_placements():
     with pytest.raises(ValueError, match="consecutively"):
         topology_of([0, 2, 1, 3], 2)
     assert Topology(2, 2).link_bytes(1, [10, 20, 30, 40]) == {"intra": 10, "inter": 70}
+
+
+# -- the fused kernels (Triton's interpreter on the CPU) -----------------------------------------
+def _kernel_worker(rank, world):
+    from megatron_gift import kernels
+    from megatron_gift.comm import quantized
+
+    calls = {"whiten_encode": 0, "decode_sum_unwhiten": 0}
+    for name in calls:
+        def counted(*args, _f=getattr(kernels, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+
+        setattr(kernels, name, counted)
+    (placed,) = build_groups([dist.group.WORLD], 2)
+    numel, segs = LAYOUTS["mixed"]
+    layout = BucketLayout(numel, world, segs, CodecConfig("e4m3", "block"), torch.float32)
+    ts = _transforms(segs)
+    out = {"calls": calls}
+    for intra, all_reduce, use in itertools.product(("bf16", "fp8"), (False, True), (False, True)):
+        quantized.USE_KERNELS = use
+        flat = _bucket_grads(numel, segs, rank)
+        TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, async_op=True).wait()
+        out[(intra, all_reduce, use)] = flat
+    return out
+
+
+def test_two_level_with_kernels(monkeypatch):
+    """Kernel path (whiten+encode of the node partials, decode+sum+unwhiten of the shard) against the
+    PyTorch path: non-GIFT values bit for bit; GIFT values differ only where FP32 rounding of G T
+    flips an FP8 code (one E4M3 step, 2^-4 relative, on few elements)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' processes inherit it
+    results = run_on_ranks(_kernel_worker, 4, timeout=900)
+    numel, segs = LAYOUTS["mixed"]
+    gift = torch.zeros(numel, dtype=torch.bool)
+    for s in segs:
+        gift[s.start : s.end] = s.mode is Mode.GIFT
+    layout = BucketLayout(numel, 4, segs, CodecConfig("e4m3", "block"), torch.float32)
+    for rank, res in enumerate(results):
+        assert res["calls"]["whiten_encode"] > 0 and res["calls"]["decode_sum_unwhiten"] > 0, res["calls"]
+        for intra, all_reduce in itertools.product(("bf16", "fp8"), (False, True)):
+            lo, hi = (0, numel) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
+            torch_path, kernel_path = res[(intra, all_reduce, False)][lo:hi], res[(intra, all_reduce, True)][lo:hi]
+            mask = gift[lo:hi]
+            assert torch.equal(torch_path[~mask], kernel_path[~mask]), (rank, intra, all_reduce)
+            diff = (torch_path[mask] - kernel_path[mask]).norm() / torch_path[mask].norm()
+            assert diff < 2**-4, (rank, intra, all_reduce, diff.item())
+
+
+# -- flags ---------------------------------------------------------------------------------------------
+def test_exchange_flags(parse):
+    cfg = gift_config_from_args(parse("--gift-mode", "gift", "--gift-exchange", "flat", "--gift-intra-node", "fp8",
+                                      "--gift-ranks-per-node", "4"))  # fmt: skip
+    assert (cfg.exchange, cfg.intra_node, cfg.ranks_per_node) == ("flat", "fp8", 4)
+    default = gift_config_from_args(parse("--gift-mode", "gift"))
+    assert (default.exchange, default.intra_node, default.ranks_per_node) == ("auto", "bf16", None)
+    with pytest.raises(ValueError, match="--gift-ranks-per-node must be an integer >= 1"):
+        validate_gift_args(parse("--gift-mode", "gift", "--gift-ranks-per-node", "0"))
