@@ -4,6 +4,7 @@ within FP8's bound of an FP32 reduction computed by hand, ranks bit-identical, N
 the link ledger, and the topology rules."""
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -272,6 +273,43 @@ def test_topology_of_placements():
     with pytest.raises(ValueError, match="consecutively"):
         topology_of([0, 2, 1, 3], 2)
     assert Topology(2, 2).link_bytes(1, [10, 20, 30, 40]) == {"intra": 10, "inter": 70}
+
+
+# -- decode off the critical path ----------------------------------------------------------------------
+def _pipeline_worker(rank, world):
+    """Buckets started one after another (as backward hooks do), never waited on until the end:
+    the first one's decode, sum and T⁻¹ run inside later starts once its exchanges have arrived."""
+    (placed,) = build_groups([dist.group.WORLD], 2)
+    numel, segs = LAYOUTS["mixed"]
+    layout = BucketLayout(numel, world, segs, CodecConfig("e4m3", "block"), torch.float32)
+    ts = _transforms(segs)
+    pipeline = TwoLevelPipeline()
+    first = _bucket_grads(numel, segs, rank)
+    reductions = [TwoLevelReduce(first, layout, placed, ts, async_op=True, pipeline=pipeline)]
+    done_at = None
+    for k in range(1, 200):  # every rank starts the same number of buckets
+        time.sleep(0.02)  # the backward's compute between two buckets
+        reductions.append(TwoLevelReduce(_bucket_grads(numel, segs, rank), layout, placed, ts, async_op=True, pipeline=pipeline))
+        if done_at is None and reductions[0].finished:
+            done_at = k
+            early = first.clone()
+        if k >= 20 and _on_every_rank(done_at is not None):
+            break
+    for r in reductions:
+        r.wait()
+    return dict(done_at=done_at, same=done_at is not None and torch.equal(early, first), buckets=len(reductions))
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (a MIN all-reduce: every rank takes the same branch)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t)
+
+
+def test_decode_runs_when_the_exchange_arrives():
+    for res in run_on_ranks(_pipeline_worker, 4, timeout=600):
+        assert res["done_at"] is not None and res["same"], res  # finished before any wait, and final
 
 
 # -- the fused kernels (Triton's interpreter on the CPU) -----------------------------------------

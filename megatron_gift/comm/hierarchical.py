@@ -25,7 +25,7 @@ local index l (inter-node: shards H(l)), then over the node's g ranks (intra-nod
 decode every shard and apply ``T⁻¹`` to whole rows: the same bytes everywhere, bit-identical results.
 
 Decode off the critical path: steps 2-4 run once step 1's all-to-all has completed, step 5 once
-step 4's has. ``TwoLevelReduce.advance`` runs whatever has completed without blocking; the
+step 4's has (each step's small exchanges are asynchronous too, finished by the next step). ``TwoLevelReduce.advance`` runs whatever has completed without blocking; the
 ``TwoLevelPipeline`` calls it for earlier buckets whenever a bucket starts, so bucket k's inter-node
 stage (and its decode) overlaps bucket k+1's intra-node stage and the rest of the backward pass;
 ``wait`` (Megatron's) blocks for the rest. Step 1 runs on the ``intra`` group, everything launched
@@ -100,7 +100,8 @@ class TwoLevelReduce:
         self.wire = intra_wire(intra, flat.dtype)
         self.codec = _Codec(layout)
         self.plan = _plan(layout, _kernels_on(flat.device))
-        self._steps = [self._node_sums, self._encode_inter, self._decode] + ([self._gather_intra, self._decode_all] if all_reduce else [])
+        last = [self._gather_intra, self._decode_all] if all_reduce else [self._write_shard]
+        self._steps = [self._node_sums, self._encode_inter, self._decode, *last]
         self.work = self._intra_stage()
         self._pipeline = pipeline
         if pipeline is not None:
@@ -145,6 +146,11 @@ class TwoLevelReduce:
                 self.work.wait()
             self.work = self._steps.pop(0)()
         return True
+
+    @property
+    def finished(self) -> bool:
+        """Whether every step has run (the result is in ``flat``)."""
+        return not self._steps
 
     def wait(self) -> None:
         if self._pipeline is not None:
@@ -201,7 +207,8 @@ class TwoLevelReduce:
         return dist.all_to_all_single(self.recv, send, [mine] * n, sizes, group=self.groups.inter, async_op=self.async_op)
 
     def _decode(self):
-        """Step 5: this rank's shard, summed over nodes in order (all-reduce: then the inter-node all-gather)."""
+        """Step 5: this rank's shard, summed over nodes in order; ``T⁻¹`` of whole rows and the cut rows'
+        exchange launched (all-reduce: ÷ p, re-encoded, the inter-node all-gather launched)."""
         plan, split, p = self.layout.shards[self.rank], self.plan.shards[self.rank], self.topo.world
         msgs = self.recv.view(self.topo.nodes, plan.message_bytes)
         coded, plains = self.codec.reduce(plan, split, msgs, False, None if self.all_reduce else self.transforms)
@@ -217,13 +224,21 @@ class TwoLevelReduce:
             self.ledger.add("all_gather", "fp8+scales", sent, {"inter": sent})
             return _all_gather(self.recv, msg, group=self.groups.inter, async_op=self.async_op)
         transform_rows(self.layout, self.transforms, coded, plan.c_lo, split.rest_rows, inverse=True)
-        PieceExchange(self.layout, self.transforms, [self.rank], [coded], self.groups.whole, lambda m: [m], self.ledger,
-                      lambda chunk: self.topo.link_bytes(self.rank, [chunk] * p), inverse=True).finish()  # fmt: skip
+        self.shard = coded, plains
+        self.pieces = PieceExchange(self.layout, self.transforms, [self.rank], [coded], self.groups.whole, lambda m: [m],
+                                    self.ledger, lambda chunk: self.topo.link_bytes(self.rank, [chunk] * p),
+                                    inverse=True, async_op=self.async_op)  # fmt: skip
+        return self.pieces.work
+
+    def _write_shard(self):
+        """Reduce-scatter: ``T⁻¹`` of the cut rows, ÷ p, shard i of the bucket."""
+        self.pieces.finish()
+        coded, plains = self.shard
         if self.average:
             for t in (coded, *plains):
-                t /= p
+                t /= self.topo.world
         flag_nonfinite(self.nonfinite, [coded, *plains])
-        write_shard(self.flat, plan, coded, plains)
+        write_shard(self.flat, self.layout.shards[self.rank], coded, plains)
         return None
 
     def _gather_intra(self):
