@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Llama-300M / Llama-600M pretraining recipes (the GIFT paper's setups) with megatron-gift.
 #
-#   MODEL=300m|600m VARIANT=bf16|euclidean|gift DATA_PATH=... bash examples/pretrain_llama.sh [extra flags]
+#   MODEL=300m|600m VARIANT=fp32|bf16|euclidean|gift|auto DATA_PATH=... bash examples/pretrain_llama.sh [extra flags]
 #   DRY_RUN=1 ... (or --dry-run as the first argument): print the command and exit.
 #
 # Runs on one node of a multi-node job; start it on every node with the same environment and
@@ -12,12 +12,18 @@
 # Both: RoPE, SwiGLU, RMSNorm, no bias, untied embeddings, global batch 512, micro-batch 4,
 # bf16, distributed optimizer, overlapped gradient reduce-scatter and parameter all-gather.
 #
-# Variant (VARIANT), the data-parallel gradient reduction:
-#   bf16       Megatron's own reduction (--gift-mode off: megatron-gift changes nothing);
-#   euclidean  every linear layer's weight gradient sent as plain FP8 (the package default,
-#              E4M3 with 1x128 block scales: see the README's fidelity benchmark);
-#   gift       the paper's selection: GIFT-whitened FP8 for mlp.linear_fc2 (the down projection),
-#              plain FP8 for the other linear layers, same format and scales.
+# Variant (VARIANT), what the data-parallel gradient reduction sends (examples/README.md):
+#   fp32       FP32 gradients, Megatron's own reduce-scatter (Megatron's default with --bf16:
+#              --gift-mode off, megatron-gift changes nothing);
+#   bf16       BF16 gradients, Megatron's own --grad-reduce-in-bf16 (--gift-mode off): the BF16
+#              baseline Megatron users compare with (its gradient buffer, and so micro-batch
+#              accumulation, is BF16 too);
+#   euclidean  [default] linear-layer weight gradients as plain FP8 (E4M3, 1x128 block scales),
+#              the other parameters FP32, summed in FP32;
+#   gift       the paper's selection: mlp.linear_fc2 as GIFT-whitened FP8, the other linear
+#              weights as plain FP8, the rest FP32; plus GIFT's statistics and factor traffic;
+#   auto       every linear weight as GIFT FP8, plain FP8 or BF16, chosen per layer by measurement
+#              (--gift-layers auto), the rest FP32; plus the statistics of all candidates.
 #   Add GIFT_ARGS="--gift-fp8-format e5m2 --gift-scaling tensor" for the paper's own codec.
 #
 # Environment (defaults in brackets):
@@ -40,7 +46,7 @@ if [[ ${1:-} == --dry-run ]]; then
 fi
 
 MODEL=${MODEL:-300m}
-VARIANT=${VARIANT:-gift}
+VARIANT=${VARIANT:-euclidean}
 case $MODEL in
     300m) model=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2736)
           seq=4096 iters=3000 ;;
@@ -49,11 +55,13 @@ case $MODEL in
     *) echo "pretrain_llama.sh: MODEL must be 300m or 600m, got '$MODEL'" >&2; exit 2 ;;
 esac
 case $VARIANT in
-    bf16) gift=(--gift-mode off) ;;
+    fp32) gift=(--gift-mode off) ;;
+    bf16) gift=(--gift-mode off --grad-reduce-in-bf16) ;;
     euclidean) gift=(--gift-mode euclidean) ;;
     gift) gift=(--gift-mode gift --gift-layers '\.mlp\.linear_fc2\.weight$'
                 --gift-euclidean-layers '\.linear_(qkv|proj|fc1)\.weight$') ;;
-    *) echo "pretrain_llama.sh: VARIANT must be bf16, euclidean or gift, got '$VARIANT'" >&2; exit 2 ;;
+    auto) gift=(--gift-mode gift --gift-layers auto) ;;
+    *) echo "pretrain_llama.sh: VARIANT must be fp32, bf16, euclidean, gift or auto, got '$VARIANT'" >&2; exit 2 ;;
 esac
 read -r -a gift_extra <<<"${GIFT_ARGS:-}"
 

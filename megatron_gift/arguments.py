@@ -1,9 +1,9 @@
 """Megatron command-line flags (``--gift-*``) that build a :class:`GiftConfig`.
 
 ``add_gift_args`` is an ``extra_args_provider`` for ``megatron.training.arguments.parse_args``;
-``chain_args_providers`` combines it with a script's own provider. ``--gift-mode`` defaults to
-``off``, so adding the flags changes nothing until asked. Every other default is read from
-``GiftConfig()``, the single source of truth.
+``chain_args_providers`` combines it with a script's own provider. Every default is read from
+``GiftConfig()``, the single source of truth; ``--gift-mode`` defaults to ``off`` as
+``GiftConfig().mode`` does, so adding the flags changes nothing until asked.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig
-from .megatron.ddp import param_modes
+from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 _DEFAULT = GiftConfig()
@@ -45,7 +44,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--gift-mode",
         choices=[m.value for m in Mode],
-        default=Mode.OFF.value,
+        default=_DEFAULT.mode.value,
         help="What the --gift-layers gradients are sent as: off (Megatron's own reduction, the default), "
         "bf16, euclidean (plain FP8) or gift (whitened FP8).",
     )
@@ -145,6 +144,14 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
     )
     g.add_argument(
+        "--gift-loopback",
+        action="store_true",
+        default=_DEFAULT.loopback,
+        help="Benchmarking tool: quantize gradients even where the data-parallel group has one rank (encode, "
+        "decode, sum, unwhiten, nothing sent), to measure the plugin's on-GPU cost on one GPU. Without it a "
+        "group of one keeps Megatron's reduction and gradient bit for bit.",
+    )
+    g.add_argument(
         "--gift-log-interval",
         type=int,
         default=_DEFAULT.log_interval,
@@ -215,6 +222,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             euclidean_layers=tuple(args.gift_euclidean_layers),
             policy=_policy_from_args(args),
             log_interval=args.gift_log_interval,
+            loopback=args.gift_loopback,
             exchange=args.gift_exchange,
             intra_node=args.gift_intra_node,
             ranks_per_node=args.gift_ranks_per_node,
@@ -252,11 +260,11 @@ def validate_gift_args(args, named_parameters=None) -> None:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
     cfg = gift_config_from_args(args)
     if cfg is None:
-        if args.gift_euclidean_layers:
-            raise ValueError(
-                "--gift-euclidean-layers has no effect with --gift-mode off: "
-                "choose --gift-mode bf16, euclidean or gift, or drop --gift-euclidean-layers"
-            )
+        for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
+            if value:
+                raise ValueError(
+                    f"{flag} has no effect with --gift-mode off: choose --gift-mode bf16, euclidean or gift, or drop {flag}"
+                )
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):

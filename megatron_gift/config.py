@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 
 from .numerics.fp8 import CodecConfig
@@ -60,6 +61,9 @@ class PolicyConfig:
 class GiftConfig:
     """Everything the plugin needs; see ``megatron_gift.arguments`` for the matching flags.
 
+    ``mode`` defaults to ``off``, as ``--gift-mode`` does: a default ``GiftConfig()`` changes
+    nothing (every gradient goes through Megatron's own reduction) until a mode is chosen.
+
     ``refresh_interval``: steps between factor refreshes (before the first interval also at
     steps 1, 2, 4, ..., each replacing the factor; later refreshes fold into the ``ema``).
     ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
@@ -68,12 +72,15 @@ class GiftConfig:
     (embeddings, output layer) in plain FP8 as well. ``policy``: when set, ``layers`` are
     candidates whose mode (Euclidean, GIFT or BF16) is chosen from measurement
     (``--gift-layers auto``). ``log_interval``: steps between telemetry records (0: none).
+    ``loopback``: a benchmarking switch: quantize even where the reduction group has one rank
+    (encode, decode, sum, unwhiten, nothing sent), so one GPU measures the plugin's whole on-GPU
+    cost; without it such a group keeps Megatron's reduction and its gradient bit for bit.
     ``exchange``: ``auto`` (two-level where the data-parallel group spans several nodes with
     several ranks each) or ``flat`` (one all-to-all over the group); ``intra_node``: the two-level
     exchange's intra-node dtype; ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
     """
 
-    mode: Mode = Mode.GIFT
+    mode: Mode = Mode.OFF
     codec: CodecConfig = field(default_factory=CodecConfig)
     rank: int = 32
     sketch: int = 64
@@ -85,6 +92,7 @@ class GiftConfig:
     euclidean_layers: tuple[str, ...] = ()
     policy: PolicyConfig | None = None
     log_interval: int = 0
+    loopback: bool = False
     exchange: str = "auto"
     intra_node: str = "bf16"
     ranks_per_node: int | None = None
@@ -114,3 +122,21 @@ class GiftConfig:
             raise ValueError(f"an automatic layer policy needs mode gift (it chooses per layer), got {self.mode.value}")
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "euclidean_layers", tuple(self.euclidean_layers))
+
+
+def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
+    """Mode of each parameter by name: ``cfg.layers`` → ``cfg.mode``, ``cfg.euclidean_layers`` →
+    Euclidean, the rest off. GIFT needs a 2-D weight; other shapes fall back to Euclidean. (With a
+    policy, the GIFT ones are its candidates, starting Euclidean.)"""
+    modes = {}
+    for name, p in named_params:
+        if any(re.search(pat, name) for pat in cfg.layers):
+            mode = cfg.mode
+            if mode is Mode.GIFT and p.dim() != 2:
+                mode = Mode.EUCLIDEAN
+        elif any(re.search(pat, name) for pat in cfg.euclidean_layers):
+            mode = Mode.EUCLIDEAN
+        else:
+            mode = Mode.OFF
+        modes[name] = mode
+    return modes

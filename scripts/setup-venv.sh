@@ -21,6 +21,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins"
 
 # Order matters: numpy before megatron-core (else pip picks a 3.12-only numpy), and
 # megatron-core without its dependency metadata; `import megatron.core` needs triton.
+# tokenizers and matplotlib are the package's `bench` extra (the demo, benchmarks and reports).
 "${pip[@]}" torch
 "${pip[@]}" numpy packaging setuptools pybind11
 "${pip[@]}" --ignore-requires-python --no-deps megatron-core

@@ -70,8 +70,20 @@ def test_defaults_change_nothing(parse):
     assert {k: v for k, v in vars(args).items() if not k.startswith("gift_")} == plain
 
 
+def test_default_mode_is_off_in_flags_and_config(parse):
+    assert parse().gift_mode == GiftConfig().mode.value == "off"  # adding the flags changes nothing
+    assert gift_config_from_args(parse()) is None
+
+
 def test_defaults_come_from_gift_config(parse):
-    assert gift_config_from_args(parse("--gift-mode", "gift")) == GiftConfig()
+    """The flags' defaults are GiftConfig's, which are the documented ones (written out here, not
+    read from GiftConfig: a changed default must change this test too)."""
+    cfg = gift_config_from_args(parse("--gift-mode", "gift"))
+    assert cfg == GiftConfig(mode=Mode.GIFT)
+    assert (cfg.mode, cfg.codec.fmt, cfg.codec.scaling, cfg.codec.block) == (Mode.GIFT, FP8Format.E4M3, Scaling.BLOCK, 128)
+    assert (cfg.rank, cfg.sketch, cfg.damping, cfg.ema, cfg.refresh_interval) == (32, 64, 1e-3, 0.95, 50)
+    assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
+    assert cfg.layers == (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
 
 
 def test_every_flag_maps_to_config(parse):
@@ -203,7 +215,7 @@ def test_chained_with_another_provider(parse):
         return parser
 
     args = parse("--my-flag", "3", "--gift-mode", "gift", provider=chain_args_providers(own, add_gift_args))
-    assert args.my_flag == 3 and gift_config_from_args(args) == GiftConfig()
+    assert args.my_flag == 3 and gift_config_from_args(args) == GiftConfig(mode=Mode.GIFT)
 
     parser = chain_args_providers(add_gift_args, own)(argparse.ArgumentParser())
     assert "megatron-gift" in [g.title for g in parser._action_groups]

@@ -12,6 +12,7 @@ from megatron_gift.comm.quantized import CommLedger, QuantizedReduce
 from megatron_gift.config import Mode
 from megatron_gift.numerics import CodecConfig, ErrorFeedback, LowRankWhitening, decode_flat, encode_flat
 from megatron_gift.testing import run_on_ranks
+from tests.test_whitening import fp32_bound
 
 # Shard boundaries cut GIFT rows (4 ranks: at 352 inside row 8 of the first weight, at 1056
 # inside row 1 of the last); one layout has a row that spans all four shards.
@@ -144,6 +145,9 @@ def _worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_quantized_reduce(world):
     results = run_on_ranks(_worker, world, timeout=300)
+    # split rows transform their pieces in other FP32 orders than whole rows: test_whitening.fp32_bound
+    fp32_tol = {name: 2 * max(fp32_bound(t.dense()[0], 2) for t in _transforms(segs) if t is not None)
+                for name, (_, segs) in LAYOUTS.items()}  # fmt: skip
     for key, r0 in results[0].items():
         if key[0] == "ef":
             continue
@@ -154,7 +158,7 @@ def test_quantized_reduce(world):
             assert r["rel"] < tol, (key, rank, r["rel"])
             assert r["plain_ok"], (key, rank)
             if not all_reduce:
-                assert r["emu_err"] < 1e-5, (key, rank, r["emu_err"])  # split rows exactly as unsplit
+                assert r["emu_err"] < fp32_tol[name], (key, rank, r["emu_err"])  # split rows exactly as unsplit
             else:
                 assert r["emu_err"] < tol, (key, rank, r["emu_err"])
                 assert torch.equal(r["result"], r0["result"]), (key, rank)  # bit-identical on every rank

@@ -87,6 +87,7 @@ def _check_uninstall_and_context_manager():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_harness
 def test_megatron_ddp_and_optimizer_train_on_cpu():
     per_rank = run_on_ranks(_train_and_check, 2, cpu_harness=True, timeout=240)
     assert set(per_rank[0]) == set(SETTINGS)

@@ -9,7 +9,6 @@ import os
 import re
 
 import pytest
-import torch
 
 from megatron_gift import demo
 from megatron_gift.cli import build_parser
@@ -49,9 +48,8 @@ def test_demo_log_parsing_and_ring_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_harness
 def test_demo_writes_report_plots_and_metrics(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("the --gift-cpu launcher refuses to run where CUDA is available")
     from megatron_gift.cli import main
 
     out = tmp_path / "demo"
@@ -64,14 +62,20 @@ def test_demo_writes_report_plots_and_metrics(tmp_path):
     fp32 = doc["modes"]["fp32"]["bytes_per_step"]
     for name, m in doc["modes"].items():
         assert len(m["loss_curve"]) == 12 and all(math.isfinite(v) for v in m["loss_curve"]), (name, m["loss_curve"])
-        assert m["final_loss"] == m["loss_curve"][-1] and m["bytes_per_step"] > 0
-    # A step without a factor refresh moves at most 0.26x FP32's bytes, and Euclidean never
-    # refreshes; GIFT's average also carries the statistics all-reduces and factor broadcasts of
-    # its warm-up refreshes (steps 0, 1, 2, 4, 8 here), large next to this tiny model's gradients.
-    for name, bound in (("euclidean-e4m3", 0.26), ("gift-e4m3", 0.45), ("gift-auto", 0.45)):
+        # the losses Megatron printed, read from the run's own log with this test's pattern
+        logged = re.findall(r"lm loss: ([-+0-9.eE]+) \|", (out / "logs" / f"{name}.log").read_text())
+        assert m["loss_curve"] == [float(v) for v in logged] and m["final_loss"] == float(logged[-1]), name
+        assert m["bytes_per_step"] > 0
+    # A step without a factor refresh sends 1 B per element plus an FP32 scale per group, against
+    # FP32's 4 B: 0.25 + 4 / (4 · 64) = 0.2656x, since the quick model's widest group is a 64-wide
+    # row (hidden 64); 1% more for shard padding. Euclidean never refreshes; GIFT's average also
+    # carries the statistics all-reduces and factor broadcasts of its warm-up refreshes (steps 0,
+    # 1, 2, 4, 8 here), large next to this tiny model's gradients.
+    fp8_share = (0.25 + 4 / (4 * demo.PRESETS["quick"]["hidden"])) * 1.01
+    for name, bound in (("euclidean-e4m3", fp8_share), ("gift-e4m3", 0.45), ("gift-auto", 0.45)):
         m = doc["modes"][name]
         last = sum(int(n) for n in re.findall(r"\S+ (\d+)", m["bytes_detail_last"]))
-        assert last <= 0.26 * fp32 and m["bytes_per_step"] < bound * fp32, (name, last, m["bytes_per_step"], fp32)
+        assert last <= fp8_share * fp32 and m["bytes_per_step"] < bound * fp32, (name, last, m["bytes_per_step"], fp32)
     assert doc["modes"]["bf16"]["bytes_per_step"] == pytest.approx(0.5 * fp32, rel=0.02)
     # Same model, data and seed: the first iteration (before any reduction) has the same loss.
     first = [m["loss_curve"][0] for m in doc["modes"].values()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import shutil
@@ -28,11 +29,13 @@ COMMON_FLAGS = (
     "--position-embedding-type", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
 )  # fmt: skip
-MODES = {"bf16": "off", "euclidean": "euclidean", "gift": "gift"}
+# VARIANT -> (--gift-mode, whether Megatron's own --grad-reduce-in-bf16 is on)
+VARIANTS = {"fp32": ("off", False), "bf16": ("off", True), "euclidean": ("euclidean", False),
+            "gift": ("gift", False), "auto": ("gift", False)}  # fmt: skip
 
 
 def _dry_run(script: str, *args: str, **env) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "MOCK_DATA", "GIFT_ARGS", "TP", "PP")}
+    base = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "MOCK_DATA", "GIFT_ARGS", "TP", "PP", "VARIANT")}
     return subprocess.run(
         ["bash", str(EXAMPLES / script), *args],
         capture_output=True,
@@ -64,7 +67,7 @@ def _gift_namespace(cmd: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("model", ["300m", "600m"])
-@pytest.mark.parametrize("variant", ["bf16", "euclidean", "gift"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("how", ["wrapper", "MODEL"])
 def test_recipe_prints_the_models_command(model, variant, how):
     if how == "wrapper":
@@ -79,18 +82,24 @@ def test_recipe_prints_the_models_command(model, variant, how):
     assert _value(cmd, "--global-batch-size") == "512" and _value(cmd, "--micro-batch-size") == "4"
     for flag in COMMON_FLAGS:
         assert flag in cmd, flag
-    assert _value(cmd, "--gift-mode") == MODES[variant]
+    mode, bf16_reduction = VARIANTS[variant]
+    assert _value(cmd, "--gift-mode") == mode
+    assert ("--grad-reduce-in-bf16" in cmd) == bf16_reduction
 
     ns = _gift_namespace(cmd)
-    assert ns.gift_mode == MODES[variant]
     validate_gift_args(ns)  # flag-level checks (no Megatron flags on this namespace: defaults apply)
     cfg = gift_config_from_args(ns)
-    if variant == "bf16":
+    if mode == "off":  # the baselines are Megatron's own reductions
         assert cfg is None
     else:
-        assert cfg.mode.value == variant
+        assert cfg.mode.value == mode
+    assert (cfg is not None and cfg.policy is not None) == (variant == "auto")
     if variant == "gift":  # the paper's selection: GIFT only on the down projection
         assert any("linear_fc2" in p for p in cfg.layers) and not any("fc2" in p for p in cfg.euclidean_layers)
+
+
+def test_default_variant_is_euclidean():
+    assert _value(_command("llama_300m.sh"), "--gift-mode") == "euclidean"
 
 
 def test_recipe_environment_and_extra_flags():
@@ -138,8 +147,8 @@ def test_recipe_megatron_flags_exist():
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     known = set(parser._option_string_actions)
-    for model in SIZES:
-        cmd = _command("pretrain_llama.sh", MODEL=model, VARIANT="gift", TP="2", SAVE_DIR="/ckpt")
+    for model, variant in itertools.product(SIZES, VARIANTS):
+        cmd = _command("pretrain_llama.sh", MODEL=model, VARIANT=variant, TP="2", SAVE_DIR="/ckpt")
         after = cmd[cmd.index("megatron_gift.pretrain_gpt") + 1 :]
         flags = {a for a in after if a.startswith("--") and not a.startswith("--gift-")}
         assert flags and not flags - known, sorted(flags - known)

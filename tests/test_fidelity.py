@@ -10,10 +10,13 @@ import math
 from collections import defaultdict
 
 import pytest
+import torch
 
 from megatron_gift import cli
 from megatron_gift.bench import fidelity
 from megatron_gift.bench.llama import LlamaConfig
+from megatron_gift.numerics import LowRankWhitening, approximate_factor
+from tests.reference import fp8_roundtrip
 
 TINY = fidelity.FidelityConfig(
     model=LlamaConfig(hidden=32, layers=1, heads=2, ffn_hidden=48, seq_len=16),
@@ -74,8 +77,32 @@ def test_errors_are_sane(report):
         fp8 = [r["rel_l2"] for s, r in cell.items() if s != "bf16"]
         assert cell["bf16"]["rel_l2"] < 0.2 * min(fp8)
         assert cell["euclid-e4m3-block"]["rel_l2"] < cell["euclid-e5m2-tensor-shared"]["rel_l2"]
-        gift = cell["gift-r4-e4m3-row"]
-        assert math.isclose(gift["ratio_vs_euclid"], gift["rel_l2"] / cell["euclid-e4m3-row"]["rel_l2"])
+
+
+def test_measure_layer_against_references():
+    """Errors of one layer's schemes against references built here: the FP64 sum of the ranks'
+    gradients, the FP8 round trip from its definition (tests/reference.py), BF16 by torch's cast."""
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(3, 40, 256, generator=gen) * torch.linspace(0.01, 2.0, 256)
+    x = torch.randn(600, 256, generator=gen) * torch.linspace(0.01, 2.0, 256)
+    a = x.T @ x / 600
+    results, _ = fidelity.measure_layer(stack, a, TINY)
+    rec = {r["scheme"]: r for r in results}
+    truth = stack.double().sum(0)
+
+    def rel(approx):
+        return float((approx.double() - truth).norm() / truth.norm())
+
+    # Sums (the truth, BF16's) in FP64 here, in FP32 there: they differ by at most
+    # (R-1) · 2^-24 · Σ_r |G_r| per element, and a RelL2 by that norm over ‖truth‖ (twice, to first order).
+    tol = 2 * (len(stack) - 1) * 2.0**-24 * float(stack.double().abs().sum(0).norm() / truth.norm())
+    assert rec["bf16"]["rel_l2"] == pytest.approx(rel(sum(g.bfloat16().double() for g in stack)), abs=tol)
+    euclid = rel(sum(fp8_roundtrip(g) for g in stack))
+    assert rec["euclid-e4m3-block"]["rel_l2"] == pytest.approx(euclid, abs=tol)
+    w = LowRankWhitening(approximate_factor(a, 4, TINY.damping))
+    gift = rel(w.inverse(sum(fp8_roundtrip(w.apply(g)) for g in stack)))
+    assert rec["gift-r4-e4m3-block"]["rel_l2"] == pytest.approx(gift, abs=tol)
+    assert rec["gift-r4-e4m3-block"]["ratio_vs_euclid"] == pytest.approx(gift / euclid, rel=tol / gift + tol / euclid)
 
 
 def test_geometry_records(report):

@@ -26,6 +26,7 @@ from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing import run_on_ranks
+from tests.test_whitening import fp32_bound
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -78,10 +79,12 @@ def _assert_same_bits(x, ref):
     assert torch.equal(torch.where(nan, 0.0, x).view(torch.int32), torch.where(nan, 0.0, ref).view(torch.int32))
 
 
-def _assert_fp32_close(x, ref):
+def _assert_fp32_close(x, ref, w):
+    """Two FP32 evaluations of ``X T`` or ``X T⁻¹`` (other summation orders): each row is a
+    vector-matrix product, off by at most ``d · eps · κ(T)`` of its norm (test_whitening.fp32_bound)."""
     assert torch.isfinite(x).all()
-    assert float((x - ref).norm()) <= 1e-5 * float(ref.norm())
-    assert float((x - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    bound = fp32_bound(w.dense()[0], 2)
+    assert ((x - ref).norm(dim=1) <= bound * ref.norm(dim=1)).all(), float(((x - ref).norm(dim=1) / ref.norm(dim=1)).max())
 
 
 def _messages(world, rows, cols, cfg, device, special):
@@ -137,7 +140,7 @@ def test_whiten_encode(device, cfg, shape, rank, kernels_only):
     u, u_ref = torch.empty_like(g), torch.empty_like(g)
     enc = kernels.whiten_encode(g, w, cfg, out=u)
     reference_whiten_encode(g, w, cfg, out=u_ref)
-    _assert_fp32_close(u, u_ref)
+    _assert_fp32_close(u, u_ref, w)
     _assert_same_encoding(enc, encode(u, cfg))
 
 
@@ -160,7 +163,7 @@ def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
     payloads, scales = _messages(3, rows, cols, cfg, device, special=False)
     w = _whitening(cols, rank, device)
     out = kernels.decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average)
-    _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average))
+    _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average), w)
 
 
 # Two shards of 800: "c" has a row cut by the boundary (row 0: 20 columns in shard 0) and whole
@@ -246,7 +249,9 @@ if INTERPRET:
         world = 2
         results = run_on_ranks(_comm_worker, world, timeout=300)
         numel, segments = COMM_LAYOUT
-        grads, _ = _comm_inputs(world)
+        grads, transforms = _comm_inputs(world)
+        # G T before the codes, S T⁻¹ after the sum: FP32 in other orders (test_whitening.fp32_bound)
+        fp32_tol = 2 * max(fp32_bound(t.dense()[0], 2) for t in transforms if t is not None)
         gift = torch.zeros(numel, dtype=torch.bool)
         for s in segments:
             gift[s.start : s.end] = s.mode is Mode.GIFT
@@ -260,7 +265,7 @@ if INTERPRET:
                 lo, hi = (0, numel) if all_reduce else (rank * numel // world, (rank + 1) * numel // world)
                 got, want, g = kernel_path[lo:hi], torch_path[lo:hi], gift[lo:hi]
                 assert torch.equal(got[~g], want[~g]), key
-                assert float((got[g] - want[g]).norm()) <= 1e-5 * float(want[g].norm()), key
+                assert float((got[g] - want[g]).norm()) <= fp32_tol * float(want[g].norm()), key
                 ref = reference[lo:hi]
                 tol = 0.08 if codec.startswith("e4m3") else 0.16
                 assert float((got.double() - ref).norm()) < tol * float(ref.norm()), key

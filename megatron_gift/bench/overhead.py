@@ -8,7 +8,7 @@ For each linear layer of Llama-300M, Llama-600M (the paper's shapes) and the CPU
 ==============================  ====================================================================
 path                            what is timed
 ==============================  ====================================================================
-``layer_fwd_bwd``               ``Y = X Wᵀ``, ``dX = dY W``, ``dW = dYᵀ X`` for one micro-batch's tokens
+``layer_fwd_bwd``               ``Y = X Wᵀ``, ``dX = dY W``, ``dW = dYᵀ X`` for one micro-batch's tokens (FP32, or ``layer_dtype``)
 ``lowrank_apply`` / ``_inverse`` ``LowRankWhitening.apply`` (``G T``) / ``inverse`` (``U T⁻¹``), rank 32
 ``dense_apply`` / ``_inverse``  ``DenseCholeskyWhitening`` (the paper's ``T = L⁻ᵀ``: triangular solve / ``U Lᵀ``)
 ``fp8_encode_decode``           ``numerics.fp8.encode`` + ``decode``, default codec (E4M3, 1x128 blocks)
@@ -60,7 +60,7 @@ QUICK_TOKENS = 1024  # tokens per micro-batch in --quick (instead of seq x micro
 QUICK_MODELS = ("llama-600m", "demo")
 
 SCHEMA = {
-    "results": "one record per (model, layer, path): model, layer, shape [d_out, d_in], tokens (layer_fwd_bwd), "
+    "results": "one record per (model, layer, path): model, layer, shape [d_out, d_in], tokens and dtype (layer_fwd_bwd), "
     "path, device, seconds (fastest sample), samples; codec/copy paths add bytes_per_s; dense_* paths add dense_over_lowrank "
     "(seconds / seconds of the matching lowrank_* path)",
     "summary": "per (model, layer): layer_fwd_bwd_s, transform_s (lowrank apply+inverse), codec_s (fp8 encode+decode), "
@@ -114,8 +114,9 @@ def fused_timed(device: torch.device) -> bool:
     return kernels.available(device) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.device, cfg: CodecConfig) -> list[dict]:
-    """Time every path of one layer; returns its result records."""
+def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.device, cfg: CodecConfig,
+                  layer_dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Time every path of one layer (its fwd+bwd in ``layer_dtype``); returns its result records."""
     d_out, d_in = shape
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(d_out, d_in, generator=gen).to(device)
@@ -128,9 +129,10 @@ def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.
     payloads = shard.payload.reshape(1, -1).expand(RANKS, -1).contiguous()
     scales = shard.scales.reshape(1, -1).expand(RANKS, -1).contiguous()
     out = torch.empty_like(g)
+    w, xl, dyl = (t.to(layer_dtype) for t in (g, x, dy))
     scale_bytes = cfg.scale_bytes(d_out, d_in)
     paths = {
-        "layer_fwd_bwd": (lambda: (x @ g.T, dy @ g, dy.T @ x), None),
+        "layer_fwd_bwd": (lambda: (xl @ w.T, dyl @ w, dyl.T @ xl), None),
         "lowrank_apply": (lambda: low.apply(g), None),
         "lowrank_inverse": (lambda: low.inverse(g), None),
         "dense_apply": (lambda: dense.apply(g), None),
@@ -155,7 +157,7 @@ def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.
         rec = dict(model=name[0], layer=name[1], shape=[d_out, d_in], path=path, device=str(on),
                    seconds=seconds, samples=samples)  # fmt: skip
         if path == "layer_fwd_bwd":
-            rec["tokens"] = tokens
+            rec["tokens"], rec["dtype"] = tokens, str(layer_dtype).removeprefix("torch.")
         if nbytes is not None:
             rec["bytes_per_s"] = nbytes / seconds
         records.append(rec)
@@ -189,10 +191,11 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def run(quick: bool = False, json_path: str | None = None, device: str | None = None, command: str | None = None,
-        models: dict | None = None, tokens: int | None = None) -> dict:
+        models: dict | None = None, tokens: int | None = None, layer_dtype: torch.dtype = torch.float32) -> dict:
     """Time every path for every layer, print the table, write JSON; returns the document.
 
-    ``models``/``tokens`` override the shapes and tokens per micro-batch (tests use tiny ones)."""
+    ``models``/``tokens`` override the shapes and tokens per micro-batch (tests use tiny ones);
+    ``layer_dtype``: the layers' fwd+bwd precision (the GPU check times BF16, as training runs)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if models is None:
         models = {k: MODELS[k] for k in (QUICK_MODELS if quick else MODELS)}
@@ -209,7 +212,7 @@ def run(quick: bool = False, json_path: str | None = None, device: str | None = 
             n_tok = tokens or m["seq"] * m["micro_batch"]
             for layer, shape in layer_shapes(m).items():
                 print(f"[bench overhead] {name} {layer} {shape[0]}x{shape[1]}, {n_tok} tokens ...", file=sys.stderr, flush=True)
-                records.extend(measure_layer((name, layer), shape, n_tok, dev, cfg))
+                records.extend(measure_layer((name, layer), shape, n_tok, dev, cfg, layer_dtype))
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
@@ -221,7 +224,7 @@ def run(quick: bool = False, json_path: str | None = None, device: str | None = 
                      torch=torch.__version__, threads=used_threads,
                      gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None),  # fmt: skip
         config=dict(codec=cfg.name, block=cfg.block, rank=RANK, ranks=RANKS, models=models,
-                    tokens_per_micro_batch=tokens or "seq x micro_batch",
+                    tokens_per_micro_batch=tokens or "seq x micro_batch", layer_dtype=str(layer_dtype).removeprefix("torch."),
                     kernels="fused+reference" if fused_timed(dev) else "reference"),  # fmt: skip
         schema=SCHEMA,
         wall_seconds=round(time.time() - t0, 1),

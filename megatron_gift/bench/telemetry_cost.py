@@ -41,13 +41,16 @@ BASELINE = "gift-log-off"
 # name -> (GiftConfig keyword arguments, the configuration whose plugin mode it shares, when logging is off)
 CONFIGS = {
     "euclidean-log-off": (dict(mode=Mode.EUCLIDEAN), None),
-    "gift-log-off": (dict(), None),
-    "gift-log-off-again": (dict(), BASELINE),
-    "gift-log-interval-1e6": (dict(log_interval=10**6), BASELINE),
+    "gift-log-off": (dict(mode=Mode.GIFT), None),
+    "gift-log-off-again": (dict(mode=Mode.GIFT), BASELINE),
+    "gift-log-interval-1e6": (dict(mode=Mode.GIFT, log_interval=10**6), BASELINE),
     # the policy starts its candidates in Euclidean mode and needs two profiles to switch
-    "auto-no-profile": (dict(policy=PolicyConfig(profile_steps=0, profile_interval=NEVER)), "euclidean-log-off"),
-    "gift-log-every-step": (dict(log_interval=1), BASELINE),
-    "auto-profile-every-step": (dict(policy=PolicyConfig(profile_steps=NEVER)), None),
+    "auto-no-profile": (
+        dict(mode=Mode.GIFT, policy=PolicyConfig(profile_steps=0, profile_interval=NEVER)),
+        "euclidean-log-off",
+    ),
+    "gift-log-every-step": (dict(mode=Mode.GIFT, log_interval=1), BASELINE),
+    "auto-profile-every-step": (dict(mode=Mode.GIFT, policy=PolicyConfig(profile_steps=NEVER)), None),
 }
 
 PRESETS = {

@@ -8,7 +8,7 @@ Sender, ``whiten_encode``: ``P = G (D^{-1/2} Q) diag(c)`` ([rows, r], torch.matm
 
     U = G D^{-1/2} + P Qᵀ                   (= G T, r FP32 rank-1 updates)
     amax = max |U| over the finite values of each group
-    s = bf16_round_up(max(amax / fp8_max, 2^-126)), 1 where amax = 0
+    s = max(amax / fp8_max, 2^-126), 1 where amax = 0   (FP32, as fp8.scales_from_amax)
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
 BLOCK scaling does all of it in one pass. TENSOR/ROW/MX groups span tiles (or need E8M0
@@ -115,12 +115,10 @@ def _whiten_encode_kernel(
     if PASS == _AMAX:
         tl.store(amax_ptr + r * tl.num_programs(1) + pid_c, amax, mask=rmask)
     else:
-        if PASS == _FUSED_BLOCK:  # the scale of fp8.scales_from_amax, rounded up to BF16
+        if PASS == _FUSED_BLOCK:  # the FP32 scale of fp8.scales_from_amax
             s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 2.0**-126)
             s = tl.where(amax.to(tl.int32, bitcast=True) > 0, s, 1.0)
-            hi = (s.to(tl.int32, bitcast=True) + 0xFFFF) >> 16
-            tl.store(scale_ptr + r * scale_row_stride + pid_c, hi.to(tl.int16), mask=rmask)
-            s = (hi << 16).to(tl.float32, bitcast=True)
+            tl.store(scale_ptr + r * scale_row_stride + pid_c, s, mask=rmask)
         else:
             s = tl.load(scale_ptr + r * scale_row_stride + pid_c * scale_col_stride, mask=rmask, other=1.0)
         y = tl.math.div_rn(u, tl.broadcast_to(s[:, None], u.shape))
@@ -208,9 +206,9 @@ def whiten_encode(
         )
 
     if cfg.scaling is Scaling.BLOCK:
-        scales = torch.empty(cfg.groups(rows, cols), dtype=torch.int16, device=g.device)
+        scales = torch.empty(cfg.groups(rows, cols), dtype=cfg.scale_dtype(), device=g.device)
         launch(_FUSED_BLOCK, scales, fusion=True)
-        return Encoded(payload=payload, scales=scales.view(torch.bfloat16))
+        return Encoded(payload=payload, scales=scales)
     # Two passes, without FMA contraction so that both compute the same U bit for bit.
     amax = torch.empty(rows, triton.cdiv(cols, width), device=g.device)
     launch(_AMAX, g, amax)

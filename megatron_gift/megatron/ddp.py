@@ -199,6 +199,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
         modes = param_modes(named, self.gift_config)
+        if not self.gift_config.loopback:  # a group of one sends nothing: keep Megatron's gradient, bit for bit
+            modes = {n: modes[n] if self._reduction_size(p) > 1 else Mode.OFF for n, p in named}
         self.monitor = Monitor(self.gift_config, self.set_mode, verbose=not dist.is_initialized() or dist.get_rank() == 0)
         self.gift_params: dict[torch.nn.Parameter, GiftParam] = {}
         for i, (name, p) in enumerate(named):
@@ -220,6 +222,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
         auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
+
+    def _reduction_size(self, p: torch.nn.Parameter) -> int:
+        """Ranks that reduce ``p``'s gradient: the (expert) data-parallel group of its bucket group."""
+        return (self.intra_dp_cp_group if getattr(p, "allreduce", True) else self.intra_expt_dp_group).size()
 
     def _device(self):
         for p in self.module.parameters():

@@ -11,14 +11,22 @@ granularity  group                                  scale stored as
 ===========  =====================================  ======================================
 TENSOR       the whole tensor                       1 x float32
 ROW          one row                                rows x float32
-BLOCK        1 x ``block`` (128) along cols         rows x ceil(cols/block) x bfloat16
+BLOCK        1 x ``block`` (128) along cols         rows x ceil(cols/block) x float32
 MX           1 x 32 along cols                      rows x ceil(cols/32) x uint8 (E8M0)
 ===========  =====================================  ======================================
 
 Encode: ``q = fp8(x / s)`` with ``s = amax / fp8_max`` (``amax`` over the group's finite
-values; ``s = 1`` for an all-zero group). Block scales are rounded up to BF16 (2/128 byte per
-element) and MX scales up to a power of two (OCP MX, 1/32 byte per element), so a group's
-maximum never clips. Decode: ``x̂ = float(q) * s``. Non-finite inputs are encoded as
+values; ``s = 1`` for an all-zero group). Decode: ``x̂ = float(q) * s``.
+
+Tensor, row and block scales are FP32 (block: 4/128 byte per element): a group's maximum
+encodes to ``±fp8_max`` and decodes to ``amax`` within two FP32 roundings (relative 2^-23, no
+bias; unless ``amax < fp8_max · 2^-126``, where ``s`` is clamped to FP32's smallest normal). A
+BF16 scale (2/128 byte) would have to be rounded up so that the maximum never clips, and the
+maximum would then decode up to 2^-7 too large, always upwards (docs/codec.md measures this).
+MX scales are powers of two rounded up (OCP MX E8M0, 1/32 byte per element): the maximum never
+clips and carries the format's own rounding error, like every other element. Every element
+other than a group's maximum carries the format's relative rounding error, at most
+``2^-(mantissa_bits+1)``, or half a subnormal step times ``s``. Non-finite inputs are encoded as
 the format's NaN (E4M3) or Inf/NaN (E5M2) so they survive decode: a NaN check after the
 reduction still fires.
 """
@@ -114,8 +122,8 @@ class CodecConfig:
         return (rows, math.ceil(cols / self.block))
 
     def scale_dtype(self) -> torch.dtype:
-        """Tensor and row scales travel as FP32, block scales as BF16, MX scales as E8M0 bytes."""
-        return {Scaling.BLOCK: torch.bfloat16, Scaling.MX: torch.uint8}.get(self.scaling, torch.float32)
+        """MX scales travel as E8M0 bytes, all others as FP32 (see the module docstring for why)."""
+        return torch.uint8 if self.scaling is Scaling.MX else torch.float32
 
     def scale_bytes(self, rows: int, cols: int) -> int:
         r, g = self.groups(rows, cols)
@@ -178,7 +186,8 @@ def _matrix_group_lengths(rows: int, cols: int, scaling: Scaling, block: int) ->
 
 def group_lengths(rows: int, cols: int, cfg: CodecConfig, device=None) -> torch.Tensor:
     """Lengths of the scaling groups of a row-major ``[rows, cols]`` matrix, in memory order."""
-    return _matrix_group_lengths(rows, cols, cfg.scaling, cfg.block).to(device)
+    # A copy: the cached tensor must not reach a caller that could write into it.
+    return _matrix_group_lengths(rows, cols, cfg.scaling, cfg.block).to(device, copy=True)
 
 
 def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -196,11 +205,6 @@ def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
         # OCP MX: a power of two, rounded up so that amax / s <= fp8_max (the maximum never clips).
         e = torch.ceil(torch.log2(s)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
         return (e + _E8M0_BIAS).to(torch.uint8)
-    if cfg.scaling is Scaling.BLOCK:
-        # BF16 rounded up: the block maximum never clips and lands within 2^-8 of fp8_max, so it
-        # is still encoded (almost) exactly, for half the bytes of an FP32 scale.
-        b = s.to(torch.bfloat16)
-        return torch.where(b.float() < s, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
     return s.float()
 
 

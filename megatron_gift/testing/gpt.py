@@ -25,7 +25,8 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
     )
     stage = {k: overrides.pop(k) for k in ("pre_process", "post_process") if k in overrides}
     kwargs.update(overrides)
-    return GPTModel(TransformerConfig(**kwargs), get_gpt_layer_local_spec(normalization="RMSNorm"),
+    spec = get_gpt_layer_local_spec(num_experts=kwargs.get("num_moe_experts"), normalization="RMSNorm")
+    return GPTModel(TransformerConfig(**kwargs), spec,
                     vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope", **stage)
 
 
@@ -38,7 +39,7 @@ def random_tokens(step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq:
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of ``tokens [batch, seq + 1]``."""
     batch, seq = tokens.shape[0], tokens.shape[1] - 1
-    positions = torch.arange(seq).expand(batch, seq)
+    positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
     return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
 
 

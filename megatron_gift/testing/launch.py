@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 # one intra-op thread per rank (ranks share the cores); no git lookup for the package version
@@ -21,13 +24,22 @@ def launcher_command(ranks: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_launcher(ranks: int, *args: str, timeout: float) -> str:
-    """Run :func:`launcher_command` to the end; its output (stdout + stderr), or ``RuntimeError`` with its tail."""
-    res = subprocess.run(
-        launcher_command(ranks, *args), cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+def run_launcher(ranks: int, *args: str, timeout: float = 900.0) -> str:
+    """Run :func:`launcher_command` to the end within ``wall_limit(timeout)`` seconds; its output
+    (stdout + stderr), or ``RuntimeError`` with its tail. The time taken goes to stderr."""
+    limit, t0 = wall_limit(timeout), time.monotonic()
+    try:
+        res = subprocess.run(
+            launcher_command(ranks, *args), cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True,
+            timeout=limit,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"") + (e.stderr or b"")).decode(errors="replace")[-6000:]
+        raise RuntimeError(f"launcher ({ranks} ranks) killed after {limit:.0f} s; on a slow machine raise the "
+                           f"limit with {TIMEOUT_SCALE_ENV}=<factor>:\n{tail}") from None  # fmt: skip
+    elapsed = time.monotonic() - t0
+    print(f"launcher: {ranks} ranks finished in {elapsed:.1f} s (limit {limit:.0f} s)", file=sys.stderr)
     out = res.stdout + res.stderr
     if res.returncode != 0:
-        raise RuntimeError(f"launcher failed ({res.returncode}):\n{out[-6000:]}")
+        raise RuntimeError(f"launcher failed ({res.returncode}) after {elapsed:.1f} s:\n{out[-6000:]}")
     return out

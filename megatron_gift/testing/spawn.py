@@ -14,30 +14,47 @@ import socket
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from megatron_gift.testing import cpu_harness as _cpu_harness
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
+TIMEOUT_SCALE_ENV = "MEGATRON_GIFT_TEST_TIMEOUT_SCALE"
+
+
+def wall_limit(seconds: float) -> float:
+    """``seconds`` times ``$MEGATRON_GIFT_TEST_TIMEOUT_SCALE`` (default 1): the wall-clock limit of a
+    multi-process run, raised on a slow or loaded machine without editing the tests."""
+    raw = os.environ.get(TIMEOUT_SCALE_ENV, "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0:
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r}: expected a positive number (a factor on every limit)")
+    return seconds * scale
 
 
 class RankError(RuntimeError):
     """A rank raised, crashed or hung; the message names the rank and carries its traceback."""
 
 
-def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, **kwargs):
+def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backend="gloo", **kwargs):
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
 
-    Each process joins a gloo process group (``torch.distributed`` default group) on a free
-    localhost port, with ``OMP_NUM_THREADS=1`` and ``NO_VCS_VERSION=1``; with
-    ``cpu_harness=True`` it also calls :func:`cpu_harness.install` first. ``fn`` must be a
+    Each process joins a ``backend`` process group (``torch.distributed`` default group; gloo,
+    or nccl with rank ``r`` on CUDA device ``r``) on a free localhost port, with
+    ``OMP_NUM_THREADS=1`` and ``NO_VCS_VERSION=1``; with ``cpu_harness=True`` it also calls
+    :func:`cpu_harness.install` first. ``fn`` must be a
     module-level (picklable) function and its return value picklable (tensors are fine).
 
     Returns the per-rank return values in rank order. Raises :class:`RankError` when a rank
     raises or dies (naming each failed rank with its traceback, the earliest failure first,
-    after at most a few seconds' wait for the peers' reports) or when ``timeout`` seconds pass;
-    the remaining processes are killed.
+    after at most a few seconds' wait for the peers' reports) or when ``wall_limit(timeout)``
+    seconds pass; the remaining processes are killed.
     """
+    timeout = wall_limit(timeout)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
@@ -46,7 +63,7 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, **kwar
     try:
         for rank in range(world_size):
             proc = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
-                               args=(fn, rank, world_size, args, kwargs, cpu_harness, timeout,
+                               args=(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout,
                                      results))
             # Children read the environment when their interpreter starts (before unpickling fn).
             with _environ(env, RANK=str(rank), LOCAL_RANK=str(rank)):
@@ -88,11 +105,12 @@ def _collect(procs, results, timeout):
                                   for rank, (_, text) in ordered))
     if len(values) < len(procs):
         hung = [rank for rank in range(len(procs)) if rank not in values]
-        raise RankError(f"ranks {hung} did not finish within {timeout} s; killed")
+        raise RankError(f"ranks {hung} did not finish within {timeout:.0f} s; killed "
+                        f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)")
     return [values[rank] for rank in range(len(procs))]
 
 
-def _child(fn, rank, world_size, args, kwargs, cpu_harness, timeout, results):
+def _child(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout, results):
     """Process body: join the group, run ``fn``, report ``(rank, ok, payload)``, leave the group.
 
     The report goes out before the group is destroyed, so a failing rank's report (and its
@@ -101,7 +119,9 @@ def _child(fn, rank, world_size, args, kwargs, cpu_harness, timeout, results):
     try:
         if cpu_harness:
             _cpu_harness.install()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         # Plain pickle copies tensors by value; the default multiprocessing reducers would
         # hand over shared memory that disappears when this process exits.

@@ -1,0 +1,105 @@
+"""``bench/gpu_check.sh --dry-run``: the GPU check's own script and code path on the CPU at tiny
+shapes, so that it still runs when a GPU is next lent. Checks that every part ran and wrote its
+JSON, the machine is named, the step-time model accepted the overhead JSON, byte counts follow
+from the shapes, and every training mode started from the same weights and data."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from megatron_gift.bench import gpu_check, gpu_codec, gpu_step
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = float(os.environ.get("GPU_CHECK_DRY_RUN_TIMEOUT", 1800))  # generous: CI machines are shared
+FILES = ["gpu-check.log", "kernel-tests.xml", "overhead-gpu.json", "gpu-codec.json", "gpu-step.json", "model-gpu.json",
+         "gpu-check.json"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    return proc, out
+
+
+def _load(out: Path, name: str) -> dict:
+    return json.loads((out / name).read_text())
+
+
+@pytest.mark.slow
+def test_every_part_runs_and_writes_its_file(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)  # <= 8 files: all come back from a device call
+    check = _load(out, "gpu-check.json")
+    assert check["kind"] == "dry-run"
+    assert all("error" not in part and part["file"] == gpu_check.FILES[name] for name, part in check["parts"].items())
+    assert set(check["parts"]) == {"overhead", "codec", "step"}
+    # the kernel tests ran (as skips on the CPU) and were counted from their JUnit file
+    suite = ET.parse(out / "kernel-tests.xml").getroot().find("testsuite")
+    assert check["kernel_tests"]["tests"] == int(suite.get("tests")) > 0
+    assert check["kernel_tests"]["failures"] == check["kernel_tests"]["errors"] == 0
+    for name in ("overhead-gpu.json", "gpu-codec.json", "gpu-step.json", "gpu-check.json"):
+        machine = _load(out, name)["machine"]
+        assert {"gpu", "driver", "torch", "cuda", "triton", "megatron_core", "python"} <= set(machine), name
+        assert machine["gpu"] is None and machine["device"] == "cpu"  # the dry run names no GPU
+    assert "failed" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_overhead_json_times_bf16_layers_for_the_model(dry_run):
+    _, out = dry_run
+    doc = _load(out, "overhead-gpu.json")
+    fwd = [r for r in doc["results"] if r["path"] == "layer_fwd_bwd"]
+    assert len(fwd) == 4 and all(r["dtype"] == "bfloat16" for r in fwd)
+    assert {s["layer"] for s in doc["summary"]} == {"qkv", "proj", "fc1", "fc2"}
+    assert _load(out, "model-gpu.json")  # `megatron-gift model --overhead-json` read it (its exit status is checked above)
+
+
+@pytest.mark.slow
+def test_codec_bytes_follow_from_the_shapes(dry_run):
+    _, out = dry_run
+    doc = _load(out, "gpu-codec.json")
+    m = gpu_check.DRY_RUN_MODEL
+    h, f = m["hidden"], m["ffn"]
+    shapes = {"qkv": (3 * h, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
+    for r in doc["results"]:
+        d_out, d_in = shapes[r["layer"]]
+        scales = lambda rows: rows * math.ceil(d_in / 128) * 2  # noqa: E731  one BF16 scale per 1x128 block
+        if r["path"] in ("encode", "whiten_encode"):
+            assert r["bytes"] == 4 * d_out * d_in + d_out * d_in + scales(d_out)
+        else:
+            rows = d_out // 8
+            assert (r["rows"], r["peers"]) == (rows, 8)
+            assert r["bytes"] == 8 * (rows * d_in + scales(rows)) + 4 * rows * d_in
+        assert r["seconds"] > 0 and r["bytes_per_s"] == pytest.approx(r["bytes"] / r["seconds"])
+    assert {(s["path"], s["impl"]) for s in doc["summary"]} == {(p, "reference") for p in gpu_codec.PATHS}
+    assert doc["targets"]["fused_timed"] is False  # no compiled Triton on a CPU
+
+
+@pytest.mark.slow
+def test_step_runs_every_mode_from_the_same_start(dry_run):
+    _, out = dry_run
+    doc = _load(out, "gpu-step.json")
+    results = {r["mode"]: r for r in doc["results"]}
+    assert list(results) == list(gpu_step.MODES)
+    spec = gpu_step.SPECS["dry-run"]
+    h, f, layers = spec["hidden"], spec["ffn"], spec["layers"]
+    linear = layers * (3 * h * h + h * h + 2 * f * h + h * f)  # the weights --gift-layers selects by default
+    for mode, r in results.items():
+        assert r["coded_elements"] == (0 if mode.startswith("off") else linear), mode
+        assert len(r["step_times_s"]) + len(r["refresh_step_times_s"]) == spec["steps"]
+        assert all(t > 0 and math.isfinite(t) for t in r["step_times_s"])
+        assert r["losses"][0] == results["off"]["losses"][0], mode  # same weights, same tokens
+        assert all(math.isfinite(x) for x in r["losses"])
+    assert results["gift"]["refresh_step_times_s"]  # GIFT's warm-up refreshes fall in the timed steps
+    assert set(doc["summary"]["modes"]) == set(gpu_step.MODES)
+    assert doc["summary"]["tokens_per_step"] == spec["micro_batch"] * spec["microbatches"] * spec["seq"]

@@ -1,0 +1,159 @@
+"""The training path installs and imports without the demo's dependencies.
+
+Each check runs in a fresh interpreter whose meta path refuses matplotlib, tokenizers, the corpus
+builder (it shells out to the system package manager) and the CPU harness: importing the Megatron
+adapter, the launcher and the argument module must not need them, the launcher's ``--help`` must
+list every ``--gift-*`` flag, and the commands that do need them must say how to install them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_gift.arguments import add_gift_args
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKED = ("matplotlib", "tokenizers", "megatron_gift.bench.corpus", "megatron_gift.testing.cpu_harness")
+TIMEOUT = float(os.environ.get("MEGATRON_GIFT_TEST_TIMEOUT", 600))
+
+BLOCKER = f"""
+import importlib.abc, sys
+BLOCKED = {BLOCKED!r}
+class _Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError("blocked by the test: " + name)
+        return None
+sys.meta_path.insert(0, _Blocker())
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` after the blocker in a fresh interpreter (this checkout first on the path)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=TIMEOUT
+    )
+
+
+def test_training_path_imports_without_the_bench_modules():
+    res = _run(
+        """
+import importlib, json, pkgutil
+import megatron_gift.arguments
+after_arguments = sorted(m for m in sys.modules if m == "megatron" or m.startswith(("megatron.", "megatron_gift.megatron")))
+import megatron_gift.megatron, megatron_gift.pretrain_gpt
+adapter = [m.name for m in pkgutil.walk_packages(megatron_gift.megatron.__path__, "megatron_gift.megatron.")]
+for name in adapter:
+    importlib.import_module(name)
+try:
+    import megatron_gift.bench.corpus
+    blocker_works = False
+except ImportError:
+    blocker_works = True
+loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+print(json.dumps(dict(after_arguments=after_arguments, adapter=adapter, loaded=loaded, blocker_works=blocker_works)))
+"""
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["blocker_works"]
+    assert {"megatron_gift.megatron.ddp", "megatron_gift.megatron.training"} <= set(out["adapter"])
+    assert out["loaded"] == []
+    # the flags need neither the adapter nor Megatron itself
+    assert out["after_arguments"] == []
+
+
+def _gift_flags() -> set[str]:
+    from megatron_gift.pretrain_gpt import add_launcher_args
+
+    parser = add_launcher_args(add_gift_args(argparse.ArgumentParser()))
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--gift-")}
+
+
+def test_launcher_help_lists_every_gift_flag_without_the_bench_modules():
+    res = _run(
+        """
+import runpy
+sys.argv = ["megatron_gift.pretrain_gpt", "--help"]
+runpy.run_module("megatron_gift.pretrain_gpt", run_name="__main__", alter_sys=True)
+"""
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    flags = _gift_flags()
+    assert len(flags) >= 20
+    missing = sorted(f for f in flags if f not in res.stdout)
+    assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "argv, needs",
+    [(["report", "runs/none"], "matplotlib"), (["demo", "--quick"], "matplotlib, tokenizers"),
+     (["bench", "comm", "--quick"], "tokenizers"), (["model", "--validate-cpu", "x.json"], "tokenizers")],
+)  # fmt: skip
+def test_bench_commands_name_the_extra_they_need(argv, needs):
+    res = _run(f"from megatron_gift.cli import main\nmain({argv!r})")
+    assert res.returncode == 1, (res.stdout, res.stderr[-2000:])
+    assert f"needs {needs} (the bench extra): pip install 'megatron-gift[bench]'" in res.stderr
+
+
+def test_gpu_check_commands_need_no_bench_extra():
+    """bench/gpu_check.sh runs ``bench overhead`` and ``model`` in a training container."""
+    from megatron_gift.cli import build_parser
+
+    for argv in (["bench", "overhead"], ["bench", "telemetry"], ["model"]):
+        assert getattr(build_parser().parse_args(argv), "needs", ()) == (), argv
+
+
+def _private_uses(source: str, package: str, targets: tuple[str, ...]) -> list[str]:
+    """Underscore names of the ``targets`` packages that ``source`` (a module of ``package``)
+    imports (``from ..numerics.fp8 import _x``) or reaches through an imported module (``kernels._x``)."""
+    found, modules = [], {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            for alias in node.names:
+                full = f"{module}.{alias.name}"
+                if full.startswith(targets):
+                    modules[alias.asname or alias.name] = full
+                if module.startswith(targets) and alias.name.startswith("_"):
+                    found.append(f"from {module} import {alias.name}")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            if node.attr.startswith("_"):
+                found.append(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+TARGETS = ("megatron_gift.numerics", "megatron_gift.kernels")
+
+
+def test_comm_uses_only_public_names_of_numerics_and_kernels():
+    files = sorted((ROOT / "megatron_gift" / "comm").glob("*.py"))
+    assert files
+    found = [f"{p.name}: {f}" for p in files for f in _private_uses(p.read_text(), "megatron_gift.comm", TARGETS)]
+    assert not found, found
+
+
+def test_private_use_check_sees_private_names():
+    source = (
+        "from ..numerics.fp8 import _helper, encode\n"
+        "from megatron_gift.kernels.reference import _x\n"
+        "from .. import kernels\n"
+        "from .layout import _merge\n"
+        "y = kernels._fused() + kernels.available(0)\n"
+    )
+    assert _private_uses(source, "megatron_gift.comm", TARGETS) == [
+        "from megatron_gift.numerics.fp8 import _helper",
+        "from megatron_gift.kernels.reference import _x",
+        "megatron_gift.kernels._fused",
+    ]
