@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import GiftConfig, Mode, PolicyConfig, param_modes
+from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 from .upstream import TESTED_VERSIONS, check_version
 
@@ -33,6 +33,7 @@ _FIELD_FLAGS = {
     "profile_steps": "--gift-profile-steps",
     "profile_interval": "--gift-profile-interval",
     "log_interval": "--gift-log-interval",
+    "ranks_per_node": "--gift-ranks-per-node",
 }
 _FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
 _SHOWN_NAMES = 8  # parameter names quoted in an error message
@@ -173,6 +174,29 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="DIR",
         help="Where gift_telemetry.jsonl goes (default: --save, else --tensorboard-dir).",
     )
+    g.add_argument(
+        "--gift-exchange",
+        choices=("auto", "flat"),
+        default=_DEFAULT.exchange,
+        help="auto: two-level exchange (intra-node stage, then FP8 among the ranks with the same local index) "
+        "where the data-parallel group spans several nodes with several ranks each, else one all-to-all; "
+        "flat: always one all-to-all over the group (default: %(default)s).",
+    )
+    g.add_argument(
+        "--gift-intra-node",
+        choices=INTRA_NODE_DTYPES,
+        default=_DEFAULT.intra_node,
+        help="Wire dtype of the two-level exchange's intra-node stage, summed in FP32 (default: %(default)s: "
+        "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice).",
+    )
+    g.add_argument(
+        "--gift-ranks-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Processes per node, grouped by global rank (default: LOCAL_WORLD_SIZE from the launcher, "
+        "else all on one node); e.g. to simulate nodes on one machine.",
+    )
     return parser
 
 
@@ -213,6 +237,9 @@ def gift_config_from_args(args) -> GiftConfig | None:
             policy=_policy_from_args(args),
             log_interval=args.gift_log_interval,
             loopback=args.gift_loopback,
+            exchange=args.gift_exchange,
+            intra_node=args.gift_intra_node,
+            ranks_per_node=args.gift_ranks_per_node,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e

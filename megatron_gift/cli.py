@@ -53,8 +53,20 @@ def _bench_fidelity(args: argparse.Namespace) -> int:
 def _bench_comm(args: argparse.Namespace) -> int:
     from megatron_gift.bench import comm
 
-    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks))
+    nodes = args.nodes if args.nodes is not None else (["2x2"] if args.quick else ["2x2", "2x4"])
+    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks), nodes=tuple(_node_layout(v) for v in nodes))
     return 0
+
+
+def _node_layout(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> (2, 4): nodes x ranks per node."""
+    try:
+        n, g = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--nodes: expected NxG such as 2x4, got {text!r}") from None
+    if n < 1 or g < 1:
+        raise SystemExit(f"--nodes: nodes and ranks per node must be >= 1, got {text!r}")
+    return n, g
 
 
 def _bench_overhead(args: argparse.Namespace) -> int:
@@ -104,6 +116,9 @@ def _add_bench(subparsers) -> None:
     com.add_argument("--quick", action="store_true", help="smaller model and fewer steps")
     com.add_argument("--json", metavar="PATH", help="write the results as JSON")
     com.add_argument("--ranks", type=_positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)")
+    com.add_argument("--nodes", nargs="*", default=None, metavar="NxG",
+                     help="simulated nodes x ranks per node of the link ledger, flat vs two-level exchange "
+                     "(default: 2x2 with --quick, else 2x2 2x4; none: skip)")  # fmt: skip
     com.set_defaults(func=_bench_comm, needs=CORPUS)
     ovh = commands.add_parser(
         "overhead",

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from .numerics.fp8 import CodecConfig
 
 
+INTRA_NODE_DTYPES = ("fp32", "bf16", "fp8")
+"""Wire dtypes of the two-level exchange's intra-node stage (``comm.hierarchical``)."""
+
+
 class Mode(enum.Enum):
     """Per-parameter gradient communication: Megatron's own precision, BF16, plain FP8, or whitened FP8."""
 
@@ -75,6 +79,9 @@ class GiftConfig:
     ``loopback``: a benchmarking switch: quantize even where the reduction group has one rank
     (encode, decode, sum, unwhiten, nothing sent), so one GPU measures the plugin's whole on-GPU
     cost; without it such a group keeps Megatron's reduction and its gradient bit for bit.
+    ``exchange``: ``auto`` (two-level where the data-parallel group spans several nodes with
+    several ranks each) or ``flat`` (one all-to-all over the group); ``intra_node``: the two-level
+    exchange's intra-node dtype; ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
     """
 
     mode: Mode = Mode.OFF
@@ -91,6 +98,9 @@ class GiftConfig:
     policy: PolicyConfig | None = None
     log_interval: int = 0
     loopback: bool = False
+    exchange: str = "auto"
+    intra_node: str = "bf16"
+    ranks_per_node: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.mode, Mode):
@@ -110,6 +120,12 @@ class GiftConfig:
             raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: off), got {self.log_interval}")
+        if self.exchange not in ("auto", "flat"):
+            raise ValueError(f"exchange must be 'auto' or 'flat', got {self.exchange!r}")
+        if self.intra_node not in INTRA_NODE_DTYPES:
+            raise ValueError(f"intra_node must be one of {INTRA_NODE_DTYPES}, got {self.intra_node!r}")
+        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be an integer >= 1 (None: from LOCAL_WORLD_SIZE), got {self.ranks_per_node!r}")
         if self.policy is not None and self.mode is not Mode.GIFT:
             raise ValueError(f"an automatic layer policy needs mode gift (it chooses per layer), got {self.mode.value}")
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -16,6 +16,8 @@ interval; GIFT refreshes every step here so that its fidelity is measured withou
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import platform
 import sys
@@ -61,7 +63,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..megatron.ddp import GiftDistributedDataParallel
-    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss
+    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss, reduced_regions
     from .corpus import build_token_corpus
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -98,17 +100,10 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                     sent = ddp.ledger.as_dict()
                 expected = hand_average(ref, model, tokens)
                 num, den, shards = 0.0, 0.0, []
-                for bg in ddp.bucket_groups:
-                    for bucket in bg.buckets:
-                        n = bucket.grad_data.numel()
-                        region = slice(rank * n // world, (rank + 1) * n // world) if dist_opt else slice(None)
-                        want = torch.zeros(n, dtype=torch.float64)
-                        for p, (a, b) in bucket.param_to_index.items():
-                            want[a:b] = expected[p]
-                        got = bucket.grad_data[region].double()
-                        num += float((got - want[region]).pow(2).sum())
-                        den += float(want[region].pow(2).sum())
-                        shards.append(bucket.grad_data[region].clone())
+                for got, want in reduced_regions(ddp, expected, rank, world, dist_opt):
+                    num += float((got - want).pow(2).sum())
+                    den += float(want.pow(2).sum())
+                    shards.append(got.float())
                 steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards))
                 opt.step()
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -117,8 +112,10 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     return out
 
 
-def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...] = (2, 4)) -> dict:
-    """Run every configuration, print a table, write JSON; returns the JSON document."""
+def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...] = (2, 4),
+        nodes: tuple[tuple[int, int], ...] = ()) -> dict:  # fmt: skip
+    """Run every configuration, print a table, write JSON; returns the JSON document. ``nodes``:
+    ``(n, g)`` simulated-node layouts of the link ledger (``links``)."""
     from ..testing import run_on_ranks
     from .corpus import build_token_corpus
 
@@ -141,6 +138,11 @@ def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...]
         print(f"[bench comm] {world} ranks ...", file=sys.stderr, flush=True)
         per_rank = run_on_ranks(_rank_main, world, spec, cpu_harness=True, timeout=1800)
         results.extend(_summarize(per_rank, world))
+    links = []
+    for n, g in nodes:
+        print(f"[bench comm] {n} simulated nodes x {g} ranks ...", file=sys.stderr, flush=True)
+        per_rank = run_on_ranks(_links_rank_main, n * g, spec, g, quick, cpu_harness=True, timeout=3600)
+        links.extend(_summarize_links(per_rank, n, g))
     doc = dict(
         benchmark="comm",
         command="megatron-gift bench comm" + (" --quick" if quick else ""),
@@ -150,8 +152,12 @@ def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...]
         "stock Megatron: ring reduce-scatter (R-1)/R*bytes, all-reduce 2(R-1)/R*bytes",
         wall_seconds=round(time.time() - t0, 1),
         results=results,
+        links=links,
+        links_model=LINKS_MODEL,
     )
     print(format_table(results))
+    if links:
+        print(format_links(links))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=1)
@@ -199,6 +205,103 @@ def format_table(rows: list[dict]) -> str:
     lines = [
         f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['bytes_per_step']:,} | "
         f"{r['bytes_ratio_vs_fp32']:.3f} | {r['rel_l2_vs_fp32']:.2e} | {'yes' if r['ranks_bitwise_identical'] else 'NO'} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
+
+
+LINKS_MODEL = (
+    "per rank, bytes sent to ranks on the same simulated node (intra) and on other nodes (inter) as if each peer's "
+    "bytes went to it directly (plugin ledger, gradient exchanges only); NCCL rings over the same links, one ring per "
+    "NIC: reduce-scatter inter = (p-1)/p * B/g, intra = (p-1)/p * B - inter, all-reduce twice that (B: bucket bytes); "
+    "target = (n-1)/n * S_fp8/g (S_fp8: the buckets' FP8 messages, payload + scales + plain sections), twice for all-reduce"
+)
+EXCHANGES = (("flat", "bf16"), ("auto", "bf16"), ("auto", "fp32"), ("auto", "fp8"))
+
+
+def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, quick: bool) -> list[dict]:
+    """Per (distributed optimizer, mode, exchange): this rank's bytes by link and error vs FP32."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from ..megatron.ddp import GiftDistributedDataParallel
+    from ..testing.gpt import build_tiny_gpt, hand_average, lm_loss, reduced_regions
+    from .corpus import build_token_corpus
+
+    parallel_state.initialize_model_parallel(1, 1)
+    corpus = build_token_corpus(vocab_size=spec["vocab"])
+    codec = CodecConfig(spec["format"], spec["scaling"])
+    model_args = dict(vocab=corpus.vocab_size, seq=spec["seq"], **spec["model"])
+    out = []
+    for dist_opt, mode, (exchange, intra) in itertools.product((True, False), MODES[2:], EXCHANGES):
+        model, ref = build_tiny_gpt(**model_args), build_tiny_gpt(**model_args)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=spec["bucket_size"])
+        cfg = dataclasses.replace(gift_config(mode, codec), exchange=exchange, intra_node=intra, ranks_per_node=ranks_per_node)
+        ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=cfg)
+        batches = corpus.batches(spec["seq"], spec["batch"], seed=rank)
+        inputs, targets = next(batches)
+        tokens = torch.cat([inputs, targets[:, -1:]], dim=1)
+        ddp.zero_grad_buffer()
+        lm_loss(ddp, tokens).backward()
+        ddp.finish_grad_sync()
+        links = {f"{link}/{dtype}": n for (link, dtype), n in sorted(ddp.ledger.links.items())}
+        expected = hand_average(ref, model, tokens)
+        regions = list(reduced_regions(ddp, expected, rank, world, dist_opt))
+        err2 = sum(float((got - want).pow(2).sum()) for got, want in regions)
+        ref2 = sum(float(want.pow(2).sum()) for _, want in regions)
+        buckets = [(b, lay) for bg in ddp.bucket_groups for b, lay in zip(bg.buckets, bg.gift_layouts)]
+        bucket_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b, _ in buckets)
+        fp8_bytes = sum(p.message_bytes for _, lay in buckets for p in lay.shards)
+        out.append(dict(mode=mode, distributed_optimizer=dist_opt, exchange=exchange if exchange == "flat" else "two-level",
+                        intra_node=intra if exchange != "flat" else None, links=links, err2=err2, ref2=ref2,
+                        bucket_bytes=bucket_bytes, fp8_bytes=fp8_bytes))  # fmt: skip
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _ring_links(nbytes: int, p: int, g: int, all_reduce: bool) -> dict[str, float]:
+    """Per-rank bytes of an NCCL ring reduce-scatter (all-reduce: twice) of ``nbytes`` over ``p`` ranks,
+    ``g`` per node, one ring per NIC (see ``LINKS_MODEL``)."""
+    total = (2 if all_reduce else 1) * (p - 1) / p * nbytes
+    return {"intra": total - total / g, "inter": total / g}
+
+
+def _summarize_links(per_rank: list[list[dict]], n: int, g: int) -> list[dict]:
+    rows = []
+    p = n * g
+    for k, rec in enumerate(per_rank[0]):
+        runs = [r[k] for r in per_rank]
+        by_rank = [{link: sum(v for key, v in r["links"].items() if key.startswith(link + "/")) for link in ("intra", "inter")} for r in runs]
+        node_inter = [sum(b["inter"] for b in by_rank[m * g : (m + 1) * g]) for m in range(n)]
+        all_reduce = not rec["distributed_optimizer"]
+        fp32 = _ring_links(rec["bucket_bytes"], p, g, all_reduce)
+        bf16 = _ring_links(rec["bucket_bytes"] // 2, p, g, all_reduce)
+        target = (2 if all_reduce else 1) * (n - 1) / n * rec["fp8_bytes"] / g
+        inter_fp8 = max(r["links"].get("inter/fp8+scales", 0) for r in runs)
+        rows.append(dict(
+            nodes=n, ranks_per_node=g, mode=rec["mode"], distributed_optimizer=rec["distributed_optimizer"],
+            exchange=rec["exchange"], intra_node=rec["intra_node"],
+            intra_per_rank=max(b["intra"] for b in by_rank), inter_per_rank=max(b["inter"] for b in by_rank),
+            inter_per_node=max(node_inter), inter_fp8_per_rank=inter_fp8,
+            target_inter_fp8_per_rank=round(target, 1), inter_fp8_vs_target=round(inter_fp8 / target, 4),
+            fp32_ring=fp32, bf16_ring=bf16, inter_vs_bf16_ring=round(max(b["inter"] for b in by_rank) / bf16["inter"], 4),
+            rel_l2_vs_fp32=(sum(r["err2"] for r in runs) / sum(r["ref2"] for r in runs)) ** 0.5,
+            links_by_rank=[r["links"] for r in runs],
+        ))  # fmt: skip
+    return rows
+
+
+def format_links(rows: list[dict]) -> str:
+    head = (
+        "| nodes x ranks | dist. opt. | mode | exchange | intra dtype | intra B/rank | inter B/rank | inter B/node | "
+        "FP8 inter / target | FP32 ring intra / inter per rank | BF16 ring intra / inter per rank | inter vs BF16 ring | RelL2 |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {r['nodes']}x{r['ranks_per_node']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['exchange']} | "
+        f"{r['intra_node'] or '-'} | {r['intra_per_rank']:,} | {r['inter_per_rank']:,} | {r['inter_per_node']:,} | "
+        f"{r['inter_fp8_vs_target']:.3f} | {r['fp32_ring']['intra']:,.0f} / {r['fp32_ring']['inter']:,.0f} | "
+        f"{r['bf16_ring']['intra']:,.0f} / {r['bf16_ring']['inter']:,.0f} | {r['inter_vs_bf16_ring']:.3f} | {r['rel_l2_vs_fp32']:.2e} |"
         for r in rows
     ]
     return "\n".join([head, *lines])

@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..config import Mode
-from ..kernels.reference import rank_order_sum
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode_flat, group_lengths
 from ..numerics.whitening import LowRankWhitening
@@ -57,13 +56,27 @@ interpreter is on (slow: for tests); False never. Every rank of a group must see
 
 class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
-    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that."""
+    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that.
+
+    ``links`` splits the quantized exchanges' bytes by ``(link, dtype)``, the link being the one
+    they cross (``intra``: to a rank on the same node, ``inter``: through the NIC), as if each
+    peer's bytes went to it directly."""
 
     def __init__(self):
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.links: dict[tuple[str, str], int] = defaultdict(int)
 
-    def add(self, collective: str, dtype: str, nbytes: int) -> None:
+    def add(self, collective: str, dtype: str, nbytes: int, links: dict[str, int] | None = None) -> None:
         self.bytes[(collective, dtype)] += int(nbytes)
+        for link, n in (links or {}).items():
+            self.links[(link, dtype)] += int(n)
+
+    def by_link(self) -> dict[str, int]:
+        """Bytes per link (``intra``, ``inter``), every dtype together."""
+        out: dict[str, int] = defaultdict(int)
+        for (link, _), n in self.links.items():
+            out[link] += n
+        return dict(out)
 
     def total(self) -> int:
         return sum(self.bytes.values())
@@ -73,6 +86,7 @@ class CommLedger:
 
     def reset(self) -> None:
         self.bytes.clear()
+        self.links.clear()
 
 
 # torch >= 2.10 renamed all_gather_into_tensor; NGC containers may carry either.
@@ -238,8 +252,20 @@ class _Codec:
         """This shard's plain values from ``flat``, each class in its wire dtype."""
         return [_gather_runs(flat, runs).to(dt) for runs, dt in zip(plan.plain_runs, self.layout.plain_dtypes)]
 
-    def pack(self, plan: ShardPlan, enc: Encoded, plains: list[torch.Tensor]) -> torch.Tensor:
-        out = torch.zeros(plan.message_bytes, dtype=torch.uint8, device=enc.payload.device)
+    def plain_values(self, plan: ShardPlan, msg: torch.Tensor, start: int | None = None) -> list[torch.Tensor]:
+        """Each plain class of one message ``[≥ message_bytes]`` (uint8) as FP32 (may alias ``msg``);
+        the classes start at byte ``start`` (default: after the scales)."""
+        out, off = [], plan.scale_bytes if start is None else start
+        for runs, dt, size in zip(plan.plain_runs, self.layout.plain_dtypes, plan.plain_bytes):
+            n = sum(b - a for a, b in runs)
+            out.append(msg[off : off + n * dt.itemsize].view(dt).float())
+            off += size
+        return out
+
+    def pack(self, plan: ShardPlan, enc: Encoded, plains: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Message ``[message_bytes]`` of shard ``plan``, written into ``out`` when given."""
+        if out is None:
+            out = torch.zeros(plan.message_bytes, dtype=torch.uint8, device=enc.payload.device)
         off = 0
         for section, size in zip([enc.scales, *plains], [plan.scale_bytes, *plan.plain_bytes]):
             b = _bytes(section)
@@ -247,6 +273,14 @@ class _Codec:
             off += size
         out[off : off + enc.payload.numel()] = enc.payload
         return out
+
+    def message(self, plan: ShardPlan, split: _Split, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor], width: int) -> torch.Tensor:
+        """The FP8 message ``[width]`` (zero-padded) of a reduced, still whitened shard, for the all-gather."""
+        msg = torch.zeros(width, dtype=torch.uint8, device=coded_sum.device)
+        plains = [t.to(dt) for t, dt in zip(plain_sums, self.layout.plain_dtypes)]
+        lengths = self.layout.group_lengths_on(coded_sum.device)[plan.g_lo : plan.g_hi]
+        self.pack(plan, _encode(coded_sum, lengths, split, self.cfg, None), plains, out=msg[: plan.message_bytes])
+        return msg
 
     def _sections(self, plan: ShardPlan, msgs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The payload ``[k, n_coded]`` (uint8) and scales ``[k, n_groups]`` sections of ``msgs``."""
@@ -266,20 +300,15 @@ class _Codec:
         k = msgs.shape[0]
         payloads, scales = self._sections(plan, msgs)
         lengths = _gather_runs(self.layout.group_lengths_on(msgs.device)[plan.g_lo : plan.g_hi], split.rest_groups)
-        rest = torch.stack(
-            [
-                decode_flat(
-                    Encoded(_gather_runs(p, split.rest_runs), _gather_runs(s, split.rest_groups)), lengths, self.cfg
-                )
-                for p, s in zip(payloads, scales)
-            ]
-        )
-        plains, off = [], plan.scale_bytes
-        for runs, dt, size in zip(plan.plain_runs, self.layout.plain_dtypes, plan.plain_bytes):
-            n = sum(b - a for a, b in runs)
-            plains.append(msgs[:, off : off + n * dt.itemsize].contiguous().view(dt).float())
-            off += size
-        sums = [rank_order_sum(t, k) for t in (rest, *plains)]
+        sums: list[torch.Tensor] = []
+        for i in range(k):  # one FP32 accumulator per section, peers added in rank order
+            enc = Encoded(_gather_runs(payloads[i], split.rest_runs), _gather_runs(scales[i], split.rest_groups))
+            parts = [decode_flat(enc, lengths, self.cfg), *self.plain_values(plan, msgs[i])]
+            if not sums:
+                sums = [t.clone() for t in parts]
+            else:
+                for acc, t in zip(sums, parts):
+                    acc += t
         if average:
             for t in sums:
                 t /= k
@@ -300,7 +329,9 @@ class _Codec:
 class QuantizedReduce:
     """One bucket's quantized reduction in flight; ``wait()`` completes it in place in ``flat``.
 
-    ``nonfinite`` (a bool tensor), when given, is set if the reduced shard holds NaN/Inf."""
+    ``nonfinite`` (a bool tensor), when given, is set if the reduced shard holds NaN/Inf.
+    ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
+    With the distributed optimizer, ``flat`` outside this rank's shard is left as it was."""
 
     def __init__(
         self,
@@ -314,8 +345,10 @@ class QuantizedReduce:
         ledger: CommLedger | None = None,
         async_op: bool = False,
         nonfinite: torch.Tensor | None = None,
+        topology: Topology | None = None,
     ):
         self.flat, self.layout, self.group = flat, layout, group
+        self.topology = topology
         self.transforms, self.average, self.all_reduce = transforms, average, all_reduce
         self.ledger = ledger if ledger is not None else CommLedger()
         self.nonfinite = nonfinite
@@ -328,41 +361,20 @@ class QuantizedReduce:
         self.plan = _plan(layout, use_kernels)
         # The kernel cannot add the error-feedback residual between G T and the encoding.
         split = _plan(layout, use_kernels and error_feedback is None).bucket
-        coded = _gather_runs(flat, layout.coded_runs).float()  # aliases flat when FP32 and contiguous
-        self._transform(coded, 0, split.rest_rows, inverse=False)
-        if error_feedback is not None:
-            coded = error_feedback.compensate(coded)
-        lengths = layout.group_lengths_on(flat.device)
-        enc = _encode(coded, lengths, split, layout.codec, transforms)
-        if error_feedback is not None:
-            error_feedback.stage(coded, decode_flat(enc, lengths, layout.codec))
-        send = []
-        for plan in layout.shards:
-            shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
-            send.append(self.codec.pack(plan, shard_enc, self.codec.plains(flat, plan)))
+        order = list(range(self.world))
+        send, sizes = encode_messages(self.codec, split, flat, transforms, order, error_feedback, keep=not all_reduce)
         mine = layout.shards[self.rank]
         self.recv = torch.empty(self.world * mine.message_bytes, dtype=torch.uint8, device=flat.device)
-        in_splits = [m.numel() for m in send]
-        self.ledger.add("all_to_all", "fp8+scales", sum(in_splits) - in_splits[self.rank])
+        links = topology.link_bytes(self.rank, sizes) if topology is not None else None
+        self.ledger.add("all_to_all", "fp8+scales", sum(sizes) - sizes[self.rank], links)
         self.work = dist.all_to_all_single(
             self.recv,
-            torch.cat(send),
+            send,
             output_split_sizes=[mine.message_bytes] * self.world,
-            input_split_sizes=in_splits,
+            input_split_sizes=sizes,
             group=group,
             async_op=async_op,
         )
-
-    def _transform(self, coded: torch.Tensor, base: int, whole_rows, inverse: bool) -> None:
-        """Apply ``T`` (or ``T⁻¹``) in place to rows ``[r0, r1)`` of GIFT segments; ``coded`` starts
-        at coded index ``base``."""
-        for i, r0, r1 in whole_rows:
-            t, s = self.transforms[i], self.layout.segments[i]
-            if t is None:
-                continue
-            c = self.layout.coded_index(s.start + r0 * s.cols) - base
-            view = coded[c : c + (r1 - r0) * s.cols].view(r1 - r0, s.cols)
-            view.copy_(t.inverse(view) if inverse else t.apply(view))
 
     def wait(self) -> None:
         if self.work is not None:
@@ -372,64 +384,146 @@ class QuantizedReduce:
         whitenings = None if self.all_reduce else self.transforms  # the all-reduce sends the sum whitened
         coded_sum, plain_sums = self.codec.reduce(plan, split, msgs, self.average, whitenings)
         # Device-side flag, no host sync; blocks are checked after T⁻¹, which keeps NaN and Inf non-finite.
-        if self.nonfinite is not None:
-            for t in (coded_sum, *plain_sums):
-                self.nonfinite |= ~torch.isfinite(t).all()
+        flag_nonfinite(self.nonfinite, [coded_sum, *plain_sums])
         if self.all_reduce:
-            self._all_gather(plan, split, coded_sum, plain_sums)
+            width = max(p.message_bytes for p in self.layout.shards)
+            msg = self.codec.message(plan, split, coded_sum, plain_sums, width)
+            gathered = torch.empty(self.world * width, dtype=torch.uint8, device=self.flat.device)
+            self.ledger.add("all_gather", "fp8+scales", (self.world - 1) * width, self._links(width))
+            _all_gather(gathered, msg, group=self.group)
+            decode_gathered(self.codec, self.plan, self.transforms, gathered.view(self.world, width), self.flat)
             return
-        self._transform(coded_sum, plan.c_lo, split.rest_rows, inverse=True)
-        self._unwhiten_pieces(plan, coded_sum)
-        _scatter_runs(self.flat, plan.coded_runs, coded_sum)
-        for runs, values in zip(plan.plain_runs, plain_sums):
-            _scatter_runs(self.flat, runs, values)
+        transform_rows(self.layout, self.transforms, coded_sum, plan.c_lo, split.rest_rows, inverse=True)
+        PieceExchange(self.layout, self.transforms, [self.rank], [coded_sum], self.group, lambda m: [m],
+                      self.ledger, self._links, inverse=True).finish()  # fmt: skip
+        write_shard(self.flat, plan, coded_sum, plain_sums)
 
-    def _all_gather(self, plan: ShardPlan, split: _Split, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor]):
-        width = max(p.message_bytes for p in self.layout.shards)
-        msg = torch.zeros(width, dtype=torch.uint8, device=self.flat.device)
-        plains = [t.to(dt) for t, dt in zip(plain_sums, self.layout.plain_dtypes)]
-        lengths = self.layout.group_lengths_on(coded_sum.device)[plan.g_lo : plan.g_hi]
-        enc = _encode(coded_sum, lengths, split, self.codec.cfg, None)
-        msg[: plan.message_bytes] = self.codec.pack(plan, enc, plains)
-        gathered = torch.empty(self.world * width, dtype=torch.uint8, device=self.flat.device)
-        self.ledger.add("all_gather", "fp8+scales", (self.world - 1) * width)
-        _all_gather(gathered, msg, group=self.group)
-        gathered = gathered.view(self.world, width)
-        coded_all = torch.empty(self.layout.n_coded, device=self.flat.device)
-        for j, (p, sp) in enumerate(zip(self.layout.shards, self.plan.shards)):
-            coded, plains = self.codec.reduce(p, sp, gathered[j : j + 1], False, self.transforms)
-            coded_all[p.c_lo : p.c_hi] = coded
-            for runs, values in zip(p.plain_runs, plains):
-                _scatter_runs(self.flat, runs, values)
-        self._transform(coded_all, 0, self.plan.bucket.rest_rows, inverse=True)
-        _scatter_runs(self.flat, self.layout.coded_runs, coded_all)
+    def _links(self, chunk: int) -> dict[str, int] | None:
+        """Links crossed by ``chunk`` bytes sent to every other rank of the group."""
+        return self.topology.link_bytes(self.rank, [chunk] * self.world) if self.topology is not None else None
 
-    def _unwhiten_pieces(self, plan: ShardPlan, coded_sum: torch.Tensor) -> None:
-        """Rows cut by shard boundaries: exchange each piece's partial ``U·Q`` (r floats) and
-        finish ``T⁻¹`` with the whole row's sum (the same sum, in shard order, on every rank)."""
-        segs, ts = self.layout.segments, self.transforms
-        if not any(ts[q.seg] is not None for other in self.layout.shards for q in other.pieces):
+
+def encode_messages(codec: "_Codec", split: _Split, flat: torch.Tensor, transforms: Whitenings, order: list[int],
+                    error_feedback: ErrorFeedback | None = None, keep: bool = True) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    """The FP8 messages of shards ``order`` (whitened, error-compensated) one after another in one
+    buffer, and their sizes. ``keep``: leave ``flat`` as it was (else ``G T`` may be written into it)."""
+    layout = codec.layout
+    coded = _gather_runs(flat, layout.coded_runs).float()  # aliases flat when FP32 and contiguous
+    if keep and coded.data_ptr() == flat.data_ptr() and _whitens(split.rest_rows, transforms):
+        coded = coded.clone()  # G T in place would overwrite the shards other ranks own
+    transform_rows(layout, transforms, coded, 0, split.rest_rows, inverse=False)
+    if error_feedback is not None:
+        coded = error_feedback.compensate(coded)
+    lengths = layout.group_lengths_on(flat.device)
+    enc = _encode(coded, lengths, split, layout.codec, transforms)
+    if error_feedback is not None:
+        error_feedback.stage(coded, decode_flat(enc, lengths, layout.codec))
+    sizes = [layout.shards[j].message_bytes for j in order]
+    send = torch.zeros(sum(sizes), dtype=torch.uint8, device=flat.device)
+    for j, at, size in zip(order, _starts(sizes), sizes):
+        plan = layout.shards[j]
+        shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
+        codec.pack(plan, shard_enc, codec.plains(flat, plan), out=send[at : at + size])
+    return send, sizes
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _whitens(rows, transforms: Whitenings) -> bool:
+    return any(transforms[i] is not None for i, _, _ in rows)
+
+
+def flag_nonfinite(nonfinite: torch.Tensor | None, tensors: list[torch.Tensor]) -> None:
+    """Set ``nonfinite`` (device-side, no host sync) if any of ``tensors`` holds NaN/Inf."""
+    if nonfinite is not None:
+        for t in tensors:
+            nonfinite |= ~torch.isfinite(t).all()
+
+
+def write_shard(flat: torch.Tensor, plan: ShardPlan, coded: torch.Tensor, plains: list[torch.Tensor]) -> None:
+    """Scatter a reduced shard's coded values and plain classes into the bucket ``flat``."""
+    _scatter_runs(flat, plan.coded_runs, coded)
+    for runs, values in zip(plan.plain_runs, plains):
+        _scatter_runs(flat, runs, values)
+
+
+def transform_rows(layout: BucketLayout, transforms: Whitenings, coded: torch.Tensor, base: int, whole_rows, inverse: bool) -> None:
+    """Apply ``T`` (or ``T⁻¹``) in place to rows ``[r0, r1)`` of GIFT segments; ``coded`` starts
+    at coded index ``base``."""
+    for i, r0, r1 in whole_rows:
+        t, s = transforms[i], layout.segments[i]
+        if t is None:
+            continue
+        c = layout.coded_index(s.start + r0 * s.cols) - base
+        view = coded[c : c + (r1 - r0) * s.cols].view(r1 - r0, s.cols)
+        view.copy_(t.inverse(view) if inverse else t.apply(view))
+
+
+class PieceExchange:
+    """``T`` (or ``T⁻¹``) of the rows cut by shard boundaries, in place, from r-float exchanges.
+
+    This rank holds shards ``held`` (their coded values ``coded[h]``); member ``m`` of ``group``
+    holds ``held_by(m)`` (as many), and together they hold every shard. Each piece's partial
+    projection (``U[:, cols] Q[cols]``, or ``G'[:, cols] Q[cols]`` with ``G' = G D^{-1/2}`` for ``T``)
+    goes out in one all-gather (``work``, asynchronous if ``async_op``); ``finish()`` then sums each
+    row's partials in shard order (the same sum on every rank) and transforms each piece's columns.
+    ``links(chunk)``: the ledger's link split of ``chunk`` bytes sent to every other member."""
+
+    def __init__(self, layout: BucketLayout, transforms: Whitenings, held: list[int], coded: list[torch.Tensor],
+                 group, held_by, ledger: CommLedger, links, inverse: bool, async_op: bool = False):  # fmt: skip
+        self.layout, self.transforms, self.inverse = layout, transforms, inverse
+        self.views, self.work, self.where = [], None, {}
+        ts = transforms
+        if not any(ts[q.seg] is not None for other in layout.shards for q in other.pieces):
             return
         r_max = max(t.rank for t in ts if t is not None)
-        mine = torch.zeros(self.layout.max_pieces, r_max, device=self.flat.device)
-        views = []
-        for k, p in enumerate(plan.pieces):
-            a, b = p.flat(segs[p.seg])
-            c = self.layout.coded_index(a) - plan.c_lo
-            views.append(coded_sum[c : c + b - a].view(1, -1))
-            if ts[p.seg] is not None:
-                mine[k, : ts[p.seg].rank] = ts[p.seg].projection(views[-1], slice(p.c0, p.c1))[0]
-        every = torch.empty(self.world * mine.shape[0], r_max, device=self.flat.device)
-        self.ledger.add("all_gather", "fp32", (self.world - 1) * mine.numel() * 4)
-        _all_gather(every, mine, group=self.group)
-        every = every.view(self.world, *mine.shape)
-        for p, view in zip(plan.pieces, views):
-            t = ts[p.seg]
+        mine = torch.zeros(len(held), layout.max_pieces, r_max, device=coded[0].device)
+        for h, (j, values) in enumerate(zip(held, coded)):
+            plan = layout.shards[j]
+            for k, p in enumerate(plan.pieces):
+                a, b = p.flat(layout.segments[p.seg])
+                c = layout.coded_index(a) - plan.c_lo
+                self.views.append((p, values[c : c + b - a].view(1, -1)))
+                if ts[p.seg] is not None:
+                    project = ts[p.seg].projection if inverse else ts[p.seg].apply_projection
+                    mine[h, k, : ts[p.seg].rank] = project(self.views[-1][1], slice(p.c0, p.c1))[0]
+        world = group.size()
+        self.shape = (world, *mine.shape)
+        self.every = torch.empty(world * mine.numel(), device=mine.device)
+        ledger.add("all_gather", "fp32", (world - 1) * mine.numel() * 4, links(mine.numel() * 4))
+        self.work = _all_gather(self.every, mine.view(-1), group=group, async_op=async_op)
+        self.where = {j: (m, h) for m in range(world) for h, j in enumerate(held_by(m))}
+
+    def finish(self) -> None:
+        if not self.views:
+            return
+        if self.work is not None:
+            self.work.wait()
+        every = self.every.view(self.shape)
+        for p, view in self.views:
+            t = self.transforms[p.seg]
             if t is None:
                 continue
-            proj = torch.zeros(1, t.rank, device=self.flat.device)
+            proj = torch.zeros(1, t.rank, device=view.device)
             for j, other in enumerate(self.layout.shards):
                 for k, q in enumerate(other.pieces):
                     if (q.seg, q.row) == (p.seg, p.row):
-                        proj += every[j, k, : t.rank]
-            view.copy_(t.inverse_piece(view, proj, slice(p.c0, p.c1)))
+                        proj += every[self.where[j]][k, : t.rank]
+            finish = t.inverse_piece if self.inverse else t.apply_piece
+            view.copy_(finish(view, proj, slice(p.c0, p.c1)))
+
+
+def decode_gathered(codec: "_Codec", plan: _Plan, transforms: Whitenings, gathered: torch.Tensor, flat: torch.Tensor) -> None:
+    """Decode every shard's reduced message ``gathered [shards, ≥ message_bytes]`` (whitened sums)
+    into ``flat`` and apply ``T⁻¹`` to whole rows: the same bytes give the same bits everywhere."""
+    layout = codec.layout
+    coded_all = torch.empty(layout.n_coded, device=flat.device)
+    for j, (p, sp) in enumerate(zip(layout.shards, plan.shards)):
+        coded, plains = codec.reduce(p, sp, gathered[j : j + 1], False, transforms)
+        coded_all[p.c_lo : p.c_hi] = coded
+        for runs, values in zip(p.plain_runs, plains):
+            _scatter_runs(flat, runs, values)
+    transform_rows(layout, transforms, coded_all, 0, plan.bucket.rest_rows, inverse=True)
+    _scatter_runs(flat, layout.coded_runs, coded_all)

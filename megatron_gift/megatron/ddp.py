@@ -2,7 +2,8 @@
 
 ``GiftDistributedDataParallel`` builds Megatron's own buffers and bucket groups, then turns
 each bucket group into a ``GiftBucketGroup`` whose ``start_grad_sync`` launches
-``comm.QuantizedReduce`` instead of NCCL's reduce-scatter / all-reduce. That one override
+``comm.QuantizedReduce`` (or ``comm.hierarchical.TwoLevelReduce`` where the data-parallel group spans
+several nodes with several ranks each) instead of NCCL's reduce-scatter / all-reduce. That one override
 serves the overlapped backward-hook path, the synchronous path and the first batch, and
 ``finish_grad_sync`` (Megatron's) waits on the returned handle. Buckets whose parameters
 are all ``off`` keep Megatron's collective untouched.
@@ -29,8 +30,10 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
+from ..comm.hierarchical import TwoLevelPipeline, start_reduction
 from ..comm.layout import BucketLayout, Segment
-from ..comm.quantized import CommLedger, QuantizedReduce
+from ..comm.quantized import CommLedger
+from ..comm.topology import TwoLevelGroups, build_groups, ranks_per_node_from_env
 from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
@@ -140,6 +143,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
     gift_layouts: list[BucketLayout]
     gift_params: list[list[GiftParam | None]]
     gift_error_feedback: list[ErrorFeedback | None]
+    gift_groups: TwoLevelGroups
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
         if self.is_first_batch and self.grad_reduce_handle is not None:
@@ -156,12 +160,14 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback):
             transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
             handles.append(
-                QuantizedReduce(
+                start_reduction(
                     bucket.grad_data,
                     layout,
-                    group,
+                    self.gift_groups,
                     transforms,
-                    error_feedback=ef,
+                    self.gift.gift_config.intra_node,
+                    ef,
+                    self.gift.pipeline,
                     average=self.ddp_config.average_in_collective,
                     all_reduce=not use_rs,
                     ledger=self.gift.ledger,
@@ -264,6 +270,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self._bucket_of: dict[int, tuple] = {}  # id(GiftParam) -> (bucket group, bucket index)
         for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
             self._convert(bg)
+        self.pipeline = TwoLevelPipeline()
+        self._place_groups()
         assigned: dict = {}  # each GIFT layer's factor is built on one rank: round-robin per group
         for g, group in self._gift_layers():
             g.owner = assigned.get(group, 0) % group.size()
@@ -309,6 +317,18 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             for g in bg.gift_params[-1]:
                 if g is not None:
                     self._bucket_of[id(g)] = (bg, i)
+
+    def _place_groups(self) -> None:
+        """Each converted bucket group's topology and two-level subgroups (collective over all ranks)."""
+        dist_opt = self.ddp_config.use_distributed_optimizer
+        converted = [bg for bg in self.bucket_groups + self.expert_parallel_bucket_groups if isinstance(bg, GiftBucketGroup)]
+        groups = [bg.intra_distributed_optimizer_instance_group if dist_opt else bg.data_parallel_group for bg in converted]
+        cfg = self.gift_config
+        rpn = ranks_per_node_from_env(cfg.ranks_per_node)
+        for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange == "auto")):
+            bg.gift_groups = placed
+            if placed.intra is not None and cfg.error_feedback:
+                logger.info("megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)")
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
         return BucketLayout(bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype)

@@ -177,6 +177,14 @@ class LowRankWhitening:
         """Columns ``cols`` of ``U T⁻¹`` from those of ``U`` and the whole rows' ``U Q`` (``proj [k, r]``)."""
         return torch.addmm(u, proj * self.c_inv, self.q[cols].T) * self.d_sqrt[cols]
 
+    def apply_projection(self, g: torch.Tensor, cols: slice) -> torch.Tensor:
+        """``G'[:, cols] Q[cols]`` (``[k, r]``, ``G' = G D^{-1/2}``): a row's ``G' Q`` is the sum of its pieces'."""
+        return (g * self.d_inv_sqrt[cols]) @ self.q[cols]
+
+    def apply_piece(self, g: torch.Tensor, proj: torch.Tensor, cols: slice) -> torch.Tensor:
+        """Columns ``cols`` of ``G T`` from those of ``G`` and the whole rows' ``G' Q`` (``proj [k, r]``)."""
+        return torch.addmm(g * self.d_inv_sqrt[cols], proj * self.c, self.q[cols].T)
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``(T, T⁻¹)``, for tests and diagnostics only."""
         eye = torch.eye(self.d_in, dtype=self.q.dtype, device=self.q.device)

@@ -58,3 +58,17 @@ def hand_average(ref, model, tokens: torch.Tensor, group=None) -> dict:
     dist.all_gather(gathered, local, group=group)
     avg = torch.stack(gathered).double().sum(0) / world
     return dict(zip(model.parameters(), avg.split([p.numel() for p in ref.parameters()])))
+
+
+def reduced_regions(ddp, expected: dict, dp_rank: int, dp_size: int, dist_opt: bool):
+    """Per bucket of ``ddp``: ``(reduced, want)``, the region this rank holds after the reduction
+    (its shard with the distributed optimizer, else the whole bucket) and the same region of
+    ``expected`` (``hand_average``'s output), both FP64."""
+    for bg in ddp.bucket_groups:
+        for bucket in bg.buckets:
+            n = bucket.grad_data.numel()
+            region = slice(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size) if dist_opt else slice(None)
+            want = torch.zeros(n, dtype=torch.float64)
+            for p, (a, b) in bucket.param_to_index.items():
+                want[a:b] = expected[p]
+            yield bucket.grad_data[region].double(), want[region]
