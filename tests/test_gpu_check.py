@@ -73,7 +73,7 @@ def test_codec_bytes_follow_from_the_shapes(dry_run):
     shapes = {"qkv": (3 * h, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
     for r in doc["results"]:
         d_out, d_in = shapes[r["layer"]]
-        scales = lambda rows: rows * math.ceil(d_in / 128) * 2  # noqa: E731  one BF16 scale per 1x128 block
+        scales = lambda rows: rows * math.ceil(d_in / 128) * 4  # noqa: E731  one FP32 scale per 1x128 block
         if r["path"] in ("encode", "whiten_encode"):
             assert r["bytes"] == 4 * d_out * d_in + d_out * d_in + scales(d_out)
         else:

@@ -85,11 +85,12 @@ def _build(mode: str, spec: dict):
 
 def _step(ddp, opt, batches: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """One training step over ``batches`` (micro-batches); returns the last micro-batch's loss and
-    whether GIFT statistics were collected (a refresh step)."""
+    whether it rebuilt GIFT's factors (a refresh step)."""
     from ..testing.gpt import lm_loss
 
     ddp.zero_grad_buffer()
-    refresh = getattr(ddp, "collecting", False) and any(g.candidate for g in getattr(ddp, "gift_params", {}).values())
+    gift = any(g.candidate for g in getattr(ddp, "gift_params", {}).values())
+    refresh = gift and ddp.is_refresh_step(ddp.step)  # statistics are folded every step, summed and built on these
     opt.zero_grad()
     with ddp.no_sync():
         for tokens in batches[:-1]:

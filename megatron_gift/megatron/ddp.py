@@ -34,7 +34,7 @@ from ..comm.hierarchical import TwoLevelPipeline, start_reduction
 from ..comm.layout import BucketLayout, Segment
 from ..comm.quantized import CommLedger
 from ..comm.topology import TwoLevelGroups, build_groups, ranks_per_node_from_env
-from ..config import GiftConfig, Mode
+from ..config import GiftConfig, Mode, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..numerics.profile import choose_damping
@@ -60,24 +60,6 @@ class GiftParam:
     expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
     stats_groups: list = field(default_factory=list)
     damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
-
-
-def param_modes(named_params, cfg: GiftConfig) -> dict[str, Mode]:
-    """Mode of each parameter by name: ``cfg.layers`` → ``cfg.mode``, ``cfg.euclidean_layers`` →
-    Euclidean, the rest off. GIFT needs a 2-D weight; other shapes fall back to Euclidean. (With a
-    policy, the GIFT ones are its candidates, starting Euclidean.)"""
-    modes = {}
-    for name, p in named_params:
-        if any(re.search(pat, name) for pat in cfg.layers):
-            mode = cfg.mode
-            if mode is Mode.GIFT and p.dim() != 2:
-                mode = Mode.EUCLIDEAN
-        elif any(re.search(pat, name) for pat in cfg.euclidean_layers):
-            mode = Mode.EUCLIDEAN
-        else:
-            mode = Mode.OFF
-        modes[name] = mode
-    return modes
 
 
 def _to(tree, device):
@@ -424,7 +406,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.collecting = True
         self._step_open = True
 
-    def _is_refresh_step(self, step: int) -> bool:
+    def is_refresh_step(self, step: int) -> bool:
         """Every ``refresh_interval`` steps, and before the first interval also at steps 1, 2, 4,
         8, ...: activations drift fastest early in training, and a stale factor amplifies FP8
         error instead of shrinking it."""
@@ -469,7 +451,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             self.collecting = False
             for g, _ in self._gift_layers():  # local compute only: non-finite values are caught in the sums
                 g.stats.fold()
-            if self._is_refresh_step(self.step):
+            if self.is_refresh_step(self.step):
                 self._global_stats = self._sum_statistics()
         todo = [(g, grp, grad, self._global_stats.pop(id(g))) for g, grp, grad in self._gift_layers_of(bucket_group)
                 if id(g) in self._global_stats]  # fmt: skip
