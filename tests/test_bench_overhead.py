@@ -7,13 +7,14 @@ import torch
 
 from megatron_gift.bench import overhead
 from megatron_gift.cli import build_parser, main
+from megatron_gift.config import GiftConfig
 
 TINY = {"tiny": dict(layers=1, hidden=64, heads=2, ffn=176, seq=16, micro_batch=2)}
 PATHS = {"layer_fwd_bwd", "lowrank_apply", "lowrank_inverse", "dense_apply", "dense_inverse", "fp8_encode_decode",
-         "copy", "factor_build"}  # fmt: skip
+         "copy", "factor_build", "statistics"}  # fmt: skip
 
 
-def test_cli_runs_bench_overhead_quick(tmp_path, monkeypatch):
+def test_cli_runs_bench_overhead_quick(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(overhead, "MODELS", TINY)
     monkeypatch.setattr(overhead, "QUICK_MODELS", ("tiny",))
     monkeypatch.setattr(overhead, "QUICK_TOKENS", 8)
@@ -31,19 +32,25 @@ def test_cli_runs_bench_overhead_quick(tmp_path, monkeypatch):
             assert r["model"] == "tiny" and r["shape"] == shape and r["seconds"] > 0 and r["samples"] >= 2
             assert r["device"] == "cpu"
         assert recs["layer_fwd_bwd"]["tokens"] == 8
+        assert recs["statistics"]["tokens"] == 8 and recs["statistics"]["sketch"] == GiftConfig().sketch == 64
         assert recs["copy"]["bytes_per_s"] > 0 and recs["fp8_encode_decode"]["bytes_per_s"] > 0
         assert {"whiten_encode_reference", "decode_sum_unwhiten_reference"} <= set(recs)
         assert "whiten_encode_fused" not in recs  # only where compiled Triton runs (CUDA)
     assert [s["layer"] for s in doc["summary"]] == list(layers)
     for s in doc["summary"]:
         assert s["pipeline"] == "reference" and s["pipeline_s"] > 0
+        assert s["statistics_s"] > 0 and s["statistics_over_layer"] > 0
+    assert "statistics" in doc["schema"]["results"]
+    assert "statistics_s" in doc["schema"]["summary"] and "statistics_over_layer" in doc["schema"]["summary"]
+    assert doc["config"]["sketch"] == 64
+    assert "| stats ms | stats/layer |" in capsys.readouterr().out
     assert doc["targets"] == {"device": "cpu"}  # no Llama-600M shapes in this run
 
 
 # Times handed out in the order measure_layer times its paths, and the ratios they give, by hand.
 KNOWN_SECONDS = {"layer_fwd_bwd": 1.0, "lowrank_apply": 0.01, "lowrank_inverse": 0.02, "dense_apply": 0.3,
                  "dense_inverse": 0.5, "fp8_encode_decode": 0.04, "copy": 0.002, "whiten_encode_reference": 0.05,
-                 "decode_sum_unwhiten_reference": 0.07, "factor_build": 3.0}  # fmt: skip
+                 "decode_sum_unwhiten_reference": 0.07, "factor_build": 3.0, "statistics": 0.006}  # fmt: skip
 
 
 def test_ratios_from_known_times(monkeypatch):
@@ -63,6 +70,7 @@ def test_ratios_from_known_times(monkeypatch):
     assert row["dense_over_lowrank"] == pytest.approx(0.8 / 0.03)
     assert row["transform_codec_over_layer"] == pytest.approx(0.07)  # (0.03 + 0.04) / 1.0
     assert row["pipeline_s"] == pytest.approx(0.12) and row["pipeline_over_layer"] == pytest.approx(0.12)
+    assert row["statistics_s"] == 0.006 and row["statistics_over_layer"] == pytest.approx(0.006)  # 0.006 / 1.0
 
 
 def test_dense_cholesky_costs_more_than_low_rank_at_large_d_in():

@@ -17,6 +17,9 @@ path                            what is timed
 ``copy``                        ``torch`` copy of an FP32 tensor of ``G``'s size (memory-bandwidth yardstick)
 ``factor_build``                a refresh's ``T`` from the summed Nyström sketch (``factor_from_sketch`` +
                                 ``LowRankWhitening``; FP64 on the CPU wherever training runs, so always timed on the CPU)
+``statistics``                  a step's K-FAC statistics: ``KFACStatistics.accumulate`` on the micro-batch's layer input
+                                ``X [tokens, d_in]`` (sketch 64, GiftConfig's default) plus one ``fold`` into the EMA
+                                (local compute only, every step; a step of m micro-batches accumulates m times)
 ==============================  ====================================================================
 
 Codec and copy records carry ``bytes_per_s`` (bytes read + written: copy 8 B/element; encode+decode
@@ -44,7 +47,7 @@ from ..demo import PRESETS
 from ..numerics.fp8 import CodecConfig, decode, encode
 from .. import kernels
 from ..config import GiftConfig
-from ..numerics.kfac import sketch_matrix
+from ..numerics.kfac import KFACStatistics, sketch_matrix
 from ..numerics.whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, factor_from_sketch
 
 RANK = GiftConfig().rank
@@ -61,13 +64,15 @@ QUICK_MODELS = ("llama-600m", "demo")
 
 SCHEMA = {
     "results": "one record per (model, layer, path): model, layer, shape [d_out, d_in], tokens and dtype (layer_fwd_bwd), "
-    "path, device, seconds (fastest sample), samples; codec/copy paths add bytes_per_s; dense_* paths add dense_over_lowrank "
+    "path, device, seconds (fastest sample), samples; layer_fwd_bwd and statistics add tokens; statistics adds sketch "
+    "(accumulate on one micro-batch's layer input + one fold); codec/copy paths add bytes_per_s; dense_* paths add dense_over_lowrank "
     "(seconds / seconds of the matching lowrank_* path)",
     "summary": "per (model, layer): layer_fwd_bwd_s, transform_s (lowrank apply+inverse), codec_s (fp8 encode+decode), "
     "transform_codec_over_layer (transform_s+codec_s)/layer_fwd_bwd_s, factor_build_s (CPU, once per refresh), "
     "pipeline_s (whiten_encode + "
     "decode_sum_unwhiten, fused where timed, else reference) and pipeline_over_layer, dense_over_lowrank "
-    "(dense apply+inverse over low-rank apply+inverse)",
+    "(dense apply+inverse over low-rank apply+inverse), statistics_s (K-FAC accumulate of one micro-batch + fold, "
+    "local compute every step) and statistics_over_layer (statistics_s / layer_fwd_bwd_s)",
     "targets": "the paper-level targets, reported (not asserted)",
 }
 
@@ -150,14 +155,18 @@ def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.
     a = factor.dense()
     y, diag = (a @ omega.double()).float(), a.diagonal().float()
     paths["factor_build"] = (lambda: LowRankWhitening(factor_from_sketch(y, omega, diag, RANK)), None)
+    stats = KFACStatistics(d_in, ema=GiftConfig().ema, sketch=SKETCH, device=device)
+    paths["statistics"] = (lambda: (stats.accumulate(xl), stats.fold()), None)
     records = []
     for path, (fn, nbytes) in paths.items():
         on = torch.device("cpu") if path == "factor_build" else device
         seconds, samples = time_call(fn, on)
         rec = dict(model=name[0], layer=name[1], shape=[d_out, d_in], path=path, device=str(on),
                    seconds=seconds, samples=samples)  # fmt: skip
-        if path == "layer_fwd_bwd":
+        if path in ("layer_fwd_bwd", "statistics"):
             rec["tokens"], rec["dtype"] = tokens, str(layer_dtype).removeprefix("torch.")
+        if path == "statistics":
+            rec["sketch"] = SKETCH
         if nbytes is not None:
             rec["bytes_per_s"] = nbytes / seconds
         records.append(rec)
@@ -182,6 +191,8 @@ def summarize(records: list[dict]) -> list[dict]:
                    dense_over_lowrank=(s["dense_apply"] + s["dense_inverse"]) / (s["lowrank_apply"] + s["lowrank_inverse"]),
                    codec_over_copy_bandwidth=p["fp8_encode_decode"]["bytes_per_s"] / p["copy"]["bytes_per_s"])  # fmt: skip
         row["transform_codec_over_layer"] = (row["transform_s"] + row["codec_s"]) / row["layer_fwd_bwd_s"]
+        row["statistics_s"] = s["statistics"]
+        row["statistics_over_layer"] = s["statistics"] / s["layer_fwd_bwd"]
         if f"whiten_encode_{kind}" in s:
             row["pipeline"] = kind
             row["pipeline_s"] = s[f"whiten_encode_{kind}"] + s[f"decode_sum_unwhiten_{kind}"]
@@ -223,7 +234,7 @@ def run(quick: bool = False, json_path: str | None = None, device: str | None = 
                      cpus=os.cpu_count(), load_average_before_after=[load, os.getloadavg()[0]],
                      torch=torch.__version__, threads=used_threads,
                      gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None),  # fmt: skip
-        config=dict(codec=cfg.name, block=cfg.block, rank=RANK, ranks=RANKS, models=models,
+        config=dict(codec=cfg.name, block=cfg.block, rank=RANK, sketch=SKETCH, ranks=RANKS, models=models,
                     tokens_per_micro_batch=tokens or "seq x micro_batch", layer_dtype=str(layer_dtype).removeprefix("torch."),
                     kernels="fused+reference" if fused_timed(dev) else "reference"),  # fmt: skip
         schema=SCHEMA,
@@ -258,14 +269,16 @@ def targets(doc: dict) -> dict:
 def format_table(doc: dict) -> str:
     """Markdown table: milliseconds per path and per layer, and the ratios of the summary."""
     head = ("| model | layer | d_out x d_in | tokens | fwd+bwd ms | T+T⁻¹ ms | FP8 enc+dec ms | (T+codec)/layer | "
-            "whiten-enc + dec-sum-unwhiten ms | dense/low-rank | codec/copy B/s |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+            "whiten-enc + dec-sum-unwhiten ms | dense/low-rank | codec/copy B/s | stats ms | stats/layer |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines = [head]
     for s in doc["summary"]:
         pipe = f"{1e3 * s['pipeline_s']:.3g} ({s['pipeline']})" if "pipeline_s" in s else "n/a"
         lines.append(
             f"| {s['model']} | {s['layer']} | {s['shape'][0]}x{s['shape'][1]} | {s['tokens']} | {1e3 * s['layer_fwd_bwd_s']:.4g} | "
             f"{1e3 * s['transform_s']:.3g} | {1e3 * s['codec_s']:.3g} | {100 * s['transform_codec_over_layer']:.2f}% | {pipe} | "
-            f"{s['dense_over_lowrank']:.1f}x | {s['codec_over_copy_bandwidth']:.3g} |"
+            f"{s['dense_over_lowrank']:.1f}x | {s['codec_over_copy_bandwidth']:.3g} | {1e3 * s['statistics_s']:.3g} | "
+            f"{100 * s['statistics_over_layer']:.2f}% |"
         )
     t = doc["targets"]
     if "transform_codec_over_layer_fwd_bwd_600m" in t:
