@@ -318,7 +318,6 @@ KERNEL_CASES = [("bf16", False), ("bf16", True), ("fp8", False)]  # (intra dtype
 
 def _kernel_worker(rank, world):
     from megatron_gift import kernels
-    from megatron_gift.comm import quantized
 
     calls = {"whiten_encode": 0, "decode_sum_unwhiten": 0}
     for name in calls:
@@ -333,9 +332,8 @@ def _kernel_worker(rank, world):
     ts = _transforms(segs)
     out = {"calls": calls}
     for (intra, all_reduce), use in itertools.product(KERNEL_CASES, (False, True)):
-        quantized.USE_KERNELS = use
         flat = _bucket_grads(numel, segs, rank)
-        TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, async_op=True).wait()
+        TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, async_op=True, kernels=use).wait()
         out[(intra, all_reduce, use)] = flat
     return out
 

@@ -87,7 +87,8 @@ class TwoLevelReduce:
 
     def __init__(self, flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGroups, transforms: Whitenings,
                  intra: str = "bf16", average: bool = False, all_reduce: bool = False, ledger: CommLedger | None = None,
-                 async_op: bool = False, nonfinite: torch.Tensor | None = None, pipeline: "TwoLevelPipeline | None" = None):  # fmt: skip
+                 async_op: bool = False, nonfinite: torch.Tensor | None = None, pipeline: "TwoLevelPipeline | None" = None,
+                 kernels: bool | None = None):  # fmt: skip
         topo = groups.topology
         if not topo.two_level or topo.world != layout.num_shards or groups.group.size() != topo.world:
             raise ValueError(f"a two-level reduction needs >1 node of >1 ranks and one shard per rank, got {topo}, "
@@ -99,7 +100,7 @@ class TwoLevelReduce:
         self.held = topo.inter_ranks(self.rank)
         self.wire = intra_wire(intra, flat.dtype)
         self.codec = _Codec(layout)
-        self.plan = _plan(layout, _kernels_on(flat.device))
+        self.plan = _plan(layout, _kernels_on(flat.device, kernels))
         last = [self._gather_intra, self._decode_all] if all_reduce else [self._write_shard]
         self._steps = [self._node_sums, self._encode_inter, self._decode, *last]
         self.work = self._intra_stage()
@@ -280,7 +281,7 @@ def start_reduction(flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGr
                     intra: str, error_feedback: ErrorFeedback | None, pipeline: TwoLevelPipeline | None, **common):  # fmt: skip
     """The two-level reduction where ``groups`` has its subgroups (several nodes of several ranks)
     and there is no error feedback (its residual belongs to one rank's whole bucket), else the flat
-    one; ``common``: ``average``, ``all_reduce``, ``ledger``, ``async_op``, ``nonfinite``."""
+    one; ``common``: ``average``, ``all_reduce``, ``ledger``, ``async_op``, ``nonfinite``, ``kernels``."""
     if groups.intra is not None and error_feedback is None:
         return TwoLevelReduce(flat, layout, groups, transforms, intra=intra, pipeline=pipeline, **common)
     return QuantizedReduce(flat, layout, groups.group, transforms, error_feedback=error_feedback, topology=groups.topology, **common)

@@ -16,7 +16,7 @@ All-reduce = the same reduce-scatter, then each rank re-encodes its reduced shar
 whitened) and an all-gather moves the FP8 messages; every rank decodes the same bytes and
 applies ``T⁻¹`` to whole rows, so all ranks hold bit-identical gradients.
 
-Fused kernels (``megatron_gift.kernels``, where ``USE_KERNELS`` allows them): a *block* is the
+Fused kernels (``megatron_gift.kernels``, where the ``kernels`` setting allows them): a *block* is the
 whole rows of a GIFT or Euclidean parameter inside one shard whose scaling groups in the layout
 are exactly the codec's groups of that ``[rows, cols]`` matrix (rows never cut by the shard for
 BLOCK/MX/ROW scaling; for TENSOR scaling only a parameter the shard boundaries do not cut
@@ -47,12 +47,6 @@ from ..numerics.whitening import LowRankWhitening
 from .layout import BucketLayout, ShardPlan, _complement, _merge
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
-
-USE_KERNELS: bool | None = None
-"""Whether blocks go through the fused Triton kernels: None (default) on CUDA where they are
-``kernels.available``; True wherever they are available, the CPU included when Triton's
-interpreter is on (slow: for tests); False never. Every rank of a group must see the same value."""
-
 
 class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
@@ -110,9 +104,11 @@ def _scatter_runs(flat: torch.Tensor, runs: list[tuple[int, int]], values: torch
         pos += b - a
 
 
-def _kernels_on(device: torch.device) -> bool:
-    """Whether this reduction uses the kernels, by ``USE_KERNELS`` (the same on every rank)."""
-    if USE_KERNELS is False or (USE_KERNELS is None and device.type != "cuda"):
+def _kernels_on(device: torch.device, use: bool | None) -> bool:
+    """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.kernels``:
+    None on CUDA where they are ``kernels.available``; True wherever they are available, the CPU included
+    when Triton's interpreter is on (slow: for tests); False never). Every rank of a group passes the same."""
+    if use is False or (use is None and device.type != "cuda"):
         return False
     return kernels.available(device)
 
@@ -331,6 +327,7 @@ class QuantizedReduce:
 
     ``nonfinite`` (a bool tensor), when given, is set if the reduced shard holds NaN/Inf.
     ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
+    ``kernels``: whether blocks use the fused kernels (``GiftConfig.kernels``, see ``_kernels_on``).
     With the distributed optimizer, ``flat`` outside this rank's shard is left as it was."""
 
     def __init__(
@@ -346,6 +343,7 @@ class QuantizedReduce:
         async_op: bool = False,
         nonfinite: torch.Tensor | None = None,
         topology: Topology | None = None,
+        kernels: bool | None = None,
     ):
         self.flat, self.layout, self.group = flat, layout, group
         self.topology = topology
@@ -357,7 +355,7 @@ class QuantizedReduce:
         self.rank = dist.get_rank(group)
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
-        use_kernels = _kernels_on(flat.device)
+        use_kernels = _kernels_on(flat.device, kernels)
         self.plan = _plan(layout, use_kernels)
         # The kernel cannot add the error-feedback residual between G T and the encoding.
         split = _plan(layout, use_kernels and error_feedback is None).bucket
