@@ -225,6 +225,8 @@ class GiftState:
 
         ``local=False``: the per-rank state (K-FAC statistics, error-feedback residuals) belongs to
         the ranks of another data-parallel layout: it starts afresh, without counting as missing."""
+        self.step = int(state["step"])  # the next open_step() opens the following step
+        self.step_open = False
         missing = []
         for g in self.params.values():
             entry = state["params"].get(g.name)

@@ -350,8 +350,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
 
         ``local=False``: the per-rank state (K-FAC statistics, error-feedback residuals) belongs to
         the ranks of another data-parallel layout: it starts afresh, without counting as missing."""
-        self.gift_state.step = int(state["step"])  # the next zero_grad_buffer() opens the following step
-        self.gift_state.step_open = False
         policy = self.monitor.policy
         if policy is not None and "policy" in state:  # the layer decisions, before anything else is placed
             policy.load_state_dict(state["policy"])
