@@ -82,6 +82,8 @@ class GiftConfig:
     ``exchange``: ``auto`` (two-level where the data-parallel group spans several nodes with
     several ranks each) or ``flat`` (one all-to-all over the group); ``intra_node``: the two-level
     exchange's intra-node dtype; ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
+    ``kernels``: whether the reduction uses the fused Triton kernels (None: on CUDA where they are
+    available; True: wherever available, the CPU too under Triton's interpreter; False: never).
     """
 
     mode: Mode = Mode.OFF
@@ -101,6 +103,7 @@ class GiftConfig:
     exchange: str = "auto"
     intra_node: str = "bf16"
     ranks_per_node: int | None = None
+    kernels: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.mode, Mode):
@@ -126,6 +129,8 @@ class GiftConfig:
             raise ValueError(f"intra_node must be one of {INTRA_NODE_DTYPES}, got {self.intra_node!r}")
         if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be an integer >= 1 (None: from LOCAL_WORLD_SIZE), got {self.ranks_per_node!r}")
+        if self.kernels not in (None, True, False):
+            raise ValueError(f"kernels must be None (auto), True or False, got {self.kernels!r}")
         if self.policy is not None and self.mode is not Mode.GIFT:
             raise ValueError(f"an automatic layer policy needs mode gift (it chooses per layer), got {self.mode.value}")
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -24,11 +24,11 @@ ALLOW_ENV = "MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON"
 # and where the plugin depends on it.
 UPSTREAM = {
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync":
-        ("62f8f12d579769ef", "re-implemented by megatron/ddp.py GiftBucketGroup.start_grad_sync"),
+        ("62f8f12d579769ef", "re-implemented by megatron/bucket_group.py GiftBucketGroup.start_grad_sync"),
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync":
         ("caa9a2e7f33849c5", "waits on the handle GiftBucketGroup.start_grad_sync sets"),
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads":
-        ("94e99add61f34256", "called by GiftBucketGroup._prepare_grads"),
+        ("94e99add61f34256", "called by megatron/bucket_group.py GiftBucketGroup._prepare_grads"),
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer":
         ("6bbd2a84649f6c87", "extended by GiftDistributedDataParallel.zero_grad_buffer (opens a step)"),
     "megatron.training.models.dist_utils:_ddp_wrap":

@@ -219,18 +219,16 @@ def _comm_worker(rank, world):
     for codec, all_reduce, average in COMM_CASES:
         layout = BucketLayout(numel, world, segments, CodecConfig(*codec.split("-")), torch.float32)
         for use in (False, True):
-            quantized.USE_KERNELS = use
             before = dict(calls)
             flat = grads[rank].clone()
             group = dist.group.WORLD
-            quantized.QuantizedReduce(flat, layout, group, transforms, average=average, all_reduce=all_reduce).wait()
+            quantized.QuantizedReduce(flat, layout, group, transforms, average=average, all_reduce=all_reduce, kernels=use).wait()
             out[(codec, all_reduce, average, use)] = (flat, {k: calls[k] - before[k] for k in calls})
     # Error feedback keeps the sender on the PyTorch path: the same residual either way.
     layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
     for use in (False, True):
-        quantized.USE_KERNELS = use
         ef = ErrorFeedback(layout.n_coded)
-        quantized.QuantizedReduce(grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef).wait()
+        quantized.QuantizedReduce(grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef, kernels=use).wait()
         out[("ef", use)] = ef._pending
     return out
 

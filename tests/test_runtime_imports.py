@@ -157,3 +157,29 @@ def test_private_use_check_sees_private_names():
         "from megatron_gift.kernels.reference import _x",
         "megatron_gift.kernels._fused",
     ]
+
+
+def test_reduction_state_imports_without_megatron():
+    """``megatron_gift.state`` (statistics, factors, residual bookkeeping, step) is Megatron-free:
+    it imports, and its state dict round-trips, with every ``megatron`` module refused."""
+    res = _run(
+        """
+class _NoMegatron(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ImportError("blocked by the test: " + name)
+sys.meta_path.insert(0, _NoMegatron())
+import torch
+from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.state import GiftParam, GiftState
+state = GiftState(GiftConfig(mode=Mode.EUCLIDEAN), torch.device("cpu"))
+state.params[torch.nn.Parameter(torch.zeros(2, 2))] = GiftParam("w", Mode.EUCLIDEAN)
+state.open_step()
+saved = state.state_dict([])
+other = GiftState(GiftConfig(mode=Mode.EUCLIDEAN), torch.device("cpu"))
+other.params[torch.nn.Parameter(torch.zeros(2, 2))] = GiftParam("w", Mode.EUCLIDEAN)
+print(saved, other.load_state_dict(saved, [], torch.device("cpu")), other.step)
+"""
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.strip().splitlines()[-1] == "{'step': 0, 'params': {'w': {'mode': 'euclidean'}}} [] 0"

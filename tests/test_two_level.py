@@ -54,7 +54,7 @@ def _ordered_sum(parts):
 
 def _roundtrip(x, layout, j):
     plan = layout.shards[j]
-    lengths = layout.group_lengths[plan.g_lo : plan.g_hi]
+    lengths = layout.group_lengths[plan.group_lo : plan.group_hi]
     return decode_flat(encode_flat(x, lengths, layout.codec), lengths, layout.codec)
 
 
@@ -65,7 +65,7 @@ def _rows(layout, ts, j, coded, fn):
         if ts[i] is None:
             continue
         s = layout.segments[i]
-        c = layout.coded_index(s.start + r0 * s.cols) - plan.c_lo
+        c = layout.coded_index(s.start + r0 * s.cols) - plan.coded_lo
         view = coded[c : c + (r1 - r0) * s.cols].view(r1 - r0, s.cols)
         view.copy_(fn(ts[i], view))
 
@@ -77,7 +77,7 @@ def _pieces(layout, ts, coded, project, finish):
         for j, plan in enumerate(layout.shards):
             for p in plan.pieces:
                 s = layout.segments[p.seg]
-                a = layout.coded_index(s.start + p.row * s.cols + p.c0) - plan.c_lo
+                a = layout.coded_index(s.start + p.row * s.cols + p.c0) - plan.coded_lo
                 yield p, coded[j][a : a + p.c1 - p.c0].view(1, -1)
 
     views = [(p, v) for p, v in piece_views() if ts[p.seg] is not None]
@@ -96,7 +96,7 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
     p = len(grads)
     shards = layout.shards
     plain_dtypes = layout.plain_dtypes
-    sent = [[None] * p for _ in range(nodes)]  # node k's FP8-decoded partial of shard j (coded, plains)
+    sent = [[None] * p for _ in range(nodes)]  # node k's FP8-decoded partial of shard j (coded, plain_sections)
     for k in range(nodes):
         members = grads[k * g : (k + 1) * g]
         if intra == "fp8":
@@ -107,7 +107,7 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
                     if t is not None:
                         x[s.start : s.end] = t.apply(x[s.start : s.end].view(s.rows, s.cols)).flatten()
                 whitened.append(x)
-        coded, plains = [], []
+        coded, plain_sections = [], []
         for j, plan in enumerate(shards):
             if intra == "fp8":
                 coded.append(_ordered_sum([_roundtrip(_runs(x, plan.coded_runs), layout, j) for x in whitened]))
@@ -115,19 +115,19 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
                 wire = WIRE[intra]
                 coded.append(_ordered_sum([_runs(x, plan.coded_runs).to(wire).float() for x in members]))
                 _rows(layout, ts, j, coded[j], lambda t, v: t.apply(v))
-            plains.append([_ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
+            plain_sections.append([_ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
         if intra != "fp8":
             _pieces(layout, ts, coded, lambda t, v, c: t.apply_projection(v, c), lambda t, v, pr, c: t.apply_piece(v, pr, c))
         for j in range(p):
-            sent[k][j] = (_roundtrip(coded[j], layout, j), [v.to(dt).float() for v, dt in zip(plains[j], plain_dtypes)])
+            sent[k][j] = (_roundtrip(coded[j], layout, j), [v.to(dt).float() for v, dt in zip(plain_sections[j], plain_dtypes)])
     total = [(_ordered_sum([sent[k][j][0] for k in range(nodes)]),
               [_ordered_sum([sent[k][j][1][c] for k in range(nodes)]) for c in range(2)]) for j in range(p)]  # fmt: skip
     out = torch.zeros(layout.numel)
     if all_reduce:
-        for j, (coded, plains) in enumerate(total):
+        for j, (coded, plain_sections) in enumerate(total):
             if average:
-                coded, plains = coded / p, [v / p for v in plains]
-            total[j] = (_roundtrip(coded, layout, j), [v.to(dt).float() for v, dt in zip(plains, plain_dtypes)])
+                coded, plain_sections = coded / p, [v / p for v in plain_sections]
+            total[j] = (_roundtrip(coded, layout, j), [v.to(dt).float() for v, dt in zip(plain_sections, plain_dtypes)])
         coded_all = torch.cat([c for c, _ in total])
         for s, t in zip(layout.segments, ts):
             if t is not None:
@@ -145,12 +145,12 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
     return out
 
 
-def _write(out, layout, coded_all, plains):
+def _write(out, layout, coded_all, plain_sections):
     pos = 0
     for a, b in layout.coded_runs:
         out[a:b] = coded_all[pos : pos + b - a]
         pos += b - a
-    for plan, pl in zip(layout.shards, plains):
+    for plan, pl in zip(layout.shards, plain_sections):
         for runs, values in zip(plan.plain_runs, pl):
             at = 0
             for a, b in runs:
@@ -318,7 +318,6 @@ KERNEL_CASES = [("bf16", False), ("bf16", True), ("fp8", False)]  # (intra dtype
 
 def _kernel_worker(rank, world):
     from megatron_gift import kernels
-    from megatron_gift.comm import quantized
 
     calls = {"whiten_encode": 0, "decode_sum_unwhiten": 0}
     for name in calls:
@@ -333,9 +332,8 @@ def _kernel_worker(rank, world):
     ts = _transforms(segs)
     out = {"calls": calls}
     for (intra, all_reduce), use in itertools.product(KERNEL_CASES, (False, True)):
-        quantized.USE_KERNELS = use
         flat = _bucket_grads(numel, segs, rank)
-        TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, async_op=True).wait()
+        TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, async_op=True, kernels=use).wait()
         out[(intra, all_reduce, use)] = flat
     return out
 

@@ -76,7 +76,7 @@ def intra_wire(intra: str, bucket_dtype: torch.dtype) -> torch.dtype | None:
 
 def _float_bytes(plan: ShardPlan, wire: torch.dtype) -> int:
     """Size of a float message ``[off | bf16 | coded in wire]`` of shard ``plan``."""
-    return sum(plan.plain_bytes) + _pad4((plan.c_hi - plan.c_lo) * wire.itemsize)
+    return sum(plan.plain_bytes) + _pad4((plan.coded_hi - plan.coded_lo) * wire.itemsize)
 
 
 class TwoLevelReduce:
@@ -87,7 +87,8 @@ class TwoLevelReduce:
 
     def __init__(self, flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGroups, transforms: Whitenings,
                  intra: str = "bf16", average: bool = False, all_reduce: bool = False, ledger: CommLedger | None = None,
-                 async_op: bool = False, nonfinite: torch.Tensor | None = None, pipeline: "TwoLevelPipeline | None" = None):  # fmt: skip
+                 async_op: bool = False, nonfinite: torch.Tensor | None = None, pipeline: "TwoLevelPipeline | None" = None,
+                 kernels: bool | None = None):  # fmt: skip
         topo = groups.topology
         if not topo.two_level or topo.world != layout.num_shards or groups.group.size() != topo.world:
             raise ValueError(f"a two-level reduction needs >1 node of >1 ranks and one shard per rank, got {topo}, "
@@ -99,7 +100,7 @@ class TwoLevelReduce:
         self.held = topo.inter_ranks(self.rank)
         self.wire = intra_wire(intra, flat.dtype)
         self.codec = _Codec(layout)
-        self.plan = _plan(layout, _kernels_on(flat.device))
+        self.plan = _plan(layout, _kernels_on(flat.device, kernels))
         last = [self._gather_intra, self._decode_all] if all_reduce else [self._write_shard]
         self._steps = [self._node_sums, self._encode_inter, self._decode, *last]
         self.work = self._intra_stage()
@@ -124,18 +125,18 @@ class TwoLevelReduce:
             send = torch.zeros(sum(sizes), dtype=torch.uint8, device=self.flat.device)
             for j, at in zip(order, _starts(sizes)):
                 plan, off = layout.shards[j], at
-                for values, size in zip(self.codec.plains(self.flat, plan), plan.plain_bytes):
+                for values, size in zip(self.codec.plain_sections(self.flat, plan), plan.plain_bytes):
                     send[off : off + size][: values.numel() * values.element_size()] = _bytes(values)
                     off += size
                 coded = _bytes(_gather_runs(self.flat, plan.coded_runs).to(self.wire))
                 send[off : off + coded.numel()] = coded
         n = self.topo.nodes
         per_peer = [sum(sizes[lp * n : (lp + 1) * n]) for lp in range(g)]
-        mine = per_peer[self.topo.local(self.rank)]
-        self.recv = torch.empty(g * mine, dtype=torch.uint8, device=self.flat.device)
-        sent = sum(per_peer) - mine
+        own_bytes = per_peer[self.topo.local(self.rank)]
+        self.recv = torch.empty(g * own_bytes, dtype=torch.uint8, device=self.flat.device)
+        sent = sum(per_peer) - own_bytes
         self.ledger.add("all_to_all", _NAMES[self.wire], sent, {"intra": sent})
-        return dist.all_to_all_single(self.recv, send, [mine] * g, per_peer, group=self.groups.intra, async_op=self.async_op)
+        return dist.all_to_all_single(self.recv, send, [own_bytes] * g, per_peer, group=self.groups.intra, async_op=self.async_op)
 
     def advance(self, block: bool) -> bool:
         """Run the steps whose communication has completed (all, waiting, if ``block``); True when done."""
@@ -172,11 +173,11 @@ class TwoLevelReduce:
                 continue
             sums = []
             for lp in range(g):  # one FP32 accumulator per section, local ranks in order
-                plains = self.codec.plain_values(plan, msgs[lp], start=0)
+                plain_sections = self.codec.plain_values(plan, msgs[lp], start=0)
                 coded_at = sum(plan.plain_bytes)
-                parts = [msgs[lp, coded_at : coded_at + (plan.c_hi - plan.c_lo) * self.wire.itemsize].view(self.wire).float(), *plains]
+                parts = [msgs[lp, coded_at : coded_at + (plan.coded_hi - plan.coded_lo) * self.wire.itemsize].view(self.wire).float(), *plain_sections]
                 sums = [t.clone() for t in parts] if not sums else [acc.add_(t) for acc, t in zip(sums, parts)]
-            transform_rows(self.layout, self.transforms, sums[0], plan.c_lo, self.plan.shards[j].rest_rows, inverse=False)
+            transform_rows(self.layout, self.transforms, sums[0], plan.coded_lo, self.plan.shards[j].rest_rows, inverse=False)
             self.partials.append((sums[0], sums[1:]))
         if self.wire is None:
             self.pieces = None
@@ -194,37 +195,37 @@ class TwoLevelReduce:
         sizes = [layout.shards[j].message_bytes for j in self.held]
         send = torch.zeros(sum(sizes), dtype=torch.uint8, device=self.flat.device)
         whiten = self.transforms if self.wire is not None else None  # kernel blocks are whitened as they encode
-        for j, (coded, plains), at, size in zip(self.held, self.partials, _starts(sizes), sizes):
+        for j, (coded, plain_sections), at, size in zip(self.held, self.partials, _starts(sizes), sizes):
             plan = layout.shards[j]
-            lengths = layout.group_lengths_on(coded.device)[plan.g_lo : plan.g_hi]
+            lengths = layout.group_lengths_on(coded.device)[plan.group_lo : plan.group_hi]
             enc = _encode(coded, lengths, self.plan.shards[j], layout.codec, whiten)
-            self.codec.pack(plan, enc, [t.to(dt) for t, dt in zip(plains, layout.plain_dtypes)], out=send[at : at + size])
+            self.codec.pack(plan, enc, [t.to(dt) for t, dt in zip(plain_sections, layout.plain_dtypes)], out=send[at : at + size])
         del self.partials
-        mine = layout.shards[self.rank].message_bytes
-        self.recv = torch.empty(n * mine, dtype=torch.uint8, device=self.flat.device)
+        own_bytes = layout.shards[self.rank].message_bytes
+        self.recv = torch.empty(n * own_bytes, dtype=torch.uint8, device=self.flat.device)
         sent = sum(sizes) - sizes[self.topo.node(self.rank)]
         self.ledger.add("all_to_all", "fp8+scales", sent, {"inter": sent})
-        return dist.all_to_all_single(self.recv, send, [mine] * n, sizes, group=self.groups.inter, async_op=self.async_op)
+        return dist.all_to_all_single(self.recv, send, [own_bytes] * n, sizes, group=self.groups.inter, async_op=self.async_op)
 
     def _decode(self):
         """Step 5: this rank's shard, summed over nodes in order; ``T⁻¹`` of whole rows and the cut rows'
         exchange launched (all-reduce: ÷ p, re-encoded, the inter-node all-gather launched)."""
         plan, split, p = self.layout.shards[self.rank], self.plan.shards[self.rank], self.topo.world
         msgs = self.recv.view(self.topo.nodes, plan.message_bytes)
-        coded, plains = self.codec.reduce(plan, split, msgs, False, None if self.all_reduce else self.transforms)
+        coded, plain_sections = self.codec.reduce(plan, split, msgs, False, None if self.all_reduce else self.transforms)
         if self.all_reduce:
             if self.average:
-                for t in (coded, *plains):
+                for t in (coded, *plain_sections):
                     t /= p
-            flag_nonfinite(self.nonfinite, [coded, *plains])
+            flag_nonfinite(self.nonfinite, [coded, *plain_sections])
             self.width = max(q.message_bytes for q in self.layout.shards)
-            msg = self.codec.message(plan, split, coded, plains, self.width)
+            msg = self.codec.message(plan, split, coded, plain_sections, self.width)
             self.recv = torch.empty(self.topo.nodes * self.width, dtype=torch.uint8, device=self.flat.device)
             sent = (self.topo.nodes - 1) * self.width
             self.ledger.add("all_gather", "fp8+scales", sent, {"inter": sent})
             return _all_gather(self.recv, msg, group=self.groups.inter, async_op=self.async_op)
-        transform_rows(self.layout, self.transforms, coded, plan.c_lo, split.rest_rows, inverse=True)
-        self.shard = coded, plains
+        transform_rows(self.layout, self.transforms, coded, plan.coded_lo, split.rest_rows, inverse=True)
+        self.shard = coded, plain_sections
         self.pieces = PieceExchange(self.layout, self.transforms, [self.rank], [coded], self.groups.whole, lambda m: [m],
                                     self.ledger, lambda chunk: self.topo.link_bytes(self.rank, [chunk] * p),
                                     inverse=True, async_op=self.async_op)  # fmt: skip
@@ -233,12 +234,12 @@ class TwoLevelReduce:
     def _write_shard(self):
         """Reduce-scatter: ``T⁻¹`` of the cut rows, ÷ p, shard i of the bucket."""
         self.pieces.finish()
-        coded, plains = self.shard
+        coded, plain_sections = self.shard
         if self.average:
-            for t in (coded, *plains):
+            for t in (coded, *plain_sections):
                 t /= self.topo.world
-        flag_nonfinite(self.nonfinite, [coded, *plains])
-        write_shard(self.flat, self.layout.shards[self.rank], coded, plains)
+        flag_nonfinite(self.nonfinite, [coded, *plain_sections])
+        write_shard(self.flat, self.layout.shards[self.rank], coded, plain_sections)
         return None
 
     def _gather_intra(self):
@@ -280,7 +281,7 @@ def start_reduction(flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGr
                     intra: str, error_feedback: ErrorFeedback | None, pipeline: TwoLevelPipeline | None, **common):  # fmt: skip
     """The two-level reduction where ``groups`` has its subgroups (several nodes of several ranks)
     and there is no error feedback (its residual belongs to one rank's whole bucket), else the flat
-    one; ``common``: ``average``, ``all_reduce``, ``ledger``, ``async_op``, ``nonfinite``."""
+    one; ``common``: ``average``, ``all_reduce``, ``ledger``, ``async_op``, ``nonfinite``, ``kernels``."""
     if groups.intra is not None and error_feedback is None:
         return TwoLevelReduce(flat, layout, groups, transforms, intra=intra, pipeline=pipeline, **common)
     return QuantizedReduce(flat, layout, groups.group, transforms, error_feedback=error_feedback, topology=groups.topology, **common)

@@ -66,10 +66,10 @@ class ShardPlan:
     hi: int
     coded_runs: list[tuple[int, int]]
     plain_runs: list[list[tuple[int, int]]]  # per plain class (off, bf16)
-    c_lo: int
-    c_hi: int
-    g_lo: int
-    g_hi: int
+    coded_lo: int  # the shard's coded values: [coded_lo, coded_hi) of the bucket's coded sequence
+    coded_hi: int
+    group_lo: int  # its scaling groups: [group_lo, group_hi) of the layout's groups
+    group_hi: int
     scale_bytes: int
     plain_bytes: list[int]
     payload_bytes: int
@@ -137,12 +137,12 @@ class BucketLayout:
         lo, hi = min(j * self.shard_size, self.numel), min((j + 1) * self.shard_size, self.numel)
         coded = _clip(self.coded_runs, lo, hi)
         plain = [_clip(runs, lo, hi) for runs in self.plain_runs]
-        c_lo = sum(min(b, lo) - a for a, b in self.coded_runs if a < lo)
-        c_hi = c_lo + sum(b - a for a, b in coded)
+        coded_lo = sum(min(b, lo) - a for a, b in self.coded_runs if a < lo)
+        coded_hi = coded_lo + sum(b - a for a, b in coded)
         ends = torch.cumsum(self.group_lengths, 0)
-        g_lo = int(torch.searchsorted(ends, c_lo, right=True))
-        g_hi = int(torch.searchsorted(ends, c_hi, right=True))
-        n_groups = g_hi - g_lo
+        group_lo = int(torch.searchsorted(ends, coded_lo, right=True))
+        group_hi = int(torch.searchsorted(ends, coded_hi, right=True))
+        n_groups = group_hi - group_lo
         scale_size = torch.tensor([], dtype=self.codec.scale_dtype()).element_size()
         gift_rows, pieces = [], []
         for i, s in enumerate(self.segments):
@@ -162,15 +162,15 @@ class BucketLayout:
             hi=hi,
             coded_runs=coded,
             plain_runs=plain,
-            c_lo=c_lo,
-            c_hi=c_hi,
-            g_lo=g_lo,
-            g_hi=g_hi,
+            coded_lo=coded_lo,
+            coded_hi=coded_hi,
+            group_lo=group_lo,
+            group_hi=group_hi,
             scale_bytes=_pad4(n_groups * scale_size),
             plain_bytes=[
                 _pad4(sum(b - a for a, b in runs) * dtype.itemsize) for runs, dtype in zip(plain, self.plain_dtypes)
             ],
-            payload_bytes=_pad4(c_hi - c_lo),
+            payload_bytes=_pad4(coded_hi - coded_lo),
             gift_rows=gift_rows,
             pieces=pieces,
         )

@@ -16,7 +16,7 @@ All-reduce = the same reduce-scatter, then each rank re-encodes its reduced shar
 whitened) and an all-gather moves the FP8 messages; every rank decodes the same bytes and
 applies ``T⁻¹`` to whole rows, so all ranks hold bit-identical gradients.
 
-Fused kernels (``megatron_gift.kernels``, where ``USE_KERNELS`` allows them): a *block* is the
+Fused kernels (``megatron_gift.kernels``, where the ``kernels`` setting allows them): a *block* is the
 whole rows of a GIFT or Euclidean parameter inside one shard whose scaling groups in the layout
 are exactly the codec's groups of that ``[rows, cols]`` matrix (rows never cut by the shard for
 BLOCK/MX/ROW scaling; for TENSOR scaling only a parameter the shard boundaries do not cut
@@ -47,12 +47,6 @@ from ..numerics.whitening import LowRankWhitening
 from .layout import BucketLayout, ShardPlan, _complement, _merge
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
-
-USE_KERNELS: bool | None = None
-"""Whether blocks go through the fused Triton kernels: None (default) on CUDA where they are
-``kernels.available``; True wherever they are available, the CPU included when Triton's
-interpreter is on (slow: for tests); False never. Every rank of a group must see the same value."""
-
 
 class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
@@ -110,9 +104,11 @@ def _scatter_runs(flat: torch.Tensor, runs: list[tuple[int, int]], values: torch
         pos += b - a
 
 
-def _kernels_on(device: torch.device) -> bool:
-    """Whether this reduction uses the kernels, by ``USE_KERNELS`` (the same on every rank)."""
-    if USE_KERNELS is False or (USE_KERNELS is None and device.type != "cuda"):
+def _kernels_on(device: torch.device, use: bool | None) -> bool:
+    """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.kernels``:
+    None on CUDA where they are ``kernels.available``; True wherever they are available, the CPU included
+    when Triton's interpreter is on (slow: for tests); False never). Every rank of a group passes the same."""
+    if use is False or (use is None and device.type != "cuda"):
         return False
     return kernels.available(device)
 
@@ -141,7 +137,7 @@ class _Block:
 
 
 @dataclass(frozen=True)
-class _Split:
+class _KernelSplit:
     """A range of coded values (the bucket's or one shard's) split into kernel ``blocks`` and the
     rest: coded runs ``rest_runs`` and group runs ``rest_groups`` (relative to the range) for the
     flat codec, and the GIFT rows ``(seg, r0, r1)`` of the range outside blocks whose transform the
@@ -157,8 +153,8 @@ class _Split:
 class _Plan:
     """The split of the whole bucket (sender, all-gather) and of each shard (receiver)."""
 
-    bucket: _Split
-    shards: list[_Split]
+    bucket: _KernelSplit
+    shards: list[_KernelSplit]
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> {use kernels: _Plan}
@@ -187,7 +183,7 @@ def _shard_blocks(layout: BucketLayout, plan: ShardPlan, starts: torch.Tensor) -
         want = group_lengths(r1 - r0, s.cols, layout.codec)
         have = layout.group_lengths[g : g + want.numel()]
         if g < starts.numel() and int(starts[g]) == c and torch.equal(have, want):
-            out.append(_Block(i, r0, r1, s.cols, c - plan.c_lo, g - plan.g_lo, want.numel()))
+            out.append(_Block(i, r0, r1, s.cols, c - plan.coded_lo, g - plan.group_lo, want.numel()))
     return out
 
 
@@ -198,31 +194,31 @@ def _make_plan(layout: BucketLayout, use_kernels: bool) -> _Plan:
         blocks = _shard_blocks(layout, p, starts) if use_kernels else []
         in_blocks = {b.seg for b in blocks}
         shards.append(
-            _Split(
+            _KernelSplit(
                 blocks=tuple(blocks),
-                rest_runs=_complement([(b.c, b.c + b.n) for b in blocks], p.c_hi - p.c_lo),
-                rest_groups=_complement([(b.g, b.g + b.n_groups) for b in blocks], p.g_hi - p.g_lo),
+                rest_runs=_complement([(b.c, b.c + b.n) for b in blocks], p.coded_hi - p.coded_lo),
+                rest_groups=_complement([(b.g, b.g + b.n_groups) for b in blocks], p.group_hi - p.group_lo),
                 rest_rows=[rows for rows in p.gift_rows if rows[0] not in in_blocks],
             )
         )
     pairs = list(zip(layout.shards, shards))
-    blocks = [replace(b, c=b.c + p.c_lo, g=b.g + p.g_lo) for p, sp in pairs for b in sp.blocks]
+    blocks = [replace(b, c=b.c + p.coded_lo, g=b.g + p.group_lo) for p, sp in pairs for b in sp.blocks]
     rest_rows = []
     for i, s in enumerate(layout.segments):
         if s.mode is Mode.GIFT:
             covered = [(b.r0, b.r1) for b in blocks if b.seg == i]
             rest_rows += [(i, r0, r1) for r0, r1 in _complement(covered, s.rows)]
-    bucket = _Split(
+    bucket = _KernelSplit(
         blocks=tuple(blocks),
-        rest_runs=_merge([(a + p.c_lo, b + p.c_lo) for p, sp in pairs for a, b in sp.rest_runs]),
-        rest_groups=_merge([(a + p.g_lo, b + p.g_lo) for p, sp in pairs for a, b in sp.rest_groups]),
+        rest_runs=_merge([(a + p.coded_lo, b + p.coded_lo) for p, sp in pairs for a, b in sp.rest_runs]),
+        rest_groups=_merge([(a + p.group_lo, b + p.group_lo) for p, sp in pairs for a, b in sp.rest_groups]),
         rest_rows=rest_rows,
     )
     return _Plan(bucket=bucket, shards=shards)
 
 
 def _encode(
-    coded: torch.Tensor, lengths: torch.Tensor, split: _Split, cfg: CodecConfig, whitenings: Whitenings | None
+    coded: torch.Tensor, lengths: torch.Tensor, split: _KernelSplit, cfg: CodecConfig, whitenings: Whitenings | None
 ) -> Encoded:
     """``encode_flat(coded, lengths)`` with the split's blocks encoded by the fused kernel, which
     first whitens block rows by ``whitenings[seg]`` when ``whitenings`` is given."""
@@ -248,7 +244,7 @@ class _Codec:
         self.layout = layout
         self.cfg = layout.codec
 
-    def plains(self, flat: torch.Tensor, plan: ShardPlan) -> list[torch.Tensor]:
+    def plain_sections(self, flat: torch.Tensor, plan: ShardPlan) -> list[torch.Tensor]:
         """This shard's plain values from ``flat``, each class in its wire dtype."""
         return [_gather_runs(flat, runs).to(dt) for runs, dt in zip(plan.plain_runs, self.layout.plain_dtypes)]
 
@@ -262,36 +258,36 @@ class _Codec:
             off += size
         return out
 
-    def pack(self, plan: ShardPlan, enc: Encoded, plains: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    def pack(self, plan: ShardPlan, enc: Encoded, plain_sections: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """Message ``[message_bytes]`` of shard ``plan``, written into ``out`` when given."""
         if out is None:
             out = torch.zeros(plan.message_bytes, dtype=torch.uint8, device=enc.payload.device)
         off = 0
-        for section, size in zip([enc.scales, *plains], [plan.scale_bytes, *plan.plain_bytes]):
+        for section, size in zip([enc.scales, *plain_sections], [plan.scale_bytes, *plan.plain_bytes]):
             b = _bytes(section)
             out[off : off + b.numel()] = b
             off += size
         out[off : off + enc.payload.numel()] = enc.payload
         return out
 
-    def message(self, plan: ShardPlan, split: _Split, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor], width: int) -> torch.Tensor:
+    def message(self, plan: ShardPlan, split: _KernelSplit, coded_sum: torch.Tensor, plain_sums: list[torch.Tensor], width: int) -> torch.Tensor:
         """The FP8 message ``[width]`` (zero-padded) of a reduced, still whitened shard, for the all-gather."""
         msg = torch.zeros(width, dtype=torch.uint8, device=coded_sum.device)
-        plains = [t.to(dt) for t, dt in zip(plain_sums, self.layout.plain_dtypes)]
-        lengths = self.layout.group_lengths_on(coded_sum.device)[plan.g_lo : plan.g_hi]
-        self.pack(plan, _encode(coded_sum, lengths, split, self.cfg, None), plains, out=msg[: plan.message_bytes])
+        plain_sections = [t.to(dt) for t, dt in zip(plain_sums, self.layout.plain_dtypes)]
+        lengths = self.layout.group_lengths_on(coded_sum.device)[plan.group_lo : plan.group_hi]
+        self.pack(plan, _encode(coded_sum, lengths, split, self.cfg, None), plain_sections, out=msg[: plan.message_bytes])
         return msg
 
     def _sections(self, plan: ShardPlan, msgs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The payload ``[k, n_coded]`` (uint8) and scales ``[k, n_groups]`` sections of ``msgs``."""
-        n_groups, n_coded = plan.g_hi - plan.g_lo, plan.c_hi - plan.c_lo
+        n_groups, n_coded = plan.group_hi - plan.group_lo, plan.coded_hi - plan.coded_lo
         scale_dtype = self.cfg.scale_dtype()
         payload_at = plan.scale_bytes + sum(plan.plain_bytes)
         scales = msgs[:, : n_groups * scale_dtype.itemsize].contiguous().view(-1).view(scale_dtype)
         return msgs[:, payload_at : payload_at + n_coded], scales.view(msgs.shape[0], n_groups)
 
     def reduce(
-        self, plan: ShardPlan, split: _Split, msgs: torch.Tensor, average: bool, whitenings: Whitenings | None
+        self, plan: ShardPlan, split: _KernelSplit, msgs: torch.Tensor, average: bool, whitenings: Whitenings | None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``Σ_i dec(msgs[i])`` (``÷ k`` if ``average``) of ``k`` messages ``[k, ≥ message_bytes]`` of
         shard ``plan``, FP32 in rank order: coded values ``[n_coded]`` and each plain class. Blocks
@@ -299,7 +295,7 @@ class _Codec:
         ``whitenings`` is given; the rest stays as summed (still whitened)."""
         k = msgs.shape[0]
         payloads, scales = self._sections(plan, msgs)
-        lengths = _gather_runs(self.layout.group_lengths_on(msgs.device)[plan.g_lo : plan.g_hi], split.rest_groups)
+        lengths = _gather_runs(self.layout.group_lengths_on(msgs.device)[plan.group_lo : plan.group_hi], split.rest_groups)
         sums: list[torch.Tensor] = []
         for i in range(k):  # one FP32 accumulator per section, peers added in rank order
             enc = Encoded(_gather_runs(payloads[i], split.rest_runs), _gather_runs(scales[i], split.rest_groups))
@@ -314,7 +310,7 @@ class _Codec:
                 t /= k
         if not split.blocks:
             return sums[0], sums[1:]
-        coded = torch.empty(plan.c_hi - plan.c_lo, device=msgs.device)
+        coded = torch.empty(plan.coded_hi - plan.coded_lo, device=msgs.device)
         _scatter_runs(coded, split.rest_runs, sums[0])
         for b in split.blocks:
             w = whitenings[b.seg] if whitenings is not None else None
@@ -331,6 +327,7 @@ class QuantizedReduce:
 
     ``nonfinite`` (a bool tensor), when given, is set if the reduced shard holds NaN/Inf.
     ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
+    ``kernels``: whether blocks use the fused kernels (``GiftConfig.kernels``, see ``_kernels_on``).
     With the distributed optimizer, ``flat`` outside this rank's shard is left as it was."""
 
     def __init__(
@@ -346,6 +343,7 @@ class QuantizedReduce:
         async_op: bool = False,
         nonfinite: torch.Tensor | None = None,
         topology: Topology | None = None,
+        kernels: bool | None = None,
     ):
         self.flat, self.layout, self.group = flat, layout, group
         self.topology = topology
@@ -357,20 +355,20 @@ class QuantizedReduce:
         self.rank = dist.get_rank(group)
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
-        use_kernels = _kernels_on(flat.device)
+        use_kernels = _kernels_on(flat.device, kernels)
         self.plan = _plan(layout, use_kernels)
         # The kernel cannot add the error-feedback residual between G T and the encoding.
         split = _plan(layout, use_kernels and error_feedback is None).bucket
         order = list(range(self.world))
         send, sizes = encode_messages(self.codec, split, flat, transforms, order, error_feedback, keep=not all_reduce)
-        mine = layout.shards[self.rank]
-        self.recv = torch.empty(self.world * mine.message_bytes, dtype=torch.uint8, device=flat.device)
+        own_plan = layout.shards[self.rank]
+        self.recv = torch.empty(self.world * own_plan.message_bytes, dtype=torch.uint8, device=flat.device)
         links = topology.link_bytes(self.rank, sizes) if topology is not None else None
         self.ledger.add("all_to_all", "fp8+scales", sum(sizes) - sizes[self.rank], links)
         self.work = dist.all_to_all_single(
             self.recv,
             send,
-            output_split_sizes=[mine.message_bytes] * self.world,
+            output_split_sizes=[own_plan.message_bytes] * self.world,
             input_split_sizes=sizes,
             group=group,
             async_op=async_op,
@@ -393,7 +391,7 @@ class QuantizedReduce:
             _all_gather(gathered, msg, group=self.group)
             decode_gathered(self.codec, self.plan, self.transforms, gathered.view(self.world, width), self.flat)
             return
-        transform_rows(self.layout, self.transforms, coded_sum, plan.c_lo, split.rest_rows, inverse=True)
+        transform_rows(self.layout, self.transforms, coded_sum, plan.coded_lo, split.rest_rows, inverse=True)
         PieceExchange(self.layout, self.transforms, [self.rank], [coded_sum], self.group, lambda m: [m],
                       self.ledger, self._links, inverse=True).finish()  # fmt: skip
         write_shard(self.flat, plan, coded_sum, plain_sums)
@@ -403,7 +401,7 @@ class QuantizedReduce:
         return self.topology.link_bytes(self.rank, [chunk] * self.world) if self.topology is not None else None
 
 
-def encode_messages(codec: "_Codec", split: _Split, flat: torch.Tensor, transforms: Whitenings, order: list[int],
+def encode_messages(codec: "_Codec", split: _KernelSplit, flat: torch.Tensor, transforms: Whitenings, order: list[int],
                     error_feedback: ErrorFeedback | None = None, keep: bool = True) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
     """The FP8 messages of shards ``order`` (whitened, error-compensated) one after another in one
     buffer, and their sizes. ``keep``: leave ``flat`` as it was (else ``G T`` may be written into it)."""
@@ -422,8 +420,8 @@ def encode_messages(codec: "_Codec", split: _Split, flat: torch.Tensor, transfor
     send = torch.zeros(sum(sizes), dtype=torch.uint8, device=flat.device)
     for j, at, size in zip(order, _starts(sizes), sizes):
         plan = layout.shards[j]
-        shard_enc = Encoded(enc.payload[plan.c_lo : plan.c_hi], enc.scales[plan.g_lo : plan.g_hi])
-        codec.pack(plan, shard_enc, codec.plains(flat, plan), out=send[at : at + size])
+        shard_enc = Encoded(enc.payload[plan.coded_lo : plan.coded_hi], enc.scales[plan.group_lo : plan.group_hi])
+        codec.pack(plan, shard_enc, codec.plain_sections(flat, plan), out=send[at : at + size])
     return send, sizes
 
 
@@ -442,10 +440,10 @@ def flag_nonfinite(nonfinite: torch.Tensor | None, tensors: list[torch.Tensor]) 
             nonfinite |= ~torch.isfinite(t).all()
 
 
-def write_shard(flat: torch.Tensor, plan: ShardPlan, coded: torch.Tensor, plains: list[torch.Tensor]) -> None:
+def write_shard(flat: torch.Tensor, plan: ShardPlan, coded: torch.Tensor, plain_sections: list[torch.Tensor]) -> None:
     """Scatter a reduced shard's coded values and plain classes into the bucket ``flat``."""
     _scatter_runs(flat, plan.coded_runs, coded)
-    for runs, values in zip(plan.plain_runs, plains):
+    for runs, values in zip(plan.plain_runs, plain_sections):
         _scatter_runs(flat, runs, values)
 
 
@@ -479,21 +477,21 @@ class PieceExchange:
         if not any(ts[q.seg] is not None for other in layout.shards for q in other.pieces):
             return
         r_max = max(t.rank for t in ts if t is not None)
-        mine = torch.zeros(len(held), layout.max_pieces, r_max, device=coded[0].device)
+        own_partials = torch.zeros(len(held), layout.max_pieces, r_max, device=coded[0].device)
         for h, (j, values) in enumerate(zip(held, coded)):
             plan = layout.shards[j]
             for k, p in enumerate(plan.pieces):
                 a, b = p.flat(layout.segments[p.seg])
-                c = layout.coded_index(a) - plan.c_lo
+                c = layout.coded_index(a) - plan.coded_lo
                 self.views.append((p, values[c : c + b - a].view(1, -1)))
                 if ts[p.seg] is not None:
                     project = ts[p.seg].projection if inverse else ts[p.seg].apply_projection
-                    mine[h, k, : ts[p.seg].rank] = project(self.views[-1][1], slice(p.c0, p.c1))[0]
+                    own_partials[h, k, : ts[p.seg].rank] = project(self.views[-1][1], slice(p.c0, p.c1))[0]
         world = group.size()
-        self.shape = (world, *mine.shape)
-        self.every = torch.empty(world * mine.numel(), device=mine.device)
-        ledger.add("all_gather", "fp32", (world - 1) * mine.numel() * 4, links(mine.numel() * 4))
-        self.work = _all_gather(self.every, mine.view(-1), group=group, async_op=async_op)
+        self.shape = (world, *own_partials.shape)
+        self.all_partials = torch.empty(world * own_partials.numel(), device=own_partials.device)
+        ledger.add("all_gather", "fp32", (world - 1) * own_partials.numel() * 4, links(own_partials.numel() * 4))
+        self.work = _all_gather(self.all_partials, own_partials.view(-1), group=group, async_op=async_op)
         self.where = {j: (m, h) for m in range(world) for h, j in enumerate(held_by(m))}
 
     def finish(self) -> None:
@@ -501,7 +499,7 @@ class PieceExchange:
             return
         if self.work is not None:
             self.work.wait()
-        every = self.every.view(self.shape)
+        all_partials = self.all_partials.view(self.shape)
         for p, view in self.views:
             t = self.transforms[p.seg]
             if t is None:
@@ -510,7 +508,7 @@ class PieceExchange:
             for j, other in enumerate(self.layout.shards):
                 for k, q in enumerate(other.pieces):
                     if (q.seg, q.row) == (p.seg, p.row):
-                        proj += every[self.where[j]][k, : t.rank]
+                        proj += all_partials[self.where[j]][k, : t.rank]
             finish = t.inverse_piece if self.inverse else t.apply_piece
             view.copy_(finish(view, proj, slice(p.c0, p.c1)))
 
@@ -521,9 +519,9 @@ def decode_gathered(codec: "_Codec", plan: _Plan, transforms: Whitenings, gather
     layout = codec.layout
     coded_all = torch.empty(layout.n_coded, device=flat.device)
     for j, (p, sp) in enumerate(zip(layout.shards, plan.shards)):
-        coded, plains = codec.reduce(p, sp, gathered[j : j + 1], False, transforms)
-        coded_all[p.c_lo : p.c_hi] = coded
-        for runs, values in zip(p.plain_runs, plains):
+        coded, plain_sections = codec.reduce(p, sp, gathered[j : j + 1], False, transforms)
+        coded_all[p.coded_lo : p.coded_hi] = coded
+        for runs, values in zip(p.plain_runs, plain_sections):
             _scatter_runs(flat, runs, values)
     transform_rows(layout, transforms, coded_all, 0, plan.bucket.rest_rows, inverse=True)
     _scatter_runs(flat, layout.coded_runs, coded_all)

@@ -125,9 +125,9 @@ def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = Tru
     Collective over the default group (``new_group`` must be called by every process for every
     subgroup, in one order): every rank contributes its groups' global ranks, and the subgroups
     of all distinct groups are created in sorted order."""
-    mine = [tuple(dist.get_process_group_ranks(g)) for g in groups]
+    own_groups = [tuple(dist.get_process_group_ranks(g)) for g in groups]
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, own_groups)
     created = {}
     for ranks in sorted({r for lists in everyone for r in lists}):
         topo = topology_of(list(ranks), ranks_per_node)
@@ -143,7 +143,7 @@ def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = Tru
                     subgroups[(kind, key)] = dist.new_group(list(key))
         created[ranks] = (topo, subgroups)
     out = []
-    for g, ranks in zip(groups, mine):
+    for g, ranks in zip(groups, own_groups):
         if ranks not in created:
             out.append(TwoLevelGroups(g, topology_of(list(ranks), ranks_per_node)))
             continue
