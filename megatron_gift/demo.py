@@ -160,12 +160,56 @@ def run_mode(mode: str, cmd: list[str], log_path: Path, iters: int, timeout: flo
     return text
 
 
+def train_mode(mode: str, p: dict, data_args: list[str], out: Path, seed: int, timeout: float) -> tuple[dict, str]:
+    """Train one mode through the launcher; return its metrics record and the command it ran."""
+    from .report import read_telemetry
+
+    telemetry = out / "telemetry" / mode
+    shutil.rmtree(telemetry, ignore_errors=True)  # telemetry appends: start each run afresh
+    cmd = launcher_command(p, mode, data_args, out / "index-cache", seed, telemetry)
+    command = shlex.join(["OMP_NUM_THREADS=1", *cmd])
+    print(f"[demo] {mode}: training {p['iters']} iterations on {RANKS} gloo ranks ...", file=sys.stderr, flush=True)
+    t0 = time.time()
+    parsed = parse_log(run_mode(mode, cmd, out / "logs" / f"{mode}.log", p["iters"], timeout))
+    curve = parsed["loss_curve"]
+    if len(curve) != p["iters"]:
+        raise RuntimeError(f"{mode}: found {len(curve)} loss lines, expected {p['iters']} (see {out}/logs/{mode}.log)")
+    if mode == "fp32":
+        if parsed["bytes_lines"]:
+            raise RuntimeError("fp32 (--gift-mode off) printed plugin byte lines: GIFT's DDP was used")
+        if not parsed["bucket_padded_elements"]:
+            raise RuntimeError("fp32: no 'Params for bucket' lines in Megatron's log to count the bytes from")
+        bytes_per_step = float(ring_reduce_scatter_bytes(parsed["bucket_padded_elements"]))
+        source = "analytic: Megatron ring reduce-scatter, (R-1)/R x 4 B x padded grad-buffer elements"
+    else:
+        if not parsed["bytes_lines"]:
+            raise RuntimeError(f"{mode}: no 'gradient reduction sent' lines in the log")
+        bytes_per_step = sum(parsed["bytes_lines"]) / len(parsed["bytes_lines"])
+        source = f"measured: mean of {len(parsed['bytes_lines'])} per-iteration plugin lines (rank 0)"
+    record = dict(
+        label=LABELS[mode],
+        flags=MODES[mode],
+        final_loss=curve[-1],
+        loss_curve=curve,
+        bytes_per_step=bytes_per_step,
+        bytes_source=source,
+        bytes_detail_last=parsed["bytes_detail"],
+        grad_buffer_padded_elements=sum(parsed["bucket_padded_elements"]) or None,
+        wall_seconds=round(time.time() - t0, 1),
+    )
+    if mode != "fp32":
+        lines = read_telemetry(telemetry)
+        record["per_layer_rel_l2"] = per_layer_rel_l2(lines, skip=p["iters"] // 2)
+        record["final_layer_modes"] = {k: v["mode"] for k, v in lines[-1]["layers"].items()}
+    return record, command
+
+
 def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict | None = None, seed: int = 1234,
         command: str | None = None, timeout: float = 1800) -> dict:
     """Train every mode, write the metrics, report and plots to ``out``; return the metrics document."""
     from .bench.corpus import build_token_corpus
     from .bench.indexed_data import megatron_data_args
-    from .report import read_telemetry, render
+    from .report import render
 
     name = "quick" if quick else "default"
     p = dict(PRESETS[name], **(preset or {}))
@@ -177,43 +221,7 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
     modes = {}
     commands = {}
     for mode in MODES:
-        telemetry = out / "telemetry" / mode
-        shutil.rmtree(telemetry, ignore_errors=True)  # telemetry appends: start each run afresh
-        cmd = launcher_command(p, mode, data_args, out / "index-cache", seed, telemetry)
-        commands[mode] = shlex.join(["OMP_NUM_THREADS=1", *cmd])
-        print(f"[demo] {mode}: training {p['iters']} iterations on {RANKS} gloo ranks ...", file=sys.stderr, flush=True)
-        t0 = time.time()
-        parsed = parse_log(run_mode(mode, cmd, out / "logs" / f"{mode}.log", p["iters"], timeout))
-        curve = parsed["loss_curve"]
-        if len(curve) != p["iters"]:
-            raise RuntimeError(f"{mode}: found {len(curve)} loss lines, expected {p['iters']} (see {out}/logs/{mode}.log)")
-        if mode == "fp32":
-            if parsed["bytes_lines"]:
-                raise RuntimeError("fp32 (--gift-mode off) printed plugin byte lines: GIFT's DDP was used")
-            if not parsed["bucket_padded_elements"]:
-                raise RuntimeError("fp32: no 'Params for bucket' lines in Megatron's log to count the bytes from")
-            bytes_per_step = float(ring_reduce_scatter_bytes(parsed["bucket_padded_elements"]))
-            source = "analytic: Megatron ring reduce-scatter, (R-1)/R x 4 B x padded grad-buffer elements"
-        else:
-            if not parsed["bytes_lines"]:
-                raise RuntimeError(f"{mode}: no 'gradient reduction sent' lines in the log")
-            bytes_per_step = sum(parsed["bytes_lines"]) / len(parsed["bytes_lines"])
-            source = f"measured: mean of {len(parsed['bytes_lines'])} per-iteration plugin lines (rank 0)"
-        modes[mode] = dict(
-            label=LABELS[mode],
-            flags=MODES[mode],
-            final_loss=curve[-1],
-            loss_curve=curve,
-            bytes_per_step=bytes_per_step,
-            bytes_source=source,
-            bytes_detail_last=parsed["bytes_detail"],
-            grad_buffer_padded_elements=sum(parsed["bucket_padded_elements"]) or None,
-            wall_seconds=round(time.time() - t0, 1),
-        )
-        if mode != "fp32":
-            lines = read_telemetry(telemetry)
-            modes[mode]["per_layer_rel_l2"] = per_layer_rel_l2(lines, skip=p["iters"] // 2)
-            modes[mode]["final_layer_modes"] = {k: v["mode"] for k, v in lines[-1]["layers"].items()}
+        modes[mode], commands[mode] = train_mode(mode, p, data_args, out, seed, timeout)
     fp32 = modes["fp32"]
     for m in modes.values():
         m["loss_gap_to_fp32"] = m["final_loss"] - fp32["final_loss"]
