@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded
 from ..numerics.whitening import LowRankWhitening
-from .reference import reference_decode_sum_unwhiten, reference_whiten_encode
+from .reference import ordered_sum, reference_decode_sum_unwhiten, reference_whiten_encode
 
 __all__ = [
     "available",
+    "ordered_sum",
     "whiten_encode",
     "decode_sum_unwhiten",
     "reference_whiten_encode",
@@ -59,27 +61,32 @@ def _use_kernels(t: torch.Tensor, cfg: CodecConfig) -> bool:
 
 
 def whiten_encode(
-    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None
-) -> Encoded:
+    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> Encoded:  # fmt: skip
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
-    ``[rows, cols]`` uint8, scales ``cfg.groups(rows, cols)``; ``out``, when given, receives
-    ``G T`` in FP32 (e.g. for error feedback)."""
-    if _use_kernels(g, cfg):
+    ``[rows, cols]`` uint8, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
+    ``lengths``: groups in memory order other than the matrix codec's); ``out``, when given,
+    receives ``G T`` in FP32 (e.g. for error feedback)."""
+    if lengths is None and _use_kernels(g, cfg):
         return _fused().whiten_encode(g, whitening, cfg, out=out)
-    return reference_whiten_encode(g, whitening, cfg, out=out)
+    return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
 
 
 def decode_sum_unwhiten(
-    payloads: torch.Tensor,
-    scales: torch.Tensor,
+    payloads: torch.Tensor | Sequence[torch.Tensor],
+    scales: torch.Tensor | Sequence[torch.Tensor],
     rows: int,
     cols: int,
     whitening: LowRankWhitening | None,
     cfg: CodecConfig,
     average: bool,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
-    messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them."""
-    if _use_kernels(payloads, cfg):
+    messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them
+    (grouped by ``lengths`` when given), each also as a sequence of parts whose rows in turn are the
+    ranks in order (``reference``'s module doc)."""
+    if isinstance(payloads, torch.Tensor) and lengths is None and _use_kernels(payloads, cfg):
         return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average)
-    return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average)
+    return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)

@@ -1,52 +1,96 @@
 """The pure-PyTorch hot paths that the Triton kernels fuse: the reference they are tested
 against and the path taken wherever Triton cannot run. Built from ``numerics`` without
-restating its math; ``rank_order_sum`` is the receivers' summation order, which
-``comm.quantized`` uses as well."""
+restating its math; ``ordered_sum`` is the receivers' summation order, which ``comm`` uses too.
+
+Messages are given as *parts*: a sequence of ``[k_i, n]`` tensors whose rows, taken part after
+part, are the senders in rank order (a reduction whose own message is kept out of the collective
+passes the rows before it, its own row, and the rows after it). Each part's inner dimension is
+contiguous; its rows may be strided (views into a receive buffer).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode, group_lengths
+from ..numerics.fp8 import CodecConfig, Encoded, encode, encode_flat, group_lengths, scale_values
 from ..numerics.whitening import LowRankWhitening
 
+Parts = Sequence[torch.Tensor]
 
-def rank_order_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """``Σ_i t[i]`` accumulated in FP32 in rank order (the same order on every rank)."""
-    acc = t[0].clone()
-    for i in range(1, world):
-        acc += t[i]
-    return acc
+
+def _as_parts(t: torch.Tensor | Parts) -> list[torch.Tensor]:
+    return [t] if isinstance(t, torch.Tensor) else list(t)
+
+
+def ordered_sum(parts: Parts) -> torch.Tensor:
+    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32), accumulated in FP32 in row
+    order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank).
+
+    One op per part, whatever the number of rows: on the CPU ``index_add_`` adds the rows of its
+    source one after another in index order; on CUDA ``cumsum`` along dim 0 runs a sequential loop
+    per column in FP32 (ScanUtils.cuh, ``tensor_kernel_scan_outer_dim``), whose last row is the sum.
+    ``test_kernels.test_ordered_sum_is_sequential`` holds both to a Python loop, bit for bit."""
+    parts = [p for p in parts if p.shape[0] > 0]
+    acc = parts[0][:1].clone()
+    rest = [parts[0][1:], *parts[1:]]
+    for part in rest:
+        if part.shape[0] == 0:
+            continue
+        if acc.device.type == "cuda":
+            acc = torch.cumsum(torch.cat([acc, part]), 0)[-1:]
+        else:
+            acc.index_add_(0, torch.zeros(part.shape[0], dtype=torch.long, device=acc.device), part)
+    return acc[0]
+
+
+def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    """FP32 values ``[k, n]`` of ``k`` flat encodings: ``payloads [k, n]`` uint8, ``scales [k, G]``
+    (one per group of ``lengths [G]``, summing to n), decoded as ``fp8.decode_flat`` does, row by row."""
+    k, n = payloads.shape
+    values = payloads.view(cfg.fmt.dtype).float()
+    per_element = scale_values(scales, cfg).repeat_interleave(lengths, dim=1, output_size=n)
+    return values.mul_(per_element)
 
 
 def reference_whiten_encode(
-    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None
-) -> Encoded:
-    """``fp8.encode(G T)`` (``G`` when ``whitening`` is None) of ``g [rows, cols]``; ``out``,
-    when given, receives ``G T`` in FP32."""
+    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> Encoded:  # fmt: skip
+    """``fp8.encode(G T)`` (``G`` when ``whitening`` is None) of ``g [rows, cols]``; ``out``, when
+    given, receives ``G T`` in FP32. ``lengths``: the scaling groups in memory order (each inside
+    one row unless the scaling is per tensor), when they are not the matrix codec's own (groups cut
+    at shard boundaries); the scales then come flat, one per group."""
     u = whitening.apply(g.float()) if whitening is not None else g.float()
     if out is not None:
         out.copy_(u)
-    return encode(u, cfg)
+    if lengths is None:
+        return encode(u, cfg)
+    enc = encode_flat(u.reshape(-1), lengths, cfg)
+    return Encoded(payload=enc.payload.view(g.shape), scales=enc.scales)
 
 
 def reference_decode_sum_unwhiten(
-    payloads: torch.Tensor,
-    scales: torch.Tensor,
+    payloads: torch.Tensor | Parts,
+    scales: torch.Tensor | Parts,
     rows: int,
     cols: int,
     whitening: LowRankWhitening | None,
     cfg: CodecConfig,
     average: bool,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]``: the rank sum in
-    rank order, as the quantized reduction's receiver does it."""
-    world = payloads.shape[0]
-    lengths = group_lengths(rows, cols, cfg, device=payloads.device)
-    messages = zip(payloads.reshape(world, -1), scales.reshape(world, -1))
-    decoded = torch.stack([decode_flat(Encoded(p, s), lengths, cfg) for p, s in messages])
-    acc = rank_order_sum(decoded, world)
+    """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
+    messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them
+    (or as ``lengths`` groups them), each possibly given as parts (module doc); the rank sum is
+    ``ordered_sum``'s."""
+    if lengths is None:
+        lengths = group_lengths(rows, cols, cfg, device=_as_parts(payloads)[0].device)
+    decoded = [decode_rows(p, s, lengths, cfg) for p, s in zip(_as_parts(payloads), _as_parts(scales))]
+    acc = ordered_sum(decoded)
     if average:
-        acc /= world
+        acc /= sum(d.shape[0] for d in decoded)
     acc = acc.view(rows, cols)
     return whitening.inverse(acc) if whitening is not None else acc
+
