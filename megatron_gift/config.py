@@ -17,6 +17,14 @@ INTRA_NODE_DTYPES = ("fp32", "bf16", "fp8")
 """Wire dtypes of the two-level exchange's intra-node stage (``comm.hierarchical``)."""
 
 
+class Schedule(enum.Enum):
+    """When a bucket's later reduction stages are enqueued (``comm.schedule``): all at the bucket's
+    hook, or one further stage per later bucket (for one hardware queue and for CPUs)."""
+
+    EAGER = "eager"
+    LAGGED = "lagged"
+
+
 class Mode(enum.Enum):
     """Per-parameter gradient communication: Megatron's own precision, BF16, plain FP8, or whitened FP8."""
 
@@ -84,6 +92,8 @@ class GiftConfig:
     exchange's intra-node dtype; ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
     ``kernels``: whether the reduction uses the fused Triton kernels (None: on CUDA where they are
     available; True: wherever available, the CPU too under Triton's interpreter; False: never).
+    ``schedule``: when a bucket's later stages are enqueued (None: ``comm.schedule.default_schedule``,
+    eager on CUDA unless ``CUDA_DEVICE_MAX_CONNECTIONS=1``, lagged there and on CPUs).
     """
 
     mode: Mode = Mode.OFF
@@ -104,6 +114,7 @@ class GiftConfig:
     intra_node: str = "bf16"
     ranks_per_node: int | None = None
     kernels: bool | None = None
+    schedule: Schedule | None = None
 
     def __post_init__(self):
         if not isinstance(self.mode, Mode):
@@ -129,6 +140,8 @@ class GiftConfig:
             raise ValueError(f"intra_node must be one of {INTRA_NODE_DTYPES}, got {self.intra_node!r}")
         if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be an integer >= 1 (None: from LOCAL_WORLD_SIZE), got {self.ranks_per_node!r}")
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.kernels not in (None, True, False):
             raise ValueError(f"kernels must be None (auto), True or False, got {self.kernels!r}")
         if self.policy is not None and self.mode is not Mode.GIFT:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm.quantized import CommLedger
+from .comm.ledger import CommLedger
 from .config import GiftConfig, Mode
 from .numerics.kfac import KFACStatistics
 from .numerics.profile import choose_damping

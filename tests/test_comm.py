@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gift.comm.layout import BucketLayout, Segment
-from megatron_gift.comm.quantized import CommLedger, QuantizedReduce
+from megatron_gift.comm.ledger import CommLedger
+from megatron_gift.comm.quantized import QuantizedReduce
+from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
 from megatron_gift.numerics import CodecConfig, ErrorFeedback, LowRankWhitening, decode_flat, encode_flat
 from megatron_gift.testing import run_on_ranks
@@ -106,9 +108,7 @@ def _worker(rank, world):
             emulated /= world
         flat = grads[rank].clone()
         ledger = CommLedger()
-        QuantizedReduce(
-            flat, layout, dist.group.WORLD, transforms, average=average, all_reduce=all_reduce, ledger=ledger, async_op=True
-        ).wait()
+        reduce_now(QuantizedReduce(flat, layout, dist.group.WORLD, transforms, average=average, all_reduce=all_reduce, ledger=ledger), "cpu")
         lo, hi = (0, numel) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
         got, ref = flat[lo:hi].double(), reference[lo:hi]
         key = (name, codec, all_reduce, average)
@@ -133,7 +133,7 @@ def _worker(rank, world):
         for _ in range(8):
             grads = all_grads["mixed"]
             flat = grads[rank].clone()
-            QuantizedReduce(flat, layout, dist.group.WORLD, transforms, error_feedback=ef, all_reduce=True).wait()
+            reduce_now(QuantizedReduce(flat, layout, dist.group.WORLD, transforms, error_feedback=ef, all_reduce=True), "cpu")
             if ef is not None:
                 ef.commit()
             acc += flat

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_gift.comm.layout import BucketLayout
 from megatron_gift.comm.quantized import QuantizedReduce
+from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
 from megatron_gift.numerics import CodecConfig, LowRankWhitening
 from megatron_gift.testing import run_on_ranks
@@ -41,8 +42,8 @@ def _one_rank(rank, world, device):
         layout = BucketLayout(numel, world, segs, CodecConfig(*codec.split("-")), torch.float32)
         grads = [_bucket_grads(numel, segs, r) for r in range(world)]
         flat = grads[rank].to(device)
-        QuantizedReduce(flat, layout, dist.group.WORLD, _whitenings(segs, device), average=average,
-                        all_reduce=all_reduce).wait()  # fmt: skip
+        reduce_now(QuantizedReduce(flat, layout, dist.group.WORLD, _whitenings(segs, device), average=average,
+                                   all_reduce=all_reduce), device)  # fmt: skip
         assert flat.device.type == torch.device(device).type
         gift = torch.zeros(numel, dtype=torch.bool)
         for s in segs:

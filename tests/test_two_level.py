@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_gift.arguments import gift_config_from_args, validate_gift_args
-from megatron_gift.comm.hierarchical import TwoLevelPipeline, TwoLevelReduce
+from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout, Segment
-from megatron_gift.comm.quantized import CommLedger, QuantizedReduce
+from megatron_gift.comm.ledger import CommLedger
+from megatron_gift.comm.quantized import QuantizedReduce
+from megatron_gift.comm.schedule import ReductionQueue, StageStreams, reduce_now
 from megatron_gift.comm.topology import Topology, build_groups, topology_of
-from megatron_gift.config import Mode
+from megatron_gift.config import Mode, Schedule
 from megatron_gift.numerics import CodecConfig, decode_flat, encode_flat
 from megatron_gift.testing import run_on_ranks
 from tests.test_arguments import megatron_parse_args, parse  # noqa: F401  (fixtures)
@@ -99,25 +101,20 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
     sent = [[None] * p for _ in range(nodes)]  # node k's FP8-decoded partial of shard j (coded, plain_sections)
     for k in range(nodes):
         members = grads[k * g : (k + 1) * g]
-        if intra == "fp8":
-            whitened = []
-            for x in members:
-                x = x.clone()
-                for s, t in zip(layout.segments, ts):
-                    if t is not None:
-                        x[s.start : s.end] = t.apply(x[s.start : s.end].view(s.rows, s.cols)).flatten()
-                whitened.append(x)
+        whitened = []  # the senders whiten whole rows before the intra-node stage, whatever its dtype
+        for x in members:
+            x = x.clone()
+            for s, t in zip(layout.segments, ts):
+                if t is not None:
+                    x[s.start : s.end] = t.apply(x[s.start : s.end].view(s.rows, s.cols)).flatten()
+            whitened.append(x)
         coded, plain_sections = [], []
         for j, plan in enumerate(shards):
             if intra == "fp8":
                 coded.append(_ordered_sum([_roundtrip(_runs(x, plan.coded_runs), layout, j) for x in whitened]))
             else:
-                wire = WIRE[intra]
-                coded.append(_ordered_sum([_runs(x, plan.coded_runs).to(wire).float() for x in members]))
-                _rows(layout, ts, j, coded[j], lambda t, v: t.apply(v))
+                coded.append(_ordered_sum([_runs(x, plan.coded_runs).to(WIRE[intra]).float() for x in whitened]))
             plain_sections.append([_ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
-        if intra != "fp8":
-            _pieces(layout, ts, coded, lambda t, v, c: t.apply_projection(v, c), lambda t, v, pr, c: t.apply_piece(v, pr, c))
         for j in range(p):
             sent[k][j] = (_roundtrip(coded[j], layout, j), [v.to(dt).float() for v, dt in zip(plain_sections[j], plain_dtypes)])
     total = [(_ordered_sum([sent[k][j][0] for k in range(nodes)]),
@@ -168,10 +165,11 @@ def _cases(world):
 
 
 def _worker(rank, world, ranks_per_node):
+    """Every case reduced eagerly (one after the other), then all of them again started one after
+    another on a lagged queue (their stages interleaved, as in the backward) and waited at the end."""
     (placed,) = build_groups([dist.group.WORLD], ranks_per_node)
     assert placed.topology == Topology(world // ranks_per_node, ranks_per_node)
-    pipeline = TwoLevelPipeline()
-    out = {}
+    out, lagged, queue = {}, [], ReductionQueue(StageStreams("cpu"), Schedule.LAGGED)
     for name, codec, intra, all_reduce, average in _cases(world):
         numel, segs = LAYOUTS[name]
         layout = BucketLayout(numel, world, segs, CodecConfig(*codec.split("-")), torch.float32)
@@ -180,15 +178,17 @@ def _worker(rank, world, ranks_per_node):
         flat = grads[rank].clone()
         ledger = CommLedger()
         nonfinite = torch.zeros((), dtype=torch.bool)
-        r = TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=average, all_reduce=all_reduce,
-                           ledger=ledger, async_op=True, nonfinite=nonfinite, pipeline=pipeline)  # fmt: skip
-        r.wait()
+        common = dict(intra=intra, average=average, all_reduce=all_reduce)
+        reduce_now(TwoLevelReduce(flat, layout, placed, ts, ledger=ledger, nonfinite=nonfinite, **common), "cpu")
+        again = grads[rank].clone()
+        lagged.append((again, queue.start(TwoLevelReduce(again, layout, placed, ts, **common))))
         lo, hi = (0, numel) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
         want = simulate(layout, ts, grads, world // ranks_per_node, intra, average, all_reduce)
         ref = torch.stack(grads).double().sum(0) / (world if average else 1)
         untouched = all_reduce or (torch.equal(flat[:lo], grads[rank][:lo]) and torch.equal(flat[hi:], grads[rank][hi:]))
         out[(name, codec, intra, all_reduce, average)] = dict(
             result=flat[lo:hi].clone(),
+            full=flat,
             bitwise=torch.equal(flat[lo:hi], want[lo:hi]),
             rel=((flat[lo:hi].double() - ref[lo:hi]).norm() / ref[lo:hi].norm()).item(),
             untouched=untouched,
@@ -196,6 +196,9 @@ def _worker(rank, world, ranks_per_node):
             message_bytes=sum(s.message_bytes for s in layout.shards),
             nonfinite=bool(nonfinite),
         )
+    for key, (again, flight) in zip(out, lagged):
+        queue.wait(flight)
+        out[key]["lagged_same"] = torch.equal(out[key].pop("full"), again)
     return out
 
 
@@ -210,6 +213,7 @@ def _check(results, world, ranks_per_node):
         for rank, res in enumerate(results):
             r = res[key]
             assert r["bitwise"], (key, rank)
+            assert r["lagged_same"], (key, rank)  # interleaved with other buckets' stages: the same bits
             assert r["rel"] < tol, (key, rank, r["rel"])
             assert r["untouched"], (key, rank)  # nothing outside the rank's shard is written
             assert not r["nonfinite"], (key, rank)
@@ -238,7 +242,7 @@ def _nan_worker(rank, world):
         if rank == 1:
             grads[5] = float("nan")  # a GIFT row of the first weight, in shard 0
         flag = torch.zeros((), dtype=torch.bool)
-        TwoLevelReduce(grads, layout, placed, ts, all_reduce=all_reduce, async_op=True, nonfinite=flag).wait()
+        reduce_now(TwoLevelReduce(grads, layout, placed, ts, all_reduce=all_reduce, nonfinite=flag), "cpu")
         out[all_reduce] = (bool(torch.isnan(grads).any()), bool(flag))
     # defect 8: the flat reduce-scatter with GIFT writes nothing outside the rank's shard (a bucket
     # of one GIFT weight: its coded values are one run, which aliases the FP32 bucket)
@@ -247,7 +251,7 @@ def _nan_worker(rank, world):
     ts = _transforms(segs)
     flat = _bucket_grads(numel, segs, rank)
     before = flat.clone()
-    QuantizedReduce(flat, layout, dist.group.WORLD, ts).wait()
+    reduce_now(QuantizedReduce(flat, layout, dist.group.WORLD, ts), "cpu")
     lo, hi = layout.shards[rank].lo, layout.shards[rank].hi
     out["flat_untouched"] = torch.equal(flat[:lo], before[:lo]) and torch.equal(flat[hi:], before[hi:])
     return out
@@ -275,41 +279,60 @@ def test_topology_of_placements():
     assert Topology(2, 2).link_bytes(1, [10, 20, 30, 40]) == {"intra": 10, "inter": 70}
 
 
-# -- decode off the critical path ----------------------------------------------------------------------
-def _pipeline_worker(rank, world):
-    """Buckets started one after another (as backward hooks do), never waited on until the end:
-    the first one's decode, sum and T⁻¹ run inside later starts once its exchanges have arrived."""
+# -- launch order ---------------------------------------------------------------------------------
+def _order_worker(rank, world):
+    """Buckets started one after another with random delays between them (as backward hooks fire)
+    on lagged and eager queues, waited at the end: the collectives each rank issues, by communicator."""
     (placed,) = build_groups([dist.group.WORLD], 2)
-    numel, segs = LAYOUTS["mixed"]
-    layout = BucketLayout(numel, world, segs, CodecConfig("e4m3", "block"), torch.float32)
-    ts = _transforms(segs)
-    pipeline = TwoLevelPipeline()
-    first = _bucket_grads(numel, segs, rank)
-    reductions = [TwoLevelReduce(first, layout, placed, ts, async_op=True, pipeline=pipeline)]
-    done_at = None
-    for k in range(1, 200):  # every rank starts the same number of buckets
-        time.sleep(0.02)  # the backward's compute between two buckets
-        reductions.append(TwoLevelReduce(_bucket_grads(numel, segs, rank), layout, placed, ts, async_op=True, pipeline=pipeline))
-        if done_at is None and reductions[0].finished:
-            done_at = k
-            early = first.clone()
-        if k >= 20 and _on_every_rank(done_at is not None):
-            break
-    for r in reductions:
-        r.wait()
-    return dict(done_at=done_at, same=done_at is not None and torch.equal(early, first), buckets=len(reductions))
+    kinds = {id(placed.intra): "intra", id(placed.inter): "inter", id(placed.group): "group"}
+    issued = []
+
+    def recording(name, fn):
+        def call(*args, group=None, **kwargs):
+            splits = [list(a) for a in args[2:4] if isinstance(a, (list, tuple))]
+            issued.append((kinds.get(id(group), "group"), name, *[tuple(x) for x in splits]))
+            return fn(*args, group=group, **kwargs)
+
+        return call
+
+    dist.all_to_all_single = recording("all_to_all", dist.all_to_all_single)
+    import megatron_gift.comm.hierarchical as hierarchical
+    import megatron_gift.comm.quantized as quantized
+
+    for module in (hierarchical, quantized):
+        module._all_gather = recording("all_gather", module._all_gather)
+    gen = torch.Generator().manual_seed(rank)
+    for schedule in Schedule:
+        queue = ReductionQueue(StageStreams("cpu"), schedule)
+        flights = []
+        for k, (name, all_reduce) in enumerate(itertools.product(LAYOUTS, (False, True))):
+            numel, segs = LAYOUTS[name]
+            layout = BucketLayout(numel, world, segs, CodecConfig("e4m3", "block"), torch.float32)
+            time.sleep(float(torch.rand((), generator=gen)) * 0.05)
+            flat = _bucket_grads(numel, segs, rank)
+            flights.append(queue.start(TwoLevelReduce(flat, layout, placed, _transforms(segs), all_reduce=all_reduce)))
+        for f in flights:
+            queue.wait(f)
+    return issued
 
 
-def _on_every_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on every rank (a MIN all-reduce: every rank takes the same branch)."""
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t)
-
-
-def test_decode_runs_when_the_exchange_arrives():
-    for res in run_on_ranks(_pipeline_worker, 4, timeout=600):
-        assert res["done_at"] is not None and res["same"], res  # finished before any wait, and final
+def test_every_rank_issues_the_same_collectives_in_the_same_order():
+    """A rank whose collectives on the intra-node, inter-node and whole-group communicators came in
+    another order than its peers' (launch decided by timing, e.g. polling for completion) could
+    deadlock under NCCL: with random delays between bucket starts, every rank issues the same
+    sequence, and inside each communicator the split sizes match pairwise."""
+    issued = run_on_ranks(_order_worker, 4, timeout=600)
+    kinds = [[(kind, name) for kind, name, *_ in seq] for seq in issued]
+    assert all(k == kinds[0] for k in kinds) and len(kinds[0]) > 8, kinds
+    for step in range(len(kinds[0])):
+        kind, name = kinds[0][step]
+        if name != "all_to_all":
+            continue
+        members = {"intra": lambda r: [r - r % 2, r - r % 2 + 1], "inter": lambda r: [r % 2, r % 2 + 2]}.get(kind, lambda r: [0, 1, 2, 3])
+        for a in range(4):
+            out_a, in_a = issued[a][step][2], issued[a][step][3]  # output (received) and input (sent) splits
+            for i, b in enumerate(members(a)):
+                assert in_a[i] == issued[b][step][2][members(b).index(a)], (step, kind, a, b)
 
 
 # -- the fused kernels (Triton's interpreter on the CPU) -----------------------------------------
@@ -333,7 +356,7 @@ def _kernel_worker(rank, world):
     out = {"calls": calls}
     for (intra, all_reduce), use in itertools.product(KERNEL_CASES, (False, True)):
         flat = _bucket_grads(numel, segs, rank)
-        TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, async_op=True, kernels=use).wait()
+        reduce_now(TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, kernels=use), "cpu")
         out[(intra, all_reduce, use)] = flat
     return out
 

@@ -1,28 +1,38 @@
 """Static plan of one flat gradient bucket for quantized collectives (no torch.distributed here).
 
-A bucket ``[numel]`` holds parameters at known offsets and is cut into ``num_shards``
-shards ``[j·S, (j+1)·S)``, ``S = ceil(numel / num_shards)``, as Megatron's distributed
-optimizer cuts it (its buckets divide evenly; an all-reduce bucket's last shard may be short).
-Elements of ``off`` parameters are sent in the bucket's dtype and those of ``bf16``
-parameters in BF16 (the *plain* sections); everything else, padding included, is *coded*
-in FP8. Scaling groups follow each parameter's granularity
-(``fp8.group_lengths``) and are additionally cut at shard boundaries, so every group lives in
-one shard and each shard's message is self-contained::
+A bucket ``[numel]`` holds parameters (*segments*) at known offsets and is cut into
+``num_shards`` shards ``[j·S, (j+1)·S)``, ``S = ceil(numel / num_shards)``, as Megatron's
+distributed optimizer cuts it (its buckets divide evenly; an all-reduce bucket's last shard may be
+short). Elements of ``off`` parameters are sent in the bucket's dtype and those of ``bf16``
+parameters in BF16 (the two *plain* classes); those of Euclidean and GIFT parameters are *coded*
+in FP8. Padding between parameters is neither: it is not sent and not written (Megatron keeps it
+zero). The coded elements in bucket order form the *coded sequence* (``n_coded``), each plain
+class its own sequence; a shard's elements are a contiguous range of each.
 
-    message_j = [scales_j | off_j | bf16_j | payload_j]   (each section padded to 4 bytes)
+Scaling groups follow each parameter's granularity (``fp8.group_lengths``) and are additionally
+cut at shard boundaries, so every group lives in one shard and each shard's message is
+self-contained. A message holding shards ``J`` (one shard for the flat exchange; several for the
+two-level exchange's intra-node stage) is, each section padded to 4 bytes::
 
-GIFT rows cut by a shard boundary are recorded as ``RowPiece``s so the receiver can apply
-the inverse transform with only an r-float exchange per piece.
+    [scales of J | off values of J | bf16 values of J | coded values of J]
+
+with the coded values as FP8 codes (``wire=None``) or in a float wire dtype (no scales section);
+within a section the shards follow one another in ``J``'s order. GIFT rows cut by a shard
+boundary are recorded as ``RowPiece``s so the receiver can apply ``T⁻¹`` with only an r-float
+exchange per piece.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..config import Mode
 from ..numerics.fp8 import CodecConfig, group_lengths
+
+FP8_MODES = (Mode.EUCLIDEAN, Mode.GIFT)
 
 
 def _pad4(n: int) -> int:
@@ -58,27 +68,74 @@ class RowPiece:
         return base + self.c0, base + self.c1
 
 
+@dataclass(frozen=True)
+class Part:
+    """Segment ``seg``'s bucket elements ``[lo, hi)`` inside one shard; ``at``: the index of
+    ``lo`` in the segment's class sequence (coded, or its plain class)."""
+
+    seg: int
+    lo: int
+    hi: int
+    at: int
+
+
 @dataclass
 class ShardPlan:
-    """What shard ``j`` holds and how its message is laid out."""
+    """What shard ``j`` holds: bucket ``[lo, hi)``, its ranges of the coded sequence, of the
+    groups and of each plain class, its segments' parts and GIFT rows, and its own message."""
 
     lo: int
     hi: int
-    coded_runs: list[tuple[int, int]]
-    plain_runs: list[list[tuple[int, int]]]  # per plain class (off, bf16)
-    coded_lo: int  # the shard's coded values: [coded_lo, coded_hi) of the bucket's coded sequence
+    coded_lo: int
     coded_hi: int
-    group_lo: int  # its scaling groups: [group_lo, group_hi) of the layout's groups
+    group_lo: int
     group_hi: int
+    plain_lo: list[int]
+    plain_hi: list[int]
+    coded_parts: list[Part]
+    plain_parts: list[list[Part]]  # per plain class (off, bf16)
+    gift_rows: list[tuple[int, int, int]]  # (segment, first full row, end row)
+    pieces: list[RowPiece]
     scale_bytes: int
     plain_bytes: list[int]
     payload_bytes: int
-    gift_rows: list[tuple[int, int, int]]  # (segment, first full row, end row)
-    pieces: list[RowPiece]
+
+    @property
+    def n_coded(self) -> int:
+        return self.coded_hi - self.coded_lo
+
+    @property
+    def n_groups(self) -> int:
+        return self.group_hi - self.group_lo
+
+    @property
+    def coded_runs(self) -> list[tuple[int, int]]:
+        return [(p.lo, p.hi) for p in self.coded_parts]
+
+    @property
+    def plain_runs(self) -> list[list[tuple[int, int]]]:
+        return [[(p.lo, p.hi) for p in parts] for parts in self.plain_parts]
 
     @property
     def message_bytes(self) -> int:
+        """Bytes of this shard's FP8 message (the flat exchange's)."""
         return self.scale_bytes + sum(self.plain_bytes) + self.payload_bytes
+
+
+@dataclass(frozen=True)
+class Message:
+    """The byte layout of one message holding ``shards`` (module doc): section offsets, and where
+    each shard's coded values, scales and plain values start inside their sections (in elements
+    of the section's dtype)."""
+
+    shards: tuple[int, ...]
+    scales_at: int
+    plain_at: tuple[int, ...]
+    coded_at: int
+    nbytes: int
+    shard_coded: tuple[int, ...]  # per shard of ``shards``: its first coded value's index in the section
+    shard_group: tuple[int, ...]
+    shard_plain: tuple[tuple[int, ...], ...]  # [class][shard]
 
 
 class BucketLayout:
@@ -97,83 +154,193 @@ class BucketLayout:
         self.segments = segs
         self.codec = codec
         self.plain_dtypes = [raw_dtype, torch.bfloat16]
-        self.plain_runs = [_merge([(s.start, s.end) for s in segs if s.mode is m]) for m in (Mode.OFF, Mode.BF16)]
-        self.coded_runs = _complement(_merge([r for runs in self.plain_runs for r in runs]), numel)
-        self.group_lengths = self._group_lengths()
-        self._lengths_on: dict[str, torch.Tensor] = {}
-        self.n_coded = sum(b - a for a, b in self.coded_runs)
+        classes = [[i for i, s in enumerate(segs) if s.mode is m] for m in (Mode.OFF, Mode.BF16)]
+        self.coded_segments = [i for i, s in enumerate(segs) if s.mode in FP8_MODES]
+        self.plain_segments = classes
+        self.coded_runs = _merge([(segs[i].start, segs[i].end) for i in self.coded_segments])
+        self.plain_runs = [_merge([(segs[i].start, segs[i].end) for i in cls]) for cls in classes]
+        self.n_coded = sum(segs[i].rows * segs[i].cols for i in self.coded_segments)
+        self.n_plain = [sum(segs[i].rows * segs[i].cols for i in cls) for cls in classes]
+        self.seg_at = self._class_offsets()  # each segment's first index in its class sequence
+        lengths, self.seg_groups = self._groups()
+        self.group_lengths = lengths
+        self.n_groups = lengths.numel()
+        self._group_starts = torch.cumsum(lengths, 0) - lengths
+        self._cache: dict[tuple, object] = {}
         self.shards = [self._shard(j) for j in range(num_shards)]
         self.max_pieces = max((len(p.pieces) for p in self.shards), default=0)
 
-    def group_lengths_on(self, device) -> torch.Tensor:
-        """``group_lengths`` on ``device``, copied there once."""
-        key = str(device)
-        if key not in self._lengths_on:
-            self._lengths_on[key] = self.group_lengths.to(device)
-        return self._lengths_on[key]
+    # -- the sequences ----------------------------------------------------------------------------
+    def _class_offsets(self) -> list[int]:
+        out, pos = [0] * len(self.segments), {}
+        for i, s in enumerate(self.segments):
+            key = "coded" if s.mode in FP8_MODES else s.mode
+            out[i] = pos.get(key, 0)
+            pos[key] = out[i] + s.rows * s.cols
+        return out
 
     def coded_index(self, pos: int) -> int:
-        """Index in the coded-element order of bucket position ``pos`` (a coded element)."""
-        return pos - sum(min(b, pos) - a for runs in self.plain_runs for a, b in runs if a < pos)
+        """Index in the coded sequence of bucket position ``pos`` (an element of an FP8 segment)."""
+        for i in self.coded_segments:
+            s = self.segments[i]
+            if s.start <= pos < s.end:
+                return self.seg_at[i] + pos - s.start
+        raise ValueError(f"bucket position {pos} holds no FP8 parameter")
 
-    def _group_lengths(self) -> torch.Tensor:
-        """Scaling groups over the coded elements, in bucket order, cut at shard boundaries.
+    def _groups(self) -> tuple[torch.Tensor, list[tuple[int, int] | None]]:
+        """Scaling groups over the coded sequence, segment by segment, cut at shard boundaries;
+        and each segment's range of them."""
+        out, ranges, n = [torch.zeros(0, dtype=torch.int64)], [None] * len(self.segments), 0
+        for i in self.coded_segments:
+            s = self.segments[i]
+            ends = s.start + torch.cumsum(group_lengths(s.rows, s.cols, self.codec), 0)
+            first = -(-(s.start + 1) // self.shard_size) * self.shard_size  # the first shard boundary after its start
+            cuts = torch.arange(first, max(first, s.end), self.shard_size)
+            bounds = torch.unique(torch.cat([torch.tensor([s.start]), ends, cuts]))
+            lengths = torch.diff(bounds)
+            ranges[i] = (n, n + lengths.numel())
+            n += lengths.numel()
+            out.append(lengths)
+        return torch.cat(out), ranges
 
-        Padding between parameters forms groups of its own (zeros, sent exactly)."""
-        out = [torch.zeros(0, dtype=torch.int64)]
-        for a, b in self.coded_runs:
-            first_cut = min(-(-a // self.shard_size) * self.shard_size, b)
-            cuts = [torch.tensor([a]), torch.arange(first_cut, b, self.shard_size)]
-            for s in self.segments:
-                if s.mode in (Mode.EUCLIDEAN, Mode.GIFT) and a <= s.start < b:
-                    lengths = group_lengths(s.rows, s.cols, self.codec)
-                    cuts.append(s.start + torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), lengths]), 0))
-            bounds = torch.unique(torch.cat(cuts))
-            bounds = bounds[(bounds >= a) & (bounds < b)]
-            out.append(torch.diff(torch.cat([bounds, torch.tensor([b])])))
-        return torch.cat(out)
+    def cached(self, key: tuple, build):
+        """``build()``, once per layout and ``key``: what reductions derive from the layout (packings,
+        device copies) is built on first use and kept with it."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
+    def group_lengths_on(self, device) -> torch.Tensor:
+        """``group_lengths`` as int32 on ``device``, copied there once."""
+        return self.cached(("group_lengths", str(device)), lambda: self.group_lengths.to(device=device, dtype=torch.int32))
+
+    def group_range(self, coded_lo: int, coded_hi: int) -> tuple[int, int]:
+        """Groups ``[g0, g1)`` covering the coded range ``[coded_lo, coded_hi)`` (aligned to groups)."""
+        g0 = int(torch.searchsorted(self._group_starts, coded_lo))
+        g1 = int(torch.searchsorted(self._group_starts, coded_hi))
+        return g0, g1
+
+    def group_slice(self, k0: int, k1: int, device) -> tuple[int, int, torch.Tensor]:
+        """The groups ``[g0, g1)`` that coded range ``[k0, k1)`` overlaps and their lengths inside it
+        (the first and last clipped where the range starts or ends inside a group)."""
+        starts = self._group_starts
+        g0 = int(torch.searchsorted(starts, k0, right=True)) - 1
+        g1 = int(torch.searchsorted(starts, k1 - 1, right=True))
+        lengths = self.group_lengths_on(device)[g0:g1]
+        head, tail = k0 - int(starts[g0]), int(starts[g1 - 1] + self.group_lengths[g1 - 1]) - k1
+        if head or tail:
+            lengths = lengths.clone()
+            lengths[0] -= head
+            lengths[-1] -= tail
+        return g0, g1, lengths
+
+    # -- shards -----------------------------------------------------------------------------------
     def _shard(self, j: int) -> ShardPlan:
         lo, hi = min(j * self.shard_size, self.numel), min((j + 1) * self.shard_size, self.numel)
-        coded = _clip(self.coded_runs, lo, hi)
-        plain = [_clip(runs, lo, hi) for runs in self.plain_runs]
-        coded_lo = sum(min(b, lo) - a for a, b in self.coded_runs if a < lo)
-        coded_hi = coded_lo + sum(b - a for a, b in coded)
-        ends = torch.cumsum(self.group_lengths, 0)
-        group_lo = int(torch.searchsorted(ends, coded_lo, right=True))
-        group_hi = int(torch.searchsorted(ends, coded_hi, right=True))
-        n_groups = group_hi - group_lo
-        scale_size = torch.tensor([], dtype=self.codec.scale_dtype()).element_size()
+        coded, plain = [], [[], []]
         gift_rows, pieces = [], []
         for i, s in enumerate(self.segments):
-            if s.mode is not Mode.GIFT or s.end <= lo or s.start >= hi:
+            a, b = max(s.start, lo), min(s.end, hi)
+            if a >= b:
                 continue
-            a, b = max(s.start, lo) - s.start, min(s.end, hi) - s.start
-            r0, r1 = -(-a // s.cols), b // s.cols  # full rows [r0, r1)
-            if r1 > r0:
-                gift_rows.append((i, r0, r1))
-            if a % s.cols:  # the shard starts inside a row (and may end in it too)
-                row = a // s.cols
-                pieces.append(RowPiece(i, row, a % s.cols, min(b - row * s.cols, s.cols)))
-            if b % s.cols and (a % s.cols == 0 or b // s.cols != a // s.cols):  # ends inside another row
-                pieces.append(RowPiece(i, b // s.cols, 0, b % s.cols))
+            part = Part(i, a, b, self.seg_at[i] + a - s.start)
+            if s.mode in FP8_MODES:
+                coded.append(part)
+            else:
+                plain[0 if s.mode is Mode.OFF else 1].append(part)
+            if s.mode is Mode.GIFT:
+                gift_rows_i, pieces_i = _rows_of(i, s, a - s.start, b - s.start)
+                gift_rows += gift_rows_i
+                pieces += pieces_i
+        coded_lo = self._class_start(coded, "coded", lo)
+        coded_hi = coded_lo + sum(p.hi - p.lo for p in coded)
+        group_lo, group_hi = self.group_range(coded_lo, coded_hi)
+        plain_lo = [self._class_start(parts, c, lo) for c, parts in enumerate(plain)]
+        plain_n = [sum(p.hi - p.lo for p in parts) for parts in plain]
         return ShardPlan(
-            lo=lo,
-            hi=hi,
-            coded_runs=coded,
-            plain_runs=plain,
-            coded_lo=coded_lo,
-            coded_hi=coded_hi,
-            group_lo=group_lo,
-            group_hi=group_hi,
-            scale_bytes=_pad4(n_groups * scale_size),
-            plain_bytes=[
-                _pad4(sum(b - a for a, b in runs) * dtype.itemsize) for runs, dtype in zip(plain, self.plain_dtypes)
-            ],
+            lo=lo, hi=hi, coded_lo=coded_lo, coded_hi=coded_hi, group_lo=group_lo, group_hi=group_hi,
+            plain_lo=plain_lo, plain_hi=[a + n for a, n in zip(plain_lo, plain_n)],
+            coded_parts=coded, plain_parts=plain, gift_rows=gift_rows, pieces=pieces,
+            scale_bytes=_pad4((group_hi - group_lo) * self.codec.scale_dtype().itemsize),
+            plain_bytes=[_pad4(n * dt.itemsize) for n, dt in zip(plain_n, self.plain_dtypes)],
             payload_bytes=_pad4(coded_hi - coded_lo),
-            gift_rows=gift_rows,
-            pieces=pieces,
-        )
+        )  # fmt: skip
+
+    def _class_start(self, parts: list[Part], cls, lo: int) -> int:
+        """Index in a class sequence of the first element at or after bucket position ``lo``."""
+        if parts:
+            return parts[0].at
+        members = self.coded_segments if cls == "coded" else self.plain_segments[cls]
+        return sum(min(self.segments[i].end, lo) - self.segments[i].start for i in members if self.segments[i].start < lo)
+
+    # -- messages ---------------------------------------------------------------------------------
+    def message(self, shards, wire: torch.dtype | None = None) -> Message:
+        """The layout of a message holding ``shards`` (module doc), coded values as FP8 codes plus
+        scales (``wire=None``) or in the float dtype ``wire``."""
+        plans = [self.shards[j] for j in shards]
+        scale_size = self.codec.scale_dtype().itemsize
+
+        def starts(sizes):
+            return tuple(sum(sizes[:k]) for k in range(len(sizes)))
+
+        groups = [p.n_groups for p in plans]
+        scale_bytes = 0 if wire is not None else _pad4(sum(groups) * scale_size)
+        plain_n = [[p.plain_hi[c] - p.plain_lo[c] for p in plans] for c in range(2)]
+        plain_bytes = [_pad4(sum(n) * dt.itemsize) for n, dt in zip(plain_n, self.plain_dtypes)]
+        coded_n = [p.n_coded for p in plans]
+        coded_bytes = _pad4(sum(coded_n) * (1 if wire is None else wire.itemsize))
+        plain_at = (scale_bytes, scale_bytes + plain_bytes[0])
+        coded_at = plain_at[1] + plain_bytes[1]
+        return Message(
+            shards=tuple(shards), scales_at=0, plain_at=plain_at, coded_at=coded_at,
+            nbytes=coded_at + coded_bytes, shard_coded=starts(coded_n), shard_group=starts(groups),
+            shard_plain=tuple(starts(n) for n in plain_n),
+        )  # fmt: skip
+
+    @cached_property
+    def max_message_bytes(self) -> int:
+        return max(p.message_bytes for p in self.shards)
+
+    def chunks(self, seg: int, k0: int, k1: int, budget: int, whole_rows: bool) -> list[tuple[int, int]]:
+        """Coded range ``[k0, k1)`` of segment ``seg`` (with ``whole_rows``, its ends row boundaries) in
+        chunks (``group_chunks``) cut at group boundaries, which with ``whole_rows`` are row
+        boundaries too (a transform needs whole rows)."""
+        def build():
+            s, at = self.segments[seg], self.seg_at[seg]
+            g0, g1 = self.group_range(k0 + 1, k1)
+            bounds = torch.cat([torch.tensor([k0]), self._group_starts[g0:g1], torch.tensor([k1])])
+            if whole_rows:
+                bounds = bounds[(bounds - at) % s.cols == 0]
+            return group_chunks(bounds, budget)
+
+        return self.cached(("chunks", seg, k0, k1, budget, whole_rows), build)
+
+def group_chunks(bounds: torch.Tensor, budget: int) -> list[tuple[int, int]]:
+    """Consecutive chunks between the sorted admissible boundaries ``bounds`` (first and last: the
+    range's ends), each at most about ``budget`` elements (a cut is the last boundary before each
+    multiple of ``budget``) and never less than from one boundary to
+    the next (so a group, or row, larger than the budget stays whole)."""
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    if hi <= lo:
+        return []
+    targets = torch.arange(lo + budget, max(hi, lo + budget), budget)
+    picked = bounds[(torch.searchsorted(bounds, targets, right=True) - 1).clamp_min(0)]
+    cuts = torch.unique(torch.cat([bounds[:1], picked, bounds[-1:]])).tolist()
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _rows_of(i: int, s: Segment, a: int, b: int) -> tuple[list, list]:
+    """Whole rows and cut-row pieces of segment ``s``'s elements ``[a, b)`` (segment-relative)."""
+    rows, pieces = [], []
+    r0, r1 = -(-a // s.cols), b // s.cols  # full rows [r0, r1)
+    if r1 > r0:
+        rows.append((i, r0, r1))
+    if a % s.cols:  # the shard starts inside a row (and may end in it too)
+        row = a // s.cols
+        pieces.append(RowPiece(i, row, a % s.cols, min(b - row * s.cols, s.cols)))
+    if b % s.cols and (a % s.cols == 0 or b // s.cols != a // s.cols):  # ends inside another row
+        pieces.append(RowPiece(i, b // s.cols, 0, b % s.cols))
+    return rows, pieces
 
 
 def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -184,18 +351,3 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         elif b > a:
             out.append((a, b))
     return out
-
-
-def _complement(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
-    out, pos = [], 0
-    for a, b in runs:
-        if a > pos:
-            out.append((pos, a))
-        pos = b
-    if pos < numel:
-        out.append((pos, numel))
-    return out
-
-
-def _clip(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    return [(max(a, lo), min(b, hi)) for a, b in runs if a < hi and b > lo]

@@ -106,17 +106,28 @@ def topology_of(global_ranks: list[int], ranks_per_node: int | None) -> Topology
 @dataclass(frozen=True)
 class TwoLevelGroups:
     """A reduction group, its topology, and this rank's subgroups (None where the topology needs
-    no two-level exchange): ``intra`` for the first stage, launched as a bucket starts; ``inter``,
-    ``intra_late`` (same ranks as ``intra``) and ``whole`` (same ranks as ``group``) for the
-    exchanges launched later, when earlier ones complete. Process groups order their collectives;
-    keeping the two kinds apart keeps that order the same on every rank."""
+    no two-level exchange): ``intra``, the ranks of its node; ``inter``, the ranks with its local
+    index. Collectives on the three communicators are issued in an order that depends only on the
+    bucket order (``comm.schedule``), the same on every rank."""
 
     group: object
     topology: Topology
     intra: object = None
     inter: object = None
-    intra_late: object = None
-    whole: object = None
+
+
+_SUBGROUPS: dict[tuple, tuple] = {}  # (id of the default group, global ranks) -> (default group, subgroup)
+
+
+def _subgroup(ranks: tuple[int, ...]):
+    """The process group of ``ranks``, created on first use (every process calls this for every
+    subgroup, in one order) and shared by every DDP instance (virtual-pipeline chunks) of the
+    current default group (a new ``init_process_group`` starts afresh)."""
+    world = dist.group.WORLD
+    key = (id(world), ranks)
+    if key not in _SUBGROUPS or _SUBGROUPS[key][0] is not world:
+        _SUBGROUPS[key] = (world, dist.new_group(list(ranks)))
+    return _SUBGROUPS[key][1]
 
 
 def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = True) -> list[TwoLevelGroups]:
@@ -124,32 +135,26 @@ def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = Tru
 
     Collective over the default group (``new_group`` must be called by every process for every
     subgroup, in one order): every rank contributes its groups' global ranks, and the subgroups
-    of all distinct groups are created in sorted order."""
+    of all distinct groups are created (once per process) in sorted order."""
     own_groups = [tuple(dist.get_process_group_ranks(g)) for g in groups]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, own_groups)
-    created = {}
+    split = {}
     for ranks in sorted({r for lists in everyone for r in lists}):
         topo = topology_of(list(ranks), ranks_per_node)
         if not (two_level and topo.two_level):
             continue
-        subgroups = {("whole", ranks): dist.new_group(list(ranks))}
-        for kind, members in (("intra", topo.intra_ranks), ("intra_late", topo.intra_ranks), ("inter", topo.inter_ranks)):
-            seen = set()
-            for i in range(topo.world):
-                key = tuple(ranks[j] for j in members(i))
-                if key not in seen:
-                    seen.add(key)
-                    subgroups[(kind, key)] = dist.new_group(list(key))
-        created[ranks] = (topo, subgroups)
+        for members in (topo.intra_ranks, topo.inter_ranks):
+            for key in sorted({tuple(ranks[j] for j in members(i)) for i in range(topo.world)}):
+                _subgroup(key)
+        split[ranks] = topo
     out = []
     for g, ranks in zip(groups, own_groups):
-        if ranks not in created:
-            out.append(TwoLevelGroups(g, topology_of(list(ranks), ranks_per_node)))
+        topo = split.get(ranks) or topology_of(list(ranks), ranks_per_node)
+        if ranks not in split:
+            out.append(TwoLevelGroups(g, topo))
             continue
-        topo, subgroups = created[ranks]
         i = dist.get_rank(g)
         node, peers = tuple(ranks[j] for j in topo.intra_ranks(i)), tuple(ranks[j] for j in topo.inter_ranks(i))
-        out.append(TwoLevelGroups(g, topo, subgroups[("intra", node)], subgroups[("inter", peers)],
-                                  subgroups[("intra_late", node)], subgroups[("whole", ranks)]))  # fmt: skip
+        out.append(TwoLevelGroups(g, topo, _subgroup(node), _subgroup(peers)))
     return out

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-from ..comm.hierarchical import TwoLevelPipeline
 from ..comm.layout import BucketLayout, Segment
-from ..comm.quantized import CommLedger
+from ..comm.ledger import CommLedger
+from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, ranks_per_node_from_env
 from ..config import GiftConfig, Mode, param_modes
 from ..numerics.error_feedback import ErrorFeedback
@@ -118,7 +118,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self._bucket_of: dict[int, tuple] = {}  # id(GiftParam) -> (bucket group, bucket index)
         for bg in self._bucket_groups():
             self._convert(bg)
-        self.pipeline = TwoLevelPipeline()
+        self.queue = ReductionQueue(StageStreams(self._device()), self._schedule())
         self._place_groups()
         assigned: dict = {}  # each GIFT layer's factor is built on one rank: round-robin per group
         for g, group in self._gift_layers():
@@ -187,6 +187,20 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             for g in bg.gift_params[-1]:
                 if g is not None:
                     self._bucket_of[id(g)] = (bg, i)
+
+    def _schedule(self):
+        """``GiftConfig.schedule``, else the device's default (``comm.schedule``); the same on every
+        rank (a rank with other settings would issue its collectives in another order: refused)."""
+        schedule = self.gift_config.schedule or default_schedule(self._device())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, schedule.value)
+            if len(set(everyone)) > 1:
+                raise ValueError(
+                    f"megatron-gift: ranks chose different reduction schedules ({sorted(set(everyone))}): set "
+                    "CUDA_DEVICE_MAX_CONNECTIONS the same on every rank, or pass --gift-schedule"
+                )
+        return schedule
 
     def _place_groups(self) -> None:
         """Each converted bucket group's topology and two-level subgroups (collective over all ranks)."""

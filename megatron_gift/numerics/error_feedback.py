@@ -18,13 +18,15 @@ class ErrorFeedback:
         self.residual = torch.zeros(numel, dtype=dtype, device=device)
         self._pending: torch.Tensor | None = None
 
-    def compensate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + e`` as a new FP32 tensor of the shape of ``x``."""
-        return x.float() + self.residual.view_as(x)
+    def compensate(self, x: torch.Tensor, lo: int = 0) -> torch.Tensor:
+        """``x + e`` as a new FP32 tensor of the shape of ``x``, for the residual's elements from ``lo`` on."""
+        return x.float() + self.residual[lo : lo + x.numel()].view_as(x)
 
-    def stage(self, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Remember ``compensated - decoded`` as the next residual, pending ``commit``."""
-        self._pending = (compensated.float() - decoded.float()).reshape(-1)
+    def stage(self, compensated: torch.Tensor, decoded: torch.Tensor, lo: int = 0) -> None:
+        """Remember ``compensated - decoded`` as the next residual of the elements from ``lo`` on, pending ``commit``."""
+        if self._pending is None:
+            self._pending = torch.empty_like(self.residual)
+        self._pending[lo : lo + compensated.numel()] = compensated.float().reshape(-1) - decoded.float().reshape(-1)
 
     def commit(self, applied: bool = True) -> None:
         """Adopt the staged residual if the step was applied; drop it otherwise."""

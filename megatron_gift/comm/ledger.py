@@ -1,0 +1,40 @@
+"""The byte ledger of the quantized collectives: what each rank sends, by collective, dtype and link."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class CommLedger:
+    """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
+    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that.
+
+    ``links`` splits the quantized exchanges' bytes by ``(link, dtype)``, the link being the one
+    they cross (``intra``: to a rank on the same node, ``inter``: through the NIC), as if each
+    peer's bytes went to it directly."""
+
+    def __init__(self):
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.links: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, collective: str, dtype: str, nbytes: int, links: dict[str, int] | None = None) -> None:
+        self.bytes[(collective, dtype)] += int(nbytes)
+        for link, n in (links or {}).items():
+            self.links[(link, dtype)] += int(n)
+
+    def by_link(self) -> dict[str, int]:
+        """Bytes per link (``intra``, ``inter``), every dtype together."""
+        out: dict[str, int] = defaultdict(int)
+        for (link, _), n in self.links.items():
+            out[link] += n
+        return dict(out)
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def as_dict(self) -> dict[str, int]:
+        return {f"{c}/{d}": n for (c, d), n in sorted(self.bytes.items())}
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.links.clear()
