@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, param_modes
+from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, Schedule, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 from .upstream import TESTED_VERSIONS, check_version
 
@@ -197,6 +197,15 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Processes per node, grouped by global rank (default: LOCAL_WORLD_SIZE from the launcher, "
         "else all on one node); e.g. to simulate nodes on one machine.",
     )
+    g.add_argument(
+        "--gift-schedule",
+        choices=("auto",) + tuple(s.value for s in Schedule),
+        default="auto",
+        help="When a bucket's later reduction stages are enqueued on the plugin's streams: eager (all at the "
+        "bucket's gradient hook) or lagged (one further stage per later bucket, the rest at the end of the "
+        "backward); auto: lagged where CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) and on CPUs, else "
+        "eager (default: %(default)s).",
+    )
     return parser
 
 
@@ -239,6 +248,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             loopback=args.gift_loopback,
             exchange=args.gift_exchange,
             intra_node=args.gift_intra_node,
+            schedule=None if args.gift_schedule == "auto" else Schedule(args.gift_schedule),
             ranks_per_node=args.gift_ranks_per_node,
         )
     except ValueError as e:

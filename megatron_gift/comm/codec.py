@@ -45,20 +45,20 @@ def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Bu
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) as FP8 codes and
     scales into its message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket."""
     out, cfg = views(buf, layout), layout.codec
-    lengths = layout.group_lengths_on(flat.device)
     use_kernels = use_kernels and error_feedback is None  # the kernel cannot add the residual before encoding
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
         for k0, k1 in _segment_chunks(layout, i, BUDGET[use_kernels], t is not None):
             g0, g1 = layout.group_range(k0, k1)
+            lengths = layout.lengths(g0, g1, flat.device)
             x = flat[s.start + k0 - at : s.start + k1 - at]
             x = x.view(-1, s.cols) if t is not None else x.view(1, -1)
             if error_feedback is None:
-                enc = kernels.whiten_encode(x, t, cfg, lengths=lengths[g0:g1])
+                enc = kernels.whiten_encode(x, t, cfg, lengths=lengths)
             else:
                 u = error_feedback.compensate(t.apply(x.float()) if t is not None else x, k0)
-                enc = encode_flat(u.view(-1), lengths[g0:g1], cfg)
-                error_feedback.stage(u, decode_flat(enc, lengths[g0:g1], cfg), k0)
+                enc = encode_flat(u.view(-1), lengths, cfg)
+                error_feedback.stage(u, decode_flat(enc, lengths, cfg), k0)
             out["coded"].index_copy_(0, pk.place["coded"].index(k0, k1), enc.payload.view(-1))
             out["groups"].index_copy_(0, pk.place["groups"].index(g0, g1), enc.scales.view(-1))
 

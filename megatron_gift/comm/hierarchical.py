@@ -113,21 +113,19 @@ class TwoLevelReduce(ShardReduction):
             layout, self.held, [[j] for j in self.held if j != self.rank] + [[self.rank]], None, device))  # fmt: skip
         buf = torch.empty(self.pk2.nbytes, dtype=torch.uint8, device=device)
         out = views(buf, layout)
-        lengths, chunks, counts = self._held(device)
-        for (c0, c1), (g0, g1) in chunks:
+        chunks, counts = self._held(device)
+        for (c0, c1), (g0, g1), lengths in chunks:
             if self.wire is None:
                 values = _kernels.decode_sum_unwhiten(rows.coded(c0, c1), rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0,
-                                                      None, cfg, False, lengths=lengths[g0:g1])  # fmt: skip
+                                                      None, cfg, False, lengths=lengths)  # fmt: skip
             else:
                 values = _kernels.ordered_sum([p.float() for p in rows.coded(c0, c1, self.wire)])
-            enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths[g0:g1])
+            enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths)
             out["coded"].index_copy_(0, self.pk2.place["coded"].index(c0, c1), enc.payload.view(-1))
             out["groups"].index_copy_(0, self.pk2.place["groups"].index(g0, g1), enc.scales.view(-1))
-        for c, name in enumerate(("off", "bf16")):
-            count = counts[c]
-            if count:
-                sums = _kernels.ordered_sum([p.float() for p in rows.plain(c, 0, count, layout.plain_dtypes[c])])
-                out[name].index_copy_(0, self.pk2.place[name].index(0, count), sums.to(layout.plain_dtypes[c]))
+        for c, name in enumerate(("off", "bf16")):  # both classes, empty or not: the same ops on every rank
+            sums = _kernels.ordered_sum([p.float() for p in rows.plain(c, 0, counts[c], layout.plain_dtypes[c])])
+            out[name].index_copy_(0, self.pk2.place[name].index(0, counts[c]), sums.to(layout.plain_dtypes[c]))
         own = self.pk2.own.nbytes
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk2.sent_bytes
@@ -137,8 +135,8 @@ class TwoLevelReduce(ShardReduction):
         return Step([work], [buf, self.recv])
 
     def _held(self, device):
-        """The held shards' scaling groups one after another (device lengths), the chunks of their
-        coded values as ``((c0, c1), (g0, g1))`` pairs aligned to groups, and their plain counts."""
+        """The chunks of the held shards' coded values one after another, aligned to their groups:
+        ``((c0, c1), (g0, g1), group lengths on the device)``; and their plain counts."""
         layout = self.layout
 
         def build():
@@ -146,9 +144,13 @@ class TwoLevelReduce(ShardReduction):
             lengths = torch.cat([layout.group_lengths[p.group_lo : p.group_hi] for p in plans])
             starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
             chunks = group_chunks(starts, self.budget) if lengths.numel() else []
-            pairs = [((a, b), (int(torch.searchsorted(starts, a)), int(torch.searchsorted(starts, b)))) for a, b in chunks]
+            on_device = lengths.to(device=device, dtype=torch.int32)
+            pairs = []
+            for a, b in chunks:
+                g0, g1 = int(torch.searchsorted(starts, a)), int(torch.searchsorted(starts, b))
+                pairs.append(((a, b), (g0, g1), on_device[g0:g1]))
             counts = [sum(p.plain_hi[c] - p.plain_lo[c] for p in plans) for c in range(2)]
-            return lengths.to(device=device, dtype=torch.int32), pairs, counts
+            return pairs, counts
 
         return layout.cached(("held", self.local, str(device), self.budget), build)
 

@@ -215,24 +215,33 @@ class BucketLayout:
         return self.cached(("group_lengths", str(device)), lambda: self.group_lengths.to(device=device, dtype=torch.int32))
 
     def group_range(self, coded_lo: int, coded_hi: int) -> tuple[int, int]:
-        """Groups ``[g0, g1)`` covering the coded range ``[coded_lo, coded_hi)`` (aligned to groups)."""
-        g0 = int(torch.searchsorted(self._group_starts, coded_lo))
-        g1 = int(torch.searchsorted(self._group_starts, coded_hi))
-        return g0, g1
+        """Groups ``[g0, g1)`` covering the coded range ``[coded_lo, coded_hi)`` (aligned to groups).
+        Like every plan of a layout, computed on first use (host only) and kept."""
+
+        def build():
+            g0 = int(torch.searchsorted(self._group_starts, coded_lo))
+            return g0, int(torch.searchsorted(self._group_starts, coded_hi))
+
+        return self.cached(("group_range", coded_lo, coded_hi), build)
 
     def group_slice(self, k0: int, k1: int, device) -> tuple[int, int, torch.Tensor]:
         """The groups ``[g0, g1)`` that coded range ``[k0, k1)`` overlaps and their lengths inside it
-        (the first and last clipped where the range starts or ends inside a group)."""
-        starts = self._group_starts
-        g0 = int(torch.searchsorted(starts, k0, right=True)) - 1
-        g1 = int(torch.searchsorted(starts, k1 - 1, right=True))
-        lengths = self.group_lengths_on(device)[g0:g1]
-        head, tail = k0 - int(starts[g0]), int(starts[g1 - 1] + self.group_lengths[g1 - 1]) - k1
-        if head or tail:
-            lengths = lengths.clone()
-            lengths[0] -= head
-            lengths[-1] -= tail
-        return g0, g1, lengths
+        (the first and last clipped where the range starts or ends inside a group), on ``device``."""
+
+        def build():
+            starts = self._group_starts
+            g0 = int(torch.searchsorted(starts, k0, right=True)) - 1
+            g1 = int(torch.searchsorted(starts, k1 - 1, right=True))
+            lengths = self.group_lengths[g0:g1].clone()
+            lengths[0] -= k0 - int(starts[g0])
+            lengths[-1] -= int(starts[g1 - 1] + self.group_lengths[g1 - 1]) - k1
+            return g0, g1, lengths.to(device=device, dtype=torch.int32)
+
+        return self.cached(("group_slice", k0, k1, str(device)), build)
+
+    def lengths(self, g0: int, g1: int, device) -> torch.Tensor:
+        """``group_lengths[g0:g1]`` on ``device`` (int32), kept."""
+        return self.cached(("lengths", g0, g1, str(device)), lambda: self.group_lengths_on(device)[g0:g1])
 
     # -- shards -----------------------------------------------------------------------------------
     def _shard(self, j: int) -> ShardPlan:

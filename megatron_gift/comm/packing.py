@@ -96,7 +96,7 @@ class Rows:
     def __init__(self, recv: torch.Tensor, own: torch.Tensor, own_index: int, msg: Message):
         width = msg.nbytes
         peers = recv.view(-1, width)
-        self.parts = [t for t in (peers[:own_index], own.view(1, width), peers[own_index:]) if t.shape[0]]
+        self.parts = [peers[:own_index], own.view(1, width), peers[own_index:]]  # some may be empty
         self.count = peers.shape[0] + 1
         self.msg = msg
 

@@ -152,7 +152,7 @@ class ShardReduction(Reduction):
                 values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first))
                 flag_nonfinite(self.nonfinite, values)
                 g0, g1 = layout.group_range(k0, k1)
-                enc = _kernels.whiten_encode(values, None, layout.codec, lengths=layout.group_lengths_on(device)[g0:g1])
+                enc = _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device))
                 out["coded"].index_copy_(0, own.place["coded"].index(k0 - plan.coded_lo, k1 - plan.coded_lo), enc.payload.view(-1))
                 out["groups"].index_copy_(0, own.place["groups"].index(g0 - plan.group_lo, g1 - plan.group_lo), enc.scales.view(-1))
         for c, name in enumerate(("off", "bf16")):
@@ -229,7 +229,6 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
     gp = layout.cached(("gathered", tuple(slots), str(device)), lambda: packing(
         layout, list(range(layout.num_shards)), [[j] for j in order], None, device, width))  # fmt: skip
     src = views(gathered, layout)
-    lengths = layout.group_lengths_on(device)
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
         for k0, k1 in layout.chunks(i, at, at + s.rows * s.cols, budget, whole_rows=t is not None):
@@ -237,7 +236,8 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
             payload = src["coded"].index_select(0, gp.place["coded"].index(k0, k1))
             scales = src["groups"].index_select(0, gp.place["groups"].index(g0, g1))
             shape = ((k1 - k0) // s.cols, s.cols) if t is not None else (1, k1 - k0)
-            values = _kernels.decode_sum_unwhiten(payload[None], scales[None], *shape, t, layout.codec, False, lengths=lengths[g0:g1])
+            values = _kernels.decode_sum_unwhiten(payload[None], scales[None], *shape, t, layout.codec, False,
+                                                  lengths=layout.lengths(g0, g1, device))  # fmt: skip
             write(flat, s.start + k0 - at, values)
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:

@@ -25,23 +25,22 @@ def _as_parts(t: torch.Tensor | Parts) -> list[torch.Tensor]:
 
 
 def ordered_sum(parts: Parts) -> torch.Tensor:
-    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32), accumulated in FP32 in row
-    order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank).
+    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32; some may be empty), accumulated
+    in FP32 in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank).
 
-    One op per part, whatever the number of rows: on the CPU ``index_add_`` adds the rows of its
-    source one after another in index order; on CUDA ``cumsum`` along dim 0 runs a sequential loop
-    per column in FP32 (ScanUtils.cuh, ``tensor_kernel_scan_outer_dim``), whose last row is the sum.
-    ``test_kernels.test_ordered_sum_is_sequential`` holds both to a Python loop, bit for bit."""
-    parts = [p for p in parts if p.shape[0] > 0]
-    acc = parts[0][:1].clone()
-    rest = [parts[0][1:], *parts[1:]]
-    for part in rest:
-        if part.shape[0] == 0:
-            continue
+    One op per part, whatever the number of rows (and the same ops whichever parts are empty): on
+    the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
+    ``cumsum`` along dim 0 runs a sequential loop per column in FP32 (ScanUtils.cuh,
+    ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/test_kernels.py`` holds
+    both to a Python loop, bit for bit."""
+    first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
+    acc = parts[first][:1].clone()
+    for i, part in enumerate(parts):
+        rest = part[int(i == first) :]
         if acc.device.type == "cuda":
-            acc = torch.cumsum(torch.cat([acc, part]), 0)[-1:]
+            acc = torch.cumsum(torch.cat([acc, rest]), 0)[-1:]
         else:
-            acc.index_add_(0, torch.zeros(part.shape[0], dtype=torch.long, device=acc.device), part)
+            acc.index_add_(0, torch.zeros(rest.shape[0], dtype=torch.long, device=acc.device), rest)
     return acc[0]
 
 

@@ -235,9 +235,10 @@ def encode_flat(
     y = x / torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
     fmax = cfg.fmt.max
     q = torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), y).to(cfg.fmt.dtype).view(torch.uint8)
-    # torch saturates +-Inf to +-448 when casting to E4M3 (which has no Inf): force its NaN.
+    # torch saturates +-Inf to +-448 when casting to E4M3 (which has no Inf): force its NaN (a
+    # scalar fill: no tensor made from Python data, no host-to-device copy).
     if cfg.fmt is FP8Format.E4M3:
-        q = torch.where(torch.isinf(y), q.new_tensor(cfg.fmt.nan_code), q)
+        q = q.masked_fill(torch.isinf(y), cfg.fmt.nan_code)
     if stats is not None:
         stats += _count(x, y, q, cfg)
     return Encoded(payload=q, scales=scales)
