@@ -34,7 +34,9 @@ def test_quick_run(tmp_path):
     assert set(rows) == set(memory.QUICK_CONFIGS) and all(r["ranks"] == 2 for r in rows.values())
     # off is Megatron's own reduction: nothing beyond a flag or two (bytes, not bytes per parameter)
     assert abs(rows["off"]["peak_extra_B_per_param"]) < 0.01 and abs(rows["off"]["held_extra_B_per_param"]) < 0.01
-    # FP8 needs encode/decode buffers; error feedback holds an FP32 residual per coded element
-    assert rows["euclidean"]["transient_extra_B_per_param"] > 0
+    # the reduction's buffers (send and receive of (p-1)/p each, the own message, chunk temporaries)
+    # come to at most 2 bytes per parameter over stock Megatron's peak with the model's one bucket
+    # (about 1.55 at 2 ranks: docs/memory.md); error feedback holds an FP32 residual per coded element
+    assert rows["euclidean"]["peak_extra_B_per_param"] <= 2.0, rows["euclidean"]
     assert rows["gift+error-feedback"]["held_extra_B_per_param"] > rows["euclidean"]["held_extra_B_per_param"] + 1.0
     assert "| off |" in memory.format_table(doc["results"])

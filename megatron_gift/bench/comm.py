@@ -12,6 +12,8 @@ collectives are counted with the same model: reduce-scatter ``(R-1)/R·bytes``, 
 ``bytes_per_step`` = gradient bytes + a factor refresh's bytes (statistics all-reduce, each layer's
 factor and transform broadcast from the rank that built them) amortized over the default refresh
 interval; GIFT refreshes every step here so that its fidelity is measured without a stale factor.
+``ops/bucket``: the ATen ops the plugin's reduction stages dispatch per quantized bucket in a step
+(the most over the ranks), which must not grow with the rank count (docs/gpu-execution.md).
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ def megatron_ring_bytes(ddp, dist_opt: bool) -> int:
     return total
 
 
+def _count_ops(ddp):
+    """Count the ATen ops the plugin's reduction stages dispatch from now on; returns a callable
+    giving the count per quantized bucket (None for stock Megatron)."""
+    if not hasattr(ddp, "queue"):
+        return lambda: None
+    from ..testing.dispatch import OpCounter
+
+    counter = OpCounter()
+    ddp.queue.probe = lambda: counter
+    buckets = sum(len(bg.gift_layouts) for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups if hasattr(bg, "gift_layouts"))
+    return lambda: counter.total / max(buckets, 1)
+
+
 def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -92,6 +107,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                 tokens = torch.cat([inputs, targets[:, -1:]], dim=1)
                 ddp.zero_grad_buffer()
                 opt.zero_grad()
+                ops = _count_ops(ddp)
                 lm_loss(ddp, tokens).backward()
                 ddp.finish_grad_sync()
                 if cfg is None:
@@ -104,7 +120,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                     num += float((got - want).pow(2).sum())
                     den += float(want.pow(2).sum())
                     shards.append(got.float())
-                steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards))
+                steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards, ops_per_bucket=ops()))
                 opt.step()
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
             out.append(dict(mode=mode, distributed_optimizer=dist_opt, steps=steps, params=params))
@@ -195,16 +211,25 @@ def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                 bytes_ratio_vs_fp32=round(bytes_per_step / fp32_bytes[dist_opt], 4),
                 rel_l2_vs_fp32=(err2 / ref2) ** 0.5,
                 ranks_bitwise_identical=bool(identical),
+                ops_per_bucket=_ops(runs),
             )
         )
     return rows
 
 
+def _ops(runs: list[dict]) -> float | None:
+    """ATen ops per quantized bucket in the last step, the most over the ranks (None: stock Megatron)."""
+    counts = [r["steps"][-1]["ops_per_bucket"] for r in runs]
+    return None if counts[0] is None else max(counts)
+
+
 def format_table(rows: list[dict]) -> str:
-    head = "| ranks | dist. opt. | mode | bytes/step/rank | vs FP32 | RelL2 vs FP32 | ranks identical |\n|---|---|---|---|---|---|---|"
+    head = ("| ranks | dist. opt. | mode | bytes/step/rank | vs FP32 | RelL2 vs FP32 | ranks identical | ops/bucket |\n"
+            "|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines = [
         f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['bytes_per_step']:,} | "
-        f"{r['bytes_ratio_vs_fp32']:.3f} | {r['rel_l2_vs_fp32']:.2e} | {'yes' if r['ranks_bitwise_identical'] else 'NO'} |"
+        f"{r['bytes_ratio_vs_fp32']:.3f} | {r['rel_l2_vs_fp32']:.2e} | {'yes' if r['ranks_bitwise_identical'] else 'NO'} | "
+        f"{'-' if r['ops_per_bucket'] is None else round(r['ops_per_bucket'])} |"
         for r in rows
     ]
     return "\n".join([head, *lines])
@@ -241,9 +266,11 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
         batches = corpus.batches(spec["seq"], spec["batch"], seed=rank)
         inputs, targets = next(batches)
         tokens = torch.cat([inputs, targets[:, -1:]], dim=1)
-        ddp.zero_grad_buffer()
-        lm_loss(ddp, tokens).backward()
-        ddp.finish_grad_sync()
+        for _ in range(2):  # the first step builds the layouts' plans: count the second
+            ddp.zero_grad_buffer()
+            ops = _count_ops(ddp)
+            lm_loss(ddp, tokens).backward()
+            ddp.finish_grad_sync()
         links = {f"{link}/{dtype}": n for (link, dtype), n in sorted(ddp.ledger.links.items())}
         expected = hand_average(ref, model, tokens)
         regions = list(reduced_regions(ddp, expected, rank, world, dist_opt))
@@ -254,7 +281,7 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
         fp8_bytes = sum(p.message_bytes for _, lay in buckets for p in lay.shards)
         out.append(dict(mode=mode, distributed_optimizer=dist_opt, exchange=exchange if exchange == "flat" else "two-level",
                         intra_node=intra if exchange != "flat" else None, links=links, err2=err2, ref2=ref2,
-                        bucket_bytes=bucket_bytes, fp8_bytes=fp8_bytes))  # fmt: skip
+                        bucket_bytes=bucket_bytes, fp8_bytes=fp8_bytes, ops_per_bucket=ops()))  # fmt: skip
     parallel_state.destroy_model_parallel()
     return out
 
@@ -286,6 +313,7 @@ def _summarize_links(per_rank: list[list[dict]], n: int, g: int) -> list[dict]:
             target_inter_fp8_per_rank=round(target, 1), inter_fp8_vs_target=round(inter_fp8 / target, 4),
             fp32_ring=fp32, bf16_ring=bf16, inter_vs_bf16_ring=round(max(b["inter"] for b in by_rank) / bf16["inter"], 4),
             rel_l2_vs_fp32=(sum(r["err2"] for r in runs) / sum(r["ref2"] for r in runs)) ** 0.5,
+            ops_per_bucket=max(r["ops_per_bucket"] for r in runs),
             links_by_rank=[r["links"] for r in runs],
         ))  # fmt: skip
     return rows
@@ -294,14 +322,15 @@ def _summarize_links(per_rank: list[list[dict]], n: int, g: int) -> list[dict]:
 def format_links(rows: list[dict]) -> str:
     head = (
         "| nodes x ranks | dist. opt. | mode | exchange | intra dtype | intra B/rank | inter B/rank | inter B/node | "
-        "FP8 inter / target | FP32 ring intra / inter per rank | BF16 ring intra / inter per rank | inter vs BF16 ring | RelL2 |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "FP8 inter / target | FP32 ring intra / inter per rank | BF16 ring intra / inter per rank | inter vs BF16 ring | RelL2 | "
+        "ops/bucket |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [
         f"| {r['nodes']}x{r['ranks_per_node']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['exchange']} | "
         f"{r['intra_node'] or '-'} | {r['intra_per_rank']:,} | {r['inter_per_rank']:,} | {r['inter_per_node']:,} | "
         f"{r['inter_fp8_vs_target']:.3f} | {r['fp32_ring']['intra']:,.0f} / {r['fp32_ring']['inter']:,.0f} | "
-        f"{r['bf16_ring']['intra']:,.0f} / {r['bf16_ring']['inter']:,.0f} | {r['inter_vs_bf16_ring']:.3f} | {r['rel_l2_vs_fp32']:.2e} |"
+        f"{r['bf16_ring']['intra']:,.0f} / {r['bf16_ring']['inter']:,.0f} | {r['inter_vs_bf16_ring']:.3f} | {r['rel_l2_vs_fp32']:.2e} | "
+        f"{round(r['ops_per_bucket'])} |"
         for r in rows
     ]
     return "\n".join([head, *lines])

@@ -12,7 +12,7 @@ Sender (``encode_bucket``)::
     Ũ = U + e          with error feedback (then the residual e ← Ũ - dec(q(Ũ)) is staged)
     codes, scales of q(Ũ) → each shard's message        (``cast_bucket``: U in a float wire dtype)
 
-Receiver (``reduce_part``): the FP32 sum of every sender's codes of one segment part, senders in
+Receiver (``reduce_coded``): the FP32 sum of every sender's codes of one segment part, senders in
 rank order, ÷ R when averaging, ``T⁻¹`` of whole rows when given.
 """
 
@@ -26,7 +26,9 @@ from ..numerics.fp8 import decode_flat, encode_flat
 from .layout import BucketLayout, Part, ShardPlan
 from .packing import Packing, Rows
 
-BUDGET = {False: 1 << 16, True: 1 << 22}  # chunk elements: PyTorch path, fused kernels (which hold no big temporaries)
+# Elements per chunk: the PyTorch path (~24 bytes of temporaries per element), the fused kernels
+# (which hold no large temporaries; the placement index takes ~32 bytes per element).
+BUDGET = {False: 1 << 14, True: 1 << 20}
 
 
 def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
@@ -82,9 +84,8 @@ def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Buc
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]
-            n = s.rows * s.cols
-            for k0 in range(0, n, BUDGET[False]):
-                k1 = min(n, k0 + BUDGET[False])
+            for k0 in range(0, s.rows * s.cols, BUDGET[False]):
+                k1 = min(s.rows * s.cols, k0 + BUDGET[False])
                 values = flat[s.start + k0 : s.start + k1].to(layout.plain_dtypes[c])
                 out[name].index_copy_(0, pk.place[name].index(at + k0, at + k1), values)
 
@@ -108,7 +109,8 @@ def reduce_coded(rows: Rows, layout: BucketLayout, plan: ShardPlan, k0: int, k1:
 
 def part_chunks(layout: BucketLayout, part: Part, budget: int, whitened: bool) -> list[tuple[int, int, int, int]]:
     """``(k0, k1, rows, cols)`` chunks of a segment part (coded range): its whole rows when
-    ``whitened`` (the cut rows are the shard's pieces, reduced apart), else all of it."""
+    ``whitened`` (the cut rows are the shard's pieces, reduced apart), else all of it. ``budget``:
+    elements of all senders' messages together (pass the chunk budget over their number)."""
     s, at = layout.segments[part.seg], layout.seg_at[part.seg]
     k0, k1 = part.at, part.at + part.hi - part.lo
     if not whitened:

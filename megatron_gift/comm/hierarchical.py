@@ -39,7 +39,7 @@ from .codec import cast_bucket, encode_bucket, plain_bucket, views
 from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
 from .packing import Rows, packing
-from .quantized import ShardReduction, Whitenings, _all_gather, decode_gathered, with_self
+from .quantized import ShardReduction, Whitenings, _all_gather, decode_gathered, spans, with_self
 from .schedule import Step
 from .topology import TwoLevelGroups
 
@@ -105,7 +105,7 @@ class TwoLevelReduce(ShardReduction):
     # -- 1: node sums, inter-node ------------------------------------------------------------------
     def _node_sums(self) -> Step:
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = Rows(self.recv1, self.buf1[self.pk1.own_at :], self.local, self.pk1.own)
+        rows = Rows(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own)
         del self.buf1, self.recv1
         n, k = self.topo.nodes, self.node
         key = ("inter", self.rank, str(device))
@@ -123,9 +123,10 @@ class TwoLevelReduce(ShardReduction):
             enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths)
             out["coded"].index_copy_(0, self.pk2.place["coded"].index(c0, c1), enc.payload.view(-1))
             out["groups"].index_copy_(0, self.pk2.place["groups"].index(g0, g1), enc.scales.view(-1))
-        for c, name in enumerate(("off", "bf16")):  # both classes, empty or not: the same ops on every rank
-            sums = _kernels.ordered_sum([p.float() for p in rows.plain(c, 0, counts[c], layout.plain_dtypes[c])])
-            out[name].index_copy_(0, self.pk2.place[name].index(0, counts[c]), sums.to(layout.plain_dtypes[c]))
+        for c, name in enumerate(("off", "bf16")):
+            for a, b in spans(0, counts[c], self.budget // self.topo.ranks_per_node):
+                sums = _kernels.ordered_sum([p.float() for p in rows.plain(c, a, b, layout.plain_dtypes[c])])
+                out[name].index_copy_(0, self.pk2.place[name].index(a, b), sums.to(layout.plain_dtypes[c]))
         own = self.pk2.own.nbytes
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk2.sent_bytes
@@ -143,7 +144,7 @@ class TwoLevelReduce(ShardReduction):
             plans = [layout.shards[j] for j in self.held]
             lengths = torch.cat([layout.group_lengths[p.group_lo : p.group_hi] for p in plans])
             starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-            chunks = group_chunks(starts, self.budget) if lengths.numel() else []
+            chunks = group_chunks(starts, self.budget // self.topo.ranks_per_node) if lengths.numel() else []
             on_device = lengths.to(device=device, dtype=torch.int32)
             pairs = []
             for a, b in chunks:
@@ -155,7 +156,7 @@ class TwoLevelReduce(ShardReduction):
         return layout.cached(("held", self.local, str(device), self.budget), build)
 
     def _inter_rows(self) -> Rows:
-        rows = Rows(self.recv, self.buf[self.pk2.own_at :], self.node, self.pk2.own)
+        rows = Rows(self.recv, self.pk2.own_copy(self.buf), self.node, self.pk2.own)
         del self.buf, self.recv
         return rows
 

@@ -62,6 +62,11 @@ class Packing:
     def peer_bytes(self) -> list[int]:
         return [m.nbytes for m in self.messages[:-1]]
 
+    def own_copy(self, buf: torch.Tensor) -> torch.Tensor:
+        """The own message out of the send buffer ``buf``, a copy (``1/p`` of it), so that the
+        buffer can go once its collective is done."""
+        return buf[self.own_at : self.own_at + self.own.nbytes].clone()
+
 
 def packing(layout: BucketLayout, source: list[int], messages: list[list[int]], wire: torch.dtype | None, device,
             width: int | None = None) -> Packing:  # fmt: skip

@@ -66,6 +66,12 @@ def write(flat: torch.Tensor, pos: int, values: torch.Tensor) -> None:
     flat[pos : pos + values.numel()].copy_(values.reshape(-1))
 
 
+def spans(lo: int, n: int, step: int) -> list[tuple[int, int]]:
+    """``[lo, lo + n)`` in consecutive pieces of at most ``step`` (plain values: no groups to
+    respect); one empty piece when ``n`` is 0 (the same ops whether a rank holds such values or not)."""
+    return [(a, min(a + step, lo + n)) for a in range(lo, lo + n, max(step, 1))] or [(lo, lo)]
+
+
 class ShardReduction(Reduction):
     """What the flat and two-level reductions share: the own shard's reduction from the messages
     of every sender, the cut rows, the all-reduce's gathered decode (construction does no work).
@@ -102,15 +108,14 @@ class ShardReduction(Reduction):
         layout, plan, flat = self.layout, self.layout.shards[self.rank], self.flat
         first = self.average and self.divide_first
         for c, parts in enumerate(plan.plain_parts):
-            if parts:
-                sums = self._scale(sum_plain(rows, layout, c, 0, plan.plain_hi[c] - plan.plain_lo[c], first))
-                flag_nonfinite(self.nonfinite, sums)
-                for part in parts:
-                    a = part.at - plan.plain_lo[c]
-                    write(flat, part.lo, sums[a : a + part.hi - part.lo])
+            for part in parts:
+                for a, b in spans(part.at - plan.plain_lo[c], part.hi - part.lo, self.budget // rows.count):
+                    sums = self._scale(sum_plain(rows, layout, c, a, b, first))
+                    flag_nonfinite(self.nonfinite, sums)
+                    write(flat, part.lo + a - (part.at - plan.plain_lo[c]), sums)
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
-            for k0, k1, n_rows, cols in part_chunks(layout, part, self.budget, t is not None):
+            for k0, k1, n_rows, cols in part_chunks(layout, part, self.budget // rows.count, t is not None):
                 values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first))
                 flag_nonfinite(self.nonfinite, values)
                 write(flat, part.lo + k0 - part.at, values)
@@ -148,7 +153,7 @@ class ShardReduction(Reduction):
         out = views(msg, layout)
         first = self.average and self.divide_first
         for part in plan.coded_parts:
-            for k0, k1, _, _ in part_chunks(layout, part, self.budget, False):
+            for k0, k1, _, _ in part_chunks(layout, part, self.budget // rows.count, False):
                 values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first))
                 flag_nonfinite(self.nonfinite, values)
                 g0, g1 = layout.group_range(k0, k1)
@@ -156,11 +161,10 @@ class ShardReduction(Reduction):
                 out["coded"].index_copy_(0, own.place["coded"].index(k0 - plan.coded_lo, k1 - plan.coded_lo), enc.payload.view(-1))
                 out["groups"].index_copy_(0, own.place["groups"].index(g0 - plan.group_lo, g1 - plan.group_lo), enc.scales.view(-1))
         for c, name in enumerate(("off", "bf16")):
-            n = plan.plain_hi[c] - plan.plain_lo[c]
-            if n:
-                sums = self._scale(sum_plain(rows, layout, c, 0, n, first))
+            for a, b in spans(0, plan.plain_hi[c] - plan.plain_lo[c], self.budget // rows.count):
+                sums = self._scale(sum_plain(rows, layout, c, a, b, first))
                 flag_nonfinite(self.nonfinite, sums)
-                out[name].index_copy_(0, own.place[name].index(0, n), sums.to(layout.plain_dtypes[c]))
+                out[name].index_copy_(0, own.place[name].index(a, b), sums.to(layout.plain_dtypes[c]))
         return msg
 
 
@@ -199,7 +203,7 @@ class QuantizedReduce(ShardReduction):
         return [dist.all_to_all_single(self.recv, self.buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True)]
 
     def _rows(self) -> Rows:
-        rows = Rows(self.recv, self.buf[self.pk.own_at :], self.rank, self.pk.own)
+        rows = Rows(self.recv, self.pk.own_copy(self.buf), self.rank, self.pk.own)
         del self.buf, self.recv
         return rows
 

@@ -118,6 +118,7 @@ class ReductionQueue:
     def __init__(self, streams: StageStreams, schedule: Schedule):
         self.streams, self.schedule = streams, schedule
         self._pending: deque[_InFlight] = deque()
+        self.probe = None  # benchmarks: a callable returning a context every stage runs in (e.g. an op counter)
 
     def start(self, reduction: Reduction) -> "_InFlight":
         """Enqueue ``reduction``'s first stage (all of them when eager); returns its handle for ``wait``."""
@@ -147,7 +148,7 @@ class ReductionQueue:
 
     def _enqueue(self, flight: "_InFlight") -> None:
         s = flight.next
-        with self.streams.context(s):
+        with self.streams.context(s), (self.probe() if self.probe is not None else contextlib.nullcontext()):
             if s > 0:
                 self.streams.wait_event(s, flight.event)
             for work in flight.step.works:
