@@ -219,8 +219,7 @@ def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
 # Groups other than the matrix codec's, as kernels.whiten_encode takes them with ``lengths``:
 # "cut": a [7, 300] weight's groups cut at shard boundaries (mid-row and mid-group, at a row's
 # start, leaving groups of one element); "long": one row of three groups, one longer than a
-# BLOCK/MX chunk (as padding sent as one group is); "wide": rows wider than a chunk (ROW groups
-# read in two chunks), one cut.
+# BLOCK/MX chunk (as padding sent as one group is); "wide": rows wider than fused.MAX_TILE, one cut.
 LENGTHS = {
     "cut": ((7, 300), [1, 450, 600, 1000, 1001, 2099]),
     "long": ((1, 400), None),

@@ -27,7 +27,7 @@ per unit::
 BLOCK scaling does all of it in one kernel. ROW/MX/TENSOR take two: the first writes each unit's
 amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the second
 recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
-group wider than ``MAX_TILE``, padding given as one group) computes ``U`` of its later chunks twice.
+group given by ``lengths``, padding given as one group) computes ``U`` of its later chunks twice.
 (TENSOR scaling with ``lengths`` is not handled here: ``kernels`` takes the reference.)
 
 Receiver, ``decode_sum_unwhiten``: per unit ``S = Σ_{i<R} fp8⁻¹(code_i) · s_i`` in FP32 in rank
@@ -357,12 +357,11 @@ class _Tiling:
         unit_w = cfg.block if per_group else TILE
         upr = triton.cdiv(cols, unit_w)
         strides = {Scaling.TENSOR: (0, 0), Scaling.ROW: (1, 0)}.get(cfg.scaling, (upr, 1))
+        w = min(triton.next_power_of_2(unit_w), MAX_TILE)  # a ROW group with lengths: chunks of TILE
         if n_groups is not None:
             layout, n_units = _GROUPS.value, n_groups
-            w = min(triton.next_power_of_2(cfg.block if per_group else cols), MAX_TILE)
         else:
             layout, n_units = (_ROW_BLOCKS if row_blocks else _ORDERED).value, rows * upr
-            w = min(triton.next_power_of_2(unit_w), MAX_TILE)
         bu = max(1, min(TILE_ELEMENTS // w, triton.next_power_of_2(n_units)))
         if layout == _ROW_BLOCKS.value:
             bu = max(1, min(TILE_ELEMENTS // w, 16, triton.next_power_of_2(rows)))
