@@ -8,6 +8,7 @@ fresh process with it set, where the kernel tests below run on the CPU. Without 
 run on CUDA (``gpu``-marked: skipped on machines without it). The interpreter run also checks
 ``QuantizedReduce`` with the kernels forced on against its PyTorch path, on two gloo ranks."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -23,26 +24,62 @@ from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.config import Mode
 from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_whiten_encode
 from megatron_gift.numerics.error_feedback import ErrorFeedback
-from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode
+from megatron_gift.numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, encode, encode_flat, group_lengths
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing import run_on_ranks
+from megatron_gift.testing.dispatch import OpCounter, SyncSanitizer
+from megatron_gift.testing.spawn import wall_limit
 from tests.test_whitening import fp32_bound
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
 CONFIGS = [CodecConfig(fmt=f, scaling=s) for f in FP8Format for s in Scaling]
+# With lengths TENSOR scaling takes the reference (kernels.whiten_encode's doc).
+GROUPED_CONFIGS = [c for c in CONFIGS if c.scaling is not Scaling.TENSOR]
 SHAPES = [(1, 1), (1, 300), (20, 257)]
+KERNELS = ["_encode_kernel", "_decode_sum_kernel", "_project_kernel", "_unwhiten_kernel"]
+CUDA_GRID = (2**31 - 1, 65535, 65535)  # the most programs a CUDA grid holds per dimension
+
+
+class Launches:
+    """Records each Triton launch of ``fused``'s kernels as ``(kernel, grid)``."""
+
+    def __init__(self, monkeypatch):
+        from megatron_gift.kernels import fused
+
+        self.log: list[tuple[str, tuple]] = []
+        for name in KERNELS:
+            monkeypatch.setattr(fused, name, _Recorded(getattr(fused, name), name, self.log))
+
+    def since(self, mark: int) -> list[str]:
+        return [name for name, _ in self.log[mark:]]
+
+
+class _Recorded:
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append((self.name, tuple(grid)))
+        return self.kernel[grid]
 
 
 @pytest.fixture
 def kernels_only(monkeypatch):
-    """Fails any call that would fall back to the reference: the Triton path must be taken."""
+    """Fails any call that would fall back to the reference, records the Triton launches (the
+    test must launch one) and holds every grid to CUDA's limits (65,535 programs on dimensions 1
+    and 2: a 1-D parameter of ~8M elements once failed there)."""
 
     def fallback(*args, **kwargs):
         raise AssertionError("fell back to the PyTorch reference")
 
     monkeypatch.setattr(kernels, "reference_whiten_encode", fallback)
     monkeypatch.setattr(kernels, "reference_decode_sum_unwhiten", fallback)
+    launches = Launches(monkeypatch)
+    yield launches
+    assert launches.log, "no Triton kernel ran"
+    for name, grid in launches.log:
+        assert all(0 < n <= limit for n, limit in zip(grid, CUDA_GRID)), (name, grid)
 
 
 def _gradient(rows, cols, seed, device, special=True):
@@ -155,6 +192,19 @@ def test_decode_sum_is_bitwise(device, average, shape, cfg, kernels_only):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_blocks_wider_than_a_chunk(device, kernels_only):
+    """1 x 5000 blocks, wider than ``fused.MAX_TILE`` (read in two chunks): the encoding and the
+    rank sum bit for bit the codec's and the reference's; a block scaled by one chunk's maximum fails."""
+    cfg, shape = CodecConfig(block=5000), (2, 6000)
+    g = _gradient(*shape, seed=12, device=device)
+    g[0, 4500:5000] *= 1e3  # the first block's maximum in its second chunk
+    _assert_same_encoding(kernels.whiten_encode(g, None, cfg), encode(g, cfg))
+    payloads, scales = _messages(3, *shape, cfg, device, special=True)
+    out = kernels.decode_sum_unwhiten(payloads, scales, *shape, None, cfg, True)
+    _assert_same_bits(out, reference_decode_sum_unwhiten(payloads, scales, *shape, None, cfg, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("rank", [0, 4])
 @pytest.mark.parametrize("cfg", [CodecConfig(), CodecConfig(scaling=Scaling.ROW)], ids=lambda c: c.name)
@@ -164,6 +214,237 @@ def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
     w = _whitening(cols, rank, device)
     out = kernels.decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average)
     _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average), w)
+
+
+# Groups other than the matrix codec's, as kernels.whiten_encode takes them with ``lengths``:
+# "cut": a [7, 300] weight's groups cut at shard boundaries (mid-row and mid-group, at a row's
+# start, leaving groups of one element); "long": one row of three groups, one longer than a
+# BLOCK/MX chunk (as padding sent as one group is); "wide": rows wider than fused.MAX_TILE, one cut.
+LENGTHS = {
+    "cut": ((7, 300), [1, 450, 600, 1000, 1001, 2099]),
+    "long": ((1, 400), None),
+    "wide": ((2, 4500), [100]),
+}
+
+
+def _lengths(layout, cfg, device, dtype=torch.int64):
+    """``((rows, cols), lengths)`` of a ``LENGTHS`` layout."""
+    (rows, cols), cuts = LENGTHS[layout]
+    if cuts is None:
+        lengths = torch.tensor([3, 300, 97])
+    else:
+        ends = torch.cumsum(group_lengths(rows, cols, cfg), 0)
+        lengths = torch.diff(torch.unique(torch.cat([torch.zeros(1, dtype=torch.int64), ends, torch.tensor(cuts)])))
+    assert int(lengths.sum()) == rows * cols
+    return (rows, cols), lengths.to(device, dtype)
+
+
+def _flat_encoding(x, lengths, cfg):
+    """``fp8.encode_flat`` of ``x [rows, cols]``, its payload in the shape of ``x``."""
+    enc = encode_flat(x.reshape(-1), lengths.long(), cfg)
+    return Encoded(payload=enc.payload.view(x.shape), scales=enc.scales)
+
+
+ENCODE_LENGTHS_CASES = (
+    [(cfg, "cut", torch.int64) for cfg in GROUPED_CONFIGS]
+    + [(CodecConfig(), "cut", torch.int32), (CodecConfig(), "long", torch.int64)]
+    + [(CodecConfig(scaling=Scaling.MX), "long", torch.int64), (CodecConfig(scaling=Scaling.ROW), "wide", torch.int64)]
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,layout,dtype", ENCODE_LENGTHS_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_encode_with_lengths_is_bitwise_the_codec(device, cfg, layout, dtype, kernels_only):
+    """Groups cut mid-row, of one element, or longer than a chunk (int64 or int32 lengths): codes
+    and flat scales bit for bit ``encode_flat``'s, special values included. A unit that finds its
+    group's start, length or scale wrongly, or a long group scaled by a partial maximum, fails."""
+    (rows, cols), lengths = _lengths(layout, cfg, device, dtype)
+    g = _gradient(rows, cols, seed=3, device=device)
+    _assert_same_encoding(kernels.whiten_encode(g, None, cfg, lengths=lengths), _flat_encoding(g, lengths, cfg))
+
+
+GROUPED_WHITEN_CASES = [(CodecConfig(scaling=s), "cut", 4) for s in (Scaling.BLOCK, Scaling.ROW, Scaling.MX)] + [
+    (CodecConfig(), "cut", 0),
+    (CodecConfig(fmt=FP8Format.E5M2), "cut", 4),
+    (CodecConfig(), "long", 4),
+    (CodecConfig(scaling=Scaling.MX), "long", 4),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,layout,rank", GROUPED_WHITEN_CASES, ids=lambda v: getattr(v, "name", v))
+def test_whiten_encode_with_lengths(device, cfg, layout, rank, kernels_only):
+    """With ``lengths``: ``U = G T`` to FP32 rounding (into a non-contiguous ``out``), and its
+    encoding bit for bit ``encode_flat``'s of that ``U``; a unit with the wrong row or columns of
+    ``T``, or a long group whose ``U`` differs between the amax and the encoding pass, fails."""
+    (rows, cols), lengths = _lengths(layout, cfg, device)
+    g = _gradient(rows, cols, seed=4, device=device, special=False)
+    w = _whitening(cols, rank, device)
+    u, u_ref = torch.empty(cols, rows, device=device).T, torch.empty_like(g)
+    enc = kernels.whiten_encode(g, w, cfg, out=u, lengths=lengths)
+    reference_whiten_encode(g, w, cfg, out=u_ref, lengths=lengths)
+    _assert_fp32_close(u, u_ref, w)
+    _assert_same_encoding(enc, _flat_encoding(u, lengths, cfg))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encode_reads_half_precision(device, dtype, kernels_only):
+    """A BF16/FP16 gradient is read as FP32 in the kernel: the codes and scales of ``encode(g.float())``."""
+    g = _gradient(20, 257, seed=6, device=device).to(dtype)
+    _assert_same_encoding(kernels.whiten_encode(g, None, CodecConfig()), encode(g.float(), CodecConfig()))
+
+
+def _received(world, rows, cols, cfg, device, lengths=None, special=True):
+    """``world`` ranks' messages as ``[world, ·]`` payloads and scales, and as views into one receive
+    buffer laid out as on the wire (each row: the scales, then the payload; rows strided)."""
+    encs = []
+    for seed in range(world):
+        g = _gradient(rows, cols, 10 + seed, device, special)
+        encs.append(encode(g, cfg) if lengths is None else _flat_encoding(g, lengths, cfg))
+    payloads = torch.stack([e.payload.reshape(-1) for e in encs])
+    scales = torch.stack([e.scales.reshape(-1) for e in encs])
+    scale_bytes = scales.shape[1] * scales.element_size()
+    offset = -(-scale_bytes // 4) * 4
+    buf = torch.zeros(world, offset + -(-payloads.shape[1] // 4) * 4 + 4, dtype=torch.uint8, device=device)
+    buf[:, :scale_bytes] = scales.view(torch.uint8)
+    buf[:, offset : offset + payloads.shape[1]] = payloads
+    return (payloads, scales), (buf[:, offset : offset + payloads.shape[1]], buf[:, :scale_bytes].view(scales.dtype))
+
+
+# Parts of the ranks' rows: one tensor, or (before the own rank, own, after) for 5 ranks.
+SPLITS = {"tensor": None, "middle": (2, 1, 2), "first": (0, 1, 4), "last": (4, 1, 0)}
+
+
+def _split(t, counts):
+    """``t``'s rows as parts of ``counts`` rows each (``t`` itself for None)."""
+    if counts is None:
+        return t
+    ends = list(itertools.accumulate(counts))
+    return [t[a:b] for a, b in zip([0, *ends], ends)]
+
+
+DECODE_CASES = (
+    [(cfg, None, "middle") for cfg in CONFIGS]
+    + [(cfg, "cut", "middle") for cfg in GROUPED_CONFIGS]
+    + [(cfg, "cut", split) for cfg in (CodecConfig(), CodecConfig(FP8Format.E5M2, Scaling.MX)) for split in ("tensor", "first", "last")]
+    + [(CodecConfig(), "long", "middle"), (CodecConfig(scaling=Scaling.ROW), "wide", "middle")]
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,layout,split", DECODE_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_decode_parts_is_bitwise(device, cfg, layout, split, kernels_only):
+    """The rank sum of 5 ranks given as parts of a receive buffer (strided rows, an empty part
+    first or last), with groups cut mid-row or longer than a chunk: bit for bit the reference's
+    from contiguous messages, summed and averaged; a part skipped, added out of order or read with
+    the wrong row stride, or a group's scale misplaced, fails."""
+    (rows, cols), lengths = _lengths(layout, cfg, device) if layout else ((7, 300), None)
+    (payloads, scales), (recv_payloads, recv_scales) = _received(5, rows, cols, cfg, device, lengths)
+    parts = (_split(recv_payloads, SPLITS[split]), _split(recv_scales, SPLITS[split]))
+    for average in (False, True):
+        out = kernels.decode_sum_unwhiten(*parts, rows, cols, None, cfg, average, lengths=lengths)
+        ref = reference_decode_sum_unwhiten(payloads, scales, rows, cols, None, cfg, average, lengths=lengths)
+        _assert_same_bits(out, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "cfg,layout",
+    [(c, None if c.scaling is Scaling.TENSOR else "cut") for c in CONFIGS]
+    + [(CodecConfig(), None), (CodecConfig(FP8Format.E5M2, Scaling.MX), None)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")  # numpy, interpreted
+def test_decode_every_code_and_scale(device, cfg, layout, kernels_only):
+    """Every FP8 code (NaN and Inf codes, subnormals, -0) times FP32 scales from subnormal to
+    huge, or every E8M0 scale (2^-127, a subnormal, to +Inf): the rank sum bit for bit the
+    reference's (NaN as NaN). A wrong code table, a flushed subnormal or an E8M0 decode other
+    than ``fp8.scale_values`` fails."""
+    (rows, cols), lengths = _lengths(layout, cfg, device) if layout else ((7, 300), None)
+    world, n = 3, rows * cols
+    n_groups = lengths.numel() if layout else cfg.groups(rows, cols)[0] * cfg.groups(rows, cols)[1]
+    payloads = (torch.arange(world * n) * 7 % 256).to(torch.uint8).view(world, n)
+    gen = torch.Generator().manual_seed(7)
+    if cfg.scaling is Scaling.MX:
+        scales = torch.randint(0, 256, (world, n_groups), generator=gen, dtype=torch.uint8)
+        scales.view(-1)[: min(256, scales.numel())] = torch.arange(min(256, scales.numel()), dtype=torch.uint8)
+    else:
+        pool = torch.tensor([2.0**-126, 1e-40, 0.1, 1.0, 7.5, 3e35])
+        scales = pool[torch.randint(0, len(pool), (world, n_groups), generator=gen)]
+    payloads, scales = payloads.to(device), scales.to(device)
+    for average in (False, True):
+        out = kernels.decode_sum_unwhiten(payloads, scales, rows, cols, None, cfg, average, lengths=lengths)
+        ref = reference_decode_sum_unwhiten(payloads, scales, rows, cols, None, cfg, average, lengths=lengths)
+        _assert_same_bits(out, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rank", [0, 4])
+@pytest.mark.parametrize("cfg", [CodecConfig(), CodecConfig(scaling=Scaling.MX)], ids=lambda c: c.name)
+def test_decode_sum_unwhiten_parts_with_lengths(device, rank, cfg, kernels_only):
+    """Parts of a receive buffer and groups cut mid-row, then ``T⁻¹``: the reference's to FP32 rounding."""
+    (rows, cols), lengths = _lengths("cut", cfg, device)
+    (payloads, scales), (recv_payloads, recv_scales) = _received(5, rows, cols, cfg, device, lengths, special=False)
+    w = _whitening(cols, rank, device)
+    parts = (_split(recv_payloads, SPLITS["middle"]), _split(recv_scales, SPLITS["middle"]))
+    out = kernels.decode_sum_unwhiten(*parts, rows, cols, w, cfg, True, lengths=lengths)
+    _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, True, lengths=lengths), w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rank", [None, 4])
+def test_launches_do_not_grow_with_ranks(device, rank, kernels_only):
+    """Decode: one launch for the rank sum of any number of ranks in three parts (+ ``P'`` and
+    ``T⁻¹`` with whitening), the same ATen ops at 2, 5 and 9 ranks; encode: fixed launches; none of
+    them synchronises the host (``SyncSanitizer``). A loop over ranks or parts on the host, or a
+    ``.item()``, fails."""
+    cfg = CodecConfig()
+    (rows, cols), cut = _lengths("cut", cfg, device)
+    w = None if rank is None else _whitening(cols, rank, device)
+    whitening = [] if w is None else ["_project_kernel"]
+    g = _gradient(rows, cols, seed=8, device=device, special=False)
+    for lengths in (None, cut):
+        mark = len(kernels_only.log)
+        with SyncSanitizer() as sync:
+            kernels.whiten_encode(g, w, cfg, lengths=lengths)
+        assert kernels_only.since(mark) == [*whitening, "_encode_kernel"] and not sync.events, sync.counts()
+        ops = {}
+        for world in (2, 5, 9):
+            _, (recv_payloads, recv_scales) = _received(world, rows, cols, cfg, device, lengths, special=False)
+            split = (1, 1, world - 2)
+            mark = len(kernels_only.log)
+            with SyncSanitizer() as sync, OpCounter() as count:
+                kernels.decode_sum_unwhiten(_split(recv_payloads, split), _split(recv_scales, split), rows, cols, w, cfg,
+                                            True, lengths=lengths)  # fmt: skip
+            assert not sync.events, sync.counts()
+            unwhiten = [] if w is None else ["_project_kernel", "_unwhiten_kernel"]
+            assert kernels_only.since(mark) == ["_decode_sum_kernel", *unwhiten]
+            ops[world] = count.by_op
+        assert ops[2] == ops[5] == ops[9], ops
+
+
+# A 1-D parameter of more groups than CUDA grids hold on dimension 1 (where the old grid put
+# cdiv(cols, block)): one-element groups keep it cheap in the interpreter; CUDA also runs ~8.4M
+# elements of 1x128 blocks.
+GRID_CASES = [(CodecConfig(block=1), 70_000)] + ([] if INTERPRET else [(CodecConfig(), 65_600 * 128)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,cols", GRID_CASES, ids=lambda v: getattr(v, "name", v))
+def test_one_row_of_more_than_65535_tiles(device, cfg, cols, kernels_only):
+    """Encode and decode of a ``[1, cols]`` parameter with more than 65,535 groups, with and
+    without lengths, bit for bit the codec's and the reference's; ``kernels_only`` holds the grids
+    to CUDA's limits."""
+    assert cols // cfg.block > 65_535
+    g = _gradient(1, cols, seed=9, device=device)
+    ref = encode(g, cfg)
+    for lengths in (None, group_lengths(1, cols, cfg, device=device)):
+        enc = kernels.whiten_encode(g, None, cfg, lengths=lengths)
+        _assert_same_encoding(enc, ref if lengths is None else Encoded(ref.payload, ref.scales.reshape(-1)))
+        payloads, scales = enc.payload.view(1, -1).expand(2, -1), enc.scales.reshape(1, -1).expand(2, -1)
+        out = kernels.decode_sum_unwhiten(payloads, scales, 1, cols, None, cfg, True, lengths=lengths)
+        _assert_same_bits(out, reference_decode_sum_unwhiten(payloads, scales, 1, cols, None, cfg, True, lengths=lengths))
 
 
 # Two shards of 800: "c" has a row cut by the boundary (row 0: 20 columns in shard 0) and whole
@@ -235,7 +516,7 @@ def _comm_worker(rank, world):
 
 def _run(args, **env):
     env = {**os.environ, **env}
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=wall_limit(900))
 
 
 if INTERPRET:
@@ -281,22 +562,42 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         summary = proc.stdout.strip().splitlines()[-1]
         assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
 
-    E4M3 = dict(MANT=3, BIAS=7, E4M3=True)
-    E5M2 = dict(MANT=2, BIAS=15, E4M3=False)
+    E4M3 = dict(MANT=3, BIAS=7, E4M3=True, E8M0=False)
+    E5M2_MX = dict(MANT=2, BIAS=15, E4M3=False, E8M0=True)
+    ROW_BLOCKS, GROUPS, ORDERED = dict(LAYOUT=1, ONE_CHUNK=True), dict(LAYOUT=2, ONE_CHUNK=False), dict(LAYOUT=0, ONE_CHUNK=True)
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
     SM90_CASES = [
-        ("_whiten_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **E4M3), True, True),
-        ("_whiten_encode_kernel", dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **E5M2), False, False),
-        ("_whiten_encode_kernel", dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **E5M2), False, True),
-        ("_decode_sum_kernel", dict(AVERAGE=True, **E4M3), False, True),
-        ("_decode_sum_kernel", dict(AVERAGE=False, **E5M2), False, False),
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_BLOCKS, **E4M3), True, True),
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3), False, True),
+        ("_encode_kernel", dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **GROUPS, **E5M2_MX), False, False),
+        ("_encode_kernel", dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX), False, True),
+        ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=448.0, **ORDERED, **E4M3), False, True),
+        ("_decode_sum_kernel", dict(AVERAGE=True, **GROUPS, **E4M3), False, True),
+        ("_decode_sum_kernel", dict(AVERAGE=False, **ORDERED, **E5M2_MX), False, False),
+        ("_project_kernel", dict(SCALE_D=True, BM=16, BK=64, BR=32), True, False),
         ("_unwhiten_kernel", {}, True, False),
     ]
+
+    def _signature(kernel, constexprs):
+        """Triton types of ``kernel``'s arguments: codes uint8, scales E8M0 bytes or FP32, group
+        ends int64, other pointers FP32, integers int32."""
+
+        def pointer(name):
+            if name.startswith("code"):
+                return "*u8"
+            if name.startswith("scale"):
+                return "*u8" if constexprs.get("E8M0") and constexprs.get("PASS") != 2 else "*fp32"
+            return "*i64" if name == "ends_ptr" else "*fp32"
+
+        return {
+            a: "constexpr" if a in constexprs else pointer(a) if a.endswith("_ptr") else "i32" for a in kernel.arg_names
+        }
 
     @pytest.mark.parametrize("name,constexprs,fusion,divides", SM90_CASES)
     def test_kernels_compile_for_sm90(name, constexprs, fusion, divides):
         """Without a GPU: each kernel compiles to an sm_90 cubin, divides with IEEE rounding, never
-        flushes subnormals, and leaves products unfused where the launcher turns FMA off."""
+        flushes subnormals, leaves products unfused where the launcher turns FMA off, and never
+        multiplies in TF32 (the whitening products are true FP32)."""
         from triton import compile as triton_compile
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -304,20 +605,39 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         from megatron_gift.kernels import fused
 
         kernel = getattr(fused, name)
-        tile = {"WIDTH": 128, "BLOCK_R": 16, "BLOCK_C": 128}
+        tile = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
         constexprs = {**{k: v for k, v in tile.items() if k in kernel.arg_names}, **constexprs}
-        pointers = {"code_ptr": "*u8", "scale_ptr": "*i16" if constexprs.get("PASS") == 2 else "*fp32"}
-        signature = {
-            a: "constexpr" if a in constexprs else pointers.get(a, "*fp32") if a.endswith("_ptr") else "i32"
-            for a in kernel.arg_names
-        }
+        signature = _signature(kernel, constexprs)
         src = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
         asm = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": fusion}).asm
         assert asm["cubin"]
         ptx = asm["ptx"]
-        assert ".ftz" not in ptx
+        assert ".ftz" not in ptx and "tf32" not in ptx
         assert ("div.rn.f32" in ptx) == divides and "div.full" not in ptx and "div.approx" not in ptx
         assert fusion or "fma." not in ptx
+
+    @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+    @pytest.mark.parametrize("shape,split", [((2, 1), (1, 1)), ((7, 300), (7,)), ((7, 300), (2, 1, 4)),
+                                             ((7, 300), (0, 1, 6)), ((64, 1000), (31, 1, 32)), ((64, 1000), (63, 1, 0))])  # fmt: skip
+    def test_ordered_sum_is_sequential(device, shape, split):
+        """``ordered_sum`` over any split into parts is bit for bit ``acc = x_0.clone(); acc += x_i``
+        in row order, the receivers' summation order on every rank. On the CPU it relies on
+        ``index_add_`` adding its source's rows one after another in index order (ATen's
+        ``index_add_cpu_`` loops over the index, each step an elementwise ``add_`` of one source row
+        into the selected row, so no reassociation across rows); a pairwise or parallel reduction
+        over the rows fails here, as the data is order-sensitive (the reversed loop differs)."""
+        gen = torch.Generator().manual_seed(11)
+        x = (torch.randn(shape, generator=gen) * torch.exp(4 * torch.randn(shape, generator=gen))).to(device)
+        acc = x[0].clone()
+        for row in x[1:]:
+            acc += row
+        got = kernels.ordered_sum(_split(x, split))
+        assert torch.equal(got.view(torch.int32), acc.view(torch.int32))
+        if shape[0] > 2:
+            backwards = x[-1].clone()
+            for row in x.flip(0)[1:]:
+                backwards += row
+            assert not torch.equal(backwards, acc)
 
     def test_imports_and_falls_back_without_triton():
         code = textwrap.dedent(

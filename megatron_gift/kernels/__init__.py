@@ -4,15 +4,18 @@ code as reference and fallback:
 - sender, ``whiten_encode``: ``U = G T`` and its FP8 codes and scales in one pass over ``G``
   after the small ``G Q`` (1x128 block scales; TENSOR/ROW/MX scaling take two passes);
 - receiver, ``decode_sum_unwhiten``: decode R ranks' messages, sum them in FP32 in rank order,
-  ``÷ R`` if averaging, and apply ``T⁻¹``.
+  ``÷ R`` if averaging, and apply ``T⁻¹``: one launch for the sum whatever R.
 
 Each agrees with ``reference_whiten_encode`` / ``reference_decode_sum_unwhiten``: ``U`` and
-``T⁻¹`` to FP32 rounding; the codes and scales bit for bit those of ``fp8.encode(U)`` (so those of
-the reference where there is no whitening), and the rank sum bit for bit. The kernels' math is in
+``T⁻¹`` to FP32 rounding (true FP32: no TF32 whatever cuBLAS is told); the codes and scales bit
+for bit those of ``fp8.encode(U)`` / ``fp8.encode_flat(U, lengths)`` (so those of the reference
+where there is no whitening), and the rank sum bit for bit. The kernels' math is in
 ``kernels/fused.py``. They run where ``available(device)``: on CUDA, or on the CPU under Triton's
 interpreter (``TRITON_INTERPRET=1``, set before the first call here: triton reads it when the
-kernels are defined), for every scaling with groups up to ``fused.MAX_TILE`` wide; elsewhere,
-and without triton, the reference runs.
+kernels are defined), for every format, scaling and block size, with or without ``lengths`` and
+messages in up to ``fused.MAX_PARTS`` non-empty parts. The reference runs instead for TENSOR
+scaling with ``lengths``, for more parts, for empty inputs, elsewhere, and without triton.
+The kernel path never synchronises the host with the device.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..numerics.fp8 import CodecConfig, Encoded
+from ..numerics.fp8 import CodecConfig, Encoded, Scaling
 from ..numerics.whitening import LowRankWhitening
 from .reference import ordered_sum, reference_decode_sum_unwhiten, reference_whiten_encode
 
@@ -56,8 +59,8 @@ def available(device: torch.device) -> bool:
     return _fused() is not None
 
 
-def _use_kernels(t: torch.Tensor, cfg: CodecConfig) -> bool:
-    return t.numel() > 0 and available(t.device) and cfg.block <= _fused().MAX_TILE
+def _use_kernels(device: torch.device, numel: int, cfg: CodecConfig, lengths: torch.Tensor | None) -> bool:
+    return numel > 0 and available(device) and (lengths is None or cfg.scaling is not Scaling.TENSOR)
 
 
 def whiten_encode(
@@ -66,10 +69,11 @@ def whiten_encode(
 ) -> Encoded:  # fmt: skip
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
     ``[rows, cols]`` uint8, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
-    ``lengths``: groups in memory order other than the matrix codec's); ``out``, when given,
-    receives ``G T`` in FP32 (e.g. for error feedback)."""
-    if lengths is None and _use_kernels(g, cfg):
-        return _fused().whiten_encode(g, whitening, cfg, out=out)
+    ``lengths``: groups in memory order other than the matrix codec's, each inside one row unless
+    the scaling is per tensor); ``out``, when given, receives ``G T`` in FP32 (e.g. for error
+    feedback)."""
+    if _use_kernels(g.device, g.numel(), cfg, lengths):
+        return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
     return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
 
 
@@ -87,6 +91,7 @@ def decode_sum_unwhiten(
     messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them
     (grouped by ``lengths`` when given), each also as a sequence of parts whose rows in turn are the
     ranks in order (``reference``'s module doc)."""
-    if isinstance(payloads, torch.Tensor) and lengths is None and _use_kernels(payloads, cfg):
-        return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average)
+    parts = [p for p in ([payloads] if isinstance(payloads, torch.Tensor) else payloads) if p.shape[0] > 0]
+    if parts and _use_kernels(parts[0].device, rows * cols, cfg, lengths) and len(parts) <= _fused().MAX_PARTS:
+        return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)
     return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)

@@ -1,52 +1,82 @@
 """Triton kernels of the two hot paths (imports triton; see the package docstring for when).
 
-Shapes: gradient ``G [rows, cols]`` FP32, whitening rank ``r``, ``Q [cols, r]``, ``R`` ranks.
-A program owns a tile of ``BLOCK_R`` rows x ``WIDTH`` columns: one scaling group per row for
-BLOCK/MX scaling, 128 columns otherwise.
+Shapes: gradient ``G [rows, cols]`` (FP32, BF16 or FP16, read as FP32), ``n = rows·cols``,
+whitening rank ``r``, ``Q [cols, r]``, ``R`` ranks.
 
-Sender, ``whiten_encode``: ``P = G (D^{-1/2} Q) diag(c)`` ([rows, r], torch.matmul), then per tile::
+Tiling. The flat ``G`` is cut into *units*, contiguous runs inside one scaling group; a program
+owns ``BU`` units and reads them in chunks of ``W`` elements (one chunk unless a unit is longer).
+The grid is 1-D (dimension 0: up to 2^31-1 programs, so no shape limit). ``_units`` lays them out:
+
+- ``_ORDERED``: without ``lengths``, the matrix codec's groups (BLOCK/MX: 1 x block) or, for
+  ROW/TENSOR scaling, ``TILE`` columns of a row (torch reduces their maxima to the group's),
+  ``BU`` consecutive ones per program;
+- ``_ROW_BLOCKS``: the same units, a program taking the same columns of ``BU`` consecutive rows
+  so that they share the loads of ``D`` and ``Q`` (the sender with whitening);
+- ``_GROUPS``: with ``lengths`` (groups in memory order, e.g. cut at shard boundaries), a unit is
+  a group, found from the inclusive cumsum of ``lengths``; with whitening each group must lie
+  inside one row (the layout's groups do): a unit's row is that of its first element.
+
+Sender, ``whiten_encode``: ``P = G (D^{-1/2} Q) diag(c)`` ([rows, r], ``_project_kernel``), then
+per unit::
 
     U = G D^{-1/2} + P Qᵀ                   (= G T, r FP32 rank-1 updates)
-    amax = max |U| over the finite values of each group
+    amax = max |U| over the finite values of the group
     s = max(amax / fp8_max, 2^-126), 1 where amax = 0   (FP32, as fp8.scales_from_amax)
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
-BLOCK scaling does all of it in one pass. TENSOR/ROW/MX groups span tiles (or need E8M0
-scales): a first pass writes the per-tile amax, ``fp8.scales_from_amax`` turns the groups'
-maxima into scales, and a second pass recomputes ``U`` and encodes it.
+BLOCK scaling does all of it in one kernel. ROW/MX/TENSOR take two: the first writes each unit's
+amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the second
+recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
+group given by ``lengths``, padding given as one group) computes ``U`` of its later chunks twice.
+(TENSOR scaling with ``lengths`` is not handled here: ``kernels`` takes the reference.)
 
-Receiver, ``decode_sum_unwhiten``: per tile ``S = Σ_{i<R} fp8⁻¹(code_i) · s_i`` in FP32, rank 0
-first and in rank order (as ``reference.rank_order_sum``), ``÷ R`` when averaging; then
-``P' = S Q diag(c')`` (torch.matmul) and ``S T⁻¹ = (S + P' Qᵀ) D^{1/2}`` in place.
+Receiver, ``decode_sum_unwhiten``: per unit ``S = Σ_{i<R} fp8⁻¹(code_i) · s_i`` in FP32 in rank
+order (``acc = -0``, then ``acc += x_i``: the same bits as ``reference.ordered_sum``'s
+``acc = x_0; acc += x_1 ...``, since ``-0 + x = x``), over up to ``MAX_PARTS`` parts of rows in
+one launch, ``÷ R`` when averaging; then ``P' = S Q diag(c')`` (``_project_kernel``) and
+``S T⁻¹ = (S + P' Qᵀ) D^{1/2}`` in place.
 
-The FP8 codes are built and read with integer arithmetic on the FP32 bits (no FP8 dtypes),
-which Triton's CPU interpreter runs as well as the GPU, and divisions are IEEE-rounded
-(``div_rn``), so codes, scales and the rank sum are bit for bit those of ``numerics.fp8``.
+The FP8 codes and E8M0 scales are built and read with integer arithmetic on the FP32 bits (no
+FP8 dtypes), which Triton's CPU interpreter runs as well as the GPU, divisions are IEEE-rounded
+(``div_rn``), and FMA contraction is off wherever a product must be rounded as the reference
+rounds it or ``U`` is computed twice, so codes, scales and the rank sum are bit for bit those of
+``numerics.fp8``. No wrapper reads device data on the host: launches and shapes depend only on
+the arguments' shapes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, scale_values, scales_from_amax
+from ..numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, scales_from_amax
 from ..numerics.whitening import LowRankWhitening
 
-TILE = 128  # columns of a tile where the scaling group is not a 1 x block group
-MAX_TILE = 4096  # elements of a tile: BLOCK_R shrinks as groups grow; wider groups take the reference
+TILE = 128  # columns of a unit where the scaling group is a whole row or tensor
+MAX_TILE = 4096  # elements of a chunk: wider groups are read in several chunks
+TILE_ELEMENTS = 2048  # elements of a program's tile (BU x W) where its units allow
+MAX_PARTS = 3  # parts of rows one decode launch takes (before the own rank, own, after)
+_READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# The passes of _whiten_encode_kernel.
+# The passes of _encode_kernel.
 _AMAX, _ENCODE, _FUSED_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# The unit layouts of _units (module doc): the matrix codec's units in memory order or the same
+# columns of consecutive rows, or the groups of ``lengths``.
+_ORDERED, _ROW_BLOCKS, _GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
 def _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols):
-    """``x + P[r, :] Qᵀ[:, c]`` for an FP32 tile ``x``, by ``rank`` rank-1 updates."""
+    """``x + P[r, :] Qᵀ[:, c]`` for an FP32 tile ``x`` (rows ``r [B]``, columns ``c [1 or B, W]``),
+    by ``rank`` rank-1 updates."""
     for k in range(rank):
         pk = tl.load(p_ptr + r * rank + k, mask=rmask, other=0.0)
         qk = tl.load(qt_ptr + k * cols + c, mask=cmask, other=0.0)
-        x += pk[:, None] * qk[None, :]
+        x += pk[:, None] * qk
     return x
 
 
@@ -90,162 +120,373 @@ def _fp8_value(code, MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr)
 
 
 @triton.jit
-def _whiten_encode_kernel(
-    g_ptr, dinv_ptr, p_ptr, qt_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr,
-    rows, cols, rank, scale_row_stride, scale_col_stride,
-    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    WHITEN: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, E4M3: tl.constexpr,
-):
-    pid_c = tl.program_id(1)
-    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    j = tl.arange(0, BLOCK_C)
-    c = pid_c * WIDTH + j
-    rmask = r < rows
-    cmask = (j < WIDTH) & (c < cols)
-    mask = rmask[:, None] & cmask[None, :]
-    offs = r[:, None] * cols + c[None, :]
-    u = tl.load(g_ptr + offs, mask=mask, other=0.0)
+def _scale_value(s, E8M0: tl.constexpr):
+    """FP32 scale of a stored one: an E8M0 code ``e`` is ``2^(e-127)`` (``fp8.scale_values``; code 0
+    is the subnormal 2^-127, 255 is +Inf), FP32 scales pass through."""
+    if E8M0:
+        e = s.to(tl.int32)
+        s = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _units(ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+           UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
+           ONE_CHUNK: tl.constexpr):  # fmt: skip
+    """This program's units: ``(start [BU], length [BU, 1], row [BU], col0, mask [BU], unit [BU],
+    scale index [BU], chunks)``; ``col0``, the first column, is one for all units with
+    ``_ROW_BLOCKS``, else ``[BU, 1]``; ``unit`` numbers the units in memory order; ``chunks``
+    of ``W`` elements cover the longest unit."""
+    pid = tl.program_id(0).to(tl.int64)
+    if LAYOUT == _ROW_BLOCKS:  # block kb (UNIT_W columns) of BU consecutive rows
+        kb = pid // n_row_blocks
+        row = (pid % n_row_blocks) * BU + tl.arange(0, BU)
+        mask = row < rows
+        col0 = kb * UNIT_W
+        start = row * cols + col0
+        length = tl.zeros([BU, 1], tl.int64) + tl.minimum(cols - col0, UNIT_W)
+        unit = row * units_per_row + kb
+        scale_index = row * scale_row_stride + kb * scale_col_stride
+    else:  # BU consecutive units
+        unit = pid * BU + tl.arange(0, BU)
+        mask = unit < n_units
+        if LAYOUT == _GROUPS:  # ends = cumsum(lengths)
+            end = tl.load(ends_ptr + unit, mask=mask, other=0)
+            start = tl.load(ends_ptr + unit - 1, mask=mask & (unit > 0), other=0)
+            row = start // cols
+            col0 = start - row * cols
+            length = end - start
+            scale_index = unit
+        else:
+            row = unit // units_per_row
+            kb = unit - row * units_per_row
+            col0 = kb * UNIT_W
+            start = row * cols + col0
+            length = tl.minimum(cols - col0, UNIT_W)
+            scale_index = row * scale_row_stride + kb * scale_col_stride
+        length = length[:, None]
+        col0 = col0[:, None]
+    if ONE_CHUNK:
+        chunks = 1
+    else:
+        chunks = tl.cdiv(tl.max(length), W)
+    return start, length, row, col0, mask, unit, scale_index, chunks
+
+
+@triton.jit
+def _chunk(start, length, umask, ch, W: tl.constexpr):
+    """Offsets in the units, flat offsets and mask (``[BU, W]``) of chunk ``ch`` of the units."""
+    off = ch * W + tl.arange(0, W)[None, :]
+    return off, start[:, None] + off, umask[:, None] & (off < length)
+
+
+@triton.jit
+def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank,
+             W: tl.constexpr, WHITEN: tl.constexpr):  # fmt: skip
+    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each."""
+    off, flat, mask = _chunk(start, length, umask, ch, W)
+    u = tl.load(g_ptr + flat, mask=mask, other=0.0).to(tl.float32)
     if WHITEN:
-        u = u * tl.load(dinv_ptr + c, mask=cmask, other=0.0)[None, :]
-        u = _plus_low_rank(u, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
+        col = col0 + off
+        cmask = col < cols
+        u = u * tl.load(dinv_ptr + col, mask=cmask, other=0.0)
+        u = _plus_low_rank(u, p_ptr, qt_ptr, row, col, umask, cmask, rank, cols)
+    return u, flat, mask
+
+
+@triton.jit
+def _finite_amax(u, mask):
+    a = tl.abs(u)
+    return tl.max(tl.where(mask & (a < float("inf")), a, 0.0), axis=1)
+
+
+@triton.jit
+def _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U: tl.constexpr, MANT: tl.constexpr,
+                 BIAS: tl.constexpr, FMAX: tl.constexpr, E4M3: tl.constexpr):  # fmt: skip
+    y = tl.math.div_rn(u, tl.broadcast_to(s[:, None], u.shape))
+    tl.store(code_ptr + flat, _fp8_code(y, MANT, BIAS, FMAX, E4M3).to(tl.uint8), mask=mask)
+    if STORE_U:
+        tl.store(u_ptr + flat, u, mask=mask)
+
+
+@triton.jit
+def _encode_kernel(
+    g_ptr, ends_ptr, dinv_ptr, p_ptr, qt_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr,
+    n_units, rows, cols, rank, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+    UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    WHITEN: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr,
+    MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, E4M3: tl.constexpr, E8M0: tl.constexpr,
+):  # fmt: skip
+    start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
+        ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+        UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
+    )  # fmt: skip
+    u, flat, mask = _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, 0, cols, rank, W, WHITEN)
     if PASS != _ENCODE:
-        a = tl.abs(u)
-        amax = tl.max(tl.where(a < float("inf"), a, 0.0), axis=1)
+        amax = _finite_amax(u, mask)
+        if not ONE_CHUNK:
+            for ch in range(1, n_chunks):
+                uc, fc, mc = _chunk_u(
+                    g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN
+                )
+                amax = tl.maximum(amax, _finite_amax(uc, mc))
     if PASS == _AMAX:
-        tl.store(amax_ptr + r * tl.num_programs(1) + pid_c, amax, mask=rmask)
+        tl.store(amax_ptr + unit, amax, mask=umask)
     else:
         if PASS == _FUSED_BLOCK:  # the FP32 scale of fp8.scales_from_amax
             s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 2.0**-126)
             s = tl.where(amax.to(tl.int32, bitcast=True) > 0, s, 1.0)
-            tl.store(scale_ptr + r * scale_row_stride + pid_c, s, mask=rmask)
+            tl.store(scale_ptr + scale_index, s, mask=umask)
         else:
-            s = tl.load(scale_ptr + r * scale_row_stride + pid_c * scale_col_stride, mask=rmask, other=1.0)
-        y = tl.math.div_rn(u, tl.broadcast_to(s[:, None], u.shape))
-        tl.store(code_ptr + offs, _fp8_code(y, MANT, BIAS, FMAX, E4M3).to(tl.uint8), mask=mask)
-        if STORE_U:
-            tl.store(u_ptr + offs, u, mask=mask)
+            s = _scale_value(tl.load(scale_ptr + scale_index, mask=umask, other=1), E8M0)
+        _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, E4M3)
+        if not ONE_CHUNK:
+            for ch in range(1, n_chunks):
+                uc, fc, mc = _chunk_u(
+                    g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN
+                )
+                _store_codes(uc, fc, mc, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, E4M3)
+
+
+@triton.jit
+def _add_rows(acc, code_ptr, scale_ptr, k, code_stride, scale_stride, flat, scale_index, mask, umask,
+              MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr, E8M0: tl.constexpr):  # fmt: skip
+    """``acc + x_0 + x_1 + ...`` (left to right) over the ``k`` rows of one part,
+    ``x_i = fp8⁻¹(code_i) · s_i``."""
+    codes = code_ptr + flat
+    scales = scale_ptr + scale_index
+    for _ in range(k):
+        x = _fp8_value(tl.load(codes, mask=mask, other=0).to(tl.int32), MANT, BIAS, E4M3)
+        acc += x * _scale_value(tl.load(scales, mask=umask, other=1), E8M0)[:, None]
+        codes += code_stride
+        scales += scale_stride
+    return acc
 
 
 @triton.jit
 def _decode_sum_kernel(
-    code_ptr, scale_ptr, out_ptr, world, n, n_groups, rows, cols, scale_row_stride, scale_col_stride,
-    AVERAGE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr,
-):
-    pid_c = tl.program_id(1)
-    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    j = tl.arange(0, BLOCK_C)
-    c = pid_c * WIDTH + j
-    rmask = r < rows
-    mask = rmask[:, None] & ((j < WIDTH) & (c < cols))[None, :]
-    offs = r[:, None] * cols + c[None, :]
-    codes = code_ptr + offs
-    scales = scale_ptr + r * scale_row_stride + pid_c * scale_col_stride
-    acc = _fp8_value(tl.load(codes, mask=mask, other=0).to(tl.int32), MANT, BIAS, E4M3)
-    acc = acc * tl.load(scales, mask=rmask, other=1.0)[:, None]
-    for _ in range(1, world):
-        codes += n
-        scales += n_groups
-        x = _fp8_value(tl.load(codes, mask=mask, other=0).to(tl.int32), MANT, BIAS, E4M3)
-        acc += x * tl.load(scales, mask=rmask, other=1.0)[:, None]
-    if AVERAGE:
-        acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
-    tl.store(out_ptr + offs, acc, mask=mask)
+    out_ptr, ends_ptr,
+    code0_ptr, scale0_ptr, k0, code_stride0, scale_stride0,
+    code1_ptr, scale1_ptr, k1, code_stride1, scale_stride1,
+    code2_ptr, scale2_ptr, k2, code_stride2, scale_stride2,
+    world, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+    AVERAGE: tl.constexpr, UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr, E8M0: tl.constexpr,
+):  # fmt: skip
+    start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
+        ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+        UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
+    )  # fmt: skip
+    for ch in range(n_chunks):
+        _, flat, mask = _chunk(start, length, umask, ch, W)
+        acc = tl.full([BU, W], -0.0, tl.float32)
+        acc = _add_rows(acc, code0_ptr, scale0_ptr, k0, code_stride0, scale_stride0, flat, scale_index, mask, umask,
+                        MANT, BIAS, E4M3, E8M0)
+        acc = _add_rows(acc, code1_ptr, scale1_ptr, k1, code_stride1, scale_stride1, flat, scale_index, mask, umask,
+                        MANT, BIAS, E4M3, E8M0)
+        acc = _add_rows(acc, code2_ptr, scale2_ptr, k2, code_stride2, scale_stride2, flat, scale_index, mask, umask,
+                        MANT, BIAS, E4M3, E8M0)
+        if AVERAGE:
+            acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
+        tl.store(out_ptr + flat, acc, mask=mask)
 
 
 @triton.jit
-def _unwhiten_kernel(
-    u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
-):
-    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank,
+                    SCALE_D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+    """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``).
+
+    True FP32 on purpose: ``tl.dot(..., input_precision="ieee")`` never uses TF32, whereas
+    ``torch.matmul`` in FP32 does on CUDA wherever ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (NGC
+    images) whatever torch's flags say (~10 mantissa bits in ``P``, hence in ``G T``). FP64
+    through torch would need an FP64 copy of ``X`` (8 B/element); this reads ``X`` once, a program
+    per ``BM`` rows looping over the columns."""
+    m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    j = tl.arange(0, BR)
+    mmask, jmask = m < rows, j < rank
+    acc = tl.zeros([BM, BR], tl.float32)
+    for k0 in range(0, cols, BK):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < cols
+        x = tl.load(x_ptr + m[:, None] * cols + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        x = x.to(tl.float32)
+        if SCALE_D:
+            x = x * tl.load(d_ptr + k, mask=kmask, other=0.0)[None, :]
+        q = tl.load(q_ptr + k[:, None] * rank + j[None, :], mask=kmask[:, None] & jmask[None, :], other=0.0)
+        acc = tl.dot(x, q, acc, input_precision="ieee")
+    acc = acc * tl.load(coef_ptr + j, mask=jmask, other=0.0)[None, :]
+    tl.store(out_ptr + m[:, None] * rank + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
+
+
+@triton.jit
+def _unwhiten_kernel(u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = (pid // n_row_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     rmask, cmask = r < rows, c < cols
-    mask = rmask[:, None] & cmask[None, :]
-    offs = r[:, None] * cols + c[None, :]
+    mask = rmask[:, None] & cmask
+    offs = r[:, None] * cols + c
     u = _plus_low_rank(tl.load(u_ptr + offs, mask=mask, other=0.0), p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
-    tl.store(u_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0)[None, :], mask=mask)
+    tl.store(u_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask=mask)
 
 
-def _fmt_args(fmt: FP8Format) -> dict:
-    e4m3 = fmt is FP8Format.E4M3
-    return dict(MANT=fmt.mantissa_bits, BIAS=7 if e4m3 else 15, E4M3=e4m3)
+def _fmt_args(cfg: CodecConfig) -> dict:
+    e4m3 = cfg.fmt is FP8Format.E4M3
+    return dict(MANT=cfg.fmt.mantissa_bits, BIAS=7 if e4m3 else 15, E4M3=e4m3, E8M0=cfg.scaling is Scaling.MX)
 
 
-def _tiling(cfg: CodecConfig, rows: int, cols: int) -> tuple[int, int, int, int, int]:
-    """``(WIDTH, BLOCK_R, BLOCK_C, scale_row_stride, scale_col_stride)``: the tile and where a
-    tile's row finds its scale in the flat scales."""
-    if cfg.scaling in (Scaling.BLOCK, Scaling.MX):
-        width, strides = cfg.block, (cfg.groups(rows, cols)[1], 1)
-    else:
-        width, strides = TILE, ((1, 0) if cfg.scaling is Scaling.ROW else (0, 0))
-    block_c = triton.next_power_of_2(width)
-    block_r = max(1, min(16, MAX_TILE // block_c, triton.next_power_of_2(rows)))
-    return width, block_r, block_c, *strides
+@dataclass(frozen=True)
+class _Tiling:
+    """The units of an ``[rows, cols]`` matrix (module doc) and the programs over them."""
+
+    layout: int  # _ORDERED, _ROW_BLOCKS or _GROUPS
+    unit_w: int  # columns of a unit of the matrix codec
+    w: int  # elements of a chunk
+    bu: int  # units of a program
+    n_units: int
+    n_row_blocks: int
+    units_per_row: int
+    scale_strides: tuple[int, int]  # where unit (row, block) of the matrix codec finds its scale
+
+    @classmethod
+    def of(cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False) -> "_Tiling":
+        """``n_groups``: the number of ``lengths`` groups, None for the matrix codec's;
+        ``row_blocks``: a program's units share their columns (for whitening's loads)."""
+        per_group = cfg.scaling in (Scaling.BLOCK, Scaling.MX)
+        unit_w = cfg.block if per_group else TILE
+        upr = triton.cdiv(cols, unit_w)
+        strides = {Scaling.TENSOR: (0, 0), Scaling.ROW: (1, 0)}.get(cfg.scaling, (upr, 1))
+        w = min(triton.next_power_of_2(unit_w), MAX_TILE)  # a ROW group with lengths: chunks of TILE
+        if n_groups is not None:
+            layout, n_units = _GROUPS.value, n_groups
+        else:
+            layout, n_units = (_ROW_BLOCKS if row_blocks else _ORDERED).value, rows * upr
+        bu = max(1, min(TILE_ELEMENTS // w, triton.next_power_of_2(n_units)))
+        if layout == _ROW_BLOCKS.value:
+            bu = max(1, min(TILE_ELEMENTS // w, 16, triton.next_power_of_2(rows)))
+        return cls(layout, unit_w, w, bu, n_units, triton.cdiv(rows, bu), upr, strides)
+
+    @property
+    def programs(self) -> int:
+        if self.layout == _ROW_BLOCKS.value:
+            return self.n_row_blocks * self.units_per_row
+        return triton.cdiv(self.n_units, self.bu)
+
+    @property
+    def one_chunk(self) -> bool:
+        """Whether every unit fits one chunk (known for the matrix codec's units only)."""
+        return self.layout != _GROUPS.value and self.unit_w <= self.w
+
+    def args(self) -> tuple:
+        """The kernels' arguments after ``(n_units, rows, cols[, rank])``."""
+        return (self.n_row_blocks, self.units_per_row, *self.scale_strides)
+
+    def constexprs(self) -> dict:
+        return dict(UNIT_W=self.unit_w, W=self.w, BU=self.bu, LAYOUT=self.layout, ONE_CHUNK=self.one_chunk)
+
+
+def _ends(lengths: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumsum of ``lengths`` (int64, on the device: one launch); ``fallback`` where there
+    are none (a pointer the kernels do not read)."""
+    return fallback if lengths is None else torch.cumsum(lengths, 0, dtype=torch.int64)
+
+
+def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``((X diag(d)) Q) diag(coef)`` ``[rows, r]`` in FP32 (``_project_kernel``)."""
+    rows, cols = x.shape
+    rank = q.shape[1]
+    out = torch.empty(rows, rank, device=x.device)
+    br = max(16, triton.next_power_of_2(rank))
+    bk = max(16, min(64, 8192 // br))
+    _project_kernel[(triton.cdiv(rows, 16),)](
+        x, d if d is not None else x, q, coef, out, rows, cols, rank, SCALE_D=d is not None, BM=16, BK=bk, BR=br
+    )
+    return out
 
 
 def whiten_encode(
-    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None
-) -> Encoded:
+    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> Encoded:  # fmt: skip
+    """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR."""
     rows, cols = g.shape
-    g = g.float().contiguous()
-    width, block_r, block_c, srs, scs = _tiling(cfg, rows, cols)
+    g = (g if g.dtype in _READ_DTYPES else g.float()).contiguous()
+    n_groups = None if lengths is None else lengths.numel()
+    tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None)
+    ends = _ends(lengths, g)
     payload = torch.empty(rows, cols, dtype=torch.uint8, device=g.device)
+    u_out = out if out is None or out.is_contiguous() else torch.empty(rows, cols, device=g.device)
+    transform = (g, g, g, 0)  # pointers the kernel does not read
     if whitening is not None:
-        p = (g @ (whitening.q * whitening.d_inv_sqrt[:, None])) * whitening.c
-        transform = (whitening.d_inv_sqrt, p, whitening.q.T.contiguous(), whitening.rank)
-    else:
-        transform = (g, g, g, 0)  # pointers the kernel does not read
+        q, dinv = whitening.q, whitening.d_inv_sqrt
+        p = _project(g, dinv, q, whitening.c) if whitening.rank else g
+        transform = (dinv, p, q.T.contiguous(), whitening.rank)
 
     def launch(pass_: tl.constexpr, scales: torch.Tensor, amax: torch.Tensor = g, fusion: bool = False) -> None:
         dinv, p, qt, rank = transform
-        _whiten_encode_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, width))](
-            g, dinv, p, qt, out if out is not None else g, payload, scales, amax, rows, cols, rank, srs, scs,
-            WIDTH=width, BLOCK_R=block_r, BLOCK_C=block_c, WHITEN=whitening is not None, STORE_U=out is not None,
-            PASS=pass_.value, FMAX=cfg.fmt.max, enable_fp_fusion=fusion, **_fmt_args(cfg.fmt),
-        )
+        _encode_kernel[(tiling.programs,)](
+            g, ends, dinv, p, qt, u_out if out is not None else g, payload, scales, amax,
+            tiling.n_units, rows, cols, rank, *tiling.args(),
+            WHITEN=whitening is not None, STORE_U=out is not None, PASS=pass_.value, FMAX=cfg.fmt.max,
+            enable_fp_fusion=fusion, **tiling.constexprs(), **_fmt_args(cfg),
+        )  # fmt: skip
 
     if cfg.scaling is Scaling.BLOCK:
-        scales = torch.empty(cfg.groups(rows, cols), dtype=cfg.scale_dtype(), device=g.device)
-        launch(_FUSED_BLOCK, scales, fusion=True)
-        return Encoded(payload=payload, scales=scales)
-    # Two passes, without FMA contraction so that both compute the same U bit for bit.
-    amax = torch.empty(rows, triton.cdiv(cols, width), device=g.device)
-    launch(_AMAX, g, amax)
-    if cfg.scaling is Scaling.ROW:
-        amax = amax.amax(dim=1)
-    elif cfg.scaling is Scaling.TENSOR:
-        amax = amax.amax().reshape(1)
-    scales = scales_from_amax(amax.reshape(-1), cfg).view(cfg.groups(rows, cols))
-    launch(_ENCODE, scale_values(scales, cfg).reshape(-1).contiguous())
-    return Encoded(payload=payload, scales=scales)
+        scales = torch.empty(tiling.n_units, dtype=cfg.scale_dtype(), device=g.device)
+        # FMA contraction only where U is computed once.
+        launch(_FUSED_BLOCK, scales, fusion=tiling.one_chunk)
+    else:  # two passes, without FMA contraction so that both compute the same U bit for bit
+        amax = torch.empty(tiling.n_units, device=g.device)
+        launch(_AMAX, g, amax)
+        if n_groups is None and cfg.scaling is Scaling.ROW:
+            amax = amax.view(rows, tiling.units_per_row).amax(dim=1)
+        elif n_groups is None and cfg.scaling is Scaling.TENSOR:
+            amax = amax.amax().reshape(1)
+        scales = scales_from_amax(amax, cfg)
+        launch(_ENCODE, scales)
+    if u_out is not out:
+        out.copy_(u_out)
+    return Encoded(payload=payload, scales=scales if n_groups is not None else scales.view(cfg.groups(rows, cols)))
+
+
+def _rows(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Parts as ``[k, m]`` tensors with inner stride 1 (rows strided); one tensor may be ``[k, ...]``."""
+    parts = [t.reshape(t.shape[0], -1)] if isinstance(t, torch.Tensor) else list(t)
+    return [p if p.stride(1) == 1 or p.numel() == 0 else p.contiguous() for p in parts]
 
 
 def decode_sum_unwhiten(
-    payloads: torch.Tensor,
-    scales: torch.Tensor,
+    payloads: torch.Tensor | Sequence[torch.Tensor],
+    scales: torch.Tensor | Sequence[torch.Tensor],
     rows: int,
     cols: int,
     whitening: LowRankWhitening | None,
     cfg: CodecConfig,
     average: bool,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    world = payloads.shape[0]
-    payloads = payloads.reshape(world, -1).contiguous()
-    values = scale_values(scales.reshape(world, -1), cfg).contiguous()
-    width, block_r, block_c, srs, scs = _tiling(cfg, rows, cols)
-    out = torch.empty(rows, cols, device=payloads.device)
+    """See ``kernels.decode_sum_unwhiten``: one to ``MAX_PARTS`` non-empty parts, one launch for the
+    rank sum (+ a cumsum with ``lengths``, + two with whitening)."""
+    parts = [(p, s) for p, s in zip(_rows(payloads), _rows(scales)) if p.shape[0] > 0]
+    world = sum(p.shape[0] for p, _ in parts)
+    device = parts[0][0].device
+    tiling = _Tiling.of(cfg, rows, cols, None if lengths is None else lengths.numel())
+    out = torch.empty(rows, cols, device=device)
+    unused = (parts[0][0], parts[0][1], 0, 0, 0)
+    part_args = [a for p, s in parts for a in (p, s, p.shape[0], p.stride(0), s.stride(0))]
+    part_args += [a for _ in range(MAX_PARTS - len(parts)) for a in unused]
     # No FMA contraction: each rank's value q·s is rounded before it is added, as in the reference.
-    _decode_sum_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, width))](
-        payloads, values, out, world, payloads.shape[1], values.shape[1], rows, cols, srs, scs,
-        AVERAGE=average, WIDTH=width, BLOCK_R=block_r, BLOCK_C=block_c, enable_fp_fusion=False,
-        **_fmt_args(cfg.fmt),
-    )
+    _decode_sum_kernel[(tiling.programs,)](
+        out, _ends(lengths, out), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
+        AVERAGE=average, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg),
+    )  # fmt: skip
     if whitening is not None:
-        p = (out @ whitening.q) * whitening.c_inv
+        p = _project(out, None, whitening.q, whitening.c_inv) if whitening.rank else out
         block_r = min(16, triton.next_power_of_2(rows))
-        _unwhiten_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, TILE))](
-            out, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank,
+        n_rb = triton.cdiv(rows, block_r)
+        _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
+            out, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
             BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
-        )
+        )  # fmt: skip
     return out
