@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_gift import kernels
 from megatron_gift.comm import quantized
 from megatron_gift.comm.layout import BucketLayout, Segment
+from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
 from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_whiten_encode
 from megatron_gift.numerics.error_feedback import ErrorFeedback
@@ -480,13 +481,23 @@ def _comm_inputs(world):
 
 def _comm_worker(rank, world):
     """Each case through ``QuantizedReduce`` twice, the PyTorch path then the kernels forced on,
-    counting the kernels' launches; a fallback to the kernels' reference fails."""
+    counting the kernels' launches; a fallback to the kernels' reference with them forced on fails."""
     from megatron_gift.kernels import fused
 
-    def fallback(*args, **kwargs):
-        raise AssertionError("fell back to the PyTorch reference")
+    forced = [False]
 
-    kernels.reference_whiten_encode = kernels.reference_decode_sum_unwhiten = fallback
+    def fallback(reference):
+        def call(*args, **kwargs):
+            cfg, lengths = next(a for a in args if isinstance(a, CodecConfig)), kwargs.get("lengths")
+            # The kernels take no per-tensor group cut apart (a weight across shards): that alone falls back.
+            cut = cfg.scaling is Scaling.TENSOR and lengths is not None and lengths.numel() > 1
+            assert not forced[0] or cut, "fell back to the PyTorch reference"
+            return reference(*args, **kwargs)
+
+        return call
+
+    kernels.reference_whiten_encode = fallback(kernels.reference_whiten_encode)
+    kernels.reference_decode_sum_unwhiten = fallback(kernels.reference_decode_sum_unwhiten)
     calls = {"whiten_encode": 0, "decode_sum_unwhiten": 0}
     for name in calls:
         def counted(*args, _f=getattr(fused, name), _name=name, **kwargs):
@@ -500,16 +511,17 @@ def _comm_worker(rank, world):
     for codec, all_reduce, average in COMM_CASES:
         layout = BucketLayout(numel, world, segments, CodecConfig(*codec.split("-")), torch.float32)
         for use in (False, True):
-            before = dict(calls)
+            before, forced[0] = dict(calls), use
             flat = grads[rank].clone()
             group = dist.group.WORLD
-            quantized.QuantizedReduce(flat, layout, group, transforms, average=average, all_reduce=all_reduce, kernels=use).wait()
+            reduce_now(quantized.QuantizedReduce(flat, layout, group, transforms, average=average, all_reduce=all_reduce, kernels=use), "cpu")
             out[(codec, all_reduce, average, use)] = (flat, {k: calls[k] - before[k] for k in calls})
     # Error feedback keeps the sender on the PyTorch path: the same residual either way.
     layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
+    forced[0] = False
     for use in (False, True):
         ef = ErrorFeedback(layout.n_coded)
-        quantized.QuantizedReduce(grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef, kernels=use).wait()
+        reduce_now(quantized.QuantizedReduce(grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef, kernels=use), "cpu")
         out[("ef", use)] = ef._pending
     return out
 

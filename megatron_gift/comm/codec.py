@@ -56,7 +56,7 @@ def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Bu
             x = flat[s.start + k0 - at : s.start + k1 - at]
             x = x.view(-1, s.cols) if t is not None else x.view(1, -1)
             if error_feedback is None:
-                enc = kernels.whiten_encode(x, t, cfg, lengths=lengths)
+                enc = kernels.whiten_encode(x, t, cfg, lengths=lengths, fused=use_kernels)
             else:
                 u = error_feedback.compensate(t.apply(x.float()) if t is not None else x, k0)
                 enc = encode_flat(u.view(-1), lengths, cfg)
@@ -98,13 +98,15 @@ def sum_plain(rows: Rows, layout: BucketLayout, c: int, k0: int, k1: int, averag
 
 
 def reduce_coded(rows: Rows, layout: BucketLayout, plan: ShardPlan, k0: int, k1: int, shape: tuple[int, int],
-                 whitening, average: bool) -> torch.Tensor:  # fmt: skip
+                 whitening, average: bool, fused: bool) -> torch.Tensor:  # fmt: skip
     """``(Σ_i dec(message_i) [÷ R]) T⁻¹`` (``T⁻¹`` where ``whitening`` is given) of coded values
-    ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: FP32 ``shape``."""
+    ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: FP32 ``shape``
+    (the fused kernels where ``fused`` and they can run)."""
     g0, g1, lengths = layout.group_slice(k0, k1, rows.parts[0].device)
     payloads = rows.coded(k0 - plan.coded_lo, k1 - plan.coded_lo)
     scales = rows.scales(g0 - plan.group_lo, g1 - plan.group_lo, layout.codec.scale_dtype())
-    return kernels.decode_sum_unwhiten(payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths)
+    return kernels.decode_sum_unwhiten(payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths,
+                                       fused=fused)
 
 
 def part_chunks(layout: BucketLayout, part: Part, budget: int, whitened: bool) -> list[tuple[int, int, int, int]]:

@@ -117,10 +117,10 @@ class TwoLevelReduce(ShardReduction):
         for (c0, c1), (g0, g1), lengths in chunks:
             if self.wire is None:
                 values = _kernels.decode_sum_unwhiten(rows.coded(c0, c1), rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0,
-                                                      None, cfg, False, lengths=lengths)  # fmt: skip
+                                                      None, cfg, False, lengths=lengths, fused=self.kernels)  # fmt: skip
             else:
                 values = _kernels.ordered_sum([p.float() for p in rows.coded(c0, c1, self.wire)])
-            enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths)
+            enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, fused=self.kernels)
             out["coded"].index_copy_(0, self.pk2.place["coded"].index(c0, c1), enc.payload.view(-1))
             out["groups"].index_copy_(0, self.pk2.place["groups"].index(g0, g1), enc.scales.view(-1))
         for c, name in enumerate(("off", "bf16")):
@@ -182,6 +182,6 @@ class TwoLevelReduce(ShardReduction):
         """Every shard's message: shard ``m·g + l'`` came from local rank l' (row l'), node m (column m)."""
         g, n = self.topo.ranks_per_node, self.topo.nodes
         slots = [(j % g) * n + j // g for j in range(self.world)]
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.budget)
+        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.kernels)
         del self.gathered
         return Step()

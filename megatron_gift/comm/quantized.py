@@ -116,7 +116,7 @@ class ShardReduction(Reduction):
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
             for k0, k1, n_rows, cols in part_chunks(layout, part, self.budget // rows.count, t is not None):
-                values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first))
+                values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels))
                 flag_nonfinite(self.nonfinite, values)
                 write(flat, part.lo + k0 - part.at, values)
         values = []
@@ -125,7 +125,7 @@ class ShardReduction(Reduction):
                 values.append(None)
                 continue
             k0 = layout.seg_at[p.seg] + p.row * layout.segments[p.seg].cols + p.c0
-            values.append(reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first))
+            values.append(reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first, self.kernels))
         self.exchange = PieceExchange(layout, self.rank, self.transforms, self.group, self.ledger, self._links)
         work = self.exchange.start(values, flat.device)
         handoff = [v for v in values if v is not None] + self.exchange.buffers
@@ -154,10 +154,10 @@ class ShardReduction(Reduction):
         first = self.average and self.divide_first
         for part in plan.coded_parts:
             for k0, k1, _, _ in part_chunks(layout, part, self.budget // rows.count, False):
-                values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first))
+                values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels))
                 flag_nonfinite(self.nonfinite, values)
                 g0, g1 = layout.group_range(k0, k1)
-                enc = _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device))
+                enc = _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels)
                 out["coded"].index_copy_(0, own.place["coded"].index(k0 - plan.coded_lo, k1 - plan.coded_lo), enc.payload.view(-1))
                 out["groups"].index_copy_(0, own.place["groups"].index(g0 - plan.group_lo, g1 - plan.group_lo), enc.scales.view(-1))
         for c, name in enumerate(("off", "bf16")):
@@ -218,13 +218,13 @@ class QuantizedReduce(ShardReduction):
         return Step([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
 
     def _decode_all(self) -> Step:
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.budget)
+        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels)
         del self.gathered
         return Step()
 
 
 def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Whitenings, flat: torch.Tensor,
-                    slots: list[int], budget: int) -> None:  # fmt: skip
+                    slots: list[int], fused: bool) -> None:  # fmt: skip
     """Every shard's reduced message (shard ``j`` in slot ``slots[j]`` of ``gathered``, slots of
     ``max_message_bytes``) decoded into ``flat``, ``T⁻¹`` applied to whole rows: the same bytes give
     the same bits on every rank."""
@@ -235,13 +235,13 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
     src = views(gathered, layout)
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
-        for k0, k1 in layout.chunks(i, at, at + s.rows * s.cols, budget, whole_rows=t is not None):
+        for k0, k1 in layout.chunks(i, at, at + s.rows * s.cols, BUDGET[fused], whole_rows=t is not None):
             g0, g1 = layout.group_range(k0, k1)
             payload = src["coded"].index_select(0, gp.place["coded"].index(k0, k1))
             scales = src["groups"].index_select(0, gp.place["groups"].index(g0, g1))
             shape = ((k1 - k0) // s.cols, s.cols) if t is not None else (1, k1 - k0)
             values = _kernels.decode_sum_unwhiten(payload[None], scales[None], *shape, t, layout.codec, False,
-                                                  lengths=layout.lengths(g0, g1, device))  # fmt: skip
+                                                  lengths=layout.lengths(g0, g1, device), fused=fused)  # fmt: skip
             write(flat, s.start + k0 - at, values)
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:

@@ -59,20 +59,26 @@ def available(device: torch.device) -> bool:
     return _fused() is not None
 
 
-def _use_kernels(device: torch.device, numel: int, cfg: CodecConfig, lengths: torch.Tensor | None) -> bool:
-    return numel > 0 and available(device) and (lengths is None or cfg.scaling is not Scaling.TENSOR)
+def _lengths(cfg: CodecConfig, lengths: torch.Tensor | None) -> torch.Tensor | None:
+    """``lengths`` as the kernels take them: one per-tensor group is the matrix codec's own."""
+    return None if lengths is not None and cfg.scaling is Scaling.TENSOR and lengths.numel() == 1 else lengths
+
+
+def _use_kernels(fused: bool, device: torch.device, numel: int, cfg: CodecConfig, lengths: torch.Tensor | None) -> bool:
+    return fused and numel > 0 and available(device) and (lengths is None or cfg.scaling is not Scaling.TENSOR)
 
 
 def whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None, fused: bool = True,
 ) -> Encoded:  # fmt: skip
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
     ``[rows, cols]`` uint8, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
     ``lengths``: groups in memory order other than the matrix codec's, each inside one row unless
     the scaling is per tensor); ``out``, when given, receives ``G T`` in FP32 (e.g. for error
-    feedback)."""
-    if _use_kernels(g.device, g.numel(), cfg, lengths):
+    feedback); ``fused=False`` takes the PyTorch reference wherever the kernels could run."""
+    lengths = _lengths(cfg, lengths)
+    if _use_kernels(fused, g.device, g.numel(), cfg, lengths):
         return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
     return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
 
@@ -86,12 +92,14 @@ def decode_sum_unwhiten(
     cfg: CodecConfig,
     average: bool,
     lengths: torch.Tensor | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
     messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them
     (grouped by ``lengths`` when given), each also as a sequence of parts whose rows in turn are the
-    ranks in order (``reference``'s module doc)."""
+    ranks in order (``reference``'s module doc); ``fused`` as in ``whiten_encode``."""
     parts = [p for p in ([payloads] if isinstance(payloads, torch.Tensor) else payloads) if p.shape[0] > 0]
-    if parts and _use_kernels(parts[0].device, rows * cols, cfg, lengths) and len(parts) <= _fused().MAX_PARTS:
+    lengths = _lengths(cfg, lengths)
+    if parts and _use_kernels(fused, parts[0].device, rows * cols, cfg, lengths) and len(parts) <= _fused().MAX_PARTS:
         return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)
     return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)
