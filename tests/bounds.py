@@ -205,7 +205,7 @@ def reduction_errors(ddp, local: dict, scale_of, path: Path = Path(), owned=None
     out = []
     for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
         for bucket in bg.buckets:
-            region = owned(bg, bucket) if owned is not None else slice(0, bucket.grad_data.numel())
+            region = slice(*(owned(bg, bucket) if owned is not None else slice(None)).indices(bucket.grad_data.numel())[:2])
             entries = {}
             for p, (a, b) in bucket.param_to_index.items():
                 mode, g = _mode(ddp, p)

@@ -1,9 +1,11 @@
 """``python -m megatron_gift.pretrain_gpt``: Megatron's own training loop with GIFT's DDP swapped in.
 
-The slow test launches the real thing with ``torch.distributed.run`` (2 gloo ranks, ``--gift-cpu``)
-on the benchmark corpus written as a Megatron indexed dataset, once with ``--gift-mode gift``
-and once with ``--gift-mode off``, and reads Megatron's log: the wrapper class each run used,
-GIFT's per-iteration byte counts, and the losses. The fast tests cover the indexed-dataset
+The slow test reads the real thing, run by tests/launches.py with ``torch.distributed.run`` (2 gloo
+ranks, ``--gift-cpu``) on the benchmark corpus written as a Megatron indexed dataset, once with
+``--gift-mode gift`` and once with ``--gift-mode off``: the wrapper class each run used, GIFT's
+per-iteration byte counts, the losses, the telemetry, the warnings about flags ``off`` ignores.
+Start-up errors (a refused flag: one message from rank 0, exit status 2) run the launcher's
+``main`` in this process and once through torchrun. The fast tests cover the indexed-dataset
 writer and the DDP swap on their own.
 """
 
@@ -21,29 +23,16 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gift.bench.corpus import TokenCorpus, build_token_corpus
+from megatron_gift.bench.corpus import TokenCorpus
 from megatron_gift.bench.indexed_data import document_lengths, megatron_data_args, write_indexed_dataset
 from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training as gift_training
 from megatron_gift import pretrain_gpt
 from megatron_gift.testing import launch
-from megatron_gift.testing.launch import run_launcher
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
-from tests.bounds import GIFT_REL_L2
+from tests.launches import ITERS, losses
 
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--train-iters", "3", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--use-distributed-optimizer", "--overlap-grad-reduce",
-    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--split", "98,2,0",
-    "--gift-log-interval", "1",
-]  # fmt: skip
-GIFT = ["--gift-mode", "gift", "--gift-rank", "8", "--gift-sketch", "16", "--gift-refresh-interval", "1"]
-
-LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+|nan|inf)")
 WRAPPED_RE = re.compile(r"megatron-gift: model wrapped in (\S+) \((a GiftDistributedDataParallel|not GIFT)\)")
 BYTES_RE = re.compile(r"megatron-gift: iteration (\d+): gradient reduction sent (\d+) bytes from this rank \((.*)\)")
 
@@ -223,50 +212,16 @@ def test_startup_error_through_torchrun(tmp_path):
 # --------------------------------------------------------------------------- the launcher
 
 
-def _launch(tmp_path: Path, data_args: list[str], gift_args: list[str]) -> str:
-    return run_launcher(
-        2, *TINY, *data_args, "--data-cache-path", str(tmp_path / "index-cache"),
-        "--gift-telemetry-dir", str(tmp_path / "telemetry"), *gift_args,
-    )  # fmt: skip
-
-
-def test_launcher_limit_scales_with_the_environment(monkeypatch):
-    """Wall-clock limits are ``default x $MEGATRON_GIFT_TEST_TIMEOUT_SCALE``; a run killed at its
-    limit says how long it ran and which variable raises the limit (issue 12, defect 1). The killed
-    run is a process that sleeps far beyond its 0.45 s limit, on any machine."""
-    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "2.5")
-    assert wall_limit(100) == 250
-    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "0.0005")  # 0.45 s of the default 900 s
-    monkeypatch.setattr(launch, "launcher_command", lambda ranks, *args: [sys.executable, "-c", "import time; time.sleep(600)"])
-    with pytest.raises(RuntimeError, match=f"killed after 0 s.*{TIMEOUT_SCALE_ENV}"):
-        launch.run_launcher(2, "--help")
-    for bad in ("0", "-1", "fast"):
-        monkeypatch.setenv(TIMEOUT_SCALE_ENV, bad)
-        with pytest.raises(ValueError, match=TIMEOUT_SCALE_ENV):
-            wall_limit(1)
-
-
-def _losses(out: str) -> list[float]:
-    found = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
-    assert sorted(found) == [1, 2, 3], out[-3000:]
-    return [found[i] for i in (1, 2, 3)]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("launcher")
-    data_args = megatron_data_args(build_token_corpus(vocab_size=2048))
-    return {
-        "gift": _launch(tmp, data_args, GIFT),
-        "off": _launch(tmp, data_args, ["--gift-mode", "off"]),
-        "telemetry": tmp / "telemetry" / "gift_telemetry.jsonl",
-    }
+def _bytes_lines(log: str) -> dict[int, str]:
+    return {int(i): (int(n), detail) for i, n, detail in BYTES_RE.findall(log)}
 
 
 @pytest.mark.slow
 @pytest.mark.cpu_harness
-def test_launcher_trains_with_gift_ddp_and_stock_ddp(runs):
-    gift, off = runs["gift"], runs["off"]
+def test_launcher_trains_with_gift_ddp_and_stock_ddp(launcher_runs):
+    """tests/launches.py's uninterrupted GIFT run and its ``--gift-mode off`` twin (6 iterations,
+    2 ranks, refresh every 2, error feedback, telemetry every iteration)."""
+    gift, off = launcher_runs["logs"]["whole"], launcher_runs["logs"]["off"]
 
     # Which DDP wrapped the model: GIFT's in the gift run, Megatron's own with --gift-mode off.
     assert WRAPPED_RE.findall(gift) == [
@@ -275,32 +230,36 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(runs):
     assert WRAPPED_RE.findall(off) == [
         ("megatron.core.distributed.distributed_data_parallel.DistributedDataParallel", "not GIFT")
     ]
+    # the off run's --gift-* flags that --gift-mode off never reads: each warned about once
+    for flag in ("--gift-layers auto", "--gift-error-feedback", "--gift-rank 8", "--gift-log-interval 1", "--gift-telemetry-dir"):
+        assert len(re.findall(rf"megatron-gift: warning: {re.escape(flag)}\b.* has no effect with --gift-mode off", off)) == 1, flag
 
-    # GIFT's reduction really ran: FP8 payloads every iteration, and (refresh interval 1) the
-    # summed K-FAC statistics; the off run has no GIFT traffic at all.
-    sent = {int(i): (int(n), detail) for i, n, detail in BYTES_RE.findall(gift)}
-    assert sorted(sent) == [1, 2], gift[-3000:]  # iteration k is reported when k+1 starts
-    for n, detail in sent.values():
-        assert n > 0 and "all_to_all/fp8+scales" in detail and "all_reduce/" in detail, detail
+    # GIFT's reduction really ran: FP8 payloads every iteration, and the summed K-FAC statistics on
+    # (and only on) the refresh steps (every 2, warm-up at 1); the off run has no GIFT traffic.
+    sent = _bytes_lines(gift)
+    assert sorted(sent) == list(range(1, ITERS)), gift[-3000:]  # iteration k is reported when k+1 starts
+    for iteration, (n, detail) in sent.items():
+        step = iteration - 1  # a refresh every 2 steps, and the warm-up one at step 1 (1, 2, 4, ... below the interval)
+        refresh = step % 2 == 0 or step == 1
+        assert n > 0 and "all_to_all/fp8+scales" in detail and ("all_reduce/fp32" in detail) == refresh, (iteration, detail)
     assert not BYTES_RE.findall(off)
 
     # Both train: finite, decreasing losses; the first iteration (before any reduction) is the
-    # same model on the same data, and FP8 gradients keep the later ones close to stock DDP's.
-    lg, lo = _losses(gift), _losses(off)
-    for losses in (lg, lo):
-        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
-    assert lg[0] == pytest.approx(lo[0], rel=1e-6)
-    assert lg == pytest.approx(lo, rel=1e-2)
+    # same model on the same data.
+    lg, lo = losses(gift), losses(off)
+    for run in (lg, lo):
+        assert sorted(run) == list(range(1, ITERS + 1)) and all(math.isfinite(v) for v in run.values()) and run[ITERS] < run[1], run
+    assert lg[1] == pytest.approx(lo[1], rel=1e-6)
 
     # Telemetry (--gift-log-interval 1): a record per closed iteration with every GIFT layer's
-    # reduced-gradient error against the FP32 sum, and the loss Megatron logged for it.
-    records = [json.loads(line) for line in runs["telemetry"].read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]  # iteration 3 is still open when training ends
+    # reduced-gradient error against the FP32 sum, and the loss Megatron logged for it. (The
+    # errors' bounds are test_monitor's, which checks the same records against a hand-made sum.)
+    path = launcher_runs["tmp"] / "telemetry" / "whole" / "gift_telemetry.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, ITERS))  # the last iteration is still open at the end
     # Megatron's log does not reset its loss sum after a run's first iteration: it prints the
     # mean of iterations 1 and 2 at iteration 2; telemetry has each iteration's own loss.
-    assert [r["loss"] for r in records] == pytest.approx([lg[0], 2 * lg[1] - lg[0]], rel=1e-5)
+    assert [r["loss"] for r in records] == pytest.approx([lg[1], 2 * lg[2] - lg[1], *(lg[i] for i in range(3, ITERS))], rel=1e-5)
     for r in records:
         assert len(r["layers"]) == 8 and all(v["mode"] == "gift" for v in r["layers"].values())
-        # tests/bounds.py; an error of RelL2 e turns the gradient by at most asin(e): cos ≥ sqrt(1 - e²) (less FP32 rounding)
-        assert all(0 < v["rel_l2"] < GIFT_REL_L2 and v["cos"] >= math.sqrt(1 - v["rel_l2"] ** 2) - 1e-6
-                   for v in r["layers"].values()), r["layers"]  # fmt: skip
+        assert all(v["rel_l2"] > 0 and v["profile"]["ranks"] == 2 and v["bytes"] > 0 for v in r["layers"].values()), r["layers"]

@@ -18,6 +18,7 @@ from megatron_gift.testing.gpt import SEQ, build_tiny_gpt, lm_loss, random_token
 from megatron_gift.testing.reference import gathered_local_gradients
 from tests.bounds import Path, reduction_errors
 
+pytestmark = pytest.mark.cpu_harness
 BATCH = 2
 
 

@@ -28,6 +28,7 @@ from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import all_gather_rows, gathered_local_gradients
 from tests.bounds import Path, reduction_errors
 
+pytestmark = pytest.mark.cpu_harness
 HIDDEN, TOKENS = 64, 32  # tokens per tensor-parallel rank (sequence parallelism)
 # FP32 statistics: XᵀX accumulated over a rank's TOKENS rows (worst-case relative error γ_K ≈ K·u,
 # u = 2⁻²⁴), then the EMA's scale-and-add and the sum over a few ranks (a few u more)

@@ -57,8 +57,10 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
     path = Path(all_reduce=not dist_opt, ranks_per_node=None if flat else 2, intra=intra)
 
     def owned(bg, bucket):  # this rank's shard in its instance (Megatron's bucket-group fields)
+        if not dist_opt:
+            return slice(None)
         n, r = bucket.grad_data.numel() // bg.intra_distributed_optimizer_instance_size, bg.intra_distributed_optimizer_instance_rank
-        return slice(r * n, (r + 1) * n) if dist_opt else slice(None)
+        return slice(r * n, (r + 1) * n)
 
     errors, grads, links, sent = [], [], {}, {}
     for step in range(steps):
@@ -76,7 +78,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
     ddp.zero_grad_buffer()  # closes the last step: its bytes move to last_step_bytes
     sent = dict(ddp.last_step_bytes)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    shard = ddp.bucket_groups[0].intra_distributed_optimizer_instance_rank
+    shard = ddp.bucket_groups[0].intra_distributed_optimizer_instance_rank if dist_opt else dp_rank
     return dict(errors=errors, grads=grads, params=params, links=links, sent=sent, expect_two_level=not flat,
                 tp_rank=parallel_state.get_tensor_model_parallel_rank(), shard=shard)  # fmt: skip
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_gift.testing import cpu_harness
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +18,9 @@ ENV = {"OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}
 
 
 def launcher_command(ranks: int, *args: str) -> list[str]:
-    """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``."""
+    """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``
+    (``RuntimeError`` at once where CUDA is available: the CPU launcher refuses it)."""
+    cpu_harness.check_host()
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *args,
