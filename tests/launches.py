@@ -91,6 +91,8 @@ def run_family(tmp: Path) -> dict:
     logs["one_rank"] = run_launcher(1, *_args(tmp, "one_rank", *GIFT, "--load", str(checkpoint_at(tmp / "whole", 4, tmp / "one-rank"))))
     logs["off"] = run_launcher(2, *_args(tmp, "off", "--gift-mode", "off", *IGNORED_BY_OFF, "--save", str(tmp / "off")))
     logs["from_off"] = run_launcher(2, *_args(tmp, "from_off", *GIFT, "--load", str(checkpoint_at(tmp / "off", 4, tmp / "from-off"))))
+    for name, log in logs.items():  # for a look after a failure
+        (tmp / f"{name}.log").write_text(log)
     return dict(tmp=tmp, logs=logs, killed_rc=killed_rc, killed_latest=latest)
 
 

@@ -237,7 +237,8 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(launcher_runs):
     # GIFT's reduction really ran: FP8 payloads every iteration, and the summed K-FAC statistics on
     # (and only on) the refresh steps (every 2, warm-up at 1); the off run has no GIFT traffic.
     sent = _bytes_lines(gift)
-    assert sorted(sent) == list(range(1, ITERS)), gift[-3000:]  # iteration k is reported when k+1 starts
+    # iteration k is reported when k+1 starts, the last one when the final checkpoint closes it
+    assert sorted(sent) == list(range(1, ITERS + 1)), gift[-3000:]
     for iteration, (n, detail) in sent.items():
         step = iteration - 1  # a refresh every 2 steps, and the warm-up one at step 1 (1, 2, 4, ... below the interval)
         refresh = step % 2 == 0 or step == 1
@@ -256,10 +257,10 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(launcher_runs):
     # errors' bounds are test_monitor's, which checks the same records against a hand-made sum.)
     path = launcher_runs["tmp"] / "telemetry" / "whole" / "gift_telemetry.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, ITERS))  # the last iteration is still open at the end
+    assert [r["step"] for r in records] == list(range(1, ITERS + 1))  # the last closed by the final checkpoint
     # Megatron's log does not reset its loss sum after a run's first iteration: it prints the
     # mean of iterations 1 and 2 at iteration 2; telemetry has each iteration's own loss.
-    assert [r["loss"] for r in records] == pytest.approx([lg[1], 2 * lg[2] - lg[1], *(lg[i] for i in range(3, ITERS))], rel=1e-5)
+    assert [r["loss"] for r in records] == pytest.approx([lg[1], 2 * lg[2] - lg[1], *(lg[i] for i in range(3, ITERS + 1))], rel=1e-5)
     for r in records:
         assert len(r["layers"]) == 8 and all(v["mode"] == "gift" for v in r["layers"].values())
         assert all(v["rel_l2"] > 0 and v["profile"]["ranks"] == 2 and v["bytes"] > 0 for v in r["layers"].values()), r["layers"]

@@ -97,7 +97,7 @@ def _worker(rank, world, tp_sizes):
 
 
 def _check(results, dist_opt_split_rows_expected=True):
-    split_rows_seen = False
+    split_rows_seen, used = False, {}
     for key in results[0]:
         tp, mode, dist_opt, overlap, bucket_size = key
         per_rank = [r[key] for r in results]
@@ -107,6 +107,8 @@ def _check(results, dist_opt_split_rows_expected=True):
             # every parameter within its mode's bound (tests/bounds.py), the modes the ones asked for
             over = [(n, m, e, b) for n, m, e, b in res["errors"] if not e <= b]
             assert not over, (key, over)
+            for m in {m for _, m, _, _ in res["errors"]}:  # how tight the bounds are (pytest -s shows it)
+                used.setdefault(m, []).extend(e / b for _, mm, e, b in res["errors"] if mm == m and b > 0)
             assert {m for _, m, _, _ in res["errors"]} == {"off", mode}, key
             if mode != "off":  # bytes are reported per step, by collective and dtype
                 assert res["sent"].get("all_to_all/fp8+scales", 0) > 0, (key, res["sent"])
@@ -126,6 +128,7 @@ def _check(results, dist_opt_split_rows_expected=True):
         if mode == "gift" and dist_opt:
             split_rows_seen |= per_rank[0]["pieces"] > 0
     assert split_rows_seen or not dist_opt_split_rows_expected, "no shard boundary cut a GIFT row"
+    print("error / bound (tests/bounds.py):", {m: f"{min(v):.2f}-{max(v):.2f}" for m, v in sorted(used.items())})
 
 
 def _two_rank_worker(rank, world):
