@@ -254,14 +254,15 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tu
             # auto: the owner's choice on its own gradient (rank 0's), for this codec; None: Euclidean (T = I)
             damping = gift.damping if gift.damping is not None else choose_damping(stack[0], factor, gift.candidates, codec)[0]
             for fam, transform in variants:
+                scheme = Scheme(fam, codec, shared)
                 whitening = None if damping is None else transform(factor.with_damping(damping))
-                rec = {"scheme": Scheme(fam, codec, shared).name, **errors(_gift_sum(stack, codec, shared, whitening), truth),
+                rec = {"scheme": scheme.name, **errors(_gift_sum(stack, codec, shared, whitening), truth),
                        "damping": "euclidean" if damping is None else damping, "factor_age": age}  # fmt: skip
-                rec["ratio_vs_euclid"] = rec["rel_l2"] / euclid[Scheme(fam, codec, shared).codec_name]
+                rec["ratio_vs_euclid"] = rec["rel_l2"] / euclid[scheme.codec_name]
                 rec["ratio_vs_best_euclid"] = rec["rel_l2"] / best
                 results.append(rec)
                 if fam == family:
-                    measured[Scheme(fam, codec, shared).codec_name] = rec["ratio_vs_euclid"]
+                    measured[scheme.codec_name] = rec["ratio_vs_euclid"]
                     if codec == GiftConfig().codec and not shared and whitening is not None:
                         shipped = (factor.with_damping(damping), whitening)
         if shipped is not None:  # the factor and T of the configured codec's damping (nothing to predict where T = I)
