@@ -145,7 +145,7 @@ def reduced_rel_l2_bound(mantissa_bits: int, c: float, requantized: bool = False
 
 
 @dataclass(frozen=True)
-class Path:
+class ReductionPath:
     """How a test set the reduction up: ``all_reduce`` (no distributed optimizer), and for the
     two-level exchange ``ranks_per_node`` (consecutive ranks of the reduction group; None: flat)
     with its intra-node wire dtype ``intra`` (``fp32``, ``bf16``, ``fp8``)."""
@@ -161,7 +161,7 @@ def _mode(ddp, p):
 
 
 def _roundings(mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: torch.Tensor, bits: int,
-               path: Path) -> list[Rounding]:  # fmt: skip
+               path: ReductionPath) -> list[Rounding]:  # fmt: skip
     """The roundings of one tensor: ``coded [R, rows, cols]`` its FP8 messages' values, ``plain`` the
     gradients, ``spacing [R]`` each rank's ``σ s`` bound."""
     node = path.ranks_per_node
@@ -187,7 +187,7 @@ def _roundings(mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: tor
     return out
 
 
-def reduction_errors(ddp, local: dict, scale_of, path: Path = Path(), owned=None, residuals: dict | None = None,
+def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = ReductionPath(), owned=None, residuals: dict | None = None,
                      buffer_u: float = 0.0) -> list[tuple[str, str, float, float]]:  # fmt: skip
     """``(parameter name, mode, ‖got − scale Σ_r (G_r + ε_r)‖, bound)`` over each parameter's part of
     its bucket that this rank holds after the reduction, the bound by the module doc for the mode:

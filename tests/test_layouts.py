@@ -16,7 +16,7 @@ from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import SEQ, build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import gathered_local_gradients
-from tests.bounds import Path, reduction_errors
+from tests.bounds import ReductionPath, reduction_errors
 
 pytestmark = pytest.mark.cpu_harness
 BATCH = 2
@@ -45,7 +45,7 @@ def _gpt_case(name, dp_group, gift, ddp_kwargs=None, per_token=False, **model_kw
     scale = 1.0 if per_token else 1.0 / dist.get_world_size(dp_group)
     bf16 = model_kw.get("params_dtype") is torch.bfloat16 and not (ddp_kwargs or {}).get("grad_reduce_in_fp32", False)
     modes = {g.name: g.mode.value for g in ddp.gift_params.values()}
-    path = Path(all_reduce=not (ddp_kwargs or {}).get("use_distributed_optimizer", False))
+    path = ReductionPath(all_reduce=not (ddp_kwargs or {}).get("use_distributed_optimizer", False))
     return name, dict(errors=reduction_errors(ddp, local, lambda p: scale, path, buffer_u=2.0**-8 if bf16 else 0.0),
                       tokens_seen=seen, modes=modes,
                       grads=torch.cat([p.main_grad.float().flatten() for p in model.parameters()]))  # fmt: skip
@@ -100,7 +100,7 @@ def _cp_case(rank):
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     local = gathered_local_gradients(ref, model, lambda m: m(x).square().mean(), lambda p: group)
     sizes = (parallel_state.get_data_parallel_world_size(), group.size())
-    errors = reduction_errors(ddp, local, lambda p: 1.0 / group.size(), Path(all_reduce=True))
+    errors = reduction_errors(ddp, local, lambda p: 1.0 / group.size(), ReductionPath(all_reduce=True))
     parallel_state.destroy_model_parallel()
     return "context_parallel_2", dict(errors=errors, sizes=sizes, modes={},
                                       grads=torch.cat([p.main_grad.flatten() for p in model.parameters()]))  # fmt: skip

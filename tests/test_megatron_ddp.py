@@ -18,7 +18,7 @@ from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import gathered_local_gradients
-from tests.bounds import Path, reduction_errors
+from tests.bounds import ReductionPath, reduction_errors
 
 pytestmark = pytest.mark.cpu_harness
 STEPS = 2
@@ -60,7 +60,7 @@ def _train(mode, dist_opt, overlap, bucket_size, tp, stock=False):
         ddp.finish_grad_sync()
         if not stock:
             local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
-            errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, Path(all_reduce=not dist_opt),
+            errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, ReductionPath(all_reduce=not dist_opt),
                                        owned=shard_of(dp_rank, dp_size) if dist_opt else None)  # fmt: skip
         for bg in ddp.bucket_groups:
             for bucket in bg.buckets:
@@ -378,7 +378,7 @@ def _pp_worker(rank, world):
             if mode is not Mode.OFF:
                 local = {p: all_gather_rows(q.main_grad.double().flatten(), dp_group)
                          for p, q in zip(model.parameters(), ref_model.parameters())}  # fmt: skip
-                errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, Path(all_reduce=not dist_opt),
+                errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, ReductionPath(all_reduce=not dist_opt),
                                            owned=shard_of(dp_rank, dp_size) if dist_opt else None)  # fmt: skip
             ref.finish_grad_sync()
             if mode is Mode.OFF:

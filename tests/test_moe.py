@@ -26,7 +26,7 @@ from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import all_gather_rows, gathered_local_gradients
-from tests.bounds import Path, reduction_errors
+from tests.bounds import ReductionPath, reduction_errors
 
 pytestmark = pytest.mark.cpu_harness
 HIDDEN, TOKENS = 64, 32  # tokens per tensor-parallel rank (sequence parallelism)
@@ -111,7 +111,7 @@ def _moe_case(mode, layout):
     local = gathered_local_gradients(ref, model, lambda m: moe_loss(m, x),
                                      lambda p: edp if not getattr(p, "allreduce", True) else dense_dp)  # fmt: skip
     scale = 1.0 / dense_dp.size()  # Megatron scales experts by 1/dp too, then sums over expert-dp
-    errors = reduction_errors(ddp, local, lambda p: scale, Path(all_reduce=True))
+    errors = reduction_errors(ddp, local, lambda p: scale, ReductionPath(all_reduce=True))
     expert_grads = torch.cat([p.main_grad.flatten() for p in model.parameters() if not getattr(p, "allreduce", True)])
     return dict(stats_err=stats_err, errors=errors, expert_grads=expert_grads, edp_rank=ps.get_expert_data_parallel_rank(),
                 ep_rank=ps.get_expert_model_parallel_rank(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -144,7 +144,7 @@ def _instances_case(mode, stock=False):
         return slice(r * size, (r + 1) * size)
 
     shards = [bucket.grad_data[owned(bg, bucket)].clone() for bg in ddp.bucket_groups for bucket in bg.buckets]
-    return dict(errors=reduction_errors(ddp, local, lambda p: 1.0 / dp.size(), Path(), owned=owned), shards=shards,
+    return dict(errors=reduction_errors(ddp, local, lambda p: 1.0 / dp.size(), ReductionPath(), owned=owned), shards=shards,
                 intra_rank=ddp.bucket_groups[0].intra_distributed_optimizer_instance_rank)  # fmt: skip
 
 
@@ -195,7 +195,7 @@ def _vpp_case(mode):
     for d in ref:
         d.finish_grad_sync()
     exact = all(torch.equal(p.main_grad, q.main_grad) for c, r in zip(model, ref_model) for p, q in zip(c.parameters(), r.parameters()))
-    errors = [e for d in gift for e in reduction_errors(d, local, lambda p: 1.0 / dp.size(), Path(all_reduce=True))]
+    errors = [e for d in gift for e in reduction_errors(d, local, lambda p: 1.0 / dp.size(), ReductionPath(all_reduce=True))]
     grads = torch.cat([p.main_grad.flatten() for c in model for p in c.parameters()])
     return dict(exact=exact, errors=errors, grads=grads, pp_rank=ps.get_pipeline_model_parallel_rank(),
                 modes=[g.mode.value for d in gift for g in d.gift_params.values()])  # fmt: skip

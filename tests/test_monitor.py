@@ -27,7 +27,7 @@ from megatron_gift.telemetry import jsonable
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import all_gather_rows, gathered_local_gradients
-from tests.bounds import Path, reduction_errors
+from tests.bounds import ReductionPath, reduction_errors
 
 pytestmark = pytest.mark.cpu_harness
 STEPS = 4
@@ -89,7 +89,7 @@ def _train(model, ddp, steps, first_step=0):
         lm_loss(ddp, tokens).backward()
         ddp.finish_grad_sync()
         local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: group)
-        errors.append(reduction_errors(ddp, local, lambda p: 1.0 / world, Path(), owned=_owned(rank, world), residuals=residuals))
+        errors.append(reduction_errors(ddp, local, lambda p: 1.0 / world, ReductionPath(), owned=_owned(rank, world), residuals=residuals))
         expected = {p: g.sum(0) / world for p, g in local.items()}
         # RelL2 / cosine of each parameter's reduced gradient (this rank's shard, summed over ranks)
         names = {p: g.name for p, g in ddp.gift_params.items()}

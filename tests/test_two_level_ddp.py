@@ -17,7 +17,7 @@ from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import gathered_local_gradients
-from tests.bounds import Path, reduction_errors
+from tests.bounds import ReductionPath, reduction_errors
 from tests.test_megatron_ddp import _resume_worker
 
 pytestmark = pytest.mark.cpu_harness
@@ -54,7 +54,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
     # instance's) spans 2 nodes with 2 ranks each, unless flat is asked for or error feedback is on
     group = dp_size // instances
     flat = gift.exchange == "flat" or gift.error_feedback or group < 4
-    path = Path(all_reduce=not dist_opt, ranks_per_node=None if flat else 2, intra=intra)
+    path = ReductionPath(all_reduce=not dist_opt, ranks_per_node=None if flat else 2, intra=intra)
 
     def owned(bg, bucket):  # this rank's shard in its instance (Megatron's bucket-group fields)
         if not dist_opt:
