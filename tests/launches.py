@@ -24,6 +24,7 @@ import psutil
 
 from megatron_gift.bench.corpus import build_token_corpus
 from megatron_gift.bench.indexed_data import megatron_data_args
+from megatron_gift.testing import cpu_harness
 from megatron_gift.testing.launch import ENV, ROOT, launcher_command, run_launcher
 from megatron_gift.testing.spawn import wall_limit
 
@@ -64,6 +65,7 @@ def checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:
 
 def _run_and_kill(tmp: Path, *args: str) -> tuple[str, int]:
     """The launcher until it logs iteration ``KILL_IN``, then SIGKILL to one rank: its output and exit status."""
+    cpu_harness.check_host()
     cmd = launcher_command(2, *_args(tmp, "killed", *args))
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, killed = [], None

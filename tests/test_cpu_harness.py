@@ -119,7 +119,7 @@ def test_an_unmarked_test_cannot_start_the_harness():
     through the harness fails at once (bug caught: a new test that would fail, not skip, on CUDA)."""
     from megatron_gift.testing import cpu_harness, launch
 
-    for start in (lambda: run_on_ranks(print, 1, cpu_harness=True), lambda: launch.launcher_command(2), cpu_harness.check_host):
+    for start in (lambda: run_on_ranks(print, 1, cpu_harness=True), lambda: launch.run_launcher(2, "--help"), cpu_harness.check_host):
         with pytest.raises(pytest.fail.Exception, match="without @pytest.mark.cpu_harness"):
             start()
 

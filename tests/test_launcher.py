@@ -28,7 +28,7 @@ from megatron_gift.bench.indexed_data import document_lengths, megatron_data_arg
 from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training as gift_training
 from megatron_gift import pretrain_gpt
-from megatron_gift.testing import launch
+from megatron_gift.testing import cpu_harness, launch
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 from tests.launches import ITERS, losses
 
@@ -199,6 +199,7 @@ def test_startup_messages_come_from_rank_0_only(monkeypatch, capsys):
 def test_startup_error_through_torchrun(tmp_path):
     """The real launcher on 2 gloo ranks: a refused value ends the run non-zero with the message
     printed once and no traceback from a rank (torchrun's own failure summary aside)."""
+    cpu_harness.check_host()
     cmd = launch.launcher_command(2, *STARTUP_ARGV, "--gift-mode", "gift", "--gift-ema", "1.5")
     res = subprocess.run(cmd, cwd=launch.ROOT, env={**os.environ, **launch.ENV}, capture_output=True, text=True,
                          timeout=wall_limit(600))  # fmt: skip

@@ -18,9 +18,7 @@ ENV = {"OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}
 
 
 def launcher_command(ranks: int, *args: str) -> list[str]:
-    """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``
-    (``RuntimeError`` at once where CUDA is available: the CPU launcher refuses it)."""
-    cpu_harness.check_host()
+    """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
         "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *args,
@@ -29,7 +27,9 @@ def launcher_command(ranks: int, *args: str) -> list[str]:
 
 def run_launcher(ranks: int, *args: str, timeout: float = 900.0) -> str:
     """Run :func:`launcher_command` to the end within ``wall_limit(timeout)`` seconds; its output
-    (stdout + stderr), or ``RuntimeError`` with its tail. The time taken goes to stderr."""
+    (stdout + stderr), or ``RuntimeError`` with its tail (at once where CUDA is available: the CPU
+    launcher refuses it). The time taken goes to stderr."""
+    cpu_harness.check_host()
     limit, t0 = wall_limit(timeout), time.monotonic()
     try:
         res = subprocess.run(
