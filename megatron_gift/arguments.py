@@ -4,16 +4,25 @@
 ``chain_args_providers`` combines it with a script's own provider. Every default is read from
 ``GiftConfig()``, the single source of truth; ``--gift-mode`` defaults to ``off`` as
 ``GiftConfig().mode`` does, so adding the flags changes nothing until asked.
+
+Start-up errors a user reads: a bad flag or combination stops every rank with exit status 2 and
+one message naming the flag, printed by rank 0 only, without a traceback (argparse's own errors
+through :func:`add_gift_args`, the checks of :func:`validate_gift_args` through
+:func:`checked_gift_config` / :func:`startup_errors`); a flag that does nothing in the chosen mode
+is warned about, once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import sys
 
 from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, Schedule, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
-from .upstream import TESTED_VERSIONS, check_version
+from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_version
 
 _DEFAULT = GiftConfig()
 _POLICY = PolicyConfig()
@@ -37,6 +46,55 @@ _FIELD_FLAGS = {
 }
 _FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
 _SHOWN_NAMES = 8  # parameter names quoted in an error message
+STARTUP_EXIT = 2  # exit status of a start-up error, argparse's
+
+
+# --------------------------------------------------------------------------- messages a user reads
+
+
+def global_rank() -> int:
+    """This process's global rank: torch.distributed's once initialized, else the launcher's ``RANK``
+    (torchrun sets it before Megatron parses its flags), else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def print_once(msg: str) -> None:
+    """``msg`` on stderr from global rank 0 only (every rank checks the same flags)."""
+    if global_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def startup_errors():
+    """Within the block, a ``ValueError`` (a refused flag, combination or setting) or an untested
+    megatron-core ends the process with exit status 2 and the error's message printed once, by
+    rank 0, instead of a traceback on every rank."""
+    try:
+        yield
+    except (ValueError, UntestedMegatronError) as e:
+        text = str(e)
+        print_once(text if text.startswith("megatron-gift") else f"megatron-gift: {text}")
+        raise SystemExit(STARTUP_EXIT) from None
+
+
+def _errors_once(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's errors (a bad choice or type, an unknown flag) as one line printed by rank 0,
+    status 2 on every rank; argparse itself prints the whole usage (Megatron's: hundreds of flags)
+    on every rank."""
+
+    def error(message: str):
+        print_once(f"{parser.prog}: error: {message} (--help lists the flags)")
+        parser.exit(STARTUP_EXIT)
+
+    parser.error = error
+    return parser
 
 
 def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -206,7 +264,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "backward); auto: lagged where CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) and on CPUs, else "
         "eager (default: %(default)s).",
     )
-    return parser
+    return _errors_once(parser)
 
 
 def _damping(text: str) -> str | float:
@@ -277,12 +335,15 @@ def _policy_from_args(args) -> PolicyConfig | None:
 def validate_gift_args(args, named_parameters=None) -> None:
     """Raise ``ValueError`` saying which flag to change when the ``--gift-*`` flags cannot work.
 
-    Checks value ranges, regular expressions and conflicts with other Megatron flags; given the
-    model's ``named_parameters`` (``(name, param)`` pairs, as the DDP wrapper will see them), also
+    Checks value ranges, regular expressions, conflicts with other Megatron flags and
+    ``LOCAL_WORLD_SIZE``, and warns (rank 0) about flags the chosen mode ignores; given the model's
+    ``named_parameters`` (``(name, param)`` pairs, as the DDP wrapper will see them), also checks
     that every pattern selects a parameter and that ``--gift-rank`` fits each GIFT layer."""
     if args.gift_log_interval < 0:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
     cfg = gift_config_from_args(args)
+    if named_parameters is None:  # the flag-level call, once before the model exists: warn there
+        _warn_ineffective_flags(args, cfg)
     if cfg is None:
         for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
             if value:
@@ -301,8 +362,77 @@ def validate_gift_args(args, named_parameters=None) -> None:
                 raise ValueError(f"{flag}: {pat!r} is not a valid regular expression ({e})") from e
     check_version(allow_untested=args.gift_allow_untested_megatron)
     _check_megatron_flags(args)
+    if cfg.ranks_per_node is None:
+        _check_local_world_size()
     if named_parameters is not None:
         _check_parameters(cfg, list(named_parameters), patterns)
+
+
+def checked_gift_config(args) -> GiftConfig | None:
+    """:func:`validate_gift_args` (flag-level) then :func:`gift_config_from_args`, for a training
+    script: a refused flag ends every rank with one message from rank 0 (:func:`startup_errors`)."""
+    with startup_errors():
+        validate_gift_args(args)
+        return gift_config_from_args(args)
+
+
+def _check_local_world_size() -> None:
+    """``LOCAL_WORLD_SIZE`` (processes per node, from the launcher) must be an integer >= 1 when
+    ``--gift-ranks-per-node`` does not override it: the two-level exchange groups nodes by it."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if not value:
+        return
+    try:
+        ok = int(value) >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={value!r} (processes per node, set by the launcher) is not an integer >= 1: "
+            "fix the launcher's environment or give --gift-ranks-per-node N"
+        )
+
+
+def _flag_defaults() -> dict:
+    return vars(add_gift_args(argparse.ArgumentParser()).parse_args([]))
+
+
+_GIFT_ONLY = ("gift_rank", "gift_sketch", "gift_refresh_interval", "gift_ema", "gift_damping")
+_FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback")
+_AUTO_ONLY = ("gift_profile_steps", "gift_profile_interval", "gift_policy_margin", "gift_policy_hysteresis", "gift_bf16_bound")
+_ANY_MODE = ("gift_mode", "gift_allow_untested_megatron", "gift_euclidean_layers", "gift_loopback")  # errors, or no mode needed
+
+
+def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
+    """``(attribute, why)`` of each ``--gift-*`` flag set to a non-default value that the chosen
+    mode never reads (``--gift-euclidean-layers`` / ``--gift-loopback`` with mode off are errors)."""
+    changed = [k for k, v in _flag_defaults().items() if hasattr(args, k) and getattr(args, k) != v]
+    if cfg is None:
+        return [(k, "with --gift-mode off") for k in changed if k not in _ANY_MODE]
+    fp8 = cfg.mode in (Mode.EUCLIDEAN, Mode.GIFT) or bool(cfg.euclidean_layers)
+    out = []
+    for k in changed:
+        if k in _GIFT_ONLY and cfg.mode is not Mode.GIFT:
+            out.append((k, f"with --gift-mode {cfg.mode.value} (GIFT only)"))
+        elif k in _FP8_ONLY and not fp8:
+            out.append((k, f"with --gift-mode {cfg.mode.value} and no --gift-euclidean-layers (nothing is sent in FP8)"))
+        elif k == "gift_block_size" and cfg.codec.scaling is not Scaling.BLOCK:
+            out.append((k, f"with --gift-scaling {cfg.codec.scaling.value} (block only)"))
+        elif k in _AUTO_ONLY and cfg.policy is None:
+            out.append((k, f"without --gift-layers {AUTO}"))
+        elif k == "gift_intra_node" and (cfg.exchange == "flat" or cfg.error_feedback):
+            out.append((k, "with --gift-exchange flat or --gift-error-feedback (one flat exchange, no intra-node stage)"))
+        elif k == "gift_telemetry_dir" and not cfg.log_interval:
+            out.append((k, "without --gift-log-interval"))
+    return out
+
+
+def _warn_ineffective_flags(args, cfg: GiftConfig | None) -> None:
+    for attr, why in _ineffective_flags(args, cfg):
+        value = getattr(args, attr)
+        shown = " ".join(map(str, value)) if isinstance(value, list) else "" if value is True else str(value)
+        flag = "--" + attr.replace("_", "-")
+        print_once(f"megatron-gift: warning: {flag}{' ' + shown if shown else ''} has no effect {why}; ignored")
 
 
 def _check_megatron_flags(args) -> None:

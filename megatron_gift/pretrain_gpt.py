@@ -50,6 +50,16 @@ UNSUPPORTED = (
 )
 
 
+def refuse_unsupported_flags(args) -> None:
+    """``ValueError`` naming the first flag of :data:`UNSUPPORTED` that ``args`` sets."""
+    for attr, flag in UNSUPPORTED:
+        if getattr(args, attr, None):
+            raise ValueError(
+                f"megatron_gift.pretrain_gpt does not support {flag}: use Megatron-LM's pretrain_gpt.py patched "
+                "with patches/apply.sh (its module docstring lists what this launcher leaves out)"
+            )
+
+
 def _cpu_requested(argv: list[str]) -> bool:
     return "--gift-cpu" in argv or os.environ.get(CPU_ENV, "") not in ("", "0")
 
@@ -289,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from .arguments import add_gift_args, chain_args_providers, gift_config_from_args, telemetry_dir, validate_gift_args
+    from .arguments import (
+        add_gift_args, chain_args_providers, checked_gift_config, startup_errors, telemetry_dir, validate_gift_args,
+    )  # fmt: skip
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *argv]  # Megatron's parse_args reads sys.argv
@@ -300,11 +312,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     finally:
         sys.argv = saved_argv
-    for attr, flag in UNSUPPORTED:
-        if getattr(args, attr, None):
-            raise SystemExit(f"megatron_gift.pretrain_gpt does not support {flag}; see its module docstring")
-    validate_gift_args(args)  # flag-level checks now; parameter-level ones when the model is wrapped
-    gift_config = gift_config_from_args(args)
+    with startup_errors():  # one message from rank 0, exit status 2, no traceback
+        refuse_unsupported_flags(args)
+    gift_config = checked_gift_config(args)  # flag-level checks now; parameter-level ones when the model is wrapped
 
     model_cfg = gpt_config_from_args(args)
 

@@ -69,13 +69,17 @@ def installed_version() -> str:
     return importlib.import_module("megatron.core.package_info").__shortversion__
 
 
+class UntestedMegatronError(RuntimeError):
+    """The installed megatron-core is not one the plugin was tested with (a start-up error)."""
+
+
 def check_version(allow_untested: bool = False) -> None:
-    """Raise ``RuntimeError`` naming the versions unless megatron-core is one in :data:`TESTED_VERSIONS`
-    (or ``allow_untested`` / the environment variable :data:`ALLOW_ENV` says to go on anyway)."""
+    """Raise :class:`UntestedMegatronError` naming the versions unless megatron-core is one in
+    :data:`TESTED_VERSIONS` (or ``allow_untested`` / the environment variable :data:`ALLOW_ENV` says to go on anyway)."""
     version = installed_version()
     if version in TESTED_VERSIONS or allow_untested or os.environ.get(ALLOW_ENV, "") not in ("", "0"):
         return
-    raise RuntimeError(
+    raise UntestedMegatronError(
         f"megatron-gift re-implements parts of Megatron-Core's gradient reduction and was tested with "
         f"megatron-core {', '.join(TESTED_VERSIONS)}; this is megatron-core {version}. Install a tested version, "
         f"or accept the risk with --gift-allow-untested-megatron (or {ALLOW_ENV}=1) and run tests/test_upstream_guard.py"

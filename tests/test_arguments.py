@@ -225,3 +225,71 @@ def test_chained_with_another_provider(parse):
     parser = chain_args_providers(add_gift_args, own)(argparse.ArgumentParser())
     assert "megatron-gift" in [g.title for g in parser._action_groups]
     assert vars(parser.parse_args([]))["my_flag"] == 7
+
+
+def test_local_world_size_must_be_a_positive_integer(parse, monkeypatch):
+    """``LOCAL_WORLD_SIZE`` (processes per node) groups the two-level exchange's nodes: a value that is
+    no integer >= 1 is refused naming the variable and ``--gift-ranks-per-node``, which overrides it.
+    Bug caught: ``int('2.5')`` raised deep inside the DDP, ``0`` / ``-2`` reached the topology."""
+    args, override = parse("--gift-mode", "euclidean"), parse("--gift-mode", "euclidean", "--gift-ranks-per-node", "2")
+    for bad in ("abc", "0", "-2", "2.5", " "):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE={bad!r} .* is not an integer >= 1.*--gift-ranks-per-node"):
+            validate_gift_args(args)
+        validate_gift_args(override)  # the flag wins over the environment
+    for good in ("1", "8"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", good)
+        validate_gift_args(args)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    validate_gift_args(args)
+    with pytest.raises(ValueError, match="--gift-ranks-per-node must be an integer >= 1"):
+        gift_config_from_args(parse("--gift-mode", "euclidean", "--gift-ranks-per-node", "0"))
+
+
+@pytest.mark.parametrize(
+    "flags, warned",
+    [
+        (["--gift-layers", "auto", "--gift-error-feedback", "--gift-rank", "8"],
+         ["--gift-rank 8 has no effect with --gift-mode off", "--gift-layers auto has no effect with --gift-mode off",
+          "--gift-error-feedback has no effect with --gift-mode off"]),
+        (["--gift-mode", "bf16", "--gift-error-feedback", "--gift-scaling", "row", "--gift-sketch", "0"],
+         ["--gift-sketch 0 has no effect with --gift-mode bf16 (GIFT only)",
+          "--gift-scaling row has no effect with --gift-mode bf16 and no --gift-euclidean-layers",
+          "--gift-error-feedback has no effect with --gift-mode bf16 and no --gift-euclidean-layers"]),
+        (["--gift-mode", "bf16", "--gift-error-feedback", "--gift-euclidean-layers", "embedding"], []),
+        (["--gift-mode", "gift", "--gift-scaling", "mx", "--gift-block-size", "64"],
+         ["--gift-block-size 64 has no effect with --gift-scaling mx (block only)"]),
+        (["--gift-mode", "gift", "--gift-policy-margin", "0.2", "--gift-telemetry-dir", "/tmp/x"],
+         ["--gift-policy-margin 0.2 has no effect without --gift-layers auto",
+          "--gift-telemetry-dir /tmp/x has no effect without --gift-log-interval"]),
+        (["--gift-mode", "gift", "--gift-exchange", "flat", "--gift-intra-node", "fp8"],
+         ["--gift-intra-node fp8 has no effect with --gift-exchange flat or --gift-error-feedback"]),
+        (["--gift-mode", "gift", "--gift-rank", "8", "--gift-sketch", "16", "--gift-layers", "auto",
+          "--gift-policy-margin", "0.2", "--gift-error-feedback", "--gift-ranks-per-node", "2"], []),
+    ],
+)  # fmt: skip
+def test_flags_without_effect_are_warned_once(parse, capsys, monkeypatch, flags, warned):
+    """Each flag set away from its default that the chosen mode never reads is named in one warning
+    (rank 0), and only those: a flag that does act is never warned about."""
+    monkeypatch.delenv("RANK", raising=False)
+    args = parse(*flags)
+    capsys.readouterr()
+    validate_gift_args(args)
+    validate_gift_args(args, NAMED_PARAMS)  # the model-level call (when the DDP is built): no repeat
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == len(warned) and all(line.startswith("megatron-gift: warning: ") and line.endswith("; ignored")
+                                             for line in lines), lines  # fmt: skip
+    assert all(any(w in line for line in lines) for w in warned), lines
+
+
+def test_argparse_errors_print_on_rank_0_only(parse, capsys, monkeypatch):
+    """argparse's error on a bad ``--gift-*`` value: one line naming the flag on rank 0, silence on the
+    others, status 2 everywhere (argparse alone printed Megatron's whole usage on every rank)."""
+    for rank, printed in (("0", True), ("3", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exc:
+            parse("--gift-refresh-interval", "ten")
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "usage:" not in err
+        assert (err.count("argument --gift-refresh-interval: invalid int value: 'ten'") == 1) == printed, err
+        assert (err.strip() != "") == printed, err

@@ -26,6 +26,7 @@ def test_live_bytes_tracks_allocations_views_and_frees():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_harness
 def test_quick_run(tmp_path):
     path = tmp_path / "memory.json"
     doc = memory.run(quick=True, json_path=str(path))

@@ -1,4 +1,5 @@
-"""``bench overhead`` on tiny shapes: JSON schema, every path timed, low-rank T cheaper than dense Cholesky at large d_in."""
+"""``bench overhead`` on tiny shapes: JSON schema, every path timed, the ratios' arithmetic, and the
+work each timed path does (FLOPs counted: the low-rank T does d_in / 2r less than dense Cholesky's)."""
 
 import json
 
@@ -73,15 +74,25 @@ def test_ratios_from_known_times(monkeypatch):
     assert row["statistics_s"] == 0.006 and row["statistics_over_layer"] == pytest.approx(0.006)  # 0.006 / 1.0
 
 
-def test_dense_cholesky_costs_more_than_low_rank_at_large_d_in():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as run() does on a CPU
-    try:
-        recs = overhead.measure_layer(("t", "fc2"), (128, 2048), 16, torch.device("cpu"), overhead.CodecConfig())
-    finally:
-        torch.set_num_threads(threads)
-    (row,) = overhead.summarize(recs)
-    assert row["dense_over_lowrank"] > 2, row  # O(d_out d_in^2) vs O(d_out d_in r): ~30x in FLOPs here
+def test_dense_transform_does_d_in_over_2r_times_the_low_rank_work(monkeypatch):
+    """What the timed paths compute, counted instead of timed (a timing ratio would depend on the
+    machine): with ``time_call`` replaced by torch's FLOP counter, the dense ``T⁻¹`` (``U Lᵀ``:
+    ``2 d_out d_in²``) does ``d_in / (2r)`` times the low-rank one's matrix products (``U Q`` and
+    ``(U Q) Qᵀ``: ``4 d_out d_in r``). Bug caught: the low-rank path timing a dense product, or the
+    dense one a low-rank shortcut."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(fn, device):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return max(counter.get_total_flops(), 1), 1
+
+    monkeypatch.setattr(overhead, "time_call", flops)
+    d_out, d_in, r = 128, 2048, overhead.RANK
+    recs = {rec["path"]: rec for rec in overhead.measure_layer(("t", "fc2"), (d_out, d_in), 16, torch.device("cpu"), overhead.CodecConfig())}
+    assert recs["lowrank_inverse"]["seconds"] == 4 * d_out * d_in * r
+    assert recs["dense_inverse"]["seconds"] == 2 * d_out * d_in * d_in
+    assert recs["dense_inverse"]["dense_over_lowrank"] == d_in / (2 * r)
 
 
 def test_targets_read_the_600m_rows():

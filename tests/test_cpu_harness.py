@@ -106,8 +106,26 @@ def test_run_on_ranks_names_the_failing_rank():
         run_on_ranks(_fail_on_rank_one, 2, timeout=60)
 
 
+@pytest.mark.cpu_harness
 def test_install_refuses_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is available"):
         cpu_harness.install()
     assert not cpu_harness.installed()
+
+
+def test_an_unmarked_test_cannot_start_the_harness():
+    """tests/conftest.py: a test without the ``cpu_harness`` marker that starts ranks or the launcher
+    through the harness fails at once (bug caught: a new test that would fail, not skip, on CUDA)."""
+    from megatron_gift.testing import cpu_harness, launch
+
+    for start in (lambda: run_on_ranks(print, 1, cpu_harness=True), lambda: launch.run_launcher(2, "--help"), cpu_harness.check_host):
+        with pytest.raises(pytest.fail.Exception, match="without @pytest.mark.cpu_harness"):
+            start()
+
+
+@pytest.mark.cpu_harness
+def test_a_marked_test_can():
+    from megatron_gift.testing import cpu_harness
+
+    cpu_harness.check_host()  # a CPU-only machine: no error

@@ -71,6 +71,7 @@ def runs():
     return run_on_ranks(_worker, 1, cpu_harness=True, timeout=600)[0]
 
 
+@pytest.mark.cpu_harness
 @pytest.mark.parametrize("dist_opt", [True, False])
 @pytest.mark.parametrize("mode", ["gift", "euclidean"])
 def test_dp1_is_bit_identical_to_stock_megatron(runs, dist_opt, mode):
@@ -81,6 +82,7 @@ def test_dp1_is_bit_identical_to_stock_megatron(runs, dist_opt, mode):
             assert torch.equal(got_step[name], want), name
 
 
+@pytest.mark.cpu_harness
 @pytest.mark.parametrize("dist_opt", [True, False])
 def test_loopback_is_one_fp8_round_trip_of_megatrons_gradient(runs, dist_opt):
     (stock, _), (got, converted) = runs[dist_opt]["stock"], runs[dist_opt]["loopback"]
@@ -94,6 +96,7 @@ def test_loopback_is_one_fp8_round_trip_of_megatrons_gradient(runs, dist_opt):
     assert diff.abs().max() > 0  # the codec did run
 
 
+@pytest.mark.cpu_harness
 @pytest.mark.parametrize("dist_opt", [True, False])
 def test_loopback_gift_runs_the_whitened_codec(runs, dist_opt):
     """GIFT in loopback: the gradient is no longer Megatron's, and (after ``T⁻¹``) differs from the
@@ -150,6 +153,7 @@ def _ep_worker(rank, world):
     return out
 
 
+@pytest.mark.cpu_harness
 def test_expert_data_parallel_group_of_one_keeps_megatrons_expert_gradients():
     """Expert parallelism over both ranks: each expert's gradient has a reduction group of one rank
     (the dense weights still reduce over two, quantized)."""

@@ -1,12 +1,13 @@
 """Faults: a rank killed mid-run, and checkpoints whose GIFT state does not fit.
 
-* Through the launcher (2 gloo ranks, checkpoints every 2 iterations): rank 1 is killed with
-  SIGKILL during iteration 3; the restarted run resumes from the iteration-2 checkpoint and its
-  iteration-4 checkpoint (parameters, optimizer, GIFT statistics, transforms, each rank's
-  error-feedback residual) is bit-identical to that of a run never interrupted.
+* Through the launcher (2 gloo ranks, checkpoints every 2 iterations; tests/launches.py's runs,
+  shared with test_launcher and test_checkpoint): rank 1 is killed with SIGKILL during iteration
+  3; the restarted run resumes from the iteration-2 checkpoint and its iteration-4 and iteration-6
+  checkpoints (parameters, optimizer, GIFT statistics, transforms, each rank's error-feedback
+  residual) are bit-identical to those of a run never interrupted.
 * In one process: GIFT state of another format version, of other shapes (another model width,
   another --gift-sketch), truncated or garbled is refused with a message naming why, and the
-  GIFT state starts fresh (never half-applied); a fitting state is applied.
+  GIFT state starts fresh (never half-applied); a fitting state is applied, entry for entry.
 """
 
 from __future__ import annotations
@@ -14,78 +15,35 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import re
-import signal
-import subprocess
 
-import psutil
 import pytest
 import torch
 
-from megatron_gift.bench.corpus import build_token_corpus
-from megatron_gift.bench.indexed_data import megatron_data_args
 from megatron_gift.testing import run_on_ranks
-from megatron_gift.testing.launch import ENV, ROOT, launcher_command
-from megatron_gift.testing.spawn import wall_limit
 
-from .test_checkpoint import FLAGS, GIFT, LOSS_RE, _bitwise_equal, _contents, _launch
+from .launches import KILL_IN, losses
+from .test_checkpoint import _bitwise_equal, _contents
 
-SHORT = ["--train-iters", "4", "--save-interval", "2"]  # later flags win over FLAGS'
-KILL_AT = re.compile(r"iteration\s+3/")
-
-
-def _run_and_kill(tmp, save) -> str:
-    """The launcher until it logs iteration 3, then SIGKILL to one rank; its output."""
-    data = megatron_data_args(build_token_corpus(vocab_size=2048))
-    cmd = launcher_command(2, *FLAGS, *data, "--data-cache-path", str(tmp / "index-cache"), *SHORT, *GIFT, "--save", str(save))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, killed = [], None
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if killed is None and KILL_AT.search(line):
-                ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "megatron_gift.pretrain_gpt" in " ".join(c.cmdline())]
-                killed = max(ranks, key=lambda c: c.pid)
-                os.kill(killed.pid, signal.SIGKILL)
-        proc.wait(timeout=wall_limit(900.0))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed is not None, "".join(out[-50:])
-    assert proc.returncode != 0
-    return "".join(out)
-
-
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("the --gift-cpu launcher refuses to run where CUDA is available")
-    tmp = tmp_path_factory.mktemp("faults")
-    logs = {"whole": _launch(tmp, 2, *SHORT, *GIFT, "--save", str(tmp / "whole"))}
-    logs["killed"] = _run_and_kill(tmp, tmp / "killed")
-    latest = (tmp / "killed" / "latest_checkpointed_iteration.txt").read_text().strip()
-    logs["resumed"] = _launch(tmp, 2, *SHORT, *GIFT, "--load", str(tmp / "killed"), "--save", str(tmp / "killed"))
-    return tmp, logs, latest
+pytestmark = pytest.mark.cpu_harness
 
 
 @pytest.mark.slow
-def test_killed_rank_resumes_bitwise_from_the_last_checkpoint(killed_and_resumed):
-    tmp, logs, latest = killed_and_resumed
-    assert latest == "2"
+def test_killed_rank_resumes_bitwise_from_the_last_checkpoint(launcher_runs):
+    tmp, logs = launcher_runs["tmp"], launcher_runs["logs"]
+    assert launcher_runs["killed_rc"] != 0 and launcher_runs["killed_latest"] == "2"
+    assert max(losses(logs["killed"])) == KILL_IN  # killed once iteration 3 was logged
     assert "GIFT state restored (step 1)" in logs["resumed"]
-    assert sorted(int(i) for i, _ in LOSS_RE.findall(logs["resumed"])) == [3, 4]
-    whole = _contents(tmp / "whole" / "iter_0000004", tmp)
-    resumed = _contents(tmp / "killed" / "iter_0000004", tmp)
-    assert whole.keys() == resumed.keys() and any(k.startswith("gift.chunk0.residuals") for k in whole)
-    # as in test_checkpoint: the run arguments and the CPU generator (the data loader's seed draw) differ
-    differ = [k for k in whole if not k.startswith(("common_state", "rng_state")) and not _bitwise_equal(whole[k], resumed[k])]
-    assert differ == []
-    # The first resumed iteration logs the uninterrupted run's loss. (The last one's logged loss
-    # differs after any resume, with --gift-mode off too: 7.563098 vs 7.550075 in this set-up,
-    # while the iteration-4 checkpoints are bitwise equal; a Megatron logging matter.)
-    loss = lambda log: {int(i): v for i, v in LOSS_RE.findall(log)}[3]  # noqa: E731
-    assert loss(logs["resumed"]) == loss(logs["whole"])
+    assert sorted(losses(logs["resumed"])) == [3, 4, 5, 6]
+    for iteration in (4, 6):
+        whole = _contents(tmp / "whole" / f"iter_{iteration:07d}", tmp)
+        resumed = _contents(tmp / "killed" / f"iter_{iteration:07d}", tmp)
+        assert whole.keys() == resumed.keys() and any(k.startswith("gift.chunk0.residuals") for k in whole)
+        # as in test_checkpoint: the run arguments and the CPU generator (the data loader's seed draw) differ
+        differ = [k for k in whole if not k.startswith(("common_state", "rng_state")) and not _bitwise_equal(whole[k], resumed[k])]
+        assert differ == [], iteration
+    # The first resumed iteration logs the uninterrupted run's loss (the second, a Megatron logging
+    # matter, the mean of the run's first two: test_checkpoint).
+    assert losses(logs["resumed"])[KILL_IN] == losses(logs["whole"])[KILL_IN]
 
 
 def _misfit_worker(rank, world):
@@ -139,6 +97,9 @@ def _misfit_worker(rank, world):
             applied = checkpoint.restore(ddp, loaded)
         logging.getLogger("megatron_gift").removeHandler(handler)
         out[name] = dict(applied=applied, fresh=fresh(ddp), log=log.getvalue(), step=ddp.step)
+    # what the fitting restore holds, against what was saved, entry by entry
+    out["fits"]["restored"] = checkpoint.split_state(cases["fits"][0], cases["fits"][0].gift_state_dict())
+    out["fits"]["saved"] = saved
     hooks = checkpoint._Hooks([])
     hooks.meta = {**checkpoint.layout(), "version": checkpoint.VERSION + 1}
     log = io.StringIO()
@@ -153,15 +114,48 @@ def misfits():
     return run_on_ranks(_misfit_worker, 1, cpu_harness=True, timeout=600)[0]
 
 
+def _leaves(tree, path=()):
+    """``(path, value)`` of every leaf of a nested dict."""
+    if isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _leaves(tree[k], (*path, k))
+    else:
+        yield path, tree
+
+
 def test_fitting_gift_state_is_applied(misfits):
-    assert misfits["fits"]["applied"] and not misfits["fits"]["fresh"] and misfits["fits"]["step"] == 0
+    """Every saved entry (step, modes, statistics, transforms, damping choices, residuals) is what the
+    restored DDP holds, bit for bit. Bug caught: a part reported applied but left fresh or mixed."""
+    res = misfits["fits"]
+    assert res["applied"] and not res["fresh"] and res["step"] == 0
+    saved, restored = dict(_leaves(res["saved"])), dict(_leaves(res["restored"]))
+    assert saved.keys() == restored.keys() and any(isinstance(v, torch.Tensor) for v in saved.values())
+    for path, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(restored[path], value), path
+        else:
+            assert restored[path] == value, path
 
 
-@pytest.mark.parametrize("case", ["other_width", "other_sketch", "truncated", "cut_tensor", "garbled"])
-def test_misfit_gift_state_starts_fresh_with_a_message(misfits, case):
+PROJ = "decoder.layers.0.self_attention.linear_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("other_width", f"{PROJ}: saved statistics xtx of shape (64, 64), this run's is (72, 72) (another layer width"),
+        ("other_sketch", f"{PROJ}: saved statistics ['xtx'], this run keeps ['diag', 'y'] (another --gift-sketch)"),
+        ("truncated", "part 'dense' lacks ['params'] (truncated)"),
+        ("cut_tensor", "decoder.layers.0.self_attention.linear_qkv.weight: saved transform for input size 32, the layer has 64"),
+        ("garbled", "part 'dense' is bytes, not a GIFT state (garbled)"),
+    ],
+)
+def test_misfit_gift_state_starts_fresh_with_a_message(misfits, case, message):
+    """Each corruption is named for what it is (bug caught: a raw KeyError / size mismatch, or a
+    state half applied before the failure)."""
     res = misfits[case]
-    assert res["fresh"], res  # nothing half-applied
-    assert "starting them fresh" in res["log"] or "does not fit this run" in res["log"], res["log"]
+    assert res["fresh"] and not res["applied"], res  # nothing half-applied
+    assert res["log"].count("does not fit this run") == 1 and message in res["log"], res["log"]
 
 
 def test_other_format_version_is_not_loaded(misfits):

@@ -9,38 +9,30 @@ from hypothesis import strategies as st
 
 from megatron_gift.numerics import fp8
 from megatron_gift.numerics.fp8 import CodecConfig, CodecStats, FP8Format, Scaling
-from tests.reference import fp8_roundtrip
+from tests.reference import fp8_roundtrip, fp8_scales
 
 CONFIGS = [CodecConfig(f, s) for f in FP8Format for s in Scaling]
 IDS = [c.name for c in CONFIGS]
 
 
-def _group_scales(enc, cfg, rows, cols):
-    """Per-element dequantization scale, for the error bound."""
-    s = fp8.scale_values(enc.scales, cfg)
-    r, g = cfg.groups(rows, cols)
-    s = s.reshape(r, g)
-    if cfg.scaling is Scaling.TENSOR:
-        return s.expand(rows, cols)
-    if cfg.scaling is Scaling.ROW:
-        return s.expand(rows, cols)
-    return s.repeat_interleave(cfg.block, dim=1)[:, :cols]
+def _reference_scales(x, cfg):
+    """Per-element scale of ``x`` by tests/reference.py (independent of the codec under test)."""
+    width = {Scaling.TENSOR: None, Scaling.ROW: x.shape[1]}.get(cfg.scaling, cfg.block)
+    return fp8_scales(x, cfg.fmt.dtype, width, power_of_two=cfg.scaling is Scaling.MX)
 
 
 def _assert_within_bound(x, cfg):
-    enc = fp8.encode(x, cfg)
-    y = fp8.decode(enc, cfg, out_shape=x.shape)
-    xm = x.reshape(enc.payload.shape).double()
-    ym = y.reshape(enc.payload.shape).double()
-    s = _group_scales(enc, cfg, *enc.payload.shape).double()
-    # Round to nearest: half an ULP relative in the normal range, half the smallest subnormal
-    # (times the group's scale) below it; plus FP32 rounding of the scale arithmetic.
-    rel = 2.0 ** -(cfg.fmt.mantissa_bits + 1)
-    bound = rel * xm.abs() + 0.5 * cfg.fmt.min_subnormal * s + 1e-6 * xm.abs()
-    err = (ym - xm).abs()
+    """Round to nearest: half a spacing. In the normal range the spacing is at most ``2^-m`` of the
+    value, below ``smallest_normal · s`` it is the scaled smallest subnormal ``σ s`` (``σ``, ``m`` from
+    ``torch.finfo``; ``s`` the group scale from tests/reference.py); plus FP32's rounding of
+    ``x / s`` and of the decoded product (``2^-24`` each)."""
+    y = fp8.decode(fp8.encode(x, cfg), cfg, out_shape=x.shape).double()
+    info = torch.finfo(cfg.fmt.dtype)
+    s = _reference_scales(x, cfg).double()
+    xm = x.double()
+    bound = 0.5 * info.eps * xm.abs() + 0.5 * info.smallest_normal * info.eps * s + 2 * 2.0**-24 * xm.abs()
+    err = (y - xm).abs()
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3e}"
-
-
 magnitudes = st.sampled_from([0.0, 1e-40, 1e-30, 1e-8, 1e-3, 1.0, 1e3, 1e20, 1e38])
 
 
@@ -70,17 +62,35 @@ def test_roundtrip_error_bound(cfg, x):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_relative_error_of_gaussian(cfg):
-    """Typical RelL2 on Gaussian data: about 2^-(m+1)/sqrt(3) of the elements' magnitude."""
+    """RelL2 on Gaussian data equals the rounding model's prediction on the same data: an error
+    uniform within each element's spacing (``2^(⌊log2 v⌋ − m) s`` in the normal range, ``σ s``
+    below; 0 at a group's maximum, which is exact with FP32 scales), ``E e² = spacing² / 12``.
+    Tolerance: over N = 131072 elements the relative standard deviation of ``Σ e²`` is
+    ``sqrt(4/5 / N)`` (a uniform's ``E e⁴ = 9/5 (E e²)²``), 0.25%, 0.12% on RelL2; 3% allows
+    25 of those."""
     x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
-    err = (fp8.roundtrip(x, cfg) - x).norm() / x.norm()
-    expected = 2.0 ** -(cfg.fmt.mantissa_bits + 1) / math.sqrt(3)
-    assert 0.5 * expected < err < 1.5 * expected
+    err = float((fp8.roundtrip(x, cfg) - x).double().norm() / x.double().norm())
+    info = torch.finfo(cfg.fmt.dtype)
+    s = _reference_scales(x, cfg).double()
+    v = x.double().abs() / s
+    spacing = torch.where(v < info.smallest_normal, info.smallest_normal * info.eps,
+                          torch.exp2(torch.floor(torch.log2(v.clamp_min(1e-300)))) * info.eps) * s  # fmt: skip
+    if cfg.scaling is not Scaling.MX:  # each group's maximum decodes to itself
+        spacing = torch.where(v == v.max() if cfg.scaling is Scaling.TENSOR else _is_group_max(x, cfg), 0.0, spacing)
+    predicted = math.sqrt(float((spacing**2).sum() / 12) / float((x.double() ** 2).sum()))
+    assert abs(err / predicted - 1) < 0.03, (err, predicted)
+
+
+def _is_group_max(x, cfg):
+    width = x.shape[1] if cfg.scaling is Scaling.ROW else cfg.block
+    parts = [(g.abs() == g.abs().amax(dim=1, keepdim=True)) for g in x.split(width, dim=1)]
+    return torch.cat(parts, dim=1)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("shape", [(7, 300), (1, 1), (3, 128), (2, 33)])
 def test_byte_counts(cfg, shape):
-    enc = fp8.encode(torch.randn(*shape), cfg)
+    enc = fp8.encode(torch.randn(*shape, generator=torch.Generator().manual_seed(1)), cfg)
     rows, cols = shape
     n_groups = {Scaling.TENSOR: 1, Scaling.ROW: rows}.get(cfg.scaling, rows * math.ceil(cols / cfg.block))
     expected = rows * cols + n_groups * (1 if cfg.scaling is Scaling.MX else 4)
@@ -90,7 +100,9 @@ def test_byte_counts(cfg, shape):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_nonfinite_survive(cfg):
-    x = torch.randn(4, 256)
+    """Inf and NaN decode non-finite; the finite values keep their round-trip bound with scales from
+    the finite values alone (bug caught: an Inf in a group's maximum flushing the group to zero)."""
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
     x[0, 3] = float("inf")
     x[1, 200] = float("-inf")
     x[2, 0] = float("nan")
@@ -100,8 +112,11 @@ def test_nonfinite_survive(cfg):
         assert not math.isfinite(y[idx].item())
     finite = torch.isfinite(x)
     assert torch.isfinite(y[finite]).all()
-    # the finite values keep their usual accuracy: Inf does not blow up the scale
-    assert (y[finite] - x[finite]).norm() / x[finite].norm() < 0.1
+    info = torch.finfo(cfg.fmt.dtype)
+    s = _reference_scales(torch.where(finite, x, 0.0), cfg).double()
+    xm = x.double()[finite]
+    bound = (0.5 * info.eps + 2 * 2.0**-24) * xm.abs() + 0.5 * info.smallest_normal * info.eps * s[finite]
+    assert bool(((y.double()[finite] - xm).abs() <= bound).all())
     assert stats.nonfinite == 3 and stats.numel == x.numel()
 
 
@@ -114,7 +129,7 @@ def test_zeros_are_exact(cfg):
 
 def test_mx_scales_never_clip():
     cfg = CodecConfig(FP8Format.E4M3, Scaling.MX)
-    x = torch.randn(16, 96) * torch.logspace(-6, 6, 96)
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(3)) * torch.logspace(-6, 6, 96)
     enc = fp8.encode(x, cfg)
     assert enc.scales.dtype == torch.uint8 and enc.scales.shape == (16, 3)
     stats = CodecStats()
@@ -126,7 +141,7 @@ def test_mx_scales_never_clip():
 def test_group_maximum_decodes_to_itself(cfg):
     """FP32 scales: a group's maximum encodes to ±fp8_max and decodes within two FP32 roundings
     (``s = fl(amax / fmax)``, then ``fl(fmax · s)``): relative error at most (1 + 2^-24)^2 - 1."""
-    x = torch.randn(16, 300) * torch.logspace(-20, 20, 300)
+    x = torch.randn(16, 300, generator=torch.Generator().manual_seed(4)) * torch.logspace(-20, 20, 300)
     enc = fp8.encode(x, cfg)
     assert enc.scales.dtype == torch.float32
     y = fp8.decode(enc, cfg)
@@ -138,33 +153,32 @@ def test_group_maximum_decodes_to_itself(cfg):
 
 
 @pytest.mark.parametrize("fmt", list(FP8Format))
-@pytest.mark.parametrize("scaling", [Scaling.TENSOR, Scaling.BLOCK])
+@pytest.mark.parametrize("scaling", list(Scaling))
 def test_matches_an_independent_roundtrip(fmt, scaling):
-    """Bit for bit the round trip written from the definition with torch's FP8 cast (tests/reference.py)."""
+    """Bit for bit the round trip written from the definition with torch's FP8 cast (tests/reference.py):
+    per tensor, per row, per 1x128 block, MX (1x32, power-of-two scales rounded up)."""
     x = torch.randn(9, 300, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 300)
     cfg = CodecConfig(fmt, scaling)
-    want = fp8_roundtrip(x, fmt.dtype, None if scaling is Scaling.TENSOR else cfg.block)
+    width = {Scaling.TENSOR: None, Scaling.ROW: x.shape[1]}.get(scaling, cfg.block)
+    want = fp8_roundtrip(x, fmt.dtype, width, power_of_two=scaling is Scaling.MX)
     assert torch.equal(fp8.roundtrip(x, cfg), want)
 
 
 def test_block_maxima_are_unbiased():
-    """The mean signed relative error of E4M3 1x128 block maxima is ~0 (issue 12, defect 7: BF16
-    scales rounded up decoded every maximum too large, +2.6e-3 on average).
-
-    Bound: any unbiased encoding of a maximum has a relative error within E4M3's half spacing
-    ``eps = 2^-(m+1) = 2^-4`` and mean 0; over ``N`` independent blocks Hoeffding's inequality
-    puts the mean beyond ``eps · sqrt(2 ln(2/delta) / N)`` with probability below ``delta``."""
+    """The mean signed relative error of 2^16 E4M3 1x128 block maxima is zero at FP32 resolution
+    (issue 12, defect 7: BF16 scales rounded up decoded every maximum too large, +2.6e-3 on average).
+    Each maximum decodes as ``fl(fmax · fl(amax / fmax))``: two FP32 roundings, relative error at most
+    ``(1 + 2^-24)² − 1``, and so is their mean."""
     cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
-    n, delta = 2**16, 1e-6
+    n = 2**16
     x = torch.randn(n, cfg.block, generator=torch.Generator().manual_seed(12)) * torch.exp(
         torch.randn(n, 1, generator=torch.Generator().manual_seed(13))
     )
     y = fp8.roundtrip(x, cfg)
     idx = x.abs().argmax(1, keepdim=True)
     xmax, ymax = x.gather(1, idx).double().abs(), y.gather(1, idx).double().abs()
-    mean_signed = ((ymax - xmax) / xmax).mean().item()
-    eps = 2.0 ** -(cfg.fmt.mantissa_bits + 1)
-    assert abs(mean_signed) < eps * math.sqrt(2 * math.log(2 / delta) / n), mean_signed
+    rel = (ymax - xmax) / xmax  # each one within two roundings: test_group_maximum_decodes_to_itself
+    assert abs(float(rel.mean())) <= (1 + 2.0**-24) ** 2 - 1
 
 
 def test_group_lengths_are_the_callers_own():

@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_gift.bench import gpu_check, gpu_codec, gpu_step
 
@@ -43,10 +44,14 @@ def test_every_part_runs_and_writes_its_file(dry_run):
     assert check["kind"] == "dry-run"
     assert all("error" not in part and part["file"] == gpu_check.FILES[name] for name, part in check["parts"].items())
     assert set(check["parts"]) == {"overhead", "codec", "step"}
-    # the kernel tests ran (as skips on the CPU) and were counted from their JUnit file
+    # the kernel tests were collected and, on a CPU, all skipped: counted from their JUnit file as
+    # skips, none as passed (bug caught: a dry run reporting GPU kernel tests it never ran as passing)
     suite = ET.parse(out / "kernel-tests.xml").getroot().find("testsuite")
-    assert check["kernel_tests"]["tests"] == int(suite.get("tests")) > 0
-    assert check["kernel_tests"]["failures"] == check["kernel_tests"]["errors"] == 0
+    kt = check["kernel_tests"]
+    assert kt["tests"] == int(suite.get("tests")) > 0 and kt["skipped"] == int(suite.get("skipped"))
+    assert kt["failures"] == kt["errors"] == 0
+    if not torch.cuda.is_available():
+        assert kt["skipped"] == kt["tests"] and kt["passed"] == 0
     for name in ("overhead-gpu.json", "gpu-codec.json", "gpu-step.json", "gpu-check.json"):
         machine = _load(out, name)["machine"]
         assert {"gpu", "driver", "torch", "cuda", "triton", "megatron_core", "python"} <= set(machine), name

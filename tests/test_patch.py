@@ -7,6 +7,11 @@ against that file fails for a malformed hunk (wrong line counts, stray lines, a 
 does not match its body) and the applied result must equal the hunks' post-image. The apply
 script then runs on a fake checkout holding that stand-in.
 
+The patched script's main block (the post-image of the hunks from ``pretrain, store = ...`` to
+the end of the file) also runs, against the installed megatron-core wheel: Megatron's own
+``parse_and_validate_args``, ``gpt_config_from_args``, ``pretrain_cfg_container_from_args`` and
+``inprocess_restart``, with ``pretrain`` replaced by a recorder bound to the wheel's signature.
+
 With ``MEGATRON_LM_DIR`` set to a Megatron-LM clone (a checkout or a bare mirror that has
 branch ``core_r0.19.0``) the patch is also applied to the real file and the result parsed.
 """
@@ -14,11 +19,14 @@ branch ``core_r0.19.0``) the patch is also applied to the real file and the resu
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import re
 import shutil
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -125,7 +133,8 @@ def test_patch_adds_the_provider_and_wraps_pretrain(hunks):
     # The script's own provider (ModelOpt's, when installed) is kept, chained before the gift group.
     assert "chain_args_providers(add_modelopt_args, add_gift_args)" in added
     assert "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None" in removed
-    assert re.search(r"^    with gift_ddp\(gift_config_from_args\(args\)", added, re.M)
+    assert re.search(r"^    gift_config = checked_gift_config\(args\)", added, re.M)  # a bad flag: one message, exit 2
+    assert re.search(r"^    with gift_ddp\(gift_config, ", added, re.M)
     assert re.search(r"^    with gift_ddp\(.*\):\n        pretrain\($", added, re.M)  # pretrain inside the block
     assert re.search(r"^    pretrain\($", removed, re.M)
 
@@ -168,6 +177,109 @@ def test_a_corrupted_hunk_is_rejected(tmp_path, hunks, patch_text):
     (tmp_path / "bad.patch").write_text(bad)
     res = subprocess.run(["git", "apply", "--check", "bad.patch"], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode != 0
+
+
+# --------------------------------------------------------------------------- the patched main block, run
+
+MAIN_BLOCK_START = "    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)"
+MEGATRON_ARGV = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+    "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--mock-data",
+]  # fmt: skip
+
+
+def _main_block(hunks) -> str:
+    """The post-image from :data:`MAIN_BLOCK_START` to the end, dedented to module level. Pre-image
+    lines the patch does not carry (fillers) become a statement that fails if reached, indented as
+    a block body where the line before opens one."""
+    lines = _reconstruct(hunks, "+").splitlines()
+    lines = lines[lines.index(MAIN_BLOCK_START) :]
+    out = []
+    for line in lines:
+        if line.startswith("# megatron-gift test filler"):
+            prev = out[-1]
+            indent = len(prev) - len(prev.lstrip()) + (4 if prev.rstrip().endswith(":") else 0)
+            line = " " * indent + f"raise AssertionError({line[2:]!r})"
+        out.append(line)
+    return textwrap.dedent("\n".join(out) + "\n")
+
+
+def _patched_imports(hunks) -> str:
+    added = [line[1:] for _, _, _, _, b in hunks for line in b if line.startswith("+")]
+    return "\n".join(line for line in added if line.startswith(("from megatron_gift", "import megatron_gift")))
+
+
+@pytest.fixture
+def run_patched_main(hunks, monkeypatch):
+    """``run(*flags) -> (calls, ddp classes seen by pretrain)``: the patched main block with
+    ``sys.argv = [pretrain_gpt.py, *MEGATRON_ARGV, *flags]``; Megatron's global state reset after."""
+    from megatron_gift.megatron.training import shim_typing_override
+
+    shim_typing_override()
+    from megatron.core.enums import ModelType
+    from megatron.training import global_vars, inprocess_restart
+    from megatron.training import training as megatron_training
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    signature = inspect.signature(megatron_training.pretrain)
+    sentinels = {name: object() for name in ("train_valid_test_datasets_provider", "forward_step", "get_embedding_ranks")}
+
+    def run(*flags):
+        calls = []
+
+        def pretrain(*args, **kwargs):
+            calls.append((signature.bind(*args, **kwargs).arguments, megatron_training.DDP))
+
+        namespace = dict(
+            pretrain=pretrain, inprocess_restart=inprocess_restart, parse_and_validate_args=parse_and_validate_args,
+            gpt_config_from_args=gpt_config_from_args, pretrain_cfg_container_from_args=pretrain_cfg_container_from_args,
+            ModelType=ModelType, partial=functools.partial, has_nvidia_modelopt=False, **sentinels,
+        )  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MEGATRON_ARGV, *flags])
+        try:
+            exec(compile(_patched_imports(hunks) + "\n" + _main_block(hunks), "patched-pretrain_gpt", "exec"), namespace)
+        finally:
+            global_vars.unset_global_variables()
+        return calls, sentinels
+
+    return run
+
+
+def test_patched_main_runs_pretrain_inside_gift_ddp(run_patched_main):
+    """Bugs caught: the wrapped ``pretrain`` call no longer binds to the wheel's signature; pretrain
+    runs outside the ``gift_ddp`` block (GIFT silently off) or with Megatron's class swapped under
+    ``--gift-mode off``; the swap outliving the block."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.enums import ModelType
+    from megatron.training import training as megatron_training
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    for mode in ("gift", "off"):
+        calls, sentinels = run_patched_main("--gift-mode", mode)
+        assert len(calls) == 1, calls
+        bound, ddp = calls[0]
+        assert bound["train_valid_test_dataset_provider"] is sentinels["train_valid_test_datasets_provider"]
+        assert bound["model_type"] is ModelType.encoder_or_decoder and bound["forward_step_func"] is sentinels["forward_step"]
+        assert bound["get_embedding_ranks"] is sentinels["get_embedding_ranks"] and bound["store"] is None
+        assert (ddp is DistributedDataParallel) == (mode == "off") and issubclass(ddp, GiftDistributedDataParallel) == (mode == "gift")
+        assert megatron_training.DDP is DistributedDataParallel  # restored after the block
+
+
+def test_patched_main_stops_a_bad_flag_with_one_message(run_patched_main, monkeypatch, capsys):
+    """A refused ``--gift-*`` value in the patched script: exit status 2 before ``pretrain``, one line
+    naming the flag on rank 0, nothing on rank 1, no traceback (was: ValueError on every rank)."""
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exc:
+            run_patched_main("--gift-mode", "gift", "--gift-ema", "1.5")
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        ours = [line for line in err.splitlines() if "megatron-gift" in line]
+        assert ours == (["megatron-gift: --gift-ema must be in [0, 1), got 1.5"] if rank == "0" else []), err
+        assert "Traceback" not in err
 
 
 # --------------------------------------------------------------------------- apply.sh
@@ -269,7 +381,7 @@ def test_patch_applies_to_megatron_lm_core_r0_19(tmp_path):
     subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, check=True, capture_output=True)
     tree = ast.parse((tmp_path / "pretrain_gpt.py").read_text())
     withs = [n for n in ast.walk(tree) if isinstance(n, ast.With)]
-    gift = [w for w in withs if ast.unparse(w.items[0].context_expr).startswith("gift_ddp(gift_config_from_args(args)")]
+    gift = [w for w in withs if ast.unparse(w.items[0].context_expr).startswith("gift_ddp(gift_config,")]
     assert len(gift) == 1
     body = gift[0].body
     assert len(body) == 1 and ast.unparse(body[0].value.func) == "pretrain"

@@ -1,5 +1,6 @@
 """K-FAC statistics, low-rank whitening, its inverse, determinism, and the predicted error ratio."""
 
+import math
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from megatron_gift.numerics import (
     roundtrip,
 )
 from megatron_gift.numerics.whitening import factor_from_sketch
+from tests.bounds import lowrank_gamma, lowrank_magnitudes
 
 
 def spectrum_factor(d, decay=4.0, seed=0):
@@ -43,33 +45,53 @@ def factor_a():
 EPS32 = torch.finfo(torch.float32).eps  # 2^-23
 
 
-def fp32_bound(t: torch.Tensor, c: float = 1.0) -> float:
-    """``c · d · eps · κ(T)`` for FP32 work with ``T [d, d]``, ``κ`` computed in FP64 from ``T`` itself.
+def fp32_bound(t: torch.Tensor, c: float = 1.0, factor=None) -> float:
+    """``c · d · eps · κ(T)``: a normwise worst case for FP32 work with ``T [d, d]``.
 
     ``T``, ``T⁻¹`` and ``G T`` are each built by FP32 sums of at most ``d`` terms, so each carries a
     normwise relative error ``δ ≤ γ_d ≈ d · eps``; an identity that multiplies one by the other
-    (``T T⁻¹ = I``, ``Tᵀ Â T = I`` once the check itself runs in FP64) turns that into an error
-    ``‖T⁻¹‖ ‖δT‖ ≤ κ(T) · δ`` per factor (first order), whatever CPU did the rounding."""
-    return c * t.shape[0] * EPS32 * torch.linalg.cond(t.double()).item()
+    turns that into an error ``‖T⁻¹‖ ‖δT‖ ≤ κ(T) · δ`` per factor (first order), whatever CPU did
+    the rounding. ``κ`` from the FP64 ``factor`` (``LowRankFactor``: ``Tᵀ Â T = I`` makes
+    ``κ(T)² = κ(Â)``) when given, else from ``T`` itself. For a whitening's own identities the
+    componentwise ``tests/bounds.py::lowrank_magnitudes`` is far tighter (test_whitening_identities)."""
+    kappa = math.sqrt(torch.linalg.cond(factor.dense()).item()) if factor is not None else torch.linalg.cond(t.double()).item()
+    return c * t.shape[0] * EPS32 * kappa
 
 
 @pytest.mark.parametrize("rank", [0, 8, 32, 384])
 def test_whitening_identities(factor_a, rank):
+    """``Tᵀ Â T = I``, ``T T⁻¹ = I``, ``(G T) T⁻¹ = G`` and the low-rank path equal to the dense
+    matrices, each elementwise within the first-order propagation of the componentwise FP32 errors of
+    ``tests/bounds.py::lowrank_magnitudes`` (``T = T_e + Δ``, ``|Δ| ≤ γ M``; ``Â T_e = T_e⁻ᵀ``):
+
+        |Tᵀ Â T − I| ≤ γ (Mᵀ |T⁻ᵀ| + |T⁻¹| M) + γ² Mᵀ |Â| M
+        |T T⁻¹ − I| ≤ γ (M |T⁻¹| + |T| M') + γ² M M'
+
+    checked in FP64 (its own rounding, ``d 2^-52`` of the magnitudes, added). Bugs caught: a wrong
+    ``c``/``c'``, ``D`` or ``Q`` (any departs at O(1)); on a CPU whose FP32 sums round otherwise the
+    bound still holds (it is a worst case)."""
     _, _, a = factor_a
     f = approximate_factor(a, rank)
     w = LowRankWhitening(f)
-    t, t_inv = w.dense()
-    t64, t_inv64, ahat = t.double(), t_inv.double(), f.dense()
-    eye = torch.eye(a.shape[0], dtype=torch.float64)
-    # Checked in FP64, so that only the FP32 error of T and T⁻¹ counts (two factors of T each).
-    assert (t64.T @ ahat @ t64 - eye).abs().max() <= fp32_bound(t, 2)
-    assert (t64 @ t_inv64 - eye).abs().max() <= fp32_bound(t, 2)
-    g = torch.randn(100, a.shape[0], generator=torch.Generator().manual_seed(rank))
-    # G T, then (G T) T⁻¹: two FP32 transforms, the second amplifying the first's error by κ(T)
-    assert (w.inverse(w.apply(g)) - g).norm() / g.norm() <= fp32_bound(t, 2)
-    # the low-rank path equals the dense matrices: two FP32 evaluations of G T, each within
-    # γ_d ‖G‖ ‖T‖ ≤ d · eps · κ(T) ‖G T‖
-    assert (w.apply(g) - g @ t).norm() / (g @ t).norm() <= fp32_bound(t, 2)
+    t, t_inv = (x.double() for x in w.dense())
+    ahat, d = f.dense(), a.shape[0]
+    m, m_inv = lowrank_magnitudes(w)
+    gamma, fp64 = lowrank_gamma(w), d * 2.0**-52
+    eye = torch.eye(d, dtype=torch.float64)
+    bound = gamma * (m.T @ t_inv.T.abs() + t_inv.abs() @ m) + gamma**2 * m.T @ ahat.abs() @ m
+    err = (t.T @ ahat @ t - eye).abs()
+    assert (err <= bound + fp64 * t.abs().T @ ahat.abs() @ t.abs()).all()
+    print(f"rank {rank}: max |TᵀÂT − I| / bound {float((err / bound.clamp_min(1e-300)).max()):.4f}")  # pytest -s
+    bound = gamma * (m @ t_inv.abs() + t.abs() @ m_inv) + gamma**2 * m @ m_inv
+    assert ((t @ t_inv - eye).abs() <= bound + fp64 * t.abs() @ t_inv.abs()).all()
+    g = torch.randn(100, d, generator=torch.Generator().manual_seed(rank))
+    g64 = g.double()
+    # (G T) T⁻¹: the first transform's error through T⁻¹, the second's on |G T|
+    u = w.apply(g)
+    assert ((w.inverse(u).double() - g64).abs() <= gamma * (g64.abs() @ m @ t_inv.abs() + u.double().abs() @ m_inv)).all()
+    # the low-rank path against G times the dense T: both within γ|G|M of G T_e, plus the FP32
+    # matrix product's own d-term sums
+    assert ((u.double() - g64 @ t).abs() <= 2 * gamma * g64.abs() @ m + d * EPS32 * g64.abs() @ t.abs()).all()
 
 
 def test_low_rank_matches_dense_factor(factor_a):
@@ -119,7 +141,8 @@ def test_kfac_statistics_ema():
     """Per-step EMA of (sums, tokens): the first fold gives the step's mean, later ones the
     token-weighted EMA of sums over that of tokens (both start at 0); a step without tokens changes nothing."""
     stats = KFACStatistics(8, ema=0.5)
-    x1, x2 = torch.randn(100, 8), torch.randn(3, 50, 8) * 2
+    gen = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randn(100, 8, generator=gen), torch.randn(3, 50, 8, generator=gen) * 2
     stats.accumulate(x1[:40])
     stats.accumulate(x1[40:])
     stats.fold()
@@ -279,21 +302,29 @@ def test_predicted_ratio_matches_measured(factor_a, power, helps, codec):
     assert abs(geo.predicted_ratio_shares - measured) < 0.15 * measured
 
 
-def test_error_feedback_unbiased_over_steps():
-    """With error feedback the sum of decoded values tracks the sum of inputs to one quantum."""
+def test_error_feedback_telescopes():
+    """Error feedback's invariant: after T steps of ``x̃ = x + e``, send ``q = Q(x̃)``, keep
+    ``e = x̃ − q``, the decoded values plus the residual sum to the inputs, ``Σ_t q_t + e_T = Σ_t x_t``,
+    up to FP32 rounding: each step rounds ``x + e`` once (``2^-24 |x̃|``; ``x̃ − q`` is exact, q being
+    x̃ rounded to fewer bits), accumulated here per element. Bugs caught: a residual not committed,
+    committed twice, or taken against the uncompensated input. A skipped step (NaN) leaves it alone."""
     cfg = CodecConfig("e4m3", "tensor")
-    x = torch.randn(64, 64) * 1e-3
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 64, generator=gen) * 1e-3
     x[0, 0] = 1.0  # one outlier sets the scale, the rest sits near the subnormal range
     ef = ErrorFeedback(x.numel())
-    total = torch.zeros_like(x)
+    total, bound = torch.zeros_like(x, dtype=torch.float64), torch.zeros_like(x, dtype=torch.float64)
     for _ in range(50):
         xc = ef.compensate(x)
         y = roundtrip(xc, cfg)
         ef.stage(xc, y)
         ef.commit()
-        total += y
-    plain = roundtrip(x, cfg) * 50
-    assert (total - 50 * x).norm() < 0.2 * (plain - 50 * x).norm()
+        total += y.double()
+        bound += 2.0**-24 * xc.double().abs()
+    defect = (total + ef.residual.view_as(x).double() - 50 * x.double()).abs()
+    assert (defect <= bound).all(), float((defect - bound).max())
+    plain = (roundtrip(x, cfg).double() * 50 - 50 * x.double()).abs()
+    assert float(plain.max()) > 1e3 * float(bound.max())  # without the residual: far outside (the test can fail)
     staged = ef.residual.clone()
     ef.stage(x + float("nan"), x)
     ef.commit(applied=False)

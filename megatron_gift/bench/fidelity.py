@@ -1,9 +1,9 @@
-"""Fidelity benchmark: error of an FP8 data-parallel gradient sum, Euclidean vs GIFT.
+"""Fidelity benchmark: error of an FP8 data-parallel gradient sum, Euclidean vs GIFT as it ships.
 
-A small Llama-style model trains on the Python-docs corpus. At each measurement point a
-fixed held-out batch is split over ``R`` simulated ranks; each rank's FP32 weight gradient
-``G_r`` of every transformer linear layer is encoded on its own and the decoded messages are
-summed in FP32 (what ``megatron_gift.comm`` does)::
+A small Llama-style model trains on the Python-docs corpus. At each measurement point a fixed
+held-out batch is split over ``R`` simulated ranks; each rank's FP32 weight gradient ``G_r`` of
+every transformer linear layer is encoded on its own and the decoded messages are summed in FP32
+(what ``megatron_gift.comm`` does)::
 
     bf16        Σ_r bf16(G_r)
     euclid-*    Σ_r dec(enc(G_r))
@@ -11,25 +11,29 @@ summed in FP32 (what ``megatron_gift.comm`` does)::
 
     rel_l2 = ‖approx − Σ_r G_r‖ / ‖Σ_r G_r‖,   cos = cosine(approx, Σ_r G_r)
 
-Scheme names: ``bf16``; ``euclid-<fmt>-<scaling>[-shared]``; ``gift-r<r>-<fmt>-<scaling>[-shared]``
-(low-rank-plus-diagonal whitening, ``LowRankWhitening``); ``gift-dense-r<r>-…`` (the paper's
-dense Cholesky transform of the same Â). ``-shared``: one per-tensor scale from the maximum
-over all ranks (the paper's baseline); otherwise every rank scales its own groups.
-Each scheme is measured twice: ``tokens_per_rank`` = ``seqs_per_rank·seq_len``, and
-``accumulation``× that (gradient accumulation; the rank's gradient is the mean over all its
-tokens, as summing equal micro-batches and dividing gives).
+GIFT schemes (:class:`GiftScheme`), their factors kept during training as the plugin keeps them:
 
-K-FAC factor: ``A = XᵀX/n`` of the layer's inputs over the last ``kfac_batches`` *training*
-batches before the point (``KFACStatistics``), so A never sees the held-out tokens whose
-gradients are measured, and lags the weights by at most ``kfac_batches`` steps.
+* ``gift-<codec>``: ``GiftConfig()``'s defaults (:data:`DEFAULT`): input statistics of every step
+  folded into a per-step EMA (Nyström sketch of ``XᵀX``), the factor rebuilt on the plugin's
+  refresh steps (``GiftState.is_refresh_step``: every ``refresh_interval``, and 1, 2, 4, ...
+  before), rank ``rank``, and the damping chosen per layer at measurement among
+  ``damping_candidates`` and Euclidean by the error each gives on rank 0's own gradient
+  (``profile.choose_damping``, as the factor's owner does at a refresh; Euclidean: ``T = I``).
+* ``gift-paper-<codec>`` / ``gift-paper-dense-<codec>``: the paper's settings (:data:`PAPER`):
+  exact ``XᵀX`` only on refresh steps (every 50, warm-ups below), EMA 0.95 per refresh, damping
+  1e-3, rank 32; low-rank-plus-diagonal ``T``, or the paper's dense Cholesky ``T`` of the same Â.
 
-Geometry (``numerics.geometry``) is computed on the stack of per-rank gradients, since those
-are what get quantized: ``p`` = share of tr(A) in its top-r eigenvalues, ``q`` = share of
-Σ_r‖G_r‖² in that subspace, predicted GIFT/Euclidean RelL2 ratio
-``shares: sqrt(ρq/p + (1−ρ)(1−q)/(1−p))`` with ``ρ = r/d_in`` and
-``model: sqrt(Σ_r‖G_r T‖² · tr(Â)/d_in / Σ_r‖G_r‖²)``; next to them the measured ratio
-``rel_l2(gift-r…-c) / rel_l2(euclid-c)`` for every codec ``c``. Geometry records are kept for the
-low-rank ranks only: the dense transform of the same Â has the same predictions.
+Codec names ``<fmt>-<scaling>[-shared]``: ``-shared`` is one per-tensor scale from the maximum
+over all ranks (the paper's baseline); otherwise every rank scales its own groups. Each scheme is
+measured at ``tokens_per_rank`` = ``seqs_per_rank·seq_len`` and ``accumulation``× that (gradient
+accumulation; a rank's gradient is the mean over all its tokens). ``factor_age``: steps between
+the factor's refresh and the measured weights.
+
+Geometry (``numerics.geometry``) is computed on the stack of per-rank gradients, since those are
+what get quantized: ``p`` = share of tr(A) in its top-r eigenvalues, ``q`` = share of Σ_r‖G_r‖²
+in that subspace, predicted GIFT/Euclidean RelL2 ratio ``shares: sqrt(ρq/p + (1−ρ)(1−q)/(1−p))``
+with ``ρ = r/d_in`` and ``model: sqrt(Σ_r‖G_r T‖² · tr(Â)/d_in / Σ_r‖G_r‖²)``; next to them the
+measured ratio ``rel_l2(gift-…-c) / rel_l2(euclid-c)`` for every codec ``c``.
 
 The JSON schema is :data:`SCHEMA` (also written into the file).
 """
@@ -60,6 +64,7 @@ from megatron_gift.bench.llama import (
     linear_layers,
     per_shard_grads,
 )
+from megatron_gift.config import GiftConfig
 from megatron_gift.numerics import (
     CodecConfig,
     DenseCholeskyWhitening,
@@ -67,26 +72,61 @@ from megatron_gift.numerics import (
     KFACStatistics,
     LowRankWhitening,
     Scaling,
-    approximate_factor,
     geometry_stats,
     roundtrip,
 )
+from megatron_gift.numerics.profile import choose_damping
 
 LAYER_TYPES = ("qkv", "proj", "fc1", "fc2")
 
 SCHEMA = {
     "results": "one record per (step, layer, tokens_per_rank, scheme): step, layer, layer_type, scheme, "
-    "tokens_per_rank, rel_l2, cos; gift schemes add ratio_vs_euclid (rel_l2 / rel_l2 of euclid with the same codec)",
-    "schemes": "scheme name -> family (bf16|euclid|gift|gift-dense), codec (fmt-scaling[-shared]), fmt, "
-    "scaling, shared, gift_rank",
-    "geometry": "one record per (step, layer, tokens_per_rank, gift_rank): d_in, trace_share_top_r (p), "
-    "grad_energy_share_top_r (q over the per-rank gradients), grad_energy_share_top_r_sum (q of Σ_r G_r), "
-    "predicted_ratio_shares, predicted_ratio_model, measured_ratio {codec: gift/euclid rel_l2}",
-    "points": "per measurement step: train_loss (mean over the K-FAC batches), heldout_loss, seconds",
+    "tokens_per_rank, rel_l2, cos; gift schemes add ratio_vs_euclid (rel_l2 / rel_l2 of euclid with the same codec), "
+    "ratio_vs_best_euclid (rel_l2 / min(euclid-e4m3-block, euclid-e4m3-row)), damping (the damping used, "
+    "'euclidean' where the default scheme's choice was T = I) and factor_age",
+    "schemes": "scheme name -> family (bf16|euclid|gift|gift-paper|gift-paper-dense), codec (fmt-scaling[-shared]), fmt, "
+    "scaling, shared, gift_rank, settings (the GIFT scheme's statistics, refresh and damping)",
+    "geometry": "one record per (step, layer, tokens_per_rank, gift scheme family gift|gift-paper): d_in, "
+    "trace_share_top_r (p), grad_energy_share_top_r (q over the per-rank gradients), grad_energy_share_top_r_sum "
+    "(q of Σ_r G_r), predicted_ratio_shares, predicted_ratio_model, measured_ratio {codec: gift/euclid rel_l2}",
+    "points": "per measurement step: train_loss (mean over the last 8 training batches), heldout_loss, seconds",
     "summary": "rel_l2_geomean (per tokens_per_rank, scheme, layer_type; 'all' = every layer), "
-    "ratio_by_layer_type (geomeans of predicted and measured ratios), prediction_fit (per codec: Pearson "
-    "correlation of log predicted vs log measured ratio over all geometry records, median measured/predicted)",
+    "gift_vs_best_euclid (geomean of ratio_vs_best_euclid per tokens_per_rank ('all': both), family and layer_type, "
+    "with the worst record), damping_choices (the default scheme's, per layer type), ratio_by_layer_type "
+    "(geomeans of predicted and measured ratios), prediction_fit (per codec: Pearson correlation of log predicted vs "
+    "log measured ratio over all geometry records, median measured/predicted)",
 }
+
+
+@dataclass(frozen=True)
+class GiftScheme:
+    """How GIFT keeps its factor: statistics (``sketch`` columns, 0: exact ``XᵀX``) folded into an EMA
+    ``ema`` every step, or only on refresh steps (``per_refresh``, the EMA per refresh, each warm-up
+    refresh replacing it); rebuilt every ``refresh_interval`` steps (and 1, 2, 4, ... before);
+    ``rank``; ``damping`` (None: chosen per layer among ``candidates`` and Euclidean)."""
+
+    rank: int
+    sketch: int
+    ema: float
+    refresh_interval: int
+    damping: float | None
+    candidates: tuple[float, ...] = ()
+    per_refresh: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: GiftConfig) -> "GiftScheme":
+        return cls(cfg.rank, cfg.sketch, cfg.ema, cfg.refresh_interval, cfg.damping, cfg.damping_candidates)
+
+    def is_refresh(self, step: int) -> bool:
+        """``GiftState.is_refresh_step``'s schedule for this interval."""
+        n = self.refresh_interval
+        return step % n == 0 or (step < n and step & (step - 1) == 0)
+
+
+DEFAULT = GiftScheme.from_config(GiftConfig())
+"""What ships: ``GiftConfig()``'s statistics, refresh, rank and damping choice."""
+PAPER = GiftScheme(rank=32, sketch=0, ema=0.95, refresh_interval=50, damping=1e-3, per_refresh=True)
+"""The paper's artifact: exact statistics every 50 steps, EMA per refresh, damping 1e-3, rank 32."""
 
 
 @dataclass(frozen=True)
@@ -98,36 +138,30 @@ class FidelityConfig:
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 20
-    seqs_per_rank: int = 2
+    seqs_per_rank: int = 16
     accumulation: int = 4
-    kfac_batches: int = 4
-    gift_ranks: tuple[int, ...] = (8, 16, 32)
-    dense_rank: int = 32
-    damping: float = 1e-3
+    gift: GiftScheme = DEFAULT
+    paper: GiftScheme = PAPER
     seed: int = 0
 
     def __post_init__(self):
         steps = (0, *self.points)
-        if self.kfac_batches < 1 or any(b <= a for a, b in zip(steps, steps[1:])):
-            raise ValueError(f"need kfac_batches >= 1 and increasing positive points: {self.kfac_batches}, {self.points}")
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"need increasing positive points, got {self.points}")
 
 
-QUICK = FidelityConfig(model=LlamaConfig(hidden=128, layers=2, heads=2, ffn_hidden=344, seq_len=64), points=(40, 120))
-FULL = FidelityConfig(
-    model=LlamaConfig(hidden=256, layers=3, heads=4, ffn_hidden=688, seq_len=64),
-    points=(50, 200, 400),
-    kfac_batches=8,
-)
+# points in the middle of the default refresh interval (factors 4-5 steps old), late enough to be past the warm-up
+QUICK = FidelityConfig(model=LlamaConfig(hidden=128, layers=2, heads=2, ffn_hidden=344, seq_len=64), points=(45, 125))
+FULL = FidelityConfig(model=LlamaConfig(hidden=256, layers=3, heads=4, ffn_hidden=688, seq_len=64), points=(55, 205, 405))
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """How one layer's gradient is communicated: ``family`` bf16/euclid/gift/gift-dense, codec, rank."""
+    """How one layer's gradient is communicated: ``family`` bf16/euclid/gift/gift-paper/gift-paper-dense, codec."""
 
     family: str
     codec: CodecConfig | None = None
     shared: bool = False
-    rank: int = 0
 
     @property
     def codec_name(self) -> str:
@@ -135,37 +169,31 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        if self.family == "bf16":
-            return "bf16"
-        if self.family == "euclid":
-            return f"euclid-{self.codec_name}"
-        return f"{self.family}-r{self.rank}-{self.codec_name}"
+        return "bf16" if self.family == "bf16" else f"{self.family}-{self.codec_name}"
 
-    def describe(self) -> dict:
+    def describe(self, cfg: "FidelityConfig") -> dict:
         """The scheme's parts, for the JSON ``schemes`` table."""
         if self.codec is None:
             return {"family": self.family}
-        return {
-            "family": self.family,
-            "codec": self.codec_name,
-            "fmt": self.codec.fmt.value,
-            "scaling": self.codec.scaling.value,
-            "shared": self.shared,
-            "gift_rank": self.rank or None,
-        }
+        out = {"family": self.family, "codec": self.codec_name, "fmt": self.codec.fmt.value,
+               "scaling": self.codec.scaling.value, "shared": self.shared}  # fmt: skip
+        gift = {"gift": cfg.gift, "gift-paper": cfg.paper, "gift-paper-dense": cfg.paper}.get(self.family)
+        if gift is not None:
+            out.update(gift_rank=gift.rank, settings=dataclasses.asdict(gift))
+        return out
 
 
 CODECS = [(CodecConfig(FP8Format.E5M2, Scaling.TENSOR), True)] + [
     (CodecConfig(fmt, scaling), False) for fmt in (FP8Format.E5M2, FP8Format.E4M3) for scaling in Scaling
 ]
 """(codec, shared): the paper's baseline, then both formats at every granularity (1x128 blocks)."""
+GIFT_FAMILIES = ("gift", "gift-paper", "gift-paper-dense")
+BEST_EUCLID = ("euclid-e4m3-block", "euclid-e4m3-row")  # the strongest plain FP8: GIFT's ratio_vs_best_euclid
 
 
-def schemes(cfg: FidelityConfig) -> list[Scheme]:
+def schemes(cfg: FidelityConfig | None = None) -> list[Scheme]:
     """Every scheme measured, in table order."""
-    out = [Scheme("bf16")] + [Scheme("euclid", c, s) for c, s in CODECS]
-    out += [Scheme("gift", c, s, r) for r in cfg.gift_ranks for c, s in CODECS]
-    return out + [Scheme("gift-dense", c, s, cfg.dense_rank) for c, s in CODECS]
+    return [Scheme("bf16")] + [Scheme(family, c, s) for family in ("euclid", *GIFT_FAMILIES) for c, s in CODECS]
 
 
 # --------------------------------------------------------------------------- measurement
@@ -190,21 +218,6 @@ def errors(approx: torch.Tensor, truth: torch.Tensor) -> dict:
     return {"rel_l2": float((a - t).norm() / t.norm()), "cos": float(a @ t / (a.norm() * t.norm()))}
 
 
-def _fp8_record(scheme: Scheme, stack: torch.Tensor, truth: torch.Tensor, transform=None) -> dict:
-    total = quantized_sum(stack, scheme.codec, scheme.shared)
-    approx = total if transform is None else transform.inverse(total)
-    return {"scheme": scheme.name, **errors(approx, truth)}
-
-
-def _transforms(a: torch.Tensor, cfg: FidelityConfig):
-    """``(family, rank, factor, whitening)`` for every GIFT variant, built from the factor ``a``."""
-    for r in cfg.gift_ranks:
-        factor = approximate_factor(a, r, cfg.damping)
-        yield "gift", r, factor, LowRankWhitening(factor)
-    factor = approximate_factor(a, cfg.dense_rank, cfg.damping)
-    yield "gift-dense", cfg.dense_rank, factor, DenseCholeskyWhitening(factor)
-
-
 def _geometry(stack: torch.Tensor, truth: torch.Tensor, factor, whitening) -> dict:
     per_rank = geometry_stats(stack.reshape(-1, stack.shape[-1]), factor, whitening)
     return {
@@ -213,51 +226,72 @@ def _geometry(stack: torch.Tensor, truth: torch.Tensor, factor, whitening) -> di
     }
 
 
-def measure_layer(stack: torch.Tensor, a: torch.Tensor, cfg: FidelityConfig) -> tuple[list[dict], list[dict]]:
-    """Result records of every scheme and geometry records of every low-rank GIFT rank for one
-    layer's per-rank gradients ``stack [R, d_out, d_in]`` and K-FAC factor ``a [d_in, d_in]``."""
+def _gift_sum(stack: torch.Tensor, codec: CodecConfig, shared: bool, whitening) -> torch.Tensor:
+    """``(Σ_r dec(enc(G_r T))) T⁻¹``; ``whitening`` None: ``T = I`` (plain FP8)."""
+    if whitening is None:
+        return quantized_sum(stack, codec, shared)
+    return whitening.inverse(quantized_sum(whitening.apply(stack), codec, shared))
+
+
+def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tuple[list[dict], list[dict]]:
+    """Result records of every scheme and geometry records of each GIFT scheme for one layer's
+    per-rank gradients ``stack [R, d_out, d_in]``; ``factors``: ``{"gift" | "gift-paper": (undamped
+    LowRankFactor of the scheme's last refresh, its age in steps)}``."""
     truth = stack.sum(0)
     results = [{"scheme": "bf16", **errors(stack.bfloat16().float().sum(0), truth)}]
     euclid = {}
     for codec, shared in CODECS:
         scheme = Scheme("euclid", codec, shared)
-        results.append(_fp8_record(scheme, stack, truth))
+        results.append({"scheme": scheme.name, **errors(quantized_sum(stack, codec, shared), truth)})
         euclid[scheme.codec_name] = results[-1]["rel_l2"]
+    best = min(euclid[name.removeprefix("euclid-")] for name in BEST_EUCLID)
     geometry = []
-    for family, rank, factor, whitening in _transforms(a, cfg):
-        whitened = whitening.apply(stack)
-        measured = {}
+    for family, (factor, age) in factors.items():
+        gift = cfg.gift if family == "gift" else cfg.paper
+        variants = [(family, LowRankWhitening)] + ([("gift-paper-dense", DenseCholeskyWhitening)] if family == "gift-paper" else [])
+        measured, shipped = {}, None
         for codec, shared in CODECS:
-            scheme = Scheme(family, codec, shared, rank)
-            rec = _fp8_record(scheme, whitened, truth, whitening)
-            rec["ratio_vs_euclid"] = measured[scheme.codec_name] = rec["rel_l2"] / euclid[scheme.codec_name]
-            results.append(rec)
-        if family == "gift":
-            geo = _geometry(stack, truth, factor, whitening)
-            geometry.append({"gift_rank": rank, "d_in": stack.shape[-1], **geo, "measured_ratio": measured})
+            # auto: the owner's choice on its own gradient (rank 0's), for this codec; None: Euclidean (T = I)
+            damping = gift.damping if gift.damping is not None else choose_damping(stack[0], factor, gift.candidates, codec)[0]
+            for fam, transform in variants:
+                scheme = Scheme(fam, codec, shared)
+                whitening = None if damping is None else transform(factor.with_damping(damping))
+                rec = {"scheme": scheme.name, **errors(_gift_sum(stack, codec, shared, whitening), truth),
+                       "damping": "euclidean" if damping is None else damping, "factor_age": age}  # fmt: skip
+                rec["ratio_vs_euclid"] = rec["rel_l2"] / euclid[scheme.codec_name]
+                rec["ratio_vs_best_euclid"] = rec["rel_l2"] / best
+                results.append(rec)
+                if fam == family:
+                    measured[scheme.codec_name] = rec["ratio_vs_euclid"]
+                    if codec == GiftConfig().codec and not shared and whitening is not None:
+                        shipped = (factor.with_damping(damping), whitening)
+        if shipped is not None:  # the factor and T of the configured codec's damping (nothing to predict where T = I)
+            geo = _geometry(stack, truth, *shipped)
+            geometry.append({"family": family, "gift_rank": factor.v.shape[1], "d_in": stack.shape[-1], **geo, "measured_ratio": measured})
     return results, geometry
 
 
 # --------------------------------------------------------------------------- training
 
 
-def _train_to(trainer: Trainer, model: LlamaModel, step: int, kfac_batches: int) -> tuple[dict[str, torch.Tensor], float]:
-    """Train up to ``step``; the last ``kfac_batches`` batches feed the K-FAC factors.
+class _SchemeFactors:
+    """One GIFT scheme's statistics of every linear layer during training, as the plugin keeps them,
+    and the undamped factor of each layer's last refresh with the step it was built on."""
 
-    Returns the factor ``A`` of every linear layer and the mean loss of those batches.
-    """
-    trainer.run(max(0, step - trainer.step - kfac_batches))
-    layers = linear_layers(model)
-    stats = {name: KFACStatistics(m.in_features) for name, m in layers.items()}
-    losses = []
-    for _ in range(step - trainer.step):
-        with capture_inputs(model, layers) as acts:
-            losses += trainer.run(1)
-        for name, x in acts.items():
-            stats[name].accumulate(x)
-    for s in stats.values():
-        s.fold(ema=0.0)  # the plain mean of the K-FAC batches
-    return {name: s.factor for name, s in stats.items()}, statistics.fmean(losses)
+    def __init__(self, gift: GiftScheme, layers: dict):
+        self.gift = gift
+        self.stats = {n: KFACStatistics(m.in_features, ema=gift.ema, sketch=gift.sketch, seed=i) for i, (n, m) in enumerate(layers.items())}
+        self.factors: dict[str, tuple] = {}
+
+    def after_step(self, step: int, acts: dict) -> None:
+        gift, refresh = self.gift, self.gift.is_refresh(step)
+        for n, x in acts.items():
+            stats = self.stats[n]
+            if refresh or not gift.per_refresh:
+                stats.accumulate(x)
+                stats.fold(ema=0.0 if gift.per_refresh and step < gift.refresh_interval else None)  # warm-up: replace
+            if refresh:
+                self.factors[n] = (stats.low_rank_factor(stats.factor_rank(gift.rank), 0.0), step)
 
 
 def _heldout_batches(corpus: TokenCorpus, cfg: FidelityConfig, ranks: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -270,20 +304,21 @@ def _heldout_batches(corpus: TokenCorpus, cfg: FidelityConfig, ranks: int) -> di
     return out
 
 
-def _measure_point(model, factors, batches, ranks, cfg, step) -> tuple[list[dict], list[dict], float]:
+def _measure_point(model, trackers: dict, batches, ranks, cfg, step) -> tuple[list[dict], list[dict], float]:
     """Records of every layer at every held-out batch size, and the held-out loss of the first batch."""
     results, geometry, heldout_loss = [], [], float("nan")
     for tokens, (x, y) in batches.items():
         shards = per_shard_grads(model, x, y, shards=ranks)
         if math.isnan(heldout_loss):
             heldout_loss = statistics.fmean(s.loss for s in shards)
-        for name in factors:
+        for name in trackers["gift"].stats:
             stack = torch.stack([s.grads[name] for s in shards])
-            res, geo = measure_layer(stack, factors[name], cfg)
+            factors = {family: (t.factors[name][0], step - 1 - t.factors[name][1]) for family, t in trackers.items()}
+            res, geo = measure_layer(stack, factors, cfg)
             key = {"step": step, "layer": name, "layer_type": layer_type(name), "tokens_per_rank": tokens}
             results += [{**key, **r} for r in res]
             geometry += [{**key, **g} for g in geo]
-        _log(f"step {step}: measured {len(factors)} layers at {tokens} tokens/rank")
+        _log(f"step {step}: measured {len(trackers['gift'].stats)} layers at {tokens} tokens/rank")
     return results, geometry, heldout_loss
 
 
@@ -313,14 +348,14 @@ def _rel_l2_geomean(results: list[dict]) -> list[dict]:
 def _ratio_by_layer_type(geometry: list[dict]) -> list[dict]:
     groups = defaultdict(list)
     for g in geometry:
-        groups[(g["tokens_per_rank"], g["gift_rank"], g["layer_type"])].append(g)
+        groups[(g["tokens_per_rank"], g["family"], g["layer_type"])].append(g)
     out = []
-    for (tokens, rank, lt), gs in groups.items():
+    for (tokens, family, lt), gs in groups.items():
         codecs = gs[0]["measured_ratio"]
         out.append(
             {
                 "tokens_per_rank": tokens,
-                "gift_rank": rank,
+                "family": family,
                 "layer_type": lt,
                 "trace_share_top_r": statistics.fmean(g["trace_share_top_r"] for g in gs),
                 "grad_energy_share_top_r": statistics.fmean(g["grad_energy_share_top_r"] for g in gs),
@@ -345,10 +380,37 @@ def _prediction_fit(geometry: list[dict]) -> list[dict]:
     return out
 
 
+def _gift_vs_best_euclid(results: list[dict]) -> list[dict]:
+    """Geomean and worst of ``ratio_vs_best_euclid`` per tokens per rank (``all``: both), GIFT family
+    and layer type (``all``: every layer), for the configured codec (E4M3, 1x128 blocks)."""
+    codec = GiftConfig().codec.name
+    groups = defaultdict(list)
+    for r in results:
+        family = r["scheme"].removesuffix(f"-{codec}")
+        if family in GIFT_FAMILIES and r["scheme"].endswith(codec):
+            for t in (r["tokens_per_rank"], "all"):
+                for lt in (r["layer_type"], "all"):
+                    groups[(t, family, lt)].append(r["ratio_vs_best_euclid"])
+    return [{"tokens_per_rank": t, "family": f, "layer_type": lt, "ratio_geomean": _geomean(v), "worst": max(v), "n": len(v)}
+            for (t, f, lt), v in groups.items()]  # fmt: skip
+
+
+def _damping_choices(results: list[dict]) -> dict:
+    """How often the default scheme chose each damping (or Euclidean), per layer type, configured codec."""
+    name = Scheme("gift", GiftConfig().codec).name
+    out = defaultdict(lambda: defaultdict(int))
+    for r in results:
+        if r["scheme"] == name:
+            out[r["layer_type"]][str(r["damping"])] += 1
+    return {k: dict(v) for k, v in out.items()}
+
+
 def summarize(results: list[dict], geometry: list[dict]) -> dict:
     """Aggregates over layers and steps; the printed tables are rendered from these alone."""
     return {
         "rel_l2_geomean": _rel_l2_geomean(results),
+        "gift_vs_best_euclid": _gift_vs_best_euclid(results),
+        "damping_choices": _damping_choices(results),
         "ratio_by_layer_type": _ratio_by_layer_type(geometry),
         "prediction_fit": _prediction_fit(geometry),
     }
@@ -377,14 +439,26 @@ def _rel_l2_tables(summary: dict, order: list[str]) -> list[str]:
     return tables
 
 
+def _best_euclid_table(summary: dict) -> str:
+    cols = [*LAYER_TYPES, "all"]
+    cell = {(r["tokens_per_rank"], r["family"], r["layer_type"]): r for r in summary["gift_vs_best_euclid"]}
+    tokens = sorted({t for t, _, _ in cell if t != "all"}) + ["all"]
+    rows = [[family, t, *(cell[(t, family, c)]["ratio_geomean"] if (t, family, c) in cell else None for c in cols),
+             cell[(t, family, "all")]["worst"] if (t, family, "all") in cell else None]
+            for family in GIFT_FAMILIES for t in tokens]  # fmt: skip
+    title = (f"GIFT / best Euclidean ({' or '.join(BEST_EUCLID)}) RelL2, {GiftConfig().codec.name}, geometric mean "
+             "over layers and steps")  # fmt: skip
+    return f"{title}\n\n" + _md_table(["scheme", "tokens/rank", *cols, "worst record"], rows)
+
+
 def _ratio_table(summary: dict) -> str:
-    header = ["tokens/rank", "r", "layer", "p (trace)", "q (grad)", "pred shares", "pred model"]
+    header = ["tokens/rank", "scheme", "layer", "p (trace)", "q (grad)", "pred shares", "pred model"]
     header += [f"meas {c}" for c in RATIO_CODECS]
-    keys = ("tokens_per_rank", "gift_rank", "layer_type", "trace_share_top_r", "grad_energy_share_top_r")
+    keys = ("tokens_per_rank", "family", "layer_type", "trace_share_top_r", "grad_energy_share_top_r")
     keys += ("predicted_ratio_shares", "predicted_ratio_model")
     recs = sorted(
         summary["ratio_by_layer_type"],
-        key=lambda r: (r["tokens_per_rank"], r["gift_rank"], LAYER_TYPES.index(r["layer_type"])),
+        key=lambda r: (r["tokens_per_rank"], r["family"], LAYER_TYPES.index(r["layer_type"])),
     )
     rows = [[*(r[k] for k in keys), *(r["measured_ratio"][c] for c in RATIO_CODECS)] for r in recs]
     title = "GIFT/Euclidean RelL2 ratio, predicted vs measured (geometric means)"
@@ -395,14 +469,17 @@ def _fit_table(summary: dict) -> str:
     header = ["codec", "corr log (model)", "median meas/model", "corr log (shares)", "median meas/shares"]
     keys = ("codec", "corr_log_model", "median_measured_over_model", "corr_log_shares", "median_measured_over_shares")
     rows = [[f[k] for k in keys] for f in summary["prediction_fit"]]
-    return "Prediction fit over every (step, layer, tokens/rank, r)\n\n" + _md_table(header, rows)
+    return "Prediction fit over every (step, layer, tokens/rank, GIFT scheme)\n\n" + _md_table(header, rows)
 
 
 def format_tables(report: dict) -> str:
-    """Markdown tables of ``report['summary']``: RelL2 per scheme and layer type, predicted vs
-    measured GIFT/Euclidean ratios per layer type, and how well the prediction fits."""
+    """Markdown tables of ``report['summary']``: GIFT against the best plain FP8, RelL2 per scheme and
+    layer type, the default scheme's damping choices, predicted vs measured GIFT/Euclidean ratios per
+    layer type, and how well the prediction fits."""
     summary = report["summary"]
-    parts = [*_rel_l2_tables(summary, list(report["schemes"])), _ratio_table(summary), _fit_table(summary)]
+    choices = "\n".join(f"- {lt}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) for lt, c in sorted(summary["damping_choices"].items()))
+    parts = [_best_euclid_table(summary), *_rel_l2_tables(summary, list(report["schemes"])),
+             "Damping chosen by the default scheme (records per layer type)\n\n" + choices, _ratio_table(summary), _fit_table(summary)]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
 
@@ -468,17 +545,23 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
     corpus = build_token_corpus(vocab_size=cfg.model.vocab_size)
     model = LlamaModel(cfg.model, seed=cfg.seed)
     trainer = Trainer(model, corpus, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed, warmup_steps=cfg.warmup_steps)
+    layers = linear_layers(model)
+    trackers = {"gift": _SchemeFactors(cfg.gift, layers), "gift-paper": _SchemeFactors(cfg.paper, layers)}
     batches = _heldout_batches(corpus, cfg, ranks)
     results, geometry, points = [], [], []
     for step in cfg.points:
-        t = time.perf_counter()
-        factors, train_loss = _train_to(trainer, model, step, cfg.kfac_batches)
+        t, losses = time.perf_counter(), []
+        while trainer.step < step:
+            with capture_inputs(model, layers) as acts:
+                losses += trainer.run(1)
+            for tracker in trackers.values():
+                tracker.after_step(trainer.step - 1, acts)
+        train_loss = statistics.fmean(losses[-8:])
         _log(f"step {step}: train loss {train_loss:.3f} ({time.perf_counter() - t:.1f}s)")
-        res, geo, heldout_loss = _measure_point(model, factors, batches, ranks, cfg, step)
+        res, geo, heldout_loss = _measure_point(model, trackers, batches, ranks, cfg, step)
         results += res
         geometry += geo
-        seconds = time.perf_counter() - t
-        points.append({"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss, "seconds": seconds})
+        points.append({"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss, "seconds": time.perf_counter() - t})
     report = {
         "benchmark": "fidelity",
         "schema": SCHEMA,
@@ -486,7 +569,7 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
         "machine": machine(),
         "config": {**dataclasses.asdict(cfg), "ranks": ranks, "quick": quick, "codec_block": CodecConfig().block},
         "corpus": corpus.manifest,
-        "schemes": {s.name: s.describe() for s in schemes(cfg)},
+        "schemes": {s.name: s.describe(cfg) for s in schemes(cfg)},
         "points": points,
         "results": results,
         "geometry": geometry,

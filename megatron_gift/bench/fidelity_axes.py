@@ -38,6 +38,7 @@ import torch
 
 from megatron_gift.bench.corpus import build_token_corpus, load_documents
 from megatron_gift.bench.fidelity import FULL, LAYER_TYPES, _md_table, _rounded, errors, machine, quantized_sum
+from megatron_gift.config import GiftConfig
 from megatron_gift.bench.llama import LlamaConfig, LlamaModel, Trainer, capture_inputs, layer_type, linear_layers, per_shard_grads
 from megatron_gift.numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling
 from megatron_gift.numerics.profile import choose_damping
@@ -79,7 +80,7 @@ class AxesConfig:
     dampings: tuple[float, ...] = (1e-3, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
     gift_ranks: tuple[int, ...] = (0, 8, 32, 64)
     rank: int = 32
-    candidates: tuple[float, ...] = (0.3, 1.0, 3.0, 10.0)
+    candidates: tuple[float, ...] = GiftConfig().damping_candidates
     default: Schedule = Schedule(0.95, 10)
     schedules: tuple[Schedule, ...] = (Schedule(0.95, 50, True), *(Schedule(b, n) for b in (0.9, 0.95, 0.99) for n in (1, 10, 50)))
     ages: tuple[int, ...] = (0, 1, 10, 50)
@@ -341,11 +342,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", help="tokens per rank to measure (default: the preset's)")
+    ap.add_argument("--dampings", type=float, nargs="+", help="the fixed-damping grid (default: the preset's)")
+    ap.add_argument("--candidates", type=float, nargs="+", help="auto's damping candidates (default: GiftConfig's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else AxesConfig()
-    if args.tokens:
-        cfg = dataclasses.replace(cfg, tokens_per_rank=tuple(args.tokens))
+    for field, value in (("tokens_per_rank", args.tokens), ("dampings", args.dampings), ("candidates", args.candidates)):
+        if value:
+            cfg = dataclasses.replace(cfg, **{field: tuple(value)})
     t0 = time.perf_counter()
     if args.model == "precision":
         rows = statistics_precision(cfg)

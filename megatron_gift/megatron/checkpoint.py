@@ -111,7 +111,7 @@ def merge_state(loaded: dict) -> dict:
     for part in ("dense", "expert"):
         if part in loaded:
             state["step"] = loaded[part]["step"]
-            state["params"].update(loaded[part]["params"])
+            state["params"].update({name: dict(entry) for name, entry in loaded[part]["params"].items()})  # not in place
             if "policy" in loaded[part]:
                 state["policy"] = loaded[part]["policy"]
     for key, part in (("residual", "residuals"), ("stats", "local")):
@@ -212,9 +212,13 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
     they were applied. A state that does not fit (garbled, truncated, other shapes) leaves ``ddp``
     as it was before (fresh) and says why: False."""
     fresh = ddp.gift_state_dict()
+    reason = misfit(ddp, loaded, local)
+    if reason is not None:
+        _log("the checkpoint's GIFT state does not fit this run (%s): statistics, transforms and error feedback "
+             "start fresh", reason)  # fmt: skip
+        return False
     try:
         ddp.load_gift_state_dict(merge_state(loaded), local=local)
-        _check_loaded(ddp)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         ddp.load_gift_state_dict(fresh)
         for g in ddp.gift_params.values():  # a transform loaded before the failure: none when fresh
@@ -226,16 +230,34 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
     return True
 
 
-def _check_loaded(ddp) -> None:
-    """``ValueError`` if a loaded statistic or transform does not match its layer's input size."""
+def misfit(ddp, loaded: dict, local: bool = True) -> str | None:
+    """Why the parts ``loaded`` cannot be restored into ``ddp`` (garbled or truncated parts, statistics
+    or transforms of other shapes: another model width or ``--gift-sketch``), or None."""
+    for part, value in loaded.items():
+        if not isinstance(value, dict):
+            return f"part {part!r} is {type(value).__name__}, not a GIFT state (garbled)"
+        if part in ("dense", "expert") and not {"step", "params"} <= value.keys():
+            return f"part {part!r} lacks {sorted({'step', 'params'} - value.keys())} (truncated)"
+    params = merge_state(loaded)["params"]
     for g in ddp.gift_params.values():
-        if g.stats is not None and g.stats.ema_sums is not None:
-            for k, t in g.stats.ema_sums.items():
-                if k not in g.stats.sums or t.shape != g.stats.sums[k].shape:
-                    raise ValueError(f"{g.name}: saved statistics {k} {tuple(t.shape)} for input size {g.stats.d_in}")
-        if g.whitening is not None and g.stats is not None and g.whitening.tensors()["q"].shape[0] != g.stats.d_in:
-            raise ValueError(f"{g.name}: saved transform for input size {g.whitening.tensors()['q'].shape[0]}, "
-                             f"the layer has {g.stats.d_in}")  # fmt: skip
+        entry = params.get(g.name)
+        if not isinstance(entry, dict) or g.stats is None:
+            continue  # a parameter without saved state starts fresh, named by load_gift_state_dict
+        stats = entry.get("stats") if local else None
+        for key in ("sums", "ema_sums") if isinstance(stats, dict) else ():
+            saved = stats.get(key) or {}
+            if key == "ema_sums" and not saved:
+                continue  # saved before the first fold
+            if saved.keys() != g.stats.sums.keys():
+                return f"{g.name}: saved statistics {sorted(saved)}, this run keeps {sorted(g.stats.sums)} (another --gift-sketch)"
+            for k, t in g.stats.sums.items():
+                if tuple(saved[k].shape) != tuple(t.shape):
+                    return (f"{g.name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
+                            f"{tuple(t.shape)} (another layer width or --gift-sketch)")  # fmt: skip
+        w = entry.get("whitening") or {}
+        if w and ("q" not in w or any(w[k].shape[0] != g.stats.d_in for k in ("q", "d_sqrt", "d_inv_sqrt") if k in w)):
+            return f"{g.name}: saved transform for input size {w['q'].shape[0] if 'q' in w else '?'}, the layer has {g.stats.d_in}"
+    return None
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ import importlib
 import typing
 from pathlib import Path
 
+from ..arguments import startup_errors
 from ..config import GiftConfig
 from ..telemetry import TELEMETRY_FILE, TelemetryWriter
 from .checkpoint import checkpoint_hooks
@@ -62,7 +63,8 @@ def gift_ddp_class(gift_config: GiftConfig, validate=None, telemetry_dir=None, i
     """A :class:`GiftDistributedDataParallel` subclass constructed with Megatron's arguments only.
 
     ``validate``: called with the wrapped module's trainable ``(name, param)`` pairs before the
-    buffers are built (e.g. ``functools.partial(validate_gift_args, args)``). Every
+    buffers are built (e.g. ``functools.partial(validate_gift_args, args)``); its ``ValueError``, or the
+    DDP's refusal of a setting, ends the run as a start-up error (``arguments.startup_errors``). Every
     ``gift_config.log_interval`` iterations rank 0 prints the bytes the last iteration's
     gradient reduction sent, and the step's telemetry record goes to :func:`telemetry_sink`
     (``telemetry_dir``). ``instances``: a list each new instance is appended to (the checkpoint
@@ -74,9 +76,10 @@ def gift_ddp_class(gift_config: GiftConfig, validate=None, telemetry_dir=None, i
 
         def __init__(self, config, ddp_config, module, *args, **kwargs):
             kwargs.setdefault("gift_config", gift_config)
-            if validate is not None:
-                validate([(n, p) for n, p in module.named_parameters() if p.requires_grad])
-            super().__init__(config, ddp_config, module, *args, **kwargs)
+            with startup_errors():  # a refused model or setting: one message from rank 0, exit status 2
+                if validate is not None:
+                    validate([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+                super().__init__(config, ddp_config, module, *args, **kwargs)
             if instances is not None:
                 instances.append(self)
             if log_interval:

@@ -126,6 +126,17 @@ class _Installed:
         uninstall()
 
 
+def check_host() -> None:
+    """``RuntimeError`` where CUDA is available: the harness (and the ``--gift-cpu`` launcher) runs
+    Megatron on CPU-only machines. Called in the parent too, before ranks or a launcher start, so the
+    refusal comes at once (and the test suite checks that such tests carry the ``cpu_harness`` marker)."""
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_gift.testing.cpu_harness is for CPU-only machines; CUDA is available, "
+            "so run on the GPU instead of redirecting CUDA calls to the CPU."
+        )
+
+
 def install():
     """Redirect Megatron-Core's CUDA-only calls to CPU (idempotent).
 
@@ -133,11 +144,7 @@ def install():
     ``install()`` and ``with install(): ...`` work.
     """
     global _mode
-    if torch.cuda.is_available():
-        raise RuntimeError(
-            "megatron_gift.testing.cpu_harness is for CPU-only machines; CUDA is available, "
-            "so run on the GPU instead of redirecting CUDA calls to the CPU."
-        )
+    check_host()
     if _mode is None:
         from megatron.core.tensor_parallel import random as tp_random
         from megatron.core.tensor_parallel.random import CudaRNGStatesTracker

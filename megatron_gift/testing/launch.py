@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_gift.testing import cpu_harness
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,9 @@ def launcher_command(ranks: int, *args: str) -> list[str]:
 
 def run_launcher(ranks: int, *args: str, timeout: float = 900.0) -> str:
     """Run :func:`launcher_command` to the end within ``wall_limit(timeout)`` seconds; its output
-    (stdout + stderr), or ``RuntimeError`` with its tail. The time taken goes to stderr."""
+    (stdout + stderr), or ``RuntimeError`` with its tail (at once where CUDA is available: the CPU
+    launcher refuses it). The time taken goes to stderr."""
+    cpu_harness.check_host()
     limit, t0 = wall_limit(timeout), time.monotonic()
     try:
         res = subprocess.run(

@@ -55,6 +55,8 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
     seconds pass; the remaining processes are killed.
     """
     timeout = wall_limit(timeout)
+    if cpu_harness:
+        _cpu_harness.check_host()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
