@@ -167,6 +167,22 @@ class GiftState:
         return True
 
     # -- factors ----------------------------------------------------------------------------
+    def assign_owners(self, layers) -> None:
+        """Each GIFT layer's owner in its reduction group, from the ``(GiftParam, group)`` pairs in one
+        order on all ranks: largest record first, to the rank that owns the fewest bytes so far
+        (lowest rank on ties). The all-gather's slot is the largest rank's share, so balancing the
+        bytes keeps its padding small (round-robin over Llama's four layer shapes at 64 ranks gave
+        slots 1.9x the mean); the build work, about proportional, is balanced with it."""
+        by_group: dict = {}
+        for g, group in layers:
+            by_group.setdefault(group, []).append(g)
+        for group, members in by_group.items():
+            load = [0] * group.size()
+            sizes = [RecordLayout(g.stats.d_in, g.stats.factor_rank(self.config.rank)).nbytes for g in members]
+            for i in sorted(range(len(members)), key=lambda i: -sizes[i]):  # stable: layer order on ties
+                members[i].owner = min(range(len(load)), key=lambda r: load[r])
+                load[members[i].owner] += sizes[i]
+
     def at_sync(self, all_layers, layers, remap) -> None:
         """At every bucket group's sync, before its reduction. The first of the step (every forward
         of the step is done) installs the last refresh's factors, folds each GIFT layer's statistics

@@ -10,7 +10,7 @@ Per step (``zero_grad_buffer`` marks the start): forward pre-hooks add each GIFT
 statistics; the first bucket sync of the step folds them into the rank's local per-step EMA
 (local compute only). On refresh steps that first sync also sums the local EMAs over the
 data-parallel group (FP32; by linearity the EMA of the global statistics) and starts each
-layer's build on its owner rank (the layers spread round-robin over the reduction group); each
+layer's build on its owner rank (the layers spread over the reduction group by record size); each
 bucket group's sync keeps the owner's local gradient for the damping choice (``--gift-damping
 auto``); ``finish_grad_sync`` and the close of the step finish the builds (on the statistics'
 device), one all-gather per reduction group sends every factor and ``T`` with the choice, and the
@@ -122,10 +122,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             self._convert(bg)
         self.pipeline = TwoLevelPipeline()
         self._place_groups()
-        assigned: dict = {}  # each GIFT layer's factor is built on one rank: round-robin per group
-        for g, group in self._gift_layers():
-            g.owner = assigned.get(group, 0) % group.size()
-            assigned[group] = assigned.get(group, 0) + 1
+        self.gift_state.assign_owners(list(self._gift_layers()))
         counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
         auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)

@@ -74,23 +74,25 @@ class RecordLayout:
     d_in: int
     rank: int
 
-    def _fields(self):
+    def _parts(self):
+        """``(dtype, [(name, shape)])`` of the FP64 part, then the FP32 part."""
         d, r = self.d_in, self.rank
-        yield from (("header", (len(HEADER),), torch.float64), ("d", (d,), torch.float64), ("v", (d, r), torch.float64),
-                    ("lam", (r,), torch.float64), ("d_inv_sqrt", (d,), torch.float32), ("d_sqrt", (d,), torch.float32),
-                    ("q", (d, r), torch.float32), ("c", (r,), torch.float32), ("c_inv", (r,), torch.float32))  # fmt: skip
+        yield torch.float64, [("header", (len(HEADER),)), ("d", (d,)), ("v", (d, r)), ("lam", (r,))]
+        yield torch.float32, [("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,))]
 
     @property
     def nbytes(self) -> int:
-        n = sum(math.prod(shape) * (8 if dtype is torch.float64 else 4) for _, shape, dtype in self._fields())
+        n = sum(math.prod(shape) * dtype.itemsize for dtype, fields in self._parts() for _, shape in fields)
         return -(-n // 8) * 8
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of the record in the ``uint8`` buffer ``buf`` (its first ``nbytes``; 8-aligned)."""
         out, pos = {}, 0
-        for name, shape, dtype in self._fields():
-            n = math.prod(shape) * (8 if dtype is torch.float64 else 4)
-            out[name] = buf[pos : pos + n].view(dtype).view(shape)
+        for dtype, fields in self._parts():
+            sizes = [math.prod(shape) for _, shape in fields]
+            n = sum(sizes) * dtype.itemsize
+            for (name, shape), t in zip(fields, buf[pos : pos + n].view(dtype).split(sizes)):
+                out[name] = t.view(shape) if len(shape) > 1 else t
             pos += n
         return out
 
