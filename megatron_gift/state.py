@@ -97,6 +97,7 @@ class _GroupRefresh:
     slot: int  # bytes of every rank's slot: the most any rank owns
     build: FactorBuild  # of this rank's layers, in ``layers`` order
     recv: torch.Tensor | None = None
+    received: list[dict] | None = None  # every record's typed views of ``recv``
 
     def views(self, i: int, buf: torch.Tensor, base: int = 0) -> dict[str, torch.Tensor]:
         """Typed views of layer ``i``'s record in ``buf``, which starts at byte ``base`` of the gathered buffer."""
@@ -230,12 +231,13 @@ class GiftState:
         layers = [g for g, _ in every]
         with self._side():
             summed = self.sum_statistics(layers)
-            flags = []
-            for g in layers:
-                sums, tokens = summed[id(g)]
-                diag = sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"])
-                finite = torch.stack([torch.isfinite(t).all() for t in (*sums.values(), tokens)]).all()
-                flags.append(torch.stack([finite, tokens > 0, diag.sum() > 0]))
+            # per layer [finite, tokens > 0, trace > 0] in a fixed number of launches: max |x| of each
+            # summed tensor (NaN and ±Inf stay non-finite) and Σ diag(A) = ‖diag‖₁ (diag(A) ≥ 0)
+            diags = [sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"]) for sums, _ in (summed[id(g)] for g in layers)]
+            pieces = [t for (sums, tokens), diag in zip((summed[id(g)] for g in layers), diags) for t in (next(iter(sums.values())), diag, tokens)]
+            maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(layers), 3)
+            tokens = torch.stack([summed[id(g)][1] for g in layers])
+            flags = torch.stack([torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1)
             by_group: dict = {}
             for g, group in every:
                 by_group.setdefault(group, []).append(g)
@@ -253,7 +255,7 @@ class GiftState:
                 build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS)
                 groups.append(_GroupRefresh(group, members, layouts, [g.owner * slot + p for g, p in zip(members, places)], slot, build))
             parts = [gr.build.grams() for gr in groups]
-            self.refresh_state = _Refresh(layers, groups, owned, HostCopy([torch.stack(flags), *_flat(_flat(parts))], self.device), parts)
+            self.refresh_state = _Refresh(layers, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts)
 
     def _cores(self) -> None:
         """Stage 2: host wait 1, each layer's status from the summed statistics (the same on every
@@ -311,7 +313,9 @@ class GiftState:
                     gr.recv.copy_(send)
             for work in works:
                 work.wait()  # the refresh stream waits for the all-gathers (a GPU-side wait on CUDA)
-            headers = [gr.views(i, gr.recv)["header"] for gr in r.groups for i in range(len(gr.layers))]
+            for gr in r.groups:
+                gr.received = [gr.views(i, gr.recv) for i in range(len(gr.layers))]
+            headers = [rec["header"] for gr in r.groups for rec in gr.received]
             r.copy, r.stage, r.parts = HostCopy(headers, self.device), 3, None
 
     def install(self, remap) -> None:
@@ -336,7 +340,7 @@ class GiftState:
                 if status is BuildStatus.INDEFINITE:
                     logger.warning("megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
                                    "corrupt statistics?): using the diagonal of A alone for this factor", g.name, MAX_SHIFTS)  # fmt: skip
-                self._install(g, gr.views(i, gr.recv), head, remap)
+                self._install(g, gr.received[i], head, remap)
         if failed:
             raise RuntimeError(f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
                                f"the traceback); stopping on every rank")  # fmt: skip
@@ -344,7 +348,7 @@ class GiftState:
     @staticmethod
     def _install(g: GiftParam, rec: dict, head: dict, remap) -> None:
         rank, choice = int(head["rank"]), head["choice"]
-        cols = lambda t: t[..., :rank] if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
+        cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
         factor = LowRankFactor(rec["d"], cols(rec["v"]), cols(rec["lam"]), head["trace_a"], head["damping"])
         if choice < 0:  # Euclidean chosen: T = I, the factor kept for the profiles
             new, damping = LowRankWhitening.identity(g.stats.d_in, device=rec["d"].device), None

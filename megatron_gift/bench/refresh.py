@@ -58,10 +58,16 @@ class _Done:
 
 @contextlib.contextmanager
 def _counted_collectives(calls: list):
-    """``dist.all_reduce`` and the factor all-gather record ``(name, bytes)`` instead of communicating."""
+    """``dist.all_reduce`` and the factor all-gather record ``(name, bytes)`` instead of communicating
+    (the all-gather leaves the other ranks' slots zero: headers of empty rank-0 records)."""
     real_reduce, real_gather = dist.all_reduce, state_mod._all_gather
     dist.all_reduce = lambda t, *a, **k: calls.append(("all_reduce", t.numel() * t.element_size())) or _Done()
-    state_mod._all_gather = lambda out, t, **k: calls.append(("all_gather", t.numel() * t.element_size())) or _Done()
+    def gather(out, t, **k):  # rank 0's slot its own; the others' records are zero (status OK, rank 0)
+        calls.append(("all_gather", t.numel() * t.element_size()))
+        out.zero_()[: t.numel()].copy_(t)
+        return _Done()
+
+    state_mod._all_gather = gather
     try:
         yield
     finally:
