@@ -189,11 +189,6 @@ class FactorBuild:
                 out.append([])
         return out
 
-    @staticmethod
-    def _split(flat: list[torch.Tensor], parts: list[list]) -> list[list[torch.Tensor]]:
-        it = iter(flat)
-        return [[next(it) for _ in p] for p in parts]
-
     def grams(self) -> list[list[torch.Tensor]]:
         """Device stage 1: per layer, what its host core needs."""
 
