@@ -247,6 +247,7 @@ def _sp_stats_worker(rank, world):
     ddp.zero_grad_buffer()
     ddp(chunks[rank]).pow(2).sum().backward()
     ddp.finish_grad_sync()
+    ddp.gift_state_dict()  # closes the step and installs its refresh (training installs it at the next step)
     g = next(iter(ddp.gift_params.values()))
     q = torch.cat([t.flatten() for t in g.whitening.tensors().values()])
     parallel_state.destroy_model_parallel()
@@ -271,8 +272,8 @@ def _owner_build_worker(rank, world):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    import megatron_gift.state as state_mod
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
-    from megatron_gift.numerics.kfac import KFACStatistics
 
     parallel_state.initialize_model_parallel(1, 1)
     model = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
@@ -280,27 +281,29 @@ def _owner_build_worker(rank, world):
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000)
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     built = []
-    build = KFACStatistics.low_rank_factor
-    KFACStatistics.low_rank_factor = lambda stats, *a, **k: built.append(stats) or build(stats, *a, **k)
+    build = state_mod.FactorBuild
+    state_mod.FactorBuild = lambda layers, *a, **k: built.extend(layer.name for layer in layers) or build(layers, *a, **k)
     try:
         steps = []
-        for step in range(2):
+        for step in range(3):
             built.clear()
-            ddp.zero_grad_buffer()
+            ddp.zero_grad_buffer()  # closes the last step: its refresh is sent, its bytes move to last_step_bytes
+            sent_before = dict(ddp.last_step_bytes)
             lm_loss(ddp, random_tokens(step, rank)).backward()
             ddp.finish_grad_sync()
             layers = [g for g in ddp.gift_params.values() if g.candidate]
+            installed = all(g.factor is not None for g in layers)  # a refresh is installed at the next step's first sync
             steps.append(dict(
-                built=sorted(g.name for g in layers if any(s is g.stats for s in built)),
+                built=sorted(built),
                 owned=sorted(g.name for g in layers if g.owner == rank),
                 state=torch.cat([t.flatten().double() for g in layers
                                  for t in (g.factor.d, g.factor.v, g.factor.lam, torch.tensor([g.factor.trace_a]),
                                            torch.tensor([-1.0 if g.damping is None else g.damping]),  # the choice
-                                           *g.whitening.tensors().values())]),
-                sent=ddp.ledger.as_dict(),
+                                           *g.whitening.tensors().values())]) if installed else None,
+                sent_before=sent_before,
             ))  # fmt: skip
     finally:
-        KFACStatistics.low_rank_factor = build
+        state_mod.FactorBuild = build
     parallel_state.destroy_model_parallel()
     return dict(steps=steps, layers=len(layers))
 
@@ -310,16 +313,20 @@ def test_factors_are_built_by_their_owner_and_broadcast(two_ranks):
     res = [r["owner"] for r in two_ranks]
     n = res[0]["layers"]
     assert n >= 4
-    for step in range(2):
+    for step in range(3):
         per_rank = [r["steps"][step] for r in res]
         for s in per_rank:
             assert s["built"] == s["owned"], s["built"]  # each rank built exactly the layers it owns
-            assert abs(len(s["owned"]) - n / 2) <= 0.5  # round-robin: half each
-            assert s["sent"].get("broadcast/fp64", 0) > 0 and s["sent"].get("broadcast/fp32", 0) > 0, s["sent"]
-            assert s["sent"].get("all_reduce/fp32", 0) > 0 and "all_reduce/bf16" not in s["sent"], s["sent"]  # FP32 statistics
+            assert abs(len(s["owned"]) - n / 2) <= 0.5  # balanced by bytes: two fc2 records, then half the rest each
         assert sorted(sum((s["built"] for s in per_rank), [])) == sorted(set(sum((s["owned"] for s in per_rank), [])))
         assert len(sum((s["built"] for s in per_rank), [])) == n
-        assert torch.equal(per_rank[0]["state"], per_rank[1]["state"])
+        if step == 0:
+            assert all(s["state"] is None for s in per_rank)  # step 0's factors are installed at step 1
+        else:
+            sent = per_rank[0]["sent_before"]  # the previous step's refresh: statistics all-reduce, factor all-gather
+            assert sent.get("all_gather/factors", 0) > 0 and not any(k.startswith("broadcast") for k in sent), sent
+            assert sent.get("all_reduce/fp32", 0) > 0 and "all_reduce/bf16" not in sent, sent  # FP32 statistics
+            assert torch.equal(per_rank[0]["state"], per_rank[1]["state"])
 
 
 def _pp_worker(rank, world):

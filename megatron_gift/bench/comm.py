@@ -9,9 +9,10 @@ by hand (reference model, all-gather, FP64 sum).
 
 Bytes: the plugin counts what each rank sends (``comm.CommLedger``); stock Megatron's ring
 collectives are counted with the same model: reduce-scatter ``(R-1)/R·bytes``, all-reduce twice that.
-``bytes_per_step`` = gradient bytes + a factor refresh's bytes (statistics all-reduce, each layer's
-factor and transform broadcast from the rank that built them) amortized over the default refresh
-interval; GIFT refreshes every step here so that its fidelity is measured without a stale factor.
+``bytes_per_step`` = gradient bytes + a factor refresh's bytes (statistics all-reduce, every layer's
+factor and transform all-gathered from the ranks that built them) amortized over the default refresh
+interval; GIFT refreshes every step here so that its fidelity is measured with the freshest factor
+the plugin has (one step old: a refresh is installed at the next step).
 ``ops/bucket``: the ATen ops the plugin's reduction stages dispatch per quantized bucket in a step
 (the most over the ranks), which must not grow with the rank count (docs/gpu-execution.md).
 """
@@ -33,7 +34,7 @@ from ..numerics.fp8 import CodecConfig
 MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
 LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
 REFRESH_INTERVAL = GiftConfig().refresh_interval
-REFRESH_COLLECTIVES = ("all_reduce/fp32", "broadcast/fp64", "broadcast/fp32")  # statistics (FP32 EMAs), factors
+REFRESH_COLLECTIVES = ("all_reduce/fp32", "all_gather/factors")  # statistics (FP32 EMAs), factors and T
 
 
 def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:
@@ -43,7 +44,7 @@ def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:
     if mode == "bf16":
         return GiftConfig(mode=Mode.BF16, layers=(".*",))
     kind = Mode.GIFT if mode.startswith("gift") else Mode.EUCLIDEAN
-    # The factor is refreshed every step here (fidelity without staleness); its bytes are
+    # The factor is refreshed every step here (the freshest the plugin has: one step old); its bytes are
     # amortized over the default interval below.
     return GiftConfig(mode=kind, codec=codec, layers=(LINEAR,), euclidean_layers=(".*",), refresh_interval=1)
 

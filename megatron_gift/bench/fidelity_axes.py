@@ -51,16 +51,18 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-step EMA ``ema``, factor rebuilt every ``interval`` steps; ``per_refresh``: today's
-    (statistics only on refresh steps, folded with ``ema`` per refresh, replaced during warm-up)."""
+    """Per-step EMA ``ema``, factor rebuilt every ``interval`` steps and used from ``lag`` steps
+    after its refresh on (the plugin builds during the next step: lag 1); ``per_refresh``: the old
+    schedule (statistics only on refresh steps, folded with ``ema`` per refresh, replaced during warm-up)."""
 
     ema: float
     interval: int
     per_refresh: bool = False
+    lag: int = 0
 
     @property
     def name(self) -> str:
-        return f"{'refresh' if self.per_refresh else 'step'}-ema{self.ema:g}-n{self.interval}"
+        return f"{'refresh' if self.per_refresh else 'step'}-ema{self.ema:g}-n{self.interval}" + (f"-lag{self.lag}" if self.lag else "")
 
     def is_refresh(self, step: int) -> bool:
         n = self.interval
@@ -81,8 +83,9 @@ class AxesConfig:
     gift_ranks: tuple[int, ...] = (0, 8, 32, 64)
     rank: int = 32
     candidates: tuple[float, ...] = GiftConfig().damping_candidates
-    default: Schedule = Schedule(0.95, 10)
-    schedules: tuple[Schedule, ...] = (Schedule(0.95, 50, True), *(Schedule(b, n) for b in (0.9, 0.95, 0.99) for n in (1, 10, 50)))
+    default: Schedule = Schedule(0.95, 10, lag=1)  # what the plugin runs
+    schedules: tuple[Schedule, ...] = (Schedule(0.95, 50, True), *(Schedule(b, n) for b in (0.9, 0.95, 0.99) for n in (1, 10, 50)),
+                                       Schedule(0.95, 1, lag=1), Schedule(0.95, 10, lag=1))  # fmt: skip
     ages: tuple[int, ...] = (0, 1, 10, 50)
     kfac_batches: int = 8  # pretrained model: batches the (static) factor is averaged over
 
@@ -156,7 +159,7 @@ class _FactorTracker:
         emas = {s.ema for s in cfg.schedules if not s.per_refresh} | {cfg.default.ema}
         self.ema = {b: {n: KFACStatistics(k, ema=b) for n, k in d.items()} for b in emas}
         self.today = {s: {n: KFACStatistics(k, ema=s.ema) for n, k in d.items()} for s in cfg.schedules if s.per_refresh}
-        self.current: dict = {s: {} for s in cfg.schedules}  # schedule -> layer -> (A, build step)
+        self.current: dict = {s: {} for s in {*cfg.schedules, cfg.default}}  # schedule -> layer -> [(A, build step)], newest last
         self.history: dict = {}  # step -> layer -> A of the default EMA
         self.needed = {p - 1 - a for p in cfg.points for a in cfg.ages}
 
@@ -169,12 +172,20 @@ class _FactorTracker:
                 if s.is_refresh(step):
                     stats[n].fold(ema=0.0 if step < s.interval else None, step=self.step_stats[n])
             self.step_stats[n].reset_accumulators()
-            for s in self.cfg.schedules:
+            for s in self.current:
                 if s.is_refresh(step):
                     src = self.today[s] if s.per_refresh else self.ema[s.ema]
-                    self.current[s][n] = (src[n].factor.clone(), step)
+                    built = self.current[s].setdefault(n, [])
+                    built.append((src[n].factor.clone(), step))
+                    del built[: -(s.lag + 1)]  # the newest lag + 1 builds hold every factor a lag can still use
             if step in self.needed:
                 self.history.setdefault(step, {})[n] = self.ema[self.cfg.default.ema][n].factor.clone()
+
+    def in_use(self, s: Schedule, n: str, step: int) -> tuple:
+        """``(A, build step)`` that schedule ``s`` uses for layer ``n`` at the weights after ``step``: the newest
+        build at least ``s.lag`` steps old (the oldest kept before the first such build)."""
+        built = self.current[s][n]
+        return next((b for b in reversed(built) if b[1] + s.lag <= step), built[0])
 
     def sources(self, step: int) -> dict:
         """layer -> {(axis, schedule, age): factors by rank} at the weights after ``step``."""
@@ -182,10 +193,10 @@ class _FactorTracker:
         out = {}
         for n in self.step_stats:
             src = {}
-            a, built = self.current[cfg.default][n]
+            a, built = self.in_use(cfg.default, n, step)
             src[("damping_rank", cfg.default.name, step - built)] = factors_by_rank(a, ranks)
             for s in cfg.schedules:
-                a, built = self.current[s][n]
+                a, built = self.in_use(s, n, step)
                 src[("schedule", s.name, step - built)] = factors_by_rank(a, [cfg.rank])
             for age in cfg.ages:
                 src[("age", cfg.default.name, age)] = factors_by_rank(self.history[step - age][n], [cfg.rank])

@@ -10,7 +10,8 @@ overlapped gradient reduction, Megatron's default 40M-element buckets. A step is
 ``zero_grad_buffer`` + ``micro-batches`` forward+backward passes (all but the last under
 ``no_sync``, as Megatron's schedule does) + ``finish_grad_sync`` + the optimizer step, timed by the
 host clock between two device synchronisations. GIFT's refresh steps (statistics summed, factors
-built in FP64 on the CPU: steps 0, 1, 2, 4, 8, ... then every ``refresh_interval``) are reported
+built: steps 0, 1, 2, 4, 8, ... then every ``refresh_interval``; the step after one still finishes
+its build at ``zero_grad_buffer`` and installs it at its first bucket sync) are reported
 apart from the steady steps; ``off-again`` repeats the baseline last, to show the run's resolution.
 
 Modes run one after the other in one process (NCCL on CUDA, gloo with the CPU harness in the dry

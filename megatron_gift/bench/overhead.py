@@ -16,7 +16,8 @@ path                            what is timed
 ``decode_sum_unwhiten_*``       decode ``RANKS`` messages of this rank's shard (``d_out/RANKS`` rows), sum, ``T⁻¹``
 ``copy``                        ``torch`` copy of an FP32 tensor of ``G``'s size (memory-bandwidth yardstick)
 ``factor_build``                a refresh's ``T`` from the summed Nyström sketch (``factor_from_sketch`` +
-                                ``LowRankWhitening``; FP64 on the CPU wherever training runs, so always timed on the CPU)
+                                ``LowRankWhitening``, FP64, one layer, timed on the CPU; the plugin's batched build on
+                                the statistics' device, per refresh and stage: ``bench.refresh``)
 ``statistics``                  a step's K-FAC statistics: ``KFACStatistics.accumulate`` on the micro-batch's layer input
                                 ``X [tokens, d_in]`` (sketch 64, GiftConfig's default) plus one ``fold`` into the EMA
                                 (local compute only, every step; a step of m micro-batches accumulates m times)

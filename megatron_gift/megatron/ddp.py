@@ -9,11 +9,13 @@ whose parameters are all ``off`` keep Megatron's collective untouched.
 Per step (``zero_grad_buffer`` marks the start): forward pre-hooks add each GIFT layer's input
 statistics; the first bucket sync of the step folds them into the rank's local per-step EMA
 (local compute only). On refresh steps that first sync also sums the local EMAs over the
-data-parallel group (FP32; by linearity the EMA of the global statistics), and each bucket
-group's sync then builds its layers' factors and ``T`` (FP64, CPU) only on their owner ranks
-(the layers spread round-robin over the reduction group), choosing the damping there from the
-owner's own local gradient (``--gift-damping auto``), and broadcasts them with the choice:
-every rank holds the owner's bits by construction.
+data-parallel group (FP32; by linearity the EMA of the global statistics) and starts each
+layer's build on its owner rank (the layers spread over the reduction group by record size); each
+bucket group's sync keeps the owner's local gradient for the damping choice (``--gift-damping
+auto``); ``finish_grad_sync`` and the close of the step finish the builds (on the statistics'
+device), one all-gather per reduction group sends every factor and ``T`` with the choice, and the
+next step's first sync installs them: every rank holds the owner's bits by construction
+(``state.GiftState``: the stages and their host synchronisations).
 """
 
 from __future__ import annotations
@@ -120,10 +122,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             self._convert(bg)
         self.queue = ReductionQueue(StageStreams(self._device()), self._schedule())
         self._place_groups()
-        assigned: dict = {}  # each GIFT layer's factor is built on one rank: round-robin per group
-        for g, group in self._gift_layers():
-            g.owner = assigned.get(group, 0) % group.size()
-            assigned[group] = assigned.get(group, 0) + 1
+        self.gift_state.assign_owners(list(self._gift_layers()))
         counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
         auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
@@ -327,13 +326,18 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                         yield g, seg, bucket.grad_data.element_size()
 
     def refresh_factors(self, bucket_group) -> None:
-        """At every bucket group's sync: fold the step's statistics (first sync) and, on a refresh
-        step, build the factors of ``bucket_group``'s layers (``GiftState.refresh``)."""
-        self.gift_state.refresh(
-            lambda: (g for g, _ in self._gift_layers()),
-            self._gift_layers_of(bucket_group),
-            lambda g, old, new: GiftState.remap_residual(g, old, new, self._residual_views()),
-        )
+        """At every bucket group's sync, before its reduction (``GiftState.at_sync``): the first of
+        the step installs the last refresh, folds the step's statistics and on a refresh step starts
+        the next; then, on a refresh step, the owner keeps ``bucket_group``'s local gradients."""
+        self.gift_state.at_sync(self._gift_layers, self._gift_layers_of(bucket_group), self._remap)
+
+    def finish_grad_sync(self, *args, **kwargs):
+        """Megatron's, then the next stage of a refresh in flight (``GiftState.after_reductions``)."""
+        super().finish_grad_sync(*args, **kwargs)
+        self.gift_state.after_reductions()
+
+    def _remap(self, g: GiftParam, old, new) -> None:
+        GiftState.remap_residual(g, old, new, self._residual_views())
 
     def _gift_layers(self):
         """``(GiftParam, its bucket group's reduction group)`` of every GIFT layer, in one order on all ranks."""

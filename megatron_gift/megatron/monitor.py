@@ -24,6 +24,8 @@ from ..numerics.profile import profile_gradient, summarize
 from ..policy import LayerPolicy
 
 _FP8 = (Mode.EUCLIDEAN, Mode.GIFT)
+# torch >= 2.10 renamed reduce_scatter_tensor; NGC containers may carry either.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def wire_bytes(mode: Mode, rows: int, cols: int, cfg: GiftConfig, raw_itemsize: int) -> int:
@@ -59,8 +61,8 @@ class Monitor:
 
     # -- before and after one bucket group's reduction ----------------------------------------
     def before_reduce(self, bg, group, step: int):
-        """Profile ``bg``'s parameters, apply the policy's decisions; on logging steps return
-        the FP32 copies of the local gradients that :meth:`after_reduce` compares with."""
+        """Profile ``bg``'s parameters, apply the policy's decisions; on logging steps return this
+        rank's shard of every bucket's FP32 sum of local gradients, which :meth:`after_reduce` compares with."""
         if not self.is_profile_step(step):
             return None
         entries = [
@@ -82,7 +84,7 @@ class Monitor:
         )
         dist.all_reduce(vec, group=group)
         decide = self.policy is not None and self.cfg.policy.is_profile_step(step)
-        for (_, _, g), v in zip(entries, vec):
+        for (_, _, g), v in zip(entries, vec.cpu()):  # the profile step's one host read of this bucket group
             summary = summarize(v)
             self.summaries[g.name] = summary
             if decide and g.candidate:
@@ -95,14 +97,26 @@ class Monitor:
                     self.set_mode(g, d.mode)
         if not self.is_log_step(step):
             return None
-        return [bucket.grad_data.detach().float().clone() for bucket in bg.buckets]
+        return [self._reference_shard(bucket.grad_data, layout, group) for bucket, layout in zip(bg.buckets, bg.gift_layouts)]
+
+    @staticmethod
+    def _reference_shard(grad: torch.Tensor, layout, group) -> torch.Tensor:
+        """This rank's shard ``[shard_size]`` of the FP32 sum of every rank's local ``grad`` (one
+        reduce-scatter; a padded FP32 copy only where ``grad`` is not FP32 or not a whole number of shards)."""
+        n, size = group.size(), layout.shard_size
+        full = grad.detach()
+        if full.dtype != torch.float32 or full.numel() != n * size:
+            full = torch.zeros(n * size, dtype=torch.float32, device=grad.device)
+            full[: grad.numel()].copy_(grad.detach())
+        out = torch.empty(size, dtype=torch.float32, device=grad.device)
+        _reduce_scatter(out, full, group=group)
+        return out
 
     def after_reduce(self, bg, group, refs, average: bool) -> None:
-        """RelL2 and cosine of each reduced gradient against the FP32 sum of ``refs``."""
+        """RelL2 and cosine of each reduced gradient against the FP32 sum, ``refs`` (this rank's shards of it)."""
         world, rank = group.size(), group.rank()
         rows, names = [], []
         for ref, bucket, layout, params in zip(refs, bg.buckets, bg.gift_layouts, bg.gift_params):
-            dist.all_reduce(ref, group=group)
             if average:
                 ref /= world
             shard = layout.shards[rank]
@@ -111,14 +125,14 @@ class Monitor:
                     continue
                 a, b = max(seg.start, shard.lo), min(seg.end, shard.hi)
                 x = bucket.grad_data[a:b].double() if a < b else ref.new_zeros(0, dtype=torch.float64)
-                y = ref[a:b].double() if a < b else x
+                y = ref[a - shard.lo : b - shard.lo].double() if a < b else x
                 rows.append(torch.stack([((x - y) ** 2).sum(), (y * y).sum(), (x * y).sum(), (x * x).sum()]))
                 names.append(g.name)
         if not rows:
             return
         sums = torch.stack(rows)
         dist.all_reduce(sums, group=group)
-        for name, (err, ref_sq, dot, dec_sq) in zip(names, sums.tolist()):
+        for name, (err, ref_sq, dot, dec_sq) in zip(names, sums.tolist()):  # the logging step's host read of this bucket group
             rel = math.sqrt(err / ref_sq) if ref_sq > 0 else None
             cos = dot / math.sqrt(dec_sq * ref_sq) if dec_sq * ref_sq > 0 else None
             self.reduced[name] = (rel, cos)

@@ -28,10 +28,14 @@ class ErrorFeedback:
             self._pending = torch.empty_like(self.residual)
         self._pending[lo : lo + compensated.numel()] = compensated.float().reshape(-1) - decoded.float().reshape(-1)
 
-    def commit(self, applied: bool = True) -> None:
-        """Adopt the staged residual if the step was applied; drop it otherwise."""
-        if applied and self._pending is not None:
-            self.residual.copy_(self._pending)
+    def commit(self, applied: bool | torch.Tensor = True) -> None:
+        """Adopt the staged residual if the step was applied; drop it otherwise. ``applied`` may be a
+        0-d bool tensor: the choice is then made on its device (no host synchronisation)."""
+        if self._pending is not None:
+            if isinstance(applied, torch.Tensor):  # in place into the staged buffer: no temporary
+                self.residual.copy_(torch.where(applied, self._pending, self.residual, out=self._pending))
+            elif applied:
+                self.residual.copy_(self._pending)
         self._pending = None
 
     def reset(self) -> None:

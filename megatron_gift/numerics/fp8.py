@@ -151,7 +151,9 @@ class CodecStats:
     """Counts for encodes: non-zero inputs that decode to zero (``flushed``), inputs beyond the
     format's range that saturated (``clipped``: only possible with an external ``amax``), codes
     at the largest magnitude (``at_max``) and at the smallest subnormal (``at_min_subnormal``),
-    the paper's vulnerability signals, and non-finite inputs."""
+    the paper's vulnerability signals, and non-finite inputs. An encode adds its counts as 0-d
+    tensors on the encoded data's device (so that profiling never waits for the device);
+    ``int(stats.at_max)`` reads one on the host."""
 
     numel: int = 0
     flushed: int = 0
@@ -245,15 +247,16 @@ def encode_flat(
 
 
 def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) -> CodecStats:
+    """The counts of one encode as 0-d tensors on ``x``'s device (no host synchronisation)."""
     fin = torch.isfinite(y)
     mag = q & 0x7F
     return CodecStats(
         numel=x.numel(),
-        flushed=int(((x != 0) & fin & (mag == 0)).sum()),
-        clipped=int((fin & (y.abs() >= cfg.fmt.max + cfg.fmt.ulp_at_max / 2)).sum()),
-        at_max=int((fin & (mag == cfg.fmt.max_code)).sum()),
-        at_min_subnormal=int((fin & (mag == 1)).sum()),
-        nonfinite=int((~fin).sum()),
+        flushed=((x != 0) & fin & (mag == 0)).sum(),
+        clipped=(fin & (y.abs() >= cfg.fmt.max + cfg.fmt.ulp_at_max / 2)).sum(),
+        at_max=(fin & (mag == cfg.fmt.max_code)).sum(),
+        at_min_subnormal=(fin & (mag == 1)).sum(),
+        nonfinite=(~fin).sum(),
     )
 
 

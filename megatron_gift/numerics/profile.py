@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp8 import CodecConfig, CodecStats, Scaling, decode, encode, roundtrip
-from .geometry import geometry_stats, shares_ratio
+from .geometry import geometry_sums, shares_ratio
 from .whitening import LowRankFactor, LowRankWhitening
 
 FIELDS = (
@@ -86,10 +86,10 @@ class ProfileSummary:
     predicted_ratio_shares: float | None
 
 
-def _roundtrip_sums(g: torch.Tensor, g_hat: torch.Tensor) -> list[float]:
-    """``[‖ĝ - g‖², ⟨ĝ, g⟩, ‖ĝ‖²]`` accumulated in FP64."""
+def _roundtrip_sums(g: torch.Tensor, g_hat: torch.Tensor) -> list[torch.Tensor]:
+    """``[‖ĝ - g‖², ⟨ĝ, g⟩, ‖ĝ‖²]`` accumulated in FP64 (0-d tensors on ``g``'s device)."""
     g64, h64 = g.double(), g_hat.double()
-    return [float(((h64 - g64) ** 2).sum()), float((h64 * g64).sum()), float((h64 * h64).sum())]
+    return [((h64 - g64) ** 2).sum(), (h64 * g64).sum(), (h64 * h64).sum()]
 
 
 def profile_gradient(
@@ -99,7 +99,8 @@ def profile_gradient(
     factor: LowRankFactor | None = None,
     tensor_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Additive profile ``[len(FIELDS)]`` FP64 (on ``g``'s device) of the local gradient ``g``.
+    """Additive profile ``[len(FIELDS)]`` FP64 (on ``g``'s device) of the local gradient ``g``,
+    computed on that device without a host synchronisation.
 
     ``g [d_out, d_in]`` (any shape without ``whitening``/``factor``). GIFT fields need
     ``whitening`` (built from ``factor`` when only that is given), geometry fields ``factor``
@@ -112,19 +113,19 @@ def profile_gradient(
         whitening = LowRankWhitening(factor, device=g.device)
     v = dict.fromkeys(FIELDS, 0.0)
     v["ranks"], v["numel"] = 1.0, float(g.numel())
-    v["grad_sq"] = float((g.double() ** 2).sum())
+    v["grad_sq"] = (g.double() ** 2).sum()
 
     tensor_stats = CodecStats()
-    amax = None if tensor_amax is None else torch.as_tensor(tensor_amax, dtype=torch.float32, device=g.device)
+    amax = None if tensor_amax is None else tensor_amax.to(g.device, torch.float32)
     encode(g, CodecConfig(cfg.fmt, Scaling.TENSOR), amax=amax, stats=tensor_stats)
-    v["nonfinite"] = float(tensor_stats.nonfinite)
-    v["tensor_at_max"] = float(tensor_stats.at_max)
-    v["tensor_at_min"] = float(tensor_stats.flushed + tensor_stats.at_min_subnormal)
+    v["nonfinite"] = tensor_stats.nonfinite
+    v["tensor_at_max"] = tensor_stats.at_max
+    v["tensor_at_min"] = tensor_stats.flushed + tensor_stats.at_min_subnormal
 
     stats = CodecStats()
     g_hat = decode(encode(g, cfg, stats=stats), cfg, out_shape=g.shape)
     v["euclid_err_sq"], v["euclid_dot"], v["euclid_dec_sq"] = _roundtrip_sums(g, g_hat)
-    v["euclid_at_max"], v["euclid_flushed"] = float(stats.at_max), float(stats.flushed)
+    v["euclid_at_max"], v["euclid_flushed"] = stats.at_max, stats.flushed
 
     if whitening is not None:
         u = whitening.apply(g)
@@ -132,17 +133,15 @@ def profile_gradient(
         g_hat = whitening.inverse(decode(encode(u, cfg, stats=stats), cfg, out_shape=u.shape))
         v["gift_ranks"] = 1.0
         v["gift_err_sq"], v["gift_dot"], v["gift_dec_sq"] = _roundtrip_sums(g, g_hat)
-        v["gift_at_max"], v["gift_flushed"] = float(stats.at_max), float(stats.flushed)
+        v["gift_at_max"], v["gift_flushed"] = stats.at_max, stats.flushed
 
     if factor is not None:
-        geo = geometry_stats(g, factor, whitening)
+        _, v["top_r_energy"], v["model_sq"], v["trace_share"] = geometry_sums(g, factor, whitening).unbind()
         v["geometry_ranks"] = 1.0
-        v["trace_share"] = geo.trace_share_top_r
         v["rank_fraction"] = factor.v.shape[1] / factor.d.shape[0]
-        if v["grad_sq"] > 0:
-            v["top_r_energy"] = geo.grad_energy_share_top_r * v["grad_sq"]
-            v["model_sq"] = geo.predicted_ratio_model**2 * v["grad_sq"]
-    return torch.tensor([v[k] for k in FIELDS], dtype=torch.float64, device=g.device)
+    # Python numbers become device scalars by ``full`` (a fill, not a host-to-device copy)
+    as_t = lambda x: x.double() if isinstance(x, torch.Tensor) else torch.full((), x, dtype=torch.float64, device=g.device)  # noqa: E731
+    return torch.stack([as_t(v[k]) for k in FIELDS])
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -207,23 +206,32 @@ def summarize(vec: torch.Tensor) -> ProfileSummary:
     )
 
 
-def damping_errors(g: torch.Tensor, factor: LowRankFactor, candidates, cfg: CodecConfig) -> dict:
-    """Local estimate of each candidate's FP8 error on one rank's gradient ``g [d_out, d_in]``:
-    ``‖(q(G T_δ) - G T_δ) T_δ⁻¹‖`` for each relative damping ``δ`` in ``candidates`` (``T_δ``
-    from ``factor.with_damping(δ)``), and ``‖q(G) - G‖`` under the key ``None`` (Euclidean)."""
+def damping_errors(g: torch.Tensor, whitenings, cfg: CodecConfig) -> torch.Tensor:
+    """Local estimates of the FP8 error on one rank's gradient ``g [d_out, d_in]``, ``[1 + len(whitenings)]``
+    on ``g``'s device: ``‖q(G) - G‖`` (Euclidean), then ``‖(q(G T) - G T) T⁻¹‖`` for each ``T`` in
+    ``whitenings`` (one per damping candidate)."""
     g = g.detach().float()
-    out = {None: float((roundtrip(g, cfg) - g).norm())}
-    for delta in candidates:
-        w = LowRankWhitening(factor.with_damping(delta), device=g.device)
+    errs = [(roundtrip(g, cfg) - g).norm()]
+    for w in whitenings:
         u = w.apply(g)
-        out[delta] = float(w.inverse(roundtrip(u, cfg) - u).norm())
-    return out
+        errs.append(w.inverse(roundtrip(u, cfg) - u).norm())
+    return torch.stack(errs)
+
+
+def damping_choice(errs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-side choice from ``damping_errors`` ``[..., 1 + C]``: ``chosen`` indexes
+    ``[Euclidean, *candidates]`` (the smallest error; Euclidean wins ties, and whenever its own
+    estimate is not finite; a non-finite candidate estimate never wins), ``best`` the candidates
+    (``[0, C)``, the smallest finite error: the damping of the factor kept even when Euclidean is chosen)."""
+    e = torch.where(torch.isfinite(errs), errs, torch.inf)
+    chosen = torch.where(torch.isfinite(errs[..., 0]), e.argmin(-1), 0)
+    return chosen, e[..., 1:].argmin(-1)
 
 
 def choose_damping(g: torch.Tensor, factor: LowRankFactor, candidates, cfg: CodecConfig) -> tuple[float | None, dict]:
-    """The candidate of ``damping_errors`` with the smallest error (``None``: Euclidean; it wins
-    ties and non-finite estimates), and all the estimates."""
-    errs = damping_errors(g, factor, candidates, cfg)
-    finite = {k: e for k, e in errs.items() if math.isfinite(e)}
-    best = min(finite, key=lambda k: (finite[k], k is not None)) if None in finite else None
-    return best, errs
+    """``damping_choice`` of ``damping_errors`` for ``T_δ`` from ``factor.with_damping(δ)``, δ in
+    ``candidates``, read on the host: the chosen δ (``None``: Euclidean) and every estimate by δ."""
+    whitenings = [LowRankWhitening(factor.with_damping(delta), device=g.device) for delta in candidates]
+    errs = damping_errors(g, whitenings, cfg)
+    keys = [None, *candidates]
+    return keys[int(damping_choice(errs)[0])], dict(zip(keys, errs.tolist()))
