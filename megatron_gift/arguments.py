@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, param_modes
+from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, ParamGather, PolicyConfig, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 from .upstream import TESTED_VERSIONS, check_version
 
@@ -34,6 +34,7 @@ _FIELD_FLAGS = {
     "profile_interval": "--gift-profile-interval",
     "log_interval": "--gift-log-interval",
     "ranks_per_node": "--gift-ranks-per-node",
+    "param_gather_full_every": "--gift-param-gather-full-every",
 }
 _FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
 _SHOWN_NAMES = 8  # parameter names quoted in an error message
@@ -197,6 +198,23 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Processes per node, grouped by global rank (default: LOCAL_WORLD_SIZE from the launcher, "
         "else all on one node); e.g. to simulate nodes on one machine.",
     )
+    g.add_argument(
+        "--gift-param-gather",
+        choices=[m.value for m in ParamGather],
+        default=_DEFAULT.param_gather.value,
+        help="The distributed optimizer's parameter all-gather, independent of --gift-mode: bf16 (Megatron's own, "
+        "the default) or delta (each shard's change since the last gather, int8 with a power-of-two scale per 32: "
+        "0.52x BF16's bytes; every replica bit-identical, weights within one step's quantization error of "
+        "bf16(main)).",
+    )
+    g.add_argument(
+        "--gift-param-gather-full-every",
+        type=int,
+        default=_DEFAULT.param_gather_full_every,
+        metavar="N",
+        help="With --gift-param-gather delta, gather the update of every N-th iteration in full BF16 "
+        "(0: only at start-up and after a checkpoint load; default: %(default)s).",
+    )
     return parser
 
 
@@ -217,10 +235,10 @@ def chain_args_providers(*providers):
 
 
 def gift_config_from_args(args) -> GiftConfig | None:
-    """The configuration the flags ask for, or None with ``--gift-mode off``.
+    """The configuration the flags ask for, or None with ``--gift-mode off --gift-param-gather bf16``.
 
     Out-of-range values raise GiftConfig's ``ValueError`` reworded with the flag names."""
-    if args.gift_mode == Mode.OFF.value:
+    if args.gift_mode == Mode.OFF.value and args.gift_param_gather == ParamGather.BF16.value:
         return None
     try:
         return GiftConfig(
@@ -240,6 +258,8 @@ def gift_config_from_args(args) -> GiftConfig | None:
             exchange=args.gift_exchange,
             intra_node=args.gift_intra_node,
             ranks_per_node=args.gift_ranks_per_node,
+            param_gather=ParamGather(args.gift_param_gather),
+            param_gather_full_every=args.gift_param_gather_full_every,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
@@ -272,13 +292,21 @@ def validate_gift_args(args, named_parameters=None) -> None:
     that every pattern selects a parameter and that ``--gift-rank`` fits each GIFT layer."""
     if args.gift_log_interval < 0:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
+    if args.gift_param_gather_full_every and args.gift_param_gather != ParamGather.DELTA.value:
+        raise ValueError("--gift-param-gather-full-every has no effect without --gift-param-gather delta: add it or "
+                         "drop --gift-param-gather-full-every")  # fmt: skip
     cfg = gift_config_from_args(args)
-    if cfg is None:
+    if args.gift_mode == Mode.OFF.value:
         for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
             if value:
                 raise ValueError(
                     f"{flag} has no effect with --gift-mode off: choose --gift-mode bf16, euclidean or gift, or drop {flag}"
                 )
+    if cfg is None:
+        return
+    _check_param_gather(args)
+    if cfg.mode is Mode.OFF:  # the parameter all-gather alone
+        check_version(allow_untested=args.gift_allow_untested_megatron)
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):
@@ -328,6 +356,33 @@ def _check_megatron_flags(args) -> None:
         raise ValueError(
             "--ddp-reduce-scatter-with-fp32-accumulation replaces the same collective as megatron-gift "
             f"(which already sums in FP32): drop it {off}"
+        )
+
+
+def _check_param_gather(args) -> None:
+    """Megatron features whose parameter all-gather ``--gift-param-gather delta`` cannot code."""
+    if args.gift_param_gather != ParamGather.DELTA.value:
+        return
+    flag, alt = "--gift-param-gather delta", "or use --gift-param-gather bf16"
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        raise ValueError(
+            f"{flag} codes the distributed optimizer's all-gather of equal shards; --optimizer {args.optimizer} uses "
+            f"the layer-wise distributed optimizer (whole parameters per rank, uneven gathers): use --gift-param-gather bf16"
+        )
+    for attr, other in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-megatron-fsdp"),
+                        ("use_torch_fsdp2", "--use-torch-fsdp2")):  # fmt: skip
+        if getattr(args, attr, False):
+            raise ValueError(f"{flag} codes the distributed optimizer's all-gather; {other} gathers parameters its own "
+                             f"way: drop {other} {alt}")  # fmt: skip
+    if not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(f"{flag} codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer {alt}")
+    for attr, other in (("fp8_param_gather", "--fp8-param-gather"), ("fp4_param_gather", "--fp4-param-gather")):
+        if getattr(args, attr, False):
+            raise ValueError(f"{flag} and {other} both replace the parameter all-gather: drop {other} {alt}")
+    if getattr(args, "use_precision_aware_optimizer", False):
+        raise ValueError(
+            f"{flag} writes the reconstructed weights into each rank's own BF16 shard, which --use-precision-aware-"
+            f"optimizer may keep as part of its master weights: drop --use-precision-aware-optimizer {alt}"
         )
 
 
