@@ -67,9 +67,11 @@ def _roundtrip(codec: str, new: torch.Tensor, prev: torch.Tensor) -> tuple[torch
 
 
 def _stats(got: torch.Tensor, want: torch.Tensor, h: torch.Tensor, prev: torch.Tensor) -> dict:
-    """Bit-identical weights, max |got - want| / h, squared error and squared change ``want - prev``."""
+    """Bit-identical weights (a zero of either sign counts as the same: IEEE sums ``x + (-x)`` to ``+0``),
+    max |got - want| / h, squared error and squared change ``want - prev``."""
     diff = got.double() - want.double()
-    return dict(numel=want.numel(), identical=int((got.view(torch.int16) == want.view(torch.int16)).sum()),
+    same = (got.view(torch.int16) == want.view(torch.int16)) | ((got == 0) & (want == 0))
+    return dict(numel=want.numel(), identical=int(same.sum()),
                 max_over_h=float((diff.abs() / h.double()).max()), err2=float(diff.square().sum()),
                 change2=float((want.double() - prev.double()).square().sum()))  # fmt: skip
 

@@ -154,7 +154,7 @@ class DeltaGather:
     ``buffers``: each bucket's parameter buffer (flat ``[p·S]``), shard ``r`` owned by group rank
     ``r``. The 16-bit ones are coded; others (FP32 buffers, where the optimizer updates the buffer
     itself) are all-gathered as they are, in the same coalesced launch. ``prev`` (one entry per
-    coded buffer) is None until the first ``full()``. ``ledger`` (a ``comm.quantized.CommLedger``)
+    coded buffer) is None until the first full gather. ``ledger`` (a ``comm.quantized.CommLedger``)
     counts the bytes sent (ring all-gather: ``(p-1)`` shards or messages)."""
 
     def __init__(self, buffers: list[torch.Tensor], group, ledger=None):
@@ -170,29 +170,26 @@ class DeltaGather:
         s = self.buffers[i].numel() // self.size
         return self.buffers[i][self.rank * s : (self.rank + 1) * s]
 
-    def full(self) -> None:
-        """A full gather of the buffers as they are is starting (Megatron's own): ``prev`` = this rank's shards."""
-        self.prev = [self.own(i).clone() for i in self.coded]
-        for b in self.buffers:
-            self._count(_DTYPE_NAMES.get(b.dtype, str(b.dtype)), b.numel() // self.size * b.element_size())
-
     def _count(self, dtype: str, shard_bytes: int) -> None:
         if self.ledger is not None:
             self.ledger.add("all_gather", dtype, (self.size - 1) * shard_bytes)
 
-    def start(self, async_op: bool) -> _Gathered:
-        """Encode every coded bucket's change and all-gather the messages, the other buckets as they
-        are (one collective per bucket, coalesced as Megatron's own gather); decoding happens in
-        the returned handle's ``wait()`` (already done when not ``async_op``). Each coded own
-        shard holds ``prev`` again until then."""
-        assert self.prev is not None, "a delta gather needs prev: do a full gather first"
-        prev = dict(zip(self.coded, self.prev))
+    def start(self, async_op: bool, full: bool = False) -> _Gathered:
+        """All-gather every bucket: its coded change (16-bit buckets, unless ``full``), else its shard
+        as it is (``full`` sets ``prev`` to the shards sent). One collective per bucket, coalesced as
+        Megatron's own gather and all of uint8 (gloo coalesces one dtype only). Decoding happens in
+        the returned handle's ``wait()`` (already done when not ``async_op``); until then each coded
+        own shard holds ``prev`` again."""
+        assert full or self.prev is not None, "a delta gather needs prev: do a full gather first"
+        if full:
+            self.prev = [self.own(i).clone() for i in self.coded]
+        prev = {} if full else dict(zip(self.coded, self.prev))
         received = []
         with _coalescing_manager(self.group, async_ops=async_op) as cm:
             for i, buf in enumerate(self.buffers):
                 own = self.own(i)
                 if i not in prev:
-                    dist.all_gather_into_tensor(buf, own, group=self.group, async_op=async_op)
+                    dist.all_gather_into_tensor(buf.view(torch.uint8), own.view(torch.uint8), group=self.group, async_op=async_op)
                     self._count(_DTYPE_NAMES.get(buf.dtype, str(buf.dtype)), own.numel() * own.element_size())
                     continue
                 m = message_bytes(own.numel())
@@ -203,7 +200,7 @@ class DeltaGather:
                 dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
                 received.append(recv)
                 self._count("int8+scales", m)
-        handle = _Gathered(cm if async_op else None, lambda: self._apply(received))
+        handle = _Gathered(cm if async_op else None, None if full else lambda: self._apply(received))
         if not async_op:
             handle.wait()
         return handle

@@ -60,30 +60,29 @@ class DeltaParamSync:
     def reset(self):
         super().reset()
         if self.delta.prev is None and self.param_gather_handle is None:
-            self._full_param_sync(force_sync=True)
+            self.start_param_sync(force_sync=True)
 
     def finish_grad_sync(self, *args, **kwargs):
         super().finish_grad_sync(*args, **kwargs)
         self.delta_update = self.delta_iteration()
 
     def start_param_sync(self, force_sync: bool = False):
-        if force_sync and self.param_gather_handle is not None:
-            return super().start_param_sync(force_sync=True)  # waits on (and decodes) the gather in flight
+        """Megatron's control flow (distributed-optimizer path) around ``DeltaGather.start``."""
+        if force_sync and self.param_gather_handle is not None:  # wait on (and decode) the gather in flight
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+            self._post_param_sync()
+            return
         assert self.param_gather_handle is None
         update, self.delta_update = self.delta_update, None
         every = self.delta_full_every
-        if self.delta.prev is None or (every and update is not None and update % every == 0):
-            return self._full_param_sync(force_sync)
+        full = self.delta.prev is None or bool(every and update is not None and update % every == 0)
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        handle = self.delta.start(async_op)
+        handle = self.delta.start(async_op, full=full)
         self.param_gather_handle = handle if async_op else None
         if force_sync and self.ddp_config.overlap_param_gather:
             self._post_param_sync()
         self.param_gather_dispatched = True
-
-    def _full_param_sync(self, force_sync: bool) -> None:
-        self.delta.full()
-        super().start_param_sync(force_sync=force_sync)
 
 
 _CLASSES: dict[type, type] = {}
