@@ -2,7 +2,9 @@
 
 One uninterrupted run saves at iterations 3 and 6; a second run resumes from the iteration-3
 checkpoint and saves at 6: both iteration-6 checkpoints (parameters, optimizer state, GIFT
-statistics, transforms and every rank's error-feedback residual) must be bit-identical. Then
+statistics, transforms and every rank's error-feedback residual) must be bit-identical. The GIFT
+runs gather parameters as coded changes (``--gift-param-gather delta``, overlapped with the
+forward), so their weights are the reconstructed ones, which a resume must continue from. Then
 the iteration-3 checkpoint is loaded with one rank (another data-parallel size), and a
 checkpoint written with ``--gift-mode off`` is loaded by a GIFT run: both train and say in the
 log what they did.
@@ -36,6 +38,7 @@ FLAGS = [
 GIFT = [
     "--gift-mode", "gift", "--gift-rank", "8", "--gift-sketch", "16",
     "--gift-refresh-interval", "2", "--gift-error-feedback",
+    "--gift-param-gather", "delta", "--overlap-param-gather",  # the weights are the reconstructed ones
 ]  # fmt: skip
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+)")
 

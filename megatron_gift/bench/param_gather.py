@@ -1,26 +1,31 @@
 """``megatron-gift bench param-gather``: the distributed optimizer's parameter all-gather as coded
 changes (``--gift-param-gather delta``), on real deltas of a CPU training run.
 
-A small Llama-style Megatron GPTModel (BF16 parameters, FP32 main parameters, Adam, distributed
-optimizer) trains on the text corpus on gloo ranks, three runs per learning rate:
+A small Llama-style Megatron GPTModel (BF16 parameters, FP32 main parameters, Adam with weight
+decay 0.1 and gradient clipping 1, distributed optimizer) trains on the text corpus on gloo
+ranks, three runs per learning rate:
 
 * ``stock``: Megatron's BF16 gather. After every step each rank's shard of every bucket holds
-  ``new = bf16(main)``; both candidate codecs are run on those real changes next to it (open
-  loop): ``recon = bf16(recon + decode(encode(new - recon)))`` per codec, started from the first
-  gather, exactly the arithmetic of the delta gather: ``int8-pow2-32`` (the runtime's
-  ``comm.param_delta``) and ``e4m3-fp32-128`` (E4M3 codes, one FP32 scale per 1x128 block: the
-  gradient codec, ``numerics.fp8``);
+  ``new = bf16(main)``; the candidate codecs run on those real changes next to it (open loop):
+  ``recon = bf16(recon + decode(encode(new - recon)))`` per codec, started from the first gather,
+  exactly the arithmetic of the delta gather: ``int8-step-32`` (the runtime's ``comm.param_delta``:
+  int8 in units of the weight's half step or a per-32 power-of-two scale), ``int8-pow2-32`` (int8
+  with one power-of-two scale per 32, MXINT8-like) and ``e4m3-fp32-128`` (E4M3 codes, one FP32
+  scale per 1x128 block: the gradient codec, ``numerics.fp8``);
 * ``delta``: the runtime's delta gather, same seed (closed loop: the forward sees the
   reconstructed weights);
 * ``stock-seed2``: stock with another seed (initialization and data), for the seed-to-seed spread.
 
 Per step and codec: the fraction of weights bit-identical to ``bf16(main)``, the largest
 ``|recon - bf16(main)|`` relative to the element's bound ``h`` (half the quantization step of the
-element: ``s_b/2`` for int8, half the E4M3 spacing at the element times ``s_b`` for E4M3; the
-final rounding to BF16 can double it, so <= 2 means within the bound) and in BF16 steps of
-``bf16(main)``; bytes per element on the wire (payload plus scales; the runtime's bytes from its
-ledger against Megatron's BF16 ring all-gather, ``(p-1)`` shards of 2 bytes per element); every
-replica's ``param_data`` bit-identical (delta run); the loss curves.
+element: the codec's unit over 2 for int8, half the E4M3 spacing at the element times ``s_b`` for
+E4M3; the final rounding to BF16 can double it, so <= 2 means within the bound); the error
+relative to the step's change ``||recon - new|| / ||new - prev||``; bytes per element on the wire
+(payload plus scales; the runtime's bytes from its ledger against Megatron's BF16 ring
+all-gather, ``(p-1)`` shards of 2 bytes per element); every replica's ``param_data``
+bit-identical (delta run); the loss curves. A zero of either sign counts as identical.
+
+``megatron-gift bench param-gather [--quick] [--json PATH] [--ranks N] [--steps N]``.
 """
 
 from __future__ import annotations
@@ -241,16 +246,3 @@ def format_table(rows: list[dict]) -> str:
                      f"vs seed-to-seed |stock2 - stock| {r['loss']['seed2_vs_stock_mean_abs']:.4f} (mean over steps "
                      f"{r['loss']['window'][0]}-{r['loss']['window'][1]})")  # fmt: skip
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int)
-    args = parser.parse_args()
-    run(quick=args.quick, json_path=args.json, ranks=args.ranks, steps=args.steps,
-        command="python -m megatron_gift.bench.param_gather " + " ".join(sys.argv[1:]))  # fmt: skip

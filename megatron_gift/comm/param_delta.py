@@ -43,8 +43,8 @@ rounding to the nearest value moves at most that far, so
 
 Work per bucket, independent of ``p`` (memory-bound elementwise passes): encode reads ``2·2S``
 bytes (``new``, ``prev``), writes ``~1.03 S``; one ``all_gather_into_tensor`` of uint8 messages;
-decode reads ``~1.03 N`` codes and ``2N`` parameters, writes ``2N`` parameters (two FP32
-temporaries of ``N`` elements in this torch implementation); ``prev`` holds ``2S`` bytes per bucket.
+decode reads ``~1.03 N`` codes and ``2N`` parameters, writes ``2N`` parameters (one FP32
+temporary of ``N`` elements in this torch implementation); ``prev`` holds ``2S`` bytes per bucket.
 """
 
 from __future__ import annotations

@@ -2,21 +2,25 @@
 parameter shard (``comm.param_delta``) instead of the shard itself.
 
 ``enable_delta_param_gather(ddp)`` turns every bucket group of the DDP (Megatron's own and the
-plugin's ``GiftBucketGroup``) whose parameter buffers are 16-bit and whose distributed-optimizer
-group has several ranks into a subclass with :class:`DeltaParamSync` in front. It overrides
-``start_param_sync`` only: Megatron's ``finish_param_sync``, its forward pre-hooks, its
-``next_param_gather_bucket_group`` chain and its ``--overlap-param-gather`` points stay as they
-are, and the handle Megatron waits on decodes the gathered changes in its ``wait()`` (so the
-next bucket group's gather is dispatched after this one's decode, where Megatron dispatches it
-after the wait).
+plugin's ``GiftBucketGroup``) that has a 16-bit parameter buffer and a distributed-optimizer group
+of several ranks into a subclass with :class:`DeltaParamSync` in front. ``start_param_sync``
+keeps Megatron's control flow (the distributed-optimizer path: synchronous, or asynchronous under
+``--overlap-param-gather`` with the handle Megatron's ``finish_param_sync`` waits on); Megatron's
+``finish_param_sync``, its forward pre-hooks and its ``next_param_gather_bucket_group`` chain stay
+as they are. The handle decodes the gathered changes in its ``wait()``, so the next bucket
+group's gather is dispatched after this one's decode (Megatron dispatches it after the wait).
+``finish_grad_sync`` notes which iteration's update the next gather carries; ``reset`` (at
+``zero_grad_buffer``) does the first full gather.
 
-Full BF16 gathers (Megatron's own, which leaves the shards' bits as the optimizer wrote them)
-wherever the replicas cannot be known to agree:
+Full gathers (every shard as the optimizer wrote it, 2 bytes per element) wherever the replicas
+cannot be known to agree:
 
 * at the first ``zero_grad_buffer()`` of the process (a fresh run, a resume, a resume with
-  another data-parallel size), before any optimizer update: every replica then holds its
-  owners' shards as initialized or loaded, and ``prev`` is set from them. A checkpoint holds the
-  reconstructed weights every replica had, so a resumed run continues bit for bit;
+  another data-parallel size) and the first after a checkpoint load
+  (``GiftDistributedDataParallel.restart_param_gather``), before the next optimizer update: every
+  replica then holds its owners' shards as initialized or loaded, and ``prev`` is set from them.
+  A checkpoint holds the reconstructed weights every replica had, so a resumed run continues bit
+  for bit;
 * the update of every iteration ``i`` with ``i % --gift-param-gather-full-every == 0``
   (optional). The iteration is the one whose gradients the update used, so the decision is the
   same with ``--overlap-param-gather`` (gathered in the next forward) and without (in the step).
@@ -30,6 +34,7 @@ reaches every replica as NaN over its block of 32.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ..comm.param_delta import CODED_DTYPES, DeltaGather
 
@@ -54,7 +59,7 @@ class DeltaParamSync:
 
     delta: DeltaGather
     delta_full_every: int
-    delta_iteration: "callable"  # the DDP's current iteration index
+    delta_iteration: Callable[[], int]  # the DDP's current iteration index
     delta_update: int | None  # iteration whose optimizer update the next gather carries, once its gradients are reduced
 
     def reset(self):
