@@ -15,7 +15,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_gift.comm import param_delta
 from megatron_gift.testing import run_on_ranks
@@ -149,13 +148,6 @@ CONFIGS = {  # name: (gather, overlap param gather, one bucket group, full every
 }
 
 
-def _replicas_identical(ddp) -> bool:
-    mine = torch.cat([b.param_data.view(torch.uint8) for bg in ddp.bucket_groups for b in bg.buckets])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return all(torch.equal(t, mine) for t in every)
-
-
 def _train(rank: int, world: int, names: list[str]) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -165,7 +157,7 @@ def _train(rank: int, world: int, names: list[str]) -> dict:
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
     from megatron_gift.megatron.param_gather import DeltaParamSync
     from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
-    from megatron_gift.testing.reference import stock_param_shards
+    from megatron_gift.testing.reference import replicas_identical, stock_param_shards
 
     parallel_state.initialize_model_parallel(1, 1)
     out = {}
@@ -194,7 +186,7 @@ def _train(rank: int, world: int, names: list[str]) -> dict:
             if overlap:
                 continue
             rec["params"].append(torch.cat([b.param_data.view(torch.int16) for b in buckets]))
-            rec["replicas"].append(_replicas_identical(ddp))
+            rec["replicas"].append(replicas_identical(buckets))
             same = total = 0
             for b, want in stock_param_shards(opt).items():
                 if b.param_data.dtype != torch.bfloat16:

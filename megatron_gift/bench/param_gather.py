@@ -87,16 +87,6 @@ def _merge(parts: list[dict]) -> dict:
                 err_vs_change=(sum(p["err2"] for p in parts) / sum(p["change2"] for p in parts)) ** 0.5)  # fmt: skip
 
 
-def _replicas_identical(buckets) -> bool:
-    """Whether every rank holds the same bits in every bucket's ``param_data`` (collective)."""
-    import torch.distributed as dist
-
-    mine = torch.cat([b.param_data.view(torch.uint8) for b in buckets])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return all(torch.equal(t, mine) for t in every)
-
-
 def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -105,7 +95,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     from ..config import GiftConfig, ParamGather
     from ..megatron.ddp import GiftDistributedDataParallel
     from ..testing.gpt import build_tiny_gpt, lm_loss
-    from ..testing.reference import stock_param_shards
+    from ..testing.reference import replicas_identical, stock_param_shards
     from .corpus import build_token_corpus
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -146,7 +136,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                         _, h, _ = _roundtrip(CODECS[0], want[b], p[own])  # the message the runtime sent
                         parts.append(_stats(b.param_data[own], want[b], h, p[own]))
                     record["runtime"] = parts
-                    record["replicas_identical"] = _replicas_identical(buckets)
+                    record["replicas_identical"] = replicas_identical(buckets)
                 elif name == "stock":
                     for codec, recon in sim.items():
                         parts, nbytes = [], 0
@@ -199,7 +189,7 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
     rows = []
     for k in range(0, len(per_rank[0]), len(RUNS)):
         runs = {per_rank[0][k + j]["run"]: [r[k + j] for r in per_rank] for j in range(len(RUNS))}
-        stock, delta, seed2 = runs["stock"], runs["delta"], runs["stock-seed2"]
+        stock, delta = runs["stock"], runs["delta"]
         n = len(stock[0]["steps"])
         row = dict(lr=stock[0]["lr"], steps=n, buckets=stock[0]["buckets"], numel=stock[0]["numel"], codecs={})
         for codec in CODECS:

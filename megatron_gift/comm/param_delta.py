@@ -15,7 +15,7 @@ Codec: int8 codes in units of the element's own step, or of a power-of-two scale
 elements where that is coarser (MXINT8-like; chosen over plain MXINT8-like int8 and over E4M3
 with FP32 1x128 scales by ``megatron-gift bench param-gather``, docs/param-gather.md). Per
 element ``i`` with base ``b_i`` (``prev``, BF16 or FP16): ``g_i``, half the dtype's spacing at
-``b_i`` (from ``b_i``'s exponent bits; at least ``2^-126``), and ``Δ_i`` (FP32: the difference of
+``b_i`` (from ``b_i``'s exponent bits; 0 for zeros), and ``Δ_i`` (FP32: the difference of
 two BF16 values is exact in FP32 unless their exponents differ by more than 16). Blocks of
 ``BLOCK = 32`` (the last padded with zeros); block ``b``: ``a_b``, the largest ``|Δ_i|`` among
 the elements that move by more than ``127 g_i`` (0 if none); ``s_b = 2^k_b``, the smallest power
@@ -27,10 +27,11 @@ Inf gets the scale code 255 and decodes to NaN in every element on every replica
 
 Exactness: an element that moves by at most ``127 g_i`` (63.5 steps of its base) in a block
 with ``s_b <= g_i`` is reconstructed exactly (``Δ_i`` is a multiple of ``g_i``: the new value is
-at most one binade below ``b_i``); ``s_b`` is set only by the elements that move further, which
-8 bits cannot carry exactly (a weight smaller than about twice its change). Units of the
-element's own step keep the large weights of a block exact where one block scale (plain
-MXINT8-like int8, ``u_i = s_b`` from the block's largest ``|Δ|``) rounds them to the small ones'.
+at most one binade below ``b_i``); ``s_b`` is set only by the elements that move further (by
+more than a quarter to a half of their own magnitude), which 8 bits cannot carry exactly. Units
+of the element's own step keep the large weights of a block exact where one block scale (plain
+MXINT8-like int8, ``u_i = s_b`` from the block's largest ``|Δ|``) puts every weight of the block
+on the grid of its largest change.
 
 Message of one shard (``blocks = ceil(S/32)``): ``[32·blocks int8 codes | blocks uint8 scale
 codes (k_b + 127)]``: ``1 + 1/32`` byte per element (``message_bytes``), 0.516x BF16's 2 bytes.
@@ -43,8 +44,9 @@ rounding to the nearest value moves at most that far, so
 
 Work per bucket, independent of ``p`` (memory-bound elementwise passes): encode reads ``2·2S``
 bytes (``new``, ``prev``), writes ``~1.03 S``; one ``all_gather_into_tensor`` of uint8 messages;
-decode reads ``~1.03 N`` codes and ``2N`` parameters, writes ``2N`` parameters (one FP32
-temporary of ``N`` elements in this torch implementation); ``prev`` holds ``2S`` bytes per bucket.
+decode reads ``~1.03 N`` codes and ``2N`` parameters, writes ``2N`` parameters (about 49 bytes
+of HBM traffic per element and two FP32 temporaries of ``N`` elements in this unfused torch
+implementation); ``prev`` holds ``2S`` bytes per bucket.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ CODE_MAX = 127
 _SCALE_MIN, _SCALE_MAX, SCALE_NONFINITE = 1, 254, 255  # FP32 exponent fields of the normals; 255: a NaN/Inf block
 CODED_DTYPES = (torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_FIELDS = {torch.bfloat16: (7, 127), torch.float16: (10, 15)}  # stored mantissa bits, exponent bias
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored mantissa bits
 
 
 def blocks(numel: int) -> int:
@@ -79,58 +81,65 @@ def _pow2_(field: torch.Tensor) -> torch.Tensor:
     return field.bitwise_left_shift_(23).view(torch.float32)
 
 
-def _half_spacing(base: torch.Tensor, width: int) -> torch.Tensor:
-    """FP32 ``g [rows, width]``: half the spacing of ``base [rows, S]``'s dtype (BF16 or FP16) at each
-    element, at least ``2^-126``; the columns past ``S`` (padding) hold some positive value."""
-    mant, bias = _FIELDS[base.dtype]
-    e = torch.zeros(base.shape[0], width, dtype=torch.int32, device=base.device)
-    e[:, : base.shape[1]] = base.view(torch.int16)
-    e.bitwise_and_(0x7FFF).bitwise_right_shift_(mant)  # exponent field; 0: zero or subnormal
-    # spacing 2^(max(e, 1) - bias - mant); its half as an FP32 exponent field: that exponent - 1 + 127
-    return _pow2_(e.clamp_(min=1).add_(126 - bias - mant).clamp_(min=_SCALE_MIN))
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [rows, S]`` in FP32, padded with zeros to ``width`` columns."""
+    out = torch.empty(x.shape[0], width, dtype=torch.float32, device=x.device)
+    out[:, : x.shape[1]] = x
+    out[:, x.shape[1] :] = 0
+    return out
+
+
+def _half_spacing(base32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 ``g``: half the spacing of ``dtype`` (BF16 or FP16) at each value of ``base32`` (FP32
+    values of that dtype): its leading power of two (the exponent bits alone) times ``2^-(m+1)``,
+    ``m`` the stored mantissa bits; 0 for zeros (and anything below ``2^-126``, where every
+    unit is at least the block scale's ``2^-126``). Exact: powers of two."""
+    lead = (base32.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return lead.mul_(2.0 ** -(_MANTISSA_BITS[dtype] + 1))
 
 
 def encode(new: torch.Tensor, prev: torch.Tensor, out: torch.Tensor) -> None:
     """Code ``new - prev`` (two ``[S]`` tensors of the parameter dtype) into ``out`` (uint8 ``[message_bytes(S)]``)."""
     numel, n = new.numel(), blocks(new.numel())
-    delta = torch.zeros(n * BLOCK, dtype=torch.float32, device=new.device)
-    delta[:numel].copy_(new).sub_(prev)  # FP32: exact for BF16 operands within 2^16 of each other
-    d, g = delta.view(n, BLOCK), _half_spacing(prev.view(1, -1), n * BLOCK).view(n, BLOCK)
+    d = _widened(new.view(1, -1), n * BLOCK).view(n, BLOCK)
+    d.view(-1)[:numel].sub_(prev)  # FP32: exact for BF16 operands within 2^16 of each other
+    g = _half_spacing(_widened(prev.view(1, -1), n * BLOCK), prev.dtype).view(n, BLOCK)
     far = torch.where(d.abs() <= CODE_MAX * g, 0.0, d.abs()).amax(dim=1)  # NaN and Inf count as far
     mant, expo = torch.frexp(far)  # far = mant * 2^expo, mant in [0.5, 1)
     # smallest k with far <= 127 * 2^k: expo - 7 while mant <= 127/128, else expo - 6; the least for far = 0
     k = expo + (mant > CODE_MAX / 128).to(expo.dtype) - 7
     code = torch.where(far > 0, k + 127, _SCALE_MIN).clamp_(_SCALE_MIN, _SCALE_MAX)
     code = torch.where(torch.isfinite(far), code, SCALE_NONFINITE)
-    q = d.div_(g.clamp_(min=_pow2_(code.clone())[:, None])).round_()
+    q = d.div_(g.clamp_(min=_pow2_(code.clone())[:, None])).round_()  # g is now the unit max(g, s_b)
     q.nan_to_num_(0.0, posinf=0.0, neginf=0.0)  # a non-finite block: all codes 0, its scale says NaN
     out[: n * BLOCK].view(torch.int8).view(n, BLOCK).copy_(q)  # exact integers in [-127, 127]
     out[n * BLOCK :].copy_(code)
 
 
-def _units(messages: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes int8 ``[p, blocks, 32]`` and FP32 units ``u = max(g, s_b)`` ``[p, blocks, 32]`` (``+Inf``
-    in a block with scale code 255) of ``messages [p, message_bytes(S)]`` against ``base [p, S]``."""
+def _decoded(messages: torch.Tensor, base: torch.Tensor, plus_base: bool) -> torch.Tensor:
+    """FP32 ``[p, 32·blocks]``: ``base + q u`` (``plus_base``) or the units ``u = max(g, s_b)`` of
+    ``messages [p, message_bytes(S)]`` against ``base [p, S]``; ``u = +Inf`` in a block with scale
+    code 255, whose codes are all 0, so that ``0 · Inf`` makes it NaN."""
     p, n = base.shape[0], blocks(base.shape[1])
+    base32 = _widened(base, n * BLOCK)
+    u = _half_spacing(base32, base.dtype).view(p, n, BLOCK)
+    u.clamp_(min=_pow2_(messages[:, n * BLOCK :].to(torch.int32))[..., None])
+    if not plus_base:
+        return u.view(p, -1)
     codes = messages[:, : n * BLOCK].view(torch.int8).view(p, n, BLOCK)
-    u = _half_spacing(base, n * BLOCK).view(p, n, BLOCK)
-    return codes, u.clamp_(min=_pow2_(messages[:, n * BLOCK :].to(torch.int32))[..., None])
+    return base32.view(p, n, BLOCK).addcmul_(u, codes).view(p, -1)  # q u is exact: its rounding is the sum's
 
 
 def decode_into(messages: torch.Tensor, base: torch.Tensor) -> None:
     """``base = dtype(base + decode(messages))`` for ``p`` shards at once: ``messages`` uint8
-    ``[p, message_bytes(S)]``, ``base`` ``[p, S]`` of the parameter dtype (each shard's ``prev``).
-    A block with scale code 255 has all codes 0: ``0 · Inf`` makes it NaN."""
-    codes, u = _units(messages, base)
-    x = u.mul_(codes).view(base.shape[0], -1)[:, : base.shape[1]]
-    base.copy_(x.add_(base))
+    ``[p, message_bytes(S)]``, ``base`` ``[p, S]`` of the parameter dtype (each shard's ``prev``)."""
+    base.copy_(_decoded(messages, base, plus_base=True)[:, : base.shape[1]])
 
 
 def half_steps(messages: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """The bound ``h = u / 2`` of every element of ``p`` coded shards against their bases ``base [p, S]``
     (FP32 ``[p, S]``; tests and benchmarks)."""
-    _, u = _units(messages, base)
-    return u.mul_(0.5).view(base.shape[0], -1)[:, : base.shape[1]]
+    return _decoded(messages, base, plus_base=False)[:, : base.shape[1]].mul(0.5)
 
 
 class _Gathered:

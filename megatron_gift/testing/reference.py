@@ -82,3 +82,11 @@ def stock_param_shards(optimizer) -> dict:
                     out[bucket] = (bucket.param_data.clone(), slice(group.rank() * s, (group.rank() + 1) * s))
                 out[bucket][0][where.start : where.end] = main.detach().to(bucket.param_data.dtype)
     return {bucket: data[own] for bucket, (data, own) in out.items()}
+
+
+def replicas_identical(buckets) -> bool:
+    """Whether every rank of the default group holds the same bits in each bucket's ``param_data`` (collective)."""
+    mine = torch.cat([b.param_data.view(torch.uint8) for b in buckets])  # bytes: gloo gathers no 16-bit ints
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(t, mine) for t in every)
