@@ -203,9 +203,9 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=[m.value for m in ParamGather],
         default=_DEFAULT.param_gather.value,
         help="The distributed optimizer's parameter all-gather, independent of --gift-mode: bf16 (Megatron's own, "
-        "the default) or delta (each shard's change since the last gather, int8 with a power-of-two scale per 32: "
-        "0.52x BF16's bytes; every replica bit-identical, weights within one step's quantization error of "
-        "bf16(main)).",
+        "the default) or delta (each shard's change since the last gather as int8 in units of the weight's own "
+        "step, or of a power-of-two scale per 32 where coarser: 0.52x BF16's bytes; every replica bit-identical, "
+        "weights within one step's quantization error of bf16(main)).",
     )
     g.add_argument(
         "--gift-param-gather-full-every",
