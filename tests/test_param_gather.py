@@ -138,7 +138,7 @@ def test_all_shards_decode_at_once_as_one_by_one():
 
 # --------------------------------------------------------------------------- Megatron training
 
-CONFIGS = {  # name: (gather, overlap param gather, one bucket group, full every, seed); 4 ranks: the first three
+CONFIGS = {  # name: (gather, overlap param gather, one bucket group, full every, seed); 4 ranks: the first two
     "delta": ("delta", False, False, 0, 1234),
     "delta-overlap": ("delta", True, False, 0, 1234),
     "delta-one-group": ("delta", False, True, 0, 1234),
@@ -217,7 +217,7 @@ def _train(rank: int, world: int, names: list[str]) -> dict:
 
 @functools.cache
 def _trained(world: int) -> list[dict]:
-    names = list(CONFIGS) if world == 2 else list(CONFIGS)[:3]  # 4 ranks share 2 cores: fewer runs
+    names = list(CONFIGS) if world == 2 else list(CONFIGS)[:2]  # 4 ranks share 2 cores: fewer runs
     return run_on_ranks(_train, world, names, cpu_harness=True, timeout=900)
 
 
@@ -241,11 +241,9 @@ def test_every_replica_holds_the_same_bits_within_the_bound_of_stock(trained):
     world, ranks = trained
     for r in ranks:
         assert r["delta"]["delta_groups"] == len(r["delta"]["groups"]) - 1 >= 4  # the FP32 group keeps Megatron's
-        # one group of a BF16 and an FP32 bucket (gathered as it is, in the same coalesced launch)
-        assert r["delta-one-group"]["groups"] == [("DeltaParamAndGradBucketGroup", 2)]
-        for name in ("delta", "delta-one-group", "delta-full"):
-            if name not in r:
-                continue
+        if "delta-one-group" in r:  # one group of a BF16 and an FP32 bucket (the latter gathered as it is)
+            assert r["delta-one-group"]["groups"] == [("DeltaParamAndGradBucketGroup", 2)]
+        for name in [n for n in ("delta", "delta-one-group", "delta-full") if n in r]:
             run = r[name]
             assert all(run["replicas"]) and len(run["replicas"]) == STEPS, name
             assert all(ok for ok, _ in run["checks"]), f"{name}: a weight outside the bound"

@@ -43,7 +43,7 @@ rounding to the nearest value moves at most that far, so
 ``|param_i - new_i| <= 2 h_i + 2^-23 (|new_i| + h_i)``.
 
 Work per bucket, independent of ``p`` (memory-bound elementwise passes): encode reads ``2·2S``
-bytes (``new``, ``prev``), writes ``~1.03 S``; one ``all_gather_into_tensor`` of uint8 messages;
+bytes (``new``, ``prev``), writes ``~1.03 S``; one uint8 all-gather of the messages;
 decode reads ``~1.03 N`` codes and ``2N`` parameters, writes ``2N`` parameters (about 49 bytes
 of HBM traffic per element and two FP32 temporaries of ``N`` elements in this unfused torch
 implementation); ``prev`` holds ``2S`` bytes per bucket.
@@ -61,6 +61,7 @@ BLOCK = 32
 CODE_MAX = 127
 _SCALE_MIN, _SCALE_MAX, SCALE_NONFINITE = 1, 254, 255  # FP32 exponent fields of the normals; 255: a NaN/Inf block
 CODED_DTYPES = (torch.bfloat16, torch.float16)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.10
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored mantissa bits
 
@@ -90,10 +91,11 @@ def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _half_spacing(base32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP32 ``g``: half the spacing of ``dtype`` (BF16 or FP16) at each value of ``base32`` (FP32
-    values of that dtype): its leading power of two (the exponent bits alone) times ``2^-(m+1)``,
-    ``m`` the stored mantissa bits; 0 for zeros (and anything below ``2^-126``, where every
-    unit is at least the block scale's ``2^-126``). Exact: powers of two."""
+    """FP32 ``g``: half the spacing of ``dtype`` (BF16 or FP16) at each normal value of ``base32``
+    (FP32 values of that dtype): its leading power of two (the exponent bits alone) times
+    ``2^-(m+1)``, ``m`` the stored mantissa bits. Finer for FP16's subnormals; 0 for zeros and
+    BF16's subnormals (below ``2^-126``, where every unit is at least the block scale's ``2^-126``).
+    Exact: powers of two."""
     lead = (base32.view(torch.int32) & 0x7F800000).view(torch.float32)
     return lead.mul_(2.0 ** -(_MANTISSA_BITS[dtype] + 1))
 
@@ -198,7 +200,7 @@ class DeltaGather:
             for i, buf in enumerate(self.buffers):
                 own = self.own(i)
                 if i not in prev:
-                    dist.all_gather_into_tensor(buf.view(torch.uint8), own.view(torch.uint8), group=self.group, async_op=async_op)
+                    _all_gather(buf.view(torch.uint8), own.view(torch.uint8), group=self.group, async_op=async_op)
                     self._count(_DTYPE_NAMES.get(buf.dtype, str(buf.dtype)), own.numel() * own.element_size())
                     continue
                 m = message_bytes(own.numel())
@@ -206,7 +208,7 @@ class DeltaGather:
                 encode(own, prev[i], send)
                 own.copy_(prev[i])  # every shard of the buffer now holds what all replicas last reconstructed
                 recv = torch.empty(self.size * m, dtype=torch.uint8, device=own.device)
-                dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
+                _all_gather(recv, send, group=self.group, async_op=async_op)
                 received.append(recv)
                 self._count("int8+scales", m)
         handle = _Gathered(cm if async_op else None, None if full else lambda: self._apply(received))
