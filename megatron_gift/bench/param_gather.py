@@ -31,7 +31,6 @@ bit-identical (delta run); the loss curves. A zero of either sign counts as iden
 from __future__ import annotations
 
 import json
-import math
 import platform
 import sys
 import time
