@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, PolicyConfig, Schedule, param_modes
+from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, ParamGather, PolicyConfig, Schedule, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_version
 
@@ -43,6 +43,7 @@ _FIELD_FLAGS = {
     "profile_interval": "--gift-profile-interval",
     "log_interval": "--gift-log-interval",
     "ranks_per_node": "--gift-ranks-per-node",
+    "param_gather_full_every": "--gift-param-gather-full-every",
 }
 _FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
 _SHOWN_NAMES = 8  # parameter names quoted in an error message
@@ -264,6 +265,23 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "backward); auto: lagged where CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) and on CPUs, else "
         "eager (default: %(default)s).",
     )
+    g.add_argument(
+        "--gift-param-gather",
+        choices=[m.value for m in ParamGather],
+        default=_DEFAULT.param_gather.value,
+        help="The distributed optimizer's parameter all-gather, independent of --gift-mode: bf16 (Megatron's own, "
+        "the default) or delta (each shard's change since the last gather as int8 in units of the weight's own "
+        "step, or of a power-of-two scale per 32 where coarser: 0.52x BF16's bytes; every replica bit-identical, "
+        "weights within one step's quantization error of bf16(main)).",
+    )
+    g.add_argument(
+        "--gift-param-gather-full-every",
+        type=int,
+        default=_DEFAULT.param_gather_full_every,
+        metavar="N",
+        help="With --gift-param-gather delta, gather the update of every N-th iteration in full BF16 "
+        "(0: only at start-up and after a checkpoint load; default: %(default)s).",
+    )
     return _errors_once(parser)
 
 
@@ -284,10 +302,10 @@ def chain_args_providers(*providers):
 
 
 def gift_config_from_args(args) -> GiftConfig | None:
-    """The configuration the flags ask for, or None with ``--gift-mode off``.
+    """The configuration the flags ask for, or None with ``--gift-mode off --gift-param-gather bf16``.
 
     Out-of-range values raise GiftConfig's ``ValueError`` reworded with the flag names."""
-    if args.gift_mode == Mode.OFF.value:
+    if args.gift_mode == Mode.OFF.value and args.gift_param_gather == ParamGather.BF16.value:
         return None
     try:
         return GiftConfig(
@@ -308,6 +326,8 @@ def gift_config_from_args(args) -> GiftConfig | None:
             intra_node=args.gift_intra_node,
             schedule=None if args.gift_schedule == "auto" else Schedule(args.gift_schedule),
             ranks_per_node=args.gift_ranks_per_node,
+            param_gather=ParamGather(args.gift_param_gather),
+            param_gather_full_every=args.gift_param_gather_full_every,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
@@ -341,15 +361,23 @@ def validate_gift_args(args, named_parameters=None) -> None:
     that every pattern selects a parameter and that ``--gift-rank`` fits each GIFT layer."""
     if args.gift_log_interval < 0:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
+    if args.gift_param_gather_full_every and args.gift_param_gather != ParamGather.DELTA.value:
+        raise ValueError("--gift-param-gather-full-every has no effect without --gift-param-gather delta: add it or "
+                         "drop --gift-param-gather-full-every")  # fmt: skip
     cfg = gift_config_from_args(args)
     if named_parameters is None:  # the flag-level call, once before the model exists: warn there
         _warn_ineffective_flags(args, cfg)
-    if cfg is None:
+    if args.gift_mode == Mode.OFF.value:
         for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
             if value:
                 raise ValueError(
                     f"{flag} has no effect with --gift-mode off: choose --gift-mode bf16, euclidean or gift, or drop {flag}"
                 )
+    if cfg is None:
+        return
+    _check_param_gather(args)
+    if cfg.mode is Mode.OFF:  # the parameter all-gather alone
+        check_version(allow_untested=args.gift_allow_untested_megatron)
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):
@@ -400,14 +428,16 @@ def _flag_defaults() -> dict:
 _GIFT_ONLY = ("gift_rank", "gift_sketch", "gift_refresh_interval", "gift_ema", "gift_damping")
 _FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback")
 _AUTO_ONLY = ("gift_profile_steps", "gift_profile_interval", "gift_policy_margin", "gift_policy_hysteresis", "gift_bf16_bound")
-_ANY_MODE = ("gift_mode", "gift_allow_untested_megatron", "gift_euclidean_layers", "gift_loopback")  # errors, or no mode needed
+# errors, or read whatever the mode (the parameter all-gather is independent of it)
+_ANY_MODE = ("gift_mode", "gift_allow_untested_megatron", "gift_euclidean_layers", "gift_loopback", "gift_param_gather",
+             "gift_param_gather_full_every")  # fmt: skip
 
 
 def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
     """``(attribute, why)`` of each ``--gift-*`` flag set to a non-default value that the chosen
     mode never reads (``--gift-euclidean-layers`` / ``--gift-loopback`` with mode off are errors)."""
     changed = [k for k, v in _flag_defaults().items() if hasattr(args, k) and getattr(args, k) != v]
-    if cfg is None:
+    if cfg is None or cfg.mode is Mode.OFF:
         return [(k, "with --gift-mode off") for k in changed if k not in _ANY_MODE]
     fp8 = cfg.mode in (Mode.EUCLIDEAN, Mode.GIFT) or bool(cfg.euclidean_layers)
     out = []
@@ -468,6 +498,33 @@ def _check_megatron_flags(args) -> None:
         raise ValueError(
             "--ddp-reduce-scatter-with-fp32-accumulation replaces the same collective as megatron-gift "
             f"(which already sums in FP32): drop it {off}"
+        )
+
+
+def _check_param_gather(args) -> None:
+    """Megatron features whose parameter all-gather ``--gift-param-gather delta`` cannot code."""
+    if args.gift_param_gather != ParamGather.DELTA.value:
+        return
+    flag, alt = "--gift-param-gather delta", "or use --gift-param-gather bf16"
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        raise ValueError(
+            f"{flag} codes the distributed optimizer's all-gather of equal shards; --optimizer {args.optimizer} uses "
+            f"the layer-wise distributed optimizer (whole parameters per rank, uneven gathers): use --gift-param-gather bf16"
+        )
+    for attr, other in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-megatron-fsdp"),
+                        ("use_torch_fsdp2", "--use-torch-fsdp2")):  # fmt: skip
+        if getattr(args, attr, False):
+            raise ValueError(f"{flag} codes the distributed optimizer's all-gather; {other} gathers parameters its own "
+                             f"way: drop {other} {alt}")  # fmt: skip
+    if not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(f"{flag} codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer {alt}")
+    for attr, other in (("fp8_param_gather", "--fp8-param-gather"), ("fp4_param_gather", "--fp4-param-gather")):
+        if getattr(args, attr, False):
+            raise ValueError(f"{flag} and {other} both replace the parameter all-gather: drop {other} {alt}")
+    if getattr(args, "use_precision_aware_optimizer", False):
+        raise ValueError(
+            f"{flag} writes the reconstructed weights into each rank's own BF16 shard, which --use-precision-aware-"
+            f"optimizer may keep as part of its master weights: drop --use-precision-aware-optimizer {alt}"
         )
 
 

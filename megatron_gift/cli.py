@@ -90,6 +90,13 @@ def _bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_param_gather(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import param_gather
+
+    param_gather.run(quick=args.quick, json_path=args.json, ranks=args.ranks, steps=args.steps, command=args.command_line)
+    return 0
+
+
 def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -153,6 +160,20 @@ def _add_bench(subparsers) -> None:
     mem.add_argument("--ranks", type=_positive_int, nargs="+", default=None, metavar="N",
                      help="data-parallel sizes (default 2 4 8; --quick: 2)")  # fmt: skip
     mem.set_defaults(func=_bench_memory)
+    pg = commands.add_parser(
+        "param-gather",
+        help="the distributed optimizer's parameter all-gather as coded changes: codecs, bit-identical weights, bytes",
+        description="Train a small Megatron GPTModel (BF16 parameters, distributed optimizer) on the text corpus on CPU "
+        "ranks (gloo) with Megatron's BF16 gather and with --gift-param-gather delta; on the real changes of the stock "
+        "run compare the delta codecs (int8 in steps of the weight, plain MXINT8-like int8, E4M3 with FP32 1x128 "
+        "scales): weights bit-identical to bf16(main), largest difference against the bound, bytes; and the delta "
+        "run's replicas, bytes and loss against stock from the same and another seed.",
+    )
+    pg.add_argument("--quick", action="store_true", help="20 steps at one learning rate (a smoke test)")
+    pg.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    pg.add_argument("--ranks", type=_positive_int, default=2, metavar="N", help="data-parallel size (default 2)")
+    pg.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="steps per run (default 200; --quick 20)")
+    pg.set_defaults(func=_bench_param_gather, needs=CORPUS)
 
 
 def _demo(args: argparse.Namespace) -> int:

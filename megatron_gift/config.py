@@ -34,6 +34,14 @@ class Mode(enum.Enum):
     GIFT = "gift"
 
 
+class ParamGather(enum.Enum):
+    """The distributed optimizer's parameter all-gather: Megatron's own (BF16 with ``--bf16``), or
+    each shard's coded change since the last gather (``comm.param_delta``, ~1 byte per element)."""
+
+    BF16 = "bf16"
+    DELTA = "delta"
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """How ``--gift-layers auto`` picks each layer's mode from its profiles (``policy.LayerPolicy``).
@@ -94,6 +102,9 @@ class GiftConfig:
     available; True: wherever available, the CPU too under Triton's interpreter; False: never).
     ``schedule``: when a bucket's later stages are enqueued (None: ``comm.schedule.default_schedule``,
     eager on CUDA unless ``CUDA_DEVICE_MAX_CONNECTIONS=1``, lagged there and on CPUs).
+    ``param_gather``: the distributed optimizer's parameter all-gather (independent of ``mode``);
+    ``param_gather_full_every``: with ``delta``, send the update of every N-th iteration in full
+    (0: only where replicas cannot be known to agree, docs/param-gather.md).
     """
 
     mode: Mode = Mode.OFF
@@ -115,10 +126,17 @@ class GiftConfig:
     ranks_per_node: int | None = None
     kernels: bool | None = None
     schedule: Schedule | None = None
+    param_gather: ParamGather = ParamGather.BF16
+    param_gather_full_every: int = 0
 
     def __post_init__(self):
         if not isinstance(self.mode, Mode):
             object.__setattr__(self, "mode", Mode(self.mode))
+        if not isinstance(self.param_gather, ParamGather):
+            object.__setattr__(self, "param_gather", ParamGather(self.param_gather))
+        every = self.param_gather_full_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"param_gather_full_every must be an integer >= 0 (0: never), got {every!r}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if self.sketch and self.sketch < self.rank:

@@ -1,8 +1,9 @@
 """What megatron-gift takes from Megatron-Core by name: the versions it was tested with, and a
 fingerprint of every upstream function it re-implements, wraps or replaces.
 
-``GiftBucketGroup.start_grad_sync`` re-implements Megatron's method, the checkpoint and training
-hooks wrap Megatron functions, and the CPU harness replaces a few CUDA-only ones. A new
+``GiftBucketGroup.start_grad_sync`` and ``DeltaParamSync.start_param_sync`` re-implement Megatron's
+methods, the checkpoint and training hooks wrap Megatron functions, and the CPU harness replaces
+a few CUDA-only ones. A new
 Megatron-Core release can change any of them without an error: :func:`check_version` refuses an
 untested version at start-up (override: ``--gift-allow-untested-megatron`` or
 ``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``), and ``tests/test_upstream_guard.py`` compares
@@ -26,7 +27,17 @@ UPSTREAM = {
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync":
         ("62f8f12d579769ef", "re-implemented by megatron/bucket_group.py GiftBucketGroup.start_grad_sync"),
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync":
-        ("caa9a2e7f33849c5", "waits on the handle GiftBucketGroup.start_grad_sync sets"),
+        ("caa9a2e7f33849c5", "waits on the handle GiftBucketGroup.start_grad_sync sets; extended by "
+         "megatron/param_gather.py DeltaParamSync.finish_grad_sync"),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync":
+        ("4f819373090bd530", "re-implemented (distributed-optimizer path) by megatron/param_gather.py "
+         "DeltaParamSync.start_param_sync"),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_param_sync":
+        ("2a5efb9825ec2c62", "waits on the handle DeltaParamSync.start_param_sync sets (which decodes)"),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset":
+        ("0d99908af6e95b40", "extended by DeltaParamSync.reset (the first full parameter gather)"),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params":
+        ("80e4f4d1fa99e747", "writes bf16(main) into each rank's own shard, the change the delta gather codes"),
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads":
         ("94e99add61f34256", "called by megatron/bucket_group.py GiftBucketGroup._prepare_grads"),
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer":

@@ -3,7 +3,7 @@
 all three files): one configuration, 6 iterations, checkpoints every 2 iterations, telemetry every
 iteration.
 
-* ``whole``: GIFT with error feedback, uninterrupted.
+* ``whole``: GIFT with error feedback and the delta parameter gather, uninterrupted.
 * ``killed``: the same, rank 1 SIGKILLed during iteration 3; ``resumed`` restarts it from its
   iteration-2 checkpoint and runs to 6 (its checkpoints must equal ``whole``'s bit for bit).
 * ``one_rank``: 1 rank loads ``whole``'s iteration-4 checkpoint (another data-parallel size).
@@ -42,6 +42,7 @@ FLAGS = [
 GIFT = [
     "--gift-mode", "gift", "--gift-rank", "8", "--gift-sketch", "16",
     "--gift-refresh-interval", "2", "--gift-error-feedback", "--gift-log-interval", "1",
+    "--gift-param-gather", "delta", "--overlap-param-gather",  # the weights are the reconstructed ones
 ]  # fmt: skip
 # flags --gift-mode off never reads: each must be warned about once
 IGNORED_BY_OFF = ["--gift-layers", "auto", "--gift-error-feedback", "--gift-rank", "8", "--gift-log-interval", "1"]

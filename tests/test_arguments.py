@@ -14,7 +14,7 @@ from megatron_gift.arguments import (
     telemetry_dir,
     validate_gift_args,
 )
-from megatron_gift.config import GiftConfig, Mode, PolicyConfig
+from megatron_gift.config import GiftConfig, Mode, ParamGather, PolicyConfig
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 MEGATRON_ARGV = [
@@ -293,3 +293,45 @@ def test_argparse_errors_print_on_rank_0_only(parse, capsys, monkeypatch):
         assert exc.value.code == 2 and "usage:" not in err
         assert (err.count("argument --gift-refresh-interval: invalid int value: 'ten'") == 1) == printed, err
         assert (err.strip() != "") == printed, err
+
+
+def test_param_gather_flags_map_to_config_with_or_without_a_mode(parse):
+    """Catches --gift-param-gather delta being dropped with --gift-mode off (the plugin must wrap the
+    model for the parameter all-gather alone) and a default other than Megatron's own gather."""
+    assert parse().gift_param_gather == GiftConfig().param_gather.value == "bf16"
+    assert GiftConfig().param_gather_full_every == 0
+    args = parse("--gift-param-gather", "delta", "--gift-param-gather-full-every", "50", "--use-distributed-optimizer")
+    assert gift_config_from_args(args) == GiftConfig(param_gather=ParamGather.DELTA, param_gather_full_every=50)
+    validate_gift_args(args, NAMED_PARAMS)  # mode off: no --gift-layers pattern to match
+    cfg = gift_config_from_args(parse("--gift-mode", "euclidean", "--gift-param-gather", "delta", "--use-distributed-optimizer"))
+    assert (cfg.mode, cfg.param_gather) == (Mode.EUCLIDEAN, ParamGather.DELTA)
+
+
+@pytest.mark.parametrize("mode", ["off", "gift"])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ([], "--gift-param-gather delta codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer"),
+        (["--use-distributed-optimizer", "--fp8-param-gather"], "--gift-param-gather delta and --fp8-param-gather both replace"),
+        (["--use-distributed-optimizer", "--use-megatron-fsdp"], "--use-megatron-fsdp gathers parameters its own way"),
+        (["--use-torch-fsdp2"], "--use-torch-fsdp2 gathers parameters its own way"),
+        (["--use-distributed-optimizer", "--use-precision-aware-optimizer"], "drop --use-precision-aware-optimizer"),
+        (["--use-distributed-optimizer", "--gift-param-gather-full-every", "-1"], "--gift-param-gather-full-every must be an integer >= 0"),
+    ],
+)
+def test_delta_param_gather_refusals_name_the_flag(parse, mode, flags, message):
+    with pytest.raises(ValueError) as exc:
+        validate_gift_args(parse("--gift-mode", mode, "--gift-param-gather", "delta", *flags))
+    assert message in str(exc.value)
+
+
+def test_delta_param_gather_refuses_the_layer_wise_optimizer(parse):
+    args = parse("--gift-param-gather", "delta", "--optimizer", "muon", "--use-distributed-optimizer")
+    args.use_layer_wise_distributed_optimizer, args.use_distributed_optimizer = True, False  # as validate_args sets them
+    with pytest.raises(ValueError, match="--optimizer muon uses the layer-wise distributed optimizer"):
+        validate_gift_args(args)
+
+
+def test_full_every_needs_the_delta_gather(parse):
+    with pytest.raises(ValueError, match="--gift-param-gather-full-every has no effect without --gift-param-gather delta"):
+        validate_gift_args(parse("--gift-param-gather-full-every", "5"))

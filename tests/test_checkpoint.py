@@ -4,9 +4,11 @@ runs are tests/launches.py's, shared with test_launcher and test_faults).
 An uninterrupted run saves every 2 iterations up to 6; a run resumed from an iteration-2
 checkpoint (test_faults: written by a run killed in iteration 3) saves at 4 and 6: both runs'
 iteration-6 checkpoints (parameters, optimizer state, GIFT statistics, transforms and every rank's
-error-feedback residual) must be bit-identical. The iteration-4 checkpoint is loaded with one rank
-(another data-parallel size), and a checkpoint written with ``--gift-mode off`` is loaded by a
-GIFT run: both train and say in the log what they did.
+error-feedback residual) must be bit-identical. The GIFT runs gather parameters as coded changes
+(``--gift-param-gather delta``, overlapped with the forward), so their weights are the
+reconstructed ones, which a resume must continue from. The iteration-4 checkpoint is loaded with
+one rank (another data-parallel size), and a checkpoint written with ``--gift-mode off`` is
+loaded by a GIFT run: both train and say in the log what they did.
 """
 
 from __future__ import annotations

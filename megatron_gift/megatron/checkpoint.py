@@ -193,6 +193,8 @@ class _Hooks:
             if rank0:
                 self.meta = state_dict.get(META_KEY) if isinstance(state_dict, dict) else None
                 return result
+            for ddp in self.instances:  # the weights change outside the optimizer: gather them in full next
+                ddp.restart_param_gather()
             chunks, self.loading = self.loading, []
             if not isinstance(state_dict, dict):
                 return result

@@ -33,13 +33,14 @@ from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, ranks_per_node_from_env
-from ..config import GiftConfig, Mode, param_modes
+from ..config import GiftConfig, Mode, ParamGather, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..state import GiftParam, GiftState
 from ..upstream import check_version
 from .bucket_group import GiftBucketGroup, reduction_group
 from .monitor import Monitor
+from .param_gather import DeltaParamSync, enable_delta_param_gather, refuse_delta_param_gather
 
 __all__ = ["GiftBucketGroup", "GiftDistributedDataParallel", "GiftParam", "refuse_unsupported"]
 
@@ -87,6 +88,8 @@ def refuse_unsupported(config, ddp_config, gift_config: GiftConfig) -> None:
             "optimizer instance: with num_distributed_optimizer_instances > 1 set --gift-log-interval 0 and "
             "choose the layers by pattern"
         )
+    if gift_config.param_gather is ParamGather.DELTA:
+        refuse_delta_param_gather(ddp_config)
 
 
 def _is_linear(module) -> bool:
@@ -122,6 +125,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             self._convert(bg)
         self.queue = ReductionQueue(StageStreams(self._device()), self._schedule())
         self._place_groups()
+        self.param_gather_ledger = CommLedger()  # bytes of the delta parameter all-gather (not reset per step)
+        if self.gift_config.param_gather is ParamGather.DELTA:
+            enable_delta_param_gather(self, self.gift_config.param_gather_full_every, self.param_gather_ledger)
         self.gift_state.assign_owners(list(self._gift_layers()))
         counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
         auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
@@ -351,6 +357,13 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             for seg, g in zip(layout.segments, params):
                 if g is not None and g.candidate:
                     yield g, group, bucket.grad_data[seg.start : seg.end].view(seg.rows, seg.cols)
+
+    def restart_param_gather(self) -> None:
+        """The parameters changed outside the optimizer (a checkpoint load): the next
+        ``zero_grad_buffer()`` gathers them in full before the delta gather resumes."""
+        for bg in self._bucket_groups():
+            if isinstance(bg, DeltaParamSync):
+                bg.delta.prev = None
 
     # -- checkpoint state -------------------------------------------------------------------
     def gift_state_dict(self) -> dict:

@@ -29,3 +29,31 @@ def all_gather_rows(x: torch.Tensor, group=None) -> torch.Tensor:
     gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, x.contiguous(), group=group)
     return torch.stack(gathered)
+
+
+def stock_param_shards(optimizer) -> dict:
+    """What stock Megatron's parameter all-gather would send from this rank after the last step of
+    ``optimizer`` (a Megatron distributed optimizer, or a chain of them): ``{bucket: this rank's
+    shard of bucket.param_data}`` with ``dtype(main)`` of the FP32 main parameters at every
+    parameter position, the rest (padding) as in the buffer."""
+    out = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for mains, params in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups):
+            for main, p in zip(mains, params):
+                where = opt._get_model_param_range_map(p)["gbuf_world_in_bucket"]
+                g, _, b = opt.model_param_gbuf_map[p]
+                bucket = opt.buffers[g].buckets[b]
+                if bucket not in out:
+                    group = opt.buffers[g].data_parallel_group
+                    s = bucket.param_data.numel() // group.size()
+                    out[bucket] = (bucket.param_data.clone(), slice(group.rank() * s, (group.rank() + 1) * s))
+                out[bucket][0][where.start : where.end] = main.detach().to(bucket.param_data.dtype)
+    return {bucket: data[own] for bucket, (data, own) in out.items()}
+
+
+def replicas_identical(buckets) -> bool:
+    """Whether every rank of the default group holds the same bits in each bucket's ``param_data`` (collective)."""
+    mine = torch.cat([b.param_data.view(torch.uint8) for b in buckets])  # bytes: gloo gathers no 16-bit ints
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(t, mine) for t in every)

@@ -1,0 +1,331 @@
+"""``--gift-param-gather delta``: the codec of ``comm.param_delta`` against bit-level references,
+and real Megatron training (GPTModel, BF16 parameters, distributed optimizer, several buckets) on
+2 and 4 gloo ranks against what stock Megatron's gather would have sent in the same run.
+
+Bounds (docs/param-gather.md): a weight whose change is at most 63 of its own BF16 steps, in a
+block of 32 where every weight's is, comes back exactly; every other weight is within
+``2 max(g, a/127) + 2^-23 |new|`` of ``bf16(main)``, ``g`` half its step, ``a`` the largest change in
+its block (the codec's unit is ``max(g, s_b)`` with the power of two ``s_b < 2 a / 127``; the final
+rounding to BF16 at most doubles the distance).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megatron_gift.comm import param_delta
+from megatron_gift.testing import run_on_ranks
+
+STEPS = 6
+FULL_EVERY = 3
+
+
+# --------------------------------------------------------------------------- references
+
+
+def step_up(x: torch.Tensor) -> torch.Tensor:
+    """FP32 distance from each 16-bit value to the next one away from zero (the next bit pattern)."""
+    nxt = (x.view(torch.int16) + 1).view(x.dtype)
+    return (nxt.float() - x.float()).abs()
+
+
+def reference_bound(new: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """The module doc's bound on ``|param - new|`` from ``new``, ``prev`` (flat shard) alone."""
+    change = (new.float() - prev.float()).abs()
+    blocks = torch.nn.functional.pad(change, (0, -change.numel() % 32)).view(-1, 32)
+    a = blocks.amax(dim=1, keepdim=True).expand_as(blocks).reshape(-1)[: change.numel()]
+    return 2 * torch.maximum(step_up(prev) / 2, a / 127) + 2.0**-23 * new.float().abs()
+
+
+def near_blocks(new: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """Whether each element's block of 32 has every change within 63 steps of its weight (exact there)."""
+    near = (new.float() - prev.float()).abs() <= 63 * step_up(prev)
+    near = torch.nn.functional.pad(near, (0, -near.numel() % 32), value=True).view(-1, 32).all(dim=1, keepdim=True)
+    return near.expand(-1, 32).reshape(-1)[: new.numel()]
+
+
+def roundtrip(new: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    msg = torch.empty(param_delta.message_bytes(new.numel()), dtype=torch.uint8)
+    param_delta.encode(new, prev, msg)
+    out = prev.clone().view(1, -1)
+    param_delta.decode_into(msg.view(1, -1), out)
+    return out.view(-1)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Bit-identical, but for the sign of a zero (IEEE sums ``x + (-x)`` to ``+0``; ``-0`` is ``+0``'s value)."""
+    return (a.view(torch.int16) == b.view(torch.int16)) | ((a == 0) & (b == 0))
+
+
+# --------------------------------------------------------------------------- the codec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_changes_of_up_to_63_steps_come_back_exactly(dtype):
+    """Catches a unit coarser than half the weight's own step, or a block scale set by weights
+    that fit (exactness would then depend on the block's largest change, as in plain MXINT8)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4096
+    # magnitudes from 2^-20 (FP16: subnormal) to 16, both signs, each moved by k bit patterns along its grid
+    exps = torch.randint(-20, 4, (n,), generator=gen).float()
+    prev = (torch.rand(n, generator=gen) + 1).mul(torch.exp2(exps)).mul(torch.randint(0, 2, (n,), generator=gen) * 2 - 1)
+    prev = prev.to(dtype)
+    k = torch.randint(-63, 64, (n,), generator=gen, dtype=torch.int16)
+    new = (prev.view(torch.int16) + k).view(dtype)
+    fits = (new.float() - prev.float()).abs() <= 63 * step_up(prev)
+    new = torch.where(fits, new, prev)  # a step up the grid near a binade's top can double: keep those still
+    assert fits.float().mean() > 0.9
+    assert same_bits(roundtrip(new, prev), new).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_weight_within_the_bound_and_near_blocks_exact(dtype):
+    """Catches clipping, a scale more than twice the ideal one, and a rounding that is not to the
+    nearest code; the change mixes weights moved by a few of their steps and ones moved far."""
+    gen = torch.Generator().manual_seed(1)
+    n = 32 * 300 + 17  # a partial last block
+    prev = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-12, 0, (n,), generator=gen).float())).to(dtype)
+    finer = 3 if dtype is torch.float16 else 0  # FP16's steps are 2^3 finer than BF16's
+    lr = torch.exp2(torch.randint(-16, -6, (n // 32 + 1,), generator=gen).float() - finer).repeat_interleave(32)[:n]
+    new = (prev.float() + lr * torch.randn(n, generator=gen)).to(dtype)
+    got = roundtrip(new, prev)
+    diff = (got.float() - new.float()).abs()
+    assert (diff <= reference_bound(new, prev)).all()
+    near = near_blocks(new, prev)
+    assert 0.05 < near.float().mean() < 0.95  # both kinds of block are exercised
+    assert same_bits(got, new)[near].all()
+    assert roundtrip(prev, prev).equal(prev)  # no change, nothing moves
+
+
+def test_a_non_finite_change_makes_its_block_nan():
+    """Catches a NaN or Inf that is flushed to zero or clipped (it must reach every replica) and one
+    that spills into other blocks."""
+    prev = (torch.randn(5 * 32) * 0.02).bfloat16()
+    clean = (prev.float() + 1e-3).bfloat16()
+    new = clean.clone()
+    for i, bad in ((3, float("nan")), (40, float("inf")), (70, -float("inf"))):
+        new[i] = bad
+    got = roundtrip(new, prev)
+    assert got[:96].isnan().all()
+    assert same_bits(got[96:], roundtrip(clean, prev)[96:]).all()
+
+
+def test_wire_bytes_are_one_byte_per_element_plus_one_per_32():
+    """Catches a message layout that grows the payload or the scales (<= 0.53x BF16's 2 bytes)."""
+    for numel in (32, 4096, 40_000_000 // 8):
+        assert param_delta.message_bytes(numel) == numel + numel // 32 <= 0.53 * 2 * numel
+    assert param_delta.message_bytes(33) == 64 + 2  # a partial block is padded
+
+
+def test_all_shards_decode_at_once_as_one_by_one():
+    """Catches a decode whose result depends on how many shards it handles at once (every rank
+    decodes all ``p`` shards in one pass; each must come out as its owner's would)."""
+    gen = torch.Generator().manual_seed(2)
+    p, numel = 4, 96 + 5
+    prev = (torch.randn(p, numel, generator=gen) * 0.02).bfloat16()
+    new = (prev.float() + 1e-3 * torch.randn(p, numel, generator=gen)).bfloat16()
+    msgs = torch.empty(p, param_delta.message_bytes(numel), dtype=torch.uint8)
+    for r in range(p):
+        param_delta.encode(new[r], prev[r], msgs[r])
+    together = prev.clone()
+    param_delta.decode_into(msgs, together)
+    for r in range(p):
+        assert together[r].equal(roundtrip(new[r], prev[r]))
+
+
+# --------------------------------------------------------------------------- Megatron training
+
+CONFIGS = {  # name: (gather, overlap param gather, one bucket group, full every, seed); 4 ranks: the first two
+    "delta": ("delta", False, False, 0, 1234),
+    "delta-overlap": ("delta", True, False, 0, 1234),
+    "delta-one-group": ("delta", False, True, 0, 1234),
+    "delta-full": ("delta", False, False, FULL_EVERY, 1234),
+    "stock": ("bf16", False, False, 0, 1234),
+    "stock-seed2": ("bf16", False, False, 0, 99),
+}
+
+
+def _train(rank: int, world: int, names: list[str]) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_gift.config import GiftConfig, ParamGather
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.megatron.param_gather import DeltaParamSync
+    from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
+    from megatron_gift.testing.reference import replicas_identical, stock_param_shards
+
+    parallel_state.initialize_model_parallel(1, 1)
+    out = {}
+    for name in names:
+        gather, overlap, one_group, every, seed = CONFIGS[name]
+        model = build_tiny_gpt(seed=seed, bf16=True, params_dtype=torch.bfloat16)
+        cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                            overlap_param_gather=overlap, bucket_size=20000)  # fmt: skip
+        ddp = GiftDistributedDataParallel(model.config, cfg, model, disable_bucketing=one_group,
+                                          gift_config=GiftConfig(param_gather=ParamGather(gather), param_gather_full_every=every))  # fmt: skip
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp])
+        buckets = [b for bg in ddp.bucket_groups for b in bg.buckets]
+        rec = dict(losses=[], params=[], checks=[], identical=[], replicas=[],
+                   groups=[(type(bg).__name__, len(bg.buckets)) for bg in ddp.bucket_groups])  # fmt: skip
+        for step in range(STEPS):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            prev = {b: b.param_data.clone() for b in buckets}
+            loss = lm_loss(ddp, random_tokens(step, 100 * seed + rank))
+            if overlap and step:  # the forward's pre-hooks waited for the last update's gathers
+                rec["params"].append(torch.cat([b.param_data.view(torch.int16) for b in buckets]))
+            loss.backward()
+            ddp.finish_grad_sync()
+            opt.step()
+            rec["losses"].append(float(loss))
+            if overlap:
+                continue
+            rec["params"].append(torch.cat([b.param_data.view(torch.int16) for b in buckets]))
+            rec["replicas"].append(replicas_identical(buckets))
+            same = total = 0
+            for b, want in stock_param_shards(opt).items():
+                if b.param_data.dtype != torch.bfloat16:
+                    continue
+                s = b.param_data.numel() // world
+                got, base = b.param_data[rank * s : (rank + 1) * s], prev[b][rank * s : (rank + 1) * s]
+                ok = (got.float() - want.float()).abs() <= reference_bound(want, base)
+                exact = same_bits(got, want)
+                rec["checks"].append((bool(ok.all()), bool(exact[near_blocks(want, base)].all())))
+                same, total = same + int(exact.sum()), total + exact.numel()
+            rec["identical"].append(same / total)
+        if overlap:
+            ddp.start_param_sync(force_sync=True)  # as Megatron does before evaluation and checkpoints
+            rec["params"].append(torch.cat([b.param_data.view(torch.int16) for b in buckets]))
+        rec["delta_groups"] = sum(isinstance(bg, DeltaParamSync) for bg in ddp.bucket_groups)
+        rec["ledger"] = ddp.param_gather_ledger.as_dict()
+        rec["coded_numel"] = sum(b.param_data.numel() for b in buckets if b.param_data.dtype == torch.bfloat16)
+        out[name] = rec
+    model = build_tiny_gpt(bf16=True, params_dtype=torch.bfloat16)
+    try:
+        GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=False), model,
+                                    gift_config=GiftConfig(param_gather=ParamGather.DELTA))  # fmt: skip
+    except ValueError as e:
+        out["refused"] = str(e)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@functools.cache
+def _trained(world: int) -> list[dict]:
+    names = list(CONFIGS) if world == 2 else list(CONFIGS)[:2]  # 4 ranks share 2 cores: fewer runs
+    return run_on_ranks(_train, world, names, cpu_harness=True, timeout=900)
+
+
+@pytest.fixture(params=[2, 4], ids=["dp2", "dp4"])
+def trained(request):
+    return request.param, _trained(request.param)
+
+
+@pytest.fixture
+def trained_dp2():
+    return 2, _trained(2)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_every_replica_holds_the_same_bits_within_the_bound_of_stock(trained):
+    """Catches replicas that drift apart (an owner applying its own ``new`` instead of the decoded
+    change, a decode that differs by shard), weights outside the bound of what stock Megatron would
+    have gathered (``bf16`` of the run's own FP32 main parameters), and an error that accumulates
+    (the bound is per step, against the fresh main parameters)."""
+    world, ranks = trained
+    for r in ranks:
+        assert r["delta"]["delta_groups"] == len(r["delta"]["groups"]) - 1 >= 4  # the FP32 group keeps Megatron's
+        if "delta-one-group" in r:  # one group of a BF16 and an FP32 bucket (the latter gathered as it is)
+            assert r["delta-one-group"]["groups"] == [("DeltaParamAndGradBucketGroup", 2)]
+        for name in [n for n in ("delta", "delta-one-group", "delta-full") if n in r]:
+            run = r[name]
+            assert all(run["replicas"]) and len(run["replicas"]) == STEPS, name
+            assert all(ok for ok, _ in run["checks"]), f"{name}: a weight outside the bound"
+            assert all(exact for _, exact in run["checks"]), f"{name}: a weight in a near block that is not exact"
+            assert all(0.5 < f <= 1 for f in run["identical"]), run["identical"]  # mostly exact
+        assert all(f < 1 for f in r["delta"]["identical"])  # and really coded
+    for t in range(STEPS):
+        assert all(torch.equal(r["delta"]["params"][t], ranks[0]["delta"]["params"][t]) for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_overlapping_the_gather_does_not_change_a_bit(trained):
+    """Catches a delta gather whose result depends on when it runs: overlapped with the next forward
+    (Megatron's pre-hooks wait for it) or inside the optimizer step."""
+    _, ranks = trained
+    for r in ranks:
+        assert len(r["delta-overlap"]["params"]) == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(r["delta-overlap"]["params"], r["delta"]["params"]))
+        assert r["delta-overlap"]["losses"] == r["delta"]["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_wire_bytes_and_the_first_full_gather(trained):
+    """Catches wire bytes above 1 + 1/32 per element and a first gather that is not full (replicas
+    would keep whatever they started from)."""
+    world, ranks = trained
+    run = ranks[0]["delta"]
+    shard = run["coded_numel"] // world
+    assert run["ledger"]["all_gather/int8+scales"] == STEPS * (world - 1) * (shard + shard // 32)  # shards: multiples of 32
+    assert run["ledger"]["all_gather/bf16"] == (world - 1) * shard * 2  # the first gather, before any update
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_every_nth_update_is_gathered_in_full(trained_dp2):
+    """Catches --gift-param-gather-full-every not sending every N-th update in full: those steps
+    must equal stock's gather bit for bit, the others not."""
+    world, ranks = trained_dp2
+    shard = ranks[0]["delta"]["coded_numel"] // world
+    full = ranks[0]["delta-full"]
+    assert [f == 1.0 for f in full["identical"]] == [t % FULL_EVERY == 0 for t in range(STEPS)]
+    assert full["ledger"]["all_gather/bf16"] == (1 + len(range(0, STEPS, FULL_EVERY))) * (world - 1) * shard * 2
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_loss_follows_stock_within_the_seed_spread(trained_dp2):
+    """Catches a delta gather that changes training beyond noise: against stock from the same seed the
+    losses differ far less than stock from another seed does (the first loss is the same model)."""
+    _, ranks = trained_dp2
+    mean = lambda rs, name: [sum(r[name]["losses"][t] for r in rs) / len(rs) for t in range(STEPS)]  # noqa: E731
+    delta, stock, other = mean(ranks, "delta"), mean(ranks, "stock"), mean(ranks, "stock-seed2")
+    assert delta[0] == stock[0]
+    gap = max(abs(a - b) for a, b in zip(delta, stock))
+    spread = sum(abs(a - b) for a, b in zip(other, stock)) / STEPS
+    assert gap < 0.1 * spread, (gap, spread)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_the_ddp_refuses_a_run_without_the_distributed_optimizer(trained_dp2):
+    _, ranks = trained_dp2
+    assert "--gift-param-gather delta codes the distributed optimizer's parameter all-gather" in ranks[0]["refused"]
+    assert "--use-distributed-optimizer" in ranks[0]["refused"]
+
+
+def test_bench_codecs_keep_their_bounds_on_a_training_like_change():
+    """Catches a benchmark that measures a codec against a wrong bound ``h`` (each codec's error
+    must be within twice its ``h`` after the rounding to BF16) or counts other bytes than payload
+    plus scales."""
+    from megatron_gift.bench import param_gather
+    from megatron_gift.cli import build_parser
+
+    gen = torch.Generator().manual_seed(3)
+    prev = (0.02 * torch.randn(128 * 40, generator=gen)).bfloat16()
+    new = (prev.float() - 1e-3 * torch.randn(prev.numel(), generator=gen).clamp(-3, 3)).bfloat16()
+    for codec in param_gather.CODECS:
+        got, h, nbytes = param_gather._roundtrip(codec, new, prev)
+        stats = param_gather._stats(got, new, h, prev)
+        assert stats["max_over_h"] <= 2 and 0.5 < stats["identical"] / prev.numel() < 1, (codec, stats)
+        assert nbytes == prev.numel() * (1 + 1 / 32), codec  # 1 B a code; 1 B per 32 or 4 B per 128 scales
+    args = build_parser().parse_args(["bench", "param-gather", "--steps", "3", "--ranks", "4", "--json", "x.json"])
+    assert (args.steps, args.ranks, args.json, args.func.__name__) == (3, 4, "x.json", "_bench_param_gather")
