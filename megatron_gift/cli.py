@@ -14,8 +14,6 @@ import importlib.util
 import shlex
 import sys
 
-from .planner import cli as planner_cli  # torch-free: the model is imported by its handler
-
 PLOTS, CORPUS = ("matplotlib",), ("tokenizers",)  # pyproject.toml's [project.optional-dependencies] bench
 
 
@@ -201,6 +199,8 @@ def _add_report(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .planner import cli as planner_cli  # torch-free: the model is imported by its handler
+
     parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_gift.cli import main
 from megatron_gift.config import Mode
-from megatron_gift.planner import checks, model, nccl, output, validation
+from megatron_gift.planner import checks, model, nccl, output, stages, validation
 from megatron_gift.planner.buckets import Bucket, DeltaCodec, buckets
 from megatron_gift.planner.choices import FP8Params, GiftSchedule, ParamGather, Schedule
 from megatron_gift.planner.cluster import CLUSTERS, GH200, Cluster, sources
@@ -264,7 +264,8 @@ def test_gift_costs_more_than_euclidean_and_refresh_amortizes():
 
 def test_factor_builds_once_per_refresh_shared_over_ranks():
     """32 GIFT layers (fc2), each built on its owner: ceil(32/N) builds per rank and refresh, on the GPU beside
-    the next forward; the refresh's traffic is two all-reduces (statistics, all factors at once)."""
+    the next forward; the refresh's traffic is the statistics' all-reduce and one all-gather of fixed-size records
+    (a per-layer broadcast, or a record sized by the layer count instead of the slots, fails)."""
     slow = dataclasses.replace(COSTS, factor_build_s=1.0)
     free = dataclasses.replace(COSTS, factor_build_s=0.0)
     sync = Options(schedule=Schedule.SYNC)  # no parameter gathers: the builds alone lengthen the next forward
@@ -274,9 +275,18 @@ def test_factor_builds_once_per_refresh_shared_over_ranks():
         assert (r - f) * 10 == pytest.approx(builds, rel=1e-9)  # refresh every 10 steps
     d, k, rank = 3456, 64, 32
     stats = 32 * (d * k + d + 1) * 4  # the EMAs of the sketch, diagonal and token count, FP32
-    slots = 32 * 4 * (3 + d * rank + d + rank + d * rank + 2 * d + 2 * rank)  # header, factor, T; FP32
-    got = model.step_time(W, GH200, Scheme.GIFT, 64, COSTS)["refresh_bytes_per_rank"]
-    assert got == pytest.approx(2 * 63 / 64 * (stats + slots) / 10)
+    record = 8 * (5 + d + d * rank + rank) + 4 * (2 * d + d * rank + 2 * rank)  # FP64 header, d, V, λ; FP32 T's parts
+    for gpus, slots in ((64, 1), (16, 2)):  # an all-gather of ceil(32/p) record slots per rank
+        got = model.step_time(W, GH200, Scheme.GIFT, gpus, COSTS)["refresh_bytes_per_rank"]
+        assert got == pytest.approx((2 * stats + slots * gpus * record) * (gpus - 1) / gpus / 10)
+
+
+def test_refresh_owners_balance_record_bytes():
+    """As the refresh assigns them: largest record first to the rank owning the fewest bytes, lowest rank on
+    ties (by hand: 5 -> rank 0, 3 -> rank 1, 3 -> rank 1 (3 < 5), 2 -> rank 0 (5 < 6)); the all-gather's slot
+    is the busiest rank's bytes."""
+    assert stages.owners([5, 3, 3, 2], 2) == [[0, 3], [1, 2]]
+    assert stages.owners([4, 4], 4) == [[0], [1], [], []]
 
 
 def test_break_even_is_where_the_scheme_meets_bf16():

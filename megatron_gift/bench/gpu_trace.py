@@ -33,6 +33,16 @@ def _plugin_file(path: str) -> bool:
     return path.startswith(_PACKAGE) and not path.startswith(_TESTING) and not path.startswith(os.path.dirname(__file__))
 
 
+@contextlib.contextmanager
+def _debug_mode(mode: str):
+    """``torch.cuda.set_sync_debug_mode(mode)`` inside, off again after."""
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def sync_probe(step, device: torch.device) -> dict:
     """Run ``step(scope)`` (``scope``: a context manager factory around the step's fwd/bwd/finish) and list the
     host synchronisations inside the scope: ``plugin`` (``file:line``: count) and ``others`` (count)."""
@@ -44,16 +54,7 @@ def sync_probe(step, device: torch.device) -> dict:
         return dict(method="testing.dispatch.SyncSanitizer (CPU)", plugin=dict(sanitizer.counts()), others=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-
-        @contextlib.contextmanager
-        def scope():
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-
-        step(scope)
+        step(lambda: _debug_mode("warn"))
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     plugin = collections.Counter(f"{os.path.relpath(w.filename, os.path.dirname(_PACKAGE))}:{w.lineno}"
                                  for w in syncs if _plugin_file(w.filename))  # fmt: skip
@@ -64,17 +65,8 @@ def sync_error(step, device: torch.device) -> dict | None:
     """``step(scope)`` under ``set_sync_debug_mode("error")``: ``raised`` and where (None on the CPU)."""
     if device.type == "cpu":
         return None
-
-    @contextlib.contextmanager
-    def scope():
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
     try:
-        step(scope)
+        step(lambda: _debug_mode("error"))
     except RuntimeError as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if _plugin_file(f.filename)]
         where = f"{os.path.relpath(frames[-1].filename, os.path.dirname(_PACKAGE))}:{frames[-1].lineno}" if frames else None

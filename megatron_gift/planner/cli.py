@@ -1,7 +1,8 @@
 """``megatron-gift model``: the argument table, the handler and the run (tables, checks, JSON).
 
 Module level imports only torch-free modules, so that building the command line stays fast; the
-model itself (torch: the wire format) is imported by the handler."""
+model itself (torch: the wire format) is imported by the handler. ``megatron_gift.cli`` imports this
+module when it builds its parser."""
 
 from __future__ import annotations
 
@@ -10,18 +11,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..cli import CORPUS, _positive_int, require_bench_extra
 from .choices import FP8Params, GiftSchedule, ParamGather, Schedule
 from .cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
 from .workloads import DIMS, PRESETS
 
 NCCL_SOURCE = "NVIDIA/nccl 5067397c (2026-06-11): src/graph/tuning.cc, src/enqueue.cc"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _intra_node(text: str) -> str:
@@ -125,8 +120,6 @@ def main(args: argparse.Namespace) -> int:
     from .workloads import workload
 
     if args.validate_cpu:  # trains on the text corpus
-        from ..cli import CORPUS, require_bench_extra
-
         require_bench_extra(args.command_line, CORPUS)
     if args.measured and not args.validate_cpu:
         raise SystemExit("megatron-gift model: --measured needs --validate-cpu OVERHEAD_JSON")

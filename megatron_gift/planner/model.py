@@ -159,8 +159,8 @@ def plan(w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options =
         if with_break_even and uses_nic_all_to_all(r):
             r["break_even_a2a_nic_ratio"] = break_even(w, c, s, gpus, costs, opts, ref[Scheme.BF16])
         rows.append(r)
-    candidates = [r for r in rows if Scheme(r["mode"]) in PLUGIN or r["mode"] == "bf16"]
-    best = min(candidates, key=lambda r: (r["step_s"], r["mode"] == "bf16"))
+    by = {r["mode"]: r for r in rows}
+    best = min([by[s.value] for s in PLUGIN] + [by["bf16"]], key=lambda r: r["step_s"])  # the first of equals
     stock_wins = best["vs_bf16_pct"] > -MIN_GAIN_PCT
     return dict(model=w.name, cluster=c.name, gpus=gpus, tp=w.tp, pp=w.pp, a2a_nic_ratio=c.a2a_nic_ratio,
                 stock_bf16_step_s=ref[Scheme.BF16], other_schedule=other.gift_schedule.value, rows=rows,

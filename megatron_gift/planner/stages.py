@@ -27,7 +27,7 @@ communicator it would queue behind the next bucket's all-to-all).
 from __future__ import annotations
 
 import enum
-import math
+import heapq
 from dataclasses import dataclass
 
 from ..config import Mode
@@ -157,16 +157,37 @@ def gather_chain(elements: int, x: Context) -> list[Task]:
     return [encode, gather, decode]
 
 
+def record_bytes(d_in: int, rank: int) -> int:
+    """One layer's refresh record (the refresh's ``RecordLayout``, issue 17 item 5): FP64 header (status, rank,
+    choice, damping, tr A), ``d``, ``V``, ``λ``; FP32 ``D^-1/2``, ``D^1/2``, ``Q``, ``c``, ``c'``; padded to 8 bytes."""
+    r = min(rank, d_in)
+    n = 8 * (5 + d_in + d_in * r + r) + 4 * (2 * d_in + d_in * r + 2 * r)
+    return -(-n // 8) * 8
+
+
+def owners(sizes: list[int], p: int) -> list[list[int]]:
+    """The refresh's owners (``GiftState.assign_owners``): largest record first, to the rank that owns the fewest
+    bytes so far, lowest rank on ties; the layers each of the ``p`` ranks builds."""
+    heap, owned = [(0, r) for r in range(p)], [[] for _ in range(p)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: layer order on ties
+        load, r = heapq.heappop(heap)
+        owned[r].append(i)
+        heapq.heappush(heap, (load + sizes[i], r))
+    return owned
+
+
 def refresh_chain(d_ins: list[int], x: Context) -> list[Task]:
     """A GIFT refresh (issue 17 item 5): one FP32 all-reduce of every layer's statistics EMA (sketch, diagonal,
-    token count), each factor built on its owner (round-robin: ``ceil(layers/p)`` per rank), all factors in
-    one fixed-size FP32 all-reduce (a slot per layer: header, factor ``d, V, λ``, ``T``)."""
+    token count), each factor built on its owner (``owners``), then one all-gather of a fixed-size slot per
+    rank (the most record bytes any rank owns). The busiest rank's builds set the time."""
     if x.p == 1 or not d_ins:
         return []
-    k, r = x.opts.sketch, x.opts.rank
+    k = x.opts.sketch
     stats = sum((d * min(k, d) + d + 1) * 4.0 for d in d_ins)
-    slots = sum(4.0 * (3 + (d * min(r, d) + d + min(r, d)) + (d * min(r, d) + 2 * d + 2 * min(r, d))) for d in d_ins)
-    builds = math.ceil(len(d_ins) / x.p) * x.costs.factor_build_s
+    sizes = [record_bytes(d, x.opts.rank) for d in d_ins]
+    owned = owners(sizes, x.p)
+    slot = max(sum(sizes[i] for i in mine) for mine in owned)
+    builds = max(len(mine) for mine in owned) * x.costs.factor_build_s
     return [x.ring("statistics all-reduce", "all_reduce", stats, "refresh", 1),
             Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
-            x.ring("factor all-reduce", "all_reduce", slots, "refresh", 1)]  # fmt: skip
+            x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1)]  # fmt: skip
