@@ -13,6 +13,10 @@ host clock between two device synchronisations. GIFT's refresh steps (statistics
 built in FP64 on the CPU: steps 0, 1, 2, 4, 8, ... then every ``refresh_interval``) are reported
 apart from the steady steps; ``off-again`` repeats the baseline last, to show the run's resolution.
 
+Every mode but ``off-again`` then gets three more steady steps looked at closely (``steady_looks``:
+host synchronisations, that step's peak memory, a profiler trace of codec/backward overlap, and a
+step under ``set_sync_debug_mode("error")``; ``gpu_trace``).
+
 Modes run one after the other in one process (NCCL on CUDA, gloo with the CPU harness in the dry
 run, both over a one-rank group); peak device memory is taken per mode after the previous mode's
 model, optimizer and caches are freed.
@@ -157,7 +161,6 @@ def steady_looks(ddp, opt, batches_of, step: int, device: torch.device) -> dict:
     """Three more steady steps (refresh steps skipped): host synchronisations (``gpu_trace.sync_probe``) with the
     step's peak memory over what was allocated before it, a profiler trace (``gpu_trace.profiled``: codec work
     overlapping the backward), and last ``set_sync_debug_mode("error")`` (``gpu_trace.sync_error``: it aborts)."""
-
     peak = {}
 
     def steady(scope=contextlib.nullcontext):
