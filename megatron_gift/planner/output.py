@@ -15,9 +15,9 @@ def label(r: dict) -> str:
 
 
 def break_even_text(r: dict, assumed: float) -> str:
-    """The all-to-all NIC efficiency (relative to a ring's) at which a row equals stock BF16."""
+    """The all-to-all NIC efficiency (relative to a ring's) at which a plugin row equals stock BF16."""
     if "break_even_a2a_nic_ratio" not in r:
-        return ""
+        return "; no all-to-all through a NIC"
     v = r["break_even_a2a_nic_ratio"]
     if v is None:
         return f"; slower than BF16 at any all-to-all efficiency up to {BREAK_EVEN_RANGE[1]:g}x the ring's"
