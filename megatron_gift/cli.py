@@ -219,99 +219,14 @@ def _add_report(subparsers) -> None:
     rep.set_defaults(func=_report, needs=PLOTS)
 
 
-def _model(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    if args.validate_cpu:  # trains on the text corpus
-        require_bench_extra(args.command_line, CORPUS)
-    from megatron_gift import perfmodel
-
-    cluster = perfmodel.CLUSTERS[args.cluster]
-    names = [f.name for f in dataclasses.fields(cluster)]
-    if args.measured and not args.validate_cpu:
-        raise SystemExit("megatron-gift model: --measured needs --validate-cpu OVERHEAD_JSON")
-    dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "seq", "vocab")}
-    try:
-        for field, value in (("gpus_per_node", args.gpus_per_node), ("inter_bw", args.nic_gbps), ("intra_bw", args.nvlink_gbps)):
-            if value is not None:
-                cluster = dataclasses.replace(cluster, **{field: value if field == "gpus_per_node" else value * 1e9 / 8})
-        for item in args.set:
-            key, _, value = item.partition("=")
-            if key not in names or not value:
-                raise ValueError(f"--set wants FIELD=VALUE, FIELD one of {', '.join(names)}; got {item!r}")
-            cluster = dataclasses.replace(cluster, **{key: type(getattr(cluster, key))(value)})
-        w = perfmodel.workload(args.model, micro_batch=args.micro_batch, global_batch=args.global_batch, tp=args.tp,
-                               pp=args.pp, **dims)
-        for gpus in args.gpus:  # every configuration is checked before anything is printed
-            perfmodel.step_time(w, cluster, "bf16", gpus, schedule=args.schedule)
-    except ValueError as e:
-        raise SystemExit(f"megatron-gift model: {e}") from None
-    perfmodel.run(w, cluster, gpus=tuple(args.gpus), overhead_json=args.overhead_json, json_path=args.json,
-                  comm_json=args.comm_json or str(perfmodel.COMM_JSON), validate_overhead_json=args.validate_cpu,
-                  validate_iters=args.iters, measured_json=args.measured, show_sensitivity=args.sensitivity,
-                  command=args.command_line, schedule=args.schedule, fp8_params=args.fp8_params,
-                  bucket_size=args.bucket_size, intra_dtype=args.intra_node)  # fmt: skip
-    return 0
-
-
-def _add_model(subparsers) -> None:
-    mod = subparsers.add_parser(
-        "model",
-        help="planner: will FP8 gradient communication speed up my training? (analytic step-time model)",
-        description="Predict the step time of data-parallel Llama training with Megatron's FP32 and BF16 ring reduction "
-        "and the plugin's FP8 exchanges (Euclidean and GIFT, flat all-to-all and two-level) on a given cluster, model and "
-        "batch; print a table per GPU count, a verdict line per mode and the recommendation; check the byte model "
-        "against a bench comm JSON and, with --validate-cpu, step times against CPU gloo runs of the demo model.",
-    )
-    mod.add_argument("--model", default="600m", metavar="NAME",
-                     help="preset: 300m, 600m, 1.3b, 7b (llama- prefix allowed), or custom with every dimension below "
-                     "(default: %(default)s)")  # fmt: skip
-    for dim in ("layers", "hidden", "heads", "ffn", "seq", "vocab"):
-        mod.add_argument(f"--{dim}", type=_positive_int, default=None, help=f"override the preset's {dim}")
-    mod.add_argument("--gpus", type=_positive_int, nargs="+", default=[64, 256, 512], metavar="N",
-                     help="GPU counts, one table each (default: 64 256 512)")  # fmt: skip
-    mod.add_argument("--cluster", default="gh200", choices=["gh200", "h100", "h100-100g"],
-                     help="machine preset (default: %(default)s; sources in the JSON and docs/planner.md)")  # fmt: skip
-    mod.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs per node (each with its own NIC)")
-    mod.add_argument("--nic-gbps", type=float, default=None, help="NIC bandwidth per GPU and direction in Gb/s (GH200 "
-                     "Slingshot: 200)")  # fmt: skip
-    mod.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink bandwidth per GPU and direction in Gb/s "
-                     "(H100: 3600, i.e. 450 GB/s)")  # fmt: skip
-    mod.add_argument("--global-batch", type=_positive_int, default=512, help="sequences per step (default: %(default)s)")
-    mod.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default: %(default)s)")
-    mod.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
-    mod.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
-    mod.add_argument("--bucket-size", type=_positive_int, default=None, metavar="ELEMENTS",
-                     help="Megatron's --ddp-bucket-size (default: Megatron's max(40M, 1M x data-parallel size))")  # fmt: skip
-    mod.add_argument("--intra-node", default="bf16", choices=["fp32", "bf16", "fp8"],
-                     help="dtype of the two-level exchange's intra-node stage (--gift-intra-node; default: %(default)s)")  # fmt: skip
-    mod.add_argument("--fp8-params", default="all", choices=["all", "linear"],
-                     help="FP8 for every gradient (the paper) or linear weights only, the rest BF16 (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--schedule", default="overlap", choices=["overlap", "sync"],
-                     help="overlap: distributed optimizer, overlapped grad reduce and param gather (the recipes); sync: "
-                     "one all-reduce after the backward (the paper's artifact) (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
-    mod.add_argument("--overhead-json", metavar="PATH", help="plugin costs from a bench overhead JSON of the target GPU "
-                     "(default: HBM-bandwidth estimates)")  # fmt: skip
-    mod.add_argument("--comm-json", metavar="PATH", default=None,
-                     help="bench comm JSON to check the byte model against (default: the checkout's bench/results/comm-cpu.json)")  # fmt: skip
-    mod.add_argument("--validate-cpu", metavar="OVERHEAD_JSON", help="also train the demo model on 2 gloo ranks per mode "
-                     "and compare step times, with the plugin's costs from this CPU overhead JSON (~4 min)")  # fmt: skip
-    mod.add_argument("--measured", metavar="MODEL_JSON", help="with --validate-cpu: reuse the measured step times and gloo "
-                     "fits of this earlier model JSON instead of training")  # fmt: skip
-    mod.add_argument("--iters", type=_positive_int, default=30, help="iterations per mode of --validate-cpu (default 30)")
-    mod.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                     help="override a machine parameter, e.g. --set a2a_efficiency=0.8 --set mfu=0.5")  # fmt: skip
-    mod.add_argument("--json", metavar="PATH", help="write the plans and checks as JSON")
-    mod.set_defaults(func=_model)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from .planner import cli as planner_cli  # torch-free: the model is imported by its handler
+
     parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
     _add_demo(subparsers)
-    _add_model(subparsers)
+    planner_cli.add_parser(subparsers)
     _add_report(subparsers)
     return parser
 

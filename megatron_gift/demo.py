@@ -89,7 +89,7 @@ def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed
                      telemetry: Path | None = None) -> list[str]:  # fmt: skip
     """The launcher command of one mode. With ``telemetry`` (the demo) the plugin prints its bytes and writes
     telemetry to that directory every iteration (``--gift-log-interval 1``); without it (step timing, as
-    :func:`megatron_gift.perfmodel.validate_cpu`) it does neither."""
+    :func:`megatron_gift.planner.validation.validate_cpu`) it does neither."""
     logging = ["--gift-log-interval", "1", "--gift-telemetry-dir", str(telemetry)] if telemetry else []
     return launch.launcher_command(RANKS, *model_args(p, seed), *data_args, "--data-cache-path", str(cache), *logging, *MODES[mode])
 

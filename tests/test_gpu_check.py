@@ -1,20 +1,23 @@
 """``bench/gpu_check.sh --dry-run``: the GPU check's own script and code path on the CPU at tiny
 shapes, so that it still runs when a GPU is next lent. Checks that every part ran and wrote its
 JSON, the machine is named, the step-time model accepted the overhead JSON, byte counts follow
-from the shapes, and every training mode started from the same weights and data."""
+from the shapes, every training mode started from the same weights and data, the steady-step
+looks (host synchronisations, trace, peak memory) ran, and the delta codec's part runs with or
+without the codec; the trace's overlap arithmetic against a hand-made trace."""
 
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_gift.bench import gpu_check, gpu_codec, gpu_step
+from megatron_gift.bench import gpu_check, gpu_codec, gpu_step, gpu_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = float(os.environ.get("GPU_CHECK_DRY_RUN_TIMEOUT", 1800))  # generous: CI machines are shared
@@ -108,3 +111,76 @@ def test_step_runs_every_mode_from_the_same_start(dry_run):
     assert results["gift"]["refresh_step_times_s"]  # GIFT's warm-up refreshes fall in the timed steps
     assert set(doc["summary"]["modes"]) == set(gpu_step.MODES)
     assert doc["summary"]["tokens_per_step"] == spec["micro_batch"] * spec["microbatches"] * spec["seq"]
+
+
+@pytest.mark.slow
+def test_steady_step_looks_ran_for_every_mode(dry_run):
+    """Each mode but the repeat got a steady step under the sync probe (the CPU's sanitizer), a profiled step
+    and no error-mode step (CUDA only); stock Megatron's own synchronisations are never the plugin's."""
+    _, out = dry_run
+    doc = _load(out, "gpu-step.json")
+    results = {r["mode"]: r for r in doc["results"]}
+    for mode in gpu_step.CLOSE_LOOKS:
+        r = results[mode]
+        assert r["steady_syncs"]["method"].startswith("testing.dispatch.SyncSanitizer"), mode
+        assert r["overlap"]["codec_kernels"] == 0 and r["overlap"]["share_overlapping_backward"] is None  # no CUDA
+        assert r["sync_error"] is None and r["steady_step_peak_extra_bytes"] is None
+    assert results["off"]["steady_syncs"]["plugin"] == {}
+    assert "steady_syncs" not in results["off-again"]
+    assert set(doc["targets"]["steady_plugin_syncs"]) == {"bf16", "euclidean", "gift"}
+
+
+@pytest.mark.slow
+def test_delta_codec_part_reports_its_absence(dry_run):
+    _, out = dry_run
+    delta = _load(out, "gpu-codec.json")["delta"]
+    try:
+        __import__(gpu_codec.DELTA_MODULE)
+        present = True
+    except ImportError:
+        present = False
+    assert delta["available"] is present and delta["module"] == gpu_codec.DELTA_MODULE
+    assert _load(out, "gpu-check.json")["targets"]["delta_codec"]["available"] is present
+
+
+def test_delta_codec_bytes_follow_from_the_shapes(monkeypatch):
+    """With a codec installed (a stand-in with the module's three names), both paths run on every layer and
+    count the bytes the module docstring lists: encode 2n + 2n + message, decode 8 messages + 2n + 2n."""
+    calls = []
+    fake = types.ModuleType(gpu_codec.DELTA_MODULE)
+    fake.message_bytes = lambda n: n + -(-n // 32)
+    fake.encode = lambda new, prev, out: calls.append(("encode", new.numel()))
+    fake.decode_into = lambda messages, base: calls.append(("decode", base.numel()))
+    monkeypatch.setitem(sys.modules, gpu_codec.DELTA_MODULE, fake)
+    model = dict(hidden=64, ffn=128)
+    large = gpu_codec.copy_record(1 << 16, torch.device("cpu"))
+    doc = gpu_codec.measure_delta(model, torch.device("cpu"), large)
+    assert doc["available"] and {s["path"] for s in doc["summary"]} == set(gpu_codec.DELTA_PATHS)
+    shapes = {"qkv": (192, 64), "proj": (64, 64), "fc1": (256, 64), "fc2": (64, 128)}
+    for r in doc["results"]:
+        n = shapes[r["layer"]][0] * shapes[r["layer"]][1]
+        if r["path"] == "delta_encode":
+            assert r["bytes"] == 4 * n + n + -(-n // 32)
+        else:
+            assert r["bytes"] == 8 * (n // 8 + -(-(n // 8) // 32)) + 4 * n
+    assert {("encode", n) for n in (192 * 64, 64 * 64, 256 * 64, 64 * 128)} <= set(calls)
+
+
+def test_trace_overlap_by_hand():
+    """A hand-made trace: compute kernels on stream 7 at [120, 170] and [180, 230] us (launched inside the
+    backward mark), codec kernels on stream 20 at [160, 200] and [240, 260], an NCCL kernel left out: 30 of the
+    codec's 60 us overlap compute, 40 fall inside the backward's window [120, 230]."""
+    def kernel(corr, stream, t0, t1, name="k"):
+        return dict(cat="kernel", name=name, ts=t0, dur=t1 - t0, args=dict(stream=stream, correlation=corr))
+
+    def launch(corr, ts):
+        return dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1, args=dict(correlation=corr))
+
+    events = [dict(cat="user_annotation", name=gpu_trace.BACKWARD, ts=100, dur=100), launch(1, 110), launch(2, 150),
+              launch(3, 160), launch(4, 300), launch(5, 155), kernel(1, 7, 120, 170), kernel(2, 7, 180, 230),
+              kernel(3, 20, 160, 200), kernel(4, 20, 240, 260), kernel(5, 21, 150, 250, "ncclDevKernel_SendRecv")]  # fmt: skip
+    got = gpu_trace.overlap(dict(traceEvents=events))
+    assert got["compute_stream"] == 7 and got["codec_kernels"] == 2 and got["codec_s"] == pytest.approx(60e-6)
+    assert got["share_overlapping_backward"] == pytest.approx(0.5)
+    assert got["share_in_backward_window"] == pytest.approx(40 / 60)
+    assert got["backward_window_s"] == pytest.approx(110e-6)

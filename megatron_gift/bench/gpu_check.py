@@ -5,8 +5,11 @@ writes one JSON per part to ``--out`` (docs/gpu-check.md says what each holds):
   forward+backward in BF16, the schema ``megatron-gift model --overhead-json`` reads;
 - ``gpu-codec.json``: encode, decode+sum (8 peers), fused whiten+encode and decode+sum+unwhiten
   as bytes per second against copies of the same run (``gpu_codec``);
+- ``gpu-codec.json`` also holds the delta parameter gather's codec against copy where it is installed;
 - ``gpu-step.json``: a single-GPU Megatron GPTModel training step per mode, codec in loopback,
-  against ``--gift-mode off``, with peak memory (``gpu_step``);
+  against ``--gift-mode off``, with peak memory; per mode a steady step's host synchronisations, its
+  peak memory, a profiler trace's codec/backward overlap and a step under
+  ``set_sync_debug_mode("error")`` (``gpu_step``, ``gpu_trace``);
 - ``gpu-check.json``: the machine, the kernel tests' counts (``--kernel-tests``: their JUnit XML),
   every part's wall time or error, and the targets.
 
@@ -95,6 +98,13 @@ def plugin_over_linear_gemms(ovh: dict | None, step: dict | None) -> dict | None
     return dict(linear_gemms_s=gemm_s, plugin_over_linear_gemms=modes)
 
 
+def delta_over_copy(delta: dict) -> dict:
+    """The delta codec's encode and decode bandwidth over the same-size copy's (issue 18; no target), or why not."""
+    if not delta["available"]:
+        return dict(available=False, note=delta["note"])
+    return dict(available=True, over_copy={s["path"]: s["over_copy"] for s in delta["summary"]})
+
+
 def _part(name: str, fn, out: Path, mach: dict, kind: str, status: dict) -> dict | None:
     """Run one part, write its JSON (with the machine named), record its wall time or its error."""
     print(f"== gpu_check: {name} ({kind})", flush=True)
@@ -132,7 +142,9 @@ def run(out: Path, dry_run: bool, kernel_xml: str | None = None) -> int:
         benchmark="gpu-check", kind=kind, machine=mach, wall_seconds=round(time.time() - t0, 1), parts=status,
         kernel_tests=kernel_tests(kernel_xml),
         targets=dict(overhead=ovh and ovh["targets"], codec=codec and codec["targets"], step=step and step["targets"],
-                     strict=plugin_over_linear_gemms(ovh, step)),
+                     strict=plugin_over_linear_gemms(ovh, step), delta_codec=codec and delta_over_copy(codec["delta"]),
+                     codec_overlap=step and {m: r["codec_overlap_share"] for m, r in step["summary"]["modes"].items()
+                                             if not m.startswith("off")}),  # fmt: skip
     )  # fmt: skip
     (out / FILES["check"]).write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["targets"], indent=1), flush=True)

@@ -1,7 +1,7 @@
 """GPU check, codec bandwidth: the FP8 codec and the fused GIFT kernels at the Llama-600M layer
 shapes, as bytes per second next to a device-to-device copy timed in the same run.
 
-For each linear layer's weight gradient ``G [d_out, d_in]`` (``overhead.layer_shapes``) and each
+For each linear layer's weight gradient ``G [d_out, d_in]`` (``planner.workloads.layer_shapes``) and each
 implementation (``fused``: the Triton kernels, where ``overhead.fused_timed``; ``reference``: the
 PyTorch path they replace):
 
@@ -15,6 +15,12 @@ path                         what runs                                          
 ``decode_sum_unwhiten``      the same, then ``T⁻¹``                                           the same
 ===========================  ==============================================================  =============================================
 
+The delta parameter gather's codec (issue 18, ``DELTA_MODULE``), where it is installed, adds
+``delta_encode`` (a shard of ``n = d_out·d_in`` BF16 elements against its ``prev``: read ``2n + 2n``,
+write the message) and ``delta_decode`` (``RANKS`` shards' messages into ``n`` BF16 parameters: read
+the messages and ``2n``, write ``2n``), under ``doc["delta"]``; without the module that part says so and
+the rest runs.
+
 Each path is set against ``copy``: an FP32 tensor copy that moves the same number of bytes
 (``bytes/8`` elements read and written), timed the same way in the same run; ``copy_large``, a
 1 GiB copy (``--dry-run``: 1 MiB), is the machine's copy ceiling. On CUDA the time is
@@ -25,16 +31,23 @@ from device memory, as after a backward pass, and the flush hides launch latency
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .. import kernels
 from ..numerics.fp8 import CodecConfig, encode
 from ..numerics.whitening import LowRankWhitening
-from .overhead import RANK, RANKS, fused_timed, layer_shapes, synthetic_factor, time_call
+from ..planner.workloads import layer_shapes
+from .overhead import RANK, RANKS, fused_timed, synthetic_factor, time_call
 
 PATHS = ("encode", "whiten_encode", "decode_sum", "decode_sum_unwhiten")
 TARGET_OVER_COPY = 0.7  # issue 14: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
 LARGE_COPY_BYTES = {"gpu": 1 << 30, "dry-run": 1 << 20}
+DELTA_MODULE = "megatron_gift.comm.param_delta"
+"""issue 18's codec; this part calls its ``encode(new, prev, out)``, ``decode_into(messages, base)`` and
+``message_bytes(numel)``."""
+DELTA_PATHS = ("delta_encode", "delta_decode")
 
 SCHEMA = {
     "results": "one record per (layer, path, impl): layer, shape [d_out, d_in], path, impl (fused | reference), "
@@ -45,6 +58,8 @@ SCHEMA = {
     "encode paths per d_out·d_in, decode paths per shard element)",
     "copy_large": "bytes (read + written), seconds, bytes_per_s of one large FP32 copy: the device's copy ceiling",
     "targets": "every fused path at >= 70% of the same-size copy's bandwidth (reported, not asserted)",
+    "delta": "the delta parameter gather's codec (issue 18): available, module, and where available results and "
+    "summary as above for delta_encode / delta_decode (impl torch; rows 1, cols the elements coded or decoded)",
 }
 
 
@@ -106,11 +121,44 @@ def measure(model: dict, device: torch.device, cfg: CodecConfig, large_copy: dic
     return records
 
 
-def summarize(records: list[dict], large_copy: dict) -> list[dict]:
+def delta_paths(codec, shape: tuple[int, int], device: torch.device) -> dict:
+    """``{path: (fn, elements, bytes)}`` of the delta codec at one layer's size (see the module docstring)."""
+    n = shape[0] * shape[1]
+    gen = torch.Generator().manual_seed(0)
+    prev = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+    new = (prev.float() + 1e-3 * torch.randn(n, generator=gen).to(device)).to(torch.bfloat16)
+    out = torch.empty(codec.message_bytes(n), dtype=torch.uint8, device=device)
+    shard = n // RANKS
+    messages = torch.zeros(RANKS, codec.message_bytes(shard), dtype=torch.uint8, device=device)
+    base = prev[: RANKS * shard].view(RANKS, shard).clone()
+    return {"delta_encode": (lambda: codec.encode(new, prev, out), n, 4 * n + codec.message_bytes(n)),
+            "delta_decode": (lambda: codec.decode_into(messages, base), RANKS * shard,
+                             RANKS * codec.message_bytes(shard) + 4 * RANKS * shard)}  # fmt: skip
+
+
+def measure_delta(model: dict, device: torch.device, large_copy: dict) -> dict:
+    """The delta codec's part: ``available`` False (and why) without ``DELTA_MODULE``."""
+    try:
+        codec = importlib.import_module(DELTA_MODULE)
+    except ImportError as e:
+        return dict(available=False, module=DELTA_MODULE, note=f"not installed here: {e}")
+    records = []
+    for layer, shape in layer_shapes(model).items():
+        for path, (fn, elements, nbytes) in delta_paths(codec, shape, device).items():
+            seconds, method = bench_seconds(fn, device)
+            copy = copy_record(nbytes, device)
+            records.append(dict(layer=layer, shape=list(shape), path=path, impl="torch", rows=1, cols=elements, peers=RANKS,
+                                bytes=nbytes, seconds=seconds, bytes_per_s=nbytes / seconds,
+                                copy_bytes_per_s=copy["bytes_per_s"], over_copy=nbytes / seconds / copy["bytes_per_s"],
+                                over_copy_large=nbytes / seconds / large_copy["bytes_per_s"], method=method))  # fmt: skip
+    return dict(available=True, module=DELTA_MODULE, results=records, summary=summarize(records, large_copy, DELTA_PATHS))
+
+
+def summarize(records: list[dict], large_copy: dict, paths: tuple[str, ...] = PATHS) -> list[dict]:
     """Per (path, impl): totals over the layers (see ``SCHEMA['summary']``)."""
     out = []
     for impl in dict.fromkeys(r["impl"] for r in records):
-        for path in PATHS:
+        for path in paths:
             rows = [r for r in records if r["impl"] == impl and r["path"] == path]
             nbytes, seconds = sum(r["bytes"] for r in rows), sum(r["seconds"] for r in rows)
             copy_s = sum(r["bytes"] / r["copy_bytes_per_s"] for r in rows)
@@ -137,14 +185,16 @@ def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
     records = measure(model, device, cfg, large)
     summary = summarize(records, large)
     return dict(schema=SCHEMA, codec=cfg.name, block=cfg.block, rank=RANK, peers=RANKS, copy_large=large,
-                results=records, summary=summary, targets=targets(summary))  # fmt: skip
+                results=records, summary=summary, targets=targets(summary), delta=measure_delta(model, device, large))  # fmt: skip
 
 
 def format_table(doc: dict) -> str:
     """Markdown: GB/s and fraction of copy per path and implementation, summed over the layers."""
     lines = ["| path | impl | GB/s | / same-size copy | / large copy |", "|---|---|---|---|---|"]
-    for s in doc["summary"]:
+    for s in doc["summary"] + doc["delta"].get("summary", []):
         gbs = s["bytes_per_s"] / 1e9
         lines.append(f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} |")
+    if not doc["delta"]["available"]:
+        lines.append(f"\ndelta codec: {doc['delta']['note']}")
     lines.append(f"\nlarge copy: {doc['copy_large']['bytes_per_s'] / 1e9:.1f} GB/s ({doc['copy_large']['bytes']} bytes moved)")
     return "\n".join(lines) + "\n"

@@ -14,6 +14,10 @@ built: steps 0, 1, 2, 4, 8, ... then every ``refresh_interval``; the step after 
 its build at ``zero_grad_buffer`` and installs it at its first bucket sync) are reported
 apart from the steady steps; ``off-again`` repeats the baseline last, to show the run's resolution.
 
+Every mode but ``off-again`` then gets three more steady steps looked at closely (``steady_looks``:
+host synchronisations, that step's peak memory, a profiler trace of codec/backward overlap, and a
+step under ``set_sync_debug_mode("error")``; ``gpu_trace``).
+
 Modes run one after the other in one process (NCCL on CUDA, gloo with the CPU harness in the dry
 run, both over a one-rank group); peak device memory is taken per mode after the previous mode's
 model, optimizer and caches are freed.
@@ -30,9 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import GiftConfig, Mode
+from . import gpu_trace
 from .overhead import MODELS
 
 MODES = ("off", "bf16", "euclidean", "gift", "off-again")
+CLOSE_LOOKS = MODES[:-1]  # modes that get the sync, trace and memory looks at a steady step (not the repeat)
 TARGET_PLUGIN_OVER_STEP = 0.02  # issue 14: the plugin's on-GPU work <= 2% of a BF16 step (Euclidean, GIFT)
 _600M = MODELS["llama-600m"]
 SPECS = {
@@ -84,21 +90,30 @@ def _build(mode: str, spec: dict):
     return ddp, get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
 
 
-def _step(ddp, opt, batches: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+def is_refresh(ddp) -> bool:
+    """Whether the next step rebuilds GIFT's factors (statistics are folded every step, summed and built on these)."""
+    gift = any(g.candidate for g in getattr(ddp, "gift_params", {}).values())
+    return gift and ddp.is_refresh_step(ddp.step)
+
+
+def _step(ddp, opt, batches: list[torch.Tensor], scope=contextlib.nullcontext) -> tuple[torch.Tensor, bool]:
     """One training step over ``batches`` (micro-batches); returns the last micro-batch's loss and
-    whether it rebuilt GIFT's factors (a refresh step)."""
+    whether it rebuilt GIFT's factors (a refresh step). ``scope()`` wraps the forward and backward passes
+    and ``finish_grad_sync`` (not the optimizer step); the last backward runs under the profiler mark
+    ``gpu_trace.BACKWARD``."""
     from ..testing.gpt import lm_loss
 
     ddp.zero_grad_buffer()
-    gift = any(g.candidate for g in getattr(ddp, "gift_params", {}).values())
-    refresh = gift and ddp.is_refresh_step(ddp.step)  # statistics are folded every step, summed and built on these
+    refresh = is_refresh(ddp)
     opt.zero_grad()
-    with ddp.no_sync():
-        for tokens in batches[:-1]:
-            (lm_loss(ddp, tokens) / len(batches)).backward()
-    loss = lm_loss(ddp, batches[-1]) / len(batches)
-    loss.backward()
-    ddp.finish_grad_sync()
+    with scope():
+        with ddp.no_sync():
+            for tokens in batches[:-1]:
+                (lm_loss(ddp, tokens) / len(batches)).backward()
+        loss = lm_loss(ddp, batches[-1]) / len(batches)
+        with torch.profiler.record_function(gpu_trace.BACKWARD):
+            loss.backward()
+        ddp.finish_grad_sync()
     ok, _, _ = opt.step()
     if not ok:
         raise RuntimeError("the optimizer skipped a step (non-finite gradients)")
@@ -118,25 +133,56 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
     gift = getattr(ddp, "gift_params", {})
     coded = sum(p.numel() for p, g in gift.items() if g.mode is not Mode.OFF)
     times, refresh, losses = [], [], []
+    batches_of = lambda step: [random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"])  # noqa: E731
+                               .to(device) for i in range(spec["microbatches"])]  # fmt: skip
     for step in range(spec["warmup"] + spec["steps"]):
-        batches = [random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"]).to(device)
-                   for i in range(spec["microbatches"])]  # fmt: skip
+        batches = batches_of(step)
         _sync(device)
         t0 = time.perf_counter()
-        loss, is_refresh = _step(ddp, opt, batches)
+        loss, was_refresh = _step(ddp, opt, batches)
         _sync(device)
         elapsed = time.perf_counter() - t0
         if step >= spec["warmup"]:
-            (refresh if is_refresh else times).append(elapsed)
+            (refresh if was_refresh else times).append(elapsed)
         losses.append(float(loss) * spec["microbatches"])
+    cuda = device.type == "cuda"
     out = dict(mode=mode, gift_config=None if gift_config(mode) is None else str(gift_config(mode)),
                coded_elements=coded, step_s=statistics.median(times), step_times_s=times,
                refresh_step_s=statistics.median(refresh) if refresh else None, refresh_step_times_s=refresh,
                losses=losses, static_memory_bytes=static,
-               peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-               peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None)  # fmt: skip
+               peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+               peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else None)  # fmt: skip
+    if mode in CLOSE_LOOKS:  # after the peaks above: these reset them
+        out.update(steady_looks(ddp, opt, batches_of, spec["warmup"] + spec["steps"], device))
     del ddp, opt
     return out
+
+
+def steady_looks(ddp, opt, batches_of, step: int, device: torch.device) -> dict:
+    """Three more steady steps (refresh steps skipped): host synchronisations (``gpu_trace.sync_probe``) with the
+    step's peak memory over what was allocated before it, a profiler trace (``gpu_trace.profiled``: codec work
+    overlapping the backward), and last ``set_sync_debug_mode("error")`` (``gpu_trace.sync_error``: it aborts)."""
+    peak = {}
+
+    def steady(scope=contextlib.nullcontext):
+        nonlocal step
+        while is_refresh(ddp):
+            _step(ddp, opt, batches_of(step))
+            step += 1
+        if device.type == "cuda":
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        _step(ddp, opt, batches_of(step), scope)
+        step += 1
+        if device.type == "cuda":
+            _sync(device)
+            peak.setdefault("bytes", torch.cuda.max_memory_allocated(device) - before)
+
+    syncs = gpu_trace.sync_probe(steady, device)
+    trace = gpu_trace.profiled(steady, device)
+    return dict(steady_syncs=syncs, steady_step_peak_extra_bytes=peak.get("bytes"), overlap=trace,
+                sync_error=gpu_trace.sync_error(steady, device))
 
 
 @contextlib.contextmanager
@@ -170,29 +216,42 @@ def summarize(results: list[dict], spec: dict) -> dict:
     modes = {}
     for mode, r in by_mode.items():
         plugin = r["step_s"] - off
+        syncs, trace = r.get("steady_syncs"), r.get("overlap")
         modes[mode] = dict(step_s=r["step_s"], over_off=r["step_s"] / off, plugin_s=plugin, plugin_over_step=plugin / off,
                            plugin_s_per_element=plugin / r["coded_elements"] if r["coded_elements"] else None,
                            refresh_step_s=r["refresh_step_s"], peak_memory_bytes=r["peak_memory_bytes"],
                            peak_memory_over_off=(r["peak_memory_bytes"] / by_mode["off"]["peak_memory_bytes"]
-                                                 if r["peak_memory_bytes"] else None))  # fmt: skip
+                                                 if r["peak_memory_bytes"] else None),
+                           steady_step_peak_extra_bytes=r.get("steady_step_peak_extra_bytes"),
+                           plugin_syncs=sum(syncs["plugin"].values()) if syncs else None,
+                           sync_error_raised=(r.get("sync_error") or {}).get("raised"),
+                           codec_overlap_share=trace["share_overlapping_backward"] if trace else None)  # fmt: skip
     return dict(tokens_per_step=tokens, off_step_s=off, compute_s_per_token=off / tokens,
                 resolution=by_mode["off-again"]["step_s"] / by_mode["off"]["step_s"] - 1, modes=modes)  # fmt: skip
 
 
 def targets(summary: dict) -> dict:
-    """The plugin's on-GPU work per step over a BF16 ``off`` step, Euclidean and GIFT, against 2%."""
+    """The plugin's on-GPU work per step over a BF16 ``off`` step, Euclidean and GIFT, against 2%; and issue 17's
+    zero host synchronisations of the plugin in a steady step (every plugin mode)."""
     over = {m: summary["modes"][m]["plugin_over_step"] for m in (Mode.EUCLIDEAN.value, Mode.GIFT.value)}
-    return dict(plugin_over_step=over, target=TARGET_PLUGIN_OVER_STEP, met=all(v <= TARGET_PLUGIN_OVER_STEP for v in over.values()))
+    syncs = {m: summary["modes"][m]["plugin_syncs"] for m in CLOSE_LOOKS if not m.startswith("off")}
+    return dict(plugin_over_step=over, target=TARGET_PLUGIN_OVER_STEP, met=all(v <= TARGET_PLUGIN_OVER_STEP for v in over.values()),
+                steady_plugin_syncs=syncs, syncs_met=all(v == 0 for v in syncs.values()))  # fmt: skip
 
 
 SCHEMA = {
     "results": "one record per mode: mode, gift_config, coded_elements (gradient elements the plugin quantizes), "
     "step_s (median steady step), step_times_s, refresh_step_s / refresh_step_times_s (GIFT refresh steps), "
-    "losses (every step's last micro-batch), static_memory_bytes (after building), peak_memory_bytes, peak_reserved_bytes",
+    "losses (every step's last micro-batch), static_memory_bytes (after building), peak_memory_bytes, peak_reserved_bytes; "
+    "modes but off-again add three steady steps after the timed ones: steady_syncs (gpu_trace.sync_probe: the plugin's "
+    "host synchronisations by file:line, others' count) with steady_step_peak_extra_bytes (that step's peak over what was "
+    "allocated before it), overlap (gpu_trace.overlap of a profiled step: codec kernels, their seconds, the share "
+    "overlapping the last backward's compute-stream kernels and its window), sync_error (set_sync_debug_mode('error'): "
+    "raised, error, plugin_frame; None on the CPU)",
     "summary": "tokens_per_step, off_step_s (median over both off runs), compute_s_per_token (off_step_s / tokens), "
     "resolution (off-again / off - 1), modes: {mode: step_s, over_off, plugin_s (step_s - off_step_s), "
     "plugin_over_step, plugin_s_per_element (plugin_s / coded_elements), refresh_step_s, peak_memory_bytes, "
-    "peak_memory_over_off}",
+    "peak_memory_over_off, steady_step_peak_extra_bytes, plugin_syncs, sync_error_raised, codec_overlap_share}",
 }
 
 
@@ -208,10 +267,14 @@ def format_table(doc: dict) -> str:
     """Markdown: step time, the plugin's share and peak memory per mode."""
     s = doc["summary"]
     lines = [f"{s['tokens_per_step']} tokens per step; resolution (off-again vs off): {100 * s['resolution']:+.2f}%", "",
-             "| mode | step ms | plugin ms | plugin / off step | refresh step ms | peak GiB |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "| mode | step ms | plugin ms | plugin / off step | refresh step ms | peak GiB | steady step peak GiB | "
+             "plugin syncs | codec overlapping backward |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    gib = lambda b: f"{b / 2**30:.2f}" if b else "-"  # noqa: E731
     for mode, m in s["modes"].items():
         refresh = f"{1e3 * m['refresh_step_s']:.1f}" if m["refresh_step_s"] else "-"
-        peak = f"{m['peak_memory_bytes'] / 2**30:.2f}" if m["peak_memory_bytes"] else "-"
         share = f"{100 * m['plugin_over_step']:.2f}%"
-        lines.append(f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | {peak} |")
+        overlap = "-" if m["codec_overlap_share"] is None else f"{100 * m['codec_overlap_share']:.0f}%"
+        syncs = "-" if m["plugin_syncs"] is None else str(m["plugin_syncs"])
+        lines.append(f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | "
+                     f"{gib(m['peak_memory_bytes'])} | {gib(m['steady_step_peak_extra_bytes'])} | {syncs} | {overlap} |")  # fmt: skip
     return "\n".join(lines) + "\n"

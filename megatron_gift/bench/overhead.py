@@ -1,5 +1,5 @@
 """``megatron-gift bench overhead``: what the plugin's per-layer work costs next to the layer's
-own forward+backward, so that the step-time model (``megatron_gift.perfmodel``) and the paper's
+own forward+backward, so that the step-time model (``megatron_gift.planner``) and the paper's
 "≤ 2% of a step" claim can be checked on real shapes.
 
 For each linear layer of Llama-300M, Llama-600M (the paper's shapes) and the CPU demo model
@@ -50,15 +50,16 @@ from .. import kernels
 from ..config import GiftConfig
 from ..numerics.kfac import KFACStatistics, sketch_matrix
 from ..numerics.whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, factor_from_sketch
+from ..planner.workloads import PRESETS as LLAMA, layer_shapes
 
 RANK = GiftConfig().rank
 SKETCH = GiftConfig().sketch
 RANKS = 8  # data-parallel ranks whose messages one rank decodes and sums (one 8-GPU node)
 
-MODELS = {
-    "llama-300m": dict(layers=24, hidden=1024, heads=16, ffn=2736, seq=4096, micro_batch=4),
-    "llama-600m": dict(layers=32, hidden=1280, heads=20, ffn=3456, seq=2048, micro_batch=4),
-    "demo": {k: PRESETS["default"][k] for k in ("layers", "hidden", "heads", "ffn", "seq", "micro_batch")},
+_DIMS = ("layers", "hidden", "heads", "ffn", "seq")
+MODELS = {  # the planner's Llama presets, 4 sequences per micro-batch, and the CPU demo model
+    **{f"llama-{m}": dict({k: LLAMA[m][k] for k in _DIMS}, micro_batch=4) for m in ("300m", "600m")},
+    "demo": {k: PRESETS["default"][k] for k in (*_DIMS, "micro_batch")},
 }
 QUICK_TOKENS = 1024  # tokens per micro-batch in --quick (instead of seq x micro-batch)
 QUICK_MODELS = ("llama-600m", "demo")
@@ -76,12 +77,6 @@ SCHEMA = {
     "local compute every step) and statistics_over_layer (statistics_s / layer_fwd_bwd_s)",
     "targets": "the paper-level targets, reported (not asserted)",
 }
-
-
-def layer_shapes(m: dict) -> dict[str, tuple[int, int]]:
-    """Weight-gradient shapes ``[d_out, d_in]`` of one transformer layer's linear layers (MHA, SwiGLU)."""
-    h, f = m["hidden"], m["ffn"]
-    return {"qkv": (3 * h, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
 
 
 def synthetic_factor(d_in: int, rank: int, seed: int = 0) -> LowRankFactor:

@@ -1,0 +1,79 @@
+"""Megatron's gradient buckets and the bytes each scheme puts on the wire for them; the delta
+parameter gather's bytes per element."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from ..config import INTRA_NODE_DTYPES, Mode
+from ..numerics.fp8 import CodecConfig
+from .choices import FP8Params
+from .cluster import sourced
+from .schemes import Scheme
+from .workloads import LINEAR_KINDS, Workload, is_kind
+
+
+@dataclass(frozen=True)
+class DeltaCodec:
+    """Wire format of the delta parameter all-gather (issue 18): a code per element plus one scale per
+    block. The one place the planner reads its bytes per element from."""
+
+    payload_bytes: float = sourced(1.0, "int8 or E4M3 code per element (issue 18)")
+    scale_bytes: float = sourced(1.0, "one power-of-two scale (E8M0, 1 B) per block, as OCP's MXINT8 (issue 18)")
+    block: int = sourced(32, "elements per scale: OCP MX's 32 (issue 18; E4M3 with FP32 scales per 128 is the same 1/32 B)")
+
+    @property
+    def bytes_per_element(self) -> float:
+        return self.payload_bytes + self.scale_bytes / self.block
+
+
+@dataclass
+class Bucket:
+    """One gradient bucket: elements, compute FLOPs per token of its parameters, wire bytes of the scheme
+    (full buffer, before ``(p-1)/p``), bytes in each intra-node dtype (two-level stage 1), GIFT elements."""
+
+    elements: int = 0
+    flops_per_token: float = 0.0
+    wire_bytes: float = 0.0
+    intra_bytes: dict = field(default_factory=lambda: dict.fromkeys(INTRA_NODE_DTYPES, 0.0))
+    gift_elements: int = 0
+
+
+def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: FP8Params, codec: CodecConfig) -> float:
+    """Bytes ``scheme`` sends for one parameter's gradient; with ``fp8_params=linear`` the others go as BF16."""
+    rows, cols = shape
+    if scheme.mode is Mode.OFF:
+        return scheme.ring_bytes * rows * cols
+    fp8 = fp8_params is FP8Params.ALL or is_kind(name, LINEAR_KINDS)
+    return codec.encoded_bytes(rows, cols) if fp8 else 2.0 * rows * cols
+
+
+def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig) -> float:
+    """Bytes of one parameter in the two-level exchange's intra-node stage in ``dtype`` (fp8: the scheme's)."""
+    if dtype == "fp8":
+        return param_bytes(scheme, name, shape, fp8_params, codec)
+    return param_bytes(Scheme(dtype), name, shape, fp8_params, codec)
+
+
+@functools.lru_cache(maxsize=256)
+def buckets(w: Workload, scheme: Scheme, dp: int, fp8_params: FP8Params = FP8Params.ALL, bucket_size: int | None = None,
+            gift_layers: tuple[str, ...] = ("fc2",)) -> tuple[Bucket, ...]:  # fmt: skip
+    """Megatron's gradient buckets (backward order: parameters reversed, a bucket closes once it holds
+    ``bucket_size`` elements, default ``max(40M, 1M·dp)`` as ``DistributedDataParallel``'s) with the bytes.
+    Cached (the planner prices one layout many times): do not modify the buckets returned."""
+    size = bucket_size or max(40_000_000, 1_000_000 * dp)
+    codec = CodecConfig()
+    out = [Bucket()]
+    for name, shape, flops in reversed(w.parameters()):
+        b = out[-1]
+        b.elements += shape[0] * shape[1]
+        b.flops_per_token += flops
+        b.wire_bytes += param_bytes(scheme, name, shape, fp8_params, codec)
+        for dtype in INTRA_NODE_DTYPES:
+            b.intra_bytes[dtype] += intra_param_bytes(dtype, scheme, name, shape, fp8_params, codec)
+        if scheme.mode is Mode.GIFT and is_kind(name, gift_layers):
+            b.gift_elements += shape[0] * shape[1]
+        if b.elements >= size:
+            out.append(Bucket())
+    return tuple(b for b in out if b.elements or b.flops_per_token)

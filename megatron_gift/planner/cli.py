@@ -1,0 +1,173 @@
+"""``megatron-gift model``: the argument table, the handler and the run (tables, checks, JSON).
+
+Module level imports only torch-free modules, so that building the command line stays fast; the
+model itself (torch: the wire format) is imported by the handler. ``megatron_gift.cli`` imports this
+module when it builds its parser."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from ..cli import CORPUS, _positive_int, require_bench_extra
+from .choices import FP8Params, GiftSchedule, ParamGather, Schedule
+from .cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
+from .workloads import DIMS, PRESETS
+
+NCCL_SOURCE = "NVIDIA/nccl 5067397c (2026-06-11): src/graph/tuning.cc, src/enqueue.cc"
+
+
+def _intra_node(text: str) -> str:
+    from ..config import INTRA_NODE_DTYPES
+
+    if text not in INTRA_NODE_DTYPES:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(INTRA_NODE_DTYPES)}, got {text!r}")
+    return text
+
+
+def _values(kind) -> list[str]:
+    return [k.value for k in kind]
+
+
+def add_parser(subparsers) -> None:
+    """The ``model`` command's arguments (the argument table)."""
+    mod = subparsers.add_parser(
+        "model",
+        help="planner: will FP8 gradient communication speed up my training? (analytic step-time model)",
+        description="Predict the step time of data-parallel Llama training with Megatron's FP32 and BF16 ring reduction "
+        "and the plugin's FP8 exchanges (Euclidean and GIFT, flat all-to-all and two-level) as the plugin's stream "
+        "schedules run them, with Megatron's BF16 or the delta parameter all-gather, on a given cluster, model and batch; "
+        "print a table per GPU count, a verdict line per mode with its break-even all-to-all efficiency and the "
+        "recommendation; check the byte model against a bench comm JSON and, with --validate-cpu, step times against "
+        "CPU gloo runs of the demo model.",
+    )
+    mod.add_argument("--model", default="600m", metavar="NAME",
+                     help=f"preset: {', '.join(PRESETS)} (llama- prefix allowed), or custom with every dimension below "
+                     "(default: %(default)s)")  # fmt: skip
+    for dim in DIMS:
+        mod.add_argument(f"--{dim}", type=_positive_int, default=None, help=f"override the preset's {dim}")
+    mod.add_argument("--gpus", type=_positive_int, nargs="+", default=[64, 256, 512], metavar="N",
+                     help="GPU counts, one table each (default: 64 256 512)")  # fmt: skip
+    mod.add_argument("--cluster", default="gh200", choices=list(CLUSTERS),
+                     help="machine preset (default: %(default)s; sources in the JSON and docs/planner.md)")  # fmt: skip
+    mod.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs per node (each with its own NIC)")
+    mod.add_argument("--nic-gbps", type=float, default=None, help="NIC bandwidth per GPU and direction in Gb/s (GH200 "
+                     "Slingshot: 200)")  # fmt: skip
+    mod.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink bandwidth per GPU and direction in Gb/s "
+                     "(H100: 3600, i.e. 450 GB/s)")  # fmt: skip
+    mod.add_argument("--a2a-efficiency", type=float, default=None, metavar="RATIO",
+                     help="the all-to-all's achieved NIC bandwidth relative to a ring's (default: the cluster's "
+                     "a2a_nic_ratio, 0.75; every verdict prints the break-even)")  # fmt: skip
+    mod.add_argument("--global-batch", type=_positive_int, default=512, help="sequences per step (default: %(default)s)")
+    mod.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default: %(default)s)")
+    mod.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
+    mod.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    mod.add_argument("--bucket-size", type=_positive_int, default=None, metavar="ELEMENTS",
+                     help="Megatron's --ddp-bucket-size (default: Megatron's max(40M, 1M x data-parallel size))")  # fmt: skip
+    mod.add_argument("--intra-node", type=_intra_node, default="bf16", metavar="DTYPE",
+                     help="dtype of the two-level exchange's intra-node stage, as --gift-intra-node (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--fp8-params", default="all", choices=_values(FP8Params),
+                     help="FP8 for every gradient (the paper) or linear weights only, the rest BF16 (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--schedule", default="overlap", choices=_values(Schedule),
+                     help="overlap: distributed optimizer, overlapped grad reduce and param gather (the recipes); sync: "
+                     "one all-reduce after the backward (the paper's artifact) (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--gift-schedule", default="eager", choices=_values(GiftSchedule),
+                     help="the plugin's stream schedule, as --gift-schedule: eager (all of a bucket's stages at its hook; "
+                     "the default) or lagged (the default where CUDA_DEVICE_MAX_CONNECTIONS=1); the table shows the other "
+                     "beside it (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--param-gather", default="bf16", choices=_values(ParamGather),
+                     help="the parameter all-gather of every row but the stock BF16 reference: Megatron's bf16, or delta "
+                     "(about 1 byte per element, as --gift-param-gather delta) (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
+    mod.add_argument("--overhead-json", metavar="PATH", help="plugin kernel costs from a bench overhead JSON of the target "
+                     "GPU (default: HBM-bandwidth estimates)")  # fmt: skip
+    mod.add_argument("--comm-json", metavar="PATH", default=None,
+                     help="bench comm JSON to check the byte model against (default: the checkout's bench/results/comm-cpu.json)")  # fmt: skip
+    mod.add_argument("--validate-cpu", metavar="OVERHEAD_JSON", help="also train the demo model on 2 gloo ranks per mode "
+                     "and compare step times, with the plugin's costs from this CPU overhead JSON (~4 min)")  # fmt: skip
+    mod.add_argument("--measured", metavar="MODEL_JSON", help="with --validate-cpu: reuse the measured step times and gloo "
+                     "fits of this earlier model JSON instead of training")  # fmt: skip
+    mod.add_argument("--iters", type=_positive_int, default=30, help="iterations per mode of --validate-cpu (default 30)")
+    mod.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override a machine parameter, e.g. --set a2a_nic_ratio=0.5 --set mfu=0.5")  # fmt: skip
+    mod.add_argument("--json", metavar="PATH", help="write the plans and checks as JSON")
+    mod.set_defaults(func=main)
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The preset with the command line's overrides (ValueError on a bad one)."""
+    c = CLUSTERS[args.cluster]
+    for name, value in (("gpus_per_node", args.gpus_per_node), ("inter_bw", args.nic_gbps and args.nic_gbps * 1e9 / 8),
+                        ("intra_bw", args.nvlink_gbps and args.nvlink_gbps * 1e9 / 8), ("a2a_nic_ratio", args.a2a_efficiency)):  # fmt: skip
+        if value is not None:
+            c = dataclasses.replace(c, **{name: value})
+    fields = {f.name: f for f in dataclasses.fields(Cluster)}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in fields or key == "name" or not value:
+            raise ValueError(f"--set wants FIELD=VALUE, FIELD one of {', '.join(list(fields)[1:])}; got {item!r}")
+        kind = float if key == "latency_s" else type(getattr(c, key))
+        c = dataclasses.replace(c, **{key: kind(value)})
+    return c
+
+
+def main(args: argparse.Namespace) -> int:
+    """The handler: everything is checked before anything is printed."""
+    from . import model
+    from .options import Options
+    from .workloads import workload
+
+    if args.validate_cpu:  # trains on the text corpus
+        require_bench_extra(args.command_line, CORPUS)
+    if args.measured and not args.validate_cpu:
+        raise SystemExit("megatron-gift model: --measured needs --validate-cpu OVERHEAD_JSON")
+    try:
+        c = cluster_from_args(args)
+        w = workload(args.model, micro_batch=args.micro_batch, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
+                     **{k: getattr(args, k) for k in DIMS})  # fmt: skip
+        opts = Options(schedule=args.schedule, gift_schedule=args.gift_schedule, param_gather=args.param_gather,
+                       fp8_params=args.fp8_params, bucket_size=args.bucket_size, intra_dtype=args.intra_node)  # fmt: skip
+        for gpus in args.gpus:
+            model.placement(model.data_parallel(w, gpus)[0], w.tp, c)
+    except ValueError as e:
+        raise SystemExit(f"megatron-gift model: {e}") from None
+    run(w, c, tuple(args.gpus), opts, overhead_json=args.overhead_json, json_path=args.json,
+        comm_json=args.comm_json, validate_overhead_json=args.validate_cpu, validate_iters=args.iters,
+        measured_json=args.measured, show_sensitivity=args.sensitivity, command=args.command_line)  # fmt: skip
+    return 0
+
+
+def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = None, json_path: str | None = None,
+        comm_json: str | None = None, validate_overhead_json: str | None = None, validate_iters: int = 30,
+        measured_json: str | None = None, show_sensitivity: bool = False, command: str | None = None) -> dict:  # fmt: skip
+    """Per GPU count a table with verdicts, a summary row each, optionally the sensitivity at the largest count;
+    the byte check against ``comm_json`` (default: the checkout's; ``none``: skip) and optionally the CPU
+    validation. Prints, writes JSON, returns the document."""
+    from . import checks, model, output, validation
+    from .costs import KernelCosts
+
+    costs = KernelCosts.from_json(overhead_json, c, f"llama-{w.name}") if overhead_json else KernelCosts.from_hbm(c)
+    doc = dict(model="planner", command=command or "megatron-gift model", workload=dataclasses.asdict(w),
+               options=dataclasses.asdict(opts), cluster=dataclasses.asdict(c), cluster_sources=sources(),
+               preset_source=PRESET_SOURCES.get(c.name, "custom"), costs=dataclasses.asdict(costs), nccl=NCCL_SOURCE,
+               min_gain_pct=model.MIN_GAIN_PCT, plans=[model.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
+    out = [output.format_plan(p, w) for p in doc["plans"]] + [output.format_summary(doc["plans"])]
+    if show_sensitivity:
+        doc["sensitivity"] = model.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts)
+        out.append(output.format_sensitivity(doc["sensitivity"], max(gpus)))
+    comm_json = comm_json or str(checks.COMM_JSON)
+    if Path(comm_json).exists():
+        doc["bytes_check"] = dict(source=comm_json, rows=checks.comm_bytes_check(comm_json),
+                                  links=checks.comm_links_check(comm_json))  # fmt: skip
+        out.append(output.format_bytes_check(doc["bytes_check"]["rows"], doc["bytes_check"]["links"]))
+    if validate_overhead_json:
+        doc["cpu_validation"] = validation.validate_cpu(validate_overhead_json, iters=validate_iters,
+                                                        measured_json=measured_json)  # fmt: skip
+        out.append(output.format_validation(doc["cpu_validation"]))
+    print("\n".join(out), end="")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1, default=lambda o: o.value)  # enums
+    return doc

@@ -1,0 +1,65 @@
+"""What the plugin's GPU kernels cost: memory-bound kernels priced by their HBM traffic.
+
+A kernel that moves ``codec_bytes`` in elementwise passes (cast, sums, encode, decode) and
+``transform_bytes`` in GIFT's whitening passes (``G Q``, ``U T⁻¹``) takes
+``stage_s + codec_bytes / codec_bw + transform_bytes / transform_bw``. The bandwidths come from the
+cluster's HBM (``from_hbm``: ``hbm_bw x codec_hbm_efficiency``, no measurement) or from a
+``bench overhead`` JSON (``from_json``: what the codec and the transform measured on that device).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+
+from ..numerics.fp8 import CodecConfig
+from .cluster import Cluster
+
+FACTOR_BUILD_S = 7.0e-3
+"""One GIFT factor build (Nyström core of a [d_in, 64] sketch, d_in = 3456): what ``bench overhead`` measured on
+a 2-core EPYC CPU with one thread (bench/results/overhead-cpu.json, llama-600m fc2: 7.04 ms). The refresh builds
+it on the GPU (issue 17 item 5), where it has not been measured yet; small latency-bound linear algebra, so the
+CPU figure stands in."""
+CODEC_PASS_BYTES = 10.0
+"""HBM bytes per element of ``bench overhead``'s encode+decode: read 4 (FP32), write 1, read 1, write 4 (plus the
+scales twice)."""
+TRANSFORM_PASS_BYTES = 24.0
+"""HBM bytes per element of ``bench overhead``'s low-rank apply + inverse: each reads ``G`` twice (``G Q``, then
+``G + (G Q) Wᵀ``) and writes it once, in FP32."""
+
+
+@dataclass(frozen=True)
+class KernelCosts:
+    """Bandwidths (B/s) of the plugin's memory-bound kernels, the fixed time per GPU stage, one factor build."""
+
+    codec_bw: float
+    transform_bw: float
+    stage_s: float
+    factor_build_s: float
+    source: str
+
+    def seconds(self, codec_bytes: float, transform_bytes: float = 0.0) -> float:
+        """One GPU stage moving these bytes."""
+        return self.stage_s + codec_bytes / self.codec_bw + transform_bytes / self.transform_bw
+
+    @classmethod
+    def from_hbm(cls, c: Cluster) -> "KernelCosts":
+        bw = c.hbm_bw * c.codec_hbm_efficiency
+        return cls(codec_bw=bw, transform_bw=bw, stage_s=c.gpu_stage_s, factor_build_s=FACTOR_BUILD_S,
+                   source=f"estimate: HBM bytes / ({c.codec_hbm_efficiency:g} x {c.hbm_bw / 1e12:g} TB/s)")  # fmt: skip
+
+    @classmethod
+    def from_json(cls, path: str, c: Cluster, model: str | None = None) -> "KernelCosts":
+        """Bandwidths from a ``bench overhead`` JSON, summed over the layers of ``model`` (all if absent): the
+        codec's from its encode+decode time, the transform's from GIFT's layers (fc2), the build likewise."""
+        doc = json.load(open(path))
+        rows = [s for s in doc["summary"] if s["model"] == model] or doc["summary"]
+        scale = CodecConfig().scale_bytes
+        codec_bytes = sum(CODEC_PASS_BYTES * r * k + 2 * scale(r, k) for r, k in (s["shape"] for s in rows))
+        fc2 = [s for s in rows if s["layer"] == "fc2"] or rows
+        transform_bytes = sum(TRANSFORM_PASS_BYTES * s["shape"][0] * s["shape"][1] for s in fc2)
+        return cls(codec_bw=codec_bytes / sum(s["codec_s"] for s in rows),
+                   transform_bw=transform_bytes / sum(s["transform_s"] for s in fc2), stage_s=c.gpu_stage_s,
+                   factor_build_s=statistics.mean(s["factor_build_s"] for s in fc2),
+                   source=f"measured: {path} ({rows[0]['model']}, {doc['results'][0]['device']})")  # fmt: skip

@@ -1,0 +1,49 @@
+"""What the planner prices besides the machine and the model: schedules, the parameter gather,
+which gradients go as FP8, buckets, GIFT's refresh. Defaults are the runtime's (``GiftConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import INTRA_NODE_DTYPES, GiftConfig
+from .buckets import DeltaCodec
+from .choices import FP8Params, GiftSchedule, ParamGather, Schedule
+from .workloads import GIFT_KINDS
+
+_GIFT = GiftConfig()
+
+
+@dataclass(frozen=True)
+class Options:
+    """``schedule``: Megatron's; ``gift_schedule``: the plugin's stream schedule; ``param_gather`` and
+    ``delta``: the distributed optimizer's parameter all-gather and the delta codec's bytes;
+    ``fp8_params``; ``bucket_size`` (None: Megatron's ``max(40M, 1M·DP)``); ``intra_dtype`` of the two-level
+    exchange; ``gift_layers``: the linear-layer kinds GIFT whitens; the refresh's interval, sketch and rank;
+    ``cpu_waits``: the plugin's waits block the host (CPU/gloo: ``Work.wait()`` is a host wait, so each
+    bucket's whole reduction runs inside its hook; the CPU validation only)."""
+
+    schedule: Schedule = Schedule.OVERLAP
+    gift_schedule: GiftSchedule = GiftSchedule.EAGER
+    param_gather: ParamGather = ParamGather.BF16
+    delta: DeltaCodec = field(default_factory=DeltaCodec)
+    fp8_params: FP8Params = FP8Params.ALL
+    bucket_size: int | None = None
+    intra_dtype: str = _GIFT.intra_node
+    gift_layers: tuple[str, ...] = GIFT_KINDS
+    refresh_interval: int = _GIFT.refresh_interval
+    sketch: int = _GIFT.sketch
+    rank: int = _GIFT.rank
+    cpu_waits: bool = False
+
+    def __post_init__(self):
+        for name, kind in (("schedule", Schedule), ("gift_schedule", GiftSchedule), ("param_gather", ParamGather),
+                           ("fp8_params", FP8Params)):  # fmt: skip
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.intra_dtype not in INTRA_NODE_DTYPES:
+            raise ValueError(f"intra_dtype must be one of {INTRA_NODE_DTYPES}, got {self.intra_dtype!r}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
+        if min(self.refresh_interval, self.sketch, self.rank) < 1:
+            raise ValueError(f"refresh_interval, sketch and rank must be >= 1, got {self}")
+        if self.schedule is Schedule.SYNC and self.param_gather is ParamGather.DELTA:
+            raise ValueError("the delta parameter gather needs the distributed optimizer (schedule overlap)")

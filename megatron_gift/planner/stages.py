@@ -1,0 +1,193 @@
+"""Each bucket's work as the plugin's execution model runs it (issue 17; /work/notes and
+docs/planner.md "The model"): an ordered chain of GPU stages and collectives, each on its stream.
+
+Per bucket of ``N`` elements (``F`` wire bytes, ``N_g`` of them GIFT's, ``I`` in the intra-node
+dtype), ``p = g·n`` ranks, shard ``S = N/p``. HBM traffic of each GPU stage (bytes):
+
+=====================  ==========================================  =============================
+stage                  elementwise (codec bandwidth)               GIFT (transform bandwidth)
+=====================  ==========================================  =============================
+flat encode            read 4N, write F                            read 4N_g (``G Q``)
+flat decode-sum        read F (p messages of S), write 4S          8 N_g/p (``T⁻¹``)
+2-level cast           read 4N, write I                            (fp8 intra: 4N_g)
+2-level node sums      read I (g messages of N/g), write 4N/g
+2-level encode slice   read 4N/g, write F/g                        4 N_g/g
+2-level decode-sum     read F/g (n messages of S), write 4S        8 N_g/p
+all-reduce re-encode   read 4S, write F/p
+all-reduce decode      read F, write 4N                            8 N_g
+delta encode           read 2S (new) + 2S (prev), write b·S
+delta decode           read 2N (params) + b·N, write 2N + 2S
+=====================  ==========================================  =============================
+
+All-to-alls skip the rank itself. GIFT rows cut by a shard boundary cost one neighbour exchange
+(one LL latency) per bucket and stage, on a communicator of its own (assumed: on the stage's bulk
+communicator it would queue behind the next bucket's all-to-all).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass
+
+from ..config import Mode
+from . import nccl
+from .buckets import Bucket
+from .choices import ParamGather
+from .cluster import Cluster
+from .costs import KernelCosts
+from .options import Options
+from .schemes import Scheme
+
+
+class Kind(enum.Enum):
+    GPU = "gpu"  # kernels that occupy the GPU (shared with the model's compute)
+    COMM = "comm"  # a collective: occupies its links, not the GPU queue
+
+
+@dataclass(frozen=True)
+class Task:
+    """One step of a bucket's chain: runs after the previous task of its chain and of its ``stream``."""
+
+    label: str
+    kind: Kind
+    seconds: float
+    stream: str
+    resources: tuple[str, ...]
+    stage: int
+    nvlink_bytes: float = 0.0
+    nic_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where a bucket is reduced: ``g`` ranks per node on ``n`` nodes."""
+
+    g: int
+    n: int
+    c: Cluster
+    costs: KernelCosts
+    opts: Options
+
+    @property
+    def p(self) -> int:
+        return self.g * self.n
+
+    def gpu(self, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0, stream: str = "") -> Task:
+        """A GPU stage moving these HBM bytes, on stage ``stage``'s stream unless ``stream`` is given."""
+        seconds = self.costs.seconds(codec_bytes, transform_bytes)
+        return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage)
+
+    def links(self, p: int, g: int) -> tuple[str, ...]:
+        return ("nvlink", "nic") if p > g else ("nvlink",)
+
+    def ring(self, label: str, kind: str, nbytes: float, stream: str, stage: int) -> Task:
+        """A ring collective over the whole group (NCCL's tuner: ring or, for all-reduce, tree)."""
+        p, g = self.p, self.g
+        t = nccl.all_reduce_time(nbytes, p, g, self.c) if kind == "all_reduce" else nccl.ring_time(kind, nbytes, p, g, self.c)
+        total = (2 if kind == "all_reduce" else 1) * (p - 1) / p * nbytes
+        nic = total / g if p > g else 0.0
+        return Task(label, Kind.COMM, t, stream, self.links(p, g), stage, total - nic, nic)
+
+    def cut_rows(self, stage: int, across_nodes: bool) -> Task:
+        return Task("cut rows", Kind.COMM, nccl.neighbour_exchange_time(across_nodes, self.c), f"cut{stage}", (), stage)
+
+
+def reduction_chain(b: Bucket, scheme: Scheme, x: Context) -> list[Task]:
+    """The gradient reduction of one bucket: reduce-scatter with the distributed optimizer, else all-reduce."""
+    if x.p == 1:  # nothing to communicate, nothing to quantize (the plugin leaves the gradient to Megatron)
+        return []
+    dist_opt = x.opts.schedule.value == "overlap"
+    if scheme.mode is Mode.OFF:
+        kind = "reduce_scatter" if dist_opt else "all_reduce"
+        return [x.ring(kind.replace("_", "-"), kind, b.wire_bytes, "dp", 1)]
+    if scheme.two_level and x.g > 1 and x.n > 1:
+        return _two_level(b, x, dist_opt)
+    return _flat(b, x, dist_opt)
+
+
+def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
+    """One all-to-all over the group (one node, one rank per node, or ``--gift-exchange flat``)."""
+    p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    a2a = Task("all-to-all", Kind.COMM, nccl.all_to_all_time(F, p, g, x.c), "dp", x.links(p, g), 1,
+               (g - 1) / p * F, (p - g) / p * F)  # fmt: skip
+    tasks = [x.gpu("encode", 1, 4 * N + F, 4 * Ng), a2a, x.gpu("decode-sum", 2, F + 4 * N / p, 8 * Ng / p * dist_opt)]
+    if dist_opt:
+        return tasks + ([x.cut_rows(2, n > 1)] if Ng else [])
+    return tasks + [x.gpu("re-encode shard", 3, 4 * N / p + F / p), x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
+                    x.gpu("decode bucket", 4, F + 4 * N, 8 * Ng)]  # fmt: skip
+
+
+def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
+    """Intra-node all-to-all in the intra dtype, node sums, encode of the 1/g slice, FP8 all-to-all among the
+    ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``)."""
+    p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
+    intra = b.intra_bytes[x.opts.intra_dtype]
+    tasks = [x.gpu("encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng * fp8),
+             Task("intra all-to-all", Kind.COMM, nccl.all_to_all_time(intra, g, g, x.c), "intra", ("nvlink",), 1,
+                  (g - 1) / g * intra),
+             x.gpu("node sums", 2, intra + 4 * N / g)]  # fmt: skip
+    if Ng and not fp8:
+        tasks.append(x.cut_rows(2, False))
+    tasks += [x.gpu("encode slice", 2, 4 * N / g + F / g, 4 * Ng / g * (not fp8)),
+              Task("inter all-to-all", Kind.COMM, nccl.all_to_all_time(F / g, n, 1, x.c), "inter", ("nic",), 2, 0.0,
+                   (n - 1) / n * F / g),
+              x.gpu("decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p * dist_opt)]  # fmt: skip
+    if dist_opt:
+        return tasks + ([x.cut_rows(3, True)] if Ng else [])
+    gather = [Task("FP8 all-gather (inter)", Kind.COMM, nccl.ring_time("all_gather", F / g, n, 1, x.c), "inter", ("nic",),
+                   4, 0.0, (n - 1) / n * F / g),
+              Task("FP8 all-gather (intra)", Kind.COMM, nccl.ring_time("all_gather", F, g, g, x.c), "intra", ("nvlink",),
+                   4, (g - 1) / g * F)]  # fmt: skip
+    return tasks + [x.gpu("re-encode shard", 4, 4 * N / p + F / p), *gather, x.gpu("decode bucket", 5, F + 4 * N, 8 * Ng)]
+
+
+def gather_chain(elements: int, x: Context) -> list[Task]:
+    """One bucket's parameter all-gather after the optimizer step: Megatron's BF16 ring all-gather, or the
+    delta gather (the owner encodes its shard's change, a ring all-gather of the codes, every rank decodes)."""
+    if x.p == 1:
+        return []
+    if x.opts.param_gather is ParamGather.BF16:
+        return [x.ring("all-gather", "all_gather", 2.0 * elements, "param-gather", 1)]
+    bpe, shard = x.opts.delta.bytes_per_element, elements / x.p
+    encode = x.gpu("delta encode", 1, 4 * shard + bpe * shard, stream="delta-encode")
+    decode = x.gpu("delta decode", 2, (4 + bpe) * elements + 2 * shard, stream="delta-decode")
+    gather = x.ring("delta all-gather", "all_gather", bpe * elements, "param-gather", 1)
+    return [encode, gather, decode]
+
+
+def record_bytes(d_in: int, rank: int) -> int:
+    """One layer's refresh record (the refresh's ``RecordLayout``, issue 17 item 5): FP64 header (status, rank,
+    choice, damping, tr A), ``d``, ``V``, ``λ``; FP32 ``D^-1/2``, ``D^1/2``, ``Q``, ``c``, ``c'``; padded to 8 bytes."""
+    r = min(rank, d_in)
+    n = 8 * (5 + d_in + d_in * r + r) + 4 * (2 * d_in + d_in * r + 2 * r)
+    return -(-n // 8) * 8
+
+
+def owners(sizes: list[int], p: int) -> list[list[int]]:
+    """The refresh's owners (``GiftState.assign_owners``): largest record first, to the rank that owns the fewest
+    bytes so far, lowest rank on ties; the layers each of the ``p`` ranks builds."""
+    heap, owned = [(0, r) for r in range(p)], [[] for _ in range(p)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: layer order on ties
+        load, r = heapq.heappop(heap)
+        owned[r].append(i)
+        heapq.heappush(heap, (load + sizes[i], r))
+    return owned
+
+
+def refresh_chain(d_ins: list[int], x: Context) -> list[Task]:
+    """A GIFT refresh (issue 17 item 5): one FP32 all-reduce of every layer's statistics EMA (sketch, diagonal,
+    token count), each factor built on its owner (``owners``), then one all-gather of a fixed-size slot per
+    rank (the most record bytes any rank owns). The busiest rank's builds set the time."""
+    if x.p == 1 or not d_ins:
+        return []
+    k = x.opts.sketch
+    stats = sum((d * min(k, d) + d + 1) * 4.0 for d in d_ins)
+    sizes = [record_bytes(d, x.opts.rank) for d in d_ins]
+    owned = owners(sizes, x.p)
+    slot = max(sum(sizes[i] for i in mine) for mine in owned)
+    builds = max(len(mine) for mine in owned) * x.costs.factor_build_s
+    return [x.ring("statistics all-reduce", "all_reduce", stats, "refresh", 1),
+            Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
+            x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1)]  # fmt: skip

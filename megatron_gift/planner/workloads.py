@@ -1,0 +1,101 @@
+"""Workloads: a Llama-style model, its batch and its TP/PP layout, and the presets.
+
+Presets: ``300m``/``600m`` are the paper's Llama-300M/600M (arXiv 2607.07494; GPT-2 tokenizer,
+50257 padded to 50304); ``1.3b`` a Llama-shaped 1.35B (24 x 2048, SwiGLU 5504, Llama's 32000
+vocabulary); ``7b`` Llama-2-7B (Touvron et al. 2023: 32 x 4096, FFN 11008, 32 heads, vocabulary
+32000, context 4096). ``bench overhead`` and the GPU check time their layers at these shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+LINEAR_KINDS = ("qkv", "proj", "fc1", "fc2")
+ROW_PARALLEL = ("proj", "fc2")  # TP shards their inputs (columns); qkv and fc1 shard their outputs (rows)
+GIFT_KINDS = ("fc2",)  # the paper's and the recipes' selection: the MLP down projections
+DIMS = ("layers", "hidden", "heads", "ffn", "seq", "vocab")
+PRESETS = {
+    "300m": dict(layers=24, hidden=1024, heads=16, ffn=2736, seq=4096, vocab=50304),
+    "600m": dict(layers=32, hidden=1280, heads=20, ffn=3456, seq=2048, vocab=50304),
+    "1.3b": dict(layers=24, hidden=2048, heads=16, ffn=5504, seq=2048, vocab=32000),
+    "7b": dict(layers=32, hidden=4096, heads=32, ffn=11008, seq=4096, vocab=32000),
+}
+
+
+def layer_shapes(m: dict) -> dict[str, tuple[int, int]]:
+    """Weight-gradient shapes ``[d_out, d_in]`` of one transformer layer's linear layers (MHA, SwiGLU)."""
+    h, f = m["hidden"], m["ffn"]
+    return {"qkv": (3 * h, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A Llama-style model (SwiGLU, MHA, RMSNorm, no biases), its batch and its TP/PP layout;
+    ``untied``: separate output layer."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    seq: int
+    micro_batch: int
+    global_batch: int
+    vocab: int
+    untied: bool = True
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for k in ("layers", "hidden", "heads", "ffn", "seq", "micro_batch", "global_batch", "vocab", "tp", "pp"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        for k in ("heads", "ffn", "vocab"):
+            if getattr(self, k) % self.tp:
+                raise ValueError(f"tensor parallelism {self.tp} must divide {k} ({getattr(self, k)})")
+        if self.layers % self.pp:
+            raise ValueError(f"pipeline parallelism {self.pp} must divide layers ({self.layers})")
+
+    def parameters(self) -> list[tuple[str, tuple[int, int], float]]:
+        """``(name, (rows, cols), fwd+bwd FLOPs per token)`` of one rank (its TP shard of the first pipeline
+        stage), in Megatron's ``model.parameters()`` order."""
+        h, tp = self.hidden, self.tp
+        out = [("embedding", (self.vocab // tp, h), 0.0)]
+        shapes = layer_shapes(asdict(self))
+        for i in range(self.layers // self.pp):
+            out.append((f"layers.{i}.input_layernorm", (1, h), 0.0))
+            for layer, (rows, cols) in shapes.items():
+                rows, cols = (rows, cols // tp) if layer in ROW_PARALLEL else (rows // tp, cols)
+                out.append((f"layers.{i}.{layer}", (rows, cols), 6.0 * rows * cols))
+                if layer == "proj":  # attention scores and values (fwd+bwd), then the MLP's norm
+                    out.append((f"layers.{i}.core_attention", (0, 0), 12.0 * self.seq * h / tp))
+                    out.append((f"layers.{i}.pre_mlp_layernorm", (1, h), 0.0))
+        if self.pp == 1:
+            out.append(("final_layernorm", (1, h), 0.0))
+            if self.untied:
+                out.append(("output_layer", (self.vocab // tp, h), 6.0 * (self.vocab // tp) * h))
+            else:  # the tied output layer costs its FLOPs on the embedding's gradient
+                out[0] = ("embedding", (self.vocab // tp, h), 6.0 * (self.vocab // tp) * h)
+        return out
+
+    def numel(self) -> int:
+        return sum(r * c for _, (r, c), _ in self.parameters())
+
+
+def is_kind(name: str, kinds: tuple[str, ...]) -> bool:
+    """Whether parameter ``name`` is one of the linear-layer ``kinds``."""
+    return any(name.endswith("." + k) for k in kinds)
+
+
+def workload(model: str, micro_batch: int = 1, global_batch: int = 512, tp: int = 1, pp: int = 1, **dims) -> Workload:
+    """A preset (``PRESETS``; ``llama-`` prefix allowed) with ``dims`` (layers, hidden, ffn, seq, vocab,
+    heads) overriding its dimensions; ``model="custom"`` takes every dimension from ``dims``."""
+    name = model.removeprefix("llama-")
+    if name != "custom" and name not in PRESETS:
+        raise ValueError(f"unknown model {model!r}: one of {', '.join(PRESETS)} or custom with every dimension")
+    base = dict(PRESETS.get(name, {}))
+    base.update({k: v for k, v in dims.items() if v is not None})
+    missing = set(DIMS) - set(base)
+    if missing:
+        raise ValueError(f"model {model!r} needs {', '.join(sorted(missing))}")
+    return Workload(name=name, micro_batch=micro_batch, global_batch=global_batch, tp=tp, pp=pp, **base)
