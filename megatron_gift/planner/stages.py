@@ -9,9 +9,9 @@ stage                  elementwise (codec bandwidth)               GIFT (transfo
 =====================  ==========================================  =============================
 flat encode            read 4N, write F                            read 4N_g (``G Q``)
 flat decode-sum        read F (p messages of S), write 4S          8 N_g/p (``T⁻¹``)
-2-level cast           read 4N, write I                            (fp8 intra: 4N_g)
+2-level cast           read 4N, write I                            4N_g (``G T`` at the sender)
 2-level node sums      read I (g messages of N/g), write 4N/g
-2-level encode slice   read 4N/g, write F/g                        4 N_g/g
+2-level encode slice   read 4N/g, write F/g
 2-level decode-sum     read F/g (n messages of S), write 4S        8 N_g/p
 all-reduce re-encode   read 4S, write F/p
 all-reduce decode      read F, write 4N                            8 N_g
@@ -124,13 +124,12 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
-    tasks = [x.gpu("encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng * fp8),
+    # GIFT whitens at the sender, in every intra dtype: stage 1 casts or encodes G T, whole rows
+    tasks = [x.gpu("encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng),
              Task("intra all-to-all", Kind.COMM, nccl.all_to_all_time(intra, g, g, x.c), "intra", ("nvlink",), 1,
                   (g - 1) / g * intra),
              x.gpu("node sums", 2, intra + 4 * N / g)]  # fmt: skip
-    if Ng and not fp8:
-        tasks.append(x.cut_rows(2, False))
-    tasks += [x.gpu("encode slice", 2, 4 * N / g + F / g, 4 * Ng / g * (not fp8)),
+    tasks += [x.gpu("encode slice", 2, 4 * N / g + F / g),
               Task("inter all-to-all", Kind.COMM, nccl.all_to_all_time(F / g, n, 1, x.c), "inter", ("nic",), 2, 0.0,
                    (n - 1) / n * F / g),
               x.gpu("decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p * dist_opt)]  # fmt: skip
