@@ -22,7 +22,7 @@ A refresh (step t, see ``is_refresh_step``) runs beside the training, on the sta
   reduction group in ONE all-gather of fixed-size slots (a slot per rank, sized from the layouts
   alone, so every rank sends and receives the same byte counts whatever a build did);
 * the first sync of step t+1 reads the received headers (host wait 3), installs every layer's
-  factor and ``T`` (views of the received buffer: every rank holds the owner's bits) and carries
+  factor and ``T`` (copied out of the received buffer: every rank holds the owner's bits) and carries
   the error-feedback residuals over; a failed build stops every rank with the same message.
 
 Each host wait is on a CUDA event recorded well before it (the statistics early in step t's
@@ -320,7 +320,7 @@ class GiftState:
 
     def install(self, remap) -> None:
         """Host wait 3: every rank reads the received headers and installs each built layer's factor
-        and ``T`` (views of the received buffer); ``remap(g, old T, new T)`` carries residuals over."""
+        and ``T`` (copied out of the received buffer); ``remap(g, old T, new T)`` carries residuals over."""
         r = self.refresh_state
         if r is None:
             return
@@ -347,6 +347,9 @@ class GiftState:
 
     @staticmethod
     def _install(g: GiftParam, rec: dict, head: dict, remap) -> None:
+        # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
+        # where views would hold it, growing with the group size, until the next refresh.
+        rec = {k: t.clone() for k, t in rec.items()}
         rank, choice = int(head["rank"]), head["choice"]
         cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
         factor = LowRankFactor(rec["d"], cols(rec["v"]), cols(rec["lam"]), head["trace_a"], head["damping"])

@@ -6,15 +6,19 @@ counts every tensor storage created from then on (a ``TorchDispatchMode``: a sto
 added when an op first returns it and removed when it is freed), wraps it in Megatron's
 ``DistributedDataParallel`` (``stock``) or ``GiftDistributedDataParallel`` and runs ``steps``
 training steps (forward, backward, gradient reduction; distributed optimizer, overlapped
-reduction, as in production). Step 0 is a refresh step (GIFT's statistics and factors). Per
-configuration and rank: ``peak`` (the most live bytes at any moment) and ``held`` (live after the
-last step closed: persistent state such as error-feedback residuals, statistics, transforms).
-Reported per parameter of the model, minus ``stock``'s, the largest over the ranks:
+reduction, as in production). Steps 0 and 1 are refresh steps (GIFT's statistics, factor builds
+and their all-gather, installed a step later). Per configuration and rank: ``peak`` (the most live
+bytes at any moment) and ``held`` (live after the last step closed: persistent state such as
+error-feedback residuals, statistics, transforms); with ``steady_step``, the run goes on to that
+step, the first that neither refreshes nor installs a refresh (steps 0, 1, 2, 4 refresh and the
+next step installs), and measures its own peak over what was live when it began. Reported per
+parameter of the model, minus ``stock``'s, the largest over the ranks:
 
 * ``peak_extra_B_per_param``: what a run needs on top of Megatron's own peak;
 * ``held_extra_B_per_param``: the persistent part of it;
 * ``transient_extra_B_per_param``: the peak minus the held, i.e. the reduction's buffers
-  (send and receive buffers, decoded peers, FP32 copies).
+  (send and receive buffers, decoded peers, FP32 copies) and a refresh's builds;
+* ``steady_transient_extra_B_per_param``: a steady step's transient (the reduction alone).
 
 Only tensors count (the allocator's caching, gloo's internal buffers and Python objects do not),
 the same way for every configuration. The model's own parameters exist before the tracker starts.
@@ -38,8 +42,8 @@ from .fidelity import machine
 
 MODEL = dict(hidden_size=128, ffn_hidden_size=512, num_attention_heads=4, num_layers=2)
 PRESETS = {
-    "default": dict(ranks=(2, 4, 8), steps=2, model=MODEL),
-    "quick": dict(ranks=(2,), steps=1, model=dict(MODEL, hidden_size=64, ffn_hidden_size=128)),
+    "default": dict(ranks=(2, 4, 8), steps=2, steady_step=6, model=MODEL),
+    "quick": dict(ranks=(2,), steps=1, steady_step=None, model=dict(MODEL, hidden_size=64, ffn_hidden_size=128)),
 }
 # name -> GiftConfig keyword arguments (None: Megatron's own DistributedDataParallel)
 CONFIGS = {
@@ -99,16 +103,27 @@ def _measure(name: str, spec: dict) -> dict:
         else:
             gift = GiftConfig(**CONFIGS[name])
             ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
-        for step in range(spec["steps"]):
-            ddp.zero_grad_buffer()
-            lm_loss(ddp, random_tokens(step, parallel_state.get_data_parallel_rank())).backward()
+        def step(i: int) -> None:
+            ddp.zero_grad_buffer()  # (closes the step before: error feedback committed, telemetry written)
+            lm_loss(ddp, random_tokens(i, parallel_state.get_data_parallel_rank())).backward()
             ddp.finish_grad_sync()
-        ddp.zero_grad_buffer()  # closes the last step (error feedback committed, telemetry written)
+
+        for i in range(spec["steps"]):
+            step(i)
+        ddp.zero_grad_buffer()
         gc.collect()
-        held = tracker.live
+        out = dict(peak=tracker.peak, held=tracker.live, params=params)
+        if spec["steady_step"] is not None:
+            for i in range(spec["steps"], spec["steady_step"]):
+                step(i)
+            ddp.zero_grad_buffer()
+            gc.collect()
+            tracker.peak = start = tracker.live
+            step(spec["steady_step"])
+            out["steady"] = tracker.peak - start
     del ddp, model
     gc.collect()
-    return dict(peak=tracker.peak, held=held, params=params)
+    return out
 
 
 def _rank_main(rank: int, world: int, spec: dict, names: tuple) -> dict:
@@ -128,10 +143,13 @@ def summarize(per_rank: list[dict], world: int) -> list[dict]:
             return max((r[name][key] - r["stock"][key]) / r[name]["params"] for r in per_rank)
 
         peak, held = extra("peak"), extra("held")
-        rows.append(dict(ranks=world, config=name, params=per_rank[0][name]["params"],
-                         peak_extra_B_per_param=round(peak, 3), held_extra_B_per_param=round(held, 3),
-                         transient_extra_B_per_param=round(peak - held, 3),
-                         peak_bytes_per_rank=[r[name]["peak"] for r in per_rank]))  # fmt: skip
+        row = dict(ranks=world, config=name, params=per_rank[0][name]["params"],
+                   peak_extra_B_per_param=round(peak, 3), held_extra_B_per_param=round(held, 3),
+                   transient_extra_B_per_param=round(peak - held, 3),
+                   peak_bytes_per_rank=[r[name]["peak"] for r in per_rank])  # fmt: skip
+        if "steady" in per_rank[0][name]:
+            row["steady_transient_extra_B_per_param"] = round(extra("steady"), 3)
+        rows.append(row)
     return rows
 
 
@@ -166,16 +184,22 @@ def run(quick: bool = False, json_path: str | None = None, ranks=None, command: 
 
 
 def format_table(rows: list[dict]) -> str:
-    """Configurations down, data-parallel sizes across: peak extra (held + transient) bytes per parameter."""
+    """Configurations down, data-parallel sizes across: peak extra (held + transient) bytes per
+    parameter, and a steady step's transient where measured."""
     sizes = sorted({r["ranks"] for r in rows})
     by = {(r["config"], r["ranks"]): r for r in rows}
-    head = "| configuration | " + " | ".join(f"{n} ranks: peak (held + transient) B/param" for n in sizes) + " |"
+    steady = any("steady_transient_extra_B_per_param" in r for r in rows)
+    what = "peak (held + transient), steady transient" if steady else "peak (held + transient)"
+    head = "| configuration | " + " | ".join(f"{n} ranks: {what} B/param" for n in sizes) + " |"
     lines = [head, "|---|" + "---|" * len(sizes)]
     for name in dict.fromkeys(r["config"] for r in rows):
         cells = []
         for n in sizes:
             r = by.get((name, n))
-            cells.append("" if r is None else f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f} + "
-                         f"{r['transient_extra_B_per_param']:.2f})")  # fmt: skip
+            cell = "" if r is None else (f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f} + "
+                                         f"{r['transient_extra_B_per_param']:.2f})")  # fmt: skip
+            if r is not None and "steady_transient_extra_B_per_param" in r:
+                cell += f", {r['steady_transient_extra_B_per_param']:.2f}"
+            cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
