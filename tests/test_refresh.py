@@ -331,7 +331,10 @@ def _sync_worker(rank, world):
             ddp.zero_grad_buffer()  # closes step 7
         finally:
             state_mod._all_gather, torch.distributed.broadcast = real_gather, real_bcast
-        out[dist_opt] = dict(steps=steps, waits=ddp.gift_state.host_waits, broadcasts=len(broadcasts))
+        installed = [t for g in ddp.gift_params.values() if g.candidate and g.factor is not None
+                     for t in (g.factor.d, g.factor.v, g.factor.lam, *g.whitening.tensors().values())]  # fmt: skip
+        out[dist_opt] = dict(steps=steps, waits=ddp.gift_state.host_waits, broadcasts=len(broadcasts),
+                             own_storage=all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in installed))
     parallel_state.destroy_model_parallel()
     return out
 
@@ -343,7 +346,8 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
     on, error feedback on. Steady steps 6, 7 (no refresh, nothing to install): zero host
     synchronisations from this change's files, no host wait. Each refresh: exactly 3 host waits
     (state.py module doc), none of the synchronising ops of the sanitizer; one all-gather of the same
-    byte count on every rank, no broadcast; every rank installs bit-identical factors and ``T``."""
+    byte count on every rank, no broadcast; every rank installs bit-identical factors and ``T``, each
+    in its own storage (views would keep the gathered buffer, R slots, alive until the next refresh)."""
     res = run_on_ranks(_sync_worker, 2, cpu_harness=True, timeout=900)
     for dist_opt in (True, False):
         per_rank = [r[dist_opt] for r in res]
@@ -355,7 +359,7 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
             # host waits by step: the first at finish_grad_sync of a refresh step, the second at its
             # close (the next step's zero_grad_buffer), the third at the next step's first sync
             assert [s["waits"] for s in steps] == [1, 3, 3, 2, 1, 2, 0, 0] and r["waits"] == 3 * 4
-            assert r["broadcasts"] == 0
+            assert r["broadcasts"] == 0 and r["own_storage"]
         assert per_rank[0]["steps"][1]["gathers"] == per_rank[1]["steps"][1]["gathers"]
         for s0, s1 in zip(per_rank[0]["steps"], per_rank[1]["steps"]):
             assert torch.equal(s0["transforms"], s1["transforms"]), dist_opt
