@@ -211,6 +211,8 @@ def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                 refresh_interval=REFRESH_INTERVAL,
                 bytes_ratio_vs_fp32=round(bytes_per_step / fp32_bytes[dist_opt], 4),
                 rel_l2_vs_fp32=(err2 / ref2) ** 0.5,
+                rel_l2_per_step=[(sum(r["steps"][t]["err2"] for r in runs) / sum(r["steps"][t]["ref2"] for r in runs)) ** 0.5
+                                 for t in range(n)],  # fmt: skip
                 ranks_bitwise_identical=bool(identical),
                 ops_per_bucket=_ops(runs),
             )
