@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from megatron_gift.cli import main
-from megatron_gift.config import Mode
+from megatron_gift.config import Mode, ParamGather, Schedule
 from megatron_gift.planner import checks, model, nccl, output, stages, validation
 from megatron_gift.planner.buckets import Bucket, DeltaCodec, buckets
-from megatron_gift.planner.choices import FP8Params, GiftSchedule, ParamGather, Schedule
+from megatron_gift.planner.choices import FP8Params, MegatronSchedule
 from megatron_gift.planner.cluster import CLUSTERS, GH200, Cluster, sources
 from megatron_gift.planner.costs import KernelCosts
 from megatron_gift.planner.options import Options
@@ -239,14 +239,14 @@ def test_more_bandwidth_or_less_latency_never_slows_a_step(scheme, schedule, gif
 
 @pytest.mark.parametrize("gpus", [8, 64, 512])
 @pytest.mark.parametrize("scheme", list(Scheme))
-@pytest.mark.parametrize("gift_schedule", list(GiftSchedule))
+@pytest.mark.parametrize("gift_schedule", list(Schedule))
 def test_overlap_bounds(gpus, scheme, gift_schedule):
     opts = Options(gift_schedule=gift_schedule, param_gather=ParamGather.DELTA)
     r = model.step_time(W, GH200, scheme, gpus, COSTS, opts)
     assert r["step_s"] >= r["compute_s"]  # communication never makes a step faster than compute alone
     assert 0 <= r["grad_exposed_s"] <= r["grad_comm_s"] + r["plugin_s"] + 1e-12
     assert 0 <= r["param_gather_exposed_s"] <= r["param_gather_s"] + r["plugin_s"] + 1e-12
-    s = model.step_time(W, GH200, scheme, gpus, COSTS, Options(schedule=Schedule.SYNC))
+    s = model.step_time(W, GH200, scheme, gpus, COSTS, Options(schedule=MegatronSchedule.SYNC))
     assert s["grad_exposed_s"] == pytest.approx(s["grad_comm_s"] + s["plugin_s"])
 
 
@@ -268,7 +268,7 @@ def test_factor_builds_once_per_refresh_shared_over_ranks():
     (a per-layer broadcast, or a record sized by the layer count instead of the slots, fails)."""
     slow = dataclasses.replace(COSTS, factor_build_s=1.0)
     free = dataclasses.replace(COSTS, factor_build_s=0.0)
-    sync = Options(schedule=Schedule.SYNC)  # no parameter gathers: the builds alone lengthen the next forward
+    sync = Options(schedule=MegatronSchedule.SYNC)  # no parameter gathers: the builds alone lengthen the next forward
     for gpus, builds in ((8, 4), (16, 2), (64, 1)):
         r = model.step_time(W, GH200, Scheme.GIFT, gpus, slow, sync)["refresh_s"]
         f = model.step_time(W, GH200, Scheme.GIFT, gpus, free, sync)["refresh_s"]

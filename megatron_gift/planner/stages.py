@@ -30,10 +30,9 @@ import enum
 import heapq
 from dataclasses import dataclass
 
-from ..config import Mode
+from ..config import Mode, ParamGather
 from . import nccl
 from .buckets import Bucket
-from .choices import ParamGather
 from .cluster import Cluster
 from .costs import KernelCosts
 from .options import Options
