@@ -1,4 +1,4 @@
-"""Each bucket's work as the plugin's execution model runs it (issue 17; /work/notes and
+"""Each bucket's work as the plugin's execution model runs it (issue 17;
 docs/planner.md "The model"): an ordered chain of GPU stages and collectives, each on its stream.
 
 Per bucket of ``N`` elements (``F`` wire bytes, ``N_g`` of them GIFT's, ``I`` in the intra-node
