@@ -16,8 +16,6 @@ from .choices import FP8Params, MegatronSchedule
 from .cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
 from .workloads import DIMS, PRESETS
 
-NCCL_SOURCE = "NVIDIA/nccl 5067397c (2026-06-11): src/graph/tuning.cc, src/enqueue.cc"
-
 
 def _runtime_choice(name: str):
     """An argparse ``type`` for the runtime's choice ``config.<name>`` (an enum, or a tuple of strings),
@@ -155,13 +153,13 @@ def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = 
     """Per GPU count a table with verdicts, a summary row each, optionally the sensitivity at the largest count;
     the byte check against ``comm_json`` (default: the checkout's; ``none``: skip) and optionally the CPU
     validation. Prints, writes JSON, returns the document."""
-    from . import checks, model, output, validation
+    from . import checks, model, nccl, output, validation
     from .costs import KernelCosts
 
     costs = KernelCosts.from_json(overhead_json, c, f"llama-{w.name}") if overhead_json else KernelCosts.from_hbm(c)
     doc = dict(model="planner", command=command or "megatron-gift model", workload=dataclasses.asdict(w),
                options=dataclasses.asdict(opts), cluster=dataclasses.asdict(c), cluster_sources=sources(),
-               preset_source=PRESET_SOURCES.get(c.name, "custom"), costs=dataclasses.asdict(costs), nccl=NCCL_SOURCE,
+               preset_source=PRESET_SOURCES.get(c.name, "custom"), costs=dataclasses.asdict(costs), nccl=nccl.SOURCE,
                min_gain_pct=model.MIN_GAIN_PCT, plans=[model.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
     out = [output.format_plan(p, w) for p in doc["plans"]] + [output.format_summary(doc["plans"])]
     if show_sensitivity:
