@@ -18,9 +18,10 @@ from .workloads import DIMS, PRESETS
 
 
 def _runtime_choice(name: str):
-    """An argparse ``type`` for the runtime's choice ``config.<name>`` (an enum, or a tuple of strings),
-    the flag's value as the runtime takes it. ``config`` imports torch: it is read when the command's
-    arguments are parsed, not when the parser is built."""
+    """An argparse ``type`` for the runtime's choice ``config.<name>``: the flag's value as the runtime
+    takes it. ``config`` imports torch: it is read when the command's arguments are parsed, not when the
+    parser is built. An enum, or a tuple of strings (``INTRA_NODE_DTYPES``, until the runtime has an
+    enum for it)."""
 
     def convert(text: str):
         from .. import config
@@ -31,7 +32,6 @@ def _runtime_choice(name: str):
             raise argparse.ArgumentTypeError(f"one of {', '.join(values)}, got {text!r}")
         return kind(text) if isinstance(kind, type) else text
 
-    convert.__name__ = name  # argparse names it in "invalid <name> value"
     return convert
 
 
