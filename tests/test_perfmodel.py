@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from megatron_gift.planner.schemes import PLUGIN, Scheme
 from megatron_gift.planner.simulate import simulate, simulate_lagged
 from megatron_gift.planner.stages import Context, Kind, Task, gather_chain, reduction_chain
 from megatron_gift.planner.workloads import workload
+from megatron_gift.testing.spawn import wall_limit
 
 W = workload("600m")
 COSTS = KernelCosts.from_hbm(GH200)
@@ -185,6 +187,19 @@ def test_forward_waits_for_each_gather():
     """Gathers of 2 s and 1 s back to back on their stream; each bucket's forward (1 s) waits for its gather."""
     gathers = [[_task(Kind.COMM, 2.0, "pg", ("nic",), 1)], [_task(Kind.COMM, 1.0, "pg", ("nic",), 1)]]
     assert simulate([1.0, 1.0], [[]] + gathers, [None] * 3, [1, 2], 0.0) == pytest.approx((4.0, 4.0))
+
+
+def test_eager_schedule_ends_at_long_step_times():
+    """A chunk's rest below the clock's spacing at ``t`` (16 s and more: spacing 3.6e-15 > EPS) once never ended:
+    ``t + rest`` rounded to ``t`` and the loop stood still (the GPU check's dry run, which prices the 600M model
+    with CPU kernel costs, hung). Worked by hand: chunk 1 runs at half rate during the 0.3 s decode released at
+    16 s, so it ends at 16 + 0.3 + (1 - 0.15) = 17.15. Run on a thread so that a regression fails, not hangs."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(simulate(
+        [16.0, 1.0], [[_task(Kind.GPU, 0.3, "s", ("gpu",), 1)]], [0], [None, None], 0.5)), daemon=True)  # fmt: skip
+    worker.start()
+    worker.join(wall_limit(60))
+    assert result == [pytest.approx((17.15, 17.15))]
 
 
 def test_one_data_parallel_rank_costs_nothing():
