@@ -33,7 +33,7 @@ def require_bench_extra(command: str, modules: tuple[str, ...]) -> None:
         )
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -108,7 +108,7 @@ def _add_bench(subparsers) -> None:
     )
     fid.add_argument("--quick", action="store_true", help="small preset (under 3 minutes on 2 CPU cores)")
     fid.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    fid.add_argument("--ranks", type=_positive_int, default=8, metavar="N", help="simulated data-parallel ranks (default 8)")
+    fid.add_argument("--ranks", type=positive_int, default=8, metavar="N", help="simulated data-parallel ranks (default 8)")
     fid.add_argument(
         "--threads", type=int, default=1, metavar="N", help="torch intra-op threads (default 1; 0 keeps torch's default)"
     )
@@ -122,7 +122,7 @@ def _add_bench(subparsers) -> None:
     )
     com.add_argument("--quick", action="store_true", help="smaller model and fewer steps")
     com.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    com.add_argument("--ranks", type=_positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)")
+    com.add_argument("--ranks", type=positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)")
     com.add_argument("--nodes", nargs="*", default=None, metavar="NxG",
                      help="simulated nodes x ranks per node of the link ledger, flat vs two-level exchange "
                      "(default: 2x2 with --quick, else 2x2 2x4; none: skip)")  # fmt: skip
@@ -157,7 +157,7 @@ def _add_bench(subparsers) -> None:
     )
     mem.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, 4 configurations, 1 step")
     mem.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    mem.add_argument("--ranks", type=_positive_int, nargs="+", default=None, metavar="N",
+    mem.add_argument("--ranks", type=positive_int, nargs="+", default=None, metavar="N",
                      help="data-parallel sizes (default 2 4 8; --quick: 2)")  # fmt: skip
     mem.set_defaults(func=_bench_memory)
     pg = commands.add_parser(
@@ -171,8 +171,8 @@ def _add_bench(subparsers) -> None:
     )
     pg.add_argument("--quick", action="store_true", help="20 steps at one learning rate (a smoke test)")
     pg.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    pg.add_argument("--ranks", type=_positive_int, default=2, metavar="N", help="data-parallel size (default 2)")
-    pg.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="steps per run (default 200; --quick 20)")
+    pg.add_argument("--ranks", type=positive_int, default=2, metavar="N", help="data-parallel size (default 2)")
+    pg.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps per run (default 200; --quick 20)")
     pg.set_defaults(func=_bench_param_gather, needs=CORPUS)
 
 
@@ -195,7 +195,7 @@ def _add_demo(subparsers) -> None:
     )
     dem.add_argument("--quick", action="store_true", help="small preset (2 layers, hidden 64, 20 iterations)")
     dem.add_argument("--out", default="runs/demo", metavar="DIR", help="output directory (default: %(default)s)")
-    dem.add_argument("--train-iters", type=_positive_int, default=None, help=argparse.SUPPRESS)  # tests
+    dem.add_argument("--train-iters", type=positive_int, default=None, help=argparse.SUPPRESS)  # tests
     dem.set_defaults(func=_demo, needs=PLOTS + CORPUS)
 
 

@@ -86,7 +86,7 @@ def test_heldout_split_is_disjoint_document_tail(corpus):
 def test_batches_are_reproducible_and_respect_split():
     n = 1000
     toy = TokenCorpus(torch.arange(n, dtype=torch.int32), n, Path("unused.json"), {}, eot_id=-1, held_out_fraction=0.1)
-    cut = toy.train_tokens.numel()
+    cut = toy.split()[0].numel()
     assert cut == 900
     first = [b for _, b in zip(range(3), toy.batches(seq_len=8, batch_size=4, seed=7))]
     again = [b for _, b in zip(range(3), toy.batches(seq_len=8, batch_size=4, seed=7))]

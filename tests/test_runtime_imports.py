@@ -1,9 +1,13 @@
-"""The training path installs and imports without the demo's dependencies.
+"""The training path imports nothing of the tools, and installs without the demo's dependencies.
 
-Each check runs in a fresh interpreter whose meta path refuses matplotlib, tokenizers, the corpus
-builder (it shells out to the system package manager) and the CPU harness: importing the Megatron
-adapter, the launcher and the argument module must not need them, the launcher's ``--help`` must
-list every ``--gift-*`` flag, and the commands that do need them must say how to install them.
+Each check runs in a fresh interpreter whose meta path refuses a list of modules. The training
+path (every module of the package but the tools: configuration, state, numerics, kernels, comm,
+the Megatron adapter, the launcher, the flags) imports with every tools module refused
+(``TOOLS``: the benchmarks, the planner, the demo, the report, their command line, and the test
+support, which the launcher's CPU path imports only when it runs); the flags need no Megatron;
+the launcher's ``--help`` lists every ``--gift-*`` flag without the demo's dependencies
+(matplotlib, tokenizers, the corpus builder, which shells out to the system package manager, and
+the CPU harness), and the commands that need them say how to install them.
 """
 
 from __future__ import annotations
@@ -21,52 +25,86 @@ import pytest
 from megatron_gift.arguments import add_gift_args
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKED = ("matplotlib", "tokenizers", "megatron_gift.bench.corpus", "megatron_gift.testing.cpu_harness")
+TOOLS = ("megatron_gift.bench", "megatron_gift.planner", "megatron_gift.demo", "megatron_gift.report",
+         "megatron_gift.cli", "megatron_gift.__main__", "megatron_gift.testing")  # fmt: skip
+DEMO_ONLY = ("matplotlib", "tokenizers", "megatron_gift.bench.corpus", "megatron_gift.testing.cpu_harness")
 TIMEOUT = float(os.environ.get("MEGATRON_GIFT_TEST_TIMEOUT", 600))
 
-BLOCKER = f"""
+BLOCKER = """
 import importlib.abc, sys
-BLOCKED = {BLOCKED!r}
+BLOCKED = {blocked!r}
+def blocked(name):
+    return any(name == b or name.startswith(b + ".") for b in BLOCKED)
 class _Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+        if blocked(name):
             raise ImportError("blocked by the test: " + name)
         return None
 sys.meta_path.insert(0, _Blocker())
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    """``code`` after the blocker in a fresh interpreter (this checkout first on the path)."""
+def _run(code: str, blocked: tuple[str, ...] = DEMO_ONLY) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (this checkout first on the path) that refuses ``blocked``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=TIMEOUT
-    )
+    return subprocess.run([sys.executable, "-c", BLOCKER.format(blocked=blocked) + code], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=TIMEOUT)  # fmt: skip
 
 
-def test_training_path_imports_without_the_bench_modules():
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _modules() -> list[str]:
+    """Every module of the package, by its file (nothing imported)."""
+    names = []
+    for path in sorted((ROOT / "megatron_gift").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_tools_module_exists():
+    """A tool renamed or moved would silently fall out of ``TOOLS`` and be imported by the check below."""
+    modules = _modules()
+    assert all(any(_under(m, (tool,)) for m in modules) for tool in TOOLS), TOOLS
+
+
+def test_training_path_imports_without_the_tools():
+    """A runtime module that imports a benchmark, the planner, the demo, the report or the command line
+    (the chain the planner once had: cost model -> ``bench.overhead`` -> ``demo.PRESETS``), even through
+    another module, fails to import here; so does the flag module if it needs Megatron."""
+    runtime = [m for m in _modules() if not _under(m, TOOLS)]
     res = _run(
-        """
-import importlib, json, pkgutil
+        f"""
+import importlib, json
 import megatron_gift.arguments
 after_arguments = sorted(m for m in sys.modules if m == "megatron" or m.startswith(("megatron.", "megatron_gift.megatron")))
-import megatron_gift.megatron, megatron_gift.pretrain_gpt
-adapter = [m.name for m in pkgutil.walk_packages(megatron_gift.megatron.__path__, "megatron_gift.megatron.")]
-for name in adapter:
-    importlib.import_module(name)
+failed = {{}}
+for name in {runtime!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        failed[name] = str(e)
 try:
-    import megatron_gift.bench.corpus
+    import megatron_gift.bench.overhead
     blocker_works = False
 except ImportError:
     blocker_works = True
-loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
-print(json.dumps(dict(after_arguments=after_arguments, adapter=adapter, loaded=loaded, blocker_works=blocker_works)))
-"""
+loaded = sorted(m for m in sys.modules if blocked(m))
+print(json.dumps(dict(after_arguments=after_arguments, failed=failed, loaded=loaded, blocker_works=blocker_works)))
+""",
+        blocked=("matplotlib", "tokenizers", *TOOLS),
     )
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["blocker_works"]
-    assert {"megatron_gift.megatron.ddp", "megatron_gift.megatron.training"} <= set(out["adapter"])
+    expected = {"megatron_gift.config", "megatron_gift.state", "megatron_gift.arguments", "megatron_gift.upstream",
+                "megatron_gift.policy", "megatron_gift.pretrain_gpt", "megatron_gift.numerics.fp8",
+                "megatron_gift.kernels.fused", "megatron_gift.comm.quantized", "megatron_gift.megatron.ddp",
+                "megatron_gift.megatron.bucket_group", "megatron_gift.megatron.training"}  # fmt: skip
+    assert expected <= set(runtime), sorted(expected - set(runtime))
+    assert out["failed"] == {}
     assert out["loaded"] == []
     # the flags need neither the adapter nor Megatron itself
     assert out["after_arguments"] == []

@@ -262,14 +262,6 @@ class TokenCorpus:
             cut += int(ends[0]) + 1
         return self.tokens[:cut], self.tokens[cut:]
 
-    @property
-    def train_tokens(self) -> torch.Tensor:
-        return self.split()[0]
-
-    @property
-    def heldout_tokens(self) -> torch.Tensor:
-        return self.split()[1]
-
     def tokenizer(self):
         """The trained ``tokenizers.Tokenizer``."""
         from tokenizers import Tokenizer

@@ -1,6 +1,6 @@
 """What one GIFT refresh costs a rank: host and device time of each stage, host waits, ATen ops,
 collectives and bytes, for the linear layers of Llama-600M (``bench.overhead.MODELS``) at a
-data-parallel size ``R``, so that the planner (``perfmodel.py``) can price it.
+data-parallel size ``R``, so that the planner (``megatron_gift.planner.stages``) can price it.
 
 It runs ``state.GiftState``'s refresh as training does (``at_sync`` at the first bucket sync,
 ``after_reductions`` at ``finish_grad_sync``, ``close_step``, ``install`` at the next step's first
@@ -33,7 +33,8 @@ from ..numerics.kfac import KFACStatistics
 from ..numerics.refresh import RecordLayout
 from ..state import GiftParam, GiftState
 from ..testing.dispatch import OpCounter
-from .overhead import MODELS, layer_shapes
+from ..planner.workloads import layer_shapes
+from .overhead import MODELS
 
 STAGES = ("start (first sync)", "cores (finish_grad_sync)", "send (close of the step)", "install (next first sync)")
 

@@ -3,12 +3,15 @@ training that prices Megatron's FP32/BF16 rings and the plugin's FP8 exchanges a
 GPU execution model runs them, and says whether FP8 gradients (and the delta parameter gather)
 pay on a given cluster, model and batch. docs/planner.md states the model and its sources.
 
-Modules (torch-free unless noted): ``choices`` (the planner's option enums), ``cluster``
-(machines and their sources), ``workloads`` (models, batches, TP/PP), ``nccl`` (NCCL's own
-collective cost model), ``costs`` (GPU kernel costs from HBM traffic; torch: the wire format),
-``buckets`` (Megatron's buckets and bytes; torch), ``stages`` (each bucket's stage streams as
-tasks), ``simulate`` (the eager and lagged schedules), ``model`` (step time, plan, break-even,
-sensitivity), ``output`` (Markdown), ``checks`` (bytes against ``bench comm``), ``validation``
-(step times against CPU gloo runs), ``cli`` (the command). Nothing here is imported by the
-training path, and nothing here imports the benchmarks.
+Modules (torch-free unless noted): ``choices`` (the planner's own option enums), ``cluster``
+(machines and their sources), ``workloads`` (models, batches, TP/PP), ``schemes`` (Megatron's
+rings and the plugin's modes over each exchange; torch: ``config.Mode``), ``options`` (schedules,
+gather, buckets, refresh; torch: ``config``), ``nccl`` (NCCL's own collective cost model),
+``costs`` (GPU kernel costs from HBM traffic; torch: the wire format), ``buckets`` (Megatron's
+buckets and bytes; torch), ``stages`` (each bucket's stage streams as tasks), ``simulate`` (the
+eager and lagged schedules), ``model`` (step time, plan, break-even, sensitivity), ``output``
+(Markdown), ``checks`` (bytes against ``bench comm``'s JSON), ``validation`` (step times against
+CPU gloo runs), ``cli`` (the command). The training path imports nothing here
+(``tests/test_runtime_imports.py``); only ``validation`` imports the demo and its corpus, inside
+the function that trains.
 """

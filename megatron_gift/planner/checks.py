@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .choices import Schedule
+from .choices import MegatronSchedule
 from .cluster import GH200
 from .model import step_time
 from .options import Options
@@ -26,7 +26,7 @@ def _prediction(doc: dict, mode: str, ranks: int, ranks_per_node: int, dist_opt:
                  ffn=m["ffn_hidden_size"], seq=spec["seq"], micro_batch=spec["batch"],
                  global_batch=spec["batch"] * ranks, vocab=spec["vocab"])  # fmt: skip
     scheme = Scheme(mode.removesuffix("-e4m3") + ("-2level" if exchange == "two-level" else ""))
-    opts = Options(schedule=Schedule.OVERLAP if dist_opt else Schedule.SYNC, gift_layers=LINEAR_KINDS,
+    opts = Options(schedule=MegatronSchedule.OVERLAP if dist_opt else MegatronSchedule.SYNC, gift_layers=LINEAR_KINDS,
                    refresh_interval=refresh_interval, bucket_size=spec["bucket_size"], intra_dtype=intra_node or "bf16")  # fmt: skip
     return step_time(w, replace(GH200, gpus_per_node=ranks_per_node), scheme, ranks, opts=opts)
 

@@ -11,20 +11,28 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..cli import CORPUS, _positive_int, require_bench_extra
-from .choices import FP8Params, GiftSchedule, ParamGather, Schedule
+from ..cli import CORPUS, positive_int, require_bench_extra
+from .choices import FP8Params, MegatronSchedule
 from .cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
 from .workloads import DIMS, PRESETS
 
-NCCL_SOURCE = "NVIDIA/nccl 5067397c (2026-06-11): src/graph/tuning.cc, src/enqueue.cc"
 
+def _runtime_choice(name: str):
+    """An argparse ``type`` for the runtime's choice ``config.<name>``: the flag's value as the runtime
+    takes it. ``config`` imports torch: it is read when the command's arguments are parsed, not when the
+    parser is built. An enum, or a tuple of strings (``INTRA_NODE_DTYPES``, until the runtime has an
+    enum for it)."""
 
-def _intra_node(text: str) -> str:
-    from ..config import INTRA_NODE_DTYPES
+    def convert(text: str):
+        from .. import config
 
-    if text not in INTRA_NODE_DTYPES:
-        raise argparse.ArgumentTypeError(f"one of {', '.join(INTRA_NODE_DTYPES)}, got {text!r}")
-    return text
+        kind = getattr(config, name)
+        values = [k.value for k in kind] if isinstance(kind, type) else list(kind)
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"one of {', '.join(values)}, got {text!r}")
+        return kind(text) if isinstance(kind, type) else text
+
+    return convert
 
 
 def _values(kind) -> list[str]:
@@ -47,12 +55,12 @@ def add_parser(subparsers) -> None:
                      help=f"preset: {', '.join(PRESETS)} (llama- prefix allowed), or custom with every dimension below "
                      "(default: %(default)s)")  # fmt: skip
     for dim in DIMS:
-        mod.add_argument(f"--{dim}", type=_positive_int, default=None, help=f"override the preset's {dim}")
-    mod.add_argument("--gpus", type=_positive_int, nargs="+", default=[64, 256, 512], metavar="N",
+        mod.add_argument(f"--{dim}", type=positive_int, default=None, help=f"override the preset's {dim}")
+    mod.add_argument("--gpus", type=positive_int, nargs="+", default=[64, 256, 512], metavar="N",
                      help="GPU counts, one table each (default: 64 256 512)")  # fmt: skip
     mod.add_argument("--cluster", default="gh200", choices=list(CLUSTERS),
                      help="machine preset (default: %(default)s; sources in the JSON and docs/planner.md)")  # fmt: skip
-    mod.add_argument("--gpus-per-node", type=_positive_int, default=None, help="GPUs per node (each with its own NIC)")
+    mod.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (each with its own NIC)")
     mod.add_argument("--nic-gbps", type=float, default=None, help="NIC bandwidth per GPU and direction in Gb/s (GH200 "
                      "Slingshot: 200)")  # fmt: skip
     mod.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink bandwidth per GPU and direction in Gb/s "
@@ -60,24 +68,24 @@ def add_parser(subparsers) -> None:
     mod.add_argument("--a2a-efficiency", type=float, default=None, metavar="RATIO",
                      help="the all-to-all's achieved NIC bandwidth relative to a ring's (default: the cluster's "
                      "a2a_nic_ratio, 0.75; every verdict prints the break-even)")  # fmt: skip
-    mod.add_argument("--global-batch", type=_positive_int, default=512, help="sequences per step (default: %(default)s)")
-    mod.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default: %(default)s)")
-    mod.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
-    mod.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
-    mod.add_argument("--bucket-size", type=_positive_int, default=None, metavar="ELEMENTS",
+    mod.add_argument("--global-batch", type=positive_int, default=512, help="sequences per step (default: %(default)s)")
+    mod.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (default: %(default)s)")
+    mod.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
+    mod.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    mod.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
                      help="Megatron's --ddp-bucket-size (default: Megatron's max(40M, 1M x data-parallel size))")  # fmt: skip
-    mod.add_argument("--intra-node", type=_intra_node, default="bf16", metavar="DTYPE",
+    mod.add_argument("--intra-node", type=_runtime_choice("INTRA_NODE_DTYPES"), default="bf16", metavar="DTYPE",
                      help="dtype of the two-level exchange's intra-node stage, as --gift-intra-node (default: %(default)s)")  # fmt: skip
     mod.add_argument("--fp8-params", default="all", choices=_values(FP8Params),
                      help="FP8 for every gradient (the paper) or linear weights only, the rest BF16 (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--schedule", default="overlap", choices=_values(Schedule),
+    mod.add_argument("--schedule", default="overlap", choices=_values(MegatronSchedule),
                      help="overlap: distributed optimizer, overlapped grad reduce and param gather (the recipes); sync: "
                      "one all-reduce after the backward (the paper's artifact) (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--gift-schedule", default="eager", choices=_values(GiftSchedule),
+    mod.add_argument("--gift-schedule", default="eager", type=_runtime_choice("Schedule"), metavar="SCHEDULE",
                      help="the plugin's stream schedule, as --gift-schedule: eager (all of a bucket's stages at its hook; "
                      "the default) or lagged (the default where CUDA_DEVICE_MAX_CONNECTIONS=1); the table shows the other "
                      "beside it (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--param-gather", default="bf16", choices=_values(ParamGather),
+    mod.add_argument("--param-gather", default="bf16", type=_runtime_choice("ParamGather"), metavar="GATHER",
                      help="the parameter all-gather of every row but the stock BF16 reference: Megatron's bf16, or delta "
                      "(about 1 byte per element, as --gift-param-gather delta) (default: %(default)s)")  # fmt: skip
     mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
@@ -89,7 +97,7 @@ def add_parser(subparsers) -> None:
                      "and compare step times, with the plugin's costs from this CPU overhead JSON (~4 min)")  # fmt: skip
     mod.add_argument("--measured", metavar="MODEL_JSON", help="with --validate-cpu: reuse the measured step times and gloo "
                      "fits of this earlier model JSON instead of training")  # fmt: skip
-    mod.add_argument("--iters", type=_positive_int, default=30, help="iterations per mode of --validate-cpu (default 30)")
+    mod.add_argument("--iters", type=positive_int, default=30, help="iterations per mode of --validate-cpu (default 30)")
     mod.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                      help="override a machine parameter, e.g. --set a2a_nic_ratio=0.5 --set mfu=0.5")  # fmt: skip
     mod.add_argument("--json", metavar="PATH", help="write the plans and checks as JSON")
@@ -145,13 +153,13 @@ def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = 
     """Per GPU count a table with verdicts, a summary row each, optionally the sensitivity at the largest count;
     the byte check against ``comm_json`` (default: the checkout's; ``none``: skip) and optionally the CPU
     validation. Prints, writes JSON, returns the document."""
-    from . import checks, model, output, validation
+    from . import checks, model, nccl, output, validation
     from .costs import KernelCosts
 
     costs = KernelCosts.from_json(overhead_json, c, f"llama-{w.name}") if overhead_json else KernelCosts.from_hbm(c)
     doc = dict(model="planner", command=command or "megatron-gift model", workload=dataclasses.asdict(w),
                options=dataclasses.asdict(opts), cluster=dataclasses.asdict(c), cluster_sources=sources(),
-               preset_source=PRESET_SOURCES.get(c.name, "custom"), costs=dataclasses.asdict(costs), nccl=NCCL_SOURCE,
+               preset_source=PRESET_SOURCES.get(c.name, "custom"), costs=dataclasses.asdict(costs), nccl=nccl.SOURCE,
                min_gain_pct=model.MIN_GAIN_PCT, plans=[model.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
     out = [output.format_plan(p, w) for p in doc["plans"]] + [output.format_summary(doc["plans"])]
     if show_sensitivity:

@@ -56,6 +56,10 @@ class Cluster:
         trace reports the share of codec work that overlaps the backward (docs/gpu-check.md).""")
     gpu_stage_s: float = sourced(10e-6, """fixed time of one GPU stage of a bucket (its few kernel launches,
         a number fixed per bucket by issue 17 item 3): assumed, two launches of ~5 us.""")
+    factor_build_s: float = sourced(7.0e-3, """one GIFT factor build (Nyström core of a [d_in, 64] sketch, d_in = 3456)
+        without a ``bench overhead`` JSON of the GPU: what ``bench overhead`` measured on a 2-core EPYC CPU with one
+        thread (bench/results/overhead-cpu.json, llama-600m fc2: 7.04 ms). The refresh builds it on the GPU, where
+        it has not been measured yet; small latency-bound linear algebra, so the CPU figure stands in.""")
 
     def __post_init__(self):
         positive = ("intra_bw", "inter_bw", "efficiency", "a2a_nic_ratio", "a2a_nvlink_ratio", "latency_factor",
@@ -63,7 +67,7 @@ class Cluster:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.gpus_per_node < 1 or min(self.a2a_peer_latency, self.gpu_stage_s) < 0:
+        if self.gpus_per_node < 1 or min(self.a2a_peer_latency, self.gpu_stage_s, self.factor_build_s) < 0:
             raise ValueError(f"Cluster: gpus_per_node must be >= 1 and latencies >= 0, got {self}")
         if not 0.0 <= self.codec_compute_overlap <= 1.0:
             raise ValueError(f"Cluster.codec_compute_overlap must be in [0, 1], got {self.codec_compute_overlap}")

@@ -16,11 +16,6 @@ from dataclasses import dataclass
 from ..numerics.fp8 import CodecConfig
 from .cluster import Cluster
 
-FACTOR_BUILD_S = 7.0e-3
-"""One GIFT factor build (Nyström core of a [d_in, 64] sketch, d_in = 3456): what ``bench overhead`` measured on
-a 2-core EPYC CPU with one thread (bench/results/overhead-cpu.json, llama-600m fc2: 7.04 ms). The refresh builds
-it on the GPU (issue 17 item 5), where it has not been measured yet; small latency-bound linear algebra, so the
-CPU figure stands in."""
 CODEC_PASS_BYTES = 10.0
 """HBM bytes per element of ``bench overhead``'s encode+decode: read 4 (FP32), write 1, read 1, write 4 (plus the
 scales twice)."""
@@ -46,7 +41,7 @@ class KernelCosts:
     @classmethod
     def from_hbm(cls, c: Cluster) -> "KernelCosts":
         bw = c.hbm_bw * c.codec_hbm_efficiency
-        return cls(codec_bw=bw, transform_bw=bw, stage_s=c.gpu_stage_s, factor_build_s=FACTOR_BUILD_S,
+        return cls(codec_bw=bw, transform_bw=bw, stage_s=c.gpu_stage_s, factor_build_s=c.factor_build_s,
                    source=f"estimate: HBM bytes / ({c.codec_hbm_efficiency:g} x {c.hbm_bw / 1e12:g} TB/s)")  # fmt: skip
 
     @classmethod

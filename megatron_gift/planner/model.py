@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..config import Mode
+from ..config import Mode, ParamGather, Schedule
 from .buckets import buckets
-from .choices import GiftSchedule, ParamGather, Schedule
+from .choices import MegatronSchedule
 from .cluster import Cluster
 from .costs import KernelCosts
 from .options import Options
@@ -57,10 +57,10 @@ def data_parallel(w: Workload, gpus: int) -> tuple[int, int]:
 
 def _grad_phase(scheme: Scheme, bwd: list[float], chains: list, opts: Options, c: Cluster) -> float:
     """Seconds the reduction adds after the last backward (sync: everything in series after it)."""
-    if opts.schedule is Schedule.SYNC:
+    if opts.schedule is MegatronSchedule.SYNC:
         return sum(t.seconds for chain in chains for t in chain)
     plugin = scheme.mode is not Mode.OFF
-    if plugin and (opts.cpu_waits or opts.gift_schedule is GiftSchedule.LAGGED):
+    if plugin and (opts.cpu_waits or opts.gift_schedule is Schedule.LAGGED):
         _, end = simulate_lagged(bwd, chains, blocking=opts.cpu_waits)
     else:
         _, end = simulate(bwd, chains, list(range(len(chains))), [None] * len(bwd), c.codec_compute_overlap)
@@ -90,7 +90,7 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
     bwd = [2 * f for f in fwd]
     x = Context(g, n, c, costs, opts)
     chains = [reduction_chain(b, scheme, x) for b in bks]
-    overlap = opts.schedule is Schedule.OVERLAP
+    overlap = opts.schedule is MegatronSchedule.OVERLAP
     gathers = [gather_chain(b.elements, x) for b in reversed(bks)] if overlap else []
     d_ins = [s[1] for name, s, _ in w.parameters() if is_kind(name, opts.gift_layers)] if scheme.mode is Mode.GIFT else []
     refresh = refresh_chain(d_ins, x)
@@ -148,7 +148,7 @@ def plan(w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options =
     ``MIN_GAIN_PCT``, else stock BF16."""
     stock = replace(opts, param_gather=ParamGather.BF16)
     ref = {s: step_time(w, c, s, gpus, costs, stock)["step_s"] for s in (Scheme.BF16, Scheme.FP32)}
-    other = replace(opts, gift_schedule=GiftSchedule.LAGGED if opts.gift_schedule is GiftSchedule.EAGER else GiftSchedule.EAGER)
+    other = replace(opts, gift_schedule=Schedule.LAGGED if opts.gift_schedule is Schedule.EAGER else Schedule.EAGER)
     rows = []
     for s in Scheme:
         r = step_time(w, c, s, gpus, costs, opts)

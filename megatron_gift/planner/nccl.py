@@ -22,6 +22,9 @@ import math
 
 from .cluster import Cluster
 
+SOURCE = "NVIDIA/nccl 5067397c (2026-06-11): src/graph/tuning.cc, src/enqueue.cc"
+"""where the constants and formulas come from (recorded in every planner JSON)."""
+
 
 class Proto(enum.Enum):
     LL = "LL"

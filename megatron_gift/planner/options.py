@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import INTRA_NODE_DTYPES, GiftConfig
+from ..config import INTRA_NODE_DTYPES, GiftConfig, ParamGather, Schedule
 from .buckets import DeltaCodec
-from .choices import FP8Params, GiftSchedule, ParamGather, Schedule
+from .choices import FP8Params, MegatronSchedule
 from .workloads import GIFT_KINDS
 
 _GIFT = GiftConfig()
@@ -22,8 +22,8 @@ class Options:
     ``cpu_waits``: the plugin's waits block the host (CPU/gloo: ``Work.wait()`` is a host wait, so each
     bucket's whole reduction runs inside its hook; the CPU validation only)."""
 
-    schedule: Schedule = Schedule.OVERLAP
-    gift_schedule: GiftSchedule = GiftSchedule.EAGER
+    schedule: MegatronSchedule = MegatronSchedule.OVERLAP
+    gift_schedule: Schedule = Schedule.EAGER
     param_gather: ParamGather = ParamGather.BF16
     delta: DeltaCodec = field(default_factory=DeltaCodec)
     fp8_params: FP8Params = FP8Params.ALL
@@ -36,7 +36,7 @@ class Options:
     cpu_waits: bool = False
 
     def __post_init__(self):
-        for name, kind in (("schedule", Schedule), ("gift_schedule", GiftSchedule), ("param_gather", ParamGather),
+        for name, kind in (("schedule", MegatronSchedule), ("gift_schedule", Schedule), ("param_gather", ParamGather),
                            ("fp8_params", FP8Params)):  # fmt: skip
             object.__setattr__(self, name, kind(getattr(self, name)))
         if self.intra_dtype not in INTRA_NODE_DTYPES:
@@ -45,5 +45,5 @@ class Options:
             raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
         if min(self.refresh_interval, self.sketch, self.rank) < 1:
             raise ValueError(f"refresh_interval, sketch and rank must be >= 1, got {self}")
-        if self.schedule is Schedule.SYNC and self.param_gather is ParamGather.DELTA:
+        if self.schedule is MegatronSchedule.SYNC and self.param_gather is ParamGather.DELTA:
             raise ValueError("the delta parameter gather needs the distributed optimizer (schedule overlap)")

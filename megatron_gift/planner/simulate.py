@@ -88,7 +88,7 @@ def simulate(chunks: list[float], chains: list[list[Task]], release: list[int | 
             rem = max(0.0, rem - (t_next - t) * rate)
         t = t_next
         busy = {r: i for r, i in busy.items() if end[i] > t + EPS}
-        if computing and rem <= EPS:
+        if computing and (rem <= EPS or t + rem == t):  # the rest below the clock's resolution at t: done
             chunk_end[ci], ci = t, ci + 1
             rem = chunks[ci] if ci < len(chunks) else 0.0
     if any(math.isnan(s) for s in start) or ci < len(chunks):

@@ -1,4 +1,4 @@
-"""Each bucket's work as the plugin's execution model runs it (issue 17; /work/notes and
+"""Each bucket's work as the plugin's execution model runs it (issue 17;
 docs/planner.md "The model"): an ordered chain of GPU stages and collectives, each on its stream.
 
 Per bucket of ``N`` elements (``F`` wire bytes, ``N_g`` of them GIFT's, ``I`` in the intra-node
@@ -30,10 +30,9 @@ import enum
 import heapq
 from dataclasses import dataclass
 
-from ..config import Mode
+from ..config import Mode, ParamGather
 from . import nccl
 from .buckets import Bucket
-from .choices import ParamGather
 from .cluster import Cluster
 from .costs import KernelCosts
 from .options import Options

@@ -79,7 +79,7 @@ def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-val
     times and gloo fits from that model JSON's ``cpu_validation`` instead (no training)."""
     if measured_json:
         old = json.load(open(measured_json))["cpu_validation"]
-        measured = {key: r["measured_s"] for (mode, key), r in zip(VALIDATION_MODES, old["rows"])}
+        measured = {key: r["measured_s"] for (_, key), r in zip(VALIDATION_MODES, old["rows"])}
         return dict(predict_validation(old["preset"], measured, old["gloo"], overhead_json),
                     measured_in=f"reused from {measured_json}")  # fmt: skip
     from ..bench.corpus import build_token_corpus
