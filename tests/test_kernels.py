@@ -144,7 +144,7 @@ def test_encode_is_bitwise_the_codec(device, shape, cfg, kernels_only):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", FP8Format)
+@pytest.mark.parametrize("fmt", [f.wire for f in FP8Format], ids=lambda f: f.name)
 def test_encode_rounds_every_fp8_value_and_tie(device, fmt, kernels_only):
     """Rows of one 1x128 block that start with fp8_max (scale 1): every FP8 value, the midpoints
     between neighbours (ties to even) and the FP32 numbers on either side, both signs."""
