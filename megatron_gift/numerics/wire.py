@@ -25,7 +25,7 @@ KERNELS = frozenset({"whiten_encode", "decode_sum_unwhiten"})
 """The fused kernels (``kernels``) a format can name as supporting it."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class WireFormat:
     """One wire format: ``bits`` per element, an IEEE-like layout (sign, exponent with
     ``exponent_bias``, ``mantissa_bits``), its largest finite value ``max``, the code of its NaN,
@@ -48,6 +48,9 @@ class WireFormat:
             raise ValueError(f"{self.name}: bits must be 8 or 16 (whole bytes, module doc), got {self.bits}")
         if not self.kernels <= KERNELS:
             raise ValueError(f"{self.name}: unknown kernels {sorted(self.kernels - KERNELS)}; known: {sorted(KERNELS)}")
+
+    def __repr__(self) -> str:
+        return f"WireFormat({self.name!r}, {self.bits} bits)"
 
     # -- derived from the entry -------------------------------------------------------------------
     @property
