@@ -111,7 +111,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--gift-fp8-format",
         choices=[f.value for f in FP8Format],
-        default=_DEFAULT.codec.fmt.value,
+        default=_DEFAULT.codec.fmt.name,
         help="FP8 format on the wire (default: %(default)s).",
     )
     g.add_argument(

@@ -80,7 +80,7 @@ def test_defaults_come_from_gift_config(parse):
     read from GiftConfig: a changed default must change this test too)."""
     cfg = gift_config_from_args(parse("--gift-mode", "gift"))
     assert cfg == GiftConfig(mode=Mode.GIFT)
-    assert (cfg.mode, cfg.codec.fmt, cfg.codec.scaling, cfg.codec.block) == (Mode.GIFT, FP8Format.E4M3, Scaling.BLOCK, 128)
+    assert (cfg.mode, cfg.codec.fmt, cfg.codec.scaling, cfg.codec.block) == (Mode.GIFT, FP8Format.E4M3.wire, Scaling.BLOCK, 128)
     assert (cfg.rank, cfg.sketch, cfg.damping, cfg.ema, cfg.refresh_interval) == (32, 64, None, 0.95, 10)  # damping None: auto
     assert cfg.damping_candidates == (0.3, 1.0, 3.0, 10.0)
     assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)

@@ -152,7 +152,7 @@ def test_group_maximum_decodes_to_itself(cfg):
         assert (ymax - xmax).abs() <= ((1 + 2.0**-24) ** 2 - 1) * xmax.abs()
 
 
-@pytest.mark.parametrize("fmt", list(FP8Format))
+@pytest.mark.parametrize("fmt", [f.wire for f in FP8Format], ids=lambda f: f.name)
 @pytest.mark.parametrize("scaling", list(Scaling))
 def test_matches_an_independent_roundtrip(fmt, scaling):
     """Bit for bit the round trip written from the definition with torch's FP8 cast (tests/reference.py):

@@ -144,7 +144,7 @@ def test_encode_is_bitwise_the_codec(device, shape, cfg, kernels_only):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", FP8Format)
+@pytest.mark.parametrize("fmt", [f.wire for f in FP8Format], ids=lambda f: f.name)
 def test_encode_rounds_every_fp8_value_and_tie(device, fmt, kernels_only):
     """Rows of one 1x128 block that start with fp8_max (scale 1): every FP8 value, the midpoints
     between neighbours (ties to even) and the FP32 numbers on either side, both signs."""
@@ -574,8 +574,8 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         summary = proc.stdout.strip().splitlines()[-1]
         assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
 
-    E4M3 = dict(MANT=3, BIAS=7, E4M3=True, E8M0=False)
-    E5M2_MX = dict(MANT=2, BIAS=15, E4M3=False, E8M0=True)
+    E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
+    E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
     ROW_BLOCKS, GROUPS, ORDERED = dict(LAYOUT=1, ONE_CHUNK=True), dict(LAYOUT=2, ONE_CHUNK=False), dict(LAYOUT=0, ONE_CHUNK=True)
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
     SM90_CASES = [

@@ -175,7 +175,7 @@ class Scheme:
         """The scheme's parts, for the JSON ``schemes`` table."""
         if self.codec is None:
             return {"family": self.family}
-        out = {"family": self.family, "codec": self.codec_name, "fmt": self.codec.fmt.value,
+        out = {"family": self.family, "codec": self.codec_name, "fmt": self.codec.fmt.name,
                "scaling": self.codec.scaling.value, "shared": self.shared}  # fmt: skip
         gift = {"gift": cfg.gift, "gift-paper": cfg.paper, "gift-paper-dense": cfg.paper}.get(self.family)
         if gift is not None:

@@ -32,9 +32,9 @@ BUDGET = {False: 1 << 14, True: 1 << 20}
 
 
 def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
-    """``buf`` (uint8, a multiple of 4 bytes) viewed in each sequence's dtype."""
-    return {"coded": buf, "groups": buf.view(layout.codec.scale_dtype()), "off": buf.view(layout.plain_dtypes[0]),
-            "bf16": buf.view(torch.bfloat16)}  # fmt: skip
+    """``buf`` (uint8, a multiple of 4 bytes) viewed in each sequence's dtype (coded: the format's codes)."""
+    return {"coded": buf.view(layout.coded_dtype()), "groups": buf.view(layout.codec.scale_dtype()),
+            "off": buf.view(layout.plain_dtypes[0]), "bf16": buf.view(torch.bfloat16)}  # fmt: skip
 
 
 def _segment_chunks(layout: BucketLayout, i: int, budget: int, whiten: bool):
@@ -44,8 +44,8 @@ def _segment_chunks(layout: BucketLayout, i: int, budget: int, whiten: bool):
 
 def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
                   use_kernels: bool, error_feedback: ErrorFeedback | None = None) -> None:  # fmt: skip
-    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) as FP8 codes and
-    scales into its message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket."""
+    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) as codes of the
+    format and scales into its message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket."""
     out, cfg = views(buf, layout), layout.codec
     use_kernels = use_kernels and error_feedback is None  # the kernel cannot add the residual before encoding
     for i in layout.coded_segments:
@@ -103,7 +103,7 @@ def reduce_coded(rows: Rows, layout: BucketLayout, plan: ShardPlan, k0: int, k1:
     ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: FP32 ``shape``
     (the fused kernels where ``fused`` and they can run)."""
     g0, g1, lengths = layout.group_slice(k0, k1, rows.parts[0].device)
-    payloads = rows.coded(k0 - plan.coded_lo, k1 - plan.coded_lo)
+    payloads = rows.coded(k0 - plan.coded_lo, k1 - plan.coded_lo, layout.coded_dtype())
     scales = rows.scales(g0 - plan.group_lo, g1 - plan.group_lo, layout.codec.scale_dtype())
     return kernels.decode_sum_unwhiten(payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths,
                                        fused=fused)

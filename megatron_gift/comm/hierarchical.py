@@ -44,7 +44,7 @@ from .schedule import Step
 from .topology import TwoLevelGroups
 
 INTRA_DTYPES = dict(zip(INTRA_NODE_DTYPES, (torch.float32, torch.bfloat16, None)))
-_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", None: "fp8+scales"}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the ledger's names of the float intra dtypes
 
 
 def intra_wire(intra: str, bucket_dtype: torch.dtype) -> torch.dtype | None:
@@ -96,7 +96,7 @@ class TwoLevelReduce(ShardReduction):
         own = self.pk1.own.nbytes
         recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk1.sent_bytes
-        self.ledger.add("all_to_all", _NAMES[self.wire], sent, {"intra": sent})
+        self.ledger.add("all_to_all", _NAMES.get(self.wire, self.coded_label), sent, {"intra": sent})
         work = dist.all_to_all_single(recv, buf[:sent], with_self([own] * (g - 1), l), with_self(self.pk1.peer_bytes, l),
                                       group=self.groups.intra, async_op=True)  # fmt: skip
         self.buf1, self.recv1 = buf, recv
@@ -115,11 +115,12 @@ class TwoLevelReduce(ShardReduction):
         out = views(buf, layout)
         chunks, counts = self._held(device)
         for (c0, c1), (g0, g1), lengths in chunks:
+            coded = rows.coded(c0, c1, layout.coded_dtype(self.wire))
             if self.wire is None:
-                values = _kernels.decode_sum_unwhiten(rows.coded(c0, c1), rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0,
-                                                      None, cfg, False, lengths=lengths, fused=self.kernels)  # fmt: skip
+                values = _kernels.decode_sum_unwhiten(coded, rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0, None, cfg,
+                                                      False, lengths=lengths, fused=self.kernels)  # fmt: skip
             else:
-                values = _kernels.ordered_sum([p.float() for p in rows.coded(c0, c1, self.wire)])
+                values = _kernels.ordered_sum([p.float() for p in coded])
             enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, fused=self.kernels)
             out["coded"].index_copy_(0, self.pk2.place["coded"].index(c0, c1), enc.payload.view(-1))
             out["groups"].index_copy_(0, self.pk2.place["groups"].index(g0, g1), enc.scales.view(-1))
@@ -130,7 +131,7 @@ class TwoLevelReduce(ShardReduction):
         own = self.pk2.own.nbytes
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk2.sent_bytes
-        self.ledger.add("all_to_all", "fp8+scales", sent, {"inter": sent})
+        self.ledger.add("all_to_all", self.coded_label, sent, {"inter": sent})
         work = dist.all_to_all_single(self.recv, buf[:sent], with_self([own] * (n - 1), k), with_self(self.pk2.peer_bytes, k),
                                       group=self.groups.inter, async_op=True)  # fmt: skip
         return Step([work], [buf, self.recv])
@@ -169,13 +170,13 @@ class TwoLevelReduce(ShardReduction):
         msg = self._own_message(self._inter_rows())
         width, n = self.layout.max_message_bytes, self.topo.nodes
         self.gathered = torch.empty(n * width, dtype=torch.uint8, device=msg.device)
-        self.ledger.add("all_gather", "fp8+scales", (n - 1) * width, {"inter": (n - 1) * width})
+        self.ledger.add("all_gather", self.coded_label, (n - 1) * width, {"inter": (n - 1) * width})
         return Step([_all_gather(self.gathered, msg, group=self.groups.inter, async_op=True)], [self.gathered, msg])
 
     def _gather_intra(self) -> Step:
         g, first = self.topo.ranks_per_node, self.gathered
         self.gathered = torch.empty(g * first.numel(), dtype=torch.uint8, device=first.device)
-        self.ledger.add("all_gather", "fp8+scales", (g - 1) * first.numel(), {"intra": (g - 1) * first.numel()})
+        self.ledger.add("all_gather", self.coded_label, (g - 1) * first.numel(), {"intra": (g - 1) * first.numel()})
         return Step([_all_gather(self.gathered, first, group=self.groups.intra, async_op=True)], [self.gathered, first])
 
     def _decode_all(self) -> Step:

@@ -16,7 +16,8 @@ two-level exchange's intra-node stage) is, each section padded to 4 bytes::
 
     [scales of J | off values of J | bf16 values of J | coded values of J]
 
-with the coded values as FP8 codes (``wire=None``) or in a float wire dtype (no scales section);
+with the coded values as codes of the codec's wire format (``wire=None``; ``codec.fmt``, the
+table ``numerics.wire``: its bytes per element) or in a float wire dtype (no scales section);
 within a section the shards follow one another in ``J``'s order. GIFT rows cut by a shard
 boundary are recorded as ``RowPiece``s so the receiver can apply ``T⁻¹`` with only an r-float
 exchange per piece.
@@ -37,6 +38,22 @@ FP8_MODES = (Mode.EUCLIDEAN, Mode.GIFT)
 
 def _pad4(n: int) -> int:
     return (n + 3) // 4 * 4
+
+
+def values_bytes(mode: Mode, n: int, codec: CodecConfig, raw_itemsize: float | None = None) -> int:
+    """Bytes of ``n`` gradient values of a ``mode`` parameter on the wire, their scales aside: codes of the
+    codec's format (FP8 modes), BF16, or the bucket's dtype of ``raw_itemsize`` bytes (``off``)."""
+    if mode in FP8_MODES:
+        return codec.fmt.payload_bytes(n)
+    return n * (2 if mode is Mode.BF16 else raw_itemsize)
+
+
+def wire_bytes(mode: Mode, rows: int, cols: int, codec: CodecConfig, raw_itemsize: float | None = None) -> int:
+    """Bytes of one ``[rows, cols]`` parameter's gradient in a rank's messages (before a collective's
+    ``(R-1)/R``): its values and, coded, the scales of its groups; the one count the telemetry and the
+    planner take."""
+    scales = codec.scale_bytes(rows, cols) if mode in FP8_MODES else 0
+    return values_bytes(mode, rows * cols, codec, raw_itemsize) + scales
 
 
 @dataclass(frozen=True)
@@ -118,7 +135,7 @@ class ShardPlan:
 
     @property
     def message_bytes(self) -> int:
-        """Bytes of this shard's FP8 message (the flat exchange's)."""
+        """Bytes of this shard's coded message (the flat exchange's)."""
         return self.scale_bytes + sum(self.plain_bytes) + self.payload_bytes
 
 
@@ -154,7 +171,8 @@ class BucketLayout:
         self.segments = segs
         self.codec = codec
         self.plain_dtypes = [raw_dtype, torch.bfloat16]
-        classes = [[i for i, s in enumerate(segs) if s.mode is m] for m in (Mode.OFF, Mode.BF16)]
+        self.plain_modes = (Mode.OFF, Mode.BF16)
+        classes = [[i for i, s in enumerate(segs) if s.mode is m] for m in self.plain_modes]
         self.coded_segments = [i for i, s in enumerate(segs) if s.mode in FP8_MODES]
         self.plain_segments = classes
         self.coded_runs = _merge([(segs[i].start, segs[i].end) for i in self.coded_segments])
@@ -271,9 +289,20 @@ class BucketLayout:
             plain_lo=plain_lo, plain_hi=[a + n for a, n in zip(plain_lo, plain_n)],
             coded_parts=coded, plain_parts=plain, gift_rows=gift_rows, pieces=pieces,
             scale_bytes=_pad4((group_hi - group_lo) * self.codec.scale_dtype().itemsize),
-            plain_bytes=[_pad4(n * dt.itemsize) for n, dt in zip(plain_n, self.plain_dtypes)],
-            payload_bytes=_pad4(coded_hi - coded_lo),
+            plain_bytes=[_pad4(self._plain_bytes(c, n)) for c, n in enumerate(plain_n)],
+            payload_bytes=_pad4(self.coded_bytes(coded_hi - coded_lo)),
         )  # fmt: skip
+
+    def _plain_bytes(self, c: int, n: int) -> int:
+        return values_bytes(self.plain_modes[c], n, self.codec, self.plain_dtypes[0].itemsize)
+
+    def coded_bytes(self, n: int, wire: torch.dtype | None = None) -> int:
+        """Bytes of ``n`` coded values in a message: the format's codes (``wire=None``), else in ``wire``."""
+        return self.codec.fmt.payload_bytes(n) if wire is None else n * wire.itemsize
+
+    def coded_dtype(self, wire: torch.dtype | None = None) -> torch.dtype:
+        """Dtype of the coded values in a message: the format's codes (``wire=None``), else ``wire``."""
+        return self.codec.fmt.code_dtype if wire is None else wire
 
     def _class_start(self, parts: list[Part], cls, lo: int) -> int:
         """Index in a class sequence of the first element at or after bucket position ``lo``."""
@@ -284,8 +313,8 @@ class BucketLayout:
 
     # -- messages ---------------------------------------------------------------------------------
     def message(self, shards, wire: torch.dtype | None = None) -> Message:
-        """The layout of a message holding ``shards`` (module doc), coded values as FP8 codes plus
-        scales (``wire=None``) or in the float dtype ``wire``."""
+        """The layout of a message holding ``shards`` (module doc), coded values as the format's codes
+        plus scales (``wire=None``) or in the float dtype ``wire``."""
         plans = [self.shards[j] for j in shards]
         scale_size = self.codec.scale_dtype().itemsize
 
@@ -295,9 +324,9 @@ class BucketLayout:
         groups = [p.n_groups for p in plans]
         scale_bytes = 0 if wire is not None else _pad4(sum(groups) * scale_size)
         plain_n = [[p.plain_hi[c] - p.plain_lo[c] for p in plans] for c in range(2)]
-        plain_bytes = [_pad4(sum(n) * dt.itemsize) for n, dt in zip(plain_n, self.plain_dtypes)]
+        plain_bytes = [_pad4(self._plain_bytes(c, sum(n))) for c, n in enumerate(plain_n)]
         coded_n = [p.n_coded for p in plans]
-        coded_bytes = _pad4(sum(coded_n) * (1 if wire is None else wire.itemsize))
+        coded_bytes = _pad4(self.coded_bytes(sum(coded_n), wire))
         plain_at = (scale_bytes, scale_bytes + plain_bytes[0])
         coded_at = plain_at[1] + plain_bytes[1]
         return Message(

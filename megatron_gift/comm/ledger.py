@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..numerics.wire import WireFormat
+
+
+def coded_label(fmt: WireFormat) -> str:
+    """The ledger's dtype of messages of ``fmt``'s codes with their scales (``fp8+scales`` for E4M3 and E5M2)."""
+    return f"{fmt.label}+scales"
+
 
 class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,

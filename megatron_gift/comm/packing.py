@@ -72,14 +72,14 @@ def packing(layout: BucketLayout, source: list[int], messages: list[list[int]], 
             width: int | None = None) -> Packing:  # fmt: skip
     """The packing of ``messages`` (each a list of shards; the last one the rank's own) filled from
     ``source`` (every shard of every message, in source order); ``wire``: the coded values' dtype
-    (None: FP8 codes and scales). ``width``: every message in a slot of that many bytes (an
+    (None: the format's codes and scales). ``width``: every message in a slot of that many bytes (an
     all-gather's equal chunks), else one right after the other."""
     msgs = [layout.message(shards, wire) for shards in messages]
     starts = [m * width if width else sum(x.nbytes for x in msgs[:m]) for m in range(len(msgs))]
     where = {j: (m, k) for m, shards in enumerate(messages) for k, j in enumerate(shards)}
     plans = [layout.shards[j] for j in source]
     scale_size = layout.codec.scale_dtype().itemsize
-    coded_size = 1 if wire is None else wire.itemsize
+    coded_size = layout.coded_dtype(wire).itemsize
     sizes = {"coded": [p.n_coded for p in plans], "groups": [p.n_groups for p in plans],
              "off": [p.plain_hi[0] - p.plain_lo[0] for p in plans], "bf16": [p.plain_hi[1] - p.plain_lo[1] for p in plans]}  # fmt: skip
     buffer_starts = {name: [] for name in SEQUENCES}
@@ -109,10 +109,11 @@ class Rows:
         """Bytes ``[lo, hi)`` of every message, viewed as ``dtype``: ``[k, (hi - lo) / itemsize]`` per part."""
         return [p[:, lo:hi].view(dtype) for p in self.parts]
 
-    def coded(self, c0: int, c1: int, wire: torch.dtype | None = None) -> list[torch.Tensor]:
-        size = 1 if wire is None else wire.itemsize
+    def coded(self, c0: int, c1: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Coded values ``[c0, c1)`` of every message in ``dtype`` (``BucketLayout.coded_dtype``)."""
+        size = dtype.itemsize
         at = self.msg.coded_at
-        return self.section(at + c0 * size, at + c1 * size, torch.uint8 if wire is None else wire)
+        return self.section(at + c0 * size, at + c1 * size, dtype)
 
     def scales(self, g0: int, g1: int, dtype: torch.dtype) -> list[torch.Tensor]:
         size = dtype.itemsize

@@ -28,10 +28,12 @@ import torch.distributed as dist
 
 from .. import kernels as _kernels
 from ..numerics.error_feedback import ErrorFeedback
+from ..numerics.fp8 import CodecConfig
+from ..numerics.wire import KERNELS
 from ..numerics.whitening import LowRankWhitening
 from .codec import BUDGET, encode_bucket, part_chunks, plain_bucket, reduce_coded, sum_plain, views
 from .layout import BucketLayout
-from .ledger import CommLedger
+from .ledger import CommLedger, coded_label
 from .packing import Rows, packing
 from .pieces import PieceExchange
 from .schedule import Reduction, Step
@@ -42,11 +44,12 @@ Whitenings = list[LowRankWhitening | None]  # per segment, None where not whiten
 # torch >= 2.10 renamed all_gather_into_tensor; NGC containers may carry either.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-def use_kernels(device: torch.device, use: bool | None) -> bool:
+def use_kernels(device: torch.device, use: bool | None, codec: CodecConfig) -> bool:
     """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.kernels``:
     None on CUDA where they are ``kernels.available``; True wherever they are available, the CPU included
-    when Triton's interpreter is on (slow: for tests); False never). Every rank of a group passes the same."""
-    if use is False or (use is None and device.type != "cuda"):
+    when Triton's interpreter is on (slow: for tests); False never), and never for a wire format whose
+    table entry does not name them all. Every rank of a group passes the same."""
+    if use is False or (use is None and device.type != "cuda") or codec.fmt.kernels != KERNELS:
         return False
     return _kernels.available(device)
 
@@ -91,8 +94,9 @@ class ShardReduction(Reduction):
         self.world, self.rank = group.size(), group.rank()
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
-        self.kernels = use_kernels(flat.device, kernels)
+        self.kernels = use_kernels(flat.device, kernels, layout.codec)
         self.budget = BUDGET[self.kernels]
+        self.coded_label = coded_label(layout.codec.fmt)  # the ledger's name of the coded messages
 
     def _links(self, per_peer: list[int]) -> dict[str, int] | None:
         """Links crossed by ``per_peer[j]`` bytes sent to rank ``j`` of the group."""
@@ -198,7 +202,7 @@ class QuantizedReduce(ShardReduction):
         if self.world == 1:
             return []
         per_peer = with_self(pk.peer_bytes, r)
-        self.ledger.add("all_to_all", "fp8+scales", pk.sent_bytes, self._links(per_peer))
+        self.ledger.add("all_to_all", self.coded_label, pk.sent_bytes, self._links(per_peer))
         recv_sizes = with_self([pk.own.nbytes] * (self.world - 1), r)
         return [dist.all_to_all_single(self.recv, self.buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True)]
 
@@ -214,7 +218,7 @@ class QuantizedReduce(ShardReduction):
         msg = self._own_message(self._rows())
         width = self.layout.max_message_bytes
         self.gathered = torch.empty(self.world * width, dtype=torch.uint8, device=msg.device)
-        self.ledger.add("all_gather", "fp8+scales", (self.world - 1) * width, self._links([width] * self.world))
+        self.ledger.add("all_gather", self.coded_label, (self.world - 1) * width, self._links([width] * self.world))
         return Step([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
 
     def _decode_all(self) -> Step:

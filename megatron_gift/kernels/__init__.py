@@ -12,8 +12,9 @@ for bit those of ``fp8.encode(U)`` / ``fp8.encode_flat(U, lengths)`` (so those o
 where there is no whitening), and the rank sum bit for bit. The kernels' math is in
 ``kernels/fused.py``. They run where ``available(device)``: on CUDA, or on the CPU under Triton's
 interpreter (``TRITON_INTERPRET=1``, set before the first call here: triton reads it when the
-kernels are defined), for every format, scaling and block size, with or without ``lengths`` and
-messages in up to ``fused.MAX_PARTS`` non-empty parts. The reference runs instead for TENSOR
+kernels are defined), for every format whose table entry names them (``WireFormat.kernels``: E4M3
+and E5M2), scaling and block size, with or without ``lengths`` and messages in up to
+``fused.MAX_PARTS`` non-empty parts. The reference runs instead for other formats, for TENSOR
 scaling with ``lengths``, for more parts, for empty inputs, elsewhere, and without triton.
 The kernel path never synchronises the host with the device.
 """
@@ -64,8 +65,11 @@ def _lengths(cfg: CodecConfig, lengths: torch.Tensor | None) -> torch.Tensor | N
     return None if lengths is not None and cfg.scaling is Scaling.TENSOR and lengths.numel() == 1 else lengths
 
 
-def _use_kernels(fused: bool, device: torch.device, numel: int, cfg: CodecConfig, lengths: torch.Tensor | None) -> bool:
-    return fused and numel > 0 and available(device) and (lengths is None or cfg.scaling is not Scaling.TENSOR)
+def _use_kernels(kernel: str, fused: bool, device: torch.device, numel: int, cfg: CodecConfig,
+                 lengths: torch.Tensor | None) -> bool:  # fmt: skip
+    """Whether ``kernel`` runs rather than the reference (module doc)."""
+    return (fused and numel > 0 and kernel in cfg.fmt.kernels and available(device)
+            and (lengths is None or cfg.scaling is not Scaling.TENSOR))  # fmt: skip
 
 
 def whiten_encode(
@@ -73,12 +77,12 @@ def whiten_encode(
     lengths: torch.Tensor | None = None, fused: bool = True,
 ) -> Encoded:  # fmt: skip
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
-    ``[rows, cols]`` uint8, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
+    ``[rows, cols]`` codes, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
     ``lengths``: groups in memory order other than the matrix codec's, each inside one row unless
     the scaling is per tensor); ``out``, when given, receives ``G T`` in FP32 (e.g. for error
     feedback); ``fused=False`` takes the PyTorch reference wherever the kernels could run."""
     lengths = _lengths(cfg, lengths)
-    if _use_kernels(fused, g.device, g.numel(), cfg, lengths):
+    if _use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths):
         return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
     return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
 
@@ -95,11 +99,12 @@ def decode_sum_unwhiten(
     fused: bool = True,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
-    messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them
+    messages: ``payloads [R, rows·cols]`` codes, ``scales [R, groups]`` as ``fp8.encode`` made them
     (grouped by ``lengths`` when given), each also as a sequence of parts whose rows in turn are the
     ranks in order (``reference``'s module doc); ``fused`` as in ``whiten_encode``."""
     parts = [p for p in ([payloads] if isinstance(payloads, torch.Tensor) else payloads) if p.shape[0] > 0]
     lengths = _lengths(cfg, lengths)
-    if parts and _use_kernels(fused, parts[0].device, rows * cols, cfg, lengths) and len(parts) <= _fused().MAX_PARTS:
+    if (parts and _use_kernels("decode_sum_unwhiten", fused, parts[0].device, rows * cols, cfg, lengths)
+            and len(parts) <= _fused().MAX_PARTS):  # fmt: skip
         return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)
     return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)

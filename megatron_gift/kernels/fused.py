@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, scales_from_amax
+from ..numerics.fp8 import CodecConfig, Encoded, Scaling, scales_from_amax
 from ..numerics.whitening import LowRankWhitening
 
 TILE = 128  # columns of a unit where the scaling group is a whole row or tensor
@@ -81,9 +81,10 @@ def _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols):
 
 
 @triton.jit
-def _fp8_code(y, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, E4M3: tl.constexpr):
+def _fp8_code(y, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr):
     """FP8 code (int32, 0..255) of FP32 ``y`` as torch's cast of ``clamp(y, ±FMAX)`` gives it;
-    NaN keeps its sign, Inf is E4M3's NaN 0x7F or E5M2's signed Inf."""
+    NaN keeps its sign, Inf is the NaN 0x7F of a format without Inf (``NO_INF``: E4M3) or the signed
+    Inf (E5M2)."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -96,7 +97,7 @@ def _fp8_code(y, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, E4M
     sub = fin.to(tl.float32, bitcast=True) * (2.0 ** (MANT + BIAS - 1)) + 8388608.0
     sub = sub.to(tl.int32, bitcast=True) - 0x4B000000
     code = tl.where(fin < ((128 - BIAS) << 23), sub, normal) | sign
-    if E4M3:
+    if NO_INF:
         special = tl.where(mag > 0x7F800000, 0x7F | sign, 0x7F)
     else:
         special = tl.where(mag > 0x7F800000, 0x7F, 0x7C) | sign
@@ -104,13 +105,13 @@ def _fp8_code(y, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, E4M
 
 
 @triton.jit
-def _fp8_value(code, MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr):
+def _fp8_value(code, MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr):
     """FP32 value of an FP8 ``code`` (int32), with torch's bits for NaN."""
     e = (code >> MANT) & ((1 << (7 - MANT)) - 1)
     m = code & ((1 << MANT) - 1)
     normal = ((e + (127 - BIAS)) << 23) | (m << (23 - MANT))
     sub = (m.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))).to(tl.int32, bitcast=True)
-    if E4M3:
+    if NO_INF:
         special = (code & 0x7F) == 0x7F
     else:
         special = e == (1 << (7 - MANT)) - 1
@@ -202,9 +203,9 @@ def _finite_amax(u, mask):
 
 @triton.jit
 def _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U: tl.constexpr, MANT: tl.constexpr,
-                 BIAS: tl.constexpr, FMAX: tl.constexpr, E4M3: tl.constexpr):  # fmt: skip
+                 BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr):  # fmt: skip
     y = tl.math.div_rn(u, tl.broadcast_to(s[:, None], u.shape))
-    tl.store(code_ptr + flat, _fp8_code(y, MANT, BIAS, FMAX, E4M3).to(tl.uint8), mask=mask)
+    tl.store(code_ptr + flat, _fp8_code(y, MANT, BIAS, FMAX, NO_INF).to(tl.uint8), mask=mask)
     if STORE_U:
         tl.store(u_ptr + flat, u, mask=mask)
 
@@ -215,7 +216,7 @@ def _encode_kernel(
     n_units, rows, cols, rank, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
     UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
     WHITEN: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, E4M3: tl.constexpr, E8M0: tl.constexpr,
+    MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
 ):  # fmt: skip
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
@@ -239,24 +240,24 @@ def _encode_kernel(
             tl.store(scale_ptr + scale_index, s, mask=umask)
         else:
             s = _scale_value(tl.load(scale_ptr + scale_index, mask=umask, other=1), E8M0)
-        _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, E4M3)
+        _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, NO_INF)
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
                     g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN
                 )
-                _store_codes(uc, fc, mc, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, E4M3)
+                _store_codes(uc, fc, mc, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, NO_INF)
 
 
 @triton.jit
 def _add_rows(acc, code_ptr, scale_ptr, k, code_stride, scale_stride, flat, scale_index, mask, umask,
-              MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr, E8M0: tl.constexpr):  # fmt: skip
+              MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr):  # fmt: skip
     """``acc + x_0 + x_1 + ...`` (left to right) over the ``k`` rows of one part,
     ``x_i = fp8⁻¹(code_i) · s_i``."""
     codes = code_ptr + flat
     scales = scale_ptr + scale_index
     for _ in range(k):
-        x = _fp8_value(tl.load(codes, mask=mask, other=0).to(tl.int32), MANT, BIAS, E4M3)
+        x = _fp8_value(tl.load(codes, mask=mask, other=0).to(tl.int32), MANT, BIAS, NO_INF)
         acc += x * _scale_value(tl.load(scales, mask=umask, other=1), E8M0)[:, None]
         codes += code_stride
         scales += scale_stride
@@ -271,7 +272,7 @@ def _decode_sum_kernel(
     code2_ptr, scale2_ptr, k2, code_stride2, scale_stride2,
     world, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
     AVERAGE: tl.constexpr, UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, E4M3: tl.constexpr, E8M0: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
 ):  # fmt: skip
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
@@ -281,11 +282,11 @@ def _decode_sum_kernel(
         _, flat, mask = _chunk(start, length, umask, ch, W)
         acc = tl.full([BU, W], -0.0, tl.float32)
         acc = _add_rows(acc, code0_ptr, scale0_ptr, k0, code_stride0, scale_stride0, flat, scale_index, mask, umask,
-                        MANT, BIAS, E4M3, E8M0)
+                        MANT, BIAS, NO_INF, E8M0)
         acc = _add_rows(acc, code1_ptr, scale1_ptr, k1, code_stride1, scale_stride1, flat, scale_index, mask, umask,
-                        MANT, BIAS, E4M3, E8M0)
+                        MANT, BIAS, NO_INF, E8M0)
         acc = _add_rows(acc, code2_ptr, scale2_ptr, k2, code_stride2, scale_stride2, flat, scale_index, mask, umask,
-                        MANT, BIAS, E4M3, E8M0)
+                        MANT, BIAS, NO_INF, E8M0)
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
         tl.store(out_ptr + flat, acc, mask=mask)
@@ -331,9 +332,13 @@ def _unwhiten_kernel(u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_bl
     tl.store(u_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask=mask)
 
 
-def _fmt_args(cfg: CodecConfig) -> dict:
-    e4m3 = cfg.fmt is FP8Format.E4M3
-    return dict(MANT=cfg.fmt.mantissa_bits, BIAS=7 if e4m3 else 15, E4M3=e4m3, E8M0=cfg.scaling is Scaling.MX)
+def _fmt_args(cfg: CodecConfig, kernel: str) -> dict:
+    """The format's constants from its table entry; a format whose entry does not name ``kernel`` is
+    refused (the bit manipulation above is that of 8-bit IEEE-like codes)."""
+    fmt = cfg.fmt
+    if kernel not in fmt.kernels:
+        raise ValueError(f"the Triton {kernel} does not implement the {fmt.name} wire format (WireFormat.kernels)")
+    return dict(MANT=fmt.mantissa_bits, BIAS=fmt.exponent_bias, NO_INF=not fmt.has_inf, E8M0=cfg.scaling is Scaling.MX)
 
 
 @dataclass(frozen=True)
@@ -411,6 +416,7 @@ def whiten_encode(
 ) -> Encoded:  # fmt: skip
     """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR."""
     rows, cols = g.shape
+    fmt_args = _fmt_args(cfg, "whiten_encode")
     g = (g if g.dtype in _READ_DTYPES else g.float()).contiguous()
     n_groups = None if lengths is None else lengths.numel()
     tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None)
@@ -429,7 +435,7 @@ def whiten_encode(
             g, ends, dinv, p, qt, u_out if out is not None else g, payload, scales, amax,
             tiling.n_units, rows, cols, rank, *tiling.args(),
             WHITEN=whitening is not None, STORE_U=out is not None, PASS=pass_.value, FMAX=cfg.fmt.max,
-            enable_fp_fusion=fusion, **tiling.constexprs(), **_fmt_args(cfg),
+            enable_fp_fusion=fusion, **tiling.constexprs(), **fmt_args,
         )  # fmt: skip
 
     if cfg.scaling is Scaling.BLOCK:
@@ -479,7 +485,7 @@ def decode_sum_unwhiten(
     # No FMA contraction: each rank's value q·s is rounded before it is added, as in the reference.
     _decode_sum_kernel[(tiling.programs,)](
         out, _ends(lengths, out), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
-        AVERAGE=average, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg),
+        AVERAGE=average, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
     if whitening is not None:
         p = _project(out, None, whitening.q, whitening.c_inv) if whitening.rank else out

@@ -45,10 +45,10 @@ def ordered_sum(parts: Parts) -> torch.Tensor:
 
 
 def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
-    """FP32 values ``[k, n]`` of ``k`` flat encodings: ``payloads [k, n]`` uint8, ``scales [k, G]``
+    """FP32 values ``[k, n]`` of ``k`` flat encodings: ``payloads [k, n]`` codes, ``scales [k, G]``
     (one per group of ``lengths [G]``, summing to n), decoded as ``fp8.decode_flat`` does, row by row."""
     k, n = payloads.shape
-    values = payloads.view(cfg.fmt.dtype).float()
+    values = cfg.fmt.from_codes(payloads)
     per_element = scale_values(scales, cfg).repeat_interleave(lengths, dim=1, output_size=n)
     return values.mul_(per_element)
 
@@ -81,7 +81,7 @@ def reference_decode_sum_unwhiten(
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
-    messages: ``payloads [R, rows·cols]`` uint8, ``scales [R, groups]`` as ``fp8.encode`` made them
+    messages: ``payloads [R, rows·cols]`` codes (``cfg.fmt.code_dtype``), ``scales [R, groups]`` as ``fp8.encode`` made them
     (or as ``lengths`` groups them), each possibly given as parts (module doc); the rank sum is
     ``ordered_sum``'s."""
     if lengths is None:

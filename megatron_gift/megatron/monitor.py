@@ -19,20 +19,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..comm.layout import wire_bytes
 from ..config import GiftConfig, Mode
 from ..numerics.profile import profile_gradient, summarize
 from ..policy import LayerPolicy
 
-_FP8 = (Mode.EUCLIDEAN, Mode.GIFT)
 # torch >= 2.10 renamed reduce_scatter_tensor; NGC containers may carry either.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def wire_bytes(mode: Mode, rows: int, cols: int, cfg: GiftConfig, raw_itemsize: int) -> int:
-    """Bytes of one parameter's gradient in a rank's messages (before the collective's ``(R-1)/R``)."""
-    if mode in _FP8:
-        return cfg.codec.encoded_bytes(rows, cols)
-    return rows * cols * (2 if mode is Mode.BF16 else raw_itemsize)
 
 
 class Monitor:
@@ -158,7 +151,7 @@ class Monitor:
                     "saturation": None if s is None else (s.gift_saturation if gift else s.saturation),
                     "underflow": None if s is None else (s.gift_underflow if gift else s.underflow),
                     "top_r_share": None if s is None else s.top_r_share,
-                    "bytes": wire_bytes(g.mode, seg.rows, seg.cols, self.cfg, itemsize),
+                    "bytes": wire_bytes(g.mode, seg.rows, seg.cols, self.cfg.codec, itemsize),
                     "profile": s,
                 }
             record = {"step": step + 1, "loss": self.loss, "bytes": dict(sent), "layers": layers, "decisions": self.decisions}

@@ -1,4 +1,4 @@
-"""Numerics: FP8 codec, K-FAC statistics, whitening, geometry statistics, gradient profiles, error feedback.
+"""Numerics: the wire formats' table, FP8 codec, K-FAC statistics, whitening, geometry statistics, gradient profiles, error feedback.
 
 Pure tensor code: nothing here imports torch.distributed or Megatron.
 """
@@ -9,6 +9,7 @@ from .geometry import GeometryStats, geometry_stats, shares_ratio
 from .kfac import KFACStatistics
 from .profile import FIELDS as PROFILE_FIELDS
 from .profile import ProfileSummary, profile_gradient, summarize
+from .wire import WireFormat
 from .whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, approximate_factor
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "roundtrip",
     "shares_ratio",
     "summarize",
+    "WireFormat",
 ]

@@ -1,7 +1,8 @@
-"""FP8 codec: encode FP32 tensors to a uint8 payload plus scales, decode back to FP32.
+"""FP8 codec: encode FP32 tensors to a payload of codes plus scales, decode back to FP32.
 
-Pure tensor code (no torch.distributed): the payload and scales are plain uint8/float32
-tensors, so they travel over any collective, gloo included.
+Pure tensor code (no torch.distributed): the payload and scales are plain integer/float32
+tensors, so they travel over any collective, gloo included. The format of the codes (E4M3, E5M2,
+or any other entry of ``numerics.wire``'s table) is ``CodecConfig.fmt``; "fp8" below stands for it.
 
 A tensor is viewed as a matrix ``x`` of shape ``[rows, cols]`` (a weight gradient
 ``[d_out, d_in]``; a 1-D tensor is one row). Scales are chosen per *scaling group*:
@@ -40,46 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .wire import FP8Format, WireFormat
+
 MX_BLOCK = 32
 _E8M0_BIAS = 127
-
-
-class FP8Format(enum.Enum):
-    """The two OCP FP8 formats: E4M3 (3 mantissa bits, max 448) and E5M2 (2 bits, max 57344)."""
-
-    E4M3 = "e4m3"
-    E5M2 = "e5m2"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self is FP8Format.E4M3 else torch.float8_e5m2
-
-    @property
-    def mantissa_bits(self) -> int:
-        return 3 if self is FP8Format.E4M3 else 2
-
-    @property
-    def max(self) -> float:
-        return float(torch.finfo(self.dtype).max)
-
-    @property
-    def min_subnormal(self) -> float:
-        """Smallest positive subnormal: 2^-9 for E4M3, 2^-16 for E5M2."""
-        return 2.0**-9 if self is FP8Format.E4M3 else 2.0**-16
-
-    @property
-    def ulp_at_max(self) -> float:
-        """Spacing of the top binade: 32 for E4M3, 8192 for E5M2."""
-        return 32.0 if self is FP8Format.E4M3 else 8192.0
-
-    @property
-    def max_code(self) -> int:
-        """Code of +max (sign bit clear): 0x7E for E4M3, 0x7B for E5M2."""
-        return 0x7E if self is FP8Format.E4M3 else 0x7B
-
-    @property
-    def nan_code(self) -> int:
-        return 0x7F if self is FP8Format.E4M3 else 0x7E
 
 
 class Scaling(enum.Enum):
@@ -93,15 +58,16 @@ class Scaling(enum.Enum):
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """Format and scaling granularity of one FP8 encoding."""
+    """Format and scaling granularity of one FP8 encoding; ``fmt`` may be given as an ``FP8Format``
+    or its name."""
 
-    fmt: FP8Format = FP8Format.E4M3
+    fmt: WireFormat = FP8Format.E4M3.wire
     scaling: Scaling = Scaling.BLOCK
     block: int = 128
 
     def __post_init__(self):
-        if not isinstance(self.fmt, FP8Format):
-            object.__setattr__(self, "fmt", FP8Format(self.fmt))
+        if not isinstance(self.fmt, WireFormat):  # a shipped format by name
+            object.__setattr__(self, "fmt", FP8Format(self.fmt).wire)
         if not isinstance(self.scaling, Scaling):
             object.__setattr__(self, "scaling", Scaling(self.scaling))
         if self.scaling is Scaling.MX:
@@ -111,7 +77,7 @@ class CodecConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.fmt.value}-{self.scaling.value}"
+        return f"{self.fmt.name}-{self.scaling.value}"
 
     def groups(self, rows: int, cols: int) -> tuple[int, int]:
         """Shape ``[rows', groups per row]`` of the scale tensor for an ``[rows, cols]`` input."""
@@ -131,12 +97,12 @@ class CodecConfig:
 
     def encoded_bytes(self, rows: int, cols: int) -> int:
         """Bytes on the wire for one encoded ``[rows, cols]`` tensor: payload plus scales."""
-        return rows * cols + self.scale_bytes(rows, cols)
+        return self.fmt.payload_bytes(rows * cols) + self.scale_bytes(rows, cols)
 
 
 @dataclass
 class Encoded:
-    """An encoded tensor: ``payload`` uint8 ``[rows, cols]``; ``scales`` as ``CodecConfig.groups``."""
+    """An encoded tensor: ``payload`` ``[rows, cols]`` codes (``fmt.code_dtype``); ``scales`` as ``CodecConfig.groups``."""
 
     payload: torch.Tensor
     scales: torch.Tensor
@@ -235,12 +201,7 @@ def encode_flat(
         amax = segment_amax(x, lengths)
     scales = scales_from_amax(amax, cfg)
     y = x / torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
-    fmax = cfg.fmt.max
-    q = torch.where(torch.isfinite(y), y.clamp(-fmax, fmax), y).to(cfg.fmt.dtype).view(torch.uint8)
-    # torch saturates +-Inf to +-448 when casting to E4M3 (which has no Inf): force its NaN (a
-    # scalar fill: no tensor made from Python data, no host-to-device copy).
-    if cfg.fmt is FP8Format.E4M3:
-        q = q.masked_fill(torch.isinf(y), cfg.fmt.nan_code)
+    q = cfg.fmt.to_codes(y)
     if stats is not None:
         stats += _count(x, y, q, cfg)
     return Encoded(payload=q, scales=scales)
@@ -249,7 +210,7 @@ def encode_flat(
 def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) -> CodecStats:
     """The counts of one encode as 0-d tensors on ``x``'s device (no host synchronisation)."""
     fin = torch.isfinite(y)
-    mag = q & 0x7F
+    mag = q & cfg.fmt.magnitude_mask
     return CodecStats(
         numel=x.numel(),
         flushed=((x != 0) & fin & (mag == 0)).sum(),
@@ -262,7 +223,7 @@ def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) 
 
 def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """Decode a flat encoding to FP32 ``[n]``."""
-    q = enc.payload.reshape(-1).view(cfg.fmt.dtype).float()
+    q = cfg.fmt.from_codes(enc.payload.reshape(-1))
     return q * torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..comm.layout import wire_bytes
 from ..config import INTRA_NODE_DTYPES, Mode
 from ..numerics.fp8 import CodecConfig
 from .choices import FP8Params
@@ -41,12 +42,12 @@ class Bucket:
 
 
 def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: FP8Params, codec: CodecConfig) -> float:
-    """Bytes ``scheme`` sends for one parameter's gradient; with ``fp8_params=linear`` the others go as BF16."""
-    rows, cols = shape
+    """Bytes ``scheme`` sends for one parameter's gradient (``comm.layout.wire_bytes``: Megatron's ring in
+    its dtype, the plugin's in ``codec``); with ``fp8_params=linear`` the others go as BF16."""
     if scheme.mode is Mode.OFF:
-        return scheme.ring_bytes * rows * cols
+        return wire_bytes(Mode.OFF, *shape, codec, scheme.ring_bytes)
     fp8 = fp8_params is FP8Params.ALL or is_kind(name, LINEAR_KINDS)
-    return codec.encoded_bytes(rows, cols) if fp8 else 2.0 * rows * cols
+    return wire_bytes(scheme.mode if fp8 else Mode.BF16, *shape, codec)
 
 
 def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig) -> float:
@@ -58,12 +59,11 @@ def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: 
 
 @functools.lru_cache(maxsize=256)
 def buckets(w: Workload, scheme: Scheme, dp: int, fp8_params: FP8Params = FP8Params.ALL, bucket_size: int | None = None,
-            gift_layers: tuple[str, ...] = ("fc2",)) -> tuple[Bucket, ...]:  # fmt: skip
+            gift_layers: tuple[str, ...] = ("fc2",), codec: CodecConfig = CodecConfig()) -> tuple[Bucket, ...]:  # fmt: skip
     """Megatron's gradient buckets (backward order: parameters reversed, a bucket closes once it holds
-    ``bucket_size`` elements, default ``max(40M, 1M·dp)`` as ``DistributedDataParallel``'s) with the bytes.
-    Cached (the planner prices one layout many times): do not modify the buckets returned."""
+    ``bucket_size`` elements, default ``max(40M, 1M·dp)`` as ``DistributedDataParallel``'s) with the bytes
+    (coded in ``codec``). Cached (the planner prices one layout many times): do not modify the buckets returned."""
     size = bucket_size or max(40_000_000, 1_000_000 * dp)
-    codec = CodecConfig()
     out = [Bucket()]
     for name, shape, flops in reversed(w.parameters()):
         b = out[-1]

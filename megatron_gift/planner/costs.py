@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from ..numerics.fp8 import CodecConfig
 from .cluster import Cluster
 
-CODEC_PASS_BYTES = 10.0
-"""HBM bytes per element of ``bench overhead``'s encode+decode: read 4 (FP32), write 1, read 1, write 4 (plus the
-scales twice)."""
+FP32_PASS_BYTES = 8.0
+"""HBM bytes per element of ``bench overhead``'s encode+decode besides the encoded message (written once, read
+once: ``CodecConfig.encoded_bytes``, codes and scales): read 4 (FP32), write 4."""
 TRANSFORM_PASS_BYTES = 24.0
 """HBM bytes per element of ``bench overhead``'s low-rank apply + inverse: each reads ``G`` twice (``G Q``, then
 ``G + (G Q) Wᵀ``) and writes it once, in FP32."""
@@ -50,8 +50,8 @@ class KernelCosts:
         codec's from its encode+decode time, the transform's from GIFT's layers (fc2), the build likewise."""
         doc = json.load(open(path))
         rows = [s for s in doc["summary"] if s["model"] == model] or doc["summary"]
-        scale = CodecConfig().scale_bytes
-        codec_bytes = sum(CODEC_PASS_BYTES * r * k + 2 * scale(r, k) for r, k in (s["shape"] for s in rows))
+        encoded = CodecConfig().encoded_bytes
+        codec_bytes = sum(FP32_PASS_BYTES * r * k + 2 * encoded(r, k) for r, k in (s["shape"] for s in rows))
         fc2 = [s for s in rows if s["layer"] == "fc2"] or rows
         transform_bytes = sum(TRANSFORM_PASS_BYTES * s["shape"][0] * s["shape"][1] for s in fc2)
         return cls(codec_bw=codec_bytes / sum(s["codec_s"] for s in rows),
