@@ -139,7 +139,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         auto = f", {sum(gp.candidate for gp in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
 
-    # the state the bucket groups, the monitor and the training loop read
+    # the state the training loop, the checkpoint hooks, tests and benchmarks read
     @property
     def step(self) -> int:
         """Index of the current iteration once ``zero_grad_buffer()`` opened it (-1 before)."""
@@ -152,10 +152,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     @property
     def ledger(self) -> CommLedger:
         return self.gift_state.ledger
-
-    @property
-    def nonfinite(self) -> torch.Tensor:
-        return self.gift_state.nonfinite
 
     @property
     def last_step_bytes(self) -> dict[str, int]:
