@@ -9,17 +9,19 @@ Megatron-Core release can change any of them without an error: :func:`check_vers
 untested version at start-up (override: ``--gift-allow-untested-megatron`` or
 ``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``), and ``tests/test_upstream_guard.py`` compares
 :func:`fingerprint` of each entry of :data:`UPSTREAM` with the one it had when the plugin's
-code was written against it, and that every name in :data:`NAMES` is still where it was (:func:`defines`).
+code was written against it, and checks that every name in :data:`NAMES` is still defined where
+it was (:func:`defines`).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
 import importlib
-import dataclasses
 import inspect
 import os
-import re
+import textwrap
 
 TESTED_VERSIONS = ("0.19.2",)
 ALLOW_ENV = "MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON"
@@ -126,18 +128,34 @@ NAMES = {
         (("DDP", "training_log"), "rebound by megatron/training.py"),
     "megatron.training.checkpointing":
         (("generate_state_dict", "_load_base_checkpoint"), "rebound by megatron/checkpoint.py"),
+    "megatron.training.global_vars":
+        (("get_tensorboard_writer", "get_wandb_writer"), "megatron/training.py telemetry_sink"),
+    "megatron.core.package_info":
+        (("__shortversion__",), "check_version"),
+    "megatron.training.arguments":
+        (("get_device_arch_version",), "replaced on CPU by testing/cpu_harness.py"),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker":
+        (("seeds_", "states_", "_is_initialized"), "set by testing/cpu_harness.py _rng_add"),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer":
+        (("optimizer", "buffers", "model_param_gbuf_map", "shard_fp32_from_float16_groups", "model_float16_groups",
+          "_get_model_param_range_map"), "testing/cpu_harness.py, testing/reference.py (the tests' stock gather)"),
 }  # fmt: skip
 
 
 def defines(key: str, name: str) -> bool:
     """Whether the class, function or module ``key`` names still has ``name``: as an attribute or a
-    dataclass field, or assigned in its source (``.name = ...`` or ``setattr(x, "name", ...)``:
-    instance attributes and the tags Megatron sets on parameters)."""
+    dataclass field, or assigned in its source (``x.name = ...``, also in a tuple or annotated
+    target, or ``setattr(x, "name", ...)``: instance attributes and the tags Megatron sets on parameters)."""
     obj = resolve(key)
     if hasattr(obj, name) or (dataclasses.is_dataclass(obj) and name in {f.name for f in dataclasses.fields(obj)}):
         return True
-    source = inspect.getsource(inspect.unwrap(obj))
-    return re.search(rf"\.{name}\s*(:[^=\n]*)?=(?!=)|setattr\([^,]+,\s*['\"]{name}['\"]", source) is not None
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(obj))))):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr == name:
+            return True
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) > 1:
+            if isinstance(node.args[1], ast.Constant) and node.args[1].value == name:
+                return True
+    return False
 
 
 def installed_version() -> str:
