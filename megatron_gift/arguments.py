@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from .config import INTRA_NODE_DTYPES, GiftConfig, Mode, ParamGather, PolicyConfig, Schedule, param_modes
+from .config import Exchange, GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig, Schedule, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_version
 
@@ -100,53 +100,53 @@ def _errors_once(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract)."""
-    g = parser.add_argument_group("megatron-gift", "FP8 data-parallel gradient communication with GIFT whitening")
-    g.add_argument(
+    flags = parser.add_argument_group("megatron-gift", "FP8 data-parallel gradient communication with GIFT whitening")
+    flags.add_argument(
         "--gift-mode",
         choices=[m.value for m in Mode],
         default=_DEFAULT.mode.value,
         help="What the --gift-layers gradients are sent as: off (Megatron's own reduction, the default), "
         "bf16, euclidean (plain FP8) or gift (whitened FP8).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-fp8-format",
         choices=[f.value for f in FP8Format],
         default=_DEFAULT.codec.fmt.name,
         help="FP8 format on the wire (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-scaling",
         choices=[s.value for s in Scaling],
         default=_DEFAULT.codec.scaling.value,
         help="FP8 scale granularity: one per tensor, row, 1x--gift-block-size block, or 1x32 MX block "
         "(default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-block-size",
         type=int,
         default=_DEFAULT.codec.block,
         help="Elements per scale with --gift-scaling block (mx always uses 32; default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-rank", type=int, default=_DEFAULT.rank, help="Rank of the whitening factor (default: %(default)s)."
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-sketch",
         type=int,
         default=_DEFAULT.sketch,
         help="Nyström sketch columns of the input statistics XᵀX; 0 keeps the exact XᵀX (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-refresh-interval",
         type=int,
         default=_DEFAULT.refresh_interval,
         help="Iterations between whitening-factor refreshes (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-ema", type=float, default=_DEFAULT.ema,
         help="Per-step EMA decay of the input statistics (default: %(default)s).",
     )  # fmt: skip
-    g.add_argument(
+    flags.add_argument(
         "--gift-damping",
         type=_damping,
         default=_DEFAULT.damping if _DEFAULT.damping is not None else AUTO,
@@ -154,7 +154,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"every refresh among {_DEFAULT.damping_candidates} and Euclidean by the local error each gives "
         "(default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-layers",
         nargs="+",
         metavar="REGEX",
@@ -163,50 +163,50 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"'{AUTO}' (with --gift-mode gift, optionally followed by patterns of the candidates, else the default "
         "ones) chooses GIFT, Euclidean or BF16 per layer from profiles of its gradients (see --gift-profile-*).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-profile-steps",
         type=int,
         default=_POLICY.profile_steps,
         help=f"--gift-layers {AUTO}: profile every one of the first N iterations (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-profile-interval",
         type=int,
         default=_POLICY.profile_interval,
         help=f"--gift-layers {AUTO}: then profile every N iterations (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-policy-margin",
         type=float,
         default=_POLICY.margin,
         help=f"--gift-layers {AUTO}: relative RelL2 gain GIFT needs over Euclidean (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-policy-hysteresis",
         type=int,
         default=_POLICY.hysteresis,
         help=f"--gift-layers {AUTO}: consecutive profiles before a layer switches (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-bf16-bound",
         type=float,
         default=_POLICY.bf16_bound,
         help=f"--gift-layers {AUTO}: FP8 RelL2 above which a layer falls back to BF16 (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-euclidean-layers",
         nargs="+",
         metavar="REGEX",
         default=list(_DEFAULT.euclidean_layers),
         help="Further parameters (e.g. embeddings) sent as plain FP8.",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-error-feedback",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULT.error_feedback,
         help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-loopback",
         action="store_true",
         default=_DEFAULT.loopback,
@@ -214,7 +214,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "decode, sum, unwhiten, nothing sent), to measure the plugin's on-GPU cost on one GPU. Without it a "
         "group of one keeps Megatron's reduction and gradient bit for bit.",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-log-interval",
         type=int,
         default=_DEFAULT.log_interval,
@@ -222,33 +222,33 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "saturation, mode, bytes; to --gift-telemetry-dir and Megatron's TensorBoard / W&B writers); "
         "0 turns them off (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-allow-untested-megatron",
         action="store_true",
         help=f"Run with a megatron-core version the plugin was not tested with ({', '.join(TESTED_VERSIONS)}).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-telemetry-dir",
         default=None,
         metavar="DIR",
         help="Where gift_telemetry.jsonl goes (default: --save, else --tensorboard-dir).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-exchange",
-        choices=("auto", "flat"),
-        default=_DEFAULT.exchange,
+        choices=tuple(e.value for e in Exchange),
+        default=_DEFAULT.exchange.value,
         help="auto: two-level exchange (intra-node stage, then FP8 among the ranks with the same local index) "
         "where the data-parallel group spans several nodes with several ranks each, else one all-to-all; "
         "flat: always one all-to-all over the group (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-intra-node",
-        choices=INTRA_NODE_DTYPES,
-        default=_DEFAULT.intra_node,
+        choices=tuple(d.value for d in IntraNode),
+        default=_DEFAULT.intra_node.value,
         help="Wire dtype of the two-level exchange's intra-node stage, summed in FP32 (default: %(default)s: "
         "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-ranks-per-node",
         type=int,
         default=None,
@@ -256,7 +256,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Processes per node, grouped by global rank (default: LOCAL_WORLD_SIZE from the launcher, "
         "else all on one node); e.g. to simulate nodes on one machine.",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-schedule",
         choices=("auto",) + tuple(s.value for s in Schedule),
         default="auto",
@@ -265,7 +265,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "backward); auto: lagged where CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) and on CPUs, else "
         "eager (default: %(default)s).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-param-gather",
         choices=[m.value for m in ParamGather],
         default=_DEFAULT.param_gather.value,
@@ -274,7 +274,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "step, or of a power-of-two scale per 32 where coarser: 0.52x BF16's bytes; every replica bit-identical, "
         "weights within one step's quantization error of bf16(main)).",
     )
-    g.add_argument(
+    flags.add_argument(
         "--gift-param-gather-full-every",
         type=int,
         default=_DEFAULT.param_gather_full_every,
@@ -322,8 +322,8 @@ def gift_config_from_args(args) -> GiftConfig | None:
             policy=_policy_from_args(args),
             log_interval=args.gift_log_interval,
             loopback=args.gift_loopback,
-            exchange=args.gift_exchange,
-            intra_node=args.gift_intra_node,
+            exchange=Exchange(args.gift_exchange),
+            intra_node=IntraNode(args.gift_intra_node),
             schedule=None if args.gift_schedule == "auto" else Schedule(args.gift_schedule),
             ranks_per_node=args.gift_ranks_per_node,
             param_gather=ParamGather(args.gift_param_gather),
@@ -450,7 +450,7 @@ def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
             out.append((k, f"with --gift-scaling {cfg.codec.scaling.value} (block only)"))
         elif k in _AUTO_ONLY and cfg.policy is None:
             out.append((k, f"without --gift-layers {AUTO}"))
-        elif k == "gift_intra_node" and (cfg.exchange == "flat" or cfg.error_feedback):
+        elif k == "gift_intra_node" and (cfg.exchange is Exchange.FLAT or cfg.error_feedback):
             out.append((k, "with --gift-exchange flat or --gift-error-feedback (one flat exchange, no intra-node stage)"))
         elif k == "gift_telemetry_dir" and not cfg.log_interval:
             out.append((k, "without --gift-log-interval"))

@@ -61,12 +61,12 @@ def _bench_comm(args: argparse.Namespace) -> int:
 def _node_layout(text: str) -> tuple[int, int]:
     """``"2x4"`` -> (2, 4): nodes x ranks per node."""
     try:
-        n, g = (int(v) for v in text.lower().split("x"))
+        nodes, per_node = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--nodes: expected NxG such as 2x4, got {text!r}") from None
-    if n < 1 or g < 1:
+    if nodes < 1 or per_node < 1:
         raise SystemExit(f"--nodes: nodes and ranks per node must be >= 1, got {text!r}")
-    return n, g
+    return nodes, per_node
 
 
 def _bench_overhead(args: argparse.Namespace) -> int:

@@ -13,8 +13,24 @@ from dataclasses import dataclass, field
 from .numerics.fp8 import CodecConfig
 
 
-INTRA_NODE_DTYPES = ("fp32", "bf16", "fp8")
-"""Wire dtypes of the two-level exchange's intra-node stage (``comm.hierarchical``)."""
+class Exchange(enum.Enum):
+    """How a bucket's quantized reduction is exchanged (``comm.topology``): two-level where the
+    group spans several nodes with several ranks each (``auto``), or one all-to-all over the group."""
+
+    AUTO = "auto"
+    FLAT = "flat"
+
+
+class IntraNode(enum.Enum):
+    """Wire dtype of the two-level exchange's intra-node stage (``comm.hierarchical``), summed in FP32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+
+INTRA_NODE_DTYPES = tuple(d.value for d in IntraNode)
+"""The spellings of ``IntraNode`` (flags, the planner's tables)."""
 
 
 class Schedule(enum.Enum):
@@ -121,8 +137,8 @@ class GiftConfig:
     policy: PolicyConfig | None = None
     log_interval: int = 0
     loopback: bool = False
-    exchange: str = "auto"
-    intra_node: str = "bf16"
+    exchange: Exchange = Exchange.AUTO
+    intra_node: IntraNode = IntraNode.BF16
     ranks_per_node: int | None = None
     kernels: bool | None = None
     schedule: Schedule | None = None
@@ -130,10 +146,9 @@ class GiftConfig:
     param_gather_full_every: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.mode, Mode):
-            object.__setattr__(self, "mode", Mode(self.mode))
-        if not isinstance(self.param_gather, ParamGather):
-            object.__setattr__(self, "param_gather", ParamGather(self.param_gather))
+        for name, kind in (("mode", Mode), ("param_gather", ParamGather), ("exchange", Exchange), ("intra_node", IntraNode)):
+            if not isinstance(getattr(self, name), kind):  # a spelling: the enum's member, or its ValueError
+                object.__setattr__(self, name, kind(getattr(self, name)))
         every = self.param_gather_full_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"param_gather_full_every must be an integer >= 0 (0: never), got {every!r}")
@@ -152,10 +167,6 @@ class GiftConfig:
             raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: off), got {self.log_interval}")
-        if self.exchange not in ("auto", "flat"):
-            raise ValueError(f"exchange must be 'auto' or 'flat', got {self.exchange!r}")
-        if self.intra_node not in INTRA_NODE_DTYPES:
-            raise ValueError(f"intra_node must be one of {INTRA_NODE_DTYPES}, got {self.intra_node!r}")
         if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be an integer >= 1 (None: from LOCAL_WORLD_SIZE), got {self.ranks_per_node!r}")
         if self.schedule is not None and not isinstance(self.schedule, Schedule):

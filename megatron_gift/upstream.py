@@ -1,5 +1,6 @@
-"""What megatron-gift takes from Megatron-Core by name: the versions it was tested with, and a
-fingerprint of every upstream function it re-implements, wraps or replaces.
+"""What megatron-gift takes from Megatron-Core by name: the versions it was tested with, a
+fingerprint of every upstream function it re-implements, wraps or replaces (:data:`UPSTREAM`), and
+every Megatron attribute and private name it reads, writes or rebinds (:data:`NAMES`).
 
 ``GiftBucketGroup.start_grad_sync`` and ``DeltaParamSync.start_param_sync`` re-implement Megatron's
 methods, the checkpoint and training hooks wrap Megatron functions, and the CPU harness replaces
@@ -8,15 +9,19 @@ Megatron-Core release can change any of them without an error: :func:`check_vers
 untested version at start-up (override: ``--gift-allow-untested-megatron`` or
 ``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``), and ``tests/test_upstream_guard.py`` compares
 :func:`fingerprint` of each entry of :data:`UPSTREAM` with the one it had when the plugin's
-code was written against it.
+code was written against it, and checks that every name in :data:`NAMES` is still defined where
+it was (:func:`defines`).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
 import importlib
 import inspect
 import os
+import textwrap
 
 TESTED_VERSIONS = ("0.19.2",)
 ALLOW_ENV = "MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON"
@@ -74,6 +79,84 @@ UPSTREAM = {
         ("1bc8c9c07aba7453", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
 }  # fmt: skip
 
+_PG = "megatron.core.distributed.param_and_grad_buffer"
+
+# "module:qualified name" of the Megatron class, function or module that defines them -> the names
+# the plugin uses on its objects (attributes, instance attributes set in its source, dataclass
+# fields, parameter tags it sets, module-level names the plugin looks up or rebinds), and where.
+NAMES = {
+    "megatron.core.distributed.data_parallel_base:_BaseDataParallel":
+        (("module",), "megatron/ddp.py: the wrapped model"),
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel":
+        (("bucket_groups", "expert_parallel_bucket_groups", "dp_cp_group", "intra_dp_cp_group", "expt_dp_group",
+          "intra_expt_dp_group", "tp_group", "zero_grad_buffer", "finish_grad_sync"),
+         "megatron/ddp.py (conversion, reduction and statistics groups), megatron/param_gather.py"),
+    f"{_PG}:_ParamAndGradBucketGroup":
+        (("buckets", "ddp_config", "is_first_batch", "grad_reduce_handle", "grad_reduce_finished", "param_gather_handle",
+          "param_gather_dispatched", "data_parallel_group", "intra_distributed_optimizer_instance_group",
+          "intra_distributed_optimizer_instance_size", "intra_distributed_optimizer_instance_rank",
+          "inter_distributed_optimizer_instance_group", "check_grads", "_copy_back_extra_main_grads",
+          "_post_param_sync", "start_grad_sync", "finish_grad_sync", "start_param_sync", "reset"),
+         "megatron/bucket_group.py GiftBucketGroup, megatron/param_gather.py DeltaParamSync (subclasses)"),
+    f"{_PG}:_ParamAndGradBucket":
+        (("params_list", "param_to_index", "param_data", "grad_data", "gradient_scaling_factor",
+          "params_with_extra_main_grads"), "megatron/ddp.py _convert, megatron/bucket_group.py, param_gather.py"),
+    f"{_PG}:_ParamAndGradBuffer":
+        (("main_grad", "main_grad_copy_in_grad_buffer"), "parameter tags read by GiftBucketGroup._prepare_grads"),
+    "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig":
+        (("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "num_distributed_optimizer_instances",
+          "average_in_collective", "check_for_nan_in_grad", "check_for_large_grads",
+          "reduce_scatter_with_fp32_accumulation", "fp8_param_gather", "fp4_param_gather",
+          "reuse_grad_buf_for_mxfp8_param_ag", "use_megatron_fsdp"),
+         "megatron/bucket_group.py, megatron/ddp.py refuse_unsupported, megatron/param_gather.py"),
+    "megatron.core.transformer.transformer_config:TransformerConfig":
+        (("enable_cuda_graph", "external_cuda_graph", "cuda_graph_impl"), "megatron/ddp.py refuse_unsupported"),
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear":
+        (("allreduce", "sequence_parallel", "tp_group"),
+         "megatron/ddp.py: expert tag of a weight, the statistics' tensor-parallel group"),
+    "megatron.core.tensor_parallel.layers:set_tensor_model_parallel_attributes":
+        (("tensor_model_parallel", "partition_dim"), "megatron/ddp.py: column-parallel weights"),
+    "megatron.core.parallel_state":
+        (("get_expert_tensor_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
+          "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank", "get_pipeline_model_parallel_world_size",
+          "get_pipeline_model_parallel_rank", "get_expert_model_parallel_world_size", "get_expert_model_parallel_rank",
+          "get_expert_tensor_parallel_world_size", "get_expert_tensor_parallel_rank", "get_expert_data_parallel_rank"),
+         "megatron/ddp.py (expert statistics group), megatron/checkpoint.py (shard keys)"),
+    "megatron.training.models.dist_utils":
+        (("DistributedDataParallel",), "rebound by megatron/training.py"),
+    "megatron.training.training":
+        (("DDP", "training_log"), "rebound by megatron/training.py"),
+    "megatron.training.checkpointing":
+        (("generate_state_dict", "_load_base_checkpoint"), "rebound by megatron/checkpoint.py"),
+    "megatron.training.global_vars":
+        (("get_tensorboard_writer", "get_wandb_writer"), "megatron/training.py telemetry_sink"),
+    "megatron.core.package_info":
+        (("__shortversion__",), "check_version"),
+    "megatron.training.arguments":
+        (("get_device_arch_version",), "replaced on CPU by testing/cpu_harness.py"),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker":
+        (("seeds_", "states_", "_is_initialized"), "set by testing/cpu_harness.py _rng_add"),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer":
+        (("optimizer", "buffers", "model_param_gbuf_map", "shard_fp32_from_float16_groups", "model_float16_groups",
+          "_get_model_param_range_map"), "testing/cpu_harness.py, testing/reference.py (the tests' stock gather)"),
+}  # fmt: skip
+
+
+def defines(key: str, name: str) -> bool:
+    """Whether the class, function or module ``key`` names still has ``name``: as an attribute or a
+    dataclass field, or assigned in its source (``x.name = ...``, also in a tuple or annotated
+    target, or ``setattr(x, "name", ...)``: instance attributes and the tags Megatron sets on parameters)."""
+    obj = resolve(key)
+    if hasattr(obj, name) or (dataclasses.is_dataclass(obj) and name in {f.name for f in dataclasses.fields(obj)}):
+        return True
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(obj))))):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr == name:
+            return True
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) > 1:
+            if isinstance(node.args[1], ast.Constant) and node.args[1].value == name:
+                return True
+    return False
+
 
 def installed_version() -> str:
     """megatron-core's version as installed (``megatron.core.package_info``)."""
@@ -98,10 +181,10 @@ def check_version(allow_untested: bool = False) -> None:
 
 
 def resolve(key: str):
-    """The function ``"module:qualified.name"`` names."""
-    module_name, qualname = key.split(":")
+    """The object ``"module:qualified.name"`` names (the module itself for ``"module"``)."""
+    module_name, _, qualname = key.partition(":")
     obj = importlib.import_module(module_name)
-    for part in qualname.split("."):
+    for part in filter(None, qualname.split(".")):
         obj = getattr(obj, part)
     return obj
 

@@ -17,7 +17,8 @@ from megatron_gift import cli
 from megatron_gift.bench import fidelity
 from megatron_gift.bench.llama import LlamaConfig
 from megatron_gift.config import GiftConfig
-from megatron_gift.numerics import DenseCholeskyWhitening, LowRankWhitening, approximate_factor
+from megatron_gift.bench.dense import DenseCholeskyWhitening
+from megatron_gift.numerics import LowRankWhitening, approximate_factor
 from tests.reference import fp8_roundtrip
 
 TINY = fidelity.FidelityConfig(

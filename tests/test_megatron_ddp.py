@@ -72,7 +72,7 @@ def _train(mode, dist_opt, overlap, bucket_size, tp, stock=False):
     ddp.zero_grad_buffer()  # closes the last step: its byte count moves to last_step_bytes
     sent = dict(getattr(ddp, "last_step_bytes", {}))
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    pieces = sum(layout.max_pieces for bg in ddp.bucket_groups for layout in getattr(bg, "gift_layouts", []) if layout)
+    pieces = sum(b.layout.max_pieces for b in ddp.gift_buckets()) if hasattr(ddp, "gift_buckets") else 0  # stock DDP: none
     n_buckets = sum(len(bg.buckets) for bg in ddp.bucket_groups)
     return dict(errors=errors, grads=grads, params=params, pieces=pieces, buckets=n_buckets, sent=sent)
 
@@ -197,7 +197,7 @@ def _nan_worker(rank, world):
         torch.isfinite(t).all()
         for g in ddp.gift_params.values()
         for t in [*(g.stats.ema_sums or {}).values(), *(g.whitening.tensors().values() if g.whitening else [])]
-    ) and all(torch.isfinite(ef.residual).all() for bg in ddp.bucket_groups for ef in bg.gift_error_feedback)
+    ) and all(torch.isfinite(b.error_feedback.residual).all() for b in ddp.gift_buckets())
     parallel_state.destroy_model_parallel()
     return dict(steps=steps, state_finite=bool(state_finite))
 
@@ -272,7 +272,7 @@ def _owner_build_worker(rank, world):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    import megatron_gift.state as state_mod
+    import megatron_gift.refresh_sync as refresh_mod
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -281,8 +281,8 @@ def _owner_build_worker(rank, world):
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000)
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     built = []
-    build = state_mod.FactorBuild
-    state_mod.FactorBuild = lambda layers, *a, **k: built.extend(layer.name for layer in layers) or build(layers, *a, **k)
+    build = refresh_mod.FactorBuild
+    refresh_mod.FactorBuild = lambda layers, *a, **k: built.extend(layer.name for layer in layers) or build(layers, *a, **k)
     try:
         steps = []
         for step in range(3):
@@ -303,7 +303,7 @@ def _owner_build_worker(rank, world):
                 sent_before=sent_before,
             ))  # fmt: skip
     finally:
-        state_mod.FactorBuild = build
+        refresh_mod.FactorBuild = build
     parallel_state.destroy_model_parallel()
     return dict(steps=steps, layers=len(layers))
 

@@ -99,7 +99,7 @@ def _moe_case(mode, layout):
             dist.all_reduce(count, group=group)
         g = ddp.gift_params[model.get_submodule(name).weight]
         # the plugin sums each rank's local EMA over the layer's statistics groups at a refresh
-        # (GiftState.sum_statistics); the ratio of summed sums to summed tokens is the global average
+        # (RefreshSync.sum_statistics); the ratio of summed sums to summed tokens is the global average
         sums, tokens = g.stats.ema_sums["xtx"].double(), g.stats.ema_tokens.double().reshape(1)
         for group in g.stats_groups:
             dist.all_reduce(sums, group=group)

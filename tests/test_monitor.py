@@ -155,8 +155,7 @@ def _worker(rank, world):
     out["restored_modes"] = {g.name: g.mode.value for g in fresh.gift_params.values()}
     out["restored_layouts"] = [
         [s.mode for s in a.segments] == [s.mode for s in b.segments]
-        for bg, fbg in zip(ddp.bucket_groups, fresh.bucket_groups)
-        for a, b in zip(getattr(bg, "gift_layouts", []), getattr(fbg, "gift_layouts", []))
+        for a, b in zip((b.layout for b in ddp.gift_buckets()), (b.layout for b in fresh.gift_buckets()))
     ]
     out["restored_policy"] = state["policy"]
     out["restored"] = _train(model, fresh, 2, first_step=STEPS)

@@ -33,11 +33,12 @@ from megatron_gift.testing.dispatch import SyncSanitizer
 
 EPS64 = torch.finfo(torch.float64).eps
 EPS32 = torch.finfo(torch.float32).eps
-# the files whose host synchronisations this change removed (issue 17): state, statistics, factor build, profiles,
-# telemetry, error feedback, the DDP adapter
-MINE = ("megatron_gift/state.py", "megatron_gift/numerics/kfac.py", "megatron_gift/numerics/whitening.py",
-        "megatron_gift/numerics/refresh.py", "megatron_gift/numerics/geometry.py", "megatron_gift/numerics/profile.py",
-        "megatron_gift/numerics/error_feedback.py", "megatron_gift/megatron/ddp.py", "megatron_gift/megatron/monitor.py")  # fmt: skip
+# the files whose host synchronisations this change removed (issue 17): state and refresh, statistics, factor build,
+# profiles, telemetry, error feedback, the DDP adapter
+MINE = ("megatron_gift/state.py", "megatron_gift/refresh_sync.py", "megatron_gift/numerics/kfac.py",
+        "megatron_gift/numerics/whitening.py", "megatron_gift/numerics/refresh.py", "megatron_gift/numerics/geometry.py",
+        "megatron_gift/numerics/profile.py", "megatron_gift/numerics/error_feedback.py", "megatron_gift/megatron/ddp.py",
+        "megatron_gift/megatron/monitor.py")  # fmt: skip
 
 
 def _spd(d: int, decay: float, seed: int) -> torch.Tensor:
@@ -120,6 +121,7 @@ def test_owners_balance_the_record_bytes():
     mean (the greedy's bound, max ≤ mean + largest), which round-robin misses on Llama-600M's four
     layer shapes at 64 ranks (catches an assignment that leaves the all-gather mostly padding)."""
     from megatron_gift.bench.overhead import MODELS, layer_shapes
+    from megatron_gift.refresh_sync import RefreshSync
     from megatron_gift.state import GiftParam, GiftState
 
     class Group:
@@ -132,7 +134,7 @@ def test_owners_balance_the_record_bytes():
         g = GiftParam(str(i), Mode.GIFT, candidate=True)
         g.stats = KFACStatistics(list(layer_shapes(m).values())[i % 4][1], sketch=64)
         layers.append((g, group))
-    GiftState(GiftConfig(mode=Mode.GIFT), torch.device("cpu")).assign_owners(layers)
+    RefreshSync(GiftState(GiftConfig(mode=Mode.GIFT), torch.device("cpu"))).assign_owners(layers)
     sizes = [RecordLayout(g.stats.d_in, 32).nbytes for g, _ in layers]
     load = [sum(b for (g, _), b in zip(layers, sizes) if g.owner == r) for r in range(64)]
     assert max(load) <= sum(sizes) / 64 + max(sizes)
@@ -308,32 +310,32 @@ def _sync_worker(rank, world):
     waits, the factor collectives (count and bytes), and the transforms."""
     from megatron.core import parallel_state
 
-    import megatron_gift.state as state_mod
+    import megatron_gift.refresh_sync as refresh_mod
 
     parallel_state.initialize_model_parallel(1, 1)
     out = {}
     for dist_opt in (True, False):
         _, ddp, opt = _ddp(dist_opt, interval=4)
         gathers, broadcasts = [], []
-        real_gather, real_bcast = state_mod._all_gather, torch.distributed.broadcast
-        state_mod._all_gather = lambda recv, send, **kw: gathers.append(send.numel()) or real_gather(recv, send, **kw)
+        real_gather, real_bcast = refresh_mod._all_gather, torch.distributed.broadcast
+        refresh_mod._all_gather = lambda recv, send, **kw: gathers.append(send.numel()) or real_gather(recv, send, **kw)
         torch.distributed.broadcast = lambda *a, **kw: broadcasts.append(1) or real_bcast(*a, **kw)
         steps = []
         try:
             for step in range(8):
-                waits, n_gather = ddp.gift_state.host_waits, len(gathers)
+                waits, n_gather = ddp.refresh.host_waits, len(gathers)
                 san = SyncSanitizer()
                 with san:
                     _step(ddp, opt, step, rank)
                 mine = {k: v for k, v in san.counts().items() if k.startswith(MINE)}
-                steps.append(dict(mine=mine, all=dict(san.counts()), waits=ddp.gift_state.host_waits - waits,
+                steps.append(dict(mine=mine, all=dict(san.counts()), waits=ddp.refresh.host_waits - waits,
                                   gathers=gathers[n_gather:], refresh=ddp.is_refresh_step(step), transforms=_transforms(ddp)))  # fmt: skip
             ddp.zero_grad_buffer()  # closes step 7
         finally:
-            state_mod._all_gather, torch.distributed.broadcast = real_gather, real_bcast
-        installed = [t for g in ddp.gift_params.values() if g.candidate and g.factor is not None
-                     for t in (g.factor.d, g.factor.v, g.factor.lam, *g.whitening.tensors().values())]  # fmt: skip
-        out[dist_opt] = dict(steps=steps, waits=ddp.gift_state.host_waits, broadcasts=len(broadcasts),
+            refresh_mod._all_gather, torch.distributed.broadcast = real_gather, real_bcast
+        installed = [t for gp in ddp.gift_params.values() if gp.candidate and gp.factor is not None
+                     for t in (gp.factor.d, gp.factor.v, gp.factor.lam, *gp.whitening.tensors().values())]  # fmt: skip
+        out[dist_opt] = dict(steps=steps, waits=ddp.refresh.host_waits, broadcasts=len(broadcasts),
                              own_storage=all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in installed))
     parallel_state.destroy_model_parallel()
     return out
@@ -345,7 +347,7 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
     """Refresh steps 0, 1, 2, 4 (interval 4) on 2 ranks, distributed optimizer on and off, overlap
     on, error feedback on. Steady steps 6, 7 (no refresh, nothing to install): zero host
     synchronisations from this change's files, no host wait. Each refresh: exactly 3 host waits
-    (state.py module doc), none of the synchronising ops of the sanitizer; one all-gather of the same
+    (refresh_sync.py module doc), none of the synchronising ops of the sanitizer; one all-gather of the same
     byte count on every rank, no broadcast; every rank installs bit-identical factors and ``T``, each
     in its own storage (views would keep the gathered buffer, R slots, alive until the next refresh)."""
     res = run_on_ranks(_sync_worker, 2, cpu_harness=True, timeout=900)
@@ -452,7 +454,7 @@ def _resume_worker(rank, world):
     first = _ddp(False, interval=3)
     for step in range(3):
         _step(*first[1:], step, rank)
-    pending = first[1].gift_state.refresh_state is not None or first[1].gift_state.step_open
+    pending = first[1].refresh.pending is not None or first[1].gift_state.step_open
     saved = copy.deepcopy(dict(gift=first[1].gift_state_dict(), opt=first[2].state_dict(),
                                params=[p.detach().clone() for p in first[0].parameters()]))  # fmt: skip
     resumed = _ddp(False, interval=3)

@@ -198,8 +198,9 @@ def test_private_use_check_sees_private_names():
 
 
 def test_reduction_state_imports_without_megatron():
-    """``megatron_gift.state`` (statistics, factors, residual bookkeeping, step) is Megatron-free:
-    it imports, and its state dict round-trips, with every ``megatron`` module refused."""
+    """``megatron_gift.state`` (statistics, factors, residual bookkeeping, step) and the refresh that
+    fills it (``refresh_sync``) are Megatron-free: they import, and the state dict round-trips, with
+    every ``megatron`` module refused."""
     res = _run(
         """
 class _NoMegatron(importlib.abc.MetaPathFinder):
@@ -209,8 +210,10 @@ class _NoMegatron(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _NoMegatron())
 import torch
 from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.refresh_sync import RefreshSync
 from megatron_gift.state import GiftParam, GiftState
 state = GiftState(GiftConfig(mode=Mode.EUCLIDEAN), torch.device("cpu"))
+RefreshSync(state).install(lambda gp, old, new: None)  # nothing in flight: a no-op
 state.params[torch.nn.Parameter(torch.zeros(2, 2))] = GiftParam("w", Mode.EUCLIDEAN)
 state.open_step()
 saved = state.state_dict([])

@@ -17,7 +17,7 @@ from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import ReductionQueue, StageStreams, reduce_now
 from megatron_gift.comm.topology import Topology, build_groups, topology_of
-from megatron_gift.config import Mode, Schedule
+from megatron_gift.config import Exchange, IntraNode, Mode, Schedule
 from megatron_gift.numerics import CodecConfig, decode_flat, encode_flat
 from megatron_gift.testing import run_on_ranks
 from tests.test_arguments import megatron_parse_args, parse  # noqa: F401  (fixtures)
@@ -48,6 +48,8 @@ def _runs(values, runs):
 
 
 def _ordered_sum(parts):
+    """FP32 sum in rank order (``acc = x_0``, then ``acc += x_i``), written out here on purpose: the
+    test's reference stays independent of ``kernels.ordered_sum``, the runtime's."""
     acc = parts[0].clone()
     for t in parts[1:]:
         acc += t
@@ -389,8 +391,8 @@ def test_two_level_with_kernels(monkeypatch):
 def test_exchange_flags(parse):
     cfg = gift_config_from_args(parse("--gift-mode", "gift", "--gift-exchange", "flat", "--gift-intra-node", "fp8",
                                       "--gift-ranks-per-node", "4"))  # fmt: skip
-    assert (cfg.exchange, cfg.intra_node, cfg.ranks_per_node) == ("flat", "fp8", 4)
+    assert (cfg.exchange, cfg.intra_node, cfg.ranks_per_node) == (Exchange.FLAT, IntraNode.FP8, 4)
     default = gift_config_from_args(parse("--gift-mode", "gift"))
-    assert (default.exchange, default.intra_node, default.ranks_per_node) == ("auto", "bf16", None)
+    assert (default.exchange, default.intra_node, default.ranks_per_node) == (Exchange.AUTO, IntraNode.BF16, None)
     with pytest.raises(ValueError, match="--gift-ranks-per-node must be an integer >= 1"):
         validate_gift_args(parse("--gift-mode", "gift", "--gift-ranks-per-node", "0"))

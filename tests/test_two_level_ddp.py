@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.config import Exchange, GiftConfig, Mode
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
@@ -53,7 +53,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
     # two-level where the reduction group (the data-parallel group, or a distributed-optimizer
     # instance's) spans 2 nodes with 2 ranks each, unless flat is asked for or error feedback is on
     group = dp_size // instances
-    flat = gift.exchange == "flat" or gift.error_feedback or group < 4
+    flat = gift.exchange is Exchange.FLAT or gift.error_feedback or group < 4
     path = ReductionPath(all_reduce=not dist_opt, ranks_per_node=None if flat else 2, intra=intra)
 
     def owned(bg, bucket):  # this rank's shard in its instance (Megatron's bucket-group fields)

@@ -1,5 +1,6 @@
-"""What the plugin takes from Megatron-Core by name stays what it was written against (defect 3),
-and what it cannot serve is refused at start-up (defect 2: CUDA graphs)."""
+"""What the plugin takes from Megatron-Core by name (functions it re-implements, attributes it
+reads) stays what it was written against (defect 3), and what it cannot serve is refused at
+start-up (defect 2: CUDA graphs)."""
 
 from types import SimpleNamespace
 
@@ -28,6 +29,25 @@ def test_fingerprint_sees_a_one_character_change(monkeypatch):
     source = upstream.inspect.getsource(upstream.resolve(key))
     monkeypatch.setattr(upstream.inspect, "getsource", lambda obj: source.replace("self", "selg", 1))
     assert upstream.fingerprint(key) != upstream.UPSTREAM[key][0]
+
+
+def test_megatron_names_still_defined():
+    """A megatron-core upgrade that renames or drops an attribute the plugin uses (a bucket group's
+    ``param_to_index``, the DDP's ``intra_expt_dp_group``, a ``DistributedDataParallelConfig`` field,
+    a parameter tag) fails here instead of as an AttributeError, or a silent ``getattr`` default, in training."""
+    shim_typing_override()
+    gone = [f"{key}.{name} ({use})" for key, (names, use) in upstream.NAMES.items() for name in names
+            if not upstream.defines(key, name)]  # fmt: skip
+    assert not gone, "names megatron-gift uses are gone from the installed Megatron:\n" + "\n".join(gone)
+
+
+def test_defines_sees_a_removed_instance_attribute(monkeypatch):
+    """An instance attribute is found by its assignment in the class source: without it, it is gone."""
+    key = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket"
+    assert upstream.defines(key, "param_to_index")
+    source = upstream.inspect.getsource(upstream.resolve(key))
+    monkeypatch.setattr(upstream.inspect, "getsource", lambda obj: source.replace("self.param_to_index =", "self.index ="))
+    assert not upstream.defines(key, "param_to_index")
 
 
 def test_untested_version_refused_with_override(monkeypatch):

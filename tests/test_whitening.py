@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
+from megatron_gift.bench.dense import DenseCholeskyWhitening
 from megatron_gift.numerics import (
     CodecConfig,
-    DenseCholeskyWhitening,
     ErrorFeedback,
     KFACStatistics,
     LowRankWhitening,

@@ -69,7 +69,7 @@ def _count_ops(ddp):
 
     counter = OpCounter()
     ddp.queue.probe = lambda: counter
-    buckets = sum(len(bg.gift_layouts) for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups if hasattr(bg, "gift_layouts"))
+    buckets = sum(1 for _ in ddp.gift_buckets())
     return lambda: counter.total / max(buckets, 1)
 
 
@@ -279,7 +279,7 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
         regions = list(reduced_regions(ddp, expected, rank, world, dist_opt))
         err2 = sum(float((got - want).pow(2).sum()) for got, want in regions)
         ref2 = sum(float(want.pow(2).sum()) for _, want in regions)
-        buckets = [(b, lay) for bg in ddp.bucket_groups for b, lay in zip(bg.buckets, bg.gift_layouts)]
+        buckets = [(gb.bucket, gb.layout) for gb in ddp.gift_buckets()]
         bucket_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b, _ in buckets)
         fp8_bytes = sum(p.message_bytes for _, lay in buckets for p in lay.shards)
         out.append(dict(mode=mode, distributed_optimizer=dist_opt, exchange=exchange if exchange == "flat" else "two-level",

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from megatron_gift.bench.corpus import TokenCorpus, build_token_corpus
+from megatron_gift.bench.dense import DenseCholeskyWhitening
 from megatron_gift.bench.llama import (
     LlamaConfig,
     LlamaModel,
@@ -67,7 +68,6 @@ from megatron_gift.bench.llama import (
 from megatron_gift.config import GiftConfig
 from megatron_gift.numerics import (
     CodecConfig,
-    DenseCholeskyWhitening,
     FP8Format,
     KFACStatistics,
     LowRankWhitening,

@@ -49,7 +49,8 @@ from ..numerics.fp8 import CodecConfig, decode, encode
 from .. import kernels
 from ..config import GiftConfig
 from ..numerics.kfac import KFACStatistics, sketch_matrix
-from ..numerics.whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, factor_from_sketch
+from ..numerics.whitening import LowRankFactor, LowRankWhitening, factor_from_sketch
+from .dense import DenseCholeskyWhitening
 from ..planner.workloads import PRESETS as LLAMA, layer_shapes
 
 RANK = GiftConfig().rank

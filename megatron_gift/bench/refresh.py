@@ -2,9 +2,9 @@
 collectives and bytes, for the linear layers of Llama-600M (``bench.overhead.MODELS``) at a
 data-parallel size ``R``, so that the planner (``megatron_gift.planner.stages``) can price it.
 
-It runs ``state.GiftState``'s refresh as training does (``at_sync`` at the first bucket sync,
+It runs ``refresh_sync.RefreshSync``'s refresh as training does (``at_sync`` at the first bucket sync,
 ``after_reductions`` at ``finish_grad_sync``, ``close_step``, ``install`` at the next step's first
-sync) on one process, for the layers rank 0 of ``R`` owns (``GiftState.assign_owners``), with
+sync) on one process, for the layers rank 0 of ``R`` owns (``RefreshSync.assign_owners``), with
 ``--gift-damping auto`` on random gradients of the layers' shapes. The reduction group is a stand-in
 of ``R`` ranks whose collectives do nothing but count (the bytes are the ledger's, the time of the
 wire is the planner's to price); every layer's record still takes its slot of the all-gather.
@@ -27,10 +27,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import state as state_mod
+from .. import refresh_sync as refresh_mod
 from ..config import GiftConfig, Mode
 from ..numerics.kfac import KFACStatistics
 from ..numerics.refresh import RecordLayout
+from ..refresh_sync import RefreshSync
 from ..state import GiftParam, GiftState
 from ..testing.dispatch import OpCounter
 from ..planner.workloads import layer_shapes
@@ -40,7 +41,7 @@ STAGES = ("start (first sync)", "cores (finish_grad_sync)", "send (close of the 
 
 
 class _Group:
-    """A reduction group of ``size`` ranks seen from rank 0, for ``GiftState`` (its collectives are stubbed)."""
+    """A reduction group of ``size`` ranks seen from rank 0, for ``RefreshSync`` (its collectives are stubbed)."""
 
     def __init__(self, size: int):
         self._size = size
@@ -61,23 +62,23 @@ class _Done:
 def _counted_collectives(calls: list):
     """``dist.all_reduce`` and the factor all-gather record ``(name, bytes)`` instead of communicating
     (the all-gather leaves the other ranks' slots zero: headers of empty rank-0 records)."""
-    real_reduce, real_gather = dist.all_reduce, state_mod._all_gather
+    real_reduce, real_gather = dist.all_reduce, refresh_mod._all_gather
     dist.all_reduce = lambda t, *a, **k: calls.append(("all_reduce", t.numel() * t.element_size())) or _Done()
     def gather(out, t, **k):  # rank 0's slot its own; the others' records are zero (status OK, rank 0)
         calls.append(("all_gather", t.numel() * t.element_size()))
         out.zero_()[: t.numel()].copy_(t)
         return _Done()
 
-    state_mod._all_gather = gather
+    refresh_mod._all_gather = gather
     try:
         yield
     finally:
-        dist.all_reduce, state_mod._all_gather = real_reduce, real_gather
+        dist.all_reduce, refresh_mod._all_gather = real_reduce, real_gather
 
 
 def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
     """Every GIFT layer of ``model`` as ``(GiftParam, group, gradient or None)``, with a filled EMA;
-    owners as ``GiftDistributedDataParallel`` assigns them (``GiftState.assign_owners``); gradients
+    owners as ``GiftDistributedDataParallel`` assigns them (``RefreshSync.assign_owners``); gradients
     only for rank 0's layers."""
     group, params = _Group(dp), []
     gen = torch.Generator().manual_seed(0)
@@ -89,15 +90,15 @@ def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
             g.stats.fold()
             g.stats_groups = [group]
             params.append((g, d_out))
-    GiftState(cfg, device).assign_owners([(g, group) for g, _ in params])
+    RefreshSync(GiftState(cfg, device)).assign_owners([(g, group) for g, _ in params])
     return [(g, group, torch.randn(d_out, g.stats.d_in, generator=gen).to(device) if g.owner == 0 else None) for g, d_out in params]
 
 
-def _refresh(layers, cfg: GiftConfig, device: torch.device, count_ops: bool) -> tuple[GiftState, list[dict]]:
-    """One refresh through ``GiftState``'s four calls; per stage its times (``count_ops``: its ATen
+def _refresh(layers, cfg: GiftConfig, device: torch.device, count_ops: bool) -> tuple[RefreshSync, list[dict]]:
+    """One refresh through ``RefreshSync``'s four calls; per stage its times (``count_ops``: its ATen
     ops instead, the dispatch probe's own overhead making the times meaningless)."""
-    st = GiftState(cfg, device)
-    st.open_step()  # step 0: a refresh step
+    st = RefreshSync(GiftState(cfg, device))
+    st.state.open_step()  # step 0: a refresh step
     calls, stages = [], []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     remap = lambda g, old, new: None  # noqa: E731 - no error feedback here
@@ -105,7 +106,7 @@ def _refresh(layers, cfg: GiftConfig, device: torch.device, count_ops: bool) -> 
         lambda: st.at_sync(lambda: ((g, grp) for g, grp, _ in layers), [(g, grp, gr) for g, grp, gr in layers if gr is not None], remap),
         st.after_reductions,
         lambda: st.close_step([]),
-        lambda: (st.open_step(), st.at_sync(lambda: iter(()), [], remap)),
+        lambda: (st.state.open_step(), st.at_sync(lambda: iter(()), [], remap)),
     )
     with _counted_collectives(calls):
         for name, fn in zip(STAGES, steps):
@@ -132,11 +133,11 @@ def measure(model_name: str, dp: int, device: torch.device) -> dict:
     owned = [g for g, _, gr in layers if gr is not None]
     records = [RecordLayout(g.stats.d_in, g.stats.factor_rank(cfg.rank)).nbytes for g, _, _ in layers]
     slot = max(sum(b for (g, _, _), b in zip(layers, records) if g.owner == r) for r in range(dp))
-    assert st.last_step_bytes.get("all_gather/factors", 0) == (dp - 1) * slot  # the ledger counts what is sent
+    assert st.state.last_step_bytes.get("all_gather/factors", 0) == (dp - 1) * slot  # the ledger counts what is sent
     return dict(model=model_name, dp=dp, device=str(device), gift_layers=len(layers), owned_layers=len(owned),
                 built_layers=sum(g.whitening is not None for g in owned), record_bytes_total=sum(records), slot_bytes=slot,
-                stats_allreduce_bytes=st.last_step_bytes.get("all_reduce/fp32", 0),
-                allgather_bytes_sent=st.last_step_bytes.get("all_gather/factors", 0), host_waits=st.host_waits, stages=stages,
+                stats_allreduce_bytes=st.state.last_step_bytes.get("all_reduce/fp32", 0),
+                allgather_bytes_sent=st.state.last_step_bytes.get("all_gather/factors", 0), host_waits=st.host_waits, stages=stages,
                 host_s=sum(s["host_s"] for s in stages), done_s=sum(s["done_s"] for s in stages))  # fmt: skip
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels as _kernels
-from ..config import INTRA_NODE_DTYPES
+from ..config import IntraNode
 from .codec import cast_bucket, encode_bucket, plain_bucket, views
 from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
@@ -43,27 +43,25 @@ from .quantized import ShardReduction, Whitenings, _all_gather, decode_gathered,
 from .schedule import Step
 from .topology import TwoLevelGroups
 
-INTRA_DTYPES = dict(zip(INTRA_NODE_DTYPES, (torch.float32, torch.bfloat16, None)))
+_WIRE = {IntraNode.FP32: torch.float32, IntraNode.BF16: torch.bfloat16, IntraNode.FP8: None}
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the ledger's names of the float intra dtypes
 
 
-def intra_wire(intra: str, bucket_dtype: torch.dtype) -> torch.dtype | None:
+def intra_wire(intra: IntraNode, bucket_dtype: torch.dtype) -> torch.dtype | None:
     """Wire dtype of coded values in the intra-node stage (None: FP8); a BF16 bucket is never widened."""
-    if intra not in INTRA_DTYPES:
-        raise ValueError(f"intra-node dtype must be one of {sorted(INTRA_DTYPES)}, got {intra!r}")
-    wire = INTRA_DTYPES[intra]
+    wire = _WIRE[IntraNode(intra)]
     return bucket_dtype if wire is not None and bucket_dtype.itemsize < wire.itemsize else wire
 
 
 class TwoLevelReduce(ShardReduction):
     """One bucket's two-level quantized reduction (module doc); construction does no work.
 
-    Same contract as ``QuantizedReduce``; ``intra`` is the intra-node dtype (``fp32``, ``bf16``, ``fp8``)."""
+    Same contract as ``QuantizedReduce``; ``intra`` is the intra-node dtype (``IntraNode`` or its spelling)."""
 
     divide_first = False
 
     def __init__(self, flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGroups, transforms: Whitenings,
-                 intra: str = "bf16", average: bool = False, all_reduce: bool = False, ledger: CommLedger | None = None,
+                 intra: IntraNode = IntraNode.BF16, average: bool = False, all_reduce: bool = False, ledger: CommLedger | None = None,
                  nonfinite: torch.Tensor | None = None, kernels: bool | None = None):  # fmt: skip
         topo = groups.topology
         if not topo.two_level or topo.world != layout.num_shards or groups.group.size() != topo.world:

@@ -12,9 +12,15 @@ def coded_label(fmt: WireFormat) -> str:
     return f"{fmt.label}+scales"
 
 
+def ring_all_reduce_bytes(ranks: int, nbytes: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``ranks`` ranks: a reduce-scatter
+    and an all-gather, ``(R-1)/R`` of the buffer each."""
+    return 2 * (ranks - 1) * nbytes // ranks
+
+
 class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
-    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that.
+    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that (``ring_all_reduce_bytes``).
 
     ``links`` splits the quantized exchanges' bytes by ``(link, dtype)``, the link being the one
     they cross (``intra``: to a rank on the same node, ``inter``: through the NIC), as if each

@@ -59,12 +59,6 @@ def with_self(sizes: list[int], rank: int, own: int = 0) -> list[int]:
     return [*sizes[:rank], own, *sizes[rank:]]
 
 
-def flag_nonfinite(nonfinite: torch.Tensor | None, t: torch.Tensor) -> None:
-    """Set ``nonfinite`` (on the device, no host sync) if ``t`` holds NaN/Inf."""
-    if nonfinite is not None:
-        nonfinite |= ~torch.isfinite(t).all()
-
-
 def write(flat: torch.Tensor, pos: int, values: torch.Tensor) -> None:
     flat[pos : pos + values.numel()].copy_(values.reshape(-1))
 
@@ -102,9 +96,14 @@ class ShardReduction(Reduction):
         """Links crossed by ``per_peer[j]`` bytes sent to rank ``j`` of the group."""
         return self.topology.link_bytes(self.rank, per_peer) if self.topology is not None else None
 
-    def _scale(self, values: torch.Tensor) -> torch.Tensor:
-        """Values of a sum that averaging divides after ``T⁻¹``, divided."""
-        return values.div_(self.world) if self.average and not self.divide_first else values
+    def _reduced(self, values: torch.Tensor) -> torch.Tensor:
+        """A finished sum as it is written: divided by the group size where averaging divides after
+        ``T⁻¹`` (not ``divide_first``), then ``nonfinite`` set (on the device) if it holds NaN/Inf."""
+        if self.average and not self.divide_first:
+            values.div_(self.world)
+        if self.nonfinite is not None:
+            self.nonfinite |= ~torch.isfinite(values).all()
+        return values
 
     def _reduce_own(self, rows: Rows) -> Step:
         """Reduce-scatter: the own shard's sum of ``rows``' messages, ``T⁻¹`` of whole rows, written;
@@ -114,14 +113,12 @@ class ShardReduction(Reduction):
         for c, parts in enumerate(plan.plain_parts):
             for part in parts:
                 for a, b in spans(part.at - plan.plain_lo[c], part.hi - part.lo, self.budget // rows.count):
-                    sums = self._scale(sum_plain(rows, layout, c, a, b, first))
-                    flag_nonfinite(self.nonfinite, sums)
+                    sums = self._reduced(sum_plain(rows, layout, c, a, b, first))
                     write(flat, part.lo + a - (part.at - plan.plain_lo[c]), sums)
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
             for k0, k1, n_rows, cols in part_chunks(layout, part, self.budget // rows.count, t is not None):
-                values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels))
-                flag_nonfinite(self.nonfinite, values)
+                values = self._reduced(reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels))
                 write(flat, part.lo + k0 - part.at, values)
         values = []
         for p in plan.pieces:
@@ -140,8 +137,7 @@ class ShardReduction(Reduction):
         layout = self.layout
         for p, values in zip(layout.shards[self.rank].pieces, self.exchange.finish()):
             if values is not None:
-                values = self._scale(values)
-                flag_nonfinite(self.nonfinite, values)
+                values = self._reduced(values)
                 write(self.flat, p.flat(layout.segments[p.seg])[0], values)
         del self.exchange
         return Step()
@@ -158,16 +154,14 @@ class ShardReduction(Reduction):
         first = self.average and self.divide_first
         for part in plan.coded_parts:
             for k0, k1, _, _ in part_chunks(layout, part, self.budget // rows.count, False):
-                values = self._scale(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels))
-                flag_nonfinite(self.nonfinite, values)
+                values = self._reduced(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels))
                 g0, g1 = layout.group_range(k0, k1)
                 enc = _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels)
                 out["coded"].index_copy_(0, own.place["coded"].index(k0 - plan.coded_lo, k1 - plan.coded_lo), enc.payload.view(-1))
                 out["groups"].index_copy_(0, own.place["groups"].index(g0 - plan.group_lo, g1 - plan.group_lo), enc.scales.view(-1))
         for c, name in enumerate(("off", "bf16")):
             for a, b in spans(0, plan.plain_hi[c] - plan.plain_lo[c], self.budget // rows.count):
-                sums = self._scale(sum_plain(rows, layout, c, a, b, first))
-                flag_nonfinite(self.nonfinite, sums)
+                sums = self._reduced(sum_plain(rows, layout, c, a, b, first))
                 out[name].index_copy_(0, own.place[name].index(a, b), sums.to(layout.plain_dtypes[c]))
         return msg
 

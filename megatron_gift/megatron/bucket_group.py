@@ -1,5 +1,9 @@
 """The bucket-group collective: a Megatron bucket group whose gradient reduction sends FP8.
 
+A converted bucket group holds one ``GiftBucket`` per Megatron bucket (its layout, the plugin
+parameter of each segment, its error-feedback residual) and the ``ReductionContext`` the DDP hands
+it (configuration, state, monitor, queue, the refresh's hook): it never reads the DDP itself.
+
 ``GiftBucketGroup.start_grad_sync`` (which re-implements Megatron's) starts one quantized reduction
 per bucket on the DDP's ``comm.schedule.ReductionQueue`` (``comm.QuantizedReduce``, or
 ``comm.hierarchical.TwoLevelReduce`` where the data-parallel group spans several nodes with several
@@ -11,22 +15,25 @@ synchronous path and the first batch; ``finish_grad_sync`` waits on the returned
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from ..comm.hierarchical import TwoLevelReduce
-from ..comm.layout import BucketLayout
+from ..comm.layout import BucketLayout, Segment
+from ..comm.ledger import ring_all_reduce_bytes
 from ..comm.quantized import QuantizedReduce
+from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
-from ..config import Mode
+from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
-from ..state import GiftParam
+from ..state import GiftParam, GiftState
 
 if TYPE_CHECKING:
-    from .ddp import GiftDistributedDataParallel
+    from .monitor import Monitor
 
 
 def reduction_group(bg: _ParamAndGradBucketGroup) -> dist.ProcessGroup:
@@ -37,13 +44,50 @@ def reduction_group(bg: _ParamAndGradBucketGroup) -> dist.ProcessGroup:
     return bg.data_parallel_group
 
 
+@dataclass
+class GiftBucket:
+    """One Megatron bucket as the plugin reduces it: ``layout`` (its segments in buffer order),
+    ``params`` (the ``GiftParam`` of each segment, None where the plugin leaves a parameter off) and
+    ``error_feedback`` (its residual, None without ``--gift-error-feedback``). A mode switch
+    (``GiftDistributedDataParallel.set_mode``) replaces the layout and the residual."""
+
+    bucket: object  # Megatron's _ParamAndGradBucket
+    layout: BucketLayout
+    params: list[GiftParam | None]
+    error_feedback: ErrorFeedback | None
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The bucket's gradient buffer (flat)."""
+        return self.bucket.grad_data
+
+    def segments(self) -> Iterator[tuple[Segment, GiftParam]]:
+        """``(Segment, GiftParam)`` of the bucket's plugin parameters, in buffer order."""
+        return ((seg, p) for seg, p in zip(self.layout.segments, self.params) if p is not None)
+
+    def local_grad(self, seg: Segment) -> torch.Tensor:
+        """``seg``'s gradient in the buffer as ``[rows, cols]`` (a view)."""
+        return self.grad[seg.start : seg.end].view(seg.rows, seg.cols)
+
+
+@dataclass(frozen=True)
+class ReductionContext:
+    """What a converted bucket group reads from the plugin, handed to it once at conversion: the
+    configuration, the per-rank state (step, byte ledger, non-finite flag), the monitor, the queue
+    its reductions run on, and ``at_sync(bucket group)``: the refresh's hook before each reduction."""
+
+    config: GiftConfig
+    state: GiftState
+    monitor: "Monitor"
+    queue: ReductionQueue
+    at_sync: Callable[["GiftBucketGroup"], None]
+
+
 class GiftBucketGroup(_ParamAndGradBucketGroup):
     """A Megatron bucket group whose gradient reduction is quantized (see module doc)."""
 
-    gift: "GiftDistributedDataParallel"  # the DDP that converted it: configuration, state, monitor, queue
-    gift_layouts: list[BucketLayout]
-    gift_params: list[list[GiftParam | None]]
-    gift_error_feedback: list[ErrorFeedback | None]
+    gift_context: ReductionContext
+    gift_buckets: list[GiftBucket]  # one per bucket, in ``buckets`` order
     gift_groups: TwoLevelGroups
 
     def start_grad_sync(self, force_all_reduce: bool | None = False):
@@ -51,38 +95,35 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             return
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
         self._prepare_grads()
-        self.gift.refresh_factors(self)
+        ctx = self.gift_context
+        ctx.at_sync(self)
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = reduction_group(self)
-        refs = self.gift.monitor.before_reduce(self, group, self.gift.step)
-        queue = self.gift.queue
-        flights = [
-            queue.start(self._reduction(bucket, layout, params, ef, all_reduce=not use_rs))
-            for bucket, layout, params, ef in zip(self.buckets, self.gift_layouts, self.gift_params, self.gift_error_feedback)
-        ]
+        refs = ctx.monitor.before_reduce(self.gift_buckets, group, ctx.state.step)
+        flights = [ctx.queue.start(self._reduction(b, all_reduce=not use_rs)) for b in self.gift_buckets]
         after = None
         if refs is not None:
-            after = lambda: self.gift.monitor.after_reduce(self, group, refs, self.ddp_config.average_in_collective)  # noqa: E731
+            after = lambda: ctx.monitor.after_reduce(self.gift_buckets, group, refs, self.ddp_config.average_in_collective)  # noqa: E731
         inter = None
         if use_rs and self.ddp_config.num_distributed_optimizer_instances > 1:
             inter = self._all_reduce_across_instances
-        handle = _BucketGroupReduction(queue, flights, after, inter)
+        handle = _BucketGroupReduction(ctx.queue, flights, after, inter)
         if self.ddp_config.overlap_grad_reduce:
             self.grad_reduce_handle = handle
         else:
             handle.wait()
 
-    def _reduction(self, bucket, layout: BucketLayout, params, ef: ErrorFeedback | None, all_reduce: bool):
+    def _reduction(self, b: GiftBucket, all_reduce: bool):
         """The two-level reduction where the group has its subgroups (several nodes of several
         ranks) and there is no error feedback (its residual belongs to one rank's whole bucket),
         else the flat one."""
-        transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
-        gift, groups = self.gift, self.gift_groups
-        common = dict(average=self.ddp_config.average_in_collective, all_reduce=all_reduce, ledger=gift.ledger,
-                      nonfinite=gift.nonfinite, kernels=gift.gift_config.kernels)  # fmt: skip
-        if groups.intra is not None and ef is None:
-            return TwoLevelReduce(bucket.grad_data, layout, groups, transforms, intra=gift.gift_config.intra_node, **common)
-        return QuantizedReduce(bucket.grad_data, layout, groups.group, transforms, error_feedback=ef,
+        transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
+        ctx, groups = self.gift_context, self.gift_groups
+        common = dict(average=self.ddp_config.average_in_collective, all_reduce=all_reduce, ledger=ctx.state.ledger,
+                      nonfinite=ctx.state.nonfinite, kernels=ctx.config.kernels)  # fmt: skip
+        if groups.intra is not None and b.error_feedback is None:
+            return TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.intra_node, **common)
+        return QuantizedReduce(b.grad, b.layout, groups.group, transforms, error_feedback=b.error_feedback,
                                topology=groups.topology, **common)  # fmt: skip
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
@@ -115,7 +156,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
                 total /= n
             if total is not shard:
                 shard.copy_(total)
-            self.gift.ledger.add("all_reduce", "fp32", 2 * (n - 1) * total.numel() * 4 // n)
+            self.gift_context.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, total.numel() * 4))
 
     def _prepare_grads(self) -> None:
         """Megatron's pre-collective steps: extra main-grad copies, NaN check, gradient scaling."""

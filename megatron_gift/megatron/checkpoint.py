@@ -76,11 +76,11 @@ def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "local", "residua
     data = split_state(ddp, state) if state is not None else {}
     out = {}
     for part in parts:
-        if part == "expert" and not any(g.expert for g in ddp.gift_params.values()):
+        if part == "expert" and not any(gp.expert for gp in ddp.gift_params.values()):
             continue
         if part == "residuals" and not ddp.gift_config.error_feedback:
             continue
-        if part == "local" and not any(g.stats is not None for g in ddp.gift_params.values()):
+        if part == "local" and not any(gp.stats is not None for gp in ddp.gift_params.values()):
             continue
         shape, offset, replica = where[part]
         key = f"{STATE_KEY}.chunk{chunk}.{part}"
@@ -90,7 +90,7 @@ def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "local", "residua
 
 def split_state(ddp, state: dict) -> dict:
     """``gift_state_dict()`` output split into the dense, expert and per-rank (statistics, residual) parts."""
-    expert = {g.name for g in ddp.gift_params.values() if g.expert}
+    expert = {gp.name for gp in ddp.gift_params.values() if gp.expert}
     parts = {"dense": {"step": state["step"], "params": {}}, "expert": {"step": state["step"], "params": {}}, "local": {},
              "residuals": {}}  # fmt: skip
     for part in ("dense", "expert"):  # decisions are keyed by parameter name: each part keeps all
@@ -223,9 +223,9 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
         ddp.load_gift_state_dict(merge_state(loaded), local=local)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         ddp.load_gift_state_dict(fresh)
-        for g in ddp.gift_params.values():  # a transform loaded before the failure: none when fresh
-            if "whitening" not in fresh["params"][g.name]:
-                g.factor = g.whitening = None
+        for gp in ddp.gift_params.values():  # a transform loaded before the failure: none when fresh
+            if "whitening" not in fresh["params"][gp.name]:
+                gp.factor = gp.whitening = None
         _log("the checkpoint's GIFT state does not fit this run (%s: %s): statistics, transforms and error "
              "feedback start fresh", type(e).__name__, e)  # fmt: skip
         return False
@@ -241,24 +241,24 @@ def misfit(ddp, loaded: dict, local: bool = True) -> str | None:
         if part in ("dense", "expert") and not {"step", "params"} <= value.keys():
             return f"part {part!r} lacks {sorted({'step', 'params'} - value.keys())} (truncated)"
     params = merge_state(loaded)["params"]
-    for g in ddp.gift_params.values():
-        entry = params.get(g.name)
-        if not isinstance(entry, dict) or g.stats is None:
+    for gp in ddp.gift_params.values():
+        entry = params.get(gp.name)
+        if not isinstance(entry, dict) or gp.stats is None:
             continue  # a parameter without saved state starts fresh, named by load_gift_state_dict
         stats = entry.get("stats") if local else None
         for key in ("sums", "ema_sums") if isinstance(stats, dict) else ():
             saved = stats.get(key) or {}
             if key == "ema_sums" and not saved:
                 continue  # saved before the first fold
-            if saved.keys() != g.stats.sums.keys():
-                return f"{g.name}: saved statistics {sorted(saved)}, this run keeps {sorted(g.stats.sums)} (another --gift-sketch)"
-            for k, t in g.stats.sums.items():
+            if saved.keys() != gp.stats.sums.keys():
+                return f"{gp.name}: saved statistics {sorted(saved)}, this run keeps {sorted(gp.stats.sums)} (another --gift-sketch)"
+            for k, t in gp.stats.sums.items():
                 if tuple(saved[k].shape) != tuple(t.shape):
-                    return (f"{g.name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
+                    return (f"{gp.name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
                             f"{tuple(t.shape)} (another layer width or --gift-sketch)")  # fmt: skip
         w = entry.get("whitening") or {}
-        if w and ("q" not in w or any(w[k].shape[0] != g.stats.d_in for k in ("q", "d_sqrt", "d_inv_sqrt") if k in w)):
-            return f"{g.name}: saved transform for input size {w['q'].shape[0] if 'q' in w else '?'}, the layer has {g.stats.d_in}"
+        if w and ("q" not in w or any(w[k].shape[0] != gp.stats.d_in for k in ("q", "d_sqrt", "d_inv_sqrt") if k in w)):
+            return f"{gp.name}: saved transform for input size {w['q'].shape[0] if 'q' in w else '?'}, the layer has {gp.stats.d_in}"
     return None
 
 

@@ -15,7 +15,10 @@ bucket group's sync keeps the owner's local gradient for the damping choice (``-
 auto``); ``finish_grad_sync`` and the close of the step finish the builds (on the statistics'
 device), one all-gather per reduction group sends every factor and ``T`` with the choice, and the
 next step's first sync installs them: every rank holds the owner's bits by construction
-(``state.GiftState``: the stages and their host synchronisations).
+(``refresh_sync.RefreshSync``: the stages and their host synchronisations).
+
+Each converted bucket group gets its ``GiftBucket`` records and one ``ReductionContext``
+(``bucket_group``); the DDP walks its converted groups' records, never a group's internals.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, ranks_per_node_from_env
-from ..config import GiftConfig, Mode, ParamGather, param_modes
+from ..config import Exchange, GiftConfig, Mode, ParamGather, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
+from ..refresh_sync import RefreshSync
 from ..state import GiftParam, GiftState
 from ..upstream import check_version
-from .bucket_group import GiftBucketGroup, reduction_group
+from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group
 from .monitor import Monitor
 from .param_gather import DeltaParamSync, enable_delta_param_gather, refuse_delta_param_gather
 
@@ -106,6 +110,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         refuse_unsupported(config, ddp_config, self.gift_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.gift_state = GiftState(self.gift_config, self._device())
+        self.refresh = RefreshSync(self.gift_state)
         # names as in the model, without the prefixes of wrappers such as Float16Module
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
@@ -120,20 +125,21 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 expert = not getattr(p, "allreduce", True)
                 self.gift_params[p] = GiftParam(name, mode, candidate, sketch_seed=i, expert=expert)
         self._stat_hooks = self._register_stat_hooks()
-        self._bucket_of: dict[int, tuple] = {}  # id(GiftParam) -> (bucket group, bucket index)
-        for bg in self._bucket_groups():
-            self._convert(bg)
         self.queue = ReductionQueue(StageStreams(self._device()), self._schedule())
+        context = ReductionContext(self.gift_config, self.gift_state, self.monitor, self.queue, self._at_sync)
+        self._bucket_of: dict[int, GiftBucket] = {}  # id(GiftParam) -> its bucket
+        for bg in self._bucket_groups():
+            self._convert(bg, context)
         self._place_groups()
         self.param_gather_ledger = CommLedger()  # bytes of the delta parameter all-gather (not reset per step)
         if self.gift_config.param_gather is ParamGather.DELTA:
             enable_delta_param_gather(self, self.gift_config.param_gather_full_every, self.param_gather_ledger)
-        self.gift_state.assign_owners(list(self._gift_layers()))
-        counts = {m.value: sum(1 for g in self.gift_params.values() if g.mode is m) for m in Mode if m is not Mode.OFF}
-        auto = f", {sum(g.candidate for g in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
+        self.refresh.assign_owners(list(self._gift_layers()))
+        counts = {m.value: sum(1 for gp in self.gift_params.values() if gp.mode is m) for m in Mode if m is not Mode.OFF}
+        auto = f", {sum(gp.candidate for gp in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
 
-    # the state the bucket groups, the monitor and the training loop read
+    # the state the training loop, the checkpoint hooks, tests and benchmarks read
     @property
     def step(self) -> int:
         """Index of the current iteration once ``zero_grad_buffer()`` opened it (-1 before)."""
@@ -146,10 +152,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     @property
     def ledger(self) -> CommLedger:
         return self.gift_state.ledger
-
-    @property
-    def nonfinite(self) -> torch.Tensor:
-        return self.gift_state.nonfinite
 
     @property
     def last_step_bytes(self) -> dict[str, int]:
@@ -166,32 +168,30 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         return torch.device("cpu")
 
     # -- construction ---------------------------------------------------------------------
-    def _convert(self, bg: _ParamAndGradBucketGroup) -> None:
+    def _convert(self, bg: _ParamAndGradBucketGroup, context: ReductionContext) -> None:
         """Plan every bucket of ``bg`` and switch its class; groups with nothing to quantize stay Megatron's."""
-        group = reduction_group(bg)
+        shards = reduction_group(bg).size()
         plans = []
         for bucket in bg.buckets:
             entries = []
             for p in bucket.params_list:
                 start, end = bucket.param_to_index[p]
-                g = self.gift_params.get(p)
+                gp = self.gift_params.get(p)
                 rows = p.shape[0] if p.dim() > 1 else 1
-                mode = g.mode if g is not None else Mode.OFF
-                entries.append((Segment(start, rows, (end - start) // rows, mode, self._param_names[p]), g))
+                mode = gp.mode if gp is not None else Mode.OFF
+                entries.append((Segment(start, rows, (end - start) // rows, mode, self._param_names[p]), gp))
             entries.sort(key=lambda e: e[0].start)
             plans.append(entries)
         if all(seg.mode is Mode.OFF for entries in plans for seg, _ in entries):
             return
         bg.__class__ = GiftBucketGroup
-        bg.gift = self
-        bg.gift_layouts, bg.gift_params, bg.gift_error_feedback = [], [], []
-        for i, (bucket, entries) in enumerate(zip(bg.buckets, plans)):
-            bg.gift_layouts.append(self._layout(bucket, [seg for seg, _ in entries], group.size()))
-            bg.gift_params.append([g for _, g in entries])
-            bg.gift_error_feedback.append(self._error_feedback(bg.gift_layouts[-1], bucket))
-            for g in bg.gift_params[-1]:
-                if g is not None:
-                    self._bucket_of[id(g)] = (bg, i)
+        bg.gift_context, bg.gift_buckets = context, []
+        for bucket, entries in zip(bg.buckets, plans):
+            layout = self._layout(bucket, [seg for seg, _ in entries], shards)
+            record = GiftBucket(bucket, layout, [gp for _, gp in entries], self._error_feedback(layout, bucket))
+            bg.gift_buckets.append(record)
+            for _, gp in record.segments():
+                self._bucket_of[id(gp)] = record
 
     def _schedule(self):
         """``GiftConfig.schedule``, else the device's default (``comm.schedule``); the same on every
@@ -209,11 +209,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
 
     def _place_groups(self) -> None:
         """Each converted bucket group's topology and two-level subgroups (collective over all ranks)."""
-        converted = [bg for bg in self._bucket_groups() if isinstance(bg, GiftBucketGroup)]
+        converted = self._converted()
         groups = [reduction_group(bg) for bg in converted]
         cfg = self.gift_config
         rpn = ranks_per_node_from_env(cfg.ranks_per_node)
-        for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange == "auto")):
+        for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange is Exchange.AUTO)):
             bg.gift_groups = placed
             if placed.intra is not None and cfg.error_feedback:
                 logger.info("megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)")
@@ -224,27 +224,27 @@ class GiftDistributedDataParallel(DistributedDataParallel):
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
         return ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
 
-    def set_mode(self, g: GiftParam, mode: Mode) -> None:
-        """Send ``g`` as ``mode`` from now on: re-plan its bucket; an error-feedback residual moves
-        between whitened and plain coordinates (and is dropped when ``g`` leaves FP8)."""
-        if mode is g.mode:
+    def set_mode(self, gp: GiftParam, mode: Mode) -> None:
+        """Send ``gp`` as ``mode`` from now on: re-plan its bucket; an error-feedback residual moves
+        between whitened and plain coordinates (and is dropped when ``gp`` leaves FP8)."""
+        if mode is gp.mode:
             return
-        bg, i = self._bucket_of[id(g)]
-        layout, params, ef = bg.gift_layouts[i], bg.gift_params[i], bg.gift_error_feedback[i]
-        bucket_params = {id(p) for p in params if p is not None}
+        b = self._bucket_of[id(gp)]
+        ef = b.error_feedback
+        bucket_params = {id(p) for _, p in b.segments()}
         residuals = {id(p): view.clone() for view, p in self._residual_views() if id(p) in bucket_params}
-        old, g.mode = g.mode, mode
-        segments = [dataclasses.replace(seg, mode=p.mode) if p is not None else seg for seg, p in zip(layout.segments, params)]
-        bg.gift_layouts[i] = self._layout(bg.buckets[i], segments, layout.num_shards)
-        bg.gift_error_feedback[i] = self._error_feedback(bg.gift_layouts[i], bg.buckets[i])
+        old, gp.mode = gp.mode, mode
+        segments = [dataclasses.replace(seg, mode=p.mode) if p is not None else seg for seg, p in zip(b.layout.segments, b.params)]
+        b.layout = self._layout(b.bucket, segments, b.layout.num_shards)
+        b.error_feedback = self._error_feedback(b.layout, b.bucket)
         if ef is None:
             return
         for view, p in self._residual_views():
             r = residuals.get(id(p))
             if r is None:
                 continue
-            if p is g and g.whitening is not None:  # whitened coordinates: plain ones while there is no T
-                r = g.whitening.inverse(r) if old is Mode.GIFT else g.whitening.apply(r)
+            if p is gp and gp.whitening is not None:  # whitened coordinates: plain ones while there is no T
+                r = gp.whitening.inverse(r) if old is Mode.GIFT else gp.whitening.apply(r)
             view.copy_(r)
 
     def _register_stat_hooks(self):
@@ -260,46 +260,46 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         hooks = []
         for mod in self.module.modules():
             w = getattr(mod, "weight", None)
-            g = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
-            if g is None or not g.candidate or not _is_linear(mod):
+            gp = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
+            if gp is None or not gp.candidate or not _is_linear(mod):
                 continue
-            g.stats = KFACStatistics(
-                w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=g.sketch_seed, device=w.device
+            gp.stats = KFACStatistics(
+                w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=gp.sketch_seed, device=w.device
             )
-            g.stats_groups = [self.expt_dp_group if g.expert else self.dp_cp_group]
+            gp.stats_groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
             column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
-            tp_group = self._tensor_parallel_group(mod, g)
+            tp_group = self._tensor_parallel_group(mod, gp)
             if column_parallel and getattr(mod, "sequence_parallel", False) and tp_group.size() > 1:
-                g.stats_groups.append(tp_group)
-            hooks.append(mod.register_forward_pre_hook(self._stat_hook(g)))
-        for g in self.gift_params.values():
-            if g.candidate and g.stats is None:
+                gp.stats_groups.append(tp_group)
+            hooks.append(mod.register_forward_pre_hook(self._stat_hook(gp)))
+        for gp in self.gift_params.values():
+            if gp.candidate and gp.stats is None:
                 logger.warning(
                     "megatron-gift: %s is no linear layer's weight (whitening needs a floating-point input it "
-                    "multiplies, e.g. not an embedding's token ids); sending it Euclidean", g.name
+                    "multiplies, e.g. not an embedding's token ids); sending it Euclidean", gp.name
                 )
-                g.mode, g.candidate = Mode.EUCLIDEAN, False
+                gp.mode, gp.candidate = Mode.EUCLIDEAN, False
         return hooks
 
-    def _tensor_parallel_group(self, mod, g: GiftParam):
+    def _tensor_parallel_group(self, mod, gp: GiftParam):
         """The group a sequence-parallel layer splits its tokens over: the layer's own
         (``tp_group``), else the expert tensor-parallel group for experts, the dense one otherwise."""
         own = getattr(mod, "tp_group", None)
         if isinstance(own, dist.ProcessGroup):
             return own
-        if g.expert:
+        if gp.expert:
             from megatron.core import parallel_state
 
             return parallel_state.get_expert_tensor_parallel_group()
         return self.tp_group
 
-    def _stat_hook(self, g: GiftParam):
+    def _stat_hook(self, gp: GiftParam):
         def hook(module, args):
             # a forward inside a backward pass is activation recomputation: its micro-batch was counted
             recomputed = torch._C._current_graph_task_id() != -1
             if self.gift_state.collect_statistics and module.training and not recomputed and args and isinstance(args[0], torch.Tensor):
                 with torch.no_grad():
-                    g.stats.accumulate(_layer_input(module, args[0]))
+                    gp.stats.accumulate(_layer_input(module, args[0]))
 
         return hook
 
@@ -315,48 +315,54 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         return self.gift_state.is_refresh_step(step)
 
     def _close_step(self) -> None:
-        """Close the open step (``GiftState.close_step``) and hand it to the monitor; a no-op when no step is open."""
-        efs = (ef for bg in self._bucket_groups() for ef in getattr(bg, "gift_error_feedback", []) if ef is not None)
-        if self.gift_state.close_step(efs):
+        """Close the open step (``RefreshSync.close_step``) and hand it to the monitor; a no-op when no step is open."""
+        efs = (b.error_feedback for b in self.gift_buckets() if b.error_feedback is not None)
+        if self.refresh.close_step(efs):
             self.monitor.close(self.step, self._segments(), self.last_step_bytes)
 
     def _bucket_groups(self) -> list:
         return self.bucket_groups + self.expert_parallel_bucket_groups
 
+    def _converted(self) -> list[GiftBucketGroup]:
+        """The bucket groups whose reduction the plugin runs, in one order on all ranks."""
+        return [bg for bg in self._bucket_groups() if isinstance(bg, GiftBucketGroup)]
+
+    def gift_buckets(self):
+        """Every converted bucket's ``GiftBucket``, in one order on all ranks."""
+        return (b for bg in self._converted() for b in bg.gift_buckets)
+
     def _segments(self):
         """``(GiftParam, Segment, bucket element size)`` of every plugin parameter."""
-        for bg in self._bucket_groups():
-            for bucket, layout, params in zip(bg.buckets, getattr(bg, "gift_layouts", []), getattr(bg, "gift_params", [])):
-                for seg, g in zip(layout.segments, params):
-                    if g is not None:
-                        yield g, seg, bucket.grad_data.element_size()
+        for b in self.gift_buckets():
+            for seg, gp in b.segments():
+                yield gp, seg, b.grad.element_size()
 
-    def refresh_factors(self, bucket_group) -> None:
-        """At every bucket group's sync, before its reduction (``GiftState.at_sync``): the first of
+    def _at_sync(self, bucket_group: GiftBucketGroup) -> None:
+        """At every bucket group's sync, before its reduction (``RefreshSync.at_sync``): the first of
         the step installs the last refresh, folds the step's statistics and on a refresh step starts
         the next; then, on a refresh step, the owner keeps ``bucket_group``'s local gradients."""
-        self.gift_state.at_sync(self._gift_layers, self._gift_layers_of(bucket_group), self._remap)
+        self.refresh.at_sync(self._gift_layers, self._gift_layers_of(bucket_group), self._remap)
 
     def finish_grad_sync(self, *args, **kwargs):
-        """Megatron's, then the next stage of a refresh in flight (``GiftState.after_reductions``)."""
+        """Megatron's, then the next stage of a refresh in flight (``RefreshSync.after_reductions``)."""
         super().finish_grad_sync(*args, **kwargs)
-        self.gift_state.after_reductions()
+        self.refresh.after_reductions()
 
-    def _remap(self, g: GiftParam, old, new) -> None:
-        GiftState.remap_residual(g, old, new, self._residual_views())
+    def _remap(self, gp: GiftParam, old, new) -> None:
+        GiftState.remap_residual(gp, old, new, self._residual_views())
 
     def _gift_layers(self):
         """``(GiftParam, its bucket group's reduction group)`` of every GIFT layer, in one order on all ranks."""
-        for bg in self._bucket_groups():
-            yield from ((g, group) for g, group, _ in self._gift_layers_of(bg))
+        for bg in self._converted():
+            yield from ((gp, group) for gp, group, _ in self._gift_layers_of(bg))
 
-    def _gift_layers_of(self, bg):
+    def _gift_layers_of(self, bg: GiftBucketGroup):
         """``(GiftParam, reduction group, local gradient [rows, cols])`` of the GIFT layers of one bucket group."""
         group = reduction_group(bg)
-        for bucket, layout, params in zip(bg.buckets, getattr(bg, "gift_layouts", []), getattr(bg, "gift_params", [])):
-            for seg, g in zip(layout.segments, params):
-                if g is not None and g.candidate:
-                    yield g, group, bucket.grad_data[seg.start : seg.end].view(seg.rows, seg.cols)
+        for b in bg.gift_buckets:
+            for seg, gp in b.segments():
+                if gp.candidate:
+                    yield gp, group, b.local_grad(seg)
 
     def restart_param_gather(self) -> None:
         """The parameters changed outside the optimizer (a checkpoint load): the next
@@ -371,7 +377,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         the CPU and keyed by parameter name: ``GiftState.state_dict`` plus ``"policy"`` (the layer
         decisions of ``--gift-layers auto``)."""
         self._close_step()
-        state = self.gift_state.state_dict(self._residual_views())
+        residuals = list(self._residual_views())
+        # a refresh in flight is installed first: nothing reads T between the end of a step and the
+        # next step's first sync, where it would be installed anyway
+        self.refresh.install(lambda gp, old, new: GiftState.remap_residual(gp, old, new, residuals))
+        state = self.gift_state.state_dict(residuals)
         if self.monitor.policy is not None:
             state["policy"] = self.monitor.policy.state_dict()
         return state
@@ -384,9 +394,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         policy = self.monitor.policy
         if policy is not None and "policy" in state:  # the layer decisions, before anything else is placed
             policy.load_state_dict(state["policy"])
-            for g in self.gift_params.values():
-                if g.candidate:
-                    self.set_mode(g, policy.mode(g.name))
+            for gp in self.gift_params.values():
+                if gp.candidate:
+                    self.set_mode(gp, policy.mode(gp.name))
+        self.refresh.discard()
         missing = self.gift_state.load_state_dict(state, self._residual_views(), self._device(), local)
         if missing:
             logger.warning("megatron-gift: no usable saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
@@ -394,11 +405,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
 
     def _residual_views(self):
         """(error-feedback residual of one parameter as ``[rows, cols]``, its GiftParam) pairs."""
-        for bg in self._bucket_groups():
-            for layout, params, ef in zip(getattr(bg, "gift_layouts", []), getattr(bg, "gift_params", []), getattr(bg, "gift_error_feedback", [])):
-                if ef is None:
-                    continue
-                for seg, g in zip(layout.segments, params):
-                    if g is not None and seg.mode in (Mode.EUCLIDEAN, Mode.GIFT):
-                        c = layout.coded_index(seg.start)
-                        yield ef.residual[c : c + seg.rows * seg.cols].view(seg.rows, seg.cols), g
+        for b in self.gift_buckets():
+            if b.error_feedback is None:
+                continue
+            for seg, gp in b.segments():
+                if seg.mode in (Mode.EUCLIDEAN, Mode.GIFT):
+                    c = b.layout.coded_index(seg.start)
+                    yield b.error_feedback.residual[c : c + seg.rows * seg.cols].view(seg.rows, seg.cols), gp

@@ -53,44 +53,40 @@ class Monitor:
         return self.is_log_step(step) or (self.policy is not None and self.cfg.policy.is_profile_step(step))
 
     # -- before and after one bucket group's reduction ----------------------------------------
-    def before_reduce(self, bg, group, step: int):
-        """Profile ``bg``'s parameters, apply the policy's decisions; on logging steps return this
-        rank's shard of every bucket's FP32 sum of local gradients, which :meth:`after_reduce` compares with."""
+    def before_reduce(self, buckets, group, step: int):
+        """Profile the parameters of one bucket group's ``buckets`` (``GiftBucket``), apply the policy's
+        decisions; on logging steps return this rank's shard of every bucket's FP32 sum of local
+        gradients, which :meth:`after_reduce` compares with."""
         if not self.is_profile_step(step):
             return None
-        entries = [
-            (bucket, seg, g)
-            for bucket, layout, params in zip(bg.buckets, bg.gift_layouts, bg.gift_params)
-            for seg, g in zip(layout.segments, params)
-            if g is not None
-        ]
+        entries = [(b, seg, gp) for b in buckets for seg, gp in b.segments()]
         if not entries:
             return None
-        grads = [bucket.grad_data[seg.start : seg.end].view(seg.rows, seg.cols) for bucket, seg, _ in entries]
+        grads = [b.local_grad(seg) for b, seg, _ in entries]
         amax = torch.stack([x.detach().abs().max().float() for x in grads])
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         vec = torch.stack(
             [
-                profile_gradient(x, self.cfg.codec, g.whitening, g.factor, amax[k])
-                for k, (x, (_, _, g)) in enumerate(zip(grads, entries))
+                profile_gradient(x, self.cfg.codec, gp.whitening, gp.factor, amax[k])
+                for k, (x, (_, _, gp)) in enumerate(zip(grads, entries))
             ]
         )
         dist.all_reduce(vec, group=group)
         decide = self.policy is not None and self.cfg.policy.is_profile_step(step)
-        for (_, _, g), v in zip(entries, vec.cpu()):  # the profile step's one host read of this bucket group
+        for (_, _, gp), v in zip(entries, vec.cpu()):  # the profile step's one host read of this bucket group
             summary = summarize(v)
-            self.summaries[g.name] = summary
-            if decide and g.candidate:
-                d = self.policy.decide(g.name, summary)
+            self.summaries[gp.name] = summary
+            if decide and gp.candidate:
+                d = self.policy.decide(gp.name, summary)
                 if d.changed:
-                    change = f"iteration {step + 1}: {g.name}: {d.previous.value} -> {d.mode.value} ({d.reason})"
-                    self.decisions.append({"step": step + 1, "param": g.name, "from": d.previous.value, "to": d.mode.value, "reason": d.reason})
+                    change = f"iteration {step + 1}: {gp.name}: {d.previous.value} -> {d.mode.value} ({d.reason})"
+                    self.decisions.append({"step": step + 1, "param": gp.name, "from": d.previous.value, "to": d.mode.value, "reason": d.reason})
                     if self.verbose:
                         print(f"megatron-gift: {change}", flush=True)
-                    self.set_mode(g, d.mode)
+                    self.set_mode(gp, d.mode)
         if not self.is_log_step(step):
             return None
-        return [self._reference_shard(bucket.grad_data, layout, group) for bucket, layout in zip(bg.buckets, bg.gift_layouts)]
+        return [self._reference_shard(b.grad, b.layout, group) for b in buckets]
 
     @staticmethod
     def _reference_shard(grad: torch.Tensor, layout, group) -> torch.Tensor:
@@ -105,22 +101,20 @@ class Monitor:
         _reduce_scatter(out, full, group=group)
         return out
 
-    def after_reduce(self, bg, group, refs, average: bool) -> None:
+    def after_reduce(self, buckets, group, refs, average: bool) -> None:
         """RelL2 and cosine of each reduced gradient against the FP32 sum, ``refs`` (this rank's shards of it)."""
         world, rank = group.size(), group.rank()
         rows, names = [], []
-        for ref, bucket, layout, params in zip(refs, bg.buckets, bg.gift_layouts, bg.gift_params):
+        for ref, bucket in zip(refs, buckets):
             if average:
                 ref /= world
-            shard = layout.shards[rank]
-            for seg, g in zip(layout.segments, params):
-                if g is None:
-                    continue
+            shard = bucket.layout.shards[rank]
+            for seg, gp in bucket.segments():
                 a, b = max(seg.start, shard.lo), min(seg.end, shard.hi)
-                x = bucket.grad_data[a:b].double() if a < b else ref.new_zeros(0, dtype=torch.float64)
+                x = bucket.grad[a:b].double() if a < b else ref.new_zeros(0, dtype=torch.float64)
                 y = ref[a - shard.lo : b - shard.lo].double() if a < b else x
                 rows.append(torch.stack([((x - y) ** 2).sum(), (y * y).sum(), (x * y).sum(), (x * x).sum()]))
-                names.append(g.name)
+                names.append(gp.name)
         if not rows:
             return
         sums = torch.stack(rows)
@@ -140,18 +134,18 @@ class Monitor:
         record = None
         if self.is_log_step(step):
             layers = {}
-            for g, seg, itemsize in params:
-                s = self.summaries.get(g.name)
-                gift = g.mode is Mode.GIFT and s is not None and s.gift_saturation is not None
-                rel, cos = self.reduced.get(g.name, (None, None))
-                layers[g.name] = {
-                    "mode": g.mode.value,
+            for gp, seg, itemsize in params:
+                s = self.summaries.get(gp.name)
+                gift = gp.mode is Mode.GIFT and s is not None and s.gift_saturation is not None
+                rel, cos = self.reduced.get(gp.name, (None, None))
+                layers[gp.name] = {
+                    "mode": gp.mode.value,
                     "rel_l2": rel,
                     "cos": cos,
                     "saturation": None if s is None else (s.gift_saturation if gift else s.saturation),
                     "underflow": None if s is None else (s.gift_underflow if gift else s.underflow),
                     "top_r_share": None if s is None else s.top_r_share,
-                    "bytes": wire_bytes(g.mode, seg.rows, seg.cols, self.cfg.codec, itemsize),
+                    "bytes": wire_bytes(gp.mode, seg.rows, seg.cols, self.cfg.codec, itemsize),
                     "profile": s,
                 }
             record = {"step": step + 1, "loss": self.loss, "bytes": dict(sent), "layers": layers, "decisions": self.decisions}

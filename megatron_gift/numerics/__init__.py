@@ -10,12 +10,11 @@ from .kfac import KFACStatistics
 from .profile import FIELDS as PROFILE_FIELDS
 from .profile import ProfileSummary, profile_gradient, summarize
 from .wire import WireFormat
-from .whitening import DenseCholeskyWhitening, LowRankFactor, LowRankWhitening, approximate_factor
+from .whitening import LowRankFactor, LowRankWhitening, approximate_factor
 
 __all__ = [
     "CodecConfig",
     "CodecStats",
-    "DenseCholeskyWhitening",
     "Encoded",
     "ErrorFeedback",
     "FP8Format",

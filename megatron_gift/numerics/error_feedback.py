@@ -37,7 +37,3 @@ class ErrorFeedback:
             elif applied:
                 self.residual.copy_(self._pending)
         self._pending = None
-
-    def reset(self) -> None:
-        self.residual.zero_()
-        self._pending = None

@@ -43,20 +43,21 @@ def shares_ratio(p: float, q: float, rho: float) -> float:
     return math.sqrt(rho * q / p + (1 - rho) * (1 - q) / (1 - p))
 
 
-def geometry_sums(g: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> torch.Tensor:
-    """``[‖G‖², ‖G V‖², ‖G T‖²·tr(Â)/d_in, p]`` (FP64, on ``g``'s device, no host synchronisation)
-    for the gradient ``g [d_out, d_in]``: the first three are additive over ranks."""
-    g64 = g.detach().double().reshape(-1, factor.d.shape[0])
+def geometry_sums(grad: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> torch.Tensor:
+    """``[‖G‖², ‖G V‖², ‖G T‖²·tr(Â)/d_in, p]`` (FP64, on ``grad``'s device, no host synchronisation)
+    for the gradient ``grad`` (``G [d_out, d_in]``): the first three are additive over ranks."""
+    g64 = grad.detach().double().reshape(-1, factor.d.shape[0])
     d_in, dev = g64.shape[1], g64.device
-    u = whitening.apply(g.detach().float().reshape(-1, d_in)).double()
+    u = whitening.apply(grad.detach().float().reshape(-1, d_in)).double()
     trace = factor.trace.to(dev, torch.float64)
     p = factor.lam.sum().to(dev, torch.float64) / factor.trace_a
     return torch.stack([(g64 * g64).sum(), ((g64 @ factor.v.to(dev)) ** 2).sum(), (u * u).sum() * trace / d_in, p])
 
 
-def geometry_stats(g: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> GeometryStats:
-    """Shares and both predicted ratios for the gradient ``g [d_out, d_in]`` (``geometry_sums``, read on the host)."""
-    g_energy, top, model_sq, p = geometry_sums(g, factor, whitening).tolist()
+def geometry_stats(grad: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> GeometryStats:
+    """Shares and both predicted ratios for the gradient ``grad`` (``G [d_out, d_in]``; ``geometry_sums``,
+    read on the host)."""
+    g_energy, top, model_sq, p = geometry_sums(grad, factor, whitening).tolist()
     q = top / g_energy if g_energy > 0 else 0.0
     model = math.sqrt(model_sq / g_energy) if g_energy > 0 else float("nan")
     return GeometryStats(p, q, shares_ratio(p, q, factor.v.shape[1] / factor.d.shape[0]), model)

@@ -1,5 +1,5 @@
 """One refresh's factor builds on the rank that owns the layers, and the fixed-size record each
-build is sent in. No torch.distributed here (``state.GiftState`` sends the records).
+build is sent in. No torch.distributed here (``refresh_sync.RefreshSync`` sends the records).
 
 A build runs in five stages that alternate between the statistics' device and the host, with one
 host transfer between them (``HostCopy``), batched over every layer of the refresh::

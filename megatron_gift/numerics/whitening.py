@@ -16,8 +16,8 @@ Whitening (``LowRankWhitening``): with ``W = D^{-1/2} V Λ^{1/2}`` and its thin 
 
 so ``Tᵀ Â T = I`` and ``T T⁻¹ = I`` exactly (``(1+c)²(1+s) = 1``, ``(1+c)(1+c') = 1``).
 ``G T = G' + ((G' Q) ⊙ c) Qᵀ`` with ``G' = G D^{-1/2}``: O(d_out·d_in·r) time and
-O(d_in·r) memory, no d_in x d_in matrix. ``DenseCholeskyWhitening`` is the paper's
-variant (``T = L⁻ᵀ`` with ``Â = L Lᵀ``, O(d_out·d_in²)), kept as a benchmark reference.
+O(d_in·r) memory, no d_in x d_in matrix. The paper's dense variant (``T = L⁻ᵀ`` with ``Â = L Lᵀ``,
+O(d_out·d_in²)) is the benchmarks' reference, ``bench.dense.DenseCholeskyWhitening``.
 
 Where the work runs: everything of size d_in (the sketch ``Y``, ``V``, ``D``, ``W``, ``Q``) stays on
 the statistics' device, in FP64; only the small symmetric cores go to the host, where LAPACK
@@ -304,22 +304,3 @@ class LowRankWhitening:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"d_inv_sqrt": self.d_inv_sqrt, "d_sqrt": self.d_sqrt, "q": self.q, "c": self.c, "c_inv": self.c_inv}
-
-
-class DenseCholeskyWhitening:
-    """The paper's transform: ``Â = L Lᵀ``, ``T = L⁻ᵀ`` (``G T`` by a triangular solve), ``T⁻¹ = Lᵀ``."""
-
-    def __init__(self, factor: LowRankFactor, dtype: torch.dtype = torch.float32, device=None):
-        self.d_in = factor.d.shape[0]
-        self.l = torch.linalg.cholesky(factor.dense()).to(device=device, dtype=dtype)
-
-    @classmethod
-    def from_statistics(cls, a: torch.Tensor, rank: int, damping: float = 1e-3, device=None) -> "DenseCholeskyWhitening":
-        return cls(approximate_factor(a, rank, damping), device=device if device is not None else a.device)
-
-    def apply(self, g: torch.Tensor) -> torch.Tensor:
-        # G L⁻ᵀ = X  <=>  X Lᵀ = G
-        return torch.linalg.solve_triangular(self.l.T, g.reshape(-1, self.d_in), upper=True, left=False).view_as(g)
-
-    def inverse(self, u: torch.Tensor) -> torch.Tensor:
-        return (u.reshape(-1, self.d_in) @ self.l.T).view_as(u)

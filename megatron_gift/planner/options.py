@@ -28,7 +28,7 @@ class Options:
     delta: DeltaCodec = field(default_factory=DeltaCodec)
     fp8_params: FP8Params = FP8Params.ALL
     bucket_size: int | None = None
-    intra_dtype: str = _GIFT.intra_node
+    intra_dtype: str = _GIFT.intra_node.value
     gift_layers: tuple[str, ...] = GIFT_KINDS
     refresh_interval: int = _GIFT.refresh_interval
     sketch: int = _GIFT.sketch

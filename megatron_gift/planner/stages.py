@@ -164,7 +164,7 @@ def record_bytes(d_in: int, rank: int) -> int:
 
 
 def owners(sizes: list[int], p: int) -> list[list[int]]:
-    """The refresh's owners (``GiftState.assign_owners``): largest record first, to the rank that owns the fewest
+    """The refresh's owners (``RefreshSync.assign_owners``): largest record first, to the rank that owns the fewest
     bytes so far, lowest rank on ties; the layers each of the ``p`` ranks builds."""
     heap, owned = [(0, r) for r in range(p)], [[] for _ in range(p)]
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: layer order on ties

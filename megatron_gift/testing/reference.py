@@ -19,8 +19,8 @@ def gathered_local_gradients(ref, model, loss_fn, group_of) -> dict:
     loss_fn(ref).backward()
     out = {}
     for p_ref, p in zip(ref.parameters(), model.parameters()):
-        g = p_ref.grad.double().flatten() if p_ref.grad is not None else torch.zeros(p.numel(), dtype=torch.float64)
-        out[p] = all_gather_rows(g, group_of(p))
+        grad = p_ref.grad.double().flatten() if p_ref.grad is not None else torch.zeros(p.numel(), dtype=torch.float64)
+        out[p] = all_gather_rows(grad, group_of(p))
     return out
 
 
@@ -41,10 +41,10 @@ def stock_param_shards(optimizer) -> dict:
         for mains, params in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups):
             for main, p in zip(mains, params):
                 where = opt._get_model_param_range_map(p)["gbuf_world_in_bucket"]
-                g, _, b = opt.model_param_gbuf_map[p]
-                bucket = opt.buffers[g].buckets[b]
+                gbuf, _, b = opt.model_param_gbuf_map[p]
+                bucket = opt.buffers[gbuf].buckets[b]
                 if bucket not in out:
-                    group = opt.buffers[g].data_parallel_group
+                    group = opt.buffers[gbuf].data_parallel_group
                     s = bucket.param_data.numel() // group.size()
                     out[bucket] = (bucket.param_data.clone(), slice(group.rank() * s, (group.rank() + 1) * s))
                 out[bucket][0][where.start : where.end] = main.detach().to(bucket.param_data.dtype)

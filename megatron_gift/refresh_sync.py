@@ -1,0 +1,347 @@
+"""The factor refresh across ranks: ``numerics.refresh``'s builds with the collectives and host waits
+around them, driven by the adapter at fixed points of a step. ``state.GiftState`` holds what it
+reads and installs (statistics, factors, ``T``, step, ledger); this holds the refresh in flight.
+
+It sits beside ``state`` and not in ``comm`` (the quantized gradient collectives and their
+layouts) because it reads and writes the plugin's per-parameter state, and not in ``megatron``
+because it needs no Megatron: tests and ``bench refresh`` drive it on plain process groups.
+
+A refresh (step t, see ``GiftState.is_refresh_step``) runs beside the training, on the statistics'
+device (on CUDA on a stream of its own), and is installed one step later:
+
+* the first bucket-group sync of step t folds every layer's statistics into its local EMA, sums
+  the EMAs over each statistics group (one FP32 all-reduce per group for all layers) and starts
+  each layer's build on its owner (``numerics.refresh``: the device part of the Nyström core);
+* each bucket group's sync keeps, on the owner, a copy of the layer's local gradient (``--gift-damping
+  auto`` chooses the damping from it);
+* ``after_reductions`` (Megatron's ``finish_grad_sync``) waits for the statistics (host wait 1),
+  solves the k x k cores on the host and enqueues the whitening Grams;
+* ``close_step`` (the start of step t+1, or a checkpoint) waits for them (host wait 2), solves
+  the r x r cores, enqueues the damping choice and the records, and sends every record of a
+  reduction group in ONE all-gather of fixed-size slots (a slot per rank, sized from the layouts
+  alone, so every rank sends and receives the same byte counts whatever a build did);
+* the first sync of step t+1 reads the received headers (host wait 3), installs every layer's
+  factor and ``T`` (copied out of the received buffer: every rank holds the owner's bits) and carries
+  the error-feedback residuals over; a failed build stops every rank with the same message.
+
+Each host wait is on a CUDA event recorded well before it (the statistics early in step t's
+backward, the Grams before Megatron's optimizer step, the records before step t+1's forward), so
+the GPU keeps its queue; a steady step has none. ``host_waits`` counts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm.ledger import ring_all_reduce_bytes
+from .config import Mode
+from .numerics.kfac import KFACStatistics
+from .numerics.refresh import HEADER, BuildStatus, FactorBuild, HostCopy, OwnedLayer, RecordLayout, to_device
+from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
+from .state import GiftParam, GiftState
+
+logger = logging.getLogger(__name__)
+
+# torch >= 2.10 renamed all_gather_into_tensor; NGC containers may carry either.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _flat(parts: list[list]) -> list:
+    return [t for p in parts for t in p]
+
+
+def _unflat_groups(flat: list, parts: list[list[list]]) -> list[list[list]]:
+    """``flat`` (as ``_flat(_flat(parts))``) shaped back into per-group, per-layer lists like ``parts``."""
+    it = iter(flat)
+    return [[[next(it) for _ in layer] for layer in group] for group in parts]
+
+
+@dataclass
+class _GroupRefresh:
+    """One reduction group's part of a refresh: its layers (one order on all ranks), each record's
+    layout and place in the gathered buffer (its owner's slot), and this rank's own builds."""
+
+    group: dist.ProcessGroup
+    layers: list[GiftParam]
+    layouts: list[RecordLayout]
+    offsets: list[int]  # byte offset of each record in the gathered buffer: owner · slot + place in the slot
+    slot: int  # bytes of every rank's slot: the most any rank owns
+    build: FactorBuild  # of this rank's layers, in ``layers`` order
+    recv: torch.Tensor | None = None
+    received: list[dict] | None = None  # every record's typed views of ``recv``
+
+    def views(self, i: int, buf: torch.Tensor, base: int = 0) -> dict[str, torch.Tensor]:
+        """Typed views of layer ``i``'s record in ``buf``, which starts at byte ``base`` of the gathered buffer."""
+        a = self.offsets[i] - base
+        return self.layouts[i].views(buf[a : a + self.layouts[i].nbytes])
+
+
+@dataclass
+class _Refresh:
+    """A refresh in flight: its layers, their builds, and the host copy the next stage waits for."""
+
+    layers: list[GiftParam]  # every GIFT layer, in one order on all ranks
+    groups: list[_GroupRefresh]
+    owned: dict[int, OwnedLayer]  # id(GiftParam) -> this rank's build of it
+    copy: HostCopy
+    parts: list | None  # per group, per own layer: the tensors ``copy`` carries
+    stage: int = 1  # 1: statistics summed, 2: whitening Grams enqueued, 3: records sent
+
+
+
+class RefreshSync:
+    """The refresh of one ``GiftState``'s factors across ranks, and the close of its steps (module doc)."""
+
+    def __init__(self, state: GiftState):
+        self.state = state
+        self.config, self.device = state.config, state.device
+        self.pending: _Refresh | None = None  # the refresh in flight (built and sent, not yet installed)
+        self.host_waits = 0  # host synchronisations of refreshes so far (3 per refresh: module doc)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def discard(self) -> None:
+        """Forget a refresh in flight (a checkpoint load replaces what it would install)."""
+        self.pending = None
+
+    def close_step(self, error_feedbacks) -> bool:
+        """The close of the open step: commit (or, after a NaN/Inf anywhere, drop) the step's
+        ``error_feedbacks`` residuals, send a refresh started in this step, then
+        ``GiftState.close_step``; False (a no-op) when no step is open. No host synchronisation but
+        the refresh's own (module doc)."""
+        if not self.state.step_open:
+            return False
+        applied = True
+        if self.config.error_feedback:
+            flag = self.state.nonfinite.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a NaN anywhere skips the step everywhere
+            applied = flag == 0  # on the device: each residual keeps its old value where not applied
+        for ef in error_feedbacks:
+            ef.commit(applied)
+        self._send_refresh()
+        return self.state.close_step()
+
+    # -- factors ----------------------------------------------------------------------------
+    def assign_owners(self, layers) -> None:
+        """Each GIFT layer's owner in its reduction group, from the ``(GiftParam, group)`` pairs in one
+        order on all ranks: largest record first, to the rank that owns the fewest bytes so far
+        (lowest rank on ties). The all-gather's slot is the largest rank's share, so balancing the
+        bytes keeps its padding small (round-robin over Llama's four layer shapes at 64 ranks gave
+        slots 1.9x the mean); the build work, about proportional, is balanced with it."""
+        by_group: dict = {}
+        for gp, group in layers:
+            by_group.setdefault(group, []).append(gp)
+        for group, members in by_group.items():
+            load = [0] * group.size()
+            sizes = [RecordLayout(gp.stats.d_in, gp.stats.factor_rank(self.config.rank)).nbytes for gp in members]
+            for i in sorted(range(len(members)), key=lambda i: -sizes[i]):  # stable: layer order on ties
+                members[i].owner = min(range(len(load)), key=lambda r: load[r])
+                load[members[i].owner] += sizes[i]
+
+    def at_sync(self, all_layers, layers, remap) -> None:
+        """At every bucket group's sync, before its reduction. The first of the step (every forward
+        of the step is done) installs the last refresh's factors, folds each GIFT layer's statistics
+        into its local EMA and, on a refresh step, starts the next refresh. Then the ``layers``
+        ``(GiftParam, reduction group, local gradient)`` of the bucket group that this rank builds
+        keep their gradient for the damping choice (``--gift-damping auto``). ``all_layers()``:
+        ``(GiftParam, reduction group)`` of every GIFT layer, in one order on all ranks; ``remap(gp,
+        old T, new T)`` carries ``gp``'s residual over."""
+        if self.state.collect_statistics:
+            self.state.collect_statistics = False
+            self.install(remap)
+            every = list(all_layers())
+            KFACStatistics.fold_all([gp.stats for gp, _ in every])  # local compute only
+            if self.state.is_refresh_step(self.state.step) and every:
+                self._start_refresh(every)
+        r = self.pending
+        if r is not None and r.stage == 1 and self.config.damping is None:
+            for gp, _, grad in layers:
+                if id(gp) in r.owned:
+                    r.owned[id(gp)].grad = grad.detach().clone()
+
+    def after_reductions(self) -> None:
+        """Once the step's reductions are enqueued (``finish_grad_sync``): the refresh's k x k cores."""
+        if self.pending is not None and self.pending.stage == 1:
+            self._cores()
+
+    @contextlib.contextmanager
+    def _side(self):
+        """Where the refresh's device work runs: on CUDA a stream of its own, after the current one's work."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _wait(self) -> list[torch.Tensor]:
+        self.host_waits += 1
+        return self.pending.copy.wait()
+
+    def _start_refresh(self, every) -> None:
+        """Stage 1 (module doc): sum the statistics, flag each layer, start this rank's builds."""
+        cfg = self.config
+        candidates = cfg.damping_candidates if cfg.damping is None else (cfg.damping,)
+        layers = [gp for gp, _ in every]
+        with self._side():
+            summed = self.sum_statistics(layers)
+            # per layer [finite, tokens > 0, trace > 0] in a fixed number of launches: max |x| of each
+            # summed tensor (NaN and ±Inf stay non-finite) and Σ diag(A) = ‖diag‖₁ (diag(A) ≥ 0)
+            diags = [sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"]) for sums, _ in (summed[id(gp)] for gp in layers)]
+            pieces = [t for (sums, tokens), diag in zip((summed[id(gp)] for gp in layers), diags) for t in (next(iter(sums.values())), diag, tokens)]
+            maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(layers), 3)
+            tokens = torch.stack([summed[id(gp)][1] for gp in layers])
+            flags = torch.stack([torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1)
+            by_group: dict = {}
+            for gp, group in every:
+                by_group.setdefault(group, []).append(gp)
+            groups, owned = [], {}
+            for group, members in by_group.items():
+                layouts = [RecordLayout(gp.stats.d_in, gp.stats.factor_rank(cfg.rank)) for gp in members]
+                used, places = [0] * group.size(), []
+                for gp, layout in zip(members, layouts):
+                    places.append(used[gp.owner])
+                    used[gp.owner] += layout.nbytes
+                slot = max(used)
+                mine = [OwnedLayer(gp.name, layout.rank, *summed[id(gp)], gp.stats.omega)
+                        for gp, layout in zip(members, layouts) if gp.owner == group.rank()]  # fmt: skip
+                owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
+                build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS)
+                groups.append(_GroupRefresh(group, members, layouts, [gp.owner * slot + p for gp, p in zip(members, places)], slot, build))
+            parts = [gr.build.grams() for gr in groups]
+            self.pending = _Refresh(layers, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts)
+
+    def _cores(self) -> None:
+        """Stage 2: host wait 1, each layer's status from the summed statistics (the same on every
+        rank), the k x k cores on the host, the whitening Grams enqueued."""
+        r = self.pending
+        flags, *rest = self._wait()
+        for gp, (finite, has_tokens, has_trace) in zip(r.layers, flags.tolist()):
+            status = BuildStatus.OK
+            if not finite:
+                logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", gp.name)
+                gp.stats.reset_ema()
+                status = BuildStatus.NONFINITE
+            elif not has_tokens:
+                status = BuildStatus.SKIPPED
+            elif not has_trace:
+                logger.warning("megatron-gift: %s saw only zero activations; keeping its previous factor", gp.name)
+                status = BuildStatus.SKIPPED
+            if id(gp) in r.owned and status is not BuildStatus.OK:
+                r.owned[id(gp)].status = status
+        out = [gr.build.cores(p) for gr, p in zip(r.groups, _unflat_groups(rest, r.parts))]
+        with self._side():
+            dev = _unflat_groups(to_device(_flat(_flat(out)), self.device), out)
+            r.parts = [gr.build.whitening_grams(p) for gr, p in zip(r.groups, dev)]
+            r.copy, r.stage = HostCopy(_flat(_flat(r.parts)), self.device), 2
+
+    def _send_refresh(self) -> None:
+        """Stage 3: host wait 2, the r x r cores on the host, the records built and all-gathered."""
+        r = self.pending
+        if r is None or r.stage == 3:
+            return
+        if r.stage == 1:
+            self._cores()
+        out = [gr.build.whitening_cores(p) for gr, p in zip(r.groups, _unflat_groups(self._wait(), r.parts))]
+        for gr in r.groups:  # long-lived (the installed transforms are views of it): on the compute stream
+            gr.recv = torch.empty(gr.slot * gr.group.size(), dtype=torch.uint8, device=self.device)
+        with self._side():
+            dev = _unflat_groups(to_device(_flat(_flat(out)), self.device), out)
+            works = []
+            for gr, parts in zip(r.groups, dev):
+                me = gr.group.rank()
+                send = torch.zeros(gr.slot, dtype=torch.uint8, device=self.device)
+                mine = [i for i, gp in enumerate(gr.layers) if gp.owner == me]
+                gr.build.finish(parts, [gr.views(i, send, me * gr.slot) for i in mine])
+                for layer in gr.build.layers:  # the kept gradients were made on the compute stream
+                    if layer.grad is not None and self._stream is not None:
+                        layer.grad.record_stream(self._stream)
+                    layer.grad = None
+                if self._stream is not None:
+                    gr.recv.record_stream(self._stream)
+                n = gr.group.size()
+                if n > 1:
+                    works.append(_all_gather(gr.recv, send, group=gr.group, async_op=True))
+                    self.state.ledger.add("all_gather", "factors", (n - 1) * gr.slot)  # ring all-gather: (R-1) slots out
+                else:
+                    gr.recv.copy_(send)
+            for work in works:
+                work.wait()  # the refresh stream waits for the all-gathers (a GPU-side wait on CUDA)
+            for gr in r.groups:
+                gr.received = [gr.views(i, gr.recv) for i in range(len(gr.layers))]
+            headers = [rec["header"] for gr in r.groups for rec in gr.received]
+            r.copy, r.stage, r.parts = HostCopy(headers, self.device), 3, None
+
+    def install(self, remap) -> None:
+        """Host wait 3: every rank reads the received headers and installs each built layer's factor
+        and ``T`` (copied out of the received buffer); ``remap(gp, old T, new T)`` carries residuals over."""
+        r = self.pending
+        if r is None:
+            return
+        if r.stage < 3:
+            self._send_refresh()
+        headers = iter(self._wait())
+        self.pending = None
+        failed = []
+        for gr in r.groups:
+            for i, gp in enumerate(gr.layers):
+                head = dict(zip(HEADER, next(headers).tolist()))
+                status = BuildStatus(int(head["status"]))
+                if status is BuildStatus.FAILED:
+                    failed.append(f"{gp.name} (rank {gp.owner} of its reduction group)")
+                if status not in (BuildStatus.OK, BuildStatus.INDEFINITE):
+                    continue
+                if status is BuildStatus.INDEFINITE:
+                    logger.warning("megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
+                                   "corrupt statistics?): using the diagonal of A alone for this factor", gp.name, MAX_SHIFTS)  # fmt: skip
+                self._install(gp, gr.received[i], head, remap)
+        if failed:
+            raise RuntimeError(f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
+                               f"the traceback); stopping on every rank")  # fmt: skip
+
+    @staticmethod
+    def _install(gp: GiftParam, rec: dict, head: dict, remap) -> None:
+        # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
+        # where views would hold it, growing with the group size, until the next refresh.
+        rec = {k: t.clone() for k, t in rec.items()}
+        rank, choice = int(head["rank"]), head["choice"]
+        cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
+        factor = LowRankFactor(rec["d"], cols(rec["v"]), cols(rec["lam"]), head["trace_a"], head["damping"])
+        if choice < 0:  # Euclidean chosen: T = I, the factor kept for the profiles
+            new, damping = LowRankWhitening.identity(gp.stats.d_in, device=rec["d"].device), None
+        else:
+            new = LowRankWhitening.from_tensors({k: cols(rec[k]) if k in ("q", "c", "c_inv") else rec[k]
+                                                 for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
+            damping = choice
+        if gp.mode is Mode.GIFT:
+            remap(gp, gp.whitening, new)
+        gp.factor, gp.whitening, gp.damping = factor, new, damping
+
+    def sum_statistics(self, layers) -> dict[int, tuple]:
+        """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups: one
+        FP32 all-reduce per group for all layers at once (views of its result). By linearity this is
+        the EMA of the global statistics."""
+        by_groups: dict[tuple, list[GiftParam]] = {}
+        for gp in layers:
+            by_groups.setdefault(tuple(gp.stats_groups), []).append(gp)
+        out = {}
+        for groups, members in by_groups.items():
+            parts = [t for gp in members for t in (*gp.stats.ema_sums.values(), gp.stats.ema_tokens.reshape(1))]
+            flat = torch.cat([t.reshape(-1).float() for t in parts])
+            for group in groups:
+                dist.all_reduce(flat, group=group)
+                n = group.size()
+                self.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, flat.numel() * 4))
+            pos = 0
+            for gp in members:
+                sums = {}
+                for k, t in gp.stats.ema_sums.items():
+                    sums[k] = flat[pos : pos + t.numel()].view(t.shape)
+                    pos += t.numel()
+                out[id(gp)] = (sums, flat[pos])
+                pos += 1
+        return out
