@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_gift.numerics.fp8 import CodecConfig
+
 TAIL_SDS = 6.0  # standard deviations of ‖E‖² above its mean that a test allows (see the module doc)
 EPS32 = 2.0**-24  # FP32's unit roundoff
 BF16_BITS = 7
@@ -156,7 +158,7 @@ class ReductionPath:
 
 
 def _mode(ddp, p):
-    g = ddp.gift_params.get(p)
+    g = getattr(ddp, "gift_params", {}).get(p)
     return (g.mode.value if g is not None else "off"), g
 
 
@@ -199,8 +201,10 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
     (default: all of it); ``residuals``: ``{param: [ranks, numel]}`` error-feedback residuals carried
     into this step, in the gradient's coordinates (counted for parameters sent in FP8 this step: a
     switch to BF16 drops them); ``buffer_u``: 2^-8 for a BF16 gradient buffer."""
-    bits, sigma, fmax = fp8_format(ddp.gift_config.codec.fmt.dtype)
-    mx = ddp.gift_config.codec.scaling.value == "mx"  # power-of-two scales, rounded up: s < 2 amax / fmax
+    # stock Megatron's DDP (every parameter off, FP32 sums) has no codec: the default one is never read
+    codec = ddp.gift_config.codec if hasattr(ddp, "gift_config") else CodecConfig()
+    bits, sigma, fmax = fp8_format(codec.fmt.dtype)
+    mx = codec.scaling.value == "mx"  # power-of-two scales, rounded up: s < 2 amax / fmax
     names = {p: n for n, p in ddp.module.named_parameters()}
     out = []
     for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
