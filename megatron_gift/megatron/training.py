@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import typing
 from pathlib import Path
 
@@ -85,12 +86,14 @@ def gift_ddp_class(gift_config: GiftConfig, validate=None, telemetry_dir=None, i
             if log_interval:
                 self.monitor.sink = telemetry_sink(telemetry_dir)
 
-        def zero_grad_buffer(self):
-            super().zero_grad_buffer()
+        def _close_step(self):
+            # when a step closes: at the next iteration's start, or at a checkpoint (the last iteration's)
+            iteration = self.step + 1 if self.gift_state.step_open else None  # Megatron's count, from 1
+            super()._close_step()
             sent = self.last_step_bytes
-            if log_interval and self.step > 0 and self.step % log_interval == 0 and sent:
+            if log_interval and iteration is not None and iteration % log_interval == 0 and sent:
                 _print_rank0(
-                    f"megatron-gift: iteration {self.step}: gradient reduction sent {sum(sent.values())} bytes "
+                    f"megatron-gift: iteration {iteration}: gradient reduction sent {sum(sent.values())} bytes "
                     f"from this rank ({', '.join(f'{k} {v}' for k, v in sent.items())})"
                 )
 
@@ -198,5 +201,10 @@ def use_prebuilt_dataset_helpers() -> bool:
     except ImportError:
         return False
     utils = importlib.import_module("megatron.core.datasets.utils")
-    utils.compile_helpers = lambda: None
+
+    @functools.wraps(inspect.unwrap(utils.compile_helpers))  # upstream's source stays reachable (its fingerprint)
+    def prebuilt() -> None:
+        return None
+
+    utils.compile_helpers = prebuilt
     return True
