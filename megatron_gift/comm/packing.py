@@ -27,8 +27,9 @@ class Placement:
     """``index(lo, hi)``: buffer positions of source elements ``[lo, hi)`` (module doc)."""
 
     def __init__(self, sizes: list[int], buffer_starts: list[int], device):
-        ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
-        delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - torch.tensor(sizes, dtype=torch.int64))
+        lengths = torch.tensor(sizes, dtype=torch.int64)  # host side, once per layout (plans are cached)
+        ends = lengths.cumsum(0)
+        delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - lengths)
         self.ends, self.delta = ends.to(device), delta.to(device)
 
     def index(self, lo: int, hi: int) -> torch.Tensor:
