@@ -130,10 +130,7 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     if not tensors:
         return []
     flat = torch.cat([t.reshape(-1).double() for t in tensors])
-    if torch.device(device).type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
+    flat = (flat.pin_memory() if torch.device(device).type == "cuda" else flat).to(device, non_blocking=True)
     out, pos = [], 0
     for t in tensors:
         out.append(flat[pos : pos + t.numel()].view(t.shape))

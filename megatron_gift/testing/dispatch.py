@@ -2,16 +2,27 @@
 
 ``SyncSanitizer`` records every ATen op that would make the host wait for a GPU
 (``../shared/docs/gpu-execution.md``): tensor-to-Python conversions (``.item()``, ``float(t)``,
-``bool(t)``, ``.tolist()``: ``aten._local_scalar_dense``; ``torch.equal``, ``is_nonzero``), ops whose
+``bool(t)``: ``aten._local_scalar_dense``; ``torch.equal``, ``is_nonzero``), ops whose
 output size depends on data (``nonzero``, ``masked_select``, boolean-mask indexing, ``unique``,
 ``repeat_interleave`` without ``output_size``), tensors made from Python data (``aten.lift_fresh``:
 on a GPU a pageable host-to-device copy), copies between devices, and ``torch.linalg`` calls that
 check their info code on the host (``aten._linalg_check_errors``). On a CPU nothing actually waits,
 but the same ops run, so counting them around a step is a portable check.
 
-An op counts only when the innermost frame of the Python stack that belongs to ``megatron_gift``
-or ``megatron`` is the plugin's (outside ``megatron_gift.testing``): Megatron's own
-synchronisations (its NaN check, its loss logging) are stock behaviour, not the plugin's.
+Reads of a tensor's data into Python that dispatch no ATen op on a CPU tensor (``.tolist()``,
+``.numpy()``, ``.cpu()``, ``.to("cpu")``) are seen one level up, by a ``TorchFunctionMode``. On a CPU
+run every tensor is on the host, so the mode tracks which ones would be there in a GPU run too (what
+a host read or ``HostCopy.wait`` returned, what a factory made without a ``device``, what is
+computed from those alone) and counts a read (these, and ``.item()``, ``float(t)``, ``bool(t)``) of
+any other tensor: in a GPU run it would be a device-to-host copy. ``HostCopy.wait`` itself counts
+once (on CUDA it waits for its event).
+
+An op counts when the innermost frame of the Python stack that belongs to ``megatron_gift`` is the
+plugin's: frames of torch, Megatron and other libraries are skipped, so a plugin call into Megatron
+that synchronises is the plugin's. Stock behaviour does not count: an op reached from
+``megatron_gift.testing`` (the tests' own loops) or from the launcher ``pretrain_gpt.py`` (Megatron-LM's
+script transcribed: its training loop, batches, loss function), or inside one of the Megatron
+functions in ``STOCK`` that the plugin's overrides call as Megatron does.
 
 ``OpCounter`` counts every ATen op dispatched while active (views included: each one is a host
 dispatch), to check that a bucket's work does not grow with the data-parallel size.
@@ -24,7 +35,10 @@ import os
 import sys
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
 
@@ -45,6 +59,13 @@ _ALWAYS = {
 }
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../megatron_gift
 _TESTING = os.path.join(_PACKAGE, "testing")
+_LAUNCHER = os.path.join(_PACKAGE, "pretrain_gpt.py")
+# Megatron functions (file, name) the plugin calls in its overrides whose synchronisations are
+# Megatron's own, as in a stock run: its gradient check (``--check-for-nan-in-loss-and-grad``, every
+# step) and its ``training_log`` (the loss and timers at its log interval).
+STOCK = {("param_and_grad_buffer.py", "check_grads"), ("training.py", "training_log")}
+# frames of these are never callers: this module's modes, the CPU harness's redirections of CUDA calls
+_TRANSPARENT = (os.path.abspath(__file__), os.path.join(_TESTING, "cpu_harness.py"))
 
 
 def _syncs(func, args, kwargs) -> bool:
@@ -65,43 +86,145 @@ def _syncs(func, args, kwargs) -> bool:
     return False
 
 
-def _owner(frame) -> str | None:
-    """``"plugin"``, ``"megatron"`` or None: who the innermost frame of either package belongs to."""
+def _plugin_frame(frame):
+    """The innermost frame of ``megatron_gift`` at or above ``frame`` (past the sanitizer's and the CPU
+    harness's own frames) if it is the plugin's, else None: not ``testing``, not the launcher (Megatron-LM's
+    ``pretrain_gpt.py`` transcribed), not reached through one of Megatron's ``STOCK`` functions (module doc)."""
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_PACKAGE) and not path.startswith(_TESTING):
-            return "plugin"
-        if f"{os.sep}megatron{os.sep}" in path and not path.startswith(_PACKAGE):
-            return "megatron"
+        if path.startswith(_PACKAGE) and path not in _TRANSPARENT:
+            return None if path.startswith(_TESTING) or path == _LAUNCHER else frame
+        if (os.path.basename(path), frame.f_code.co_name) in STOCK and f"{os.sep}megatron{os.sep}" in path:
+            return None
         frame = frame.f_back
     return None
 
 
+def _where(frame) -> str:
+    return f"{os.path.relpath(frame.f_code.co_filename, os.path.dirname(_PACKAGE))}:{frame.f_lineno}"
+
+
+_READS = (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu)
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)  # aten.lift_fresh behind them
+_FACTORIES = (*_FROM_DATA, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.eye, torch.linspace)
+
+
+def _device_arg(args, kwargs):
+    """The ``device`` a ``Tensor.to`` or factory call names (keyword or positional), or None."""
+    return kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _HostReads(TorchFunctionMode):
+    """The half of ``SyncSanitizer`` that works at the level of Python calls. It keeps track of the
+    tensors that live on the host in a GPU run too (``host``: what a host read, ``HostCopy.wait`` or a
+    factory without a ``device`` returned, and what is computed from such tensors alone) and records:
+
+    * a host read (``tolist``, ``numpy``, ``cpu``, ``to("cpu")``) of any other tensor: a device-to-host copy;
+    * a host tensor moved ``.to(device)`` without ``non_blocking=True``: a host-to-device copy that the
+      host waits for (the plugin's own transfers go from pinned memory without blocking);
+    * a tensor made from Python data on a ``device`` (``torch.tensor(x, device=d)``, ``t.new_tensor(x)`` of a
+      device tensor): the same. Made without one it is a host tensor (no copy), and a Python number
+      assigned into a tensor (``t[i] = 0``) is a kernel argument: the ``aten.lift_fresh`` behind both is
+      not counted at dispatch (``quiet``)."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+        self.host = WeakIdKeyDictionary()
+        self.quiet = 0  # > 0 while a call whose lift_fresh this mode has judged runs
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return t in self.host
+
+    def mark(self, out) -> None:
+        for t in _tensors(out):
+            self.host[t] = True
+
+    def record(self, op: str, frame) -> None:
+        frame = _plugin_frame(frame)
+        if frame is not None:
+            self.events.append((op, _where(frame)))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        judged = func in _FROM_DATA or (func is torch.Tensor.__setitem__ and not isinstance(args[2], torch.Tensor))
+        self.quiet += judged
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.quiet -= judged
+        inputs = _tensors((args, kwargs))
+        device = _device_arg(args, kwargs) if func is torch.Tensor.to or func in _FACTORIES else None
+        to_cpu = device is not None and torch.device(device).type == "cpu" and isinstance(device, str)
+        if func in _READS or (func is torch.Tensor.to and to_cpu):
+            if not self.is_host(args[0]):
+                self.record(func.__name__, sys._getframe(1))
+            self.mark(out)
+        elif func is torch.Tensor.to and device is not None and self.is_host(args[0]) and not kwargs.get("non_blocking"):
+            self.record("to(device)", sys._getframe(1))
+        elif func in _FROM_DATA and (device is not None or (func is torch.Tensor.new_tensor and not self.is_host(args[0]))):
+            self.record(func.__name__, sys._getframe(1))
+        elif (func in _FACTORIES and device is None and not inputs) or (inputs and all(map(self.is_host, inputs))):
+            self.mark(out)
+        return out
+
+    def host_copy_wait(self, wait):
+        """``HostCopy.wait`` counted as one host synchronisation (on CUDA an event wait), its tensors on the host."""
+
+        def counted(copy):
+            self.record("HostCopy.wait", sys._getframe(1))
+            out = wait(copy)
+            self.mark(out)
+            return out
+
+        return counted
+
+
 class SyncSanitizer(TorchDispatchMode):
-    """Records the plugin's host-synchronising ops: ``events`` lists ``(op name, plugin frame)``."""
+    """Records the plugin's host-synchronising ops and host reads: ``events`` lists ``(op name,
+    plugin frame)``. Entering it also enters its ``_HostReads`` function mode."""
 
     def __init__(self):
         super().__init__()
         self.events: list[tuple[str, str]] = []
+        self._reads = _HostReads(self.events)
+
+    def __enter__(self):
+        from ..numerics.refresh import HostCopy
+
+        self._wait = HostCopy.wait
+        HostCopy.wait = self._reads.host_copy_wait(self._wait)
+        self._reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        from ..numerics.refresh import HostCopy
+
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self._reads.__exit__(*exc_info)
+            HostCopy.wait = self._wait
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _syncs(func, args, kwargs) and _owner(sys._getframe(1)) == "plugin":
-            self.events.append((str(func.overloadpacket.__name__), _plugin_frame(sys._getframe(1))))
+        if func is aten._local_scalar_dense.default and self._reads.is_host(args[0]):
+            return func(*args, **kwargs)  # a value already on the host
+        if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy) and self._reads.quiet:
+            return func(*args, **kwargs)  # judged by the function mode
+        if _syncs(func, args, kwargs):
+            frame = _plugin_frame(sys._getframe(1))
+            if frame is not None:
+                self.events.append((str(func.overloadpacket.__name__), _where(frame)))
         return func(*args, **kwargs)
 
     def counts(self) -> collections.Counter:
         """How often each plugin frame synchronised, ``"file:line (op)"`` keyed."""
         return collections.Counter(f"{where} ({op})" for op, where in self.events)
-
-
-def _plugin_frame(frame) -> str:
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if path.startswith(_PACKAGE) and not path.startswith(_TESTING):
-            return f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
 
 
 class OpCounter(TorchDispatchMode):
