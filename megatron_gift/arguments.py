@@ -22,7 +22,7 @@ import sys
 
 from .config import Exchange, GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig, Schedule, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
-from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_version
+from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_upstream
 
 _DEFAULT = GiftConfig()
 _POLICY = PolicyConfig()
@@ -225,7 +225,8 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flags.add_argument(
         "--gift-allow-untested-megatron",
         action="store_true",
-        help=f"Run with a megatron-core version the plugin was not tested with ({', '.join(TESTED_VERSIONS)}).",
+        help="Run although Megatron-Core functions the plugin re-implements, wraps or replaces differ from "
+        f"their source in every megatron-core it was checked against ({', '.join(TESTED_VERSIONS)}).",
     )
     flags.add_argument(
         "--gift-telemetry-dir",
@@ -328,6 +329,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             ranks_per_node=args.gift_ranks_per_node,
             param_gather=ParamGather(args.gift_param_gather),
             param_gather_full_every=args.gift_param_gather_full_every,
+            allow_untested_megatron=args.gift_allow_untested_megatron,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
@@ -377,7 +379,7 @@ def validate_gift_args(args, named_parameters=None) -> None:
         return
     _check_param_gather(args)
     if cfg.mode is Mode.OFF:  # the parameter all-gather alone
-        check_version(allow_untested=args.gift_allow_untested_megatron)
+        check_upstream(allow_untested=args.gift_allow_untested_megatron)
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):
@@ -388,7 +390,7 @@ def validate_gift_args(args, named_parameters=None) -> None:
                 re.compile(pat)
             except re.error as e:
                 raise ValueError(f"{flag}: {pat!r} is not a valid regular expression ({e})") from e
-    check_version(allow_untested=args.gift_allow_untested_megatron)
+    check_upstream(allow_untested=args.gift_allow_untested_megatron)
     _check_megatron_flags(args)
     if cfg.ranks_per_node is None:
         _check_local_world_size()

@@ -41,7 +41,7 @@ from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
 from ..state import GiftParam, GiftState
-from ..upstream import check_version
+from ..upstream import check_upstream
 from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group
 from .monitor import Monitor
 from .param_gather import DeltaParamSync, enable_delta_param_gather, refuse_delta_param_gather
@@ -66,11 +66,11 @@ def _layer_input(module, x: torch.Tensor) -> torch.Tensor:
 
 
 def refuse_unsupported(config, ddp_config, gift_config: GiftConfig) -> None:
-    """``ValueError`` (``RuntimeError`` for an untested megatron-core) for what the plugin cannot serve.
+    """``ValueError`` (``UntestedMegatronError`` for changed Megatron-Core functions) for what the plugin cannot serve.
 
     CUDA graphs: ``start_grad_sync`` would have to wait on each graph's weight-gradient event, and
     a replayed graph does not run the forward pre-hooks that collect GIFT's statistics."""
-    check_version()
+    check_upstream(allow_untested=gift_config.allow_untested_megatron)
     graphs = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(config, f, False)]
     if getattr(config, "cuda_graph_impl", "none") != "none":
         graphs.append(f"cuda_graph_impl={config.cuda_graph_impl!r}")
