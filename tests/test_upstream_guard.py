@@ -50,6 +50,18 @@ def test_fingerprints_read_upstream_through_the_plugins_patches(monkeypatch):
     assert utils.compile_helpers() is None and upstream.fingerprint(key) == upstream.KNOWN_GOOD[upstream.installed_version()][key]
 
 
+@pytest.mark.cpu_harness
+def test_fingerprints_read_upstream_through_the_cpu_harness(monkeypatch):
+    """The CPU harness replaces Megatron's RNG tracker and CUDA RNG functions: the start-up check run
+    after it (every ``--gift-cpu`` launch) fingerprinted the replacements and refused Megatron."""
+    from megatron_gift.testing import cpu_harness
+
+    monkeypatch.delenv(upstream.ALLOW_ENV, raising=False)
+    with cpu_harness.install():
+        assert upstream.changed_upstream() == []
+        upstream.check_upstream()
+
+
 def test_fingerprint_sees_a_one_character_change(monkeypatch):
     """The fingerprint is of the source text: a changed line gives another one."""
     key = next(iter(upstream.UPSTREAM))

@@ -111,6 +111,17 @@ def _rng_fork(self, name="model-parallel-rng"):  # Megatron's default tracker na
         torch.set_rng_state(outer)
 
 
+def _replacing(original, fn):
+    """``fn`` in place of Megatron's ``original``, unwrapping to it: ``upstream.fingerprint`` (the
+    start-up check) reads upstream's source, not the replacement's."""
+
+    @functools.wraps(original)
+    def replacement(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return replacement
+
+
 def _patch(owner, name, value):
     _saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
     setattr(owner, name, value)
@@ -157,10 +168,11 @@ def install():
         _patch(torch.cuda, "current_stream", lambda device=None: _Stream())
         _patch(torch.cuda, "Stream", _Stream)
         _patch(torch.cuda, "synchronize", lambda device=None: None)  # pipeline p2p after send/recv
-        _patch(CudaRNGStatesTracker, "add", _rng_add)
-        _patch(CudaRNGStatesTracker, "fork", _rng_fork)
-        _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8))
-        _patch(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
+        _patch(CudaRNGStatesTracker, "add", _replacing(CudaRNGStatesTracker.add, _rng_add))
+        _patch(CudaRNGStatesTracker, "fork", _replacing(CudaRNGStatesTracker.fork, _rng_fork))
+        _patch(tp_random, "_get_cuda_rng_state",
+               _replacing(tp_random._get_cuda_rng_state, lambda *a, **k: torch.empty(0, dtype=torch.uint8)))  # fmt: skip
+        _patch(tp_random, "_set_cuda_rng_state", _replacing(tp_random._set_cuda_rng_state, lambda *a, **k: None))
         _patch(tp_random.CheckpointFunction, "backward", staticmethod(_in_mode(tp_random.CheckpointFunction.backward)))
         _patch(tp_random.CheckpointWithoutOutput, "_recompute", _in_mode(tp_random.CheckpointWithoutOutput._recompute))
         _mode = _CudaToCpu()
