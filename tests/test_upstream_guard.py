@@ -51,13 +51,15 @@ def test_fingerprints_read_upstream_through_the_plugins_patches(monkeypatch):
 
 
 @pytest.mark.cpu_harness
-def test_fingerprints_read_upstream_through_the_cpu_harness(monkeypatch):
-    """The CPU harness replaces Megatron's RNG tracker and CUDA RNG functions: the start-up check run
-    after it (every ``--gift-cpu`` launch) fingerprinted the replacements and refused Megatron."""
+def test_fingerprints_read_upstream_through_the_launchers_patches(monkeypatch):
+    """The start-up check runs with the launcher's patches in place: the CPU harness's RNG replacements
+    and the checkpoint hooks were fingerprinted instead of Megatron's functions, refusing every launch."""
+    from megatron_gift.config import GiftConfig, Mode
+    from megatron_gift.megatron.training import gift_ddp
     from megatron_gift.testing import cpu_harness
 
     monkeypatch.delenv(upstream.ALLOW_ENV, raising=False)
-    with cpu_harness.install():
+    with cpu_harness.install(), gift_ddp(GiftConfig(mode=Mode.EUCLIDEAN)):
         assert upstream.changed_upstream() == []
         upstream.check_upstream()
 
