@@ -98,8 +98,26 @@ def _errors_once(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_PERCENT = re.compile(r"%(\(|%)|%")
+
+
+def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Double each ``%`` in ``parser``'s help strings that is not ``%(...)`` or ``%%``.
+
+    argparse formats help strings with ``%``; Megatron-Core 0.19 has one with a bare ``%``
+    (``--moe-paged-stash-buffer-size-factor-cuda``: "1.10 = 10%)"), so its ``--help`` raised
+    ValueError instead of printing. :func:`add_gift_args` applies it to the whole parser it is
+    given (Megatron's), so the launcher's and the patched ``pretrain_gpt.py``'s ``--help`` print."""
+    for action in parser._actions:
+        if action.help:
+            action.help = _PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", action.help)
+    return parser
+
+
+
 def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract)."""
+    """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract),
+    with its help strings' stray ``%`` escaped (:func:`escape_stray_percent`) and its errors printed once."""
     flags = parser.add_argument_group("megatron-gift", "FP8 data-parallel gradient communication with GIFT whitening")
     flags.add_argument(
         "--gift-mode",
@@ -283,12 +301,23 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="With --gift-param-gather delta, gather the update of every N-th iteration in full BF16 "
         "(0: only at start-up and after a checkpoint load; default: %(default)s).",
     )
-    return _errors_once(parser)
+    return _errors_once(escape_stray_percent(parser))
 
 
 def _damping(text: str) -> str | float:
     """``--gift-damping``: ``auto`` or a number."""
     return AUTO if text == AUTO else float(text)
+
+
+def print_help_if_asked(extra_args_provider) -> None:
+    """With ``-h`` / ``--help`` on the command line: print Megatron's help with ``extra_args_provider``'s
+    flags (:func:`add_gift_args` escapes its stray ``%``) and exit. Megatron-LM's ``pretrain_gpt.py``
+    (patched) calls it first: its in-process-restart wrapper parses the command line with Megatron's
+    parser alone, whose ``--help`` raises ``ValueError`` on a bare ``%``."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        from megatron.training.arguments import parse_args
+
+        parse_args(extra_args_provider=extra_args_provider)  # argparse prints the help and exits 0
 
 
 def chain_args_providers(*providers):

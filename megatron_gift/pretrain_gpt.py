@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import sys
 
 CPU_ENV = "MEGATRON_GIFT_CPU"
@@ -65,29 +64,13 @@ def _cpu_requested(argv: list[str]) -> bool:
 
 
 def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--gift-cpu``: this launcher's own flag (acted on before Megatron parses anything); and a
-    ``--help`` that prints (see :func:`escape_stray_percent`)."""
+    """``--gift-cpu``: this launcher's own flag (acted on before Megatron parses anything)."""
     parser.add_argument(
         "--gift-cpu",
         action="store_true",
         help=f"megatron_gift.pretrain_gpt only: train on CPU over gloo (tests and demos; also {CPU_ENV}=1). "
         "Refused when CUDA is available.",
     )
-    return escape_stray_percent(parser)
-
-
-_PERCENT = re.compile(r"%(\(|%)|%")
-
-
-def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Double each ``%`` in ``parser``'s help strings that is not ``%(...)`` or ``%%``.
-
-    argparse formats help strings with ``%``; Megatron-Core 0.19.2 has one with a bare ``%``
-    (``--moe-paged-stash-buffer-size-factor-cuda``: "1.10 = 10%)"), so its ``--help`` raises
-    ValueError instead of printing."""
-    for action in parser._actions:
-        if action.help:
-            action.help = _PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", action.help)
     return parser
 
 
