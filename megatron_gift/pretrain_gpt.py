@@ -283,16 +283,18 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     from .arguments import (
-        add_gift_args, chain_args_providers, checked_gift_config, startup_errors, telemetry_dir, validate_gift_args,
+        add_gift_args, chain_args_providers, checked_gift_config, gift_flags_checked_first, startup_errors, telemetry_dir,
+        validate_gift_args,
     )  # fmt: skip
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *argv]  # Megatron's parse_args reads sys.argv
     try:
-        args = parse_and_validate_args(
-            extra_args_provider=chain_args_providers(add_gift_args, add_launcher_args),
-            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},  # as Megatron-LM's pretrain_gpt.py
-        )
+        with gift_flags_checked_first():  # a refused --gift-* value: before Megatron's argument dump
+            args = parse_and_validate_args(
+                extra_args_provider=chain_args_providers(add_gift_args, add_launcher_args),
+                args_defaults={"tokenizer_type": "GPT2BPETokenizer"},  # as Megatron-LM's pretrain_gpt.py
+            )
     finally:
         sys.argv = saved_argv
     with startup_errors():  # one message from rank 0, exit status 2, no traceback
