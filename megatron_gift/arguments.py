@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import sys
 
 from .config import Exchange, GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig, Schedule, param_modes
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
-from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_version
+from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_upstream
 
 _DEFAULT = GiftConfig()
 _POLICY = PolicyConfig()
@@ -98,8 +99,26 @@ def _errors_once(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_PERCENT = re.compile(r"%(\(|%)|%")
+
+
+def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Double each ``%`` in ``parser``'s help strings that is not ``%(...)`` or ``%%``.
+
+    argparse formats help strings with ``%``; Megatron-Core 0.19 has one with a bare ``%``
+    (``--moe-paged-stash-buffer-size-factor-cuda``: "1.10 = 10%)"), so its ``--help`` raised
+    ValueError instead of printing. :func:`add_gift_args` applies it to the whole parser it is
+    given (Megatron's), so the launcher's and the patched ``pretrain_gpt.py``'s ``--help`` print."""
+    for action in parser._actions:
+        if action.help:
+            action.help = _PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", action.help)
+    return parser
+
+
+
 def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract)."""
+    """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract),
+    with its help strings' stray ``%`` escaped (:func:`escape_stray_percent`) and its errors printed once."""
     flags = parser.add_argument_group("megatron-gift", "FP8 data-parallel gradient communication with GIFT whitening")
     flags.add_argument(
         "--gift-mode",
@@ -128,8 +147,10 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Elements per scale with --gift-scaling block (mx always uses 32; default: %(default)s).",
     )
     flags.add_argument(
-        "--gift-rank", type=int, default=_DEFAULT.rank, help="Rank of the whitening factor (default: %(default)s)."
-    )
+        "--gift-rank", type=int, default=_DEFAULT.rank,
+        help="Rank of the whitening factor: the top eigenvectors of the input statistics XᵀX it whitens along; 0 "
+        "scales each input column by its damped diagonal entry alone (no low-rank part; default: %(default)s).",
+    )  # fmt: skip
     flags.add_argument(
         "--gift-sketch",
         type=int,
@@ -225,7 +246,8 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flags.add_argument(
         "--gift-allow-untested-megatron",
         action="store_true",
-        help=f"Run with a megatron-core version the plugin was not tested with ({', '.join(TESTED_VERSIONS)}).",
+        help="Run although Megatron-Core functions the plugin re-implements, wraps or replaces differ from "
+        f"their source in every megatron-core it was checked against ({', '.join(TESTED_VERSIONS)}).",
     )
     flags.add_argument(
         "--gift-telemetry-dir",
@@ -282,12 +304,28 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="With --gift-param-gather delta, gather the update of every N-th iteration in full BF16 "
         "(0: only at start-up and after a checkpoint load; default: %(default)s).",
     )
-    return _errors_once(parser)
+    return _errors_once(escape_stray_percent(parser))
 
 
 def _damping(text: str) -> str | float:
-    """``--gift-damping``: ``auto`` or a number."""
-    return AUTO if text == AUTO else float(text)
+    """``--gift-damping``: ``auto`` or a number (argparse names the flag in its error)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or '{AUTO}', got {text!r}") from None
+
+
+def print_help_if_asked(extra_args_provider) -> None:
+    """With ``-h`` / ``--help`` on the command line: print Megatron's help with ``extra_args_provider``'s
+    flags (:func:`add_gift_args` escapes its stray ``%``) and exit. Megatron-LM's ``pretrain_gpt.py``
+    (patched) calls it first: its in-process-restart wrapper parses the command line with Megatron's
+    parser alone, whose ``--help`` raises ``ValueError`` on a bare ``%``."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        from megatron.training.arguments import parse_args
+
+        parse_args(extra_args_provider=extra_args_provider)  # argparse prints the help and exits 0
 
 
 def chain_args_providers(*providers):
@@ -328,6 +366,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             ranks_per_node=args.gift_ranks_per_node,
             param_gather=ParamGather(args.gift_param_gather),
             param_gather_full_every=args.gift_param_gather_full_every,
+            allow_untested_megatron=args.gift_allow_untested_megatron,
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
@@ -352,21 +391,25 @@ def _policy_from_args(args) -> PolicyConfig | None:
     )
 
 
-def validate_gift_args(args, named_parameters=None) -> None:
+def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
     """Raise ``ValueError`` saying which flag to change when the ``--gift-*`` flags cannot work.
 
-    Checks value ranges, regular expressions, conflicts with other Megatron flags and
-    ``LOCAL_WORLD_SIZE``, and warns (rank 0) about flags the chosen mode ignores; given the model's
-    ``named_parameters`` (``(name, param)`` pairs, as the DDP wrapper will see them), also checks
-    that every pattern selects a parameter and that ``--gift-rank`` fits each GIFT layer."""
+    Checks value ranges, regular expressions, conflicts with other Megatron flags, ``LOCAL_WORLD_SIZE``
+    and ``--gift-ranks-per-node`` against the run's processes, and (flag-level, ``warn``) warns on
+    rank 0 about flags the chosen mode ignores; given the model's ``named_parameters`` (``(name,
+    param)`` pairs, as the DDP wrapper will see them), also checks that every pattern selects a
+    parameter and that ``--gift-rank`` fits each GIFT layer."""
     if args.gift_log_interval < 0:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
     if args.gift_param_gather_full_every and args.gift_param_gather != ParamGather.DELTA.value:
         raise ValueError("--gift-param-gather-full-every has no effect without --gift-param-gather delta: add it or "
                          "drop --gift-param-gather-full-every")  # fmt: skip
     cfg = gift_config_from_args(args)
-    if named_parameters is None:  # the flag-level call, once before the model exists: warn there
+    if named_parameters is None and warn:  # the flag-level call, once before the model exists: warn there
         _warn_ineffective_flags(args, cfg)
+        if cfg is not None and cfg.mode is Mode.GIFT and cfg.rank == 0:
+            print_once("megatron-gift: note: --gift-rank 0 scales each GIFT layer's input columns by the damped "
+                       "diagonal of its statistics alone (no low-rank whitening)")  # fmt: skip
     if args.gift_mode == Mode.OFF.value:
         for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
             if value:
@@ -377,23 +420,50 @@ def validate_gift_args(args, named_parameters=None) -> None:
         return
     _check_param_gather(args)
     if cfg.mode is Mode.OFF:  # the parameter all-gather alone
-        check_version(allow_untested=args.gift_allow_untested_megatron)
+        check_upstream(allow_untested=args.gift_allow_untested_megatron)
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):
-        raise ValueError("--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save)")
+        raise ValueError("--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save, or "
+                         "--tensorboard-dir)")  # fmt: skip
     for flag, pats in patterns.items():
         for pat in pats:
             try:
                 re.compile(pat)
             except re.error as e:
                 raise ValueError(f"{flag}: {pat!r} is not a valid regular expression ({e})") from e
-    check_version(allow_untested=args.gift_allow_untested_megatron)
+    check_upstream(allow_untested=args.gift_allow_untested_megatron)
     _check_megatron_flags(args)
     if cfg.ranks_per_node is None:
         _check_local_world_size()
+    else:
+        _check_ranks_per_node(cfg.ranks_per_node)
     if named_parameters is not None:
         _check_parameters(cfg, list(named_parameters), patterns)
+
+
+@contextlib.contextmanager
+def gift_flags_checked_first():
+    """Within the block, Megatron's ``validate_args`` checks the ``--gift-*`` flags first
+    (:func:`validate_gift_args`, errors only): a refused value stops the run before Megatron's own
+    checks and its argument dump (hundreds of lines), as argparse's errors do. Wrap the
+    ``parse_and_validate_args`` call in it; :func:`checked_gift_config` after it checks again with
+    the values Megatron derived (e.g. the layer-wise optimizer) and warns."""
+    from megatron.training import arguments as megatron_arguments
+
+    original = megatron_arguments.validate_args
+
+    @functools.wraps(original)
+    def validate_args(args, *a, **kw):
+        with startup_errors():
+            validate_gift_args(args, warn=False)
+        return original(args, *a, **kw)
+
+    megatron_arguments.validate_args = validate_args
+    try:
+        yield
+    finally:
+        megatron_arguments.validate_args = original
 
 
 def checked_gift_config(args) -> GiftConfig | None:
@@ -418,6 +488,17 @@ def _check_local_world_size() -> None:
         raise ValueError(
             f"LOCAL_WORLD_SIZE={value!r} (processes per node, set by the launcher) is not an integer >= 1: "
             "fix the launcher's environment or give --gift-ranks-per-node N"
+        )
+
+
+def _check_ranks_per_node(per_node: int) -> None:
+    """``--gift-ranks-per-node`` must divide the run's processes (``WORLD_SIZE``, set by the launcher):
+    nodes hold equal numbers of consecutive ranks, and a count above the run's is no layout at all."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) % per_node:
+        raise ValueError(
+            f"--gift-ranks-per-node {per_node} does not divide the {world} processes of this run (WORLD_SIZE): "
+            "give the processes per node the launcher starts"
         )
 
 

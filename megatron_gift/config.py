@@ -121,6 +121,8 @@ class GiftConfig:
     ``param_gather``: the distributed optimizer's parameter all-gather (independent of ``mode``);
     ``param_gather_full_every``: with ``delta``, send the update of every N-th iteration in full
     (0: only where replicas cannot be known to agree, docs/param-gather.md).
+    ``allow_untested_megatron``: go on where Megatron-Core functions the plugin depends on differ
+    from every release it was checked against (``upstream.check_upstream``).
     """
 
     mode: Mode = Mode.OFF
@@ -144,6 +146,7 @@ class GiftConfig:
     schedule: Schedule | None = None
     param_gather: ParamGather = ParamGather.BF16
     param_gather_full_every: int = 0
+    allow_untested_megatron: bool = False
 
     def __post_init__(self):
         for name, kind in (("mode", Mode), ("param_gather", ParamGather), ("exchange", Exchange), ("intra_node", IntraNode)):

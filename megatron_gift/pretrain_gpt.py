@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import sys
 
 CPU_ENV = "MEGATRON_GIFT_CPU"
@@ -65,29 +64,13 @@ def _cpu_requested(argv: list[str]) -> bool:
 
 
 def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--gift-cpu``: this launcher's own flag (acted on before Megatron parses anything); and a
-    ``--help`` that prints (see :func:`escape_stray_percent`)."""
+    """``--gift-cpu``: this launcher's own flag (acted on before Megatron parses anything)."""
     parser.add_argument(
         "--gift-cpu",
         action="store_true",
         help=f"megatron_gift.pretrain_gpt only: train on CPU over gloo (tests and demos; also {CPU_ENV}=1). "
         "Refused when CUDA is available.",
     )
-    return escape_stray_percent(parser)
-
-
-_PERCENT = re.compile(r"%(\(|%)|%")
-
-
-def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Double each ``%`` in ``parser``'s help strings that is not ``%(...)`` or ``%%``.
-
-    argparse formats help strings with ``%``; Megatron-Core 0.19.2 has one with a bare ``%``
-    (``--moe-paged-stash-buffer-size-factor-cuda``: "1.10 = 10%)"), so its ``--help`` raises
-    ValueError instead of printing."""
-    for action in parser._actions:
-        if action.help:
-            action.help = _PERCENT.sub(lambda m: m.group(0) if m.group(1) else "%%", action.help)
     return parser
 
 
@@ -300,16 +283,18 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     from .arguments import (
-        add_gift_args, chain_args_providers, checked_gift_config, startup_errors, telemetry_dir, validate_gift_args,
+        add_gift_args, chain_args_providers, checked_gift_config, gift_flags_checked_first, startup_errors, telemetry_dir,
+        validate_gift_args,
     )  # fmt: skip
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *argv]  # Megatron's parse_args reads sys.argv
     try:
-        args = parse_and_validate_args(
-            extra_args_provider=chain_args_providers(add_gift_args, add_launcher_args),
-            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},  # as Megatron-LM's pretrain_gpt.py
-        )
+        with gift_flags_checked_first():  # a refused --gift-* value: before Megatron's argument dump
+            args = parse_and_validate_args(
+                extra_args_provider=chain_args_providers(add_gift_args, add_launcher_args),
+                args_defaults={"tokenizer_type": "GPT2BPETokenizer"},  # as Megatron-LM's pretrain_gpt.py
+            )
     finally:
         sys.argv = saved_argv
     with startup_errors():  # one message from rank 0, exit status 2, no traceback

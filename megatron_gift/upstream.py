@@ -1,16 +1,16 @@
-"""What megatron-gift takes from Megatron-Core by name: the versions it was tested with, a
-fingerprint of every upstream function it re-implements, wraps or replaces (:data:`UPSTREAM`), and
-every Megatron attribute and private name it reads, writes or rebinds (:data:`NAMES`).
+"""What megatron-gift takes from Megatron-Core by name: every upstream function it re-implements,
+wraps or replaces (:data:`UPSTREAM`) with the fingerprint of its source in each release the plugin
+was checked against (:data:`KNOWN_GOOD`), and every Megatron attribute and private name it reads,
+writes or rebinds (:data:`NAMES`).
 
 ``GiftBucketGroup.start_grad_sync`` and ``DeltaParamSync.start_param_sync`` re-implement Megatron's
 methods, the checkpoint and training hooks wrap Megatron functions, and the CPU harness replaces
-a few CUDA-only ones. A new
-Megatron-Core release can change any of them without an error: :func:`check_version` refuses an
-untested version at start-up (override: ``--gift-allow-untested-megatron`` or
-``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``), and ``tests/test_upstream_guard.py`` compares
-:func:`fingerprint` of each entry of :data:`UPSTREAM` with the one it had when the plugin's
-code was written against it, and checks that every name in :data:`NAMES` is still defined where
-it was (:func:`defines`).
+a few CUDA-only ones. A new Megatron-Core release can change any of them without an error, so
+Megatron is accepted by the sources the plugin depends on, not by its version string:
+:func:`check_upstream` fingerprints the installed functions at start-up and refuses, naming them,
+those that differ from every known-good row (override: ``--gift-allow-untested-megatron`` or
+``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``). ``tests/test_upstream_guard.py`` checks the installed
+version's row and that every name in :data:`NAMES` is still defined where it was (:func:`defines`).
 """
 
 from __future__ import annotations
@@ -21,63 +21,95 @@ import hashlib
 import importlib
 import inspect
 import os
+import sys
 import textwrap
 
-TESTED_VERSIONS = ("0.19.2",)
 ALLOW_ENV = "MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON"
 
-# "module:qualified name" -> (sha256 of its source in megatron-core 0.19.2, first 16 hex digits,
-# and where the plugin depends on it.
+# "module:qualified name" -> where the plugin depends on it.
 UPSTREAM = {
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync":
-        ("62f8f12d579769ef", "re-implemented by megatron/bucket_group.py GiftBucketGroup.start_grad_sync"),
+        "re-implemented by megatron/bucket_group.py GiftBucketGroup.start_grad_sync",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync":
-        ("caa9a2e7f33849c5", "waits on the handle GiftBucketGroup.start_grad_sync sets; extended by "
-         "megatron/param_gather.py DeltaParamSync.finish_grad_sync"),
+        "waits on the handle GiftBucketGroup.start_grad_sync sets; extended by "
+        "megatron/param_gather.py DeltaParamSync.finish_grad_sync",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync":
-        ("4f819373090bd530", "re-implemented (distributed-optimizer path) by megatron/param_gather.py "
-         "DeltaParamSync.start_param_sync"),
+        "re-implemented (distributed-optimizer path) by megatron/param_gather.py "
+        "DeltaParamSync.start_param_sync",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_param_sync":
-        ("2a5efb9825ec2c62", "waits on the handle DeltaParamSync.start_param_sync sets (which decodes)"),
+        "waits on the handle DeltaParamSync.start_param_sync sets (which decodes)",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset":
-        ("0d99908af6e95b40", "extended by DeltaParamSync.reset (the first full parameter gather)"),
+        "extended by DeltaParamSync.reset (the first full parameter gather)",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params":
-        ("80e4f4d1fa99e747", "writes bf16(main) into each rank's own shard, the change the delta gather codes"),
+        "writes bf16(main) into each rank's own shard, the change the delta gather codes",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads":
-        ("94e99add61f34256", "called by megatron/bucket_group.py GiftBucketGroup._prepare_grads"),
+        "called by megatron/bucket_group.py GiftBucketGroup._prepare_grads",
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer":
-        ("6bbd2a84649f6c87", "extended by GiftDistributedDataParallel.zero_grad_buffer (opens a step)"),
+        "extended by GiftDistributedDataParallel.zero_grad_buffer (opens a step)",
     "megatron.training.models.dist_utils:_ddp_wrap":
-        ("13b438c376603bcb", "megatron/training.py rebinds the DistributedDataParallel it constructs"),
+        "megatron/training.py rebinds the DistributedDataParallel it constructs",
     "megatron.training.training:get_model":
-        ("b05b5cd0d24b9e5d", "megatron/training.py rebinds the DDP it constructs"),
+        "megatron/training.py rebinds the DDP it constructs",
     "megatron.training.training:training_log":
-        ("5e34a182d566e325", "wrapped by megatron/training.py (logged loss to telemetry)"),
+        "wrapped by megatron/training.py (logged loss to telemetry)",
     "megatron.training.checkpointing:generate_state_dict":
-        ("056da0775f13ba7e", "wrapped by megatron/checkpoint.py (GIFT ShardedObjects)"),
+        "wrapped by megatron/checkpoint.py (GIFT ShardedObjects)",
     "megatron.training.checkpointing:_load_base_checkpoint":
-        ("9a7e9e8de2428c67", "wrapped by megatron/checkpoint.py (gift_meta, GIFT state)"),
+        "wrapped by megatron/checkpoint.py (gift_meta, GIFT state)",
     "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add":
-        ("e5e9ab39a7c1e085", "replaced on CPU by testing/cpu_harness.py _rng_add"),
+        "replaced on CPU by testing/cpu_harness.py _rng_add",
     "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork":
-        ("6821e1e397253d43", "replaced on CPU by testing/cpu_harness.py _rng_fork"),
+        "replaced on CPU by testing/cpu_harness.py _rng_fork",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict":
-        ("fe621ae6a622b587", "wrapped on CPU by testing/cpu_harness.py"),
+        "wrapped on CPU by testing/cpu_harness.py",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict":
-        ("7e5f988b86b48501", "wrapped on CPU by testing/cpu_harness.py"),
+        "wrapped on CPU by testing/cpu_harness.py",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values":
-        ("0338de756278b654", "called on CPU by testing/cpu_harness.py"),
+        "called on CPU by testing/cpu_harness.py",
     "megatron.core.datasets.utils:compile_helpers":
-        ("84029a50ae8cfac1", "replaced by megatron/training.py use_prebuilt_dataset_helpers"),
+        "replaced by megatron/training.py use_prebuilt_dataset_helpers",
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state":
-        ("aa26caaa069c5c4f", "replaced on CPU by testing/cpu_harness.py (activation recomputation)"),
+        "replaced on CPU by testing/cpu_harness.py (activation recomputation)",
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state":
-        ("b179c9d95438b61c", "replaced on CPU by testing/cpu_harness.py (activation recomputation)"),
+        "replaced on CPU by testing/cpu_harness.py (activation recomputation)",
     "megatron.core.tensor_parallel.random:CheckpointFunction.backward":
-        ("43b157a2ebec22ef", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
+        "run with the CPU redirections by testing/cpu_harness.py (recomputation)",
     "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute":
-        ("1bc8c9c07aba7453", "run with the CPU redirections by testing/cpu_harness.py (recomputation)"),
+        "run with the CPU redirections by testing/cpu_harness.py (recomputation)",
 }  # fmt: skip
+
+# sha256 (first 16 hex digits, :func:`fingerprint`) of each UPSTREAM entry's source in the megatron-core 0.19
+# releases: 0.19.1 (Megatron-LM branch core_r0.19.0 at f8837c04) and 0.19.2 have the same source for every entry.
+_CORE_R0_19 = {
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync": "62f8f12d579769ef",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync": "caa9a2e7f33849c5",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync": "4f819373090bd530",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_param_sync": "2a5efb9825ec2c62",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset": "0d99908af6e95b40",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params": "80e4f4d1fa99e747",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads": "94e99add61f34256",
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer": "6bbd2a84649f6c87",
+    "megatron.training.models.dist_utils:_ddp_wrap": "13b438c376603bcb",
+    "megatron.training.training:get_model": "b05b5cd0d24b9e5d",
+    "megatron.training.training:training_log": "5e34a182d566e325",
+    "megatron.training.checkpointing:generate_state_dict": "056da0775f13ba7e",
+    "megatron.training.checkpointing:_load_base_checkpoint": "9a7e9e8de2428c67",
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add": "e5e9ab39a7c1e085",
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork": "6821e1e397253d43",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict": "fe621ae6a622b587",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "7e5f988b86b48501",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values": "0338de756278b654",
+    "megatron.core.datasets.utils:compile_helpers": "84029a50ae8cfac1",
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": "aa26caaa069c5c4f",
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": "b179c9d95438b61c",
+    "megatron.core.tensor_parallel.random:CheckpointFunction.backward": "43b157a2ebec22ef",
+    "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute": "1bc8c9c07aba7453",
+}  # fmt: skip
+
+# megatron-core version -> the fingerprints its UPSTREAM sources had when the plugin was checked against it
+# (tests/test_upstream_guard.py checks the installed version's row).
+KNOWN_GOOD = {"0.19.1": _CORE_R0_19, "0.19.2": _CORE_R0_19}
+TESTED_VERSIONS = tuple(KNOWN_GOOD)
 
 _PG = "megatron.core.distributed.param_and_grad_buffer"
 
@@ -131,7 +163,7 @@ NAMES = {
     "megatron.training.global_vars":
         (("get_tensorboard_writer", "get_wandb_writer"), "megatron/training.py telemetry_sink"),
     "megatron.core.package_info":
-        (("__shortversion__",), "check_version"),
+        (("__shortversion__",), "check_upstream"),
     "megatron.training.arguments":
         (("get_device_arch_version",), "replaced on CPU by testing/cpu_harness.py"),
     "megatron.core.tensor_parallel.random:CudaRNGStatesTracker":
@@ -164,19 +196,34 @@ def installed_version() -> str:
 
 
 class UntestedMegatronError(RuntimeError):
-    """The installed megatron-core is not one the plugin was tested with (a start-up error)."""
+    """Megatron-Core functions the plugin depends on differ from every release it was checked against (a start-up error)."""
 
 
-def check_version(allow_untested: bool = False) -> None:
-    """Raise :class:`UntestedMegatronError` naming the versions unless megatron-core is one in
-    :data:`TESTED_VERSIONS` (or ``allow_untested`` / the environment variable :data:`ALLOW_ENV` says to go on anyway)."""
+def changed_upstream() -> list[str]:
+    """The :data:`UPSTREAM` entries whose installed source differs from the known-good row they are
+    compared with: the installed version's row, else the row that differs least. Only entries of
+    modules this process has imported count (the plugin patches or calls nothing in the others)."""
+    installed = {k: fingerprint(k) for k in UPSTREAM if k.partition(":")[0] in sys.modules}
+    diffs = {v: [k for k, fp in installed.items() if row[k] != fp] for v, row in KNOWN_GOOD.items()}
     version = installed_version()
-    if version in TESTED_VERSIONS or allow_untested or os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    return diffs[version] if version in diffs else min(diffs.values(), key=len)
+
+
+def check_upstream(allow_untested: bool = False) -> None:
+    """Raise :class:`UntestedMegatronError` naming the functions of :func:`changed_upstream`, unless
+    there are none (whatever the version string) or ``allow_untested`` / the environment variable
+    :data:`ALLOW_ENV` says to go on anyway."""
+    if allow_untested or os.environ.get(ALLOW_ENV, "") not in ("", "0"):
         return
+    changed = changed_upstream()
+    if not changed:
+        return
+    listed = "; ".join(f"{k} ({UPSTREAM[k]})" for k in changed)
     raise UntestedMegatronError(
-        f"megatron-gift re-implements parts of Megatron-Core's gradient reduction and was tested with "
-        f"megatron-core {', '.join(TESTED_VERSIONS)}; this is megatron-core {version}. Install a tested version, "
-        f"or accept the risk with --gift-allow-untested-megatron (or {ALLOW_ENV}=1) and run tests/test_upstream_guard.py"
+        f"megatron-gift re-implements, wraps or replaces Megatron-Core functions whose source in this megatron-core "
+        f"{installed_version()} differs from megatron-core {', '.join(TESTED_VERSIONS)}: {listed}. Install one of "
+        f"those versions, or compare these functions with the plugin's code (megatron_gift/upstream.py says where "
+        f"each is used) and accept the risk with --gift-allow-untested-megatron (or {ALLOW_ENV}=1)"
     )
 
 

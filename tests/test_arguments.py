@@ -138,7 +138,7 @@ def test_bad_choice_rejected_by_argparse(parse, capsys, flag, value):
         (["--gift-refresh-interval", "0"], "--gift-refresh-interval must be >= 1"),
         (["--gift-block-size", "0"], "--gift-block-size must be positive"),
         (["--gift-log-interval", "-1"], "--gift-log-interval must be >= 0"),
-        (["--gift-log-interval", "10"], "--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir"),
+        (["--gift-log-interval", "10"], "give --gift-telemetry-dir (or --save, or --tensorboard-dir)"),
         (["--gift-layers", "auto", "--gift-policy-margin", "1.5"], "--gift-policy-margin must be in [0, 1)"),
         (["--gift-layers", "auto", "--gift-policy-hysteresis", "0"], "--gift-policy-hysteresis must be an integer >= 1"),
         (["--gift-layers", "auto", "--gift-bf16-bound", "0"], "--gift-bf16-bound must be > 0"),
@@ -162,6 +162,46 @@ def test_validation_errors_name_the_flag(parse, flags, message):
     if not flags[0].startswith("--gift-"):
         assert "--gift-mode off" in str(exc.value)
         validate_gift_args(parse(*flags))  # the same Megatron flags are fine with --gift-mode off
+
+
+def test_damping_typo_names_the_flag_and_the_choices(parse, capsys):
+    """``--gift-damping foo`` said ``invalid _damping value`` (argparse quoted the converter's name)."""
+    with pytest.raises(SystemExit) as exc:
+        parse("--gift-mode", "gift", "--gift-damping", "foo")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --gift-damping: expected a number > 0 or 'auto', got 'foo'" in err, err
+    assert "_damping" not in err
+
+
+def test_rank_0_is_explained(parse, capsys, monkeypatch):
+    """``--gift-mode gift --gift-rank 0`` trained with no word of what rank 0 does; ``--help`` did not say."""
+    monkeypatch.delenv("RANK", raising=False)
+    capsys.readouterr()
+    validate_gift_args(parse("--gift-mode", "gift", "--gift-rank", "0"))
+    assert "--gift-rank 0 scales each GIFT layer's input columns by the damped diagonal" in capsys.readouterr().err
+    validate_gift_args(parse("--gift-mode", "gift", "--gift-rank", "4", "--gift-sketch", "8"))
+    assert "--gift-rank" not in capsys.readouterr().err
+    rank_help = next(a.help for a in add_gift_args(argparse.ArgumentParser())._actions if "--gift-rank" in a.option_strings)
+    assert "0 scales each input column by its damped diagonal" in rank_help
+
+
+def test_ranks_per_node_must_divide_the_run(parse, monkeypatch):
+    """``--gift-ranks-per-node 3`` on 2 ranks was accepted silently (taken as one node of 2)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"--gift-ranks-per-node 3 does not divide the 2 processes"):
+        validate_gift_args(parse("--gift-mode", "euclidean", "--gift-ranks-per-node", "3"))
+    validate_gift_args(parse("--gift-mode", "euclidean", "--gift-ranks-per-node", "2"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    validate_gift_args(parse("--gift-mode", "euclidean", "--gift-ranks-per-node", "4"))
+
+
+def test_off_refuses_flags_that_ask_for_fp8(parse):
+    """``--gift-mode off`` with a flag that asks for FP8 traffic (``--gift-euclidean-layers``,
+    ``--gift-loopback``) is an error, as docs/integration.md says; other unused flags only warn."""
+    for flags in (["--gift-euclidean-layers", ".*"], ["--gift-loopback"]):
+        with pytest.raises(ValueError, match=f"{flags[0]} has no effect with --gift-mode off"):
+            validate_gift_args(parse("--gift-mode", "off", *flags))
+    validate_gift_args(parse("--gift-mode", "off", "--gift-rank", "8"))  # warned, not refused
 
 
 def test_auto_layers_make_a_policy_over_the_candidates(parse):

@@ -129,3 +129,23 @@ def test_a_marked_test_can():
     from megatron_gift.testing import cpu_harness
 
     cpu_harness.check_host()  # a CPU-only machine: no error
+
+
+def _zero_grad_like_megatron(params):
+    """As Megatron's ``_zero_grad_group_helper``: ``hasattr(param, "grad")`` on each (shard views included)."""
+    return [hasattr(p, "grad") for p in params]
+
+
+@pytest.mark.cpu_harness
+def test_a_warning_inside_the_harness_names_its_caller():
+    """Megatron's distributed optimizer reads ``.grad`` of non-leaf shard views (its own known warning):
+    every CPU run printed it as coming from cpu_harness.py, as if the harness were at fault."""
+    import warnings
+
+    view = torch.nn.Parameter(torch.ones(4)).view(-1)[1:3]  # a non-leaf, as Megatron's fp32 shards
+    with cpu_harness.install(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _zero_grad_like_megatron([view])
+    where = [(w.filename, w.lineno) for w in caught if "not a leaf" in str(w.message)]
+    line = _zero_grad_like_megatron.__code__.co_firstlineno + 2
+    assert where == [(__file__, line)], where

@@ -28,6 +28,7 @@ Other checkpoint formats keep working but carry no GIFT state (a warning says so
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 import torch.distributed as dist
@@ -137,6 +138,7 @@ class _Hooks:
         return [by_module.get(id(m)) for m in model]
 
     def generate(self, original):
+        @functools.wraps(original)  # upstream's source stays reachable (upstream.fingerprint)
         def generate_state_dict(args, model, *a, **kw):
             state_dict = original(args, model, *a, **kw)
             chunks = self.chunks(model)
@@ -187,6 +189,7 @@ class _Hooks:
         return ("dense", "expert", "local", "residuals")
 
     def load(self, original):
+        @functools.wraps(original)
         def _load_base_checkpoint(load_dir, args, rank0=False, *a, **kw):
             result = original(load_dir, args, rank0, *a, **kw)
             state_dict = result[0]

@@ -41,8 +41,9 @@ from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
 from ..state import GiftParam, GiftState
-from ..upstream import check_version
+from ..upstream import check_upstream
 from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group
+from .layer_inputs import opaque_modules, refuse_opaque, weight_input
 from .monitor import Monitor
 from .param_gather import DeltaParamSync, enable_delta_param_gather, refuse_delta_param_gather
 
@@ -51,26 +52,12 @@ __all__ = ["GiftBucketGroup", "GiftDistributedDataParallel", "GiftParam", "refus
 logger = logging.getLogger(__name__)
 
 
-def _layer_input(module, x: torch.Tensor) -> torch.Tensor:
-    """The linear map's input: Transformer Engine's fused norm+linear gets the pre-norm tensor,
-    so its norm is applied here (RMSNorm or LayerNorm, with zero-centred gamma)."""
-    ln_weight = getattr(module, "layer_norm_weight", None)
-    if ln_weight is None:
-        return x
-    w = ln_weight.float() + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
-    xf = x.float()
-    if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps) * w
-    bias = getattr(module, "layer_norm_bias", None)
-    return torch.nn.functional.layer_norm(xf, (xf.shape[-1],), w, None if bias is None else bias.float(), module.eps)
-
-
 def refuse_unsupported(config, ddp_config, gift_config: GiftConfig) -> None:
-    """``ValueError`` (``RuntimeError`` for an untested megatron-core) for what the plugin cannot serve.
+    """``ValueError`` (``UntestedMegatronError`` for changed Megatron-Core functions) for what the plugin cannot serve.
 
     CUDA graphs: ``start_grad_sync`` would have to wait on each graph's weight-gradient event, and
     a replayed graph does not run the forward pre-hooks that collect GIFT's statistics."""
-    check_version()
+    check_upstream(allow_untested=gift_config.allow_untested_megatron)
     graphs = [f for f in ("enable_cuda_graph", "external_cuda_graph") if getattr(config, f, False)]
     if getattr(config, "cuda_graph_impl", "none") != "none":
         graphs.append(f"cuda_graph_impl={config.cuda_graph_impl!r}")
@@ -94,12 +81,6 @@ def refuse_unsupported(config, ddp_config, gift_config: GiftConfig) -> None:
         )
     if gift_config.param_gather is ParamGather.DELTA:
         refuse_delta_param_gather(ddp_config)
-
-
-def _is_linear(module) -> bool:
-    """Whether ``module`` multiplies its floating-point input by its ``weight`` (a linear layer:
-    ``torch.nn.Linear``, Megatron's and Transformer Engine's ``*Linear`` classes)."""
-    return isinstance(module, torch.nn.Linear) or any(c.__name__.endswith("Linear") for c in type(module).__mro__)
 
 
 class GiftDistributedDataParallel(DistributedDataParallel):
@@ -255,13 +236,21 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         experts the expert tensor-parallel group) when a column-parallel layer sees only ``s/tp``
         tokens (sequence parallelism). A row-parallel layer's ``in/tp`` columns give a diagonal
         block of A, consistent per TP shard. Only linear layers (weight times a floating-point
-        input) are whitened: a weight that is no linear layer's (an embedding's, whose input is
-        token ids; a tied output layer's) is sent Euclidean."""
+        input) are whitened, from the statistics of what the weight multiplies
+        (``layer_inputs.weight_input``: Transformer Engine's fused norm applied first); a linear
+        layer whose input cannot be determined is refused; a weight that is no linear layer's (an
+        embedding's, whose input is token ids; a tied output layer's) is sent Euclidean."""
         hooks = []
+        opaque = opaque_modules(self.module)
         for mod in self.module.modules():
             w = getattr(mod, "weight", None)
             gp = self.gift_params.get(w) if isinstance(w, torch.nn.Parameter) else None
-            if gp is None or not gp.candidate or not _is_linear(mod):
+            if gp is None or not gp.candidate:
+                continue
+            if mod in opaque:
+                raise refuse_opaque(gp.name, opaque[mod])
+            weight_in = weight_input(mod, gp.name)
+            if weight_in is None:
                 continue
             gp.stats = KFACStatistics(
                 w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=gp.sketch_seed, device=w.device
@@ -271,7 +260,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             tp_group = self._tensor_parallel_group(mod, gp)
             if column_parallel and getattr(mod, "sequence_parallel", False) and tp_group.size() > 1:
                 gp.stats_groups.append(tp_group)
-            hooks.append(mod.register_forward_pre_hook(self._stat_hook(gp)))
+            hooks.append(mod.register_forward_pre_hook(self._stat_hook(gp, weight_in)))
         for gp in self.gift_params.values():
             if gp.candidate and gp.stats is None:
                 logger.warning(
@@ -293,13 +282,15 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             return parallel_state.get_expert_tensor_parallel_group()
         return self.tp_group
 
-    def _stat_hook(self, gp: GiftParam):
+    def _stat_hook(self, gp: GiftParam, weight_in):
+        """Adds ``weight_in(input)`` (``layer_inputs.weight_input``: what the weight multiplies) to ``gp``'s statistics."""
+
         def hook(module, args):
             # a forward inside a backward pass is activation recomputation: its micro-batch was counted
             recomputed = torch._C._current_graph_task_id() != -1
             if self.gift_state.collect_statistics and module.training and not recomputed and args and isinstance(args[0], torch.Tensor):
                 with torch.no_grad():
-                    gp.stats.accumulate(_layer_input(module, args[0]))
+                    gp.stats.accumulate(weight_in(args[0]))
 
         return hook
 

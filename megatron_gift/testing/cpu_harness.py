@@ -17,7 +17,10 @@ per-region CUDA RNG states. :func:`install` redirects exactly those to CPU so th
 * the CUDA generator state that activation recomputation (``tensor_parallel.checkpoint``) saves
   and restores around the recomputed forward is empty (it restores the CPU generator and the
   tracker's states, which is all a CPU run draws from), and the recomputation itself runs with
-  these redirections (``CheckpointFunction.backward``, ``CheckpointWithoutOutput._recompute``).
+  these redirections (``CheckpointFunction.backward``, ``CheckpointWithoutOutput._recompute``);
+* a warning raised inside the mode's handler (Megatron's own, e.g. its distributed optimizer's
+  ``zero_grad`` reading ``.grad`` of non-leaf shard views) names the code that made the call, as
+  without the harness, not the handler.
 
 On Python 3.11 it also provides ``typing.override`` (from ``typing_extensions``), which
 ``megatron.training`` imports.
@@ -31,7 +34,9 @@ not rewritten.
 
 import contextlib
 import functools
+import sys
 import typing
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,7 +74,28 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if func == _GRAD_GET:  # the one call seen warning (a non-leaf's .grad): name its caller
+            return _warning_at_caller(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_GRAD_GET = torch.Tensor.grad.__get__
+
+
+def _warning_at_caller(func, args, kwargs):
+    """``func(*args, **kwargs)``, its warnings re-issued at the first frame outside this module and
+    ``torch.overrides`` (where they point without the harness)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = func(*args, **kwargs)
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__") in (__name__, "torch.overrides"):
+        frame = frame.f_back
+    for w in caught:
+        registry = frame.f_globals.setdefault("__warningregistry__", {})
+        warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__"), registry=registry)  # fmt: skip
+    return out
 
 
 def _in_mode(fn):
@@ -109,6 +135,17 @@ def _rng_fork(self, name="model-parallel-rng"):  # Megatron's default tracker na
     finally:
         self.states_[name] = torch.get_rng_state()
         torch.set_rng_state(outer)
+
+
+def _replacing(original, fn):
+    """``fn`` in place of Megatron's ``original``, unwrapping to it: ``upstream.fingerprint`` (the
+    start-up check) reads upstream's source, not the replacement's."""
+
+    @functools.wraps(original)
+    def replacement(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return replacement
 
 
 def _patch(owner, name, value):
@@ -157,10 +194,11 @@ def install():
         _patch(torch.cuda, "current_stream", lambda device=None: _Stream())
         _patch(torch.cuda, "Stream", _Stream)
         _patch(torch.cuda, "synchronize", lambda device=None: None)  # pipeline p2p after send/recv
-        _patch(CudaRNGStatesTracker, "add", _rng_add)
-        _patch(CudaRNGStatesTracker, "fork", _rng_fork)
-        _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8))
-        _patch(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
+        _patch(CudaRNGStatesTracker, "add", _replacing(CudaRNGStatesTracker.add, _rng_add))
+        _patch(CudaRNGStatesTracker, "fork", _replacing(CudaRNGStatesTracker.fork, _rng_fork))
+        _patch(tp_random, "_get_cuda_rng_state",
+               _replacing(tp_random._get_cuda_rng_state, lambda *a, **k: torch.empty(0, dtype=torch.uint8)))  # fmt: skip
+        _patch(tp_random, "_set_cuda_rng_state", _replacing(tp_random._set_cuda_rng_state, lambda *a, **k: None))
         _patch(tp_random.CheckpointFunction, "backward", staticmethod(_in_mode(tp_random.CheckpointFunction.backward)))
         _patch(tp_random.CheckpointWithoutOutput, "_recompute", _in_mode(tp_random.CheckpointWithoutOutput._recompute))
         _mode = _CudaToCpu()
