@@ -407,6 +407,10 @@ def test_byte_model_matches_bench_comm():
     assert len(rows) == 16
     for r in rows:  # Megatron's bucket padding and GIFT's cut-row partials (a latency here) are not counted
         assert r["ratio"] == pytest.approx(1.0, abs=0.005), r
+    # the ledger is read before the step closes: it holds a refresh's statistics all-reduce, not its records
+    refresh = [r for r in rows if r["refresh_ratio"] is not None]
+    assert len(refresh) == 4 and all(r["refresh_ratio"] == pytest.approx(1.0, rel=1e-6) for r in refresh)
+    assert all(r["refresh_records"] > 0 for r in refresh)
 
 
 def test_link_check_on_simulated_nodes(tmp_path):
@@ -493,9 +497,29 @@ def test_cli_planner(tmp_path, capsys):
 def test_cli_custom_model_and_nvlink(capsys):
     assert main(["model", "--model", "custom", "--layers", "2", "--hidden", "256", "--heads", "4", "--ffn", "688",
                  "--seq", "512", "--vocab", "1024", "--gpus", "16", "--cluster", "h100", "--nvlink-gbps", "800",
-                 "--comm-json", "none", "--sensitivity"]) == 0  # fmt: skip
+                 "--kv-heads", "2", "--sensitivity"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "2 per node x 8 nodes" not in out and "8 per node x 2 nodes" in out and "Sensitivity at 16 GPUs" in out
+    # 2 x (qkv (256 + 2 x 2 x 64) x 256 + proj 256^2 + fc1 1376 x 256 + fc2 256 x 688 + 2 norms) + 2 x 1024 x 256 + 256
+    total = 2 * (384 * 256 + 256**2 + 1376 * 256 + 256 * 688 + 2 * 256) + 2 * 1024 * 256 + 256
+    assert f"{total / 1e9:.2f}B parameters" in out and "4 heads in 2 key-value groups" in out
+
+
+def test_cli_8b_default_output_is_short(capsys):
+    """The 8B preset (grouped-query attention) prints its parameter count, the BF16 baselines and a verdict per row
+    in under 30 lines; the byte checks only with --checks; a bad flag names the flag."""
+    assert main(["model", "--model", "8b", "--cluster", "h100", "--gpus", "256"]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert len(lines) < 30 and lines[0].startswith("8b: 8.03B parameters") and "recommended:" in out
+    assert "BF16 baseline" in out and "Gradient bytes" not in out
+    assert main(["model", "--gpus", "64", "--checks"]) == 0 and "Gradient bytes per step" in capsys.readouterr().out
+    for flag in ("--nic-gbps", "--nvlink-gbps", "--a2a-efficiency"):
+        with pytest.raises(SystemExit):
+            main(["model", flag, "0"])
+        assert flag in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--set inter_bw=0"):
+        main(["model", "--set", "inter_bw=0"])
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess:

@@ -136,8 +136,10 @@ def format_sensitivity(rows: list[dict], gpus: int) -> str:
 
 
 def format_bytes_check(rows: list[dict], links: list[dict]) -> str:
-    lines = ["Gradient bytes per step per rank, model vs `bench comm` (measured); refresh bytes per refresh\n",
-             "| ranks | dist. opt. | mode | measured | model | model/measured | refresh model/measured |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["Gradient bytes per step per rank, model vs `bench comm` (measured); a refresh's statistics all-reduce (the "
+             "records' all-gather, sent as the step closes, is after bench comm's ledger read)\n",
+             "| ranks | dist. opt. | mode | measured | model | model/measured | refresh statistics model/measured |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         refresh = f"{r['refresh_ratio']:.3f}" if r["refresh_ratio"] is not None else "-"
         lines.append(f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['measured']:,} | "
