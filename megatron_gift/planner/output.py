@@ -69,7 +69,7 @@ def config_line(p: dict, w: Workload) -> str:
     r = p["rows"][0]
     return (f"{w.name} (tp {w.tp}, pp {w.pp}, micro-batch {w.micro_batch}, seq {w.seq}, global batch {w.global_batch}) "
             f"on {p['gpus']} GPUs of {p['cluster']}: {r['dp']} data-parallel ranks = {r['ranks_per_node']} per node x "
-            f"{r['nodes']} nodes, {r['micro_batches']} micro-batches, {r['buckets']} buckets, {r['schedule']} schedule, "
+            f"{r['nodes']} nodes, {r['micro_batches']} micro-batch{'es' if r['micro_batches'] > 1 else ''}, {r['schedule']} schedule, "
             f"--gift-schedule {r['gift_schedule']}, parameter gather {r['param_gather']}")  # fmt: skip
 
 
@@ -77,16 +77,18 @@ def format_plan(p: dict, w: Workload, source: str = "assumed") -> str:
     """Markdown table of one configuration's rows, then the verdict lines."""
     other = p["other_schedule"]
     lines = [config_line(p, w), baseline_line(p), "",
-             f"| mode | step ms | vs BF16 | vs FP32 | {other} vs BF16 | compute ms | grad reduce exposed ms | "
+             f"| mode | bucket (count) | step ms | vs BF16 | vs FP32 | {other} vs BF16 | compute ms | grad reduce exposed ms | "
              "param gather exposed ms | plugin GPU ms | GIFT refresh ms | NVLink MB/rank | NIC MB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in p["rows"]:
         lag = f"{r['other_schedule_vs_bf16_pct']:+.1f}%" if "other_schedule_vs_bf16_pct" in r else "="
-        lines.append(f"| {label(r)} | {1e3 * r['step_s']:.1f} | {r['vs_bf16_pct']:+.1f}% | {r['vs_fp32_pct']:+.1f}% | {lag} | "
+        size = "default" if r["bucket_size"] is None else f"{r['bucket_size'] / 1e6:.0f}M"
+        lines.append(f"| {label(r)} | {size} ({r['buckets']}) | {1e3 * r['step_s']:.1f} | {r['vs_bf16_pct']:+.1f}% | {r['vs_fp32_pct']:+.1f}% | {lag} | "
                      f"{1e3 * r['compute_s']:.1f} | {1e3 * r['grad_exposed_s']:.1f} | {1e3 * r['param_gather_exposed_s']:.1f} | "
                      f"{1e3 * r['plugin_s']:.1f} | {1e3 * r['refresh_s']:.1f} | {r['nvlink_bytes_per_rank'] / 1e6:.0f} | "
                      f"{r['nic_bytes_per_rank'] / 1e6:.0f} |")  # fmt: skip
-    lines += ["", *(verdict(r, p, source) for r in p["rows"] if not _is_reference(r)), f"recommended: {recommended(p)}", ""]
+    rec = recommended(p) + ("" if recommended_row(p) is None else recommended_flags(p))
+    lines += ["", *(verdict(r, p, source) for r in p["rows"] if not _is_reference(r)), f"recommended: {rec}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -103,6 +105,12 @@ def recommended(p: dict) -> str:
         return label(r)
     size = p["recommended_bucket_size"]
     return "BF16 ring (Megatron as it is" + ("" if size is None else f", --ddp-bucket-size {size}") + ")"
+
+
+def recommended_flags(p: dict) -> str:
+    """The recommended row's bucket size as Megatron's flag (empty: its default)."""
+    size = p["recommended_bucket_size"]
+    return "" if size is None else f" with --ddp-bucket-size {size}"
 
 
 def format_summary(plans: list[dict]) -> str:

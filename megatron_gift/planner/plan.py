@@ -1,6 +1,6 @@
-"""The plan at one configuration: every scheme's step, the BF16 baselines (Megatron's default bucket
-size and its best one), the break-even all-to-all efficiency, the recommendation; and the
-sensitivity to one machine parameter at a time."""
+"""The plan at one configuration: every scheme's step at its best bucket size, the BF16 baselines
+(Megatron's default bucket size and its best one), the break-even all-to-all efficiency, the
+recommendation; and the sensitivity to one machine parameter at a time."""
 
 from __future__ import annotations
 
@@ -69,34 +69,48 @@ def _recommend(rows: list[dict], base: dict) -> dict:
     fp8 = min((by[s.value] for s in PLUGIN), key=lambda r: r["step_s"])  # the first of equals
     keep = 1 - MIN_GAIN_PCT / 100
     if fp8["step_s"] <= keep * bf16_best:
-        return dict(recommended=fp8["mode"], recommended_param_gather=fp8["param_gather"], recommended_bucket_size=None)
+        return dict(recommended=fp8["mode"], recommended_param_gather=fp8["param_gather"],
+                    recommended_bucket_size=fp8["bucket_size"])  # fmt: skip
     if by["bf16"]["param_gather"] == "delta" and by["bf16"]["step_s"] <= keep * base["baseline_s"]:
-        return dict(recommended="bf16", recommended_param_gather="delta", recommended_bucket_size=None)
+        return dict(recommended="bf16", recommended_param_gather="delta", recommended_bucket_size=by["bf16"]["bucket_size"])
     return dict(recommended="bf16", recommended_param_gather="bf16", recommended_bucket_size=base["baseline_bucket_size"])
+
+
+def _tuned_row(w: Workload, c: Cluster, s: Scheme, gpus: int, costs: KernelCosts, opts: Options) -> tuple[dict, Options]:
+    """``s``'s step at its best bucket size (``opts.bucket_size``, None: Megatron's default, or one of
+    ``BUCKET_GRID``; the first of equals), with the options that gave it."""
+    best = None
+    for size in (opts.bucket_size, *BUCKET_GRID):
+        o = replace(opts, bucket_size=size)
+        r = step_time(w, c, s, gpus, costs, o)
+        if best is None or r["step_s"] < best[0]["step_s"]:
+            best = (dict(r, bucket_size=size), o)
+    return best
 
 
 def plan(w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options = Options(),
          with_break_even: bool = True) -> dict:  # fmt: skip
-    """Every scheme's step at one configuration (under ``opts``, and under the other plugin schedule), its change
+    """Every scheme's step at its best bucket size (under ``opts``, and under the other plugin schedule), its change
     against the BF16 baseline (``bf16_baselines``) and FP32; for the plugin's rows the change against the best
     BF16 alternative and the all-to-all ratio at which they meet it; the recommendation (``_recommend``)."""
     base = bf16_baselines(w, c, gpus, costs, opts)
     fp32 = step_time(w, c, Scheme.FP32, gpus, costs, replace(opts, param_gather=ParamGather.BF16))["step_s"]
-    other = replace(opts, gift_schedule=Schedule.LAGGED if opts.gift_schedule is Schedule.EAGER else Schedule.EAGER)
-    rows = [step_time(w, c, s, gpus, costs, opts) for s in Scheme]
+    other = Schedule.LAGGED if opts.gift_schedule is Schedule.EAGER else Schedule.EAGER
+    tuned = [_tuned_row(w, c, s, gpus, costs, opts) for s in Scheme]
+    rows = [r for r, _ in tuned]
     bf16_best = min(base["baseline_s"], rows[list(Scheme).index(Scheme.BF16)]["step_s"])
-    for s, r in zip(Scheme, rows):
+    for s, (r, o) in zip(Scheme, tuned):
         r["vs_bf16_pct"] = 100 * (r["step_s"] / base["baseline_s"] - 1)
         r["vs_fp32_pct"] = 100 * (r["step_s"] / fp32 - 1)
         if s.mode is Mode.OFF:
             continue
         r["vs_best_bf16_pct"] = 100 * (r["step_s"] / bf16_best - 1)
-        r["other_schedule_vs_bf16_pct"] = 100 * (step_time(w, c, s, gpus, costs, other)["step_s"] / base["baseline_s"] - 1)
+        lag = step_time(w, c, s, gpus, costs, replace(o, gift_schedule=other))["step_s"]
+        r["other_schedule_vs_bf16_pct"] = 100 * (lag / base["baseline_s"] - 1)
         if with_break_even and uses_nic_all_to_all(r):
-            r["break_even_a2a_nic_ratio"] = break_even(w, c, s, gpus, costs, opts, bf16_best)
+            r["break_even_a2a_nic_ratio"] = break_even(w, c, s, gpus, costs, o, bf16_best)
     return dict(model=w.name, cluster=c.name, gpus=gpus, tp=w.tp, pp=w.pp, a2a_nic_ratio=c.a2a_nic_ratio,
-                **base, best_bf16_step_s=bf16_best, other_schedule=other.gift_schedule.value, rows=rows,
-                **_recommend(rows, base))  # fmt: skip
+                **base, best_bf16_step_s=bf16_best, other_schedule=other.value, rows=rows, **_recommend(rows, base))  # fmt: skip
 
 
 SENSITIVITY = (("a2a_nic_ratio", (0.35, 0.75, 1.0)), ("a2a_nvlink_ratio", (0.5,)), ("efficiency", (0.6, 0.95)),
