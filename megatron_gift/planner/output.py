@@ -43,7 +43,7 @@ def verdict(r: dict, p: dict | None = None, source: str = "assumed") -> str:
 
 
 def _bucket(size: int | None) -> str:
-    return "Megatron's default bucket size" if size is None else f"--ddp-bucket-size {size:.3g}"
+    return "Megatron's default bucket size" if size is None else f"--ddp-bucket-size {size}"
 
 
 def baseline_line(p: dict) -> str:
