@@ -132,7 +132,7 @@ def format_summary(plans: list[dict]) -> str:
 def format_sensitivity(rows: list[dict], gpus: int) -> str:
     delta = any(r["bf16_vs_bf16_pct"] for r in rows)  # BF16 with the delta gather is a row of its own
     names = [s for s in Scheme if s is not Scheme.BF16 or delta]
-    lines = [f"Sensitivity at {gpus} GPUs (change vs stock BF16; one parameter moved from the defaults)\n",
+    lines = [f"Sensitivity at {gpus} GPUs (change vs the BF16 baseline; one parameter moved from the defaults)\n",
              "| parameter | BF16 step ms | " + " | ".join(s.label for s in names) + " | recommended |",
              "|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
     for r in rows:
