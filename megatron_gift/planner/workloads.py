@@ -26,9 +26,10 @@ PRESETS = {
 
 def layer_shapes(m: dict) -> dict[str, tuple[int, int]]:
     """Weight-gradient shapes ``[d_out, d_in]`` of one transformer layer's linear layers (SwiGLU; ``qkv``:
-    the queries plus ``kv_heads`` keys and values of ``hidden / heads`` each, Megatron's query groups)."""
+    the queries plus ``kv_heads`` keys and values of ``hidden / heads`` each, Megatron's query groups;
+    without ``kv_heads`` (or 0), one per query head)."""
     h, f = m["hidden"], m["ffn"]
-    kv = 2 * m["kv_heads"] * (h // m["heads"])
+    kv = 2 * m["kv_heads"] * (h // m["heads"]) if m.get("kv_heads") else 2 * h
     return {"qkv": (h + kv, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
 
 
