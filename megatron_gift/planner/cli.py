@@ -196,7 +196,8 @@ def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = 
                cluster_sources=sources(), preset_source=PRESET_SOURCES.get(c.name, "custom"), a2a_source=a2a_source,
                costs=dataclasses.asdict(costs), nccl=nccl.SOURCE, min_gain_pct=plan.MIN_GAIN_PCT,
                plans=[plan.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
-    out = [output.format_model(w), *(output.format_plan(p, w, a2a_source) for p in doc["plans"])]
+    head = output.format_model(w) + output.format_costs(costs, opts)
+    out = [head, *(output.format_plan(p, w, a2a_source) for p in doc["plans"])]
     if len(gpus) > 1:
         out.append(output.format_summary(doc["plans"]))
     if show_sensitivity:

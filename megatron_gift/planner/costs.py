@@ -46,7 +46,8 @@ class KernelCosts:
     def from_hbm(cls, c: Cluster) -> "KernelCosts":
         bw = c.hbm_bw * c.codec_hbm_efficiency
         return cls(codec_bw=bw, transform_bw=bw, launch_s=c.launch_s, factor_build_s=c.factor_build_s,
-                   source=f"estimate: HBM bytes / ({c.codec_hbm_efficiency:g} x {c.hbm_bw / 1e12:g} TB/s)")  # fmt: skip
+                   source=f"estimate: HBM bytes / ({c.codec_hbm_efficiency:g} x {c.hbm_bw / 1e12:g} TB/s) + "
+                   f"{c.launch_s * 1e6:g} us per launch")  # fmt: skip
 
     @classmethod
     def from_json(cls, path: str, c: Cluster, model: str | None = None) -> "KernelCosts":

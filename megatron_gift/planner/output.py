@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .plan import BREAK_EVEN_RANGE, MIN_GAIN_PCT
 from .schemes import Scheme
+from .stages import STAGE_LAUNCHES
 from .workloads import Workload
 
 
@@ -59,6 +60,14 @@ def format_model(w: Workload) -> str:
     heads = f"{w.heads} heads" + (f" in {w.kv_heads} key-value groups" if w.kv_heads != w.heads else "")
     return (f"{w.name}: {w.total_parameters() / 1e9:.2f}B parameters ({w.layers} layers, hidden {w.hidden}, {heads}, "
             f"FFN {w.ffn}, vocabulary {w.vocab}, sequence {w.seq}; {'untied' if w.untied else 'tied'} embeddings)\n")
+
+
+def format_costs(costs, opts) -> str:
+    """Where each stage's cost comes from: the kernel costs, the reduction stages' launches, the delta codec's."""
+    k = opts.delta_kernels
+    delta = (f"; delta gather: decode on the {k.stream.value} stream, {k.decode_bytes:g} B per element, "
+             f"{k.decode_launches} launches (counted in comm/param_delta.py)" if opts.param_gather.value == "delta" else "")  # fmt: skip
+    return f"stage costs: {costs.source}; {STAGE_LAUNCHES} launches per reduction stage (assumed){delta}\n"
 
 
 def _is_reference(r: dict) -> bool:
