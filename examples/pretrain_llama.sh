@@ -5,11 +5,13 @@
 #   DRY_RUN=1 ... (or --dry-run as the first argument): print the command and exit.
 #
 # Runs on one node of a multi-node job; start it on every node with the same environment and
-# that node's NODE_RANK. Extra arguments are appended to the command (later flags win).
+# that node's NODE_RANK. Extra arguments are appended to the command (later flags win; the batch
+# and parallel sizes among them are also what the batch check uses). It prints, on stderr, the
+# planner command that models this run (megatron-gift model).
 #
 # Model (MODEL): 300m: 24 layers, hidden 1024, 16 heads, FFN 2736, seq 4096;
 #                600m: 32 layers, hidden 1280, 20 heads, FFN 3456, seq 2048.
-# Both: RoPE, SwiGLU, RMSNorm, no bias, untied embeddings, global batch 512, micro-batch 4,
+# Both: RoPE, SwiGLU, RMSNorm, no bias, untied embeddings, Megatron's local transformer layers,
 # bf16, distributed optimizer, overlapped gradient reduce-scatter and parameter all-gather.
 #
 # Variant (VARIANT), what the data-parallel gradient reduction sends (examples/README.md):
@@ -29,6 +31,9 @@
 # Environment (defaults in brackets):
 #   NNODES [1]  GPUS_PER_NODE [8]  NODE_RANK [0]  MASTER_ADDR [localhost]  MASTER_PORT [6000]
 #   TP [1]  PP [1]              tensor / pipeline parallel sizes (DP = NNODES*GPUS_PER_NODE/(TP*PP))
+#   GLOBAL_BATCH [512]  MICRO_BATCH [4, or the largest of 2, 1 with GLOBAL_BATCH a multiple of it x DP]
+#   TRANSFORMER_IMPL [local]    --transformer-impl: local (Megatron's own layers, what the plugin is
+#                               tested with) or transformer_engine
 #   DATA_PATH                   Megatron indexed-dataset prefix (e.g. /data/owt/owt_text_document);
 #                               MOCK_DATA=1 trains on Megatron's mock data instead
 #   TOKENIZER_TYPE [HuggingFaceTokenizer]  TOKENIZER_MODEL [gpt2]  the tokenizer DATA_PATH was made with
@@ -65,13 +70,28 @@ case $VARIANT in
 esac
 read -r -a gift_extra <<<"${GIFT_ARGS:-}"
 
-NNODES=${NNODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8} TP=${TP:-1} PP=${PP:-1}
-MICRO_BATCH=4 GLOBAL_BATCH=512
+NNODES=${NNODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8} TP=${TP:-1} PP=${PP:-1} GLOBAL_BATCH=${GLOBAL_BATCH:-512}
+micro_batch=${MICRO_BATCH:-}
+args=("$@")
+for ((i = 0; i + 1 < ${#args[@]}; i++)); do  # appended flags win: the check below uses their values
+    case ${args[i]} in
+        --micro-batch-size) micro_batch=${args[i + 1]} ;;
+        --global-batch-size) GLOBAL_BATCH=${args[i + 1]} ;;
+        --tensor-model-parallel-size) TP=${args[i + 1]} ;;
+        --pipeline-model-parallel-size) PP=${args[i + 1]} ;;
+    esac
+done
 world=$((NNODES * GPUS_PER_NODE))
 if ((world % (TP * PP))); then
     echo "pretrain_llama.sh: $world GPUs are not divisible by TP*PP = $((TP * PP))" >&2; exit 2
 fi
 dp=$((world / (TP * PP)))
+if [[ -z $micro_batch ]]; then  # the largest of 4, 2, 1 that fits the global batch at this DP size
+    for micro_batch in 4 2 1; do
+        ((GLOBAL_BATCH % (micro_batch * dp))) || break
+    done
+fi
+MICRO_BATCH=$micro_batch
 if ((GLOBAL_BATCH % (MICRO_BATCH * dp))); then
     echo "pretrain_llama.sh: global batch $GLOBAL_BATCH is not a multiple of micro-batch $MICRO_BATCH x DP $dp" >&2
     exit 2
@@ -100,7 +120,7 @@ cmd=(
     -m megatron_gift.pretrain_gpt
     "${model[@]}" --seq-length "$seq" --max-position-embeddings "$seq"
     --position-embedding-type rope --rotary-base 10000 --swiglu --normalization RMSNorm
-    --disable-bias-linear --untie-embeddings-and-output-weights
+    --disable-bias-linear --untie-embeddings-and-output-weights --transformer-impl "${TRANSFORMER_IMPL:-local}"
     --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
@@ -116,6 +136,10 @@ cmd=(
     "$@"
 )
 
+case $VARIANT in euclidean) plan=euclidean-2level ;; gift | auto) plan=gift-2level ;; *) plan=$VARIANT ;; esac
+echo "pretrain_llama.sh: this run in the planner (row $plan): megatron-gift model --model $MODEL --gpus $world" \
+    "--gpus-per-node $GPUS_PER_NODE --tp $TP --pp $PP --micro-batch $MICRO_BATCH --global-batch $GLOBAL_BATCH" \
+    "--fp8-params linear --gift-schedule lagged" >&2
 if [[ $dry_run == 1 ]]; then
     printf '%q ' "${cmd[@]}"
     echo

@@ -35,7 +35,8 @@ VARIANTS = {"fp32": ("off", False), "bf16": ("off", True), "euclidean": ("euclid
 
 
 def _dry_run(script: str, *args: str, **env) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "MOCK_DATA", "GIFT_ARGS", "TP", "PP", "VARIANT")}
+    unset = ("DATA_PATH", "MOCK_DATA", "GIFT_ARGS", "TP", "PP", "VARIANT", "MICRO_BATCH", "GLOBAL_BATCH", "TRANSFORMER_IMPL")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run(
         ["bash", str(EXAMPLES / script), *args],
         capture_output=True,
@@ -80,6 +81,7 @@ def test_recipe_prints_the_models_command(model, variant, how):
     assert _value(cmd, "--max-position-embeddings") == SIZES[model]["--seq-length"]
     assert _value(cmd, "--normalization") == "RMSNorm" and _value(cmd, "--position-embedding-type") == "rope"
     assert _value(cmd, "--global-batch-size") == "512" and _value(cmd, "--micro-batch-size") == "4"
+    assert _value(cmd, "--transformer-impl") == "local"  # explicit: Megatron's default is transformer_engine
     for flag in COMMON_FLAGS:
         assert flag in cmd, flag
     mode, bf16_reduction = VARIANTS[variant]
@@ -116,12 +118,35 @@ def test_recipe_environment_and_extra_flags():
     assert ns.gift_rank == 16 and ns.gift_log_interval == 100
 
 
+def test_recipe_at_scale_and_its_planner_command():
+    """32 nodes x 8 GPUs (DP 256): the default micro-batch falls to 2 (512 = 2 x 256) instead of refusing the
+    run; MICRO_BATCH, GLOBAL_BATCH, TP, PP and appended flags set what the batch check uses; the planner command
+    printed on stderr runs and describes the same batch."""
+    res = _dry_run("pretrain_llama.sh", NNODES="32", GPUS_PER_NODE="8", MODEL="600m")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout)
+    assert _value(cmd, "--micro-batch-size") == "2" and _value(cmd, "--nnodes") == "32"
+    plan = res.stderr.split("megatron-gift model ", 1)[1].split()
+    assert plan[plan.index("--micro-batch") + 1] == "2" and plan[plan.index("--gpus") + 1] == "256"
+    from megatron_gift.cli import main
+
+    assert main(["model", *plan]) == 0
+    custom = _command("pretrain_llama.sh", NNODES="32", GPUS_PER_NODE="8", MICRO_BATCH="1", GLOBAL_BATCH="1024", TP="2",
+                      TRANSFORMER_IMPL="transformer_engine")  # fmt: skip
+    assert [_value(custom, f) for f in ("--micro-batch-size", "--global-batch-size", "--tensor-model-parallel-size")] == [
+        "1", "1024", "2"] and _value(custom, "--transformer-impl") == "transformer_engine"  # fmt: skip
+    # an appended --micro-batch-size wins over MICRO_BATCH=4, which alone would not fit DP 256
+    res = _dry_run("pretrain_llama.sh", "--micro-batch-size", "1", NNODES="32", GPUS_PER_NODE="8", MICRO_BATCH="4")
+    assert res.returncode == 0 and "--micro-batch 1" in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
         ({"MODEL": "1b"}, "MODEL must be"),
         ({"VARIANT": "fp4"}, "VARIANT must be"),
-        ({"NNODES": "6"}, "not a multiple"),  # 48 GPUs: 512 / (4 x 48) is not an integer
+        ({"NNODES": "6"}, "not a multiple"),  # 48 GPUs: 512 is not a multiple of 4, 2 or 1 x 48
+        ({"NNODES": "32", "MICRO_BATCH": "4"}, "not a multiple"),  # 4 x 256 > 512
         ({"GPUS_PER_NODE": "8", "TP": "3"}, "not divisible"),
         ({"DRY_RUN": "0", "PYTHON": "false"}, "DATA_PATH"),  # a real run needs data
     ],

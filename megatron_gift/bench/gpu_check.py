@@ -99,7 +99,7 @@ def plugin_over_linear_gemms(ovh: dict | None, step: dict | None) -> dict | None
 
 
 def delta_over_copy(delta: dict) -> dict:
-    """The delta codec's encode and decode bandwidth over the same-size copy's (issue 18; no target), or why not."""
+    """The delta codec's encode and decode bandwidth over the same-size copy's (no target), or why not."""
     if not delta["available"]:
         return dict(available=False, note=delta["note"])
     return dict(available=True, over_copy={s["path"]: s["over_copy"] for s in delta["summary"]})

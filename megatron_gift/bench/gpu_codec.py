@@ -15,7 +15,7 @@ path                         what runs                                          
 ``decode_sum_unwhiten``      the same, then ``T⁻¹``                                           the same
 ===========================  ==============================================================  =============================================
 
-The delta parameter gather's codec (issue 18, ``DELTA_MODULE``), where it is installed, adds
+The delta parameter gather's codec (``DELTA_MODULE``), where it is installed, adds
 ``delta_encode`` (a shard of ``n = d_out·d_in`` BF16 elements against its ``prev``: read ``2n + 2n``,
 write the message) and ``delta_decode`` (``RANKS`` shards' messages into ``n`` BF16 parameters: read
 the messages and ``2n``, write ``2n``), under ``doc["delta"]``; without the module that part says so and
@@ -42,10 +42,10 @@ from ..planner.workloads import layer_shapes
 from .overhead import RANK, RANKS, fused_timed, synthetic_factor, time_call
 
 PATHS = ("encode", "whiten_encode", "decode_sum", "decode_sum_unwhiten")
-TARGET_OVER_COPY = 0.7  # issue 14: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
+TARGET_OVER_COPY = 0.7  # target: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
 LARGE_COPY_BYTES = {"gpu": 1 << 30, "dry-run": 1 << 20}
 DELTA_MODULE = "megatron_gift.comm.param_delta"
-"""issue 18's codec; this part calls its ``encode(new, prev, out)``, ``decode_into(messages, base)`` and
+"""The delta gather's codec; this part calls its ``encode(new, prev, out)``, ``decode_into(messages, base)`` and
 ``message_bytes(numel)``."""
 DELTA_PATHS = ("delta_encode", "delta_decode")
 
@@ -58,7 +58,7 @@ SCHEMA = {
     "encode paths per d_out·d_in, decode paths per shard element)",
     "copy_large": "bytes (read + written), seconds, bytes_per_s of one large FP32 copy: the device's copy ceiling",
     "targets": "every fused path at >= 70% of the same-size copy's bandwidth (reported, not asserted)",
-    "delta": "the delta parameter gather's codec (issue 18): available, module, and where available results and "
+    "delta": "the delta parameter gather's codec: available, module, and where available results and "
     "summary as above for delta_encode / delta_decode (impl torch; rows 1, cols the elements coded or decoded)",
 }
 

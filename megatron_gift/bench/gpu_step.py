@@ -39,7 +39,7 @@ from .overhead import MODELS
 
 MODES = ("off", "bf16", "euclidean", "gift", "off-again")
 CLOSE_LOOKS = MODES[:-1]  # modes that get the sync, trace and memory looks at a steady step (not the repeat)
-TARGET_PLUGIN_OVER_STEP = 0.02  # issue 14: the plugin's on-GPU work <= 2% of a BF16 step (Euclidean, GIFT)
+TARGET_PLUGIN_OVER_STEP = 0.02  # target: the plugin's on-GPU work <= 2% of a BF16 step (Euclidean, GIFT)
 _600M = MODELS["llama-600m"]
 SPECS = {
     # 8 sequences of 2048 tokens per step: the paper's 64-GPU share of a 512-sequence global batch
@@ -231,7 +231,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
 
 
 def targets(summary: dict) -> dict:
-    """The plugin's on-GPU work per step over a BF16 ``off`` step, Euclidean and GIFT, against 2%; and issue 17's
+    """The plugin's on-GPU work per step over a BF16 ``off`` step, Euclidean and GIFT, against 2%; and
     zero host synchronisations of the plugin in a steady step (every plugin mode)."""
     over = {m: summary["modes"][m]["plugin_over_step"] for m in (Mode.EUCLIDEAN.value, Mode.GIFT.value)}
     syncs = {m: summary["modes"][m]["plugin_syncs"] for m in CLOSE_LOOKS if not m.startswith("off")}

@@ -4,7 +4,7 @@
   ``torch.cuda.set_sync_debug_mode("warn")``, every warning kept with the Python line that raised it
   and counted as the plugin's when that line is in ``megatron_gift`` (outside ``testing``); on the
   CPU (the dry run) ``testing.dispatch.SyncSanitizer`` sees the same ops.
-- ``sync_error``: the same under ``set_sync_debug_mode("error")`` (issue 17 item 8): whether it raised,
+- ``sync_error``: the same under ``set_sync_debug_mode("error")``: whether it raised,
   and the innermost ``megatron_gift`` frame of the error. It aborts the step: run it last.
 - ``profiled``: a ``torch.profiler`` trace of the step; ``overlap`` reads it (Chrome trace format):
   the compute stream is the stream of most kernels launched inside the last micro-batch's backward

@@ -248,7 +248,7 @@ def run(quick: bool = False, json_path: str | None = None, device: str | None = 
 
 
 def targets(doc: dict) -> dict:
-    """The two targets of issue 6: transform+codec ≤ 2% of a step at 600M shapes (GPU), and the
+    """The two targets: transform+codec ≤ 2% of a step at 600M shapes (GPU), and the
     low-rank transform ≥ 15x cheaper than dense Cholesky at d_in = 3456 (600M fc2)."""
     rows = [s for s in doc["summary"] if s["model"] == "llama-600m"]
     out = {"device": doc["results"][0]["device"] if doc["results"] else None}

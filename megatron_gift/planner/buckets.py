@@ -1,5 +1,4 @@
-"""Megatron's gradient buckets and the bytes each scheme puts on the wire for them; the delta
-parameter gather's bytes per element."""
+"""Megatron's gradient buckets and the bytes each scheme puts on the wire for them."""
 
 from __future__ import annotations
 
@@ -10,23 +9,8 @@ from ..comm.layout import wire_bytes
 from ..config import INTRA_NODE_DTYPES, Mode
 from ..numerics.fp8 import CodecConfig
 from .choices import FP8Params
-from .cluster import sourced
 from .schemes import Scheme
 from .workloads import LINEAR_KINDS, Workload, is_kind
-
-
-@dataclass(frozen=True)
-class DeltaCodec:
-    """Wire format of the delta parameter all-gather (issue 18): a code per element plus one scale per
-    block. The one place the planner reads its bytes per element from."""
-
-    payload_bytes: float = sourced(1.0, "int8 or E4M3 code per element (issue 18)")
-    scale_bytes: float = sourced(1.0, "one power-of-two scale (E8M0, 1 B) per block, as OCP's MXINT8 (issue 18)")
-    block: int = sourced(32, "elements per scale: OCP MX's 32 (issue 18; E4M3 with FP32 scales per 128 is the same 1/32 B)")
-
-    @property
-    def bytes_per_element(self) -> float:
-        return self.payload_bytes + self.scale_bytes / self.block
 
 
 @dataclass

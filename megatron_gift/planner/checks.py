@@ -32,19 +32,22 @@ def _prediction(doc: dict, mode: str, ranks: int, ranks_per_node: int, dist_opt:
 
 
 def comm_bytes_check(path: str) -> list[dict]:
-    """Predicted vs measured gradient bytes per step per rank of a ``bench comm`` JSON's runs on one node, and
-    the refresh's bytes per refresh (the model prices issue 17's one-collective refresh; a ledger of the
-    per-layer broadcasts before it differs)."""
+    """Predicted vs measured gradient bytes per step per rank of a ``bench comm`` JSON's runs on one node, and the
+    refresh's statistics all-reduce. ``bench comm`` reads its ledger after ``finish_grad_sync``; a refresh's record
+    all-gather is sent when the step closes (``RefreshSync.close_step``), after that, so its ledger holds the
+    statistics all-reduce alone: that is what the refresh ratio compares (the model's records are in
+    ``refresh_records``)."""
     doc = json.load(open(path))
     rows = []
     for r in doc["results"]:
         pred = _prediction(doc, r["mode"], r["ranks"], r["ranks"], r["distributed_optimizer"], r["refresh_interval"])
-        refresh = pred["refresh_bytes_per_rank"] * r["refresh_interval"]
+        stats = pred["refresh_statistics_bytes"]
+        records = pred["refresh_bytes_per_rank"] * r["refresh_interval"] - stats
         rows.append(dict(ranks=r["ranks"], distributed_optimizer=r["distributed_optimizer"], mode=pred["mode"],
                          measured=r["grad_bytes_per_step"], predicted=round(pred["grad_bytes_per_rank"]),
                          ratio=pred["grad_bytes_per_rank"] / r["grad_bytes_per_step"],
-                         refresh_measured=r["refresh_bytes"], refresh_predicted=round(refresh),
-                         refresh_ratio=refresh / r["refresh_bytes"] if r["refresh_bytes"] else None))  # fmt: skip
+                         refresh_measured=r["refresh_bytes"], refresh_predicted=round(stats), refresh_records=round(records),
+                         refresh_ratio=stats / r["refresh_bytes"] if r["refresh_bytes"] else None))  # fmt: skip
     return rows
 
 

@@ -14,7 +14,17 @@ from pathlib import Path
 from ..cli import CORPUS, positive_int, require_bench_extra
 from .choices import FP8Params, MegatronSchedule
 from .cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
+from .delta import DecodeStream, DeltaKernels
 from .workloads import DIMS, PRESETS
+
+DIM_HELP = {"kv_heads": "key-value heads (grouped-query attention; default: the preset's, else --heads)"}
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _runtime_choice(name: str):
@@ -47,27 +57,30 @@ def add_parser(subparsers) -> None:
         description="Predict the step time of data-parallel Llama training with Megatron's FP32 and BF16 ring reduction "
         "and the plugin's FP8 exchanges (Euclidean and GIFT, flat all-to-all and two-level) as the plugin's stream "
         "schedules run them, with Megatron's BF16 or the delta parameter all-gather, on a given cluster, model and batch; "
-        "print a table per GPU count, a verdict line per mode with its break-even all-to-all efficiency and the "
-        "recommendation; check the byte model against a bench comm JSON and, with --validate-cpu, step times against "
-        "CPU gloo runs of the demo model.",
+        "print the model's parameter count, the BF16 baseline at Megatron's default and at its best bucket size, a "
+        "table per GPU count, a verdict line per mode with its break-even all-to-all efficiency and the "
+        "recommendation; with --checks, the byte model against a bench comm JSON, with --validate-cpu, step times "
+        "against CPU gloo runs of the demo model.",
     )
     mod.add_argument("--model", default="600m", metavar="NAME",
                      help=f"preset: {', '.join(PRESETS)} (llama- prefix allowed), or custom with every dimension below "
                      "(default: %(default)s)")  # fmt: skip
     for dim in DIMS:
-        mod.add_argument(f"--{dim}", type=positive_int, default=None, help=f"override the preset's {dim}")
+        mod.add_argument(f"--{dim.replace('_', '-')}", dest=dim, type=positive_int, default=None,
+                         help=DIM_HELP.get(dim, f"override the preset's {dim}"))  # fmt: skip
     mod.add_argument("--gpus", type=positive_int, nargs="+", default=[64, 256, 512], metavar="N",
                      help="GPU counts, one table each (default: 64 256 512)")  # fmt: skip
     mod.add_argument("--cluster", default="gh200", choices=list(CLUSTERS),
                      help="machine preset (default: %(default)s; sources in the JSON and docs/planner.md)")  # fmt: skip
     mod.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (each with its own NIC)")
-    mod.add_argument("--nic-gbps", type=float, default=None, help="NIC bandwidth per GPU and direction in Gb/s (GH200 "
+    mod.add_argument("--nic-gbps", type=positive_float, default=None, help="NIC bandwidth per GPU and direction in Gb/s (GH200 "
                      "Slingshot: 200)")  # fmt: skip
-    mod.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink bandwidth per GPU and direction in Gb/s "
+    mod.add_argument("--nvlink-gbps", type=positive_float, default=None, help="NVLink bandwidth per GPU and direction in Gb/s "
                      "(H100: 3600, i.e. 450 GB/s)")  # fmt: skip
-    mod.add_argument("--a2a-efficiency", type=float, default=None, metavar="RATIO",
-                     help="the all-to-all's achieved NIC bandwidth relative to a ring's (default: the cluster's "
-                     "a2a_nic_ratio, 0.75; every verdict prints the break-even)")  # fmt: skip
+    mod.add_argument("--a2a-efficiency", type=positive_float, default=None, metavar="RATIO",
+                     help="your measured all-to-all NIC bandwidth relative to a ring's, e.g. nccl-tests alltoall over "
+                     "all_gather busbw (default: 0.48, the middle of the published measurements; every verdict prints "
+                     "the break-even)")  # fmt: skip
     mod.add_argument("--global-batch", type=positive_int, default=512, help="sequences per step (default: %(default)s)")
     mod.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (default: %(default)s)")
     mod.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
@@ -88,11 +101,20 @@ def add_parser(subparsers) -> None:
     mod.add_argument("--param-gather", default="bf16", type=_runtime_choice("ParamGather"), metavar="GATHER",
                      help="the parameter all-gather of every row but the stock BF16 reference: Megatron's bf16, or delta "
                      "(about 1 byte per element, as --gift-param-gather delta) (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--delta-decode-stream", default=DeltaKernels().stream.value, choices=_values(DecodeStream),
+                     help="where the delta gather's decode runs: compute (today's code: in the forward pre-hook, before "
+                     "the next bucket's gather) or side (a stream of its own) (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--delta-decode-bytes", type=float, default=DeltaKernels().decode_bytes, metavar="BYTES",
+                     help="HBM bytes per element of the delta decode (default: %(default)s, today's; a fused decode: "
+                     "about 5.03)")  # fmt: skip
     mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
     mod.add_argument("--overhead-json", metavar="PATH", help="plugin kernel costs from a bench overhead JSON of the target "
                      "GPU (default: HBM-bandwidth estimates)")  # fmt: skip
+    mod.add_argument("--checks", action="store_true", help="also print the byte model against a bench comm ledger "
+                     "(--comm-json; recorded in --json either way)")  # fmt: skip
     mod.add_argument("--comm-json", metavar="PATH", default=None,
-                     help="bench comm JSON to check the byte model against (default: the checkout's bench/results/comm-cpu.json)")  # fmt: skip
+                     help="bench comm JSON the byte model is checked against (default: the checkout's "
+                     "bench/results/comm-cpu.json; absent: no check)")  # fmt: skip
     mod.add_argument("--validate-cpu", metavar="OVERHEAD_JSON", help="also train the demo model on 2 gloo ranks per mode "
                      "and compare step times, with the plugin's costs from this CPU overhead JSON (~4 min)")  # fmt: skip
     mod.add_argument("--measured", metavar="MODEL_JSON", help="with --validate-cpu: reuse the measured step times and gloo "
@@ -117,13 +139,17 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         if key not in fields or key == "name" or not value:
             raise ValueError(f"--set wants FIELD=VALUE, FIELD one of {', '.join(list(fields)[1:])}; got {item!r}")
         kind = float if key == "latency_s" else type(getattr(c, key))
-        c = dataclasses.replace(c, **{key: kind(value)})
+        try:
+            c = dataclasses.replace(c, **{key: kind(value)})
+        except ValueError as e:
+            raise ValueError(f"--set {item}: {e}") from None
     return c
 
 
 def main(args: argparse.Namespace) -> int:
     """The handler: everything is checked before anything is printed."""
     from . import model
+    from .checks import COMM_JSON
     from .options import Options
     from .workloads import workload
 
@@ -135,41 +161,53 @@ def main(args: argparse.Namespace) -> int:
         c = cluster_from_args(args)
         w = workload(args.model, micro_batch=args.micro_batch, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
                      **{k: getattr(args, k) for k in DIMS})  # fmt: skip
+        kernels = DeltaKernels(stream=args.delta_decode_stream, decode_bytes=args.delta_decode_bytes)
         opts = Options(schedule=args.schedule, gift_schedule=args.gift_schedule, param_gather=args.param_gather,
-                       fp8_params=args.fp8_params, bucket_size=args.bucket_size, intra_dtype=args.intra_node)  # fmt: skip
+                       fp8_params=args.fp8_params, bucket_size=args.bucket_size, intra_dtype=args.intra_node,
+                       delta_kernels=kernels)  # fmt: skip
         for gpus in args.gpus:
             model.placement(model.data_parallel(w, gpus)[0], w.tp, c)
     except ValueError as e:
         raise SystemExit(f"megatron-gift model: {e}") from None
-    run(w, c, tuple(args.gpus), opts, overhead_json=args.overhead_json, json_path=args.json,
-        comm_json=args.comm_json, validate_overhead_json=args.validate_cpu, validate_iters=args.iters,
-        measured_json=args.measured, show_sensitivity=args.sensitivity, command=args.command_line)  # fmt: skip
+    comm_json = args.comm_json or str(COMM_JSON)
+    if args.checks and not Path(comm_json).exists():
+        raise SystemExit(f"megatron-gift model: --checks needs a bench comm JSON; {comm_json} does not exist (--comm-json)")
+    a2a = "yours, --a2a-efficiency" if args.a2a_efficiency else "assumed from published measurements"
+    run(w, c, tuple(args.gpus), opts, overhead_json=args.overhead_json, json_path=args.json, comm_json=comm_json,
+        show_checks=args.checks, validate_overhead_json=args.validate_cpu, validate_iters=args.iters,
+        measured_json=args.measured, show_sensitivity=args.sensitivity, command=args.command_line, a2a_source=a2a)  # fmt: skip
     return 0
 
 
+
 def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = None, json_path: str | None = None,
-        comm_json: str | None = None, validate_overhead_json: str | None = None, validate_iters: int = 30,
-        measured_json: str | None = None, show_sensitivity: bool = False, command: str | None = None) -> dict:  # fmt: skip
-    """Per GPU count a table with verdicts, a summary row each, optionally the sensitivity at the largest count;
-    the byte check against ``comm_json`` (default: the checkout's; ``none``: skip) and optionally the CPU
-    validation. Prints, writes JSON, returns the document."""
-    from . import checks, model, nccl, output, validation
+        comm_json: str | None = None, show_checks: bool = False, validate_overhead_json: str | None = None,
+        validate_iters: int = 30, measured_json: str | None = None, show_sensitivity: bool = False,
+        command: str | None = None, a2a_source: str = "assumed") -> dict:  # fmt: skip
+    """The parameter count, per GPU count a table with verdicts, a summary row each (several counts), optionally
+    the sensitivity at the largest count; the byte check against ``comm_json`` where it exists (printed with
+    ``show_checks``) and optionally the CPU validation. Prints, writes JSON, returns the document."""
+    from . import checks, nccl, output, plan, validation
     from .costs import KernelCosts
 
     costs = KernelCosts.from_json(overhead_json, c, f"llama-{w.name}") if overhead_json else KernelCosts.from_hbm(c)
     doc = dict(model="planner", command=command or "megatron-gift model", workload=dataclasses.asdict(w),
-               options=dataclasses.asdict(opts), cluster=dataclasses.asdict(c), cluster_sources=sources(),
-               preset_source=PRESET_SOURCES.get(c.name, "custom"), costs=dataclasses.asdict(costs), nccl=nccl.SOURCE,
-               min_gain_pct=model.MIN_GAIN_PCT, plans=[model.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
-    out = [output.format_plan(p, w) for p in doc["plans"]] + [output.format_summary(doc["plans"])]
+               parameters=w.total_parameters(), options=dataclasses.asdict(opts), cluster=dataclasses.asdict(c),
+               cluster_sources=sources(), preset_source=PRESET_SOURCES.get(c.name, "custom"), a2a_source=a2a_source,
+               costs=dataclasses.asdict(costs), nccl=nccl.SOURCE, min_gain_pct=plan.MIN_GAIN_PCT,
+               plans=[plan.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
+    head = output.format_model(w) + output.format_costs(costs, opts)
+    out = [head, *(output.format_plan(p, w, a2a_source) for p in doc["plans"])]
+    if len(gpus) > 1:
+        out.append(output.format_summary(doc["plans"]))
     if show_sensitivity:
-        doc["sensitivity"] = model.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts)
+        doc["sensitivity"] = plan.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts)
         out.append(output.format_sensitivity(doc["sensitivity"], max(gpus)))
-    comm_json = comm_json or str(checks.COMM_JSON)
-    if Path(comm_json).exists():
+    if comm_json and Path(comm_json).exists():
         doc["bytes_check"] = dict(source=comm_json, rows=checks.comm_bytes_check(comm_json),
                                   links=checks.comm_links_check(comm_json))  # fmt: skip
-        out.append(output.format_bytes_check(doc["bytes_check"]["rows"], doc["bytes_check"]["links"]))
+        if show_checks:
+            out.append(output.format_bytes_check(doc["bytes_check"]["rows"], doc["bytes_check"]["links"]))
     if validate_overhead_json:
         doc["cpu_validation"] = validation.validate_cpu(validate_overhead_json, iters=validate_iters,
                                                         measured_json=measured_json)  # fmt: skip

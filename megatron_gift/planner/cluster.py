@@ -29,13 +29,13 @@ class Cluster:
     efficiency: float = sourced(0.8, """achieved fraction of link bandwidth of a large NCCL ring: assumed;
         NCCL's maintainers quote 46-48 GB/s busbw per 400 Gb/s NDR NIC (0.92-0.96, NVIDIA/nccl-tests#290),
         Slingshot through the aws-ofi-nccl plugin and loaded production fabrics reach less; 0.8 sits between.""")
-    a2a_nic_ratio: float = sourced(0.75, """achieved NIC bandwidth of the plugin's all-to-all relative to a
-        ring's (``efficiency``): assumed, the earlier absolute 0.6 over the ring's 0.8. An all-to-all cannot
-        aggregate the node's NICs and each peer's message is small (NCCL maintainer, NVIDIA/nccl-tests#267);
-        users report 20-25 GB/s alltoall busbw on 400 Gb/s NICs with 8 GPUs per node at 2-16 nodes
-        (NVIDIA/nccl#1792, NVIDIA/nccl#2409), 0.42-0.54 of a tuned ring's 46-48 GB/s; the two-level
-        exchange's inter-node all-to-all has one rank per node (rail-aligned), which those reports do not
-        cover. Every verdict prints the break-even ratio.""")
+    a2a_nic_ratio: float = sourced(0.48, """achieved NIC bandwidth of the plugin's all-to-all relative to a
+        ring's (``efficiency``), from the measurements cited: users report 20-25 GB/s alltoall busbw on 400 Gb/s
+        NICs with 8 GPUs per node at 2-16 nodes (NVIDIA/nccl#1792, NVIDIA/nccl#2409), 0.42-0.54 of a tuned
+        ring's 46-48 GB/s (NVIDIA/nccl-tests#290); 0.48 is the middle (22.5 over 47 GB/s). An all-to-all cannot
+        aggregate the node's NICs and each peer's message is small (NCCL maintainer, NVIDIA/nccl-tests#267); the
+        two-level exchange's inter-node all-to-all has one rank per node (rail-aligned), which those reports do
+        not cover. A measured ratio goes in ``--a2a-efficiency``; every verdict prints the break-even.""")
     a2a_nvlink_ratio: float = sourced(1.0, """the same for the NVLink part of an all-to-all: assumed equal to a
         ring's (the node's GPUs are connected directly or through NVSwitch; the limits above are the NIC's).""")
     a2a_peer_latency: float = sourced(0.5e-6, "extra cost per peer of an all-to-all (one send/receive pair per peer): assumed.")
@@ -47,15 +47,16 @@ class Cluster:
     mfu: float = sourced(0.4, "model-FLOP utilization: assumed, typical of Megatron on H100 for ~1B-parameter models.")
     hbm_bw: float = sourced(4.0e12, "HBM3 bandwidth of the 96 GB GH200 (NVIDIA datasheet).")
     codec_hbm_efficiency: float = sourced(0.6, """fraction of ``hbm_bw`` the plugin's memory-bound kernels (cast,
-        sums, encode, decode) reach: assumed; issue 14's target for the fused kernels is 70% of copy bandwidth,
-        and a device copy reaches about 85-90% of the datasheet peak on H100; the GPU check measures it
+        sums, encode, decode) reach: assumed; the fused kernels' target is 70% of copy bandwidth, and a
+        device copy reaches about 85-90% of the datasheet peak on H100; the GPU check measures it
         (gpu-codec.json).""")
     codec_compute_overlap: float = sourced(0.0, """fraction of a codec kernel's time that runs under concurrent
         backward/forward compute without delaying it: assumed 0 (the GPU time-shared between the streams, a
         conservative bound; memory-bound kernels and GEMMs do overlap partly). The GPU check's profiler
         trace reports the share of codec work that overlaps the backward (docs/gpu-check.md).""")
-    gpu_stage_s: float = sourced(10e-6, """fixed time of one GPU stage of a bucket (its few kernel launches,
-        a number fixed per bucket by issue 17 item 3): assumed, two launches of ~5 us.""")
+    launch_s: float = sourced(5e-6, """GPU time of one kernel launch of the plugin's small, memory-bound
+        kernels beyond their bytes: assumed ~5 us (a launch's latency on H100-class GPUs); a stage's
+        launches are the execution model's (``stages``) or counted in the code (the delta codec).""")
     factor_build_s: float = sourced(7.0e-3, """one GIFT factor build (Nyström core of a [d_in, 64] sketch, d_in = 3456)
         without a ``bench overhead`` JSON of the GPU: what ``bench overhead`` measured on a 2-core EPYC CPU with one
         thread (bench/results/overhead-cpu.json, llama-600m fc2: 7.04 ms). The refresh builds it on the GPU, where
@@ -67,7 +68,7 @@ class Cluster:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.gpus_per_node < 1 or min(self.a2a_peer_latency, self.gpu_stage_s, self.factor_build_s) < 0:
+        if self.gpus_per_node < 1 or min(self.a2a_peer_latency, self.launch_s, self.factor_build_s) < 0:
             raise ValueError(f"Cluster: gpus_per_node must be >= 1 and latencies >= 0, got {self}")
         if not 0.0 <= self.codec_compute_overlap <= 1.0:
             raise ValueError(f"Cluster.codec_compute_overlap must be in [0, 1], got {self.codec_compute_overlap}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import INTRA_NODE_DTYPES, GiftConfig, ParamGather, Schedule
-from .buckets import DeltaCodec
 from .choices import FP8Params, MegatronSchedule
+from .delta import DeltaCodec, DeltaKernels
 from .workloads import GIFT_KINDS
 
 _GIFT = GiftConfig()
@@ -26,6 +26,7 @@ class Options:
     gift_schedule: Schedule = Schedule.EAGER
     param_gather: ParamGather = ParamGather.BF16
     delta: DeltaCodec = field(default_factory=DeltaCodec)
+    delta_kernels: DeltaKernels = field(default_factory=DeltaKernels)
     fp8_params: FP8Params = FP8Params.ALL
     bucket_size: int | None = None
     intra_dtype: str = _GIFT.intra_node.value

@@ -3,8 +3,9 @@ summary row per configuration, the sensitivity, the byte check and the CPU valid
 
 from __future__ import annotations
 
-from .model import BREAK_EVEN_RANGE, MIN_GAIN_PCT
+from .plan import BREAK_EVEN_RANGE, MIN_GAIN_PCT
 from .schemes import Scheme
+from .stages import STAGE_LAUNCHES
 from .workloads import Workload
 
 
@@ -14,27 +15,59 @@ def label(r: dict) -> str:
     return name + (" + delta gather" if r["param_gather"] == "delta" else "")
 
 
-def break_even_text(r: dict, assumed: float) -> str:
-    """The all-to-all NIC efficiency (relative to a ring's) at which a plugin row equals stock BF16."""
+def break_even_text(r: dict, assumed: float, source: str = "assumed") -> str:
+    """The all-to-all NIC efficiency (relative to a ring's) at which a plugin row equals the best BF16 option."""
     if "break_even_a2a_nic_ratio" not in r:
         return "; no all-to-all through a NIC"
     v = r["break_even_a2a_nic_ratio"]
     if v is None:
-        return f"; slower than BF16 at any all-to-all efficiency up to {BREAK_EVEN_RANGE[1]:g}x the ring's"
+        return "; slower than BF16 however efficient its all-to-all: no break-even"
     if v <= BREAK_EVEN_RANGE[0]:
         return "; faster than BF16 at any all-to-all efficiency"
-    return f"; break-even all-to-all NIC efficiency {v:.2f}x the ring's (assumed {assumed:.2f}x)"
+    return f"; breaks even at an all-to-all NIC efficiency of {v:.2f}x the ring's ({source}: {assumed:.2f}x)"
 
 
-def verdict(r: dict, p: dict | None = None) -> str:
-    """One line per row: its change against stock BF16, the other plugin schedule's, the break-even, the advice."""
+def verdict(r: dict, p: dict | None = None, source: str = "assumed") -> str:
+    """One line per row: its change against the BF16 baseline, the other plugin schedule's, the break-even and
+    the advice; an FP8 row is advised only if it beats the best BF16 option (with this run's gather too)."""
     pct = r["vs_bf16_pct"]
-    advice = "use it" if pct <= -MIN_GAIN_PCT else "no gain here: keep BF16"
-    line = f"{label(r)}: {pct:+.1f}% step time vs BF16: {advice}"
+    gain = r.get("vs_best_bf16_pct", pct)
+    advice = "use it" if gain <= -MIN_GAIN_PCT else "no gain here: keep BF16"
+    line = f"{label(r)}: {pct:+.1f}% step time vs BF16"
+    if gain != pct:
+        line += f" ({gain:+.1f}% vs BF16 ring + delta gather)"
+    line += f": {advice}"
     if p is not None and "other_schedule_vs_bf16_pct" in r:
         line += f" ({p['other_schedule']}: {r['other_schedule_vs_bf16_pct']:+.1f}%"
-        line += break_even_text(r, p["a2a_nic_ratio"]) + ")"
+        line += break_even_text(r, p["a2a_nic_ratio"], source) + ")"
     return line
+
+
+def _bucket(size: int | None) -> str:
+    return "Megatron's default bucket size" if size is None else f"--ddp-bucket-size {size}"
+
+
+def baseline_line(p: dict) -> str:
+    """The two BF16 baselines and which one the verdicts use."""
+    return (f"BF16 baseline (stock Megatron: BF16 ring, BF16 gather): {1e3 * p['bf16_default_step_s']:.1f} ms at "
+            f"{_bucket(p['bf16_bucket_size'])}, {1e3 * p['bf16_tuned_step_s']:.1f} ms at its best, "
+            f"{_bucket(p['bf16_tuned_bucket_size'])}; every change below is against the better, "
+            f"{1e3 * p['baseline_s']:.1f} ms")  # fmt: skip
+
+
+def format_model(w: Workload) -> str:
+    """The model and its parameter count (every TP shard and pipeline stage)."""
+    heads = f"{w.heads} heads" + (f" in {w.kv_heads} key-value groups" if w.kv_heads != w.heads else "")
+    return (f"{w.name}: {w.total_parameters() / 1e9:.2f}B parameters ({w.layers} layers, hidden {w.hidden}, {heads}, "
+            f"FFN {w.ffn}, vocabulary {w.vocab}, sequence {w.seq}; {'untied' if w.untied else 'tied'} embeddings)\n")
+
+
+def format_costs(costs, opts) -> str:
+    """Where each stage's cost comes from: the kernel costs, the reduction stages' launches, the delta codec's."""
+    k = opts.delta_kernels
+    delta = (f"; delta gather: decode on the {k.stream.value} stream, {k.decode_bytes:g} B per element, "
+             f"{k.decode_launches} launches (counted in comm/param_delta.py)" if opts.param_gather.value == "delta" else "")  # fmt: skip
+    return f"stage costs: {costs.source}; {STAGE_LAUNCHES} launches per reduction stage (assumed){delta}\n"
 
 
 def _is_reference(r: dict) -> bool:
@@ -45,24 +78,26 @@ def config_line(p: dict, w: Workload) -> str:
     r = p["rows"][0]
     return (f"{w.name} (tp {w.tp}, pp {w.pp}, micro-batch {w.micro_batch}, seq {w.seq}, global batch {w.global_batch}) "
             f"on {p['gpus']} GPUs of {p['cluster']}: {r['dp']} data-parallel ranks = {r['ranks_per_node']} per node x "
-            f"{r['nodes']} nodes, {r['micro_batches']} micro-batches, {r['buckets']} buckets, {r['schedule']} schedule, "
+            f"{r['nodes']} nodes, {r['micro_batches']} micro-batch{'es' if r['micro_batches'] > 1 else ''}, {r['schedule']} schedule, "
             f"--gift-schedule {r['gift_schedule']}, parameter gather {r['param_gather']}")  # fmt: skip
 
 
-def format_plan(p: dict, w: Workload) -> str:
+def format_plan(p: dict, w: Workload, source: str = "assumed") -> str:
     """Markdown table of one configuration's rows, then the verdict lines."""
     other = p["other_schedule"]
-    lines = [config_line(p, w), "",
-             f"| mode | step ms | vs BF16 | vs FP32 | {other} vs BF16 | compute ms | grad reduce exposed ms | "
+    lines = [config_line(p, w), baseline_line(p), "",
+             f"| mode | bucket (count) | step ms | vs BF16 | vs FP32 | {other} vs BF16 | compute ms | grad reduce exposed ms | "
              "param gather exposed ms | plugin GPU ms | GIFT refresh ms | NVLink MB/rank | NIC MB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in p["rows"]:
         lag = f"{r['other_schedule_vs_bf16_pct']:+.1f}%" if "other_schedule_vs_bf16_pct" in r else "="
-        lines.append(f"| {label(r)} | {1e3 * r['step_s']:.1f} | {r['vs_bf16_pct']:+.1f}% | {r['vs_fp32_pct']:+.1f}% | {lag} | "
+        size = "default" if r["bucket_size"] is None else f"{r['bucket_size'] / 1e6:.0f}M"
+        lines.append(f"| {label(r)} | {size} ({r['buckets']}) | {1e3 * r['step_s']:.1f} | {r['vs_bf16_pct']:+.1f}% | {r['vs_fp32_pct']:+.1f}% | {lag} | "
                      f"{1e3 * r['compute_s']:.1f} | {1e3 * r['grad_exposed_s']:.1f} | {1e3 * r['param_gather_exposed_s']:.1f} | "
                      f"{1e3 * r['plugin_s']:.1f} | {1e3 * r['refresh_s']:.1f} | {r['nvlink_bytes_per_rank'] / 1e6:.0f} | "
                      f"{r['nic_bytes_per_rank'] / 1e6:.0f} |")  # fmt: skip
-    lines += ["", *(verdict(r, p) for r in p["rows"] if not _is_reference(r)), f"recommended: {recommended(p)}", ""]
+    rec = recommended(p) + ("" if recommended_row(p) is None else recommended_flags(p))
+    lines += ["", *(verdict(r, p, source) for r in p["rows"] if not _is_reference(r)), f"recommended: {rec}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -75,21 +110,30 @@ def recommended_row(p: dict) -> dict | None:
 
 def recommended(p: dict) -> str:
     r = recommended_row(p)
-    return "BF16 ring (Megatron as it is)" if r is None else label(r)
+    if r is not None:
+        return label(r)
+    size = p["recommended_bucket_size"]
+    return "BF16 ring (Megatron as it is" + ("" if size is None else f", --ddp-bucket-size {size}") + ")"
+
+
+def recommended_flags(p: dict) -> str:
+    """The recommended row's bucket size as Megatron's flag (empty: its default)."""
+    size = p["recommended_bucket_size"]
+    return "" if size is None else f" with --ddp-bucket-size {size}"
 
 
 def format_summary(plans: list[dict]) -> str:
     """One row per configuration: each scheme against stock BF16 and the recommendation (never slower)."""
     delta = any(r["param_gather"] == "delta" for r in plans[0]["rows"])
     names = [s for s in Scheme if s is not Scheme.BF16 or delta]  # BF16 with the delta gather is a row of its own
-    lines = ["| model | GPUs | TP | DP per node x nodes | BF16 step ms | " + " | ".join(s.label for s in names) + " | recommended |",
-             "|---|---|---|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
+    lines = ["| model | GPUs | TP | DP per node x nodes | BF16 ms (default bucket) | BF16 ms (best bucket) | "
+             + " | ".join(s.label for s in names) + " | recommended |", "|---|---|---|---|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
     for p in plans:
         by = {r["mode"]: r for r in p["rows"]}
         rec = recommended_row(p)
         gain = "" if rec is None else f" ({rec['vs_bf16_pct']:+.1f}%)"
         lines.append(f"| {p['model']} | {p['gpus']} | {p['tp']} | {by['bf16']['ranks_per_node']} x {by['bf16']['nodes']} | "
-                     f"{1e3 * p['stock_bf16_step_s']:.1f} | " + " | ".join(f"{by[s.value]['vs_bf16_pct']:+.1f}%" for s in names)
+                     f"{1e3 * p['bf16_default_step_s']:.1f} | {1e3 * p['bf16_tuned_step_s']:.1f} | " + " | ".join(f"{by[s.value]['vs_bf16_pct']:+.1f}%" for s in names)
                      + f" | {recommended(p)}{gain} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -97,7 +141,7 @@ def format_summary(plans: list[dict]) -> str:
 def format_sensitivity(rows: list[dict], gpus: int) -> str:
     delta = any(r["bf16_vs_bf16_pct"] for r in rows)  # BF16 with the delta gather is a row of its own
     names = [s for s in Scheme if s is not Scheme.BF16 or delta]
-    lines = [f"Sensitivity at {gpus} GPUs (change vs stock BF16; one parameter moved from the defaults)\n",
+    lines = [f"Sensitivity at {gpus} GPUs (change vs the BF16 baseline; one parameter moved from the defaults)\n",
              "| parameter | BF16 step ms | " + " | ".join(s.label for s in names) + " | recommended |",
              "|---|---|" + "---|" * (len(names) + 1)]  # fmt: skip
     for r in rows:
@@ -109,8 +153,10 @@ def format_sensitivity(rows: list[dict], gpus: int) -> str:
 
 
 def format_bytes_check(rows: list[dict], links: list[dict]) -> str:
-    lines = ["Gradient bytes per step per rank, model vs `bench comm` (measured); refresh bytes per refresh\n",
-             "| ranks | dist. opt. | mode | measured | model | model/measured | refresh model/measured |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["Gradient bytes per step per rank, model vs `bench comm` (measured); a refresh's statistics all-reduce (the "
+             "records' all-gather, sent as the step closes, is after bench comm's ledger read)\n",
+             "| ranks | dist. opt. | mode | measured | model | model/measured | refresh statistics model/measured |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         refresh = f"{r['refresh_ratio']:.3f}" if r["refresh_ratio"] is not None else "-"
         lines.append(f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['measured']:,} | "

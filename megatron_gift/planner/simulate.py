@@ -3,7 +3,9 @@
 Compute is a sequence of chunks (the backward or forward of each bucket's parameters). Every task
 runs after the previous task of its chain and of its stream (a CUDA stream or a communicator's
 NCCL stream: first in, first out) and when its resources are free; links carry one collective at
-a time.
+a time, in the order the host enqueued them (the chains' order): a later collective never takes a
+link ahead of an earlier one that is not ready yet, so that every start is a max-plus function of
+the costs and no cost that rises shortens a step.
 
 - ``eager`` (``simulate``): separate hardware queues. A chain is enqueued at its release (a
   bucket's backward hook: the end of its chunk) and each task starts as soon as it can. GPU tasks
@@ -28,25 +30,28 @@ from .stages import Kind, Task
 EPS = 1e-15
 
 
-def _flatten(chains: list[list[Task]]) -> tuple[list[Task], list[int], list[int], list[int]]:
-    """Tasks in enqueue order with their chain index, chain predecessor and stream predecessor (-1: none)."""
-    tasks, chain_of, pred, stream_pred, last = [], [], [], [], {}
+def _flatten(chains: list[list[Task]]) -> tuple[list[Task], list[int], list[int], list[int], list[list[int]]]:
+    """Tasks in enqueue order with their chain index, chain predecessor, stream predecessor (-1: none) and
+    link predecessors (the previous task on each of its links; the GPU is shared, not queued)."""
+    tasks, chain_of, pred, stream_pred, link_pred, last = [], [], [], [], [], {}
     for k, chain in enumerate(chains):
         for j, task in enumerate(chain):
             i = len(tasks)
             tasks.append(task)
             chain_of.append(k)
             pred.append(i - 1 if j else -1)
-            stream_pred.append(last.get(task.stream, -1))
-            last[task.stream] = i
-    return tasks, chain_of, pred, stream_pred
+            links = [r for r in task.resources if r != "gpu"]
+            link_pred.append([last[r] for r in links if r in last])
+            stream_pred.append(last.get(("stream", task.stream), -1))
+            last.update({("stream", task.stream): i, **dict.fromkeys(links, i)})
+    return tasks, chain_of, pred, stream_pred, link_pred
 
 
 def simulate(chunks: list[float], chains: list[list[Task]], release: list[int | None], waits: list[int | None],
              overlap: float) -> tuple[float, float]:  # fmt: skip
     """Eager: ``release[k]``: chain k starts after compute chunk ``release[k]`` (None: at 0); ``waits[i]``: chunk i
     starts after chain ``waits[i]`` has ended (None: no wait). Returns (compute end, end of everything)."""
-    tasks, chain_of, pred, stream_pred = _flatten(chains)
+    tasks, chain_of, pred, stream_pred, link_pred = _flatten(chains)
     start, end = [math.nan] * len(tasks), [math.nan] * len(tasks)
     chunk_end = [math.nan] * len(chunks)
     last_of = {k: i for i, k in enumerate(chain_of)}  # each chain's last task
@@ -59,6 +64,8 @@ def simulate(chunks: list[float], chains: list[list[Task]], release: list[int | 
     def ready_at(i: int) -> float | None:
         k = release[chain_of[i]]
         if not (done(pred[i]) and done(stream_pred[i]) and (k is None or chunk_end[k] <= t + EPS)):
+            return None
+        if any(math.isnan(start[j]) for j in link_pred[i]):  # an earlier collective on its links goes first
             return None
         return max([0.0 if k is None else chunk_end[k]] + [end[j] for j in (pred[i], stream_pred[i]) if j >= 0])
 

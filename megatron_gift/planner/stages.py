@@ -1,5 +1,5 @@
-"""Each bucket's work as the plugin's execution model runs it (issue 17;
-docs/planner.md "The model"): an ordered chain of GPU stages and collectives, each on its stream.
+"""Each bucket's work as the plugin's execution model runs it (docs/planner.md "The model"): an
+ordered chain of GPU stages and collectives, each on its stream.
 
 Per bucket of ``N`` elements (``F`` wire bytes, ``N_g`` of them GIFT's, ``I`` in the intra-node
 dtype), ``p = g·n`` ranks, shard ``S = N/p``. HBM traffic of each GPU stage (bytes):
@@ -15,13 +15,12 @@ flat decode-sum        read F (p messages of S), write 4S          8 N_g/p (``T�
 2-level decode-sum     read F/g (n messages of S), write 4S        8 N_g/p
 all-reduce re-encode   read 4S, write F/p
 all-reduce decode      read F, write 4N                            8 N_g
-delta encode           read 2S (new) + 2S (prev), write b·S
-delta decode           read 2N (params) + b·N, write 2N + 2S
 =====================  ==========================================  =============================
 
-All-to-alls skip the rank itself. GIFT rows cut by a shard boundary cost one neighbour exchange
-(one LL latency) per bucket and stage, on a communicator of its own (assumed: on the stage's bulk
-communicator it would queue behind the next bucket's all-to-all).
+Each GPU stage is ``STAGE_LAUNCHES`` kernels (the execution model's fused stages; assumed). All-to-alls
+skip the rank itself. GIFT rows cut by a shard boundary cost one neighbour exchange (one LL latency)
+per bucket, on the data-parallel group's own communicator (``comm/pieces.py``): with the flat
+exchange that is the all-to-all's, so it queues in line with the buckets' all-to-alls.
 """
 
 from __future__ import annotations
@@ -30,13 +29,17 @@ import enum
 import heapq
 from dataclasses import dataclass
 
-from ..config import Mode, ParamGather
+from ..config import Mode
 from . import nccl
 from .buckets import Bucket
 from .cluster import Cluster
 from .costs import KernelCosts
 from .options import Options
 from .schemes import Scheme
+
+
+STAGE_LAUNCHES = 2
+"""kernel launches of one GPU stage of the reduction: the execution model's fixed number per bucket (assumed)."""
 
 
 class Kind(enum.Enum):
@@ -72,9 +75,10 @@ class Context:
     def p(self) -> int:
         return self.g * self.n
 
-    def gpu(self, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0, stream: str = "") -> Task:
+    def gpu(self, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0, stream: str = "",
+            launches: int = STAGE_LAUNCHES) -> Task:  # fmt: skip
         """A GPU stage moving these HBM bytes, on stage ``stage``'s stream unless ``stream`` is given."""
-        seconds = self.costs.seconds(codec_bytes, transform_bytes)
+        seconds = self.costs.seconds(launches, codec_bytes, transform_bytes)
         return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage)
 
     def links(self, p: int, g: int) -> tuple[str, ...]:
@@ -89,7 +93,8 @@ class Context:
         return Task(label, Kind.COMM, t, stream, self.links(p, g), stage, total - nic, nic)
 
     def cut_rows(self, stage: int, across_nodes: bool) -> Task:
-        return Task("cut rows", Kind.COMM, nccl.neighbour_exchange_time(across_nodes, self.c), f"cut{stage}", (), stage)
+        """The cut rows' neighbour exchange, on the data-parallel group's communicator (``dp``)."""
+        return Task("cut rows", Kind.COMM, nccl.neighbour_exchange_time(across_nodes, self.c), "dp", (), stage)
 
 
 def reduction_chain(b: Bucket, scheme: Scheme, x: Context) -> list[Task]:
@@ -141,22 +146,8 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     return tasks + [x.gpu("re-encode shard", 4, 4 * N / p + F / p), *gather, x.gpu("decode bucket", 5, F + 4 * N, 8 * Ng)]
 
 
-def gather_chain(elements: int, x: Context) -> list[Task]:
-    """One bucket's parameter all-gather after the optimizer step: Megatron's BF16 ring all-gather, or the
-    delta gather (the owner encodes its shard's change, a ring all-gather of the codes, every rank decodes)."""
-    if x.p == 1:
-        return []
-    if x.opts.param_gather is ParamGather.BF16:
-        return [x.ring("all-gather", "all_gather", 2.0 * elements, "param-gather", 1)]
-    bpe, shard = x.opts.delta.bytes_per_element, elements / x.p
-    encode = x.gpu("delta encode", 1, 4 * shard + bpe * shard, stream="delta-encode")
-    decode = x.gpu("delta decode", 2, (4 + bpe) * elements + 2 * shard, stream="delta-decode")
-    gather = x.ring("delta all-gather", "all_gather", bpe * elements, "param-gather", 1)
-    return [encode, gather, decode]
-
-
 def record_bytes(d_in: int, rank: int) -> int:
-    """One layer's refresh record (the refresh's ``RecordLayout``, issue 17 item 5): FP64 header (status, rank,
+    """One layer's refresh record (the refresh's ``RecordLayout``): FP64 header (status, rank,
     choice, damping, tr A), ``d``, ``V``, ``λ``; FP32 ``D^-1/2``, ``D^1/2``, ``Q``, ``c``, ``c'``; padded to 8 bytes."""
     r = min(rank, d_in)
     n = 8 * (5 + d_in + d_in * r + r) + 4 * (2 * d_in + d_in * r + 2 * r)
@@ -175,7 +166,7 @@ def owners(sizes: list[int], p: int) -> list[list[int]]:
 
 
 def refresh_chain(d_ins: list[int], x: Context) -> list[Task]:
-    """A GIFT refresh (issue 17 item 5): one FP32 all-reduce of every layer's statistics EMA (sketch, diagonal,
+    """A GIFT refresh: one FP32 all-reduce of every layer's statistics EMA (sketch, diagonal,
     token count), each factor built on its owner (``owners``), then one all-gather of a fixed-size slot per
     rank (the most record bytes any rank owns). The busiest rank's builds set the time."""
     if x.p == 1 or not d_ins:

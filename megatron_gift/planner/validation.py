@@ -124,4 +124,4 @@ def predict_validation(p: dict, measured: dict, gloo: dict, overhead_json: str) 
                 "run, so its prediction equals the measurement by construction; the demo's BF16 mode is the "
                 "plugin's (all-to-all of BF16), modeled as a 2-byte ring reduce-scatter (the same bytes on 2 ranks); "
                 "the plugin modes are the flat exchange with the CPU's host-blocking waits; the reused measurements "
-                "predate issue 17's execution model")  # fmt: skip
+                "predate the stage-stream execution model")  # fmt: skip

@@ -8,30 +8,35 @@ vocabulary); ``7b`` Llama-2-7B (Touvron et al. 2023: 32 x 4096, FFN 11008, 32 he
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 LINEAR_KINDS = ("qkv", "proj", "fc1", "fc2")
 ROW_PARALLEL = ("proj", "fc2")  # TP shards their inputs (columns); qkv and fc1 shard their outputs (rows)
 GIFT_KINDS = ("fc2",)  # the paper's and the recipes' selection: the MLP down projections
-DIMS = ("layers", "hidden", "heads", "ffn", "seq", "vocab")
+DIMS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab")
+OPTIONAL_DIMS = ("kv_heads",)  # grouped-query attention; absent: one key-value head per query head
 PRESETS = {
     "300m": dict(layers=24, hidden=1024, heads=16, ffn=2736, seq=4096, vocab=50304),
     "600m": dict(layers=32, hidden=1280, heads=20, ffn=3456, seq=2048, vocab=50304),
     "1.3b": dict(layers=24, hidden=2048, heads=16, ffn=5504, seq=2048, vocab=32000),
     "7b": dict(layers=32, hidden=4096, heads=32, ffn=11008, seq=4096, vocab=32000),
+    "8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=8192, vocab=128256),
 }
 
 
 def layer_shapes(m: dict) -> dict[str, tuple[int, int]]:
-    """Weight-gradient shapes ``[d_out, d_in]`` of one transformer layer's linear layers (MHA, SwiGLU)."""
+    """Weight-gradient shapes ``[d_out, d_in]`` of one transformer layer's linear layers (SwiGLU; ``qkv``:
+    the queries plus ``kv_heads`` keys and values of ``hidden / heads`` each, Megatron's query groups;
+    without ``kv_heads`` (or 0), one per query head)."""
     h, f = m["hidden"], m["ffn"]
-    return {"qkv": (3 * h, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
+    kv = 2 * m["kv_heads"] * (h // m["heads"]) if m.get("kv_heads") else 2 * h
+    return {"qkv": (h + kv, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A Llama-style model (SwiGLU, MHA, RMSNorm, no biases), its batch and its TP/PP layout;
-    ``untied``: separate output layer."""
+    """A Llama-style model (SwiGLU, RMSNorm, no biases; ``kv_heads`` key-value heads, 0: one per query
+    head), its batch and its TP/PP layout; ``untied``: separate output layer."""
 
     name: str
     layers: int
@@ -45,14 +50,20 @@ class Workload:
     untied: bool = True
     tp: int = 1
     pp: int = 1
+    kv_heads: int = 0
 
     def __post_init__(self):
-        for k in ("layers", "hidden", "heads", "ffn", "seq", "micro_batch", "global_batch", "vocab", "tp", "pp"):
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "micro_batch", "global_batch", "vocab", "tp", "pp"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        for k in ("heads", "ffn", "vocab"):
+        for k in ("heads", "kv_heads", "ffn", "vocab"):
             if getattr(self, k) % self.tp:
                 raise ValueError(f"tensor parallelism {self.tp} must divide {k} ({getattr(self, k)})")
+        if self.heads % self.kv_heads or self.hidden % self.heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}), heads the hidden size "
+                             f"({self.hidden})")  # fmt: skip
         if self.layers % self.pp:
             raise ValueError(f"pipeline parallelism {self.pp} must divide layers ({self.layers})")
 
@@ -79,7 +90,12 @@ class Workload:
         return out
 
     def numel(self) -> int:
+        """Parameters of one rank (its TP shard of the first pipeline stage)."""
         return sum(r * c for _, (r, c), _ in self.parameters())
+
+    def total_parameters(self) -> int:
+        """Parameters of the whole model (every TP shard and pipeline stage)."""
+        return replace(self, tp=1, pp=1).numel()
 
 
 def is_kind(name: str, kinds: tuple[str, ...]) -> bool:
@@ -88,14 +104,14 @@ def is_kind(name: str, kinds: tuple[str, ...]) -> bool:
 
 
 def workload(model: str, micro_batch: int = 1, global_batch: int = 512, tp: int = 1, pp: int = 1, **dims) -> Workload:
-    """A preset (``PRESETS``; ``llama-`` prefix allowed) with ``dims`` (layers, hidden, ffn, seq, vocab,
-    heads) overriding its dimensions; ``model="custom"`` takes every dimension from ``dims``."""
+    """A preset (``PRESETS``; ``llama-`` prefix allowed) with ``dims`` (``DIMS``) overriding its dimensions;
+    ``model="custom"`` takes every dimension from ``dims`` (``kv_heads`` optional)."""
     name = model.removeprefix("llama-")
     if name != "custom" and name not in PRESETS:
         raise ValueError(f"unknown model {model!r}: one of {', '.join(PRESETS)} or custom with every dimension")
     base = dict(PRESETS.get(name, {}))
     base.update({k: v for k, v in dims.items() if v is not None})
-    missing = set(DIMS) - set(base)
+    missing = set(DIMS) - set(OPTIONAL_DIMS) - set(base)
     if missing:
         raise ValueError(f"model {model!r} needs {', '.join(sorted(missing))}")
     return Workload(name=name, micro_batch=micro_batch, global_batch=global_batch, tp=tp, pp=pp, **base)
