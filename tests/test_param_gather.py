@@ -113,6 +113,23 @@ def test_a_non_finite_change_makes_its_block_nan():
     assert same_bits(got[96:], roundtrip(clean, prev)[96:]).all()
 
 
+def test_a_nan_base_is_coded_against_zero():
+    """Catches a NaN or Inf base (a block that decoded to NaN) that poisons every later change: the
+    next change is coded against 0, so the block comes back finite within the bound of the new
+    values against a base of 0 and, from there, exact where its changes fit."""
+    gen = torch.Generator().manual_seed(4)
+    new = (0.02 * torch.randn(3 * 32, generator=gen)).bfloat16()
+    prev = (new.float() + 1e-4 * torch.randn(new.numel(), generator=gen)).bfloat16()
+    prev[:32], prev[40] = float("nan"), float("inf")  # a NaN block and an Inf element in the next
+    got = roundtrip(new, prev)
+    base = torch.nan_to_num(prev, nan=0.0, posinf=0.0, neginf=0.0)
+    assert got.isfinite().all()
+    assert ((got.float() - new.float()).abs() <= reference_bound(new, base)).all()
+    assert same_bits(got[64:], roundtrip(new[64:], prev[64:])).all()  # the clean block as alone
+    again = roundtrip(new, got)
+    assert same_bits(again, new)[near_blocks(new, got)].all() and near_blocks(new, got).any()
+
+
 def test_wire_bytes_are_one_byte_per_element_plus_one_per_32():
     """Catches a message layout that grows the payload or the scales (<= 0.53x BF16's 2 bytes)."""
     for numel in (32, 4096, 40_000_000 // 8):

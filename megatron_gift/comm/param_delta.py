@@ -25,6 +25,13 @@ construction), decode ``q_i u_i``, exact in FP32 (a power of two times an intege
 multiply-add gives the same bits as a multiply and an add). A block whose ``Δ`` has a NaN or
 Inf gets the scale code 255 and decodes to NaN in every element on every replica.
 
+Repair by construction: a base that is NaN or Inf counts as 0 (encoder and decoders alike: every
+replica holds the same base), so the next change of a block that decoded to NaN is the owner's
+new value itself, coded against 0: every replica comes back within the bound below of
+``dtype(main)`` at the next gather, without a full one (the closed loop then refines it step by
+step). Still NaN where the owner's new value is (a NaN main parameter, as stock Megatron would
+hold it); a change beyond FP32's range (weights above ``2^127``) decodes to NaN.
+
 Exactness: an element that moves by at most ``127 g_i`` (63.5 steps of its base) in a block
 with ``s_b <= g_i`` is reconstructed exactly (``Δ_i`` is a multiple of ``g_i``: the new value is
 at most one binade below ``b_i``); ``s_b`` is set only by the elements that move further (by
@@ -42,11 +49,17 @@ Bound (per element, ``h_i = u_i / 2``, ``half_steps``): ``|decode(Δ_i) - Δ_i| 
 rounding to the nearest value moves at most that far, so
 ``|param_i - new_i| <= 2 h_i + 2^-23 (|new_i| + h_i)``.
 
-Work per bucket, independent of ``p`` (memory-bound elementwise passes): encode reads ``2·2S``
-bytes (``new``, ``prev``), writes ``~1.03 S``; one uint8 all-gather of the messages;
-decode reads ``~1.03 N`` codes and ``2N`` parameters, writes ``2N`` parameters (about 49 bytes
-of HBM traffic per element and two FP32 temporaries of ``N`` elements in this unfused torch
-implementation); ``prev`` holds ``2S`` bytes per bucket.
+Work per bucket, independent of ``p``, one fused launch each (``kernels.delta``, on CUDA): encode
+reads ``2·2S`` bytes (``new``, ``prev``), writes ``33/32 S``; one uint8 all-gather of the
+messages; decode reads ``33/32 N`` codes and scales and ``2N`` bases (the owner's from
+``prev``), writes ``2N`` parameters and ``2S`` of ``prev``: ``5.03 + 2/p`` bytes per element of
+the bucket, no temporaries. The PyTorch path (CPUs, no triton) makes about 49 bytes per element
+in element-wise passes, with FP32 temporaries of at most ``CHUNK`` elements (longer buckets in
+chunks of it, a fixed number of ops each). ``prev`` holds ``2S`` bytes per bucket.
+
+Streams: the encode and the collective are issued on the current stream; the decode on the
+decode stream after the collective (``_Gathered``), so that the next bucket group's gather
+overlaps it; the current stream waits for its event only before the weights are read.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ plugin's ``GiftBucketGroup``) that has a 16-bit parameter buffer and a distribut
 of several ranks into a subclass with :class:`DeltaParamSync` in front. ``start_param_sync``
 keeps Megatron's control flow (the distributed-optimizer path: synchronous, or asynchronous under
 ``--overlap-param-gather`` with the handle Megatron's ``finish_param_sync`` waits on); Megatron's
-``finish_param_sync``, its forward pre-hooks and its ``next_param_gather_bucket_group`` chain stay
-as they are. The handle decodes the gathered changes in its ``wait()``, so the next bucket
-group's gather is dispatched after this one's decode (Megatron dispatches it after the wait).
-``finish_grad_sync`` notes which iteration's update the next gather carries; ``reset`` (at
-``zero_grad_buffer``) does the first full gather.
+forward pre-hooks and its ``next_param_gather_bucket_group`` chain stay as they are. The handle's
+``wait()`` enqueues the decode on a side stream behind the collective (on CUDA) and returns, so
+the next bucket group's gather, which Megatron dispatches right after it, overlaps this decode;
+``finish_param_sync`` then makes the compute stream wait for the decode's event. ``finish_grad_sync``
+notes which iteration's update the next gather carries and, every ``--log-interval`` iterations,
+compares a checksum of the replicas over the group (the only host synchronisation, on those
+steps only): a difference is warned about and the group's next update is gathered in full;
+``reset`` (at ``zero_grad_buffer``) does the first full gather.
 
 Full gathers (every shard as the optimizer wrote it, 2 bytes per element) wherever the replicas
 cannot be known to agree:
@@ -28,7 +31,8 @@ cannot be known to agree:
 Megatron changes the parameters outside the optimizer only at start-up (initialization,
 ``broadcast_params``, checkpoint loading), all before that first full gather. A skipped step
 (``found_inf``) writes nothing: the next gather sends a zero change. A NaN or Inf in a change
-reaches every replica as NaN over its block of 32.
+reaches every replica as NaN over its block of 32; the next gather codes those elements against
+0 (``comm.param_delta``: repair by construction).
 """
 
 from __future__ import annotations
