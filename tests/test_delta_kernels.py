@@ -145,6 +145,25 @@ if not INTERPRET:  # the outer run only
         summary = proc.stdout.strip().splitlines()[-1]
         assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
 
+    @pytest.mark.parametrize("name,dtype", [("_encode_kernel", "bf16"), ("_decode_kernel", "bf16"), ("_decode_kernel", "fp16")])
+    def test_kernels_compile_for_sm90(name, dtype):
+        """Without a GPU: each kernel compiles to an sm_90 cubin, never flushes subnormals (FP16's
+        and BF16's small weights), and the encode divides with IEEE rounding."""
+        from triton import compile as triton_compile
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from megatron_gift.kernels import delta
+
+        kernel = getattr(delta, name)
+        constexprs = {"BB": delta.BB, "MANT": 7 if dtype == "bf16" else 10}
+        types = {"new_ptr": dtype, "prev_ptr": dtype, "param_ptr": dtype, "codes_ptr": "i8", "scales_ptr": "u8", "msg_ptr": "u8"}
+        signature = {a: "constexpr" if a in constexprs else f"*{types[a]}" if a.endswith("_ptr") else "i32" for a in kernel.arg_names}
+        src = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+        asm = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm
+        assert asm["cubin"] and ".ftz" not in asm["ptx"]
+        assert ("div.rn.f32" in asm["ptx"]) == (name == "_encode_kernel") and "div.approx" not in asm["ptx"]
+
     def test_reference_chunks_are_bitwise_one_pass_and_ops_do_not_grow(monkeypatch):
         """Catches a chunk boundary that shifts codes, scales or weights (chunks of 2 blocks against
         one pass over everything), and a PyTorch path whose op count grows with the elements inside

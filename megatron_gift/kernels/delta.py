@@ -13,7 +13,8 @@ bits (``E`` the exponent field) of ``a``, the largest ``|Δ|`` over ``127 g``, i
 ``u = max(g, 2^k)``, ``q = rne(Δ / u)`` (``|q| <= 127``, exact division by a power of two, then
 the round-to-nearest-even of ``x + 1.5·2^23 - 1.5·2^23``, exact for ``|x| < 2^22``), 0 in a
 non-finite block. Decode: ``param = dtype(b + q·u)``, ``q·u`` exact so that a fused multiply-add
-rounds the same as the reference's ``addcmul``; ``u = 2^128 = +Inf`` for ``c = 255``, so the block
+rounds the same as the reference's ``addcmul`` (the launches turn contraction off all the same);
+``u = 2^128 = +Inf`` for ``c = 255``, so the block
 decodes to NaN.
 
 ``_encode_kernel``: one program per ``BB`` blocks of the owner's shard, reads ``new`` and
@@ -125,7 +126,8 @@ def encode(new: torch.Tensor, prev: torch.Tensor, out: torch.Tensor) -> None:
     numel = new.numel()
     nb = _blocks(numel)
     _encode_kernel[(triton.cdiv(nb, BB),)](
-        new, prev, out[: 32 * nb].view(torch.int8), out[32 * nb :], numel, nb, BB=BB, MANT=_MANTISSA_BITS[new.dtype]
+        new, prev, out[: 32 * nb].view(torch.int8), out[32 * nb :], numel, nb, BB=BB, MANT=_MANTISSA_BITS[new.dtype],
+        enable_fp_fusion=False,
     )
 
 
@@ -136,5 +138,6 @@ def decode(messages: torch.Tensor, param: torch.Tensor, prev: torch.Tensor, rank
     nb = _blocks(numel)
     per_row = triton.cdiv(nb, BB)
     _decode_kernel[(p * per_row,)](
-        messages, param, prev, numel, nb, messages.shape[1], rank, per_row, BB=BB, MANT=_MANTISSA_BITS[param.dtype]
+        messages, param, prev, numel, nb, messages.shape[1], rank, per_row, BB=BB, MANT=_MANTISSA_BITS[param.dtype],
+        enable_fp_fusion=False,
     )
