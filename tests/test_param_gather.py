@@ -478,3 +478,83 @@ def test_the_replica_check_warns_and_gathers_in_full():
         assert full(CORRUPT_AT) > full(CORRUPT_AT - 1) and full(CORRUPT_AT - 1) == full(0)
         assert all(x["replicas"] for x in r["steps"][CORRUPT_AT:])
         assert [x["ddp_step"] for x in r["steps"]] == list(range(REPAIR_STEPS))
+
+
+# --------------------------------------------------------------------------- the decode stream's order
+
+
+def _train_stream_order(rank: int, world: int) -> list[tuple]:
+    """2 steps with --overlap-param-gather, the delta gather's streams replaced by a recorder (the
+    CPU has no streams): the order in which gathers start, decodes run (inside the decode
+    stream's context or not), events are recorded and the current stream waits on them."""
+    import contextlib
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_gift.comm import param_delta
+    from megatron_gift.comm.schedule import StageStreams
+    from megatron_gift.config import GiftConfig, ParamGather
+    from megatron_gift.megatron import param_gather
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
+
+    log: list[tuple] = []
+    inside = [False]
+
+    class Recorder(StageStreams):
+        @contextlib.contextmanager
+        def context(self, s):
+            inside[0] = True
+            yield
+            inside[0] = False
+
+        def record(self, s):
+            token = object()
+            log.append(("record", id(token)))
+            return token
+
+        def wait_event(self, s, event):
+            if event is not None:
+                log.append(("wait", id(event)))
+
+    param_gather.StageStreams = Recorder
+    start, decode = param_delta.DeltaGather.start, param_delta.DeltaGather._decode
+    param_delta.DeltaGather.start = lambda self, *a, **k: (log.append(("start", id(self))), start(self, *a, **k))[1]
+    param_delta.DeltaGather._decode = lambda self, *a: (log.append(("decode", id(self), inside[0])), decode(self, *a))[1]
+    parallel_state.initialize_model_parallel(1, 1)
+    model = build_tiny_gpt(seed=1234, bf16=True, params_dtype=torch.bfloat16)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                        overlap_param_gather=True, bucket_size=20000)  # fmt: skip
+    ddp = GiftDistributedDataParallel(model.config, cfg, model, gift_config=GiftConfig(param_gather=ParamGather.DELTA))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp])
+    for step in range(2):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        log.append(("forward",))
+        lm_loss(ddp, random_tokens(step, 100 + rank)).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    parallel_state.destroy_model_parallel()
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_the_decode_runs_on_its_stream_behind_the_next_gather():
+    """Catches a decode on the compute stream, a next bucket group's gather issued only after the
+    compute stream waited for this decode (no overlap), and a pre-hook that returns before the
+    compute stream waits for the decode's event (the forward would read half-decoded weights):
+    every decode runs in the decode stream's context and records an event; the next group's gather
+    starts between that record and the compute stream's wait on it; every event is waited on."""
+    for log in run_on_ranks(_train_stream_order, 2, cpu_harness=True, timeout=600):
+        second = log[log.index(("forward",), log.index(("forward",)) + 1) :]  # the coded gathers of step 2
+        decodes = [i for i, e in enumerate(second) if e[0] == "decode"]
+        assert len(decodes) >= 4 and all(second[i][2] for i in decodes)  # one per group, on its stream
+        for n, i in enumerate(decodes):
+            event = second[i + 1]
+            assert event[0] == "record"
+            wait = second.index(("wait", event[1]), i)
+            between = [e for e in second[i + 2 : wait] if e[0] == "start"]
+            assert len(between) == (n < len(decodes) - 1), (n, second[i:wait + 1])  # the next group's gather
