@@ -120,7 +120,10 @@ class GiftConfig:
     eager on CUDA unless ``CUDA_DEVICE_MAX_CONNECTIONS=1``, lagged there and on CPUs).
     ``param_gather``: the distributed optimizer's parameter all-gather (independent of ``mode``);
     ``param_gather_full_every``: with ``delta``, send the update of every N-th iteration in full
-    (0: only where replicas cannot be known to agree, docs/param-gather.md).
+    (0: only where replicas cannot be known to agree, docs/param-gather.md);
+    ``param_gather_check_every``: with ``delta``, iterations between checks that the replicas hold
+    the same weights (a checksum compared over the group; a difference is warned about and the next
+    update gathered in full; 0: never; from the command line, Megatron's ``--log-interval``).
     ``allow_untested_megatron``: go on where Megatron-Core functions the plugin depends on differ
     from every release it was checked against (``upstream.check_upstream``).
     """
@@ -146,15 +149,17 @@ class GiftConfig:
     schedule: Schedule | None = None
     param_gather: ParamGather = ParamGather.BF16
     param_gather_full_every: int = 0
+    param_gather_check_every: int = 100
     allow_untested_megatron: bool = False
 
     def __post_init__(self):
         for name, kind in (("mode", Mode), ("param_gather", ParamGather), ("exchange", Exchange), ("intra_node", IntraNode)):
             if not isinstance(getattr(self, name), kind):  # a spelling: the enum's member, or its ValueError
                 object.__setattr__(self, name, kind(getattr(self, name)))
-        every = self.param_gather_full_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"param_gather_full_every must be an integer >= 0 (0: never), got {every!r}")
+        for name in ("param_gather_full_every", "param_gather_check_every"):
+            every = getattr(self, name)
+            if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: never), got {every!r}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if self.sketch and self.sketch < self.rank:

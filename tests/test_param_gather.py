@@ -113,6 +113,23 @@ def test_a_non_finite_change_makes_its_block_nan():
     assert same_bits(got[96:], roundtrip(clean, prev)[96:]).all()
 
 
+def test_a_nan_base_is_coded_against_zero():
+    """Catches a NaN or Inf base (a block that decoded to NaN) that poisons every later change: the
+    next change is coded against 0, so the block comes back finite within the bound of the new
+    values against a base of 0 and, from there, exact where its changes fit."""
+    gen = torch.Generator().manual_seed(4)
+    new = (0.02 * torch.randn(3 * 32, generator=gen)).bfloat16()
+    prev = (new.float() + 1e-4 * torch.randn(new.numel(), generator=gen)).bfloat16()
+    prev[:32], prev[40] = float("nan"), float("inf")  # a NaN block and an Inf element in the next
+    got = roundtrip(new, prev)
+    base = torch.nan_to_num(prev, nan=0.0, posinf=0.0, neginf=0.0)
+    assert got.isfinite().all()
+    assert ((got.float() - new.float()).abs() <= reference_bound(new, base)).all()
+    assert same_bits(got[64:], roundtrip(new[64:], prev[64:])).all()  # the clean block as alone
+    again = roundtrip(new, got)
+    assert same_bits(again, new)[near_blocks(new, got)].all() and near_blocks(new, got).any()
+
+
 def test_wire_bytes_are_one_byte_per_element_plus_one_per_32():
     """Catches a message layout that grows the payload or the scales (<= 0.53x BF16's 2 bytes)."""
     for numel in (32, 4096, 40_000_000 // 8):
@@ -329,3 +346,215 @@ def test_bench_codecs_keep_their_bounds_on_a_training_like_change():
         assert nbytes == prev.numel() * (1 + 1 / 32), codec  # 1 B a code; 1 B per 32 or 4 B per 128 scales
     args = build_parser().parse_args(["bench", "param-gather", "--steps", "3", "--ranks", "4", "--json", "x.json"])
     assert (args.steps, args.ranks, args.json, args.func.__name__) == (3, 4, "x.json", "_bench_param_gather")
+
+
+# --------------------------------------------------------------------------- repair: skipped steps, NaN, replica check
+
+REPAIR_STEPS, SKIP_AT, NAN_AT, CORRUPT_AT, CHECK_EVERY = 8, 2, 4, 6, 6
+
+
+def _train_repair(rank: int, world: int) -> dict:
+    """2 ranks, ``--gift-param-gather delta`` with a constant loss scale (so that Megatron checks
+    the gradients): at ``SKIP_AT`` an Inf gradient (a skipped step); at ``NAN_AT``, after the
+    backward, one weight's reconstruction NaN on every replica (what a non-finite change leaves)
+    while its main parameter is finite; at ``CORRUPT_AT`` one bit of rank 1's replica of rank 0's
+    shard flipped before the step's replica check."""
+    import logging
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_gift.config import GiftConfig, ParamGather
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.megatron.param_gather import DeltaParamSync
+    from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
+    from megatron_gift.testing.reference import replicas_identical, stock_param_shards
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron_gift.megatron.param_gather").addHandler(handler)
+    parallel_state.initialize_model_parallel(1, 1)
+    model = build_tiny_gpt(seed=1234, bf16=True, params_dtype=torch.bfloat16)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20000)
+    gift = GiftConfig(param_gather=ParamGather.DELTA, param_gather_check_every=CHECK_EVERY)
+    ddp = GiftDistributedDataParallel(model.config, cfg, model, gift_config=gift)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, loss_scale=1.0,
+                                                 use_distributed_optimizer=True), [ddp])  # fmt: skip
+    groups = [bg for bg in ddp.bucket_groups if isinstance(bg, DeltaParamSync)]
+    target = groups[0]  # its first coded buffer takes the NaN and the flipped bit
+    buf = target.delta.buffers[target.delta.coded[0]]
+    shard = buf.numel() // world
+    buckets = [b for bg in ddp.bucket_groups for b in bg.buckets if b.param_data.dtype == torch.bfloat16]
+    target_bucket = next(b for b in buckets if b.param_data is buf)
+    in_target = [any(b.param_data is target.delta.buffers[i] for i in target.delta.coded) for b in buckets]
+    rec = dict(steps=[], updated=[], in_target=in_target)
+    for step in range(REPAIR_STEPS):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        if step == CORRUPT_AT and rank == 1:
+            buf.view(torch.int16)[7] ^= 1  # rank 1's replica of rank 0's element 7
+        before = {b: b.param_data.clone() for b in buckets}
+        lm_loss(ddp, random_tokens(step, 100 + rank)).backward()
+        ddp.finish_grad_sync()
+        if step == NAN_AT:  # every replica's reconstruction of rank 0's element 3 NaN (rank 0's prev too)
+            buf[3] = float("nan")
+            if rank == 0:
+                target.delta.prev[0][3] = float("nan")
+        if step == SKIP_AT:
+            for b in buckets:  # an Inf in every rank's own gradient shard
+                b.grad_data[rank * (b.grad_data.numel() // world)] = float("inf")
+        updated, _, _ = opt.step()
+        want = stock_param_shards(opt)
+        rec["updated"].append(bool(updated))
+        own = [b.param_data.view(world, -1)[rank] for b in buckets]
+        rec["steps"].append(dict(
+            ddp_step=ddp.step, replicas=replicas_identical(buckets),
+            unchanged=all(torch.equal(b.param_data.view(torch.int16), before[b].view(torch.int16)) for b in buckets),
+            target=buf[:shard].clone(), target_prev=before[target_bucket][:shard].clone(), target_want=want[target_bucket].clone(),
+            exact=[bool(same_bits(o, want[b]).all()) for o, b in zip(own, buckets)],
+            ledger=ddp.param_gather_ledger.as_dict(),
+        ))  # fmt: skip
+    rec["warnings"] = [w for w in warnings if "replicas" in w]
+    parallel_state.destroy_model_parallel()
+    return rec
+
+
+@functools.cache
+def _repaired() -> list[dict]:
+    return run_on_ranks(_train_repair, 2, cpu_harness=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_a_skipped_step_sends_a_zero_change():
+    """Catches a found_inf step (the optimizer skips its update) that moves a weight or lets the
+    replicas drift (its gather must send nothing but zeros, or not run), and a skip that breaks
+    the next steps' gathers."""
+    ranks = _repaired()
+    for r in ranks:
+        assert r["updated"] == [t != SKIP_AT for t in range(REPAIR_STEPS)]
+        assert r["steps"][SKIP_AT]["unchanged"]
+        assert all(s["replicas"] for s in r["steps"])
+        assert not r["steps"][SKIP_AT + 1]["unchanged"]  # training goes on
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_a_nan_reconstruction_is_repaired_by_the_next_gather():
+    """Catches a NaN that stays in the weights once the main parameters are finite (the NaN base
+    poisoning every later change until a full gather): the next gather codes the element against
+    a base of 0, so that on every replica it is finite and within the bound of ``bf16(main)``, and
+    so is every weight after every later step; no step is skipped for it."""
+    ranks = _repaired()
+    owner = ranks[0]["steps"]
+    for t in range(NAN_AT, REPAIR_STEPS):
+        got, want, base = owner[t]["target"], owner[t]["target_want"], owner[t]["target_prev"]
+        if t == NAN_AT:
+            base = base.clone()
+            base[3] = 0.0  # the NaN base, coded against 0
+        assert got.isfinite().all(), t
+        assert ((got.float() - want.float()).abs() <= reference_bound(want, base)).all(), t
+        assert all(r["steps"][t]["replicas"] for r in ranks), t
+    assert all(r["updated"][NAN_AT:] == [True] * (REPAIR_STEPS - NAN_AT) for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_the_replica_check_warns_and_gathers_in_full():
+    """Catches a replica check that misses a flipped bit in one replica, warns on agreeing replicas,
+    or does not repair: at the check after the flip both ranks warn once, the group's next update
+    is gathered in full (every weight of it ``bf16(main)`` bit for bit, Megatron's bytes for it)
+    and the replicas agree again; the other checks (step 0, and the NaN block, the same on every
+    replica) pass silently."""
+    ranks = _repaired()
+    for r in ranks:
+        assert len(r["warnings"]) == 1 and f"iteration {CORRUPT_AT}" in r["warnings"][0], r["warnings"]
+        s = r["steps"][CORRUPT_AT]
+        assert all(e for e, inside in zip(s["exact"], r["in_target"]) if inside)
+        assert not all(e for e, inside in zip(r["steps"][CORRUPT_AT - 1]["exact"], r["in_target"]) if inside)
+        full = lambda t: r["steps"][t]["ledger"].get("all_gather/bf16", 0)  # noqa: E731
+        assert full(CORRUPT_AT) > full(CORRUPT_AT - 1) and full(CORRUPT_AT - 1) == full(0)
+        assert all(x["replicas"] for x in r["steps"][CORRUPT_AT:])
+        assert [x["ddp_step"] for x in r["steps"]] == list(range(REPAIR_STEPS))
+
+
+# --------------------------------------------------------------------------- the decode stream's order
+
+
+def _train_stream_order(rank: int, world: int) -> list[tuple]:
+    """2 steps with --overlap-param-gather, the delta gather's streams replaced by a recorder (the
+    CPU has no streams): the order in which gathers start, decodes run (inside the decode
+    stream's context or not), events are recorded and the current stream waits on them."""
+    import contextlib
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_gift.comm import param_delta
+    from megatron_gift.comm.schedule import StageStreams
+    from megatron_gift.config import GiftConfig, ParamGather
+    from megatron_gift.megatron import param_gather
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
+
+    log: list[tuple] = []
+    inside = [False]
+
+    class Recorder(StageStreams):
+        @contextlib.contextmanager
+        def context(self, s):
+            inside[0] = True
+            yield
+            inside[0] = False
+
+        def record(self, s):
+            token = object()
+            log.append(("record", id(token)))
+            return token
+
+        def wait_event(self, s, event):
+            if event is not None:
+                log.append(("wait", id(event)))
+
+    param_gather.StageStreams = Recorder
+    start, decode = param_delta.DeltaGather.start, param_delta.DeltaGather._decode
+    param_delta.DeltaGather.start = lambda self, *a, **k: (log.append(("start", id(self))), start(self, *a, **k))[1]
+    param_delta.DeltaGather._decode = lambda self, *a: (log.append(("decode", id(self), inside[0])), decode(self, *a))[1]
+    parallel_state.initialize_model_parallel(1, 1)
+    model = build_tiny_gpt(seed=1234, bf16=True, params_dtype=torch.bfloat16)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                        overlap_param_gather=True, bucket_size=20000)  # fmt: skip
+    ddp = GiftDistributedDataParallel(model.config, cfg, model, gift_config=GiftConfig(param_gather=ParamGather.DELTA))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp])
+    for step in range(2):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        log.append(("forward",))
+        lm_loss(ddp, random_tokens(step, 100 + rank)).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    parallel_state.destroy_model_parallel()
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_the_decode_runs_on_its_stream_behind_the_next_gather():
+    """Catches a decode on the compute stream, a next bucket group's gather issued only after the
+    compute stream waited for this decode (no overlap), and a pre-hook that returns before the
+    compute stream waits for the decode's event (the forward would read half-decoded weights):
+    every decode runs in the decode stream's context and records an event; the next group's gather
+    starts between that record and the compute stream's wait on it; every event is waited on."""
+    for log in run_on_ranks(_train_stream_order, 2, cpu_harness=True, timeout=600):
+        second = log[log.index(("forward",), log.index(("forward",)) + 1) :]  # the coded gathers of step 2
+        decodes = [i for i, e in enumerate(second) if e[0] == "decode"]
+        assert len(decodes) >= 4 and all(second[i][2] for i in decodes)  # one per group, on its stream
+        for n, i in enumerate(decodes):
+            event = second[i + 1]
+            assert event[0] == "record"
+            wait = second.index(("wait", event[1]), i)
+            between = [e for e in second[i + 2 : wait] if e[0] == "start"]
+            assert len(between) == (n < len(decodes) - 1), (n, second[i:wait + 1])  # the next group's gather

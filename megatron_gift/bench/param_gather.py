@@ -25,13 +25,22 @@ relative to the step's change ``||recon - new|| / ||new - prev||``; bytes per el
 all-gather, ``(p-1)`` shards of 2 bytes per element); every replica's ``param_data``
 bit-identical (delta run); the loss curves. A zero of either sign counts as identical.
 
+The codec's cost per bucket (``kernels``): the fused kernels (``kernels.delta``; on CUDA, or on
+the CPU in Triton's interpreter in a subprocess) launched on buckets of two shard sizes and two
+group sizes, each launch recorded with its ``TRAFFIC`` bytes against the pass's essential bytes
+(encode: reads ``new`` and ``prev``, writes the message; decode: reads every message and every
+row's base, writes every row and ``prev``), per element of the bucket; and the PyTorch path's op
+count per bucket (the same at every size up to ``param_delta.CHUNK`` elements a chunk).
+
 ``megatron-gift bench param-gather [--quick] [--json PATH] [--ranks N] [--steps N]``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -154,6 +163,92 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     return out
 
 
+KERNEL_CASES = ((2048 * 8, 2), (2048 * 64, 2), (2048 * 8, 8))  # (shard elements, ranks)
+
+
+def kernel_rows(cases=KERNEL_CASES) -> list[dict]:
+    """Launches and bytes of one bucket's encode (the own shard) and decode (every shard) per case,
+    fused and PyTorch (``fused=False``: ops counted), on CUDA or the CPU in Triton's interpreter."""
+    from ..comm import param_delta
+    from ..kernels import delta
+    from ..testing.dispatch import OpCounter
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for numel, p in cases:
+        gen = torch.Generator().manual_seed(numel + p)
+        prev = (0.02 * torch.randn(p, numel, generator=gen)).bfloat16().to(device)
+        new = (prev.float() + 1e-4 * torch.randn(p, numel, generator=gen).to(device)).bfloat16()
+        m = param_delta.message_bytes(numel)
+        msgs = torch.empty(p, m, dtype=torch.uint8, device=device)
+        log = []
+        for name in delta.TRAFFIC:
+            kernel = getattr(delta, name)
+            setattr(delta, name, _Recording(kernel, name, log))
+        try:
+            param_delta.encode(new[0], prev[0], msgs[0], fused=True)
+            param_delta.decode_into(msgs, prev.clone(), prev[0].clone(), 0, fused=True)
+        finally:
+            for name in delta.TRAFFIC:
+                setattr(delta, name, getattr(delta, name).kernel)
+        e, nb, n = 2, param_delta.blocks(numel), p * numel
+        essential = {"_encode_kernel": (2 * e * numel, 33 * nb), "_decode_kernel": (p * (m + e * numel), (p + 1) * e * numel)}
+        with OpCounter() as enc:
+            param_delta.encode(new[0], prev[0], msgs[0], fused=False)
+        with OpCounter() as dec:
+            param_delta.decode_into(msgs, prev.clone(), prev[0].clone(), 0, fused=False)
+        row = dict(shard=numel, ranks=p, bucket=n, torch_ops=dict(encode=enc.total, decode=dec.total), kernels={})
+        for name, bound in log:
+            read, written = delta.TRAFFIC[name](bound)
+            want = sum(essential[name])
+            entry = row["kernels"].setdefault(name, dict(launches=0, bytes=0, essential=want))
+            entry["launches"] += 1
+            entry["bytes"] += read + written
+        for entry in row["kernels"].values():
+            entry["vs_essential"] = entry["bytes"] / entry["essential"]
+            entry["bytes_per_bucket_element"] = entry["bytes"] / n
+        rows.append(row)
+    return rows
+
+
+class _Recording:
+    """A kernel whose launches are logged as ``(name, bound arguments with the grid)``."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.name, dict(zip(self.kernel.arg_names, args), **kwargs, grid=tuple(grid))))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _kernel_report() -> dict:
+    """``kernel_rows`` here on CUDA, else in a subprocess with Triton's interpreter on."""
+    if torch.cuda.is_available():
+        return dict(device=torch.cuda.get_device_name(), rows=kernel_rows())
+    code = "import json; from megatron_gift.bench.param_gather import kernel_rows; print(json.dumps(kernel_rows()))"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=1800, check=True)  # fmt: skip
+    return dict(device="cpu (Triton interpreter)", rows=json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def format_kernels(report: dict) -> str:
+    lines = [f"delta codec per bucket ({report['device']}): launches, bytes / essential, bytes per bucket element; "
+             "PyTorch path ops (encode / decode)",
+             "| shard | ranks | encode: launches, bytes/essential, B/elem | decode: launches, bytes/essential, B/elem | torch ops |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for r in report["rows"]:
+        cells = []
+        for name in ("_encode_kernel", "_decode_kernel"):
+            k = r["kernels"][name]
+            cells.append(f"{k['launches']}, {k['vs_essential']:.3f}, {k['bytes_per_bucket_element']:.3f}")
+        lines.append(f"| {r['shard']} | {r['ranks']} | {cells[0]} | {cells[1]} | {r['torch_ops']['encode']} / {r['torch_ops']['decode']} |")
+    return "\n".join(lines)
+
+
 def run(quick: bool = False, json_path: str | None = None, ranks: int = 2, steps: int | None = None,
         lrs: tuple[float, ...] | None = None, command: str | None = None) -> dict:  # fmt: skip
     """Train, measure, print a table, write JSON; returns the JSON document."""
@@ -168,13 +263,15 @@ def run(quick: bool = False, json_path: str | None = None, ranks: int = 2, steps
     t0 = time.time()
     build_token_corpus(vocab_size=spec["vocab"])  # once, before the ranks read the cache
     print(f"[bench param-gather] {ranks} ranks, {spec['steps']} steps, lr {spec['lrs']} ...", file=sys.stderr, flush=True)
+    kernel_report = _kernel_report()
+    print(format_kernels(kernel_report))
     per_rank = run_on_ranks(_rank_main, ranks, spec, cpu_harness=True, timeout=3600)
     results = summarize(per_rank, ranks)
     doc = dict(
         benchmark="param-gather",
         command=command or "megatron-gift bench param-gather" + (" --quick" if quick else ""),
         machine=dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__),
-        spec=spec, ranks=ranks, wall_seconds=round(time.time() - t0, 1), results=results,
+        spec=spec, ranks=ranks, wall_seconds=round(time.time() - t0, 1), results=results, kernels=kernel_report,
     )  # fmt: skip
     print(format_table(results))
     if json_path:

@@ -114,7 +114,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self._place_groups()
         self.param_gather_ledger = CommLedger()  # bytes of the delta parameter all-gather (not reset per step)
         if self.gift_config.param_gather is ParamGather.DELTA:
-            enable_delta_param_gather(self, self.gift_config.param_gather_full_every, self.param_gather_ledger)
+            cfg = self.gift_config
+            enable_delta_param_gather(self, cfg.param_gather_full_every, self.param_gather_ledger,
+                                      cfg.param_gather_check_every, cfg.kernels)  # fmt: skip
         self.refresh.assign_owners(list(self._gift_layers()))
         counts = {m.value: sum(1 for gp in self.gift_params.values() if gp.mode is m) for m in Mode if m is not Mode.OFF}
         auto = f", {sum(gp.candidate for gp in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
