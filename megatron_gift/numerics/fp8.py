@@ -35,7 +35,6 @@ reduction still fires.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from dataclasses import dataclass
 
@@ -142,20 +141,17 @@ def _as_matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)
 
 
-@functools.lru_cache(maxsize=256)
-def _matrix_group_lengths(rows: int, cols: int, scaling: Scaling, block: int) -> torch.Tensor:
-    if scaling is Scaling.TENSOR:
-        return torch.tensor([rows * cols])
-    if scaling is Scaling.ROW:
-        return torch.full((rows,), cols)
-    per_row = [block] * (cols // block) + ([cols % block] if cols % block else [])
-    return torch.tensor(per_row).repeat(rows)
-
-
 def group_lengths(rows: int, cols: int, cfg: CodecConfig, device=None) -> torch.Tensor:
-    """Lengths of the scaling groups of a row-major ``[rows, cols]`` matrix, in memory order."""
-    # A copy: the cached tensor must not reach a caller that could write into it.
-    return _matrix_group_lengths(rows, cols, cfg.scaling, cfg.block).to(device, copy=True)
+    """Lengths of the scaling groups of a row-major ``[rows, cols]`` matrix, in memory order, filled
+    on ``device`` (no copy from host memory: on a GPU a pageable one waits for the device)."""
+    if cfg.scaling is Scaling.TENSOR:
+        return torch.full((1,), rows * cols, device=device)
+    if cfg.scaling is Scaling.ROW:
+        return torch.full((rows,), cols, device=device)
+    lengths = torch.full((rows, -(-cols // cfg.block)), cfg.block, device=device)
+    if cols % cfg.block:
+        lengths[:, -1].fill_(cols % cfg.block)
+    return lengths.view(-1)
 
 
 def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
