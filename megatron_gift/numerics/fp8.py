@@ -157,8 +157,7 @@ def group_lengths(rows: int, cols: int, cfg: CodecConfig, device=None) -> torch.
 def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max |x| over the finite values of each contiguous segment of the flat ``x``."""
     a = x.float().abs()
-    a = torch.where(torch.isfinite(a), a, 0.0)
-    return torch.segment_reduce(a, "max", lengths=lengths, unsafe=True)
+    return torch.segment_reduce(a.masked_fill_(~torch.isfinite(a), 0.0), "max", lengths=lengths, unsafe=True)
 
 
 def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
@@ -196,7 +195,8 @@ def encode_flat(
     if amax is None:
         amax = segment_amax(x, lengths)
     scales = scales_from_amax(amax, cfg)
-    y = x / torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
+    s = torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
+    y = torch.div(x, s, out=s)  # into the repeated scales: one temporary of x's size, not two
     q = cfg.fmt.to_codes(y)
     if stats is not None:
         stats += _count(x, y, q, cfg)
@@ -220,7 +220,7 @@ def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) 
 def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """Decode a flat encoding to FP32 ``[n]``."""
     q = cfg.fmt.from_codes(enc.payload.reshape(-1))
-    return q * torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel())
+    return q.mul_(torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel()))
 
 
 def encode(
