@@ -156,8 +156,8 @@ def group_lengths(rows: int, cols: int, cfg: CodecConfig, device=None) -> torch.
 
 def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max |x| over the finite values of each contiguous segment of the flat ``x``."""
-    a = x.float().abs()
-    return torch.segment_reduce(a.masked_fill_(~torch.isfinite(a), 0.0), "max", lengths=lengths, unsafe=True)
+    a = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0)  # in place: no temporary beyond |x|
+    return torch.segment_reduce(a, "max", lengths=lengths, unsafe=True)
 
 
 def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
@@ -223,22 +223,55 @@ def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.
     return q.mul_(torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel()))
 
 
+def _grouped(m: torch.Tensor, cfg: CodecConfig):
+    """The scaling groups of the matrix ``m [rows, cols]`` (``[1, numel]`` for tensor scaling) as
+    ``(view [rows, n, L], first group, n)`` per run of equal-length groups (whole blocks, then the
+    cut last block of each row): the groups' values are reduced and scaled along the last dim,
+    with no per-element index (``repeat_interleave``) or segment reduction, as ``encode_flat`` needs."""
+    rows, cols = m.shape
+    L = cols if cfg.scaling in (Scaling.TENSOR, Scaling.ROW) else cfg.block
+    n, rem = divmod(cols, L)
+    runs = [(0, n, L)] if n else []
+    if rem:
+        runs.append((n * L, 1, rem))
+    return [(m[:, c0 : c0 + k * length].view(rows, k, length), g0, k) for g0, (c0, k, length) in zip((0, n), runs)]
+
+
 def encode(
     x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None, stats: CodecStats | None = None
 ) -> Encoded:
-    """Encode ``x`` viewed as ``[rows, cols]``: payload ``[rows, cols]``, scales ``cfg.groups(rows, cols)``."""
+    """Encode ``x`` viewed as ``[rows, cols]``: payload ``[rows, cols]``, scales ``cfg.groups(rows, cols)``;
+    bit for bit ``encode_flat`` with ``group_lengths``, in at most one FP32 temporary of ``x``'s size at a time."""
     xm = _as_matrix(x)
     rows, cols = xm.shape
-    lengths = group_lengths(rows, cols, cfg, device=x.device)
-    flat_amax = None if amax is None else amax.reshape(-1)
-    enc = encode_flat(xm.reshape(-1), lengths, cfg, amax=flat_amax, stats=stats)
-    return Encoded(payload=enc.payload.view(rows, cols), scales=enc.scales.view(cfg.groups(rows, cols)))
+    if xm.numel() == 0:
+        lengths = group_lengths(rows, cols, cfg, device=x.device)
+        enc = encode_flat(xm.reshape(-1), lengths, cfg, amax=None if amax is None else amax.reshape(-1), stats=stats)
+        return Encoded(payload=enc.payload.view(rows, cols), scales=enc.scales.view(cfg.groups(rows, cols)))
+    m = xm.float().contiguous()
+    m = m.view(1, -1) if cfg.scaling is Scaling.TENSOR else m
+    groups = _grouped(m, cfg)
+    if amax is None:  # max |x| over each group's finite values
+        amax = torch.cat([v.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(-1) for v, _, _ in groups], 1)
+    scales = scales_from_amax(amax.reshape(m.shape[0], -1), cfg)
+    s = scale_values(scales, cfg)
+    y = torch.empty_like(m)
+    for (v, g0, k), (out, _, _) in zip(groups, _grouped(y, cfg)):
+        torch.div(v, s[:, g0 : g0 + k, None], out=out)
+    q = cfg.fmt.to_codes(y)
+    if stats is not None:
+        stats += _count(m, y, q, cfg)
+    return Encoded(payload=q.view(rows, cols), scales=scales.view(cfg.groups(rows, cols)))
 
 
 def decode(enc: Encoded, cfg: CodecConfig, out_shape: torch.Size | tuple | None = None) -> torch.Tensor:
-    """Decode to FP32, shape ``[rows, cols]`` or ``out_shape``."""
+    """Decode to FP32, shape ``[rows, cols]`` or ``out_shape`` (``decode_flat``'s bits, scaled in place)."""
     rows, cols = enc.payload.shape
-    x = decode_flat(enc, group_lengths(rows, cols, cfg, device=enc.payload.device), cfg)
+    x = cfg.fmt.from_codes(enc.payload).contiguous()  # a new FP32 tensor
+    m = x.view(1, -1) if cfg.scaling is Scaling.TENSOR else x
+    s = scale_values(enc.scales, cfg).reshape(m.shape[0], -1)
+    for v, g0, k in _grouped(m, cfg):
+        v.mul_(s[:, g0 : g0 + k, None])
     return x.view(out_shape if out_shape is not None else (rows, cols))
 
 

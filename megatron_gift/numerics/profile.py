@@ -217,6 +217,7 @@ def damping_errors(g: torch.Tensor, whitenings, cfg: CodecConfig) -> torch.Tenso
         diff = roundtrip(u, cfg).sub_(u)
         del u
         errs.append(w.inverse(diff).norm())
+        del diff
     return torch.stack(errs)
 
 
