@@ -269,9 +269,10 @@ def decode(enc: Encoded, cfg: CodecConfig, out_shape: torch.Size | tuple | None 
     rows, cols = enc.payload.shape
     x = cfg.fmt.from_codes(enc.payload).contiguous()  # a new FP32 tensor
     m = x.view(1, -1) if cfg.scaling is Scaling.TENSOR else x
-    s = scale_values(enc.scales, cfg).reshape(m.shape[0], -1)
-    for v, g0, k in _grouped(m, cfg):
-        v.mul_(s[:, g0 : g0 + k, None])
+    if m.numel():
+        s = scale_values(enc.scales, cfg).reshape(m.shape[0], -1)
+        for v, g0, k in _grouped(m, cfg):
+            v.mul_(s[:, g0 : g0 + k, None])
     return x.view(out_shape if out_shape is not None else (rows, cols))
 
 
