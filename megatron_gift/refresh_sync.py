@@ -117,7 +117,7 @@ class RefreshSync:
             return False
         applied = True
         if self.config.error_feedback:
-            flag = self.state.nonfinite.to(torch.int32)
+            flag = self.state.nonfinite.any().to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a NaN anywhere skips the step everywhere
             applied = flag == 0  # on the device: each residual keeps its old value where not applied
         for ef in error_feedbacks:

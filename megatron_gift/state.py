@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm.ledger import CommLedger
+from .comm.schedule import MAX_STAGES
 from .config import GiftConfig, Mode
 from .numerics.kfac import KFACStatistics
 from .numerics.whitening import LowRankFactor, LowRankWhitening
@@ -56,7 +57,7 @@ class GiftState:
         self.step = -1  # index of the current iteration once open_step() opened it
         self.step_open = False
         self.collect_statistics = True  # the forward hooks add statistics until the step's first sync
-        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.nonfinite = torch.zeros(MAX_STAGES, dtype=torch.bool, device=device)  # per stage: read with .any()
         self.last_step_bytes: dict[str, int] = {}
 
     # -- per step ---------------------------------------------------------------------------

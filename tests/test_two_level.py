@@ -15,7 +15,7 @@ from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.quantized import QuantizedReduce
-from megatron_gift.comm.schedule import ReductionQueue, StageStreams, reduce_now
+from megatron_gift.comm.schedule import MAX_STAGES, ReductionQueue, StageStreams, reduce_now
 from megatron_gift.comm.topology import Topology, build_groups, topology_of
 from megatron_gift.config import Exchange, IntraNode, Mode, Schedule
 from megatron_gift.numerics import CodecConfig, decode_flat, encode_flat
@@ -179,7 +179,7 @@ def _worker(rank, world, ranks_per_node):
         grads = [_bucket_grads(numel, segs, r) for r in range(world)]
         flat = grads[rank].clone()
         ledger = CommLedger()
-        nonfinite = torch.zeros((), dtype=torch.bool)
+        nonfinite = torch.zeros(MAX_STAGES, dtype=torch.bool)
         common = dict(intra=intra, average=average, all_reduce=all_reduce)
         reduce_now(TwoLevelReduce(flat, layout, placed, ts, ledger=ledger, nonfinite=nonfinite, **common), "cpu")
         again = grads[rank].clone()
@@ -196,7 +196,7 @@ def _worker(rank, world, ranks_per_node):
             untouched=untouched,
             links=dict(ledger.links),
             message_bytes=sum(s.message_bytes for s in layout.shards),
-            nonfinite=bool(nonfinite),
+            nonfinite=bool(nonfinite.any()),
         )
     for key, (again, flight) in zip(out, lagged):
         queue.wait(flight)
@@ -243,9 +243,9 @@ def _nan_worker(rank, world):
         grads = _bucket_grads(numel, segs, rank)
         if rank == 1:
             grads[5] = float("nan")  # a GIFT row of the first weight, in shard 0
-        flag = torch.zeros((), dtype=torch.bool)
+        flag = torch.zeros(MAX_STAGES, dtype=torch.bool)
         reduce_now(TwoLevelReduce(grads, layout, placed, ts, all_reduce=all_reduce, nonfinite=flag), "cpu")
-        out[all_reduce] = (bool(torch.isnan(grads).any()), bool(flag))
+        out[all_reduce] = (bool(torch.isnan(grads).any()), bool(flag.any()))
     # defect 8: the flat reduce-scatter with GIFT writes nothing outside the rank's shard (a bucket
     # of one GIFT weight: its coded values are one run, which aliases the FP32 bucket)
     numel, segs = LAYOUTS["gift"]

@@ -9,9 +9,10 @@ training steps (forward, backward, gradient reduction; distributed optimizer, ov
 reduction, as in production). Steps 0 and 1 are refresh steps (GIFT's statistics, factor builds
 and their all-gather, installed a step later). Per configuration and rank: ``peak`` (the most live
 bytes at any moment) and ``held`` (live after the last step closed: persistent state such as
-error-feedback residuals, statistics, transforms); with ``steady_step``, the run goes on to that
-step, the first that neither refreshes nor installs a refresh (steps 0, 1, 2, 4 refresh and the
-next step installs), and measures its own peak over what was live when it began. Reported per
+error-feedback residuals, statistics, transforms); with ``steady_step``, the run goes on to at least
+that step, until the next one neither refreshes nor installs a refresh (counted by GIFT's own step:
+each closing ``zero_grad_buffer`` opens an empty step), and measures its own peak over what was live
+when it began (``steady_step`` in the record: GIFT's index of the step measured). Reported per
 parameter of the model, minus ``stock``'s, the largest over the ranks:
 
 * ``peak_extra_B_per_param``: what a run needs on top of Megatron's own peak;
@@ -85,6 +86,14 @@ class LiveBytes(TorchDispatchMode):
         self._seen.discard(key)
 
 
+def _steady_ahead(ddp) -> bool:
+    """Whether the step measured next is steady: the closing ``zero_grad_buffer`` opens an empty step
+    (no backward: nothing refreshes), the measured step the one after; neither it nor the last step
+    with a backward (whose refresh it would install) refreshes. Stock Megatron: always."""
+    state = getattr(ddp, "gift_state", None)
+    return state is None or not (state.is_refresh_step(state.step) or state.is_refresh_step(state.step + 2))
+
+
 def _measure(name: str, spec: dict) -> dict:
     """``peak`` and ``held`` bytes of one configuration on this rank (see module doc)."""
     from megatron.core import parallel_state
@@ -114,13 +123,17 @@ def _measure(name: str, spec: dict) -> dict:
         gc.collect()
         out = dict(peak=tracker.peak, held=tracker.live, params=params)
         if spec["steady_step"] is not None:
-            for i in range(spec["steps"], spec["steady_step"]):
+            i = spec["steps"]
+            while i < spec["steady_step"] or not _steady_ahead(ddp):
                 step(i)
+                i += 1
             ddp.zero_grad_buffer()
             gc.collect()
             tracker.peak = start = tracker.live
-            step(spec["steady_step"])
+            step(i)
             out["steady"] = tracker.peak - start
+            if isinstance(ddp, GiftDistributedDataParallel):
+                out["steady_step"] = ddp.gift_state.step
     del ddp, model
     gc.collect()
     return out
@@ -149,6 +162,8 @@ def summarize(per_rank: list[dict], world: int) -> list[dict]:
                    peak_bytes_per_rank=[r[name]["peak"] for r in per_rank])  # fmt: skip
         if "steady" in per_rank[0][name]:
             row["steady_transient_extra_B_per_param"] = round(extra("steady"), 3)
+            if "steady_step" in per_rank[0][name]:
+                row["steady_step"] = per_rank[0][name]["steady_step"]
         rows.append(row)
     return rows
 

@@ -62,7 +62,7 @@ class PieceExchange:
         self.own = own
         self.recv = torch.empty(len(self.peers), *own.shape, device=device)
         send = own.expand(len(self.peers), *own.shape).contiguous()
-        self.buffers = [own, self.recv]
+        self.buffers = [own, self.recv, send]  # the stage's handoff: every tensor the collective is given
         splits = [block if j in self.peers else 0 for j in range(world)]
         sent = 4 * block * len(self.peers)
         self.ledger.add("all_to_all", "fp32", sent, self.links([4 * s for s in splits]))

@@ -16,7 +16,8 @@ Stages (run by ``comm.schedule.ReductionQueue``), on rank ``r`` of ``p``:
    and ``T⁻¹`` applied to whole rows on every rank: the same bytes give the same bits everywhere.
 
 With the distributed optimizer, the bucket outside shard ``r`` is left as it was. ``nonfinite`` (a
-bool tensor), when given, is set on the device if a reduced value is NaN/Inf. ``topology``, when
+bool tensor of one flag per stage, ``schedule.MAX_STAGES``; read with ``.any()``), when given, has
+the flag of the stage that wrote a NaN/Inf set on the device. ``topology``, when
 given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
 kernels run (``GiftConfig.kernels``, see ``use_kernels``).
 """
@@ -86,6 +87,8 @@ class ShardReduction(Reduction):
         self.ledger = ledger if ledger is not None else CommLedger()
         self.nonfinite, self.topology = nonfinite, topology
         self.world, self.rank = group.size(), group.rank()
+        if nonfinite is not None and (nonfinite.dim() != 1 or nonfinite.numel() < len(self.stages())):
+            raise ValueError(f"nonfinite needs one flag per stage ({len(self.stages())}), got shape {tuple(nonfinite.shape)}")
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
         self.kernels = use_kernels(flat.device, kernels, layout.codec)
@@ -98,11 +101,13 @@ class ShardReduction(Reduction):
 
     def _reduced(self, values: torch.Tensor) -> torch.Tensor:
         """A finished sum as it is written: divided by the group size where averaging divides after
-        ``T⁻¹`` (not ``divide_first``), then ``nonfinite`` set (on the device) if it holds NaN/Inf."""
+        ``T⁻¹`` (not ``divide_first``), then the running stage's flag of ``nonfinite`` set (on the
+        device) if it holds NaN/Inf. Stages of consecutive buckets run on their streams at once: a
+        flag shared by two streams could lose a set value to a concurrent read-modify-write."""
         if self.average and not self.divide_first:
             values.div_(self.world)
-        if self.nonfinite is not None:
-            self.nonfinite |= ~torch.isfinite(values).all()
+        if self.nonfinite is not None:  # the running stage's own flag: one stream writes each
+            self.nonfinite[self.stage].logical_or_(torch.isfinite(values).all().logical_not())
         return values
 
     def _reduce_own(self, rows: Rows) -> Step:

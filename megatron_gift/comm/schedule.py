@@ -23,18 +23,29 @@ for concurrent communicators):
 last stage; no host synchronisation anywhere. A tensor a stage hands to a later stage is recorded
 on that stage's stream, so the caching allocator does not reuse it early; reductions drop their
 buffers as soon as their last stage is enqueued (temporaries live as long as the device needs them).
+
+Every tensor a stage gives to a collective must be in its ``handoff`` (a view of one suffices:
+``record_stream`` acts on the whole block): since PyTorch 2.7 ProcessGroupNCCL keeps a collective's
+tensors only until ``work.wait()``, which runs on the *next* stage's stream, so a tensor allocated
+on this stage's stream and held by nothing else goes back to that stream's pool while NCCL may
+still read it. ``ReductionQueue(check=True)`` (tests) asserts this at every wait, on a CPU too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import Schedule
+
+
+MAX_STAGES = 5  # the most stages a reduction has (the two-level all-reduce): per-stage flags' length
 
 
 def default_schedule(device: torch.device) -> Schedule:
@@ -53,7 +64,12 @@ class Step:
 
 
 class Reduction:
-    """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables returning a ``Step``."""
+    """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables returning a ``Step``.
+
+    ``stage``: the index of the stage running now (set by the queue before it calls the stage), which
+    is also the index of the stream it runs on."""
+
+    stage = 0
 
     def stages(self) -> list:
         raise NotImplementedError
@@ -102,10 +118,12 @@ class _InFlight:
     """A started reduction: its stages, the next one to enqueue, and what the last one left."""
 
     def __init__(self, reduction: Reduction):
+        self.reduction = reduction
         self.stages = reduction.stages()
         self.count, self.next = len(self.stages), 0
         self.step = Step()
         self.event = None  # recorded after the last enqueued stage
+        self.given: list = []  # check mode: what the last enqueued stage gave its collectives
 
     @property
     def done(self) -> bool:
@@ -115,10 +133,11 @@ class _InFlight:
 class ReductionQueue:
     """Enqueues the stages of started reductions by ``schedule`` (module doc) on ``streams``."""
 
-    def __init__(self, streams: StageStreams, schedule: Schedule):
+    def __init__(self, streams: StageStreams, schedule: Schedule, check: bool = False):
         self.streams, self.schedule = streams, schedule
         self._pending: deque[_InFlight] = deque()
         self.probe = None  # benchmarks: a callable returning a context every stage runs in (e.g. an op counter)
+        self.check = check  # tests: every collective's tensors must be in its stage's handoff (module doc)
 
     def start(self, reduction: Reduction) -> "_InFlight":
         """Enqueue ``reduction``'s first stage (all of them when eager); returns its handle for ``wait``."""
@@ -151,9 +170,15 @@ class ReductionQueue:
         with self.streams.context(s), (self.probe() if self.probe is not None else contextlib.nullcontext()):
             if s > 0:
                 self.streams.wait_event(s, flight.event)
+            if self.check:
+                _check_handoff(flight.given, flight.step.handoff, s - 1)
             for work in flight.step.works:
                 work.wait()
-            step = flight.stages[s]() or Step()
+            flight.reduction.stage = s
+            recorder = _Collectives() if self.check else contextlib.nullcontext()
+            with recorder:
+                step = flight.stages[s]() or Step()
+            flight.given = recorder.given if self.check else []
         if s == flight.count - 1 and step.works:
             raise RuntimeError("a reduction's last stage must not leave collectives in flight")
         if self.streams.cuda:
@@ -162,11 +187,50 @@ class ReductionQueue:
         flight.step, flight.next = step, s + 1
         flight.event = self.streams.record(s)
         if flight.done:
-            flight.stages = []  # the reduction's closures (and their buffers) go
+            flight.stages, flight.reduction = [], None  # the reduction (and its buffers) go
 
 
-def reduce_now(reduction: Reduction, device) -> None:
+def reduce_now(reduction: Reduction, device, check: bool = False) -> None:
     """Run ``reduction`` to the end, its stages on fresh stage streams of ``device``, the current
-    stream waiting for it (tests, benchmarks)."""
-    queue = ReductionQueue(StageStreams(device), Schedule.EAGER)
+    stream waiting for it (tests, benchmarks; ``check``: ``ReductionQueue``'s)."""
+    queue = ReductionQueue(StageStreams(device), Schedule.EAGER, check)
     queue.wait(queue.start(reduction))
+
+
+class _Collectives(TorchDispatchMode):
+    """Check mode: records the tensors given to every collective (``c10d`` op) while a stage runs,
+    as ``(op, weak reference, storage address)``: the records themselves keep nothing alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.given: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            for t in _tensors([args, kwargs or {}]):
+                if t.numel():
+                    self.given.append((func.name(), weakref.ref(t), t.untyped_storage().data_ptr()))
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+def _check_handoff(given: list, handoff: list, s: int) -> None:
+    """Before the waits on stage ``s``'s collectives: every tensor they were given is alive and
+    shares its block with a tensor of the stage's handoff (recorded on the waiting stream), not
+    merely held by the collective's ``Work``."""
+    held = {t.untyped_storage().data_ptr() for t in handoff if t.numel()}
+    for op, ref, ptr in given:
+        t = ref()
+        if t is None or t.untyped_storage().data_ptr() != ptr or ptr not in held:
+            raise RuntimeError(f"stage {s} gave {op} a tensor its handoff does not hold: the caching allocator "
+                               "may reuse its block while the collective still reads or writes it")

@@ -32,8 +32,8 @@ class Monitor:
     """Profiles, policy decisions and telemetry of one :class:`GiftDistributedDataParallel`.
 
     ``sink(step, record)`` receives each logging step's record (the schema of
-    :mod:`megatron_gift.telemetry`); ``loss`` may be set by the training loop before the step
-    closes."""
+    :mod:`megatron_gift.telemetry`); ``loss`` (a float or a 0-d tensor, read on logging steps only)
+    may be set by the training loop before the step closes."""
 
     def __init__(self, cfg: GiftConfig, set_mode, verbose: bool):
         self.cfg = cfg
@@ -41,7 +41,7 @@ class Monitor:
         self.verbose = verbose  # print decisions (rank 0)
         self.policy = LayerPolicy(cfg.policy) if cfg.policy is not None else None
         self.sink = None
-        self.loss: float | None = None
+        self.loss: float | torch.Tensor | None = None
         self.summaries: dict[str, object] = {}
         self.reduced: dict[str, tuple[float | None, float | None]] = {}
         self.decisions: list[dict] = []
@@ -148,7 +148,8 @@ class Monitor:
                     "bytes": wire_bytes(gp.mode, seg.rows, seg.cols, self.cfg.codec, itemsize),
                     "profile": s,
                 }
-            record = {"step": step + 1, "loss": self.loss, "bytes": dict(sent), "layers": layers, "decisions": self.decisions}
+            loss = None if self.loss is None else float(self.loss)
+            record = {"step": step + 1, "loss": loss, "bytes": dict(sent), "layers": layers, "decisions": self.decisions}
             if self.sink is not None:
                 self.sink(step + 1, record)
         if record is not None or self.cfg.log_interval == 0:

@@ -121,7 +121,8 @@ def telemetry_sink(directory):
 
 @contextlib.contextmanager
 def _loss_hook(instances: list):
-    """Hand the logged language-model loss of each iteration to the instances' telemetry."""
+    """Hand the logged language-model loss of each iteration to the instances' telemetry, as it is
+    (a tensor on the device: ``Monitor.close`` reads it on logging steps only, no host sync otherwise)."""
     training = importlib.import_module("megatron.training.training")
     original = training.training_log
 
@@ -129,7 +130,7 @@ def _loss_hook(instances: list):
     def training_log(loss_dict, *args, **kwargs):
         loss = loss_dict.get("lm loss", next(iter(loss_dict.values()), None)) if loss_dict else None
         for ddp in instances:
-            ddp.monitor.loss = None if loss is None else float(loss)
+            ddp.monitor.loss = loss
         return original(loss_dict, *args, **kwargs)
 
     training.training_log = training_log

@@ -35,7 +35,6 @@ reduction still fires.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from dataclasses import dataclass
 
@@ -142,26 +141,22 @@ def _as_matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)
 
 
-@functools.lru_cache(maxsize=256)
-def _matrix_group_lengths(rows: int, cols: int, scaling: Scaling, block: int) -> torch.Tensor:
-    if scaling is Scaling.TENSOR:
-        return torch.tensor([rows * cols])
-    if scaling is Scaling.ROW:
-        return torch.full((rows,), cols)
-    per_row = [block] * (cols // block) + ([cols % block] if cols % block else [])
-    return torch.tensor(per_row).repeat(rows)
-
-
 def group_lengths(rows: int, cols: int, cfg: CodecConfig, device=None) -> torch.Tensor:
-    """Lengths of the scaling groups of a row-major ``[rows, cols]`` matrix, in memory order."""
-    # A copy: the cached tensor must not reach a caller that could write into it.
-    return _matrix_group_lengths(rows, cols, cfg.scaling, cfg.block).to(device, copy=True)
+    """Lengths of the scaling groups of a row-major ``[rows, cols]`` matrix, in memory order, filled
+    on ``device`` (no copy from host memory: on a GPU a pageable one waits for the device)."""
+    if cfg.scaling is Scaling.TENSOR:
+        return torch.full((1,), rows * cols, device=device)
+    if cfg.scaling is Scaling.ROW:
+        return torch.full((rows,), cols, device=device)
+    lengths = torch.full((rows, -(-cols // cfg.block)), cfg.block, device=device)
+    if cols % cfg.block:
+        lengths[:, -1].fill_(cols % cfg.block)
+    return lengths.view(-1)
 
 
 def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Max |x| over the finite values of each contiguous segment of the flat ``x``."""
-    a = x.float().abs()
-    a = torch.where(torch.isfinite(a), a, 0.0)
+    a = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0)  # in place: no temporary beyond |x|
     return torch.segment_reduce(a, "max", lengths=lengths, unsafe=True)
 
 
@@ -200,7 +195,8 @@ def encode_flat(
     if amax is None:
         amax = segment_amax(x, lengths)
     scales = scales_from_amax(amax, cfg)
-    y = x / torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
+    s = torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
+    y = torch.div(x, s, out=s)  # into the repeated scales: one temporary of x's size, not two
     q = cfg.fmt.to_codes(y)
     if stats is not None:
         stats += _count(x, y, q, cfg)
@@ -224,25 +220,59 @@ def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) 
 def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """Decode a flat encoding to FP32 ``[n]``."""
     q = cfg.fmt.from_codes(enc.payload.reshape(-1))
-    return q * torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel())
+    return q.mul_(torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel()))
+
+
+def _grouped(m: torch.Tensor, cfg: CodecConfig):
+    """The scaling groups of the matrix ``m [rows, cols]`` (``[1, numel]`` for tensor scaling) as
+    ``(view [rows, n, L], first group, n)`` per run of equal-length groups (whole blocks, then the
+    cut last block of each row): the groups' values are reduced and scaled along the last dim,
+    with no per-element index (``repeat_interleave``) or segment reduction, as ``encode_flat`` needs."""
+    rows, cols = m.shape
+    L = cols if cfg.scaling in (Scaling.TENSOR, Scaling.ROW) else cfg.block
+    n, rem = divmod(cols, L)
+    runs = [(0, n, L)] if n else []
+    if rem:
+        runs.append((n * L, 1, rem))
+    return [(m[:, c0 : c0 + k * length].view(rows, k, length), g0, k) for g0, (c0, k, length) in zip((0, n), runs)]
 
 
 def encode(
     x: torch.Tensor, cfg: CodecConfig, amax: torch.Tensor | None = None, stats: CodecStats | None = None
 ) -> Encoded:
-    """Encode ``x`` viewed as ``[rows, cols]``: payload ``[rows, cols]``, scales ``cfg.groups(rows, cols)``."""
+    """Encode ``x`` viewed as ``[rows, cols]``: payload ``[rows, cols]``, scales ``cfg.groups(rows, cols)``;
+    bit for bit ``encode_flat`` with ``group_lengths``, in at most one FP32 temporary of ``x``'s size at a time."""
     xm = _as_matrix(x)
     rows, cols = xm.shape
-    lengths = group_lengths(rows, cols, cfg, device=x.device)
-    flat_amax = None if amax is None else amax.reshape(-1)
-    enc = encode_flat(xm.reshape(-1), lengths, cfg, amax=flat_amax, stats=stats)
-    return Encoded(payload=enc.payload.view(rows, cols), scales=enc.scales.view(cfg.groups(rows, cols)))
+    if xm.numel() == 0:
+        lengths = group_lengths(rows, cols, cfg, device=x.device)
+        enc = encode_flat(xm.reshape(-1), lengths, cfg, amax=None if amax is None else amax.reshape(-1), stats=stats)
+        return Encoded(payload=enc.payload.view(rows, cols), scales=enc.scales.view(cfg.groups(rows, cols)))
+    m = xm.float().contiguous()
+    m = m.view(1, -1) if cfg.scaling is Scaling.TENSOR else m
+    groups = _grouped(m, cfg)
+    if amax is None:  # max |x| over each group's finite values
+        amax = torch.cat([v.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(-1) for v, _, _ in groups], 1)
+    scales = scales_from_amax(amax.reshape(m.shape[0], -1), cfg)
+    s = scale_values(scales, cfg)
+    y = torch.empty_like(m)
+    for (v, g0, k), (out, _, _) in zip(groups, _grouped(y, cfg)):
+        torch.div(v, s[:, g0 : g0 + k, None], out=out)
+    q = cfg.fmt.to_codes(y)
+    if stats is not None:
+        stats += _count(m, y, q, cfg)
+    return Encoded(payload=q.view(rows, cols), scales=scales.view(cfg.groups(rows, cols)))
 
 
 def decode(enc: Encoded, cfg: CodecConfig, out_shape: torch.Size | tuple | None = None) -> torch.Tensor:
-    """Decode to FP32, shape ``[rows, cols]`` or ``out_shape``."""
+    """Decode to FP32, shape ``[rows, cols]`` or ``out_shape`` (``decode_flat``'s bits, scaled in place)."""
     rows, cols = enc.payload.shape
-    x = decode_flat(enc, group_lengths(rows, cols, cfg, device=enc.payload.device), cfg)
+    x = cfg.fmt.from_codes(enc.payload).contiguous()  # a new FP32 tensor
+    m = x.view(1, -1) if cfg.scaling is Scaling.TENSOR else x
+    if m.numel():
+        s = scale_values(enc.scales, cfg).reshape(m.shape[0], -1)
+        for v, g0, k in _grouped(m, cfg):
+            v.mul_(s[:, g0 : g0 + k, None])
     return x.view(out_shape if out_shape is not None else (rows, cols))
 
 

@@ -211,10 +211,13 @@ def damping_errors(g: torch.Tensor, whitenings, cfg: CodecConfig) -> torch.Tenso
     on ``g``'s device: ``‖q(G) - G‖`` (Euclidean), then ``‖(q(G T) - G T) T⁻¹‖`` for each ``T`` in
     ``whitenings`` (one per damping candidate)."""
     g = g.detach().float()
-    errs = [(roundtrip(g, cfg) - g).norm()]
-    for w in whitenings:
+    errs = [roundtrip(g, cfg).sub_(g).norm()]
+    for w in whitenings:  # one candidate at a time, each temporary freed once used: a few copies of g at most
         u = w.apply(g)
-        errs.append(w.inverse(roundtrip(u, cfg) - u).norm())
+        diff = roundtrip(u, cfg).sub_(u)
+        del u
+        errs.append(w.inverse(diff).norm())
+        del diff
     return torch.stack(errs)
 
 

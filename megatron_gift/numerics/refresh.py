@@ -226,9 +226,9 @@ class FactorBuild:
             base = residual_factor(w["diag"], v, lam, 0.0)
             deltas = torch.stack([torch.full((), c, dtype=torch.float64, device=v.device) for c in self.candidates])
             d = base.d + deltas.unsqueeze(1) * (base.trace_a / base.d.shape[0])  # [C, d_in]
-            w.update(v=v, lam=lam, d=d, deltas=deltas, trace=base.trace_a)
-            w["w"], gram = whitening_gram(d, v, lam)
-            return [gram]
+            # what stage 3 needs, no more: the FP64 statistics go now; W (C x the basis) is rebuilt there
+            layer.work = dict(v=v, lam=lam, d=d, deltas=deltas, trace=base.trace_a)
+            return [whitening_gram(d, v, lam)[1]]
 
         return self._each("whitening", one, dev)
 
@@ -242,7 +242,7 @@ class FactorBuild:
         def one(layer, parts):
             w, rec = layer.work, layer.work["record"]
             s, p = parts
-            cand = whitening_tensors(w["d"], w["w"], s, p)  # [C, ...] FP32
+            cand = whitening_tensors(w["d"], whitening_gram(w["d"], w["v"], w["lam"])[0], s, p)  # [C, ...] FP32
             dev_ = w["d"].device
             if self.auto:
                 if layer.grad is None:

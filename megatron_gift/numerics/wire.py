@@ -88,12 +88,13 @@ class WireFormat:
     def to_codes(self, y: torch.Tensor) -> torch.Tensor:
         """Codes (``code_dtype``) of the FP32 ``y``, finite values clamped to ``±max`` and rounded to
         nearest even by torch's cast; NaN stays NaN, Inf is ±Inf or, without Inf, the NaN."""
-        q = torch.where(torch.isfinite(y), y.clamp(-self.max, self.max), y).to(self.dtype).view(self.code_dtype)
-        if not self.has_inf:
-            # torch saturates ±Inf to ±max when casting to a format without Inf: force its NaN (a
-            # scalar fill: no tensor made from Python data, no host-to-device copy).
-            q = q.masked_fill(torch.isinf(y), self.nan_code)
-        return q
+        q = y.clamp(-self.max, self.max).to(self.dtype).view(self.code_dtype)  # NaN stays NaN; ±Inf now ±max
+        inf = torch.isinf(y)
+        if self.has_inf:
+            return torch.where(inf, y.to(self.dtype).view(self.code_dtype), q)
+        # torch saturates ±Inf to ±max when casting to a format without Inf: force its NaN (a
+        # scalar fill: no tensor made from Python data, no host-to-device copy).
+        return q.masked_fill(inf, self.nan_code)
 
     def from_codes(self, q: torch.Tensor) -> torch.Tensor:
         """FP32 values of codes ``q`` (``code_dtype``, any shape)."""
