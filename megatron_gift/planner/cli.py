@@ -104,7 +104,7 @@ def add_parser(subparsers) -> None:
     mod.add_argument("--delta-decode-stream", default=DeltaKernels().stream.value, choices=_values(DecodeStream),
                      help="where the delta gather's decode runs: compute (today's code: in the forward pre-hook, before "
                      "the next bucket's gather) or side (a stream of its own) (default: %(default)s)")  # fmt: skip
-    mod.add_argument("--delta-decode-bytes", type=float, default=DeltaKernels().decode_bytes, metavar="BYTES",
+    mod.add_argument("--delta-decode-bytes", type=positive_float, default=DeltaKernels().decode_bytes, metavar="BYTES",
                      help="HBM bytes per element of the delta decode (default: %(default)s, today's; a fused decode: "
                      "about 5.03)")  # fmt: skip
     mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
