@@ -187,7 +187,8 @@ def test_startup_messages_come_from_rank_0_only(monkeypatch, capsys):
         "megatron-gift: warning: --gift-rank 8 has no effect with --gift-mode euclidean (GIFT only); ignored",
         "megatron-gift: warning: --gift-ema 0.5 has no effect with --gift-mode euclidean (GIFT only); ignored",
         "megatron-gift: warning: --gift-profile-steps 3 has no effect without --gift-layers auto; ignored",
-        "megatron-gift: --gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save)",
+        "megatron-gift: --gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save, or "
+        "--tensorboard-dir)",
     ]
     for flags in (warned, ["--gift-mode", "fp4"]):
         err = _startup_exit(monkeypatch, capsys, 1, *flags)
