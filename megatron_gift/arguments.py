@@ -446,10 +446,10 @@ def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
 @contextlib.contextmanager
 def gift_flags_checked_first():
     """Within the block, Megatron's ``validate_args`` checks the ``--gift-*`` flags first
-    (:func:`validate_gift_args`, errors only): a refused value stops the run before Megatron's own
-    checks and its argument dump (hundreds of lines), as argparse's errors do. Wrap the
+    (:func:`validate_gift_args`, with its warnings): a refused value stops the run before Megatron's
+    own checks and its argument dump (hundreds of lines), as argparse's errors do. Wrap the
     ``parse_and_validate_args`` call in it; :func:`checked_gift_config` after it checks again with
-    the values Megatron derived (e.g. the layer-wise optimizer) and warns."""
+    the values Megatron derived (e.g. the layer-wise optimizer), without repeating the warnings."""
     from megatron.training import arguments as megatron_arguments
 
     original = megatron_arguments.validate_args
@@ -457,7 +457,7 @@ def gift_flags_checked_first():
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
         with startup_errors():
-            validate_gift_args(args, warn=False)
+            validate_gift_args(args)
         return original(args, *a, **kw)
 
     megatron_arguments.validate_args = validate_args
@@ -468,10 +468,11 @@ def gift_flags_checked_first():
 
 
 def checked_gift_config(args) -> GiftConfig | None:
-    """:func:`validate_gift_args` (flag-level) then :func:`gift_config_from_args`, for a training
-    script: a refused flag ends every rank with one message from rank 0 (:func:`startup_errors`)."""
+    """:func:`validate_gift_args` (flag-level, after Megatron's ``validate_args``: its warnings came
+    from :func:`gift_flags_checked_first`) then :func:`gift_config_from_args`, for a training script:
+    a refused flag ends every rank with one message from rank 0 (:func:`startup_errors`)."""
     with startup_errors():
-        validate_gift_args(args)
+        validate_gift_args(args, warn=False)
         return gift_config_from_args(args)
 
 

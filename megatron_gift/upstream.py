@@ -200,13 +200,24 @@ class UntestedMegatronError(RuntimeError):
 
 
 def changed_upstream() -> list[str]:
-    """The :data:`UPSTREAM` entries whose installed source differs from the known-good row they are
-    compared with: the installed version's row, else the row that differs least. Only entries of
-    modules this process has imported count (the plugin patches or calls nothing in the others)."""
-    installed = {k: fingerprint(k) for k in UPSTREAM if k.partition(":")[0] in sys.modules}
+    """``[]`` where the installed sources of the :data:`UPSTREAM` entries equal one known-good row
+    (whatever the version string), else the entries (changed or gone) that differ from the row of
+    the installed version, or from the row that differs least. Only entries of modules this process
+    has imported count (the plugin patches or calls nothing in the others)."""
+    installed = {k: _fingerprint_or_none(k) for k in UPSTREAM if k.partition(":")[0] in sys.modules}
     diffs = {v: [k for k, fp in installed.items() if row[k] != fp] for v, row in KNOWN_GOOD.items()}
+    if any(not d for d in diffs.values()):
+        return []
     version = installed_version()
     return diffs[version] if version in diffs else min(diffs.values(), key=len)
+
+
+def _fingerprint_or_none(key: str) -> str | None:
+    """:func:`fingerprint`, or None where the function is gone (renamed or removed upstream)."""
+    try:
+        return fingerprint(key)
+    except AttributeError:
+        return None
 
 
 def check_upstream(allow_untested: bool = False) -> None:

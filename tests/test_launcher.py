@@ -187,7 +187,8 @@ def test_startup_messages_come_from_rank_0_only(monkeypatch, capsys):
         "megatron-gift: warning: --gift-rank 8 has no effect with --gift-mode euclidean (GIFT only); ignored",
         "megatron-gift: warning: --gift-ema 0.5 has no effect with --gift-mode euclidean (GIFT only); ignored",
         "megatron-gift: warning: --gift-profile-steps 3 has no effect without --gift-layers auto; ignored",
-        "megatron-gift: --gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save)",
+        "megatron-gift: --gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save, or "
+        "--tensorboard-dir)",
     ]
     for flags in (warned, ["--gift-mode", "fp4"]):
         err = _startup_exit(monkeypatch, capsys, 1, *flags)
@@ -211,6 +212,26 @@ def test_startup_error_through_torchrun(tmp_path):
 
 
 # --------------------------------------------------------------------------- the launcher
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_harness
+def test_last_iteration_is_logged_without_a_checkpoint(tmp_path):
+    """A step is logged when it closes, at the next iteration's start or at a checkpoint: without
+    ``--save`` the last iteration's bytes line and telemetry record were never written (3 iterations
+    logged 2). One rank with ``--gift-loopback`` (nothing sent, every iteration still logged)."""
+    telemetry = tmp_path / "telemetry"
+    log = launch.run_launcher(
+        1, "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "3",
+        "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--data-cache-path", str(tmp_path / "cache"),
+        "--gift-mode", "euclidean", "--gift-loopback", "--gift-log-interval", "1", "--gift-telemetry-dir", str(telemetry),
+    )  # fmt: skip
+    assert sorted(int(i) for i, _, _ in BYTES_RE.findall(log)) == [1, 2, 3], log[-3000:]
+    records = [json.loads(line) for line in (telemetry / "gift_telemetry.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["loss"] is not None for r in records)  # the last one's loss too (logged before the close)
 
 
 def _bytes_lines(log: str) -> dict[int, str]:

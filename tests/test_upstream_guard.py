@@ -123,6 +123,27 @@ def test_megatron_accepted_by_its_sources_not_its_version(monkeypatch):
     upstream.check_upstream()
 
 
+def test_any_matching_row_is_accepted_and_a_gone_function_refused(monkeypatch):
+    """A release whose sources equal another release's row is accepted although its own row differs;
+    a function gone from Megatron is refused by name (it raised AttributeError at start-up)."""
+    import megatron.core.tensor_parallel.random as tp_random
+
+    key = "megatron.core.tensor_parallel.random:_set_cuda_rng_state"
+    version = upstream.installed_version()
+    good = upstream.KNOWN_GOOD[version]
+    wrong = {**good, key: "0" * 16}
+    monkeypatch.delenv(upstream.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(upstream, "KNOWN_GOOD", {version: wrong, "0.19.99": good})
+    upstream.check_upstream()  # another release's row matches
+    monkeypatch.setattr(upstream, "KNOWN_GOOD", {version: wrong})
+    with pytest.raises(upstream.UntestedMegatronError, match="_set_cuda_rng_state"):
+        upstream.check_upstream()
+    monkeypatch.setattr(upstream, "KNOWN_GOOD", {version: good})
+    monkeypatch.delattr(tp_random, "_set_cuda_rng_state")
+    with pytest.raises(upstream.UntestedMegatronError, match="_set_cuda_rng_state"):
+        upstream.check_upstream()
+
+
 def test_launcher_flag_overrides_the_guard(monkeypatch):
     """``--gift-allow-untested-megatron`` reaches the DDP's own check too (it used to pass the flag-level
     check and then be refused when the model was wrapped)."""

@@ -176,6 +176,10 @@ def gift_ddp(gift_config: GiftConfig | None, validate=None, telemetry_dir=None):
     try:
         with checkpoint_hooks(instances), _loss_hook(instances):
             yield cls
+        # training ended: no next iteration (nor, without --save, a checkpoint) closes the last step,
+        # whose bytes line and telemetry record are written now (collectives: every rank gets here)
+        for ddp in instances:
+            ddp._close_step()
     finally:
         for module, attr, original in saved:
             setattr(module, attr, original)

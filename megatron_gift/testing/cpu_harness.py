@@ -83,19 +83,22 @@ _GRAD_GET = torch.Tensor.grad.__get__
 
 
 def _warning_at_caller(func, args, kwargs):
-    """``func(*args, **kwargs)``, its warnings re-issued at the first frame outside this module and
-    ``torch.overrides`` (where they point without the harness)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = func(*args, **kwargs)
+    """``func(*args, **kwargs)``, a warning it shows named at the first frame outside this module and
+    ``torch.overrides`` (where it points without the harness). The filters and their once-per-place
+    registry act as usual (on the handler's line); only where the shown warning says it comes from changes."""
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_globals.get("__name__") in (__name__, "torch.overrides"):
         frame = frame.f_back
-    for w in caught:
-        registry = frame.f_globals.setdefault("__warningregistry__", {})
-        warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
-                               module=frame.f_globals.get("__name__"), registry=registry)  # fmt: skip
-    return out
+    show = warnings.showwarning
+
+    def show_at_caller(message, category, filename, lineno, file=None, line=None):
+        show(message, category, frame.f_code.co_filename, frame.f_lineno, file, None)
+
+    warnings.showwarning = show_at_caller
+    try:
+        return func(*args, **kwargs)
+    finally:
+        warnings.showwarning = show
 
 
 def _in_mode(fn):
