@@ -24,6 +24,12 @@ per unit::
     s = max(amax / fp8_max, 2^-126), 1 where amax = 0   (FP32, as fp8.scales_from_amax)
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
+With error feedback ``U`` is ``G T + e`` (the residual read at the unit's offsets) and the
+encoding pass also writes ``e' = U - fp8⁻¹(code)·s`` (FMA contraction off, so that it is rounded as
+the reference rounds it). Placed (``PLACE``), a unit's codes go to ``k + delta[j]`` (``k`` its
+source index, ``j`` its shard in the table ``ends``, ``delta``: ``_shard_delta``, one lookup per
+unit as a unit never crosses a shard) and its scale likewise by the groups' table.
+
 BLOCK scaling does all of it in one kernel. ROW/MX/TENSOR take two: the first writes each unit's
 amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the second
 recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
