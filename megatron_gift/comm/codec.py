@@ -92,8 +92,9 @@ def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Buc
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]
             n = s.rows * s.cols
-            for k0 in range(0, n, n if use_kernels else CHUNK):
-                x = flat[s.start + k0 : s.start + min(n, k0 + CHUNK if not use_kernels else n)]
+            step = n if use_kernels else CHUNK
+            for k0 in range(0, n, step):
+                x = flat[s.start + k0 : s.start + min(n, k0 + step)]
                 kernels.whiten_place(x.view(1, -1), None, pk.place[name].at(out[name], at + k0), fused=use_kernels)
 
 
