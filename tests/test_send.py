@@ -320,8 +320,9 @@ if INTERPRET:
         assert launches <= 4 + 3 * len(_scaled_segments(1)), launches
 
     @pytest.mark.parametrize("scaling", [Scaling.ROW, Scaling.MX])
-    def test_two_pass_sender_launches_do_not_grow(scaling, monkeypatch):
-        """The same for the two-pass scalings (the maxima, a few ops on them, the encode), fused."""
+    def test_other_scalings_sender_launches_do_not_grow(scaling, monkeypatch):
+        """The same on the fused path for ROW scaling (one pass by the layout's groups) and MX (two
+        passes: the maxima, a few ops turning them into E8M0 scales, the encode)."""
         counts = {(e, w): _stage_counts(monkeypatch, e, w, "flat", True, scaling) for e in (1 << 16, 1 << 20) for w in (2, 8)}
         assert len(set(counts.values())) == 1, counts
 

@@ -3,9 +3,10 @@ code as reference and fallback:
 
 - sender, ``whiten_encode``: ``U = G T`` (``+ e`` with error feedback, the new residual written)
   and its FP8 codes and scales in one pass over ``G`` after the small ``G Q`` (1x128 block scales;
-  TENSOR/ROW/MX scaling take two passes), written straight into a buffer of messages at the
-  positions of a per-layout table (``into``) or returned; ``whiten_place``: ``G T`` (or the values
-  as they are) cast to a float wire dtype at the table's positions (``kernels/place.py``);
+  MX scaling, and TENSOR/ROW without ``lengths``, take two passes), written straight into a buffer
+  of messages at the positions of a per-layout table (``into``) or returned; ``whiten_place``:
+  ``G T`` (or the values as they are) cast to a float wire dtype at the table's positions
+  (``kernels/place.py``);
 - receiver, ``decode_sum_unwhiten``: decode R ranks' messages, sum them in FP32 in rank order,
   ``÷ R`` if averaging, and apply ``T⁻¹``: one launch for the sum whatever R.
 

@@ -30,9 +30,10 @@ the reference rounds it). Placed (``PLACE``), a unit's codes go to ``k + delta[j
 source index, ``j`` its shard in the table ``ends``, ``delta``: ``_shard_delta``, one lookup per
 unit as a unit never crosses a shard) and its scale likewise by the groups' table.
 
-BLOCK scaling does all of it in one kernel. ROW/MX/TENSOR take two: the first writes each unit's
-amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the second
-recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
+Where a unit is a whole group and the scale an FP32 one (BLOCK scaling; ROW with ``lengths``) one
+kernel does all of it. MX scaling and ROW/TENSOR without ``lengths`` take two: the first writes
+each unit's amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the
+second recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
 group given by ``lengths``, padding given as one group) computes ``U`` of its later chunks twice.
 (TENSOR scaling with ``lengths`` is not handled here: ``kernels`` takes the reference.)
 
@@ -69,7 +70,7 @@ MAX_PARTS = 3  # parts of rows one decode launch takes (before the own rank, own
 _READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The passes of _encode_kernel.
-_AMAX, _ENCODE, _FUSED_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_AMAX, _ENCODE, _ONE_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # The unit layouts of _units (module doc): the matrix codec's units in memory order or the same
 # columns of consecutive rows, or the groups of ``lengths``.
 _ORDERED, _ROW_BLOCKS, _GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -278,7 +279,7 @@ def _encode_kernel(
     if PASS == _AMAX:
         tl.store(amax_ptr + unit, amax, mask=umask)
     else:
-        if PASS == _FUSED_BLOCK:  # the FP32 scale of fp8.scales_from_amax
+        if PASS == _ONE_PASS:  # the FP32 scale of fp8.scales_from_amax
             s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 2.0**-126)
             s = tl.where(amax.to(tl.int32, bitcast=True) > 0, s, 1.0)
             tl.store(scale_out_ptr + scale_dest, s, mask=umask)
@@ -474,13 +475,13 @@ def whiten_encode(
     lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Encoded | None:  # fmt: skip
     """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR. Launches: ``G Q`` with
-    whitening, then one pass (BLOCK) or two (the others, with a few small ops on the groups' maxima
-    between them), whatever ``g``'s size and the table's.
+    whitening, then one pass (BLOCK, ROW with ``lengths``) or two (the others, with a few small ops
+    on the groups' maxima between them), whatever ``g``'s size and the table's.
 
     Essential bytes per element of ``G`` (BLOCK 1x128, FP32 scales): reads ``G`` once (2 B for BF16,
     4 for FP32; GIFT reads it twice, for ``G Q`` and for the pass), writes 1 B of code and 4/128 B of
-    scale; error feedback adds 4 B read (``e``) and 4 B written (``e'``); the two-pass scalings read
-    ``G`` once more."""
+    scale; error feedback adds 4 B read (``e``) and 4 B written (``e'``); two passes read ``G`` (and
+    ``e``) once more."""
     rows, cols = g.shape
     fmt_args = _fmt_args(cfg, "whiten_encode")
     g = (g if g.dtype in _READ_DTYPES else g.float()).contiguous()
@@ -508,11 +509,12 @@ def whiten_encode(
             **tiling.constexprs(), **fmt_args,
         )  # fmt: skip
 
-    if cfg.scaling is Scaling.BLOCK:
+    # One pass where a unit's maximum is its group's and the scale FP32: BLOCK, or groups given by lengths.
+    if cfg.scaling is Scaling.BLOCK or (n_groups is not None and cfg.scaling is not Scaling.MX):
         # Placed, the scales go straight to the buffer (the scales argument is then not read).
         scales = into.scales.out if into is not None else torch.empty(tiling.n_units, dtype=cfg.scale_dtype(), device=g.device)
         # FMA contraction only where U is computed once (and, with feedback, never: e' is rounded as the reference rounds it).
-        launch(_FUSED_BLOCK, scales, fusion=tiling.one_chunk)
+        launch(_ONE_PASS, scales, fusion=tiling.one_chunk)
     else:  # two passes, without FMA contraction so that both compute the same U bit for bit
         amax = torch.empty(tiling.n_units, device=g.device)
         launch(_AMAX, g, amax)
