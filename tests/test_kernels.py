@@ -516,11 +516,12 @@ def _comm_worker(rank, world):
             group = dist.group.WORLD
             reduce_now(quantized.QuantizedReduce(flat, layout, group, transforms, average=average, all_reduce=all_reduce, kernels=use), "cpu")
             out[(codec, all_reduce, average, use)] = (flat, {k: calls[k] - before[k] for k in calls})
-    # Error feedback keeps the sender on the PyTorch path: the same residual either way.
+    # Error feedback on the kernels too: every coded element's residual staged (NaN before).
     layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
-    forced[0] = False
     for use in (False, True):
+        forced[0] = use
         ef = ErrorFeedback(layout.n_coded)
+        ef.feedback(0, layout.n_coded)[1].fill_(float("nan"))
         reduce_now(quantized.QuantizedReduce(grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef, kernels=use), "cpu")
         out[("ef", use)] = ef._pending
     return out
@@ -562,8 +563,16 @@ if INTERPRET:
                 assert float((got.double() - ref).norm()) < tol * float(ref.norm()), key
                 if all_reduce:
                     assert torch.equal(kernel_path, results[0][(codec, all_reduce, average, True)][0]), key
+        # Residuals: Euclidean ones bit for bit; GIFT ones are of U = G T computed in another FP32
+        # order (bitwise against the reference of the kernel's own U: tests/test_send.py).
+        layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
+        euclidean = torch.zeros(layout.n_coded, dtype=torch.bool)
+        for i in layout.coded_segments:
+            s = layout.segments[i]
+            euclidean[layout.seg_at[i] : layout.seg_at[i] + s.rows * s.cols] = s.mode is Mode.EUCLIDEAN
         for res in results:
-            assert torch.equal(res[("ef", True)], res[("ef", False)])
+            assert torch.isfinite(res[("ef", True)]).all() and torch.isfinite(res[("ef", False)]).all()
+            assert torch.equal(res[("ef", True)][euclidean], res[("ef", False)][euclidean])
 
 else:  # the outer run only, so that the interpreter run's summary has no skips
 
@@ -578,23 +587,33 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
     E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
     ROW_BLOCKS, GROUPS, ORDERED = dict(LAYOUT=1, ONE_CHUNK=True), dict(LAYOUT=2, ONE_CHUNK=False), dict(LAYOUT=0, ONE_CHUNK=True)
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
+    UNPLACED = dict(PLACE=False, FEEDBACK=False)
     SM90_CASES = [
-        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_BLOCKS, **E4M3), True, True),
-        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3), False, True),
-        ("_encode_kernel", dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **GROUPS, **E5M2_MX), False, False),
-        ("_encode_kernel", dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX), False, True),
-        ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=448.0, **ORDERED, **E4M3), False, True),
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_BLOCKS, **E4M3, **UNPLACED), True, True),
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3, **UNPLACED), False, True),
+        ("_encode_kernel", dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED), False, False),
+        ("_encode_kernel", dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED), False, True),
+        ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=448.0, **ORDERED, **E4M3, **UNPLACED), False, True),
+        # the sender's: placed into the messages, with error feedback
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=True, **GROUPS, **E4M3), False, True),
+        ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=57344.0, PLACE=True, FEEDBACK=False, **GROUPS, **E5M2_MX), False, True),
         ("_decode_sum_kernel", dict(AVERAGE=True, **GROUPS, **E4M3), False, True),
         ("_decode_sum_kernel", dict(AVERAGE=False, **ORDERED, **E5M2_MX), False, False),
         ("_project_kernel", dict(SCALE_D=True, BM=16, BK=64, BR=32), True, False),
         ("_unwhiten_kernel", {}, True, False),
+        ("_place_kernel", dict(WHITEN=True, CAST=2), True, False),
+        ("_place_kernel", dict(WHITEN=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True, False),
     ]
 
     def _signature(kernel, constexprs):
         """Triton types of ``kernel``'s arguments: codes uint8, scales E8M0 bytes or FP32, group
-        ends int64, other pointers FP32, integers int32."""
+        ends and placement tables int64, a placed cast's output BF16, other pointers FP32, integers int32."""
 
         def pointer(name):
+            if name.endswith(("ends_ptr", "delta_ptr")):
+                return "*i64"
+            if name == "out_ptr" and constexprs.get("CAST") == 2:
+                return "*bf16"
             if name.startswith("code"):
                 return "*u8"
             if name.startswith("scale"):
@@ -614,9 +633,9 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from megatron_gift.kernels import fused
+        from megatron_gift.kernels import fused, place
 
-        kernel = getattr(fused, name)
+        kernel = getattr(fused, name, None) or getattr(place, name)
         tile = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
         constexprs = {**{k: v for k, v in tile.items() if k in kernel.arg_names}, **constexprs}
         signature = _signature(kernel, constexprs)

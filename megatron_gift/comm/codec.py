@@ -1,19 +1,20 @@
 """A bucket's values into messages and back: the per-chunk work of every quantized reduction.
 
-Work is cut into chunks of at most ``budget`` elements (aligned to scaling groups, and to whole
-rows where a GIFT transform applies), so the temporaries of the PyTorch path stay bounded; each
-chunk costs a fixed number of ops whatever the number of peers (``packing`` places a chunk in
-every message at once, ``kernels.decode_sum_unwhiten`` sums every peer's message at once). The
-number of chunks depends on the layout and the budget, not on the data-parallel size.
-
-Sender (``encode_bucket``)::
+Sender (``encode_bucket``, ``cast_bucket``, ``plain_bucket``): each segment in one call of the
+kernels' entry points, which write straight into the messages at the positions of the packing's
+tables (``kernels.Place``): on the fused path a fixed few launches per segment, whatever its size
+and the number of messages; the PyTorch path cuts a segment into chunks of ``CHUNK`` elements
+(aligned to scaling groups, and to whole rows where a GIFT transform applies) to bound its
+temporaries::
 
     U = G T            per GIFT weight, whole rows (``kernels.whiten_encode``; G elsewhere)
     Ũ = U + e          with error feedback (then the residual e ← Ũ - dec(q(Ũ)) is staged)
     codes, scales of q(Ũ) → each shard's message        (``cast_bucket``: U in a float wire dtype)
 
 Receiver (``reduce_coded``): the FP32 sum of every sender's codes of one segment part, senders in
-rank order, ÷ R when averaging, ``T⁻¹`` of whole rows when given.
+rank order, ÷ R when averaging, ``T⁻¹`` of whole rows when given. Its work is cut into chunks of
+at most ``budget`` elements (the receiving side divides it by the number of senders); each chunk
+costs a fixed number of ops whatever the number of peers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 from .. import kernels
 from ..numerics.error_feedback import ErrorFeedback
-from ..numerics.fp8 import decode_flat, encode_flat
 from .layout import BucketLayout, Part, ShardPlan
 from .packing import Packing, Rows
 
@@ -37,57 +37,65 @@ def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
             "off": buf.view(layout.plain_dtypes[0]), "bf16": buf.view(torch.bfloat16)}  # fmt: skip
 
 
-def _segment_chunks(layout: BucketLayout, i: int, budget: int, whiten: bool):
+# Elements per chunk of the sender's PyTorch path, where temporaries grow with the chunk: FP32
+# ``U`` (and ``Ũ``), ``U / s``, the per-element scales, the codes and the int64 placement index
+# (``Placement.index``: ~32 bytes per element alone), ~48 bytes per element, so at most ~800 MiB
+# at a time. The fused path takes whole segments.
+CHUNK = 1 << 24
+
+
+def _segment_chunks(layout: BucketLayout, i: int, fused: bool, whiten: bool) -> list[tuple[int, int]]:
+    """Coded ranges ``[k0, k1)`` of segment ``i`` as one sender call each: the whole segment on the fused
+    path, else chunks of about ``CHUNK`` elements cut at group (with ``whiten``, row) boundaries."""
     s, at = layout.segments[i], layout.seg_at[i]
-    return layout.chunks(i, at, at + s.rows * s.cols, budget, whole_rows=whiten)
+    if fused:
+        return [(at, at + s.rows * s.cols)]
+    return layout.chunks(i, at, at + s.rows * s.cols, CHUNK, whole_rows=whiten)
 
 
 def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
                   use_kernels: bool, error_feedback: ErrorFeedback | None = None) -> None:  # fmt: skip
-    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) as codes of the
-    format and scales into its message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket."""
+    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``; plus the residual with
+    ``error_feedback``, whose next residual is staged) as codes of the format and scales into its
+    message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket."""
     out, cfg = views(buf, layout), layout.codec
-    use_kernels = use_kernels and error_feedback is None  # the kernel cannot add the residual before encoding
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
-        for k0, k1 in _segment_chunks(layout, i, BUDGET[use_kernels], t is not None):
+        for k0, k1 in _segment_chunks(layout, i, use_kernels, t is not None):
             g0, g1 = layout.group_range(k0, k1)
-            lengths = layout.lengths(g0, g1, flat.device)
             x = flat[s.start + k0 - at : s.start + k1 - at]
             x = x.view(-1, s.cols) if t is not None else x.view(1, -1)
-            if error_feedback is None:
-                enc = kernels.whiten_encode(x, t, cfg, lengths=lengths, fused=use_kernels)
-            else:
-                u = error_feedback.compensate(t.apply(x.float()) if t is not None else x, k0)
-                enc = encode_flat(u.view(-1), lengths, cfg)
-                error_feedback.stage(u, decode_flat(enc, lengths, cfg), k0)
-            out["coded"].index_copy_(0, pk.place["coded"].index(k0, k1), enc.payload.view(-1))
-            out["groups"].index_copy_(0, pk.place["groups"].index(g0, g1), enc.scales.view(-1))
+            into = kernels.Placed(pk.place["coded"].at(out["coded"], k0), pk.place["groups"].at(out["groups"], g0))
+            feedback = error_feedback.feedback(k0, k1 - k0) if error_feedback is not None else None
+            kernels.whiten_encode(x, t, cfg, lengths=layout.lengths(g0, g1, flat.device), fused=use_kernels, into=into,
+                                  feedback=feedback)  # fmt: skip
 
 
 def cast_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                wire: torch.dtype) -> None:  # fmt: skip
+                wire: torch.dtype, use_kernels: bool) -> None:  # fmt: skip
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) in the float
     ``wire`` dtype into its message in ``buf``."""
     out = buf.view(wire)
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
-        for k0, k1 in _segment_chunks(layout, i, BUDGET[False], t is not None):
+        for k0, k1 in _segment_chunks(layout, i, use_kernels, t is not None):
             x = flat[s.start + k0 - at : s.start + k1 - at]
-            u = t.apply(x.view(-1, s.cols).float()) if t is not None else x
-            out.index_copy_(0, pk.place["coded"].index(k0, k1), u.reshape(-1).to(wire))
+            x = x.view(-1, s.cols) if t is not None else x.view(1, -1)
+            kernels.whiten_place(x, t, pk.place["coded"].at(out, k0), fused=use_kernels)
 
 
-def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout) -> None:
-    """The values of ``off`` and ``bf16`` parameters, in the bucket's dtype and in BF16, into their messages."""
+def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, use_kernels: bool) -> None:
+    """The values of ``off`` and ``bf16`` parameters, in the bucket's dtype and in BF16, into their
+    messages: one call per segment (per ``CHUNK`` of it on the PyTorch path, for its placement index)."""
     out = views(buf, layout)
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]
-            for k0 in range(0, s.rows * s.cols, BUDGET[False]):
-                k1 = min(s.rows * s.cols, k0 + BUDGET[False])
-                values = flat[s.start + k0 : s.start + k1].to(layout.plain_dtypes[c])
-                out[name].index_copy_(0, pk.place[name].index(at + k0, at + k1), values)
+            n = s.rows * s.cols
+            step = n if use_kernels else CHUNK
+            for k0 in range(0, n, step):
+                x = flat[s.start + k0 : s.start + min(n, k0 + step)]
+                kernels.whiten_place(x.view(1, -1), None, pk.place[name].at(out[name], at + k0), fused=use_kernels)
 
 
 def sum_plain(rows: Rows, layout: BucketLayout, c: int, k0: int, k1: int, average: bool) -> torch.Tensor:

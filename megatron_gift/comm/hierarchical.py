@@ -89,8 +89,8 @@ class TwoLevelReduce(ShardReduction):
         if self.wire is None:
             encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.kernels)
         else:
-            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire)
-        plain_bucket(buf, self.pk1, self.flat, layout)
+            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.kernels)
+        plain_bucket(buf, self.pk1, self.flat, layout, self.kernels)
         own = self.pk1.own.nbytes
         recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk1.sent_bytes

@@ -192,7 +192,7 @@ class QuantizedReduce(ShardReduction):
             layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device))  # fmt: skip
         self.buf = torch.empty(self.pk.nbytes, dtype=torch.uint8, device=device)
         encode_bucket(self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback)
-        plain_bucket(self.buf, self.pk, self.flat, layout)
+        plain_bucket(self.buf, self.pk, self.flat, layout, self.kernels)
         self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
         return Step(self._all_to_all(), [self.buf, self.recv])
 

@@ -1,8 +1,12 @@
 """Fused Triton kernels for the two hot paths of a GIFT gradient exchange, with the pure-PyTorch
 code as reference and fallback:
 
-- sender, ``whiten_encode``: ``U = G T`` and its FP8 codes and scales in one pass over ``G``
-  after the small ``G Q`` (1x128 block scales; TENSOR/ROW/MX scaling take two passes);
+- sender, ``whiten_encode``: ``U = G T`` (``+ e`` with error feedback, the new residual written)
+  and its FP8 codes and scales in one pass over ``G`` after the small ``G Q`` (1x128 block scales;
+  MX scaling, and TENSOR/ROW without ``lengths``, take two passes), written straight into a buffer
+  of messages at the positions of a per-layout table (``into``) or returned; ``whiten_place``:
+  ``G T`` (or the values as they are) cast to a float wire dtype at the table's positions
+  (``kernels/place.py``);
 - receiver, ``decode_sum_unwhiten``: decode R ranks' messages, sum them in FP32 in rank order,
   ``÷ R`` if averaging, and apply ``T⁻¹``: one launch for the sum whatever R.
 
@@ -24,19 +28,25 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded, Scaling
 from ..numerics.whitening import LowRankWhitening
-from .reference import ordered_sum, reference_decode_sum_unwhiten, reference_whiten_encode
+from .reference import ordered_sum, reference_decode_sum_unwhiten, reference_whiten_encode, reference_whiten_place
 
 __all__ = [
     "available",
     "ordered_sum",
+    "Place",
+    "Placed",
     "whiten_encode",
+    "whiten_place",
     "decode_sum_unwhiten",
     "reference_whiten_encode",
+    "reference_whiten_place",
     "reference_decode_sum_unwhiten",
 ]
 
@@ -49,6 +59,14 @@ def _fused():
     except ImportError:
         return None
     return fused
+
+
+@functools.cache
+def _place():
+    """The placed-cast kernel module (imports triton; only where ``_fused()`` is not None)."""
+    from . import place
+
+    return place
 
 
 def available(device: torch.device) -> bool:
@@ -72,19 +90,55 @@ def _use_kernels(kernel: str, fused: bool, device: torch.device, numel: int, cfg
             and (lengths is None or cfg.scaling is not Scaling.TENSOR))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a sequence's elements go in a buffer: element ``i`` to ``out[k + delta[j]]``, ``k = at + i``
+    and ``j`` the shard of ``table`` with ``ends[j-1] <= k < ends[j]``. ``out``: the buffer viewed in
+    the sequence's dtype; ``table``: a ``comm.packing.Placement`` (``ends``, ``delta``: int64 on the
+    device, one per shard; ``index(lo, hi)``, the positions of ``[lo, hi)``, for the reference)."""
+
+    out: torch.Tensor
+    table: Any
+    at: int
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where an encoding goes: its codes (memory order) and its scales (one per group, in order)."""
+
+    codes: Place
+    scales: Place
+
+
 def whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None, fused: bool = True,
-) -> Encoded:  # fmt: skip
+    lengths: torch.Tensor | None = None, fused: bool = True, into: Placed | None = None,
+    feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Encoded | None:  # fmt: skip
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
     ``[rows, cols]`` codes, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
     ``lengths``: groups in memory order other than the matrix codec's, each inside one row unless
-    the scaling is per tensor); ``out``, when given, receives ``G T`` in FP32 (e.g. for error
-    feedback); ``fused=False`` takes the PyTorch reference wherever the kernels could run."""
+    the scaling is per tensor); ``out``, when given, receives the encoded values in FP32 (``G T``,
+    ``+ e`` with ``feedback``); ``fused=False`` takes the PyTorch reference wherever the kernels could run.
+
+    ``into``: the codes and scales are written straight into a buffer at the positions of its
+    tables (``Placed``), nothing returned; every group must lie inside one shard of the tables (the
+    layout's groups, cut at shard boundaries, do). ``feedback = (e, e')``: FP32 tensors of ``g``'s
+    numel (contiguous); ``Ũ = G T + e`` is encoded and ``e' ← Ũ - dec(q(Ũ))`` written (error feedback)."""
     lengths = _lengths(cfg, lengths)
     if _use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths):
-        return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
-    return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths)
+        return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback)
+    return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback)
+
+
+def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into: Place, fused: bool = True) -> None:
+    """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given) cast to ``into.out``'s dtype,
+    element ``i`` (memory order) written at its position of ``into`` (``Place``): the float
+    intra-node wire and the plain values. ``fused``: the Triton kernel wherever it can run
+    (``available``), else the PyTorch reference."""
+    if fused and x.numel() > 0 and available(x.device):
+        return _place().whiten_place(x, whitening, into)
+    return reference_whiten_place(x, whitening, into)
 
 
 def decode_sum_unwhiten(

@@ -24,9 +24,16 @@ per unit::
     s = max(amax / fp8_max, 2^-126), 1 where amax = 0   (FP32, as fp8.scales_from_amax)
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
-BLOCK scaling does all of it in one kernel. ROW/MX/TENSOR take two: the first writes each unit's
-amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the second
-recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
+With error feedback ``U`` is ``G T + e`` (the residual read at the unit's offsets) and the
+encoding pass also writes ``e' = U - fp8⁻¹(code)·s`` (FMA contraction off, so that it is rounded as
+the reference rounds it). Placed (``PLACE``), a unit's codes go to ``k + delta[j]`` (``k`` its
+source index, ``j`` its shard in the table ``ends``, ``delta``: ``_shard_delta``, one lookup per
+unit as a unit never crosses a shard) and its scale likewise by the groups' table.
+
+Where a unit is a whole group and the scale an FP32 one (BLOCK scaling; ROW with ``lengths``) one
+kernel does all of it. MX scaling and ROW/TENSOR without ``lengths`` take two: the first writes
+each unit's amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the
+second recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
 group given by ``lengths``, padding given as one group) computes ``U`` of its later chunks twice.
 (TENSOR scaling with ``lengths`` is not handled here: ``kernels`` takes the reference.)
 
@@ -63,7 +70,7 @@ MAX_PARTS = 3  # parts of rows one decode launch takes (before the own rank, own
 _READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The passes of _encode_kernel.
-_AMAX, _ENCODE, _FUSED_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_AMAX, _ENCODE, _ONE_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # The unit layouts of _units (module doc): the matrix codec's units in memory order or the same
 # columns of consecutive rows, or the groups of ``lengths``.
 _ORDERED, _ROW_BLOCKS, _GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -182,9 +189,10 @@ def _chunk(start, length, umask, ch, W: tl.constexpr):
 
 
 @triton.jit
-def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank,
-             W: tl.constexpr, WHITEN: tl.constexpr):  # fmt: skip
-    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each."""
+def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, ch, cols, rank,
+             W: tl.constexpr, WHITEN: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
+    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each; with ``FEEDBACK``
+    ``Ũ = U + e`` (the residual ``e`` at the same offsets)."""
     off, flat, mask = _chunk(start, length, umask, ch, W)
     u = tl.load(g_ptr + flat, mask=mask, other=0.0).to(tl.float32)
     if WHITEN:
@@ -192,7 +200,25 @@ def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch
         cmask = col < cols
         u = u * tl.load(dinv_ptr + col, mask=cmask, other=0.0)
         u = _plus_low_rank(u, p_ptr, qt_ptr, row, col, umask, cmask, rank, cols)
+    if FEEDBACK:
+        u = u + tl.load(e_ptr + flat, mask=mask, other=0.0)
     return u, flat, mask
+
+
+@triton.jit
+def _shard_delta(ends_ptr, delta_ptr, n_shards, steps, k, mask):
+    """``delta[j]`` of the placement table (``comm.packing.Placement``) for each source index ``k``
+    (int64, any shape): ``j`` the shard with ``ends[j-1] <= k < ends[j]``, found by a binary search
+    of ``steps`` (``>= log2(n_shards + 1)``) gathers from the small table."""
+    lo = tl.zeros_like(k)
+    hi = lo + n_shards
+    for _ in range(steps):
+        active = mask & (lo < hi)
+        mid = (lo + hi) // 2
+        end = tl.load(ends_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (end <= k), mid + 1, lo)
+        hi = tl.where(active & (end > k), mid, hi)
+    return tl.load(delta_ptr + tl.minimum(lo, n_shards - 1), mask=mask, other=0)
 
 
 @triton.jit
@@ -202,51 +228,76 @@ def _finite_amax(u, mask):
 
 
 @triton.jit
-def _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U: tl.constexpr, MANT: tl.constexpr,
-                 BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr):  # fmt: skip
+def _store_codes(u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U: tl.constexpr,
+                 FEEDBACK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+                 NO_INF: tl.constexpr):  # fmt: skip
+    """The codes of ``u / s`` at ``code_ptr + code_shift + flat``; ``U`` at ``u_ptr + flat`` with
+    ``STORE_U``; with ``FEEDBACK`` the new residual ``U - fp8⁻¹(code)·s`` at ``e_new_ptr + flat``."""
     y = tl.math.div_rn(u, tl.broadcast_to(s[:, None], u.shape))
-    tl.store(code_ptr + flat, _fp8_code(y, MANT, BIAS, FMAX, NO_INF).to(tl.uint8), mask=mask)
+    code = _fp8_code(y, MANT, BIAS, FMAX, NO_INF)
+    tl.store(code_ptr + code_shift + flat, code.to(tl.uint8), mask=mask)
     if STORE_U:
         tl.store(u_ptr + flat, u, mask=mask)
+    if FEEDBACK:
+        tl.store(e_new_ptr + flat, u - _fp8_value(code, MANT, BIAS, NO_INF) * s[:, None], mask=mask)
 
 
 @triton.jit
 def _encode_kernel(
     g_ptr, ends_ptr, dinv_ptr, p_ptr, qt_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr,
     n_units, rows, cols, rank, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+    code_ends_ptr, code_delta_ptr, code_shards, code_steps, code_at,
+    scale_out_ptr, scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, scale_at, e_ptr, e_new_ptr,
     UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    WHITEN: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr,
+    WHITEN: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr, PLACE: tl.constexpr, FEEDBACK: tl.constexpr,
     MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
 ):  # fmt: skip
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
         UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
     )  # fmt: skip
-    u, flat, mask = _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, 0, cols, rank, W, WHITEN)
+    # Where the codes and the scale of each unit go: one table lookup per unit (a unit never
+    # crosses a shard of the table); in place (codes at the flat offsets, scales at their index) without PLACE.
+    code_shift = tl.zeros([BU, 1], tl.int64)
+    scale_dest = scale_index
+    if PLACE:
+        k = code_at + start
+        code_shift = (code_at + _shard_delta(code_ends_ptr, code_delta_ptr, code_shards, code_steps, k, umask))[:, None]
+        k = scale_at + scale_index
+        scale_dest = k + _shard_delta(scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, k, umask)
+    u, flat, mask = _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, 0, cols, rank,
+                             W, WHITEN, FEEDBACK)  # fmt: skip
     if PASS != _ENCODE:
         amax = _finite_amax(u, mask)
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
-                    g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN
-                )
+                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN,
+                    FEEDBACK,
+                )  # fmt: skip
                 amax = tl.maximum(amax, _finite_amax(uc, mc))
     if PASS == _AMAX:
         tl.store(amax_ptr + unit, amax, mask=umask)
     else:
-        if PASS == _FUSED_BLOCK:  # the FP32 scale of fp8.scales_from_amax
+        if PASS == _ONE_PASS:  # the FP32 scale of fp8.scales_from_amax
             s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 2.0**-126)
             s = tl.where(amax.to(tl.int32, bitcast=True) > 0, s, 1.0)
-            tl.store(scale_ptr + scale_index, s, mask=umask)
+            tl.store(scale_out_ptr + scale_dest, s, mask=umask)
         else:
-            s = _scale_value(tl.load(scale_ptr + scale_index, mask=umask, other=1), E8M0)
-        _store_codes(u, flat, mask, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, NO_INF)
+            stored = tl.load(scale_ptr + scale_index, mask=umask, other=1)
+            if PLACE:
+                tl.store(scale_out_ptr + scale_dest, stored, mask=umask)
+            s = _scale_value(stored, E8M0)
+        _store_codes(u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS, FMAX,
+                     NO_INF)  # fmt: skip
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
-                    g_ptr, dinv_ptr, p_ptr, qt_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN
-                )
-                _store_codes(uc, fc, mc, s, code_ptr, u_ptr, STORE_U, MANT, BIAS, FMAX, NO_INF)
+                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN,
+                    FEEDBACK,
+                )  # fmt: skip
+                _store_codes(uc, fc, mc, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS,
+                             FMAX, NO_INF)  # fmt: skip
 
 
 @triton.jit
@@ -410,19 +461,37 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
     return out
 
 
+def _table(place, fallback: torch.Tensor) -> tuple:
+    """``(out, ends, delta, shards, steps, at)`` of a ``kernels.Place`` for the kernels (``fallback``
+    pointers and zeros without one: not read)."""
+    if place is None:
+        return fallback, fallback, fallback, 0, 0, 0
+    ends = place.table.ends
+    return place.out, ends, place.table.delta, ends.numel(), ends.numel().bit_length(), place.at
+
+
 def whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None,
-) -> Encoded:  # fmt: skip
-    """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR."""
+    lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Encoded | None:  # fmt: skip
+    """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR. Launches: ``G Q`` with
+    whitening, then one pass (BLOCK, ROW with ``lengths``) or two (the others, with a few small ops
+    on the groups' maxima between them), whatever ``g``'s size and the table's.
+
+    Essential bytes per element of ``G`` (BLOCK 1x128, FP32 scales): reads ``G`` once (2 B for BF16,
+    4 for FP32; GIFT reads it twice, for ``G Q`` and for the pass), writes 1 B of code and 4/128 B of
+    scale; error feedback adds 4 B read (``e``) and 4 B written (``e'``); two passes read ``G`` (and
+    ``e``) once more."""
     rows, cols = g.shape
     fmt_args = _fmt_args(cfg, "whiten_encode")
     g = (g if g.dtype in _READ_DTYPES else g.float()).contiguous()
     n_groups = None if lengths is None else lengths.numel()
     tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None)
     ends = _ends(lengths, g)
-    payload = torch.empty(rows, cols, dtype=torch.uint8, device=g.device)
+    payload = into.codes.out if into is not None else torch.empty(rows, cols, dtype=torch.uint8, device=g.device)
     u_out = out if out is None or out.is_contiguous() else torch.empty(rows, cols, device=g.device)
+    residual, new_residual = feedback if feedback is not None else (g, g)
+    codes_table = _table(None if into is None else into.codes, g)[1:]
     transform = (g, g, g, 0)  # pointers the kernel does not read
     if whitening is not None:
         q, dinv = whitening.q, whitening.d_inv_sqrt
@@ -431,17 +500,21 @@ def whiten_encode(
 
     def launch(pass_: tl.constexpr, scales: torch.Tensor, amax: torch.Tensor = g, fusion: bool = False) -> None:
         dinv, p, qt, rank = transform
+        scales_table = _table(None if into is None else into.scales, scales)
         _encode_kernel[(tiling.programs,)](
             g, ends, dinv, p, qt, u_out if out is not None else g, payload, scales, amax,
-            tiling.n_units, rows, cols, rank, *tiling.args(),
-            WHITEN=whitening is not None, STORE_U=out is not None, PASS=pass_.value, FMAX=cfg.fmt.max,
-            enable_fp_fusion=fusion, **tiling.constexprs(), **fmt_args,
+            tiling.n_units, rows, cols, rank, *tiling.args(), *codes_table, *scales_table, residual, new_residual,
+            WHITEN=whitening is not None, STORE_U=out is not None, PASS=pass_.value, PLACE=into is not None,
+            FEEDBACK=feedback is not None, FMAX=cfg.fmt.max, enable_fp_fusion=fusion and feedback is None,
+            **tiling.constexprs(), **fmt_args,
         )  # fmt: skip
 
-    if cfg.scaling is Scaling.BLOCK:
-        scales = torch.empty(tiling.n_units, dtype=cfg.scale_dtype(), device=g.device)
-        # FMA contraction only where U is computed once.
-        launch(_FUSED_BLOCK, scales, fusion=tiling.one_chunk)
+    # One pass where a unit's maximum is its group's and the scale FP32: BLOCK, or groups given by lengths.
+    if cfg.scaling is Scaling.BLOCK or (n_groups is not None and cfg.scaling is not Scaling.MX):
+        # Placed, the scales go straight to the buffer (the scales argument is then not read).
+        scales = into.scales.out if into is not None else torch.empty(tiling.n_units, dtype=cfg.scale_dtype(), device=g.device)
+        # FMA contraction only where U is computed once (and, with feedback, never: e' is rounded as the reference rounds it).
+        launch(_ONE_PASS, scales, fusion=tiling.one_chunk)
     else:  # two passes, without FMA contraction so that both compute the same U bit for bit
         amax = torch.empty(tiling.n_units, device=g.device)
         launch(_AMAX, g, amax)
@@ -453,7 +526,37 @@ def whiten_encode(
         launch(_ENCODE, scales)
     if u_out is not out:
         out.copy_(u_out)
+    if into is not None:
+        return None
     return Encoded(payload=payload, scales=scales if n_groups is not None else scales.view(cfg.groups(rows, cols)))
+
+
+def _encode_traffic(a: dict) -> tuple[int, int]:
+    """``(bytes read, bytes written)`` of one ``_encode_kernel`` launch from its bound arguments: ``G``
+    (and ``e``) once per pass, ``P`` and ``T``'s factors with whitening, the group ends, each unit's
+    stored scale (second pass) and table lookups; the codes, scales or maxima, ``U`` and ``e'``."""
+    n, units, rank = a["rows"] * a["cols"], a["n_units"], a["rank"]
+    read = n * a["g_ptr"].element_size() + (4 * n if a["FEEDBACK"] else 0)
+    if a["WHITEN"]:
+        read += 4 * (a["rows"] * rank + a["cols"] * (1 + rank))
+    if a["LAYOUT"] == _GROUPS.value:
+        read += 8 * units
+    if a["PLACE"]:  # the two tables (their lookups hit the cache)
+        read += 16 * (a["code_shards"] + a["scale_shards"])
+    if a["PASS"] == _AMAX.value:
+        return read, 4 * units
+    written = n + (4 * n if a["STORE_U"] else 0) + (4 * n if a["FEEDBACK"] else 0)
+    scale_size = a["scale_out_ptr"].element_size()
+    if a["PASS"] == _ENCODE.value:
+        read += units * a["scale_ptr"].element_size()
+        written += units * scale_size if a["PLACE"] else 0
+    else:
+        written += units * scale_size
+    return read, written
+
+
+# Kernel name -> (bytes read, bytes written) of a launch from its bound arguments (and "grid").
+TRAFFIC = {"_encode_kernel": _encode_traffic}
 
 
 def _rows(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..numerics.fp8 import CodecConfig, Encoded, encode, encode_flat, group_lengths, scale_values
+from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode_flat, group_lengths, scale_values
 from ..numerics.whitening import LowRankWhitening
 
 Parts = Sequence[torch.Tensor]
@@ -55,19 +55,37 @@ def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Ten
 
 def reference_whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None,
-) -> Encoded:  # fmt: skip
+    lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Encoded | None:  # fmt: skip
     """``fp8.encode(G T)`` (``G`` when ``whitening`` is None) of ``g [rows, cols]``; ``out``, when
-    given, receives ``G T`` in FP32. ``lengths``: the scaling groups in memory order (each inside
-    one row unless the scaling is per tensor), when they are not the matrix codec's own (groups cut
-    at shard boundaries); the scales then come flat, one per group."""
+    given, receives the encoded values in FP32. ``lengths``: the scaling groups in memory order
+    (each inside one row unless the scaling is per tensor), when they are not the matrix codec's
+    own (groups cut at shard boundaries); the scales then come flat, one per group. ``into`` and
+    ``feedback`` as in ``kernels.whiten_encode``: ``index_copy_`` at the tables' positions; ``Ũ = U + e``
+    encoded, ``e' = Ũ - dec(q(Ũ))``."""
+    rows, cols = g.shape
     u = whitening.apply(g.float()) if whitening is not None else g.float()
+    if feedback is not None:
+        u = u + feedback[0].view_as(u)
     if out is not None:
         out.copy_(u)
-    if lengths is None:
-        return encode(u, cfg)
-    enc = encode_flat(u.reshape(-1), lengths, cfg)
-    return Encoded(payload=enc.payload.view(g.shape), scales=enc.scales)
+    flat_lengths = lengths if lengths is not None else group_lengths(rows, cols, cfg, device=g.device)
+    enc = encode_flat(u.reshape(-1), flat_lengths, cfg)
+    if feedback is not None:
+        torch.sub(u.reshape(-1), decode_flat(enc, flat_lengths, cfg), out=feedback[1].view(-1))
+    if into is not None:
+        for place, values in ((into.codes, enc.payload), (into.scales, enc.scales)):
+            place.out.index_copy_(0, place.table.index(place.at, place.at + values.numel()), values)
+        return None
+    return Encoded(payload=enc.payload.view(g.shape),
+                   scales=enc.scales if lengths is not None else enc.scales.view(cfg.groups(rows, cols)))  # fmt: skip
+
+
+def reference_whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into) -> None:
+    """``kernels.whiten_place``: ``x T`` (FP32; ``x`` where ``whitening`` is None) in ``into.out``'s dtype,
+    ``index_copy_`` at the table's positions of ``[at, at + numel)``."""
+    u = whitening.apply(x.float()) if whitening is not None else x
+    into.out.index_copy_(0, into.table.index(into.at, into.at + u.numel()), u.reshape(-1).to(into.out.dtype))
 
 
 def reference_decode_sum_unwhiten(

@@ -28,6 +28,13 @@ class ErrorFeedback:
             self._pending = torch.empty_like(self.residual)
         self._pending[lo : lo + compensated.numel()] = compensated.float().reshape(-1) - decoded.float().reshape(-1)
 
+    def feedback(self, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(e, e')`` of the elements ``[lo, lo + n)``: the residual to add, and where the next one is
+        staged, pending ``commit`` (``kernels.whiten_encode``'s ``feedback``, which writes it)."""
+        if self._pending is None:
+            self._pending = torch.empty_like(self.residual)
+        return self.residual[lo : lo + n], self._pending[lo : lo + n]
+
     def commit(self, applied: bool | torch.Tensor = True) -> None:
         """Adopt the staged residual if the step was applied; drop it otherwise. ``applied`` may be a
         0-d bool tensor: the choice is then made on its device (no host synchronisation)."""
