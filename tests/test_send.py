@@ -62,7 +62,8 @@ def _bucket(seed=0, special=True):
     flat = torch.zeros(NUMEL)
     for k, s in enumerate(SEGMENTS):
         # GIFT rows without NaN/Inf (whitening spreads one over the row, and FP32 closeness needs finite rows)
-        flat[s.start : s.end] = _gradient(s.rows, s.cols, 10 * seed + k, "cpu", special=special and s.mode is not Mode.GIFT).view(-1)
+        odd = special and s.mode is not Mode.GIFT
+        flat[s.start : s.end] = _gradient(s.rows, s.cols, 10 * seed + k, "cpu", special=odd).view(-1)
     return flat
 
 
@@ -70,7 +71,8 @@ def _assert_same_placed(bufs, pk, layout, wire, key):
     """Two buffers of a float-wire packing hold the same values bit for bit, any NaN counting as
     any NaN (torch's own BF16 NaN differs between its CPU code paths and CUDA), and nothing else differs."""
     sequences = [("coded", layout.n_coded, lambda b: b.view(wire))]
-    sequences += [(name, layout.n_plain[c], lambda b, name=name: codec.views(b, layout)[name]) for c, name in enumerate(("off", "bf16"))]
+    for c, name in enumerate(("off", "bf16")):
+        sequences.append((name, layout.n_plain[c], lambda b, name=name: codec.views(b, layout)[name]))
     bufs = [b.clone() for b in bufs]
     for name, n, view in sequences:
         index = pk.place[name].index(0, n)
@@ -130,7 +132,8 @@ if INTERPRET:
 
                     def into(buf):
                         views = codec.views(buf, layout)
-                        return kernels.Placed(pk.place["coded"].at(views["coded"], at), pk.place["groups"].at(views["groups"], g0))
+                        place = pk.place
+                        return kernels.Placed(place["coded"].at(views["coded"], at), place["groups"].at(views["groups"], g0))
 
                     fb = [(e[at : at + n], new[k][at : at + n]) if feedback else None for k in range(2)]
                     u = torch.empty(s.rows, s.cols)
@@ -201,12 +204,12 @@ if INTERPRET:
                 if rank == 0:
                     assert torch.equal(bufs[0], bufs[1]), name
                     continue
-                index = torch.cat([pk.place["coded"].index(layout.seg_at[i], layout.seg_at[i] + SEGMENTS[i].rows * SEGMENTS[i].cols)
-                                   for i in layout.coded_segments])  # fmt: skip
+                spans = [(layout.seg_at[i], layout.seg_at[i] + SEGMENTS[i].rows * SEGMENTS[i].cols) for i in layout.coded_segments]
+                index = torch.cat([pk.place["coded"].index(a, b) for a, b in spans])
                 ref, got = (b.view(wire)[index].float() for b in bufs)
                 for i in layout.coded_segments:
                     s, at = SEGMENTS[i], layout.seg_at[i]
-                    r, k = ref[at : at + s.rows * s.cols].view(s.rows, s.cols), got[at : at + s.rows * s.cols].view(s.rows, s.cols)
+                    r, k = (v[at : at + s.rows * s.cols].view(s.rows, s.cols) for v in (ref, got))
                     if ts[i] is None:
                         assert torch.equal(r, k), (name, s.name)
                     else:
@@ -275,7 +278,8 @@ if INTERPRET:
         from megatron_gift.kernels import place as place_module
 
         log = collections.Counter()
-        for module, name in ((fused_module, "_encode_kernel"), (fused_module, "_project_kernel"), (place_module, "_place_kernel")):
+        stubbed = ((fused_module, "_encode_kernel"), (fused_module, "_project_kernel"), (place_module, "_place_kernel"))
+        for module, name in stubbed:
             monkeypatch.setattr(module, name, _Stub(log, name))
         segs = _scaled_segments(elements // (4 * 256))
         numel = -(-segs[-1].end // world) * world
