@@ -289,7 +289,7 @@ def _decode_sum_kernel(
                         MANT, BIAS, NO_INF, E8M0)
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
-        tl.store(out_ptr + flat, acc, mask=mask)
+        tl.store(out_ptr + flat, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -320,8 +320,10 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank,
 
 
 @triton.jit
-def _unwhiten_kernel(u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
+def _unwhiten_kernel(u_ptr, out_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """``out = (S + P' Qᵀ) D^{1/2}`` of FP32 ``S`` (``u_ptr``), written in ``out``'s dtype (``out``
+    may be ``S`` itself). Bytes: reads ``S`` (4 per element) and ``P'``, writes ``out``."""
     pid = tl.program_id(0)
     r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid // n_row_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -329,7 +331,8 @@ def _unwhiten_kernel(u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_bl
     mask = rmask[:, None] & cmask
     offs = r[:, None] * cols + c
     u = _plus_low_rank(tl.load(u_ptr + offs, mask=mask, other=0.0), p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
-    tl.store(u_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask=mask)
+    u = u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0)
+    tl.store(out_ptr + offs, u.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _fmt_args(cfg: CodecConfig, kernel: str) -> dict:
@@ -462,6 +465,34 @@ def _rows(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p if p.stride(1) == 1 or p.numel() == 0 else p.contiguous() for p in parts]
 
 
+def outputs(rows: int, cols: int, whitening: LowRankWhitening | None, out: torch.Tensor | None,
+            device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(sum, out)`` of a decode: ``out`` (a new FP32 ``[rows, cols]`` when None; else a contiguous
+    float tensor of ``rows·cols`` elements, viewed so) and where the FP32 sum goes: ``out`` itself,
+    unless ``T⁻¹`` follows and ``out`` is narrower than FP32 (``P' = S Q`` needs ``S`` in FP32)."""
+    if out is None:
+        out = torch.empty(rows, cols, device=device)
+    elif not out.is_contiguous() or out.numel() != rows * cols or out.dtype not in _READ_DTYPES:
+        raise ValueError(f"a decode writes a contiguous FP32/BF16/FP16 [{rows}, {cols}], got {out.dtype} {tuple(out.shape)}")
+    out = out.view(rows, cols)
+    narrow = whitening is not None and out.dtype != torch.float32
+    return (torch.empty(rows, cols, device=device) if narrow else out), out
+
+
+def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | None) -> torch.Tensor:
+    """``out ← S T⁻¹`` of the FP32 sum ``S`` (``out`` may be ``S``; ``out``'s dtype): two launches."""
+    if whitening is not None:
+        rows, cols = s.shape
+        p = _project(s, None, whitening.q, whitening.c_inv) if whitening.rank else s
+        block_r = min(16, triton.next_power_of_2(rows))
+        n_rb = triton.cdiv(rows, block_r)
+        _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
+            s, out, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
+            BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
+        )  # fmt: skip
+    return out
+
+
 def decode_sum_unwhiten(
     payloads: torch.Tensor | Sequence[torch.Tensor],
     scales: torch.Tensor | Sequence[torch.Tensor],
@@ -471,28 +502,21 @@ def decode_sum_unwhiten(
     cfg: CodecConfig,
     average: bool,
     lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``kernels.decode_sum_unwhiten``: one to ``MAX_PARTS`` non-empty parts, one launch for the
-    rank sum (+ a cumsum with ``lengths``, + two with whitening)."""
+    rank sum (+ a cumsum with ``lengths``, + two with whitening), written in ``out``'s dtype."""
     parts = [(p, s) for p, s in zip(_rows(payloads), _rows(scales)) if p.shape[0] > 0]
     world = sum(p.shape[0] for p, _ in parts)
     device = parts[0][0].device
     tiling = _Tiling.of(cfg, rows, cols, None if lengths is None else lengths.numel())
-    out = torch.empty(rows, cols, device=device)
+    acc, out = outputs(rows, cols, whitening, out, device)
     unused = (parts[0][0], parts[0][1], 0, 0, 0)
     part_args = [a for p, s in parts for a in (p, s, p.shape[0], p.stride(0), s.stride(0))]
     part_args += [a for _ in range(MAX_PARTS - len(parts)) for a in unused]
     # No FMA contraction: each rank's value q·s is rounded before it is added, as in the reference.
     _decode_sum_kernel[(tiling.programs,)](
-        out, _ends(lengths, out), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
+        acc, _ends(lengths, acc), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
         AVERAGE=average, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
-    if whitening is not None:
-        p = _project(out, None, whitening.q, whitening.c_inv) if whitening.rank else out
-        block_r = min(16, triton.next_power_of_2(rows))
-        n_rb = triton.cdiv(rows, block_r)
-        _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
-            out, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
-            BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
-        )  # fmt: skip
-    return out
+    return unwhiten(acc, out, whitening)

@@ -79,11 +79,12 @@ def reference_decode_sum_unwhiten(
     cfg: CodecConfig,
     average: bool,
     lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
     messages: ``payloads [R, rows·cols]`` codes (``cfg.fmt.code_dtype``), ``scales [R, groups]`` as ``fp8.encode`` made them
     (or as ``lengths`` groups them), each possibly given as parts (module doc); the rank sum is
-    ``ordered_sum``'s."""
+    ``ordered_sum``'s. With ``out`` (``rows·cols`` elements, contiguous), cast into it and returned."""
     if lengths is None:
         lengths = group_lengths(rows, cols, cfg, device=_as_parts(payloads)[0].device)
     decoded = [decode_rows(p, s, lengths, cfg) for p, s in zip(_as_parts(payloads), _as_parts(scales))]
@@ -91,5 +92,37 @@ def reference_decode_sum_unwhiten(
     if average:
         acc /= sum(d.shape[0] for d in decoded)
     acc = acc.view(rows, cols)
-    return whitening.inverse(acc) if whitening is not None else acc
+    acc = whitening.inverse(acc) if whitening is not None else acc
+    return acc if out is None else out.view(rows, cols).copy_(acc)
+
+
+def reference_decode_placed(codes: torch.Tensor, scales: torch.Tensor, code_table, scale_table, seq_at: int,
+                            group_at: int, rows: int, cols: int, whitening: LowRankWhitening | None, cfg: CodecConfig,
+                            lengths: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``kernels.decode_placed`` by ``index_select`` at the tables' ``index`` (an int64 index per element)."""
+    n = rows * cols
+    if lengths is None:
+        lengths = group_lengths(rows, cols, cfg, device=codes.device)
+    payload = codes.index_select(0, code_table.index(seq_at, seq_at + n))
+    scale = scales.index_select(0, scale_table.index(group_at, group_at + lengths.numel()))
+    return reference_decode_sum_unwhiten(payload[None], scale[None], rows, cols, whitening, cfg, False, lengths, out)
+
+
+def reference_sum_rows(parts: Parts, average: bool, out: torch.Tensor | None = None,
+                       place: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """``kernels.sum_rows``: ``ordered_sum`` of the parts in FP32, then ``÷ R``, cast into ``out``
+    (or ``index_copy_`` at the table's ``index``)."""
+    parts = _as_parts(parts)
+    acc = ordered_sum([p.float() for p in parts])
+    if average:
+        acc.div_(sum(p.shape[0] for p in parts))
+    if place is not None:
+        table, at = place
+        return out.index_copy_(0, table.index(at, at + acc.numel()), acc.to(out.dtype))
+    return acc if out is None else out.copy_(acc)
+
+
+def reference_take(src: torch.Tensor, table, at: int, out: torch.Tensor) -> torch.Tensor:
+    """``kernels.take`` by ``index_select`` at the table's ``index``."""
+    return out.copy_(src.index_select(0, table.index(at, at + out.numel())))
 
