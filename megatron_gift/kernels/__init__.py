@@ -164,13 +164,14 @@ def _use_sum(fused: bool, parts: Sequence[torch.Tensor], out: torch.Tensor | Non
             and all(p.dtype in floats for p in parts) and (out is None or out.dtype in floats))  # fmt: skip
 
 
-def sum_rows(parts: Sequence[torch.Tensor], average: bool, out: torch.Tensor | None = None, place: tuple | None = None,
+def sum_rows(parts: torch.Tensor | Sequence[torch.Tensor], average: bool, out: torch.Tensor | None = None, place: tuple | None = None,
              fused: bool = True) -> torch.Tensor:  # fmt: skip
     """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32/BF16/FP16, inner stride 1; the
     rows, part after part, the senders in order), FP32 in row order (``ordered_sum``'s bits), ``÷ R``
     when averaging; into ``out`` (``[n]``, the FP32 result rounded once to its dtype; a new FP32
     tensor when None) or, with ``place = (table, at)``, element ``i`` into ``out[table(at + i)]``
     (``out`` a buffer view, the table a ``comm.packing.Placement``)."""
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
     if _use_sum(fused, parts, out):
         return _receive().sum_rows(parts, average, out, place)
     return reference_sum_rows(parts, average, out, place)

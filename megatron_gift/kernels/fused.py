@@ -131,6 +131,24 @@ def _scale_value(s, E8M0: tl.constexpr):
 
 
 @triton.jit
+def _store_as(ptr, x, mask, BF16: tl.constexpr):
+    """Store FP32 ``x`` rounded once to ``ptr``'s dtype; BF16 (``ptr`` then the output viewed as
+    int16) by integer round-to-nearest-even on the bits as torch rounds (NaN: 0x7FC0), which
+    Triton's interpreter, whose own cast truncates, runs as the GPU does."""
+    if BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        tl.store(ptr, tl.where(x != x, 0x7FC0, rounded).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+def store_arg(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``out`` as a kernel writes it through ``_store_as``, and its ``BF16`` constexpr."""
+    return (out.view(torch.int16), True) if out.dtype is torch.bfloat16 else (out, False)
+
+
+@triton.jit
 def _units(ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
            UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
            ONE_CHUNK: tl.constexpr):  # fmt: skip
@@ -273,6 +291,7 @@ def _decode_sum_kernel(
     world, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
     AVERAGE: tl.constexpr, UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
+    BF16: tl.constexpr,
 ):  # fmt: skip
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
@@ -289,7 +308,7 @@ def _decode_sum_kernel(
                         MANT, BIAS, NO_INF, E8M0)
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
-        tl.store(out_ptr + flat, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_as(out_ptr + flat, acc, mask, BF16)
 
 
 @triton.jit
@@ -321,7 +340,7 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank,
 
 @triton.jit
 def _unwhiten_kernel(u_ptr, out_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     """``out = (S + P' Qᵀ) D^{1/2}`` of FP32 ``S`` (``u_ptr``), written in ``out``'s dtype (``out``
     may be ``S`` itself). Bytes: reads ``S`` (4 per element) and ``P'``, writes ``out``."""
     pid = tl.program_id(0)
@@ -331,8 +350,7 @@ def _unwhiten_kernel(u_ptr, out_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank,
     mask = rmask[:, None] & cmask
     offs = r[:, None] * cols + c
     u = _plus_low_rank(tl.load(u_ptr + offs, mask=mask, other=0.0), p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
-    u = u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0)
-    tl.store(out_ptr + offs, u.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_as(out_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask, BF16)
 
 
 def _fmt_args(cfg: CodecConfig, kernel: str) -> dict:
@@ -486,9 +504,10 @@ def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | N
         p = _project(s, None, whitening.q, whitening.c_inv) if whitening.rank else s
         block_r = min(16, triton.next_power_of_2(rows))
         n_rb = triton.cdiv(rows, block_r)
+        dest, bf16 = store_arg(out)
         _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
-            s, out, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
-            BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
+            s, dest, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
+            BLOCK_R=block_r, BLOCK_C=TILE, BF16=bf16, enable_fp_fusion=True,
         )  # fmt: skip
     return out
 
@@ -515,8 +534,9 @@ def decode_sum_unwhiten(
     part_args = [a for p, s in parts for a in (p, s, p.shape[0], p.stride(0), s.stride(0))]
     part_args += [a for _ in range(MAX_PARTS - len(parts)) for a in unused]
     # No FMA contraction: each rank's value q·s is rounded before it is added, as in the reference.
+    dest, bf16 = store_arg(acc)
     _decode_sum_kernel[(tiling.programs,)](
-        acc, _ends(lengths, acc), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
-        AVERAGE=average, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
+        dest, _ends(lengths, acc), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
+        AVERAGE=average, BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
     return unwhiten(acc, out, whitening)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..numerics.fp8 import CodecConfig
 from ..numerics.whitening import LowRankWhitening
-from .fused import _READ_DTYPES, _Tiling, _add_rows, _chunk, _ends, _fmt_args, _rows, _units, outputs, unwhiten
+from .fused import _Tiling, _add_rows, _chunk, _ends, _fmt_args, _rows, _store_as, _units, outputs, store_arg, unwhiten
 
 BLOCK = 1024  # elements of a program of _sum_kernel
 # Where _sum_kernel's table applies: nowhere, to the reads (one message), to the writes.
@@ -59,7 +59,7 @@ def _decode_placed_kernel(
     out_ptr, ends_ptr, code_ptr, scale_ptr, table_ptr, code_delta_ptr, scale_delta_ptr, n_table, steps,
     seq_at, group_at, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
     UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
+    MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """``out = dec(codes, scales)`` of ``[rows, cols]`` whose element ``i`` is sequence element
     ``seq_at + i`` and whose group ``u`` is group ``group_at + u``, each read at its table position
@@ -77,7 +77,7 @@ def _decode_placed_kernel(
         acc = tl.full([BU, W], -0.0, tl.float32)
         acc = _add_rows(acc, code_ptr, scale_ptr, 1, 0, 0, flat + code_shift, scale_at, mask, umask,
                         MANT, BIAS, NO_INF, E8M0)  # fmt: skip
-        tl.store(out_ptr + flat, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_as(out_ptr + flat, acc, mask, BF16)
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _add_values(acc, x_ptr, k, stride, offs, mask):
 def _sum_kernel(
     out_ptr, x0_ptr, k0, stride0, x1_ptr, k1, stride1, x2_ptr, k2, stride2,
     table_ptr, delta_ptr, n_table, steps, seq_at, n, world,
-    AVERAGE: tl.constexpr, PLACE: tl.constexpr, BLOCK: tl.constexpr,
+    AVERAGE: tl.constexpr, PLACE: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """``out = Σ_i x_i`` (``÷ world`` when ``AVERAGE``) over the rows of three parts, FP32 in row
     order; with ``PLACE``, the reads (``_READ``: one row) or the writes (``_WRITE``) of element ``i``
@@ -117,7 +117,7 @@ def _sum_kernel(
     acc = _add_values(acc, x2_ptr, k2, stride2, src, mask)
     if AVERAGE:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
-    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_as(out_ptr + dst, acc, mask, BF16)
 
 
 def decode_placed(codes: torch.Tensor, scales: torch.Tensor, code_table, scale_table, seq_at: int, group_at: int,
@@ -126,10 +126,11 @@ def decode_placed(codes: torch.Tensor, scales: torch.Tensor, code_table, scale_t
     """See ``kernels.decode_placed``: one launch (+ a cumsum with ``lengths``, + two with whitening)."""
     tiling = _Tiling.of(cfg, rows, cols, None if lengths is None else lengths.numel())
     acc, out = outputs(rows, cols, whitening, out, codes.device)
+    dest, bf16 = store_arg(acc)
     _decode_placed_kernel[(tiling.programs,)](
-        acc, _ends(lengths, acc), codes, scales, code_table.ends, code_table.delta, scale_table.delta,
+        dest, _ends(lengths, acc), codes, scales, code_table.ends, code_table.delta, scale_table.delta,
         code_table.ends.numel(), _steps(code_table), seq_at, group_at, tiling.n_units, rows, cols, *tiling.args(),
-        enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
+        BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
     return unwhiten(acc, out, whitening)
 
@@ -158,8 +159,9 @@ def _launch_sum(out, parts, table, at, n, average, place) -> None:
     part_args += [a for _ in range(3 - len(parts)) for a in unused]
     table_args = (table.ends, table.delta, table.ends.numel(), _steps(table)) if table is not None else (out, out, 0, 0)
     world = sum(p.shape[0] for p in parts)
+    dest, bf16 = store_arg(out)
     _sum_kernel[(triton.cdiv(n, BLOCK),)](
-        out, *part_args, *table_args, at, n, world, AVERAGE=average, PLACE=place.value, BLOCK=BLOCK,
+        dest, *part_args, *table_args, at, n, world, AVERAGE=average, PLACE=place.value, BLOCK=BLOCK, BF16=bf16,
     )  # fmt: skip
 
 
