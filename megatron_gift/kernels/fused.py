@@ -34,7 +34,8 @@ Receiver, ``decode_sum_unwhiten``: per unit ``S = Σ_{i<R} fp8⁻¹(code_i) · s
 order (``acc = -0``, then ``acc += x_i``: the same bits as ``reference.ordered_sum``'s
 ``acc = x_0; acc += x_1 ...``, since ``-0 + x = x``), over up to ``MAX_PARTS`` parts of rows in
 one launch, ``÷ R`` when averaging; then ``P' = S Q diag(c')`` (``_project_kernel``) and
-``S T⁻¹ = (S + P' Qᵀ) D^{1/2}`` in place.
+``S T⁻¹ = (S + P' Qᵀ) D^{1/2}``, written into the caller's output in its dtype (``S`` itself where
+that is FP32; BF16 rounded to nearest even by integer arithmetic, ``_store_as``).
 
 The FP8 codes and E8M0 scales are built and read with integer arithmetic on the FP32 bits (no
 FP8 dtypes), which Triton's CPU interpreter runs as well as the GPU, divisions are IEEE-rounded
@@ -293,6 +294,8 @@ def _decode_sum_kernel(
     ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
     BF16: tl.constexpr,
 ):  # fmt: skip
+    """``out = Σ_i dec(code_i, s_i) [÷ world]`` (module doc) in ``out``'s dtype. Bytes (essential):
+    reads every rank's codes (1 per element) and scales once, writes ``out`` once."""
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
         UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
@@ -540,3 +543,29 @@ def decode_sum_unwhiten(
         AVERAGE=average, BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
     return unwhiten(acc, out, whitening)
+
+
+def _scale_count(a: dict) -> int:
+    """Distinct scales a decode reads per rank: one per unit of ``lengths`` or the matrix codec's
+    blocks, one per row (ROW), one (TENSOR)."""
+    if a["LAYOUT"] == _GROUPS.value:
+        return a["n_units"]
+    return {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
+
+
+def _decode_sum_bytes(a: dict) -> tuple[int, int]:
+    n, ranks = a["rows"] * a["cols"], a["k0"] + a["k1"] + a["k2"]
+    read = ranks * (n * a["code0_ptr"].element_size() + _scale_count(a) * a["scale0_ptr"].element_size())
+    read += a["ends_ptr"].element_size() * a["n_units"] if a["LAYOUT"] == _GROUPS.value else 0
+    return read, n * a["out_ptr"].element_size()
+
+
+def _unwhiten_bytes(a: dict) -> tuple[int, int]:
+    n, rank = a["rows"] * a["cols"], a["rank"]
+    read = n * a["u_ptr"].element_size() + 4 * (rank * (a["rows"] + a["cols"]) + a["cols"])
+    return read, n * a["out_ptr"].element_size()
+
+
+# (bytes read, bytes written) of a launch from its bound arguments (the meter's convention), for
+# the receiver's kernels of this module.
+TRAFFIC = {"_decode_sum_kernel": _decode_sum_bytes, "_unwhiten_kernel": _unwhiten_bytes}
