@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron_gift import kernels
 from megatron_gift.comm import hierarchical, quantized
 from megatron_gift.comm.layout import BucketLayout, Segment
-from megatron_gift.comm.packing import Rows
+from megatron_gift.comm.hierarchical import intra_wire
+from megatron_gift.comm.packing import Rows, packing
 from megatron_gift.comm.topology import Topology, TwoLevelGroups
 from megatron_gift.config import Mode
 from megatron_gift.numerics.fp8 import CodecConfig
@@ -99,9 +100,10 @@ def _count(run, log):
     return ops.total, len(log)
 
 
-def _received(shape):
+def _received(nbytes):
+    """Received bytes: finite FP8 codes (the counts do not depend on them)."""
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, 0x70, shape, generator=gen, dtype=torch.uint8)
+    return torch.randint(0, 0x70, (nbytes,), generator=gen, dtype=torch.uint8)
 
 
 def _flat_stages(numel, world, fused, log, rank=1):
@@ -111,9 +113,9 @@ def _flat_stages(numel, world, fused, log, rank=1):
     for all_reduce in (False, True):
         red = quantized.QuantizedReduce(torch.randn(layout.numel), layout, _Group(world, rank), ts, average=True,
                                         all_reduce=all_reduce, kernels=fused)  # fmt: skip
-        red._send()
-        recv, own = _received(red.recv.shape), red.pk.own_copy(red.buf)
-        rows = lambda: Rows(recv, own, rank, red.pk.own)  # noqa: E731
+        pk = packing(layout, list(range(world)), [[j] for j in range(world) if j != rank] + [[rank]], None, "cpu")
+        recv, own = _received((world - 1) * pk.own.nbytes), _received(pk.own.nbytes)
+        rows = lambda: Rows(recv, own, rank, pk.own)  # noqa: E731
         if all_reduce:
             out["own message"] = _count(lambda: red._own_message(rows()), log)
         else:
@@ -126,7 +128,7 @@ def _gathered_decode(numel, world, fused, log):
     segments = _layout(numel // 4, 4).segments
     layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
     ts, flat = _transforms(layout), torch.zeros(numel)
-    gathered = _received((world * layout.max_message_bytes,))
+    gathered = _received(world * layout.max_message_bytes)
     slots = list(range(world))
     return {"gathered decode": _count(lambda: quantized.decode_gathered(gathered, layout, ts, flat, slots, fused), log)}
 
@@ -134,13 +136,16 @@ def _gathered_decode(numel, world, fused, log):
 def _node_sums(numel, nodes, per_node, fused, log, rank=1):
     world = nodes * per_node
     layout = _layout(numel // world, world)
-    groups = TwoLevelGroups(_Group(world, rank), Topology(nodes, per_node))
+    topo = Topology(nodes, per_node)
+    groups = TwoLevelGroups(_Group(world, rank), topo)
+    local = topo.local(rank)
+    messages = [topo.inter_ranks(lp) for lp in range(per_node) if lp != local] + [topo.inter_ranks(rank)]
     out = {}
     for intra in ("bf16", "fp8"):
         red = hierarchical.TwoLevelReduce(torch.randn(layout.numel), layout, groups, _transforms(layout), intra=intra,
                                           average=True, kernels=fused)  # fmt: skip
-        red._intra()
-        buf, recv = red.buf1, _received(red.recv1.shape)
+        red.pk1 = packing(layout, list(range(world)), messages, intra_wire(intra, torch.float32), "cpu")
+        buf, recv = _received(red.pk1.nbytes), _received((per_node - 1) * red.pk1.own.nbytes)
 
         def run():
             red.buf1, red.recv1 = buf, recv
