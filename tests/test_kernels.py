@@ -23,7 +23,10 @@ from megatron_gift.comm import quantized
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
+from megatron_gift.comm.packing import Placement, packing
+from megatron_gift.comm.quantized import decode_gathered
 from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_whiten_encode
+from megatron_gift.kernels.reference import reference_sum_rows, reference_take
 from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, encode, encode_flat, group_lengths
 from megatron_gift.numerics.whitening import LowRankWhitening
@@ -38,7 +41,8 @@ CONFIGS = [CodecConfig(fmt=f, scaling=s) for f in FP8Format for s in Scaling]
 # With lengths TENSOR scaling takes the reference (kernels.whiten_encode's doc).
 GROUPED_CONFIGS = [c for c in CONFIGS if c.scaling is not Scaling.TENSOR]
 SHAPES = [(1, 1), (1, 300), (20, 257)]
-KERNELS = ["_encode_kernel", "_decode_sum_kernel", "_project_kernel", "_unwhiten_kernel"]
+KERNELS = {"fused": ["_encode_kernel", "_decode_sum_kernel", "_project_kernel", "_unwhiten_kernel"],
+           "receive": ["_decode_placed_kernel", "_sum_kernel"]}
 CUDA_GRID = (2**31 - 1, 65535, 65535)  # the most programs a CUDA grid holds per dimension
 
 
@@ -46,11 +50,13 @@ class Launches:
     """Records each Triton launch of ``fused``'s kernels as ``(kernel, grid)``."""
 
     def __init__(self, monkeypatch):
-        from megatron_gift.kernels import fused
+        import importlib
 
         self.log: list[tuple[str, tuple]] = []
-        for name in KERNELS:
-            monkeypatch.setattr(fused, name, _Recorded(getattr(fused, name), name, self.log))
+        for module, names in KERNELS.items():
+            module = importlib.import_module(f"megatron_gift.kernels.{module}")
+            for name in names:
+                monkeypatch.setattr(module, name, _Recorded(getattr(module, name), name, self.log))
 
     def since(self, mark: int) -> list[str]:
         return [name for name, _ in self.log[mark:]]
@@ -74,8 +80,8 @@ def kernels_only(monkeypatch):
     def fallback(*args, **kwargs):
         raise AssertionError("fell back to the PyTorch reference")
 
-    monkeypatch.setattr(kernels, "reference_whiten_encode", fallback)
-    monkeypatch.setattr(kernels, "reference_decode_sum_unwhiten", fallback)
+    for name in ("whiten_encode", "decode_sum_unwhiten", "decode_placed", "sum_rows", "take"):
+        monkeypatch.setattr(kernels, f"reference_{name}", fallback)
     launches = Launches(monkeypatch)
     yield launches
     assert launches.log, "no Triton kernel ran"
@@ -425,6 +431,145 @@ def test_launches_do_not_grow_with_ranks(device, rank, kernels_only):
         assert ops[2] == ops[5] == ops[9], ops
 
 
+def _bits(x):
+    """``x`` as FP32 (exact from BF16/FP16) for ``_assert_same_bits``."""
+    return x.float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [None, 4])
+def test_decode_into_a_bucket_slice(device, dtype, rank, kernels_only):
+    """The rank sum written straight into a slice of a bucket in the bucket's dtype (nothing else of
+    the bucket touched): without ``T`` bit for bit the reference's FP32 result rounded once to that
+    dtype; with ``T⁻¹`` bit for bit the kernels' own FP32 result rounded once (the FP32 sum kept for
+    ``P' = S Q``). A sum rounded before ``T⁻¹``, a second rounding, or a write beside the slice fails."""
+    cfg = CodecConfig()
+    (rows, cols), lengths = _lengths("cut", cfg, device)
+    w = None if rank is None else _whitening(cols, rank, device)
+    (payloads, scales), (recv_payloads, recv_scales) = _received(5, rows, cols, cfg, device, lengths, special=w is None)
+    parts = (_split(recv_payloads, SPLITS["middle"]), _split(recv_scales, SPLITS["middle"]))
+    bucket = torch.full((rows * cols + 10,), 7.0, dtype=dtype, device=device)
+    got = kernels.decode_sum_unwhiten(*parts, rows, cols, w, cfg, True, lengths=lengths, out=bucket[5:-5])
+    assert got.data_ptr() == bucket[5:].data_ptr() and got.shape == (rows, cols)
+    assert (bucket[:5] == 7).all() and (bucket[-5:] == 7).all()
+    if w is None:
+        want = reference_decode_sum_unwhiten(payloads, scales, rows, cols, None, cfg, True, lengths=lengths)
+    else:
+        want = kernels.decode_sum_unwhiten(*parts, rows, cols, w, cfg, True, lengths=lengths)
+    _assert_same_bits(_bits(got), _bits(want.to(dtype)))
+
+
+# Five shards of 241: "a" (GIFT) has a row cut by the first boundary; shard 2 holds plain values
+# only and shard 4 nothing (zero-size entries of every table, in the middle and at the end).
+PLACED_LAYOUT = (
+    1205,
+    [
+        Segment(0, 8, 40, Mode.GIFT, "a"),
+        Segment(330, 1, 30, Mode.OFF, "norm"),
+        Segment(360, 3, 40, Mode.EUCLIDEAN, "b"),
+        Segment(482, 1, 241, Mode.OFF, "big"),
+        Segment(730, 1, 30, Mode.BF16, "bias"),
+        Segment(760, 2, 102, Mode.EUCLIDEAN, "d"),
+    ],
+)
+PLACED_CONFIGS = [CodecConfig(), CodecConfig(scaling=Scaling.ROW), CodecConfig(FP8Format.E5M2, Scaling.MX)]
+
+
+def _gathered(layout, slots, device):
+    """An all-gathered buffer of one message per shard (shard ``j`` in slot ``slots[j]``): random
+    finite codes of either sign, scales from subnormal to large, plain values N(0, 1); its packing."""
+    order = sorted(range(layout.num_shards), key=lambda j: slots[j])
+    width = layout.max_message_bytes
+    gp = packing(layout, list(range(layout.num_shards)), [[j] for j in order], None, device, width)
+    gen = torch.Generator().manual_seed(21)
+    size = layout.num_shards * width
+    codes = torch.randint(0, 0x70, (size,), generator=gen) | torch.randint(0, 2, (size,), generator=gen) << 7
+    buf = codes.to(device, torch.uint8)
+    views = quantized.views(buf, layout)
+    n_groups = layout.n_groups
+    if layout.codec.scaling is Scaling.MX:
+        scales = torch.randint(100, 150, (n_groups,), generator=gen, dtype=torch.uint8)
+    else:
+        scales = torch.tensor([2.0**-126, 1e-3, 0.1, 1.0, 7.5, 3e4])[torch.randint(0, 6, (n_groups,), generator=gen)]
+    views["groups"].index_copy_(0, gp.place["groups"].index(0, n_groups), scales.to(device))
+    for c, name in enumerate(("off", "bf16")):
+        n = layout.n_plain[c]
+        values = torch.randn(n, generator=gen).to(device, views[name].dtype)
+        views[name].index_copy_(0, gp.place[name].index(0, n), values)
+    return buf, gp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", PLACED_CONFIGS, ids=lambda c: c.name)
+def test_gathered_decode_reads_at_table_positions(device, dtype, cfg, monkeypatch):
+    """``decode_gathered`` on the kernels (codes, scales and plain values read at the packing's table
+    positions in the kernel; slots out of shard order; a cut row, a shard of plain values only, an
+    empty shard) against its PyTorch path (``index_select`` of a per-element index): Euclidean and
+    plain values bit for bit, GIFT ones to FP32 rounding of ``T⁻¹``; one placed decode per coded
+    segment, one placed read per plain one. A wrong shard lookup (an empty shard not skipped), a
+    scale of the wrong shard or a slot order ignored fails."""
+    numel, segments = PLACED_LAYOUT
+    layout = BucketLayout(numel, 5, segments, cfg, dtype)
+    transforms = [_whitening(s.cols, 4, device, seed=k) if s.mode is Mode.GIFT else None for k, s in enumerate(segments)]
+    slots = [1, 3, 0, 4, 2]
+    gathered, _ = _gathered(layout, slots, device)
+    want = torch.full((numel,), 3.0, dtype=dtype, device=device)
+    decode_gathered(gathered, layout, transforms, want, slots, fused=False)
+    launches = Launches(monkeypatch)
+    got = torch.full((numel,), 3.0, dtype=dtype, device=device)
+    decode_gathered(gathered, layout, transforms, got, slots, fused=True)
+    placed = [name for name, _ in launches.log if name in KERNELS["receive"]]
+    assert placed == ["_decode_placed_kernel"] * 3 + ["_sum_kernel"] * 3, placed
+    for k, s in enumerate(segments):
+        a, b = got[s.start : s.end], want[s.start : s.end]
+        if transforms[k] is None:
+            _assert_same_bits(_bits(a), _bits(b))
+        else:
+            _assert_fp32_close(a.float().view(s.rows, s.cols), b.float().view(s.rows, s.cols), transforms[k])
+    gaps = torch.ones(numel, dtype=torch.bool)
+    for s in segments:
+        gaps[s.start : s.end] = False
+    assert (got[gaps] == 3).all()
+
+
+# Sizes of a table's source shards (zero-size ones included) and where each starts in a buffer of 1000.
+TABLE = ([3, 0, 700, 0, 5, 2], [10, 0, 100, 60, 20, 40])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", ["tensor", "middle", "first", "last"])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])  # fmt: skip
+def test_sum_rows_is_bitwise(device, split, dtype, out_dtype, kernels_only):
+    """The rank sum of 5 senders' float values (parts of strided rows, an empty part first or last)
+    bit for bit ``reference_sum_rows`` (``ordered_sum`` in FP32, ``÷ R``, one rounding to the
+    output's dtype), into a tensor and at a table's positions (zero-size shards between); one
+    placed read likewise. A row skipped or added out of order, a division before the sum, or a
+    lookup that lands an element in the wrong shard fails."""
+    sizes, starts = TABLE
+    n = sum(sizes)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, n + 6, generator=gen) * torch.exp(4 * torch.randn(5, n + 6, generator=gen))
+    x[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    x[:, 3] = -0.0
+    rows = x.to(dtype).to(device)[:, 2 : n + 2]  # strided rows
+    parts = _split(rows, SPLITS[split])
+    table = Placement(sizes, starts, device)
+    for average in (False, True):
+        got = kernels.sum_rows(parts, average, out=torch.empty(n, dtype=out_dtype, device=device))
+        _assert_same_bits(_bits(got), _bits(reference_sum_rows(parts, average, torch.empty(n, dtype=out_dtype, device=device))))
+        buf, ref = (torch.full((1000,), 9.0, dtype=out_dtype, device=device) for _ in range(2))
+        kernels.sum_rows(parts, average, out=table.at(buf, 0))
+        reference_sum_rows(parts, average, table.at(ref, 0))
+        _assert_same_bits(_bits(buf), _bits(ref))
+    src = torch.randn(1000, generator=gen).to(dtype).to(device)
+    for at, m in ((0, n), (3, 703)):
+        got = kernels.take(table.at(src, at), torch.empty(m, dtype=out_dtype, device=device))
+        _assert_same_bits(_bits(got), _bits(reference_take(table.at(src, at), torch.empty(m, dtype=out_dtype, device=device))))
+
+
 # A 1-D parameter of more groups than CUDA grids hold on dimension 1 (where the old grid put
 # cdiv(cols, block)): one-element groups keep it cheap in the interpreter; CUDA also runs ~8.4M
 # elements of 1x128 blocks.
@@ -597,28 +742,36 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         # the sender's: placed into the messages, with error feedback
         ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=True, **GROUPS, **E4M3), False, True),
         ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=57344.0, PLACE=True, FEEDBACK=False, **GROUPS, **E5M2_MX), False, True),
-        ("_decode_sum_kernel", dict(AVERAGE=True, **GROUPS, **E4M3), False, True),
-        ("_decode_sum_kernel", dict(AVERAGE=False, **ORDERED, **E5M2_MX), False, False),
         ("_project_kernel", dict(SCALE_D=True, BM=16, BK=64, BR=32), True, False),
-        ("_unwhiten_kernel", {}, True, False),
         ("_place_kernel", dict(WHITEN=True, CAST=2), True, False),
         ("_place_kernel", dict(WHITEN=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True, False),
+        ("_decode_sum_kernel", dict(AVERAGE=True, BF16=False, **GROUPS, **E4M3), False, True),
+        ("_decode_sum_kernel", dict(AVERAGE=False, BF16=True, **ORDERED, **E5M2_MX), False, False),
+        ("_unwhiten_kernel", dict(BF16=False), True, False),
+        ("_unwhiten_kernel", dict(BF16=True), True, False),
+        ("_decode_placed_kernel", dict(BF16=True, **GROUPS, **E4M3), False, False),
+        ("_decode_placed_kernel", dict(BF16=False, **ORDERED, **E5M2_MX), False, False),
+        ("_sum_kernel", dict(AVERAGE=True, PLACE=2, BLOCK=1024, BF16=True), False, True),
+        ("_sum_kernel", dict(AVERAGE=False, PLACE=1, BLOCK=1024, BF16=False), False, False),
     ]
 
     def _signature(kernel, constexprs):
         """Triton types of ``kernel``'s arguments: codes uint8, scales E8M0 bytes or FP32, group
-        ends and placement tables int64, a placed cast's output BF16, other pointers FP32, integers int32."""
+        ends and placement tables int64, a placed cast's output BF16, a BF16 output of the receive
+        kernels int16 bits, other pointers FP32, integers int32."""
 
         def pointer(name):
-            if name.endswith(("ends_ptr", "delta_ptr")):
+            if name in ("ends_ptr", "table_ptr") or name.endswith("delta_ptr"):
                 return "*i64"
             if name == "out_ptr" and constexprs.get("CAST") == 2:
                 return "*bf16"
+            if name == "out_ptr" and constexprs.get("BF16"):
+                return "*i16"
             if name.startswith("code"):
                 return "*u8"
             if name.startswith("scale"):
                 return "*u8" if constexprs.get("E8M0") and constexprs.get("PASS") != 2 else "*fp32"
-            return "*i64" if name == "ends_ptr" else "*fp32"
+            return "*fp32"
 
         return {
             a: "constexpr" if a in constexprs else pointer(a) if a.endswith("_ptr") else "i32" for a in kernel.arg_names
@@ -633,9 +786,9 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from megatron_gift.kernels import fused, place
+        from megatron_gift.kernels import fused, place, receive
 
-        kernel = getattr(fused, name, None) or getattr(place, name)
+        kernel = getattr(fused, name, None) or getattr(place, name, None) or getattr(receive, name)
         tile = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
         constexprs = {**{k: v for k, v in tile.items() if k in kernel.arg_names}, **constexprs}
         signature = _signature(kernel, constexprs)

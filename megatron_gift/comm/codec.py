@@ -11,10 +11,11 @@ temporaries::
     Ũ = U + e          with error feedback (then the residual e ← Ũ - dec(q(Ũ)) is staged)
     codes, scales of q(Ũ) → each shard's message        (``cast_bucket``: U in a float wire dtype)
 
-Receiver (``reduce_coded``): the FP32 sum of every sender's codes of one segment part, senders in
-rank order, ÷ R when averaging, ``T⁻¹`` of whole rows when given. Its work is cut into chunks of
-at most ``budget`` elements (the receiving side divides it by the number of senders); each chunk
-costs a fixed number of ops whatever the number of peers.
+Receiver (``reduce_coded``, ``sum_plain``): the FP32 sum of every sender's codes (or plain values)
+of one segment part, senders in rank order, ÷ R when averaging, ``T⁻¹`` of whole rows when given,
+written straight into its destination (a bucket slice, a message section) in that one's dtype.
+The fused kernels take a whole part in one launch; the PyTorch path cuts it into chunks of
+``CHUNK`` elements.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ from ..numerics.error_feedback import ErrorFeedback
 from .layout import BucketLayout, Part, ShardPlan
 from .packing import Packing, Rows
 
-# Elements per chunk: the PyTorch path (~24 bytes of temporaries per element), the fused kernels
-# (which hold no large temporaries; the placement index takes ~32 bytes per element).
-BUDGET = {False: 1 << 14, True: 1 << 20}
 
 
 def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
@@ -37,10 +35,12 @@ def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
             "off": buf.view(layout.plain_dtypes[0]), "bf16": buf.view(torch.bfloat16)}  # fmt: skip
 
 
-# Elements per chunk of the sender's PyTorch path, where temporaries grow with the chunk: FP32
-# ``U`` (and ``Ũ``), ``U / s``, the per-element scales, the codes and the int64 placement index
-# (``Placement.index``: ~32 bytes per element alone), ~48 bytes per element, so at most ~800 MiB
-# at a time. The fused path takes whole segments.
+# Elements per chunk of the PyTorch path, where temporaries grow with the chunk (the fused kernels
+# take whole segments and segment parts: no chunks). Sender: FP32 ``U`` (and ``Ũ``), ``U / s``, the
+# per-element scales, the codes and the int64 placement index (``Placement.index``), ~48 bytes per
+# element, so at most ~800 MiB at a time. Receiver: ~24 bytes per element of each sender's message
+# in a chunk (R senders' copies of a part are at most the bucket). Not divided by the number of
+# senders: the ops of a part are the same at any data-parallel size.
 CHUNK = 1 << 24
 
 
@@ -98,35 +98,43 @@ def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Buc
                 kernels.whiten_place(x.view(1, -1), None, pk.place[name].at(out[name], at + k0), fused=use_kernels)
 
 
-def sum_plain(rows: Rows, layout: BucketLayout, c: int, k0: int, k1: int, average: bool) -> torch.Tensor:
-    """FP32 sum over the senders (rank order) of plain class ``c``'s values ``[k0, k1)`` of the message."""
-    parts = [p.float() for p in rows.plain(c, k0, k1, layout.plain_dtypes[c])]
-    acc = kernels.ordered_sum(parts)
-    return acc.div_(rows.count) if average else acc
+def sum_plain(rows: Rows, layout: BucketLayout, c: int, k0: int, k1: int, average: bool, fused: bool,
+              out: torch.Tensor | kernels.Place | None = None) -> torch.Tensor | None:  # fmt: skip
+    """FP32 sum over the senders (rank order) of plain class ``c``'s values ``[k0, k1)`` of the
+    message, ÷ R when averaging, into ``out`` (a tensor or a ``kernels.Place``; ``kernels.sum_rows``)."""
+    return kernels.sum_rows(rows.plain(c, k0, k1, layout.plain_dtypes[c]), average, out, fused=fused)
 
 
 def reduce_coded(rows: Rows, layout: BucketLayout, plan: ShardPlan, k0: int, k1: int, shape: tuple[int, int],
-                 whitening, average: bool, fused: bool) -> torch.Tensor:  # fmt: skip
+                 whitening, average: bool, fused: bool, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``(Σ_i dec(message_i) [÷ R]) T⁻¹`` (``T⁻¹`` where ``whitening`` is given) of coded values
-    ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: FP32 ``shape``
-    (the fused kernels where ``fused`` and they can run)."""
+    ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: ``shape``,
+    into ``out`` when given (else FP32; the fused kernels where ``fused`` and they can run)."""
     g0, g1, lengths = layout.group_slice(k0, k1, rows.parts[0].device)
     payloads = rows.coded(k0 - plan.coded_lo, k1 - plan.coded_lo, layout.coded_dtype())
     scales = rows.scales(g0 - plan.group_lo, g1 - plan.group_lo, layout.codec.scale_dtype())
     return kernels.decode_sum_unwhiten(payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths,
-                                       fused=fused)
+                                       fused=fused, out=out)  # fmt: skip
 
 
-def part_chunks(layout: BucketLayout, part: Part, budget: int, whitened: bool) -> list[tuple[int, int, int, int]]:
+def part_chunks(layout: BucketLayout, part: Part, chunk: int | None, whitened: bool) -> list[tuple[int, int, int, int]]:
     """``(k0, k1, rows, cols)`` chunks of a segment part (coded range): its whole rows when
-    ``whitened`` (the cut rows are the shard's pieces, reduced apart), else all of it. ``budget``:
-    elements of all senders' messages together (pass the chunk budget over their number)."""
+    ``whitened`` (the cut rows are the shard's pieces, reduced apart), else all of it; in one
+    chunk when ``chunk`` is None, else in chunks of about ``chunk`` elements (``CHUNK``)."""
     s, at = layout.segments[part.seg], layout.seg_at[part.seg]
     k0, k1 = part.at, part.at + part.hi - part.lo
-    if not whitened:
-        return [(a, b, 1, b - a) for a, b in layout.chunks(part.seg, k0, k1, budget, whole_rows=False)]
-    r0, r1 = -(-(k0 - at) // s.cols), (k1 - at) // s.cols
-    if r1 <= r0:
-        return []
-    chunks = layout.chunks(part.seg, at + r0 * s.cols, at + r1 * s.cols, budget, whole_rows=True)
-    return [(a, b, (b - a) // s.cols, s.cols) for a, b in chunks]
+    if whitened:
+        r0, r1 = -(-(k0 - at) // s.cols), (k1 - at) // s.cols
+        if r1 <= r0:
+            return []
+        k0, k1 = at + r0 * s.cols, at + r1 * s.cols
+    ranges = [(k0, k1)] if chunk is None else layout.chunks(part.seg, k0, k1, chunk, whole_rows=whitened)
+    return [(a, b, (b - a) // s.cols, s.cols) if whitened else (a, b, 1, b - a) for a, b in ranges]
+
+
+def spans(lo: int, n: int, chunk: int | None) -> list[tuple[int, int]]:
+    """``[lo, lo + n)`` in consecutive pieces of at most ``chunk`` (plain values: no groups to
+    respect; one piece when ``chunk`` is None); one empty piece when ``n`` is 0 (the same ops
+    whether a rank holds such values or not)."""
+    step = n if chunk is None else chunk
+    return [(a, min(a + step, lo + n)) for a in range(lo, lo + n, max(step, 1))] or [(lo, lo)]

@@ -35,11 +35,11 @@ import torch.distributed as dist
 
 from .. import kernels as _kernels
 from ..config import IntraNode
-from .codec import cast_bucket, encode_bucket, plain_bucket, views
+from .codec import cast_bucket, encode_bucket, plain_bucket, spans, sum_plain, views
 from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
 from .packing import Rows, packing
-from .quantized import ShardReduction, Whitenings, _all_gather, decode_gathered, spans, with_self
+from .quantized import ShardReduction, Whitenings, _all_gather, decode_gathered, with_self
 from .schedule import Step
 from .topology import TwoLevelGroups
 
@@ -118,14 +118,12 @@ class TwoLevelReduce(ShardReduction):
                 values = _kernels.decode_sum_unwhiten(coded, rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0, None, cfg,
                                                       False, lengths=lengths, fused=self.kernels)  # fmt: skip
             else:
-                values = _kernels.ordered_sum([p.float() for p in coded])
-            enc = _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, fused=self.kernels)
-            out["coded"].index_copy_(0, self.pk2.place["coded"].index(c0, c1), enc.payload.view(-1))
-            out["groups"].index_copy_(0, self.pk2.place["groups"].index(g0, g1), enc.scales.view(-1))
+                values = _kernels.sum_rows(coded, False, fused=self.kernels)
+            into = _kernels.Placed(self.pk2.place["coded"].at(out["coded"], c0), self.pk2.place["groups"].at(out["groups"], g0))
+            _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, fused=self.kernels, into=into)
         for c, name in enumerate(("off", "bf16")):
-            for a, b in spans(0, counts[c], self.budget // self.topo.ranks_per_node):
-                sums = _kernels.ordered_sum([p.float() for p in rows.plain(c, a, b, layout.plain_dtypes[c])])
-                out[name].index_copy_(0, self.pk2.place[name].index(a, b), sums.to(layout.plain_dtypes[c]))
+            for a, b in spans(0, counts[c], self.chunk):
+                sum_plain(rows, layout, c, a, b, False, self.kernels, out=self.pk2.place[name].at(out[name], a))
         own = self.pk2.own.nbytes
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk2.sent_bytes
@@ -135,15 +133,17 @@ class TwoLevelReduce(ShardReduction):
         return Step([work], [buf, self.recv])
 
     def _held(self, device):
-        """The chunks of the held shards' coded values one after another, aligned to their groups:
-        ``((c0, c1), (g0, g1), group lengths on the device)``; and their plain counts."""
+        """The chunks of the held shards' coded values one after another, aligned to their groups
+        (one chunk on the fused path, ``CHUNK``): ``((c0, c1), (g0, g1), group lengths on the
+        device)``; and their plain counts."""
         layout = self.layout
 
         def build():
             plans = [layout.shards[j] for j in self.held]
             lengths = torch.cat([layout.group_lengths[p.group_lo : p.group_hi] for p in plans])
             starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-            chunks = group_chunks(starts, self.budget // self.topo.ranks_per_node) if lengths.numel() else []
+            n = int(starts[-1])
+            chunks = ([(0, n)] if self.chunk is None else group_chunks(starts, self.chunk)) if lengths.numel() else []
             on_device = lengths.to(device=device, dtype=torch.int32)
             pairs = []
             for a, b in chunks:
@@ -152,7 +152,7 @@ class TwoLevelReduce(ShardReduction):
             counts = [sum(p.plain_hi[c] - p.plain_lo[c] for p in plans) for c in range(2)]
             return pairs, counts
 
-        return layout.cached(("held", self.local, str(device), self.budget), build)
+        return layout.cached(("held", self.local, str(device), self.chunk), build)
 
     def _inter_rows(self) -> Rows:
         rows = Rows(self.recv, self.pk2.own_copy(self.buf), self.node, self.pk2.own)

@@ -32,7 +32,7 @@ from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp8 import CodecConfig
 from ..numerics.wire import KERNELS
 from ..numerics.whitening import LowRankWhitening
-from .codec import BUDGET, encode_bucket, part_chunks, plain_bucket, reduce_coded, sum_plain, views
+from .codec import CHUNK, encode_bucket, part_chunks, plain_bucket, reduce_coded, spans, sum_plain, views
 from .layout import BucketLayout
 from .ledger import CommLedger, coded_label
 from .packing import Rows, packing
@@ -64,12 +64,6 @@ def write(flat: torch.Tensor, pos: int, values: torch.Tensor) -> None:
     flat[pos : pos + values.numel()].copy_(values.reshape(-1))
 
 
-def spans(lo: int, n: int, step: int) -> list[tuple[int, int]]:
-    """``[lo, lo + n)`` in consecutive pieces of at most ``step`` (plain values: no groups to
-    respect); one empty piece when ``n`` is 0 (the same ops whether a rank holds such values or not)."""
-    return [(a, min(a + step, lo + n)) for a in range(lo, lo + n, max(step, 1))] or [(lo, lo)]
-
-
 class ShardReduction(Reduction):
     """What the flat and two-level reductions share: the own shard's reduction from the messages
     of every sender, the cut rows, the all-reduce's gathered decode (construction does no work).
@@ -92,7 +86,7 @@ class ShardReduction(Reduction):
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
         self.kernels = use_kernels(flat.device, kernels, layout.codec)
-        self.budget = BUDGET[self.kernels]
+        self.chunk = None if self.kernels else CHUNK
         self.coded_label = coded_label(layout.codec.fmt)  # the ledger's name of the coded messages
 
     def _links(self, per_peer: list[int]) -> dict[str, int] | None:
@@ -110,21 +104,38 @@ class ShardReduction(Reduction):
             self.nonfinite[self.stage].logical_or_(torch.isfinite(values).all().logical_not())
         return values
 
+    def _target(self, dest: torch.Tensor) -> torch.Tensor:
+        """Where a sum bound for ``dest`` (a bucket slice, a message section) is computed: ``dest``
+        itself, unless ``_reduced`` divides it afterwards and ``dest`` is narrower than FP32 (the
+        quotient is rounded once, from FP32, as everywhere else): then an FP32 temporary."""
+        if self.average and not self.divide_first and dest.dtype != torch.float32:
+            return torch.empty(dest.shape, device=dest.device)
+        return dest
+
+    def _store(self, dest: torch.Tensor, values: torch.Tensor) -> None:
+        """``values`` (computed into ``_target(dest)``) finished (``_reduced``) and left in ``dest``."""
+        values = self._reduced(values)
+        if values is not dest:
+            dest.copy_(values)
+
     def _reduce_own(self, rows: Rows) -> Step:
-        """Reduce-scatter: the own shard's sum of ``rows``' messages, ``T⁻¹`` of whole rows, written;
-        the cut rows' partials sent to the neighbours."""
+        """Reduce-scatter: the own shard's sum of ``rows``' messages, ``T⁻¹`` of whole rows, written
+        into the bucket (one decode, or plain sum, per segment part on the fused path); the cut rows'
+        partials sent to the neighbours."""
         layout, plan, flat = self.layout, self.layout.shards[self.rank], self.flat
         first = self.average and self.divide_first
         for c, parts in enumerate(plan.plain_parts):
             for part in parts:
-                for a, b in spans(part.at - plan.plain_lo[c], part.hi - part.lo, self.budget // rows.count):
-                    sums = self._reduced(sum_plain(rows, layout, c, a, b, first))
-                    write(flat, part.lo + a - (part.at - plan.plain_lo[c]), sums)
+                at = part.at - plan.plain_lo[c]
+                for a, b in spans(at, part.hi - part.lo, self.chunk):
+                    dest = flat[part.lo + a - at : part.lo + b - at]
+                    self._store(dest, sum_plain(rows, layout, c, a, b, first, self.kernels, out=self._target(dest)))
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
-            for k0, k1, n_rows, cols in part_chunks(layout, part, self.budget // rows.count, t is not None):
-                values = self._reduced(reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels))
-                write(flat, part.lo + k0 - part.at, values)
+            for k0, k1, n_rows, cols in part_chunks(layout, part, self.chunk, t is not None):
+                dest = flat[part.lo + k0 - part.at : part.lo + k1 - part.at].view(n_rows, cols)
+                out = self._target(dest)
+                self._store(dest, reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels, out))
         values = []
         for p in plan.pieces:
             if self.transforms[p.seg] is None:  # reduced with its part
@@ -158,16 +169,18 @@ class ShardReduction(Reduction):
         out = views(msg, layout)
         first = self.average and self.divide_first
         for part in plan.coded_parts:
-            for k0, k1, _, _ in part_chunks(layout, part, self.budget // rows.count, False):
+            for k0, k1, _, _ in part_chunks(layout, part, self.chunk, False):
                 values = self._reduced(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels))
                 g0, g1 = layout.group_range(k0, k1)
-                enc = _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels)
-                out["coded"].index_copy_(0, own.place["coded"].index(k0 - plan.coded_lo, k1 - plan.coded_lo), enc.payload.view(-1))
-                out["groups"].index_copy_(0, own.place["groups"].index(g0 - plan.group_lo, g1 - plan.group_lo), enc.scales.view(-1))
+                into = _kernels.Placed(own.place["coded"].at(out["coded"], k0 - plan.coded_lo),
+                                       own.place["groups"].at(out["groups"], g0 - plan.group_lo))  # fmt: skip
+                _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels,
+                                       into=into)  # fmt: skip
         for c, name in enumerate(("off", "bf16")):
-            for a, b in spans(0, plan.plain_hi[c] - plan.plain_lo[c], self.budget // rows.count):
-                sums = self._reduced(sum_plain(rows, layout, c, a, b, first))
-                out[name].index_copy_(0, own.place[name].index(a, b), sums.to(layout.plain_dtypes[c]))
+            at = own.own.plain_at[c] // layout.plain_dtypes[c].itemsize  # the own shard's values, one after another
+            for a, b in spans(0, plan.plain_hi[c] - plan.plain_lo[c], self.chunk):
+                dest = out[name][at + a : at + b]
+                self._store(dest, sum_plain(rows, layout, c, a, b, first, self.kernels, out=self._target(dest)))
         return msg
 
 
@@ -230,24 +243,25 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
                     slots: list[int], fused: bool) -> None:  # fmt: skip
     """Every shard's reduced message (shard ``j`` in slot ``slots[j]`` of ``gathered``, slots of
     ``max_message_bytes``) decoded into ``flat``, ``T⁻¹`` applied to whole rows: the same bytes give
-    the same bits on every rank."""
+    the same bits on every rank. Per segment one placed decode (``kernels.decode_placed``: codes and
+    scales read at the packing's table positions) or one placed read of its plain values, written
+    into the bucket in its dtype (the PyTorch path: chunks of ``CHUNK`` coded elements)."""
     width, device = layout.max_message_bytes, flat.device
     order = sorted(range(layout.num_shards), key=lambda j: slots[j])
     gp = layout.cached(("gathered", tuple(slots), str(device)), lambda: packing(
         layout, list(range(layout.num_shards)), [[j] for j in order], None, device, width))  # fmt: skip
     src = views(gathered, layout)
+    chunk = None if fused else CHUNK
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
-        for k0, k1 in layout.chunks(i, at, at + s.rows * s.cols, BUDGET[fused], whole_rows=t is not None):
+        end = at + s.rows * s.cols
+        for k0, k1 in [(at, end)] if chunk is None else layout.chunks(i, at, end, chunk, whole_rows=t is not None):
             g0, g1 = layout.group_range(k0, k1)
-            payload = src["coded"].index_select(0, gp.place["coded"].index(k0, k1))
-            scales = src["groups"].index_select(0, gp.place["groups"].index(g0, g1))
             shape = ((k1 - k0) // s.cols, s.cols) if t is not None else (1, k1 - k0)
-            values = _kernels.decode_sum_unwhiten(payload[None], scales[None], *shape, t, layout.codec, False,
-                                                  lengths=layout.lengths(g0, g1, device), fused=fused)  # fmt: skip
-            write(flat, s.start + k0 - at, values)
+            placed = _kernels.Placed(gp.place["coded"].at(src["coded"], k0), gp.place["groups"].at(src["groups"], g0))
+            _kernels.decode_placed(placed, *shape, t, layout.codec, lengths=layout.lengths(g0, g1, device),
+                                   out=flat[s.start + k0 - at : s.start + k1 - at], fused=fused)  # fmt: skip
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]
-            values = src[name].index_select(0, gp.place[name].index(at, at + s.rows * s.cols))
-            write(flat, s.start, values)
+            _kernels.take(gp.place[name].at(src[name], at), flat[s.start : s.end], fused=fused)

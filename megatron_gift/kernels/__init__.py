@@ -8,7 +8,11 @@ code as reference and fallback:
   ``G T`` (or the values as they are) cast to a float wire dtype at the table's positions
   (``kernels/place.py``);
 - receiver, ``decode_sum_unwhiten``: decode R ranks' messages, sum them in FP32 in rank order,
-  ``÷ R`` if averaging, and apply ``T⁻¹``: one launch for the sum whatever R.
+  ``÷ R`` if averaging, and apply ``T⁻¹``: one launch for the sum whatever R, written straight
+  into the caller's ``out`` (a bucket slice) in its dtype; ``decode_placed``, the same for one
+  all-gathered message per shard read at a table's positions (``kernels/receive.py``);
+  ``sum_rows`` / ``take``, the FP32 rank sum of float values (plain values, a BF16/FP32 wire)
+  and a placed read, one launch each.
 
 Each agrees with ``reference_whiten_encode`` / ``reference_decode_sum_unwhiten``: ``U`` and
 ``T⁻¹`` to FP32 rounding (true FP32: no TF32 whatever cuBLAS is told); the codes and scales bit
@@ -35,7 +39,15 @@ import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded, Scaling
 from ..numerics.whitening import LowRankWhitening
-from .reference import ordered_sum, reference_decode_sum_unwhiten, reference_whiten_encode, reference_whiten_place
+from .reference import (
+    ordered_sum,
+    reference_decode_placed,
+    reference_decode_sum_unwhiten,
+    reference_sum_rows,
+    reference_take,
+    reference_whiten_encode,
+    reference_whiten_place,
+)
 
 __all__ = [
     "available",
@@ -45,6 +57,9 @@ __all__ = [
     "whiten_encode",
     "whiten_place",
     "decode_sum_unwhiten",
+    "decode_placed",
+    "sum_rows",
+    "take",
     "reference_whiten_encode",
     "reference_whiten_place",
     "reference_decode_sum_unwhiten",
@@ -67,6 +82,15 @@ def _place():
     from . import place
 
     return place
+
+
+def _receive():
+    """The placed receive kernels (``kernels/receive.py``), or None where triton does not import."""
+    try:
+        from . import receive
+    except ImportError:
+        return None
+    return receive
 
 
 def available(device: torch.device) -> bool:
@@ -151,14 +175,58 @@ def decode_sum_unwhiten(
     average: bool,
     lengths: torch.Tensor | None = None,
     fused: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
+    """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as ``[rows, cols]`` from ``R`` ranks'
     messages: ``payloads [R, rows·cols]`` codes, ``scales [R, groups]`` as ``fp8.encode`` made them
     (grouped by ``lengths`` when given), each also as a sequence of parts whose rows in turn are the
-    ranks in order (``reference``'s module doc); ``fused`` as in ``whiten_encode``."""
+    ranks in order (``reference``'s module doc); ``fused`` as in ``whiten_encode``. Written into
+    ``out`` (contiguous, ``rows·cols`` elements, FP32/BF16/FP16: the FP32 result rounded once) and
+    returned as ``[rows, cols]``; a new FP32 tensor without it."""
     parts = [p for p in ([payloads] if isinstance(payloads, torch.Tensor) else payloads) if p.shape[0] > 0]
     lengths = _lengths(cfg, lengths)
     if (parts and _use_kernels("decode_sum_unwhiten", fused, parts[0].device, rows * cols, cfg, lengths)
             and len(parts) <= _fused().MAX_PARTS):  # fmt: skip
-        return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)
-    return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths)
+        return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out)
+    return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out)
+
+
+def decode_placed(src: Placed, rows: int, cols: int, whitening: LowRankWhitening | None, cfg: CodecConfig,
+                  lengths: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  fused: bool = True) -> torch.Tensor:  # fmt: skip
+    """``dec(c, s) T⁻¹`` as ``[rows, cols]`` (written into ``out`` as ``decode_sum_unwhiten`` does) of
+    one message per shard in a buffer, read where ``src`` places them (``Placed``, as ``whiten_encode``
+    writes): element ``i`` of the matrix is element ``i`` of ``src.codes``, and its group ``u`` (the
+    matrix codec's, or ``lengths``') element ``u`` of ``src.scales``. Each group lies in one shard of
+    the tables' source."""
+    lengths = _lengths(cfg, lengths)
+    if _use_kernels("decode_sum_unwhiten", fused, src.codes.out.device, rows * cols, cfg, lengths):
+        return _receive().decode_placed(src, rows, cols, whitening, cfg, lengths, out)
+    return reference_decode_placed(src, rows, cols, whitening, cfg, lengths, out)
+
+
+def _use_sum(fused: bool, parts: Sequence[torch.Tensor], out: torch.Tensor | None) -> bool:
+    """Whether ``receive._sum_kernel`` runs: float dtypes, at most three non-empty parts, values to sum."""
+    parts = [p for p in parts if p.shape[0] > 0]
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    return (fused and parts and parts[0].shape[-1] > 0 and available(parts[0].device) and len(parts) <= 3
+            and all(p.dtype in floats for p in parts) and (out is None or out.dtype in floats))  # fmt: skip
+
+
+def sum_rows(parts: torch.Tensor | Sequence[torch.Tensor], average: bool, out: torch.Tensor | Place | None = None,
+             fused: bool = True) -> torch.Tensor | None:  # fmt: skip
+    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32/BF16/FP16, inner stride 1; the
+    rows, part after part, the senders in order), FP32 in row order (``ordered_sum``'s bits), ``÷ R``
+    when averaging; into ``out`` (``[n]``, the FP32 result rounded once to its dtype; a new FP32
+    tensor when None) or, ``out`` a ``Place``, element ``i`` at its position (nothing returned)."""
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+    if _use_sum(fused, parts, out.out if isinstance(out, Place) else out):
+        return _receive().sum_rows(parts, average, out)
+    return reference_sum_rows(parts, average, out)
+
+
+def take(src: Place, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """``out[i]`` = element ``i`` of ``src`` (a ``Place`` read back; ``out`` contiguous, cast to its dtype)."""
+    if _use_sum(fused, [src.out.view(1, -1)[:, : out.numel()]], out):
+        return _receive().take(src, out)
+    return reference_take(src, out)

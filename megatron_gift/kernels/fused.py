@@ -41,7 +41,8 @@ Receiver, ``decode_sum_unwhiten``: per unit ``S = Σ_{i<R} fp8⁻¹(code_i) · s
 order (``acc = -0``, then ``acc += x_i``: the same bits as ``reference.ordered_sum``'s
 ``acc = x_0; acc += x_1 ...``, since ``-0 + x = x``), over up to ``MAX_PARTS`` parts of rows in
 one launch, ``÷ R`` when averaging; then ``P' = S Q diag(c')`` (``_project_kernel``) and
-``S T⁻¹ = (S + P' Qᵀ) D^{1/2}`` in place.
+``S T⁻¹ = (S + P' Qᵀ) D^{1/2}``, written into the caller's output in its dtype (``S`` itself where
+that is FP32; BF16 rounded to nearest even by integer arithmetic, ``_store_as``).
 
 The FP8 codes and E8M0 scales are built and read with integer arithmetic on the FP32 bits (no
 FP8 dtypes), which Triton's CPU interpreter runs as well as the GPU, divisions are IEEE-rounded
@@ -138,6 +139,24 @@ def _scale_value(s, E8M0: tl.constexpr):
 
 
 @triton.jit
+def _store_as(ptr, x, mask, BF16: tl.constexpr):
+    """Store FP32 ``x`` rounded once to ``ptr``'s dtype; BF16 (``ptr`` then the output viewed as
+    int16) by integer round-to-nearest-even on the bits as torch rounds (NaN: 0x7FC0), which
+    Triton's interpreter, whose own cast truncates, runs as the GPU does."""
+    if BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        tl.store(ptr, tl.where(x != x, 0x7FC0, rounded).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+def store_arg(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``out`` as a kernel writes it through ``_store_as``, and its ``BF16`` constexpr."""
+    return (out.view(torch.int16), True) if out.dtype is torch.bfloat16 else (out, False)
+
+
+@triton.jit
 def _units(ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
            UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
            ONE_CHUNK: tl.constexpr):  # fmt: skip
@@ -206,9 +225,9 @@ def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, um
 
 
 @triton.jit
-def _shard_delta(ends_ptr, delta_ptr, n_shards, steps, k, mask):
-    """``delta[j]`` of the placement table (``comm.packing.Placement``) for each source index ``k``
-    (int64, any shape): ``j`` the shard with ``ends[j-1] <= k < ends[j]``, found by a binary search
+def _shard_of(ends_ptr, n_shards, steps, k, mask):
+    """``j = #{t : ends[t] <= k}``: the shard of a placement table (``comm.packing.Placement``) that
+    holds source index ``k`` (int64, any shape; zero-size shards are passed over), by a binary search
     of ``steps`` (``>= log2(n_shards + 1)``) gathers from the small table."""
     lo = tl.zeros_like(k)
     hi = lo + n_shards
@@ -218,7 +237,13 @@ def _shard_delta(ends_ptr, delta_ptr, n_shards, steps, k, mask):
         end = tl.load(ends_ptr + mid, mask=active, other=0)
         lo = tl.where(active & (end <= k), mid + 1, lo)
         hi = tl.where(active & (end > k), mid, hi)
-    return tl.load(delta_ptr + tl.minimum(lo, n_shards - 1), mask=mask, other=0)
+    return lo
+
+
+@triton.jit
+def _shard_delta(ends_ptr, delta_ptr, n_shards, steps, k, mask):
+    """``delta[j]`` of the shard ``j`` holding source index ``k`` (``_shard_of``)."""
+    return tl.load(delta_ptr + tl.minimum(_shard_of(ends_ptr, n_shards, steps, k, mask), n_shards - 1), mask=mask, other=0)
 
 
 @triton.jit
@@ -324,7 +349,10 @@ def _decode_sum_kernel(
     world, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
     AVERAGE: tl.constexpr, UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
+    BF16: tl.constexpr,
 ):  # fmt: skip
+    """``out = Σ_i dec(code_i, s_i) [÷ world]`` (module doc) in ``out``'s dtype. Bytes (essential):
+    reads every rank's codes (1 per element) and scales once, writes ``out`` once."""
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
         UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
@@ -340,7 +368,7 @@ def _decode_sum_kernel(
                         MANT, BIAS, NO_INF, E8M0)
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
-        tl.store(out_ptr + flat, acc, mask=mask)
+        _store_as(out_ptr + flat, acc, mask, BF16)
 
 
 @triton.jit
@@ -371,8 +399,10 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank,
 
 
 @triton.jit
-def _unwhiten_kernel(u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+def _unwhiten_kernel(u_ptr, out_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """``out = (S + P' Qᵀ) D^{1/2}`` of FP32 ``S`` (``u_ptr``), written in ``out``'s dtype (``out``
+    may be ``S`` itself). Bytes: reads ``S`` (4 per element) and ``P'``, writes ``out``."""
     pid = tl.program_id(0)
     r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid // n_row_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -380,7 +410,7 @@ def _unwhiten_kernel(u_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_bl
     mask = rmask[:, None] & cmask
     offs = r[:, None] * cols + c
     u = _plus_low_rank(tl.load(u_ptr + offs, mask=mask, other=0.0), p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
-    tl.store(u_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask=mask)
+    _store_as(out_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask, BF16)
 
 
 def _fmt_args(cfg: CodecConfig, kernel: str) -> dict:
@@ -565,6 +595,35 @@ def _rows(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p if p.stride(1) == 1 or p.numel() == 0 else p.contiguous() for p in parts]
 
 
+def outputs(rows: int, cols: int, whitening: LowRankWhitening | None, out: torch.Tensor | None,
+            device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(sum, out)`` of a decode: ``out`` (a new FP32 ``[rows, cols]`` when None; else a contiguous
+    float tensor of ``rows·cols`` elements, viewed so) and where the FP32 sum goes: ``out`` itself,
+    unless ``T⁻¹`` follows and ``out`` is narrower than FP32 (``P' = S Q`` needs ``S`` in FP32)."""
+    if out is None:
+        out = torch.empty(rows, cols, device=device)
+    elif not out.is_contiguous() or out.numel() != rows * cols or out.dtype not in _READ_DTYPES:
+        raise ValueError(f"a decode writes a contiguous FP32/BF16/FP16 [{rows}, {cols}], got {out.dtype} {tuple(out.shape)}")
+    out = out.view(rows, cols)
+    narrow = whitening is not None and out.dtype != torch.float32
+    return (torch.empty(rows, cols, device=device) if narrow else out), out
+
+
+def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | None) -> torch.Tensor:
+    """``out ← S T⁻¹`` of the FP32 sum ``S`` (``out`` may be ``S``; ``out``'s dtype): two launches."""
+    if whitening is not None:
+        rows, cols = s.shape
+        p = _project(s, None, whitening.q, whitening.c_inv) if whitening.rank else s
+        block_r = min(16, triton.next_power_of_2(rows))
+        n_rb = triton.cdiv(rows, block_r)
+        dest, bf16 = store_arg(out)
+        _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
+            s, dest, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
+            BLOCK_R=block_r, BLOCK_C=TILE, BF16=bf16, enable_fp_fusion=True,
+        )  # fmt: skip
+    return out
+
+
 def decode_sum_unwhiten(
     payloads: torch.Tensor | Sequence[torch.Tensor],
     scales: torch.Tensor | Sequence[torch.Tensor],
@@ -574,28 +633,48 @@ def decode_sum_unwhiten(
     cfg: CodecConfig,
     average: bool,
     lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``kernels.decode_sum_unwhiten``: one to ``MAX_PARTS`` non-empty parts, one launch for the
-    rank sum (+ a cumsum with ``lengths``, + two with whitening)."""
+    rank sum (+ a cumsum with ``lengths``, + two with whitening), written in ``out``'s dtype."""
     parts = [(p, s) for p, s in zip(_rows(payloads), _rows(scales)) if p.shape[0] > 0]
     world = sum(p.shape[0] for p, _ in parts)
     device = parts[0][0].device
     tiling = _Tiling.of(cfg, rows, cols, None if lengths is None else lengths.numel())
-    out = torch.empty(rows, cols, device=device)
+    acc, out = outputs(rows, cols, whitening, out, device)
     unused = (parts[0][0], parts[0][1], 0, 0, 0)
     part_args = [a for p, s in parts for a in (p, s, p.shape[0], p.stride(0), s.stride(0))]
     part_args += [a for _ in range(MAX_PARTS - len(parts)) for a in unused]
     # No FMA contraction: each rank's value q·s is rounded before it is added, as in the reference.
+    dest, bf16 = store_arg(acc)
     _decode_sum_kernel[(tiling.programs,)](
-        out, _ends(lengths, out), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
-        AVERAGE=average, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
+        dest, _ends(lengths, acc), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
+        AVERAGE=average, BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
-    if whitening is not None:
-        p = _project(out, None, whitening.q, whitening.c_inv) if whitening.rank else out
-        block_r = min(16, triton.next_power_of_2(rows))
-        n_rb = triton.cdiv(rows, block_r)
-        _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
-            out, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
-            BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
-        )  # fmt: skip
-    return out
+    return unwhiten(acc, out, whitening)
+
+
+def _scale_count(a: dict) -> int:
+    """Distinct scales a decode reads per rank: one per unit of ``lengths`` or the matrix codec's
+    blocks, one per row (ROW), one (TENSOR)."""
+    if a["LAYOUT"] == _GROUPS.value:
+        return a["n_units"]
+    return {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
+
+
+def _decode_sum_bytes(a: dict) -> tuple[int, int]:
+    n, ranks = a["rows"] * a["cols"], a["k0"] + a["k1"] + a["k2"]
+    read = ranks * (n * a["code0_ptr"].element_size() + _scale_count(a) * a["scale0_ptr"].element_size())
+    read += a["ends_ptr"].element_size() * a["n_units"] if a["LAYOUT"] == _GROUPS.value else 0
+    return read, n * a["out_ptr"].element_size()
+
+
+def _unwhiten_bytes(a: dict) -> tuple[int, int]:
+    n, rank = a["rows"] * a["cols"], a["rank"]
+    read = n * a["u_ptr"].element_size() + 4 * (rank * (a["rows"] + a["cols"]) + a["cols"])
+    return read, n * a["out_ptr"].element_size()
+
+
+# (bytes read, bytes written) of a launch from its bound arguments (the meter's convention), for
+# the receiver's kernels of this module.
+TRAFFIC = {"_decode_sum_kernel": _decode_sum_bytes, "_unwhiten_kernel": _unwhiten_bytes}

@@ -53,6 +53,17 @@ def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Ten
     return values.mul_(per_element)
 
 
+def _write(into, values: torch.Tensor) -> None:
+    """``values`` (cast to ``into.out``'s dtype) where a ``kernels.Place`` puts them: ``index_copy_`` at
+    its table's ``index`` (an int64 index per element)."""
+    into.out.index_copy_(0, into.table.index(into.at, into.at + values.numel()), values.reshape(-1).to(into.out.dtype))
+
+
+def _read(src, n: int) -> torch.Tensor:
+    """The ``n`` elements a ``kernels.Place`` points at, by ``index_select`` at its table's ``index``."""
+    return src.out.index_select(0, src.table.index(src.at, src.at + n))
+
+
 def reference_whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -74,8 +85,8 @@ def reference_whiten_encode(
     if feedback is not None:
         torch.sub(u.reshape(-1), decode_flat(enc, flat_lengths, cfg), out=feedback[1].view(-1))
     if into is not None:
-        for place, values in ((into.codes, enc.payload), (into.scales, enc.scales)):
-            place.out.index_copy_(0, place.table.index(place.at, place.at + values.numel()), values)
+        _write(into.codes, enc.payload)
+        _write(into.scales, enc.scales)
         return None
     return Encoded(payload=enc.payload.view(g.shape),
                    scales=enc.scales if lengths is not None else enc.scales.view(cfg.groups(rows, cols)))  # fmt: skip
@@ -84,8 +95,7 @@ def reference_whiten_encode(
 def reference_whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into) -> None:
     """``kernels.whiten_place``: ``x T`` (FP32; ``x`` where ``whitening`` is None) in ``into.out``'s dtype,
     ``index_copy_`` at the table's positions of ``[at, at + numel)``."""
-    u = whitening.apply(x.float()) if whitening is not None else x
-    into.out.index_copy_(0, into.table.index(into.at, into.at + u.numel()), u.reshape(-1).to(into.out.dtype))
+    _write(into, whitening.apply(x.float()) if whitening is not None else x)
 
 
 def reference_decode_sum_unwhiten(
@@ -97,11 +107,12 @@ def reference_decode_sum_unwhiten(
     cfg: CodecConfig,
     average: bool,
     lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
     messages: ``payloads [R, rows·cols]`` codes (``cfg.fmt.code_dtype``), ``scales [R, groups]`` as ``fp8.encode`` made them
     (or as ``lengths`` groups them), each possibly given as parts (module doc); the rank sum is
-    ``ordered_sum``'s."""
+    ``ordered_sum``'s. With ``out`` (``rows·cols`` elements, contiguous), cast into it and returned."""
     if lengths is None:
         lengths = group_lengths(rows, cols, cfg, device=_as_parts(payloads)[0].device)
     decoded = [decode_rows(p, s, lengths, cfg) for p, s in zip(_as_parts(payloads), _as_parts(scales))]
@@ -109,5 +120,32 @@ def reference_decode_sum_unwhiten(
     if average:
         acc /= sum(d.shape[0] for d in decoded)
     acc = acc.view(rows, cols)
-    return whitening.inverse(acc) if whitening is not None else acc
+    acc = whitening.inverse(acc) if whitening is not None else acc
+    return acc if out is None else out.view(rows, cols).copy_(acc)
+
+
+def reference_decode_placed(src, rows: int, cols: int, whitening: LowRankWhitening | None, cfg: CodecConfig,
+                            lengths: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``kernels.decode_placed`` by ``index_select`` at the tables' ``index`` (an int64 index per element)."""
+    if lengths is None:
+        lengths = group_lengths(rows, cols, cfg, device=src.codes.out.device)
+    payload, scale = _read(src.codes, rows * cols), _read(src.scales, lengths.numel())
+    return reference_decode_sum_unwhiten(payload[None], scale[None], rows, cols, whitening, cfg, False, lengths, out)
+
+
+def reference_sum_rows(parts: Parts, average: bool, out=None) -> torch.Tensor | None:
+    """``kernels.sum_rows``: ``ordered_sum`` of the parts in FP32, then ``÷ R``, cast into ``out``
+    (a ``kernels.Place``: ``index_copy_`` at its table's ``index``)."""
+    parts = _as_parts(parts)
+    acc = ordered_sum([p.float() for p in parts])
+    if average:
+        acc.div_(sum(p.shape[0] for p in parts))
+    if out is not None and not isinstance(out, torch.Tensor):
+        return _write(out, acc)
+    return acc if out is None else out.copy_(acc)
+
+
+def reference_take(src, out: torch.Tensor) -> torch.Tensor:
+    """``kernels.take`` by ``index_select`` at the table's ``index``."""
+    return out.copy_(_read(src, out.numel()))
 
