@@ -49,3 +49,20 @@ def test_empty_parts_reduce_within_bound(world):
     results = run_on_ranks(_worker, world, cpu_harness=True, timeout=900)
     for k, case in enumerate(cases(world)):
         check_case(case, [res[k] for res in results])
+
+
+def test_uneven_reduce_scatter_shards_refused_when_planned():
+    """A bucket the distributed optimizer could not shard evenly is refused where it is planned (on
+    every rank alike), not in a stage where the plugin's shards would differ from Megatron's; the
+    all-reduce takes it (its last shard is short)."""
+    import torch
+
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.config import Mode
+    from megatron_gift.numerics import CodecConfig
+
+    layout = BucketLayout(130, 4, [Segment(0, 10, 13, Mode.EUCLIDEAN, "w")], CodecConfig(), torch.float32)
+    layout.check(reduce_scatter=False)
+    with pytest.raises(ValueError, match="does not split into 4 equal shards"):
+        layout.check(reduce_scatter=True)
+    BucketLayout(132, 4, [Segment(0, 10, 13, Mode.EUCLIDEAN, "w")], CodecConfig(), torch.float32).check(True)
