@@ -103,7 +103,7 @@ class TwoLevelReduce(ShardReduction):
     # -- 1: node sums, inter-node ------------------------------------------------------------------
     def _node_sums(self) -> Step:
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = Rows(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own)
+        rows = Rows(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own, self.topo.ranks_per_node)
         del self.buf1, self.recv1
         n, k = self.topo.nodes, self.node
         key = ("inter", self.rank, str(device))
@@ -155,7 +155,7 @@ class TwoLevelReduce(ShardReduction):
         return layout.cached(("held", self.local, str(device), self.chunk), build)
 
     def _inter_rows(self) -> Rows:
-        rows = Rows(self.recv, self.pk2.own_copy(self.buf), self.node, self.pk2.own)
+        rows = Rows(self.recv, self.pk2.own_copy(self.buf), self.node, self.pk2.own, self.topo.nodes)
         del self.buf, self.recv
         return rows
 

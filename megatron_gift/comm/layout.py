@@ -188,6 +188,17 @@ class BucketLayout:
         self.shards = [self._shard(j) for j in range(num_shards)]
         self.max_pieces = max((len(p.pieces) for p in self.shards), default=0)
 
+    def check(self, reduce_scatter: bool) -> None:
+        """``ValueError`` for a plan the reduction cannot run, raised where the plan is made (start-up):
+        the layout is the same on every rank, so every rank refuses with the same message before any
+        collective, never one rank inside a stage. ``reduce_scatter``: the distributed optimizer's
+        collective, whose shards must be Megatron's (``numel / num_shards`` elements each: it pads its
+        buckets to a multiple of the group size)."""
+        if reduce_scatter and self.numel % self.num_shards:
+            raise ValueError(f"megatron-gift: a bucket of {self.numel} elements does not split into {self.num_shards} "
+                             "equal shards, as the distributed optimizer's reduce-scatter needs (Megatron pads its "
+                             "buckets to a multiple of the data-parallel size)")  # fmt: skip
+
     # -- the sequences ----------------------------------------------------------------------------
     def _class_offsets(self) -> list[int]:
         out, pos = [0] * len(self.segments), {}

@@ -103,18 +103,22 @@ def packing(layout: BucketLayout, source: list[int], messages: list[list[int]], 
 
 
 class Rows:
-    """The messages a rank receives for one ``Message`` layout: the peers' rows of a receive buffer
-    and its own message, as parts in rank order (the own one at ``own_index``)."""
+    """The ``count`` messages a rank receives for one ``Message`` layout: the peers' rows of a
+    receive buffer and its own message, as parts in rank order (the own one at ``own_index``).
+    A message may be empty (a shard of padding): its rows are then ``[k, 0]``."""
 
-    def __init__(self, recv: torch.Tensor, own: torch.Tensor, own_index: int, msg: Message):
+    def __init__(self, recv: torch.Tensor, own: torch.Tensor, own_index: int, msg: Message, count: int):
         width = msg.nbytes
-        peers = recv.view(-1, width)
+        peers = recv.view(count - 1, width)
         self.parts = [peers[:own_index], own.view(1, width), peers[own_index:]]  # some may be empty
-        self.count = peers.shape[0] + 1
+        self.count = count
         self.msg = msg
 
     def section(self, lo: int, hi: int, dtype: torch.dtype = torch.uint8) -> list[torch.Tensor]:
-        """Bytes ``[lo, hi)`` of every message, viewed as ``dtype``: ``[k, (hi - lo) / itemsize]`` per part."""
+        """Bytes ``[lo, hi)`` of every message, viewed as ``dtype``: ``[k, (hi - lo) / itemsize]`` per part
+        (an empty range as a fresh ``[k, 0]``: rows of an empty message cannot be viewed in a wider dtype)."""
+        if hi == lo:
+            return [p.new_empty((p.shape[0], 0), dtype=dtype) for p in self.parts]
         return [p[:, lo:hi].view(dtype) for p in self.parts]
 
     def coded(self, c0: int, c1: int, dtype: torch.dtype) -> list[torch.Tensor]:

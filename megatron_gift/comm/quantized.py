@@ -219,7 +219,7 @@ class QuantizedReduce(ShardReduction):
         return [dist.all_to_all_single(self.recv, self.buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True)]
 
     def _rows(self) -> Rows:
-        rows = Rows(self.recv, self.pk.own_copy(self.buf), self.rank, self.pk.own)
+        rows = Rows(self.recv, self.pk.own_copy(self.buf), self.rank, self.pk.own, self.world)
         del self.buf, self.recv
         return rows
 

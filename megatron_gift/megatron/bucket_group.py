@@ -10,7 +10,10 @@ per bucket on the DDP's ``comm.schedule.ReductionQueue`` (``comm.QuantizedReduce
 ranks each) instead of NCCL's reduce-scatter / all-reduce: its stages run on the plugin's side
 streams, in bucket order. That one override serves the overlapped backward-hook path, the
 synchronous path and the first batch; ``finish_grad_sync`` waits on the returned
-``_BucketGroupReduction`` (a device-side wait), also with several distributed-optimizer instances.
+``_BucketGroupReduction`` (a device-side wait). With several distributed-optimizer instances each
+bucket's reduction ends with the FP32 all-reduce of its shard across the instances
+(``comm.instances``), and ``finish_grad_sync`` keeps Megatron's contract for that case in every
+state of the group (``GiftBucketGroup.finish_grad_sync``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 
 from ..comm.hierarchical import TwoLevelReduce
 from ..comm.layout import BucketLayout, Segment
-from ..comm.ledger import ring_all_reduce_bytes
+from ..comm.instances import AcrossInstances
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
@@ -100,15 +103,15 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = reduction_group(self)
         refs = ctx.monitor.before_reduce(self.gift_buckets, group, ctx.state.step)
-        flights = [ctx.queue.start(self._reduction(b, all_reduce=not use_rs)) for b in self.gift_buckets]
+        flights = [ctx.queue.start(self._across_instances(self._reduction(b, all_reduce=not use_rs), b))
+                   for b in self.gift_buckets]  # fmt: skip
         after = None
         if refs is not None:
             after = lambda: ctx.monitor.after_reduce(self.gift_buckets, group, refs, self.ddp_config.average_in_collective)  # noqa: E731
-        inter = None
-        if use_rs and self.ddp_config.num_distributed_optimizer_instances > 1:
-            inter = self._all_reduce_across_instances
-        handle = _BucketGroupReduction(ctx.queue, flights, after, inter)
-        if self.ddp_config.overlap_grad_reduce:
+        handle = _BucketGroupReduction(ctx.queue, flights, after)
+        # a group started after this iteration's finish_grad_sync (several instances: Megatron's
+        # returns before the group starts) has nothing left to wait for it: it completes now
+        if self.ddp_config.overlap_grad_reduce and not self.grad_reduce_finished:
             self.grad_reduce_handle = handle
         else:
             handle.wait()
@@ -127,8 +130,11 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
                                topology=groups.topology, **common)  # fmt: skip
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
-        """Megatron's, except that with several distributed-optimizer instances it waits on the
-        plugin's handle (Megatron's waits on its communication stream, which the plugin does not use)."""
+        """Megatron's. With several distributed-optimizer instances and ``overlap_grad_reduce``
+        Megatron's only makes the current stream wait for its communication stream, in whatever
+        state the group is: not started (no assertion, unlike one instance), started, finished
+        (a no-op). Here the current stream waits for the group's reductions where they were
+        started; a group started after this returned completes in ``start_grad_sync``."""
         if not (self.ddp_config.overlap_grad_reduce and self.ddp_config.num_distributed_optimizer_instances > 1):
             return super().finish_grad_sync(force_all_reduce=force_all_reduce)
         self.param_gather_dispatched = False
@@ -136,27 +142,22 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             return
         if self.is_first_batch:
             self.start_grad_sync(force_all_reduce=force_all_reduce)
-        self.grad_reduce_handle.wait()
-        self.grad_reduce_handle = None
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
         self._copy_back_extra_main_grads()
         self.grad_reduce_finished = True
 
-    def _all_reduce_across_instances(self) -> None:
-        """Several distributed-optimizer instances: sum this rank's reduced shard of every bucket
-        over the instances in FP32 (averaged with ``average_in_collective``), as Megatron's
-        inter-instance all-reduce does after the intra-instance reduce-scatter."""
-        group = self.inter_distributed_optimizer_instance_group
-        n, r = group.size(), self.intra_distributed_optimizer_instance_rank
-        for bucket in self.buckets:
-            size = bucket.grad_data.numel() // self.intra_distributed_optimizer_instance_size
-            shard = bucket.grad_data[r * size : (r + 1) * size]
-            total = shard.float()  # the shard itself when the buffer is FP32
-            dist.all_reduce(total, group=group)
-            if self.ddp_config.average_in_collective:
-                total /= n
-            if total is not shard:
-                shard.copy_(total)
-            self.gift_context.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, total.numel() * 4))
+    def _across_instances(self, reduction, b: GiftBucket):
+        """Several distributed-optimizer instances: ``reduction`` followed by the FP32 all-reduce of this
+        rank's shard of the bucket over the instances (averaged with ``average_in_collective``), as
+        Megatron's after its intra-instance collective (the reduce-scatter, or a forced all-reduce)."""
+        if not (self.ddp_config.use_distributed_optimizer and self.ddp_config.num_distributed_optimizer_instances > 1):
+            return reduction
+        size = b.grad.numel() // self.intra_distributed_optimizer_instance_size
+        r = self.intra_distributed_optimizer_instance_rank
+        return AcrossInstances(reduction, b.grad[r * size : (r + 1) * size], self.inter_distributed_optimizer_instance_group,
+                               self.ddp_config.average_in_collective, self.gift_context.state.ledger)  # fmt: skip
 
     def _prepare_grads(self) -> None:
         """Megatron's pre-collective steps: extra main-grad copies, NaN check, gradient scaling."""
@@ -177,17 +178,14 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
 
 class _BucketGroupReduction:
     """The bucket group's reductions in the queue; ``wait`` enqueues what is left of them and
-    makes the current stream wait (no host synchronisation), then ``inter()`` (the reduction
-    across distributed-optimizer instances) and ``after()`` (telemetry) run, once."""
+    makes the current stream wait (no host synchronisation), then ``after()`` (telemetry) runs, once."""
 
-    def __init__(self, queue, flights, after=None, inter=None):
-        self.queue, self.flights, self.after, self.inter = queue, flights, after, inter
+    def __init__(self, queue, flights, after=None):
+        self.queue, self.flights, self.after = queue, flights, after
 
     def wait(self):
         with torch.no_grad():
             for flight in self.flights:
                 self.queue.wait(flight)
-            if self.inter is not None:
-                self.inter()
             if self.after is not None:
                 self.after()

@@ -202,7 +202,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 logger.info("megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)")
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
-        return BucketLayout(bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype)
+        """The bucket's plan, checked once here (``BucketLayout.check``: the same refusal on every rank)."""
+        layout = BucketLayout(bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype)
+        layout.check(reduce_scatter=self.ddp_config.use_distributed_optimizer)
+        return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
         return ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
