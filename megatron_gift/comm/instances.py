@@ -29,6 +29,14 @@ class AcrossInstances(Reduction):
     def __init__(self, inner: Reduction, shard: torch.Tensor, group, average: bool, ledger: CommLedger):
         self.inner, self.shard, self.group, self.average, self.ledger = inner, shard, group, average, ledger
 
+    @property
+    def stage(self) -> int:
+        return self.inner.stage
+
+    @stage.setter
+    def stage(self, s: int) -> None:  # the inner stages set their own stage's flags (``schedule``)
+        self.inner.stage = s
+
     def stages(self) -> list:
         stages = self.inner.stages()
         return [*stages[:-1], lambda: self._launch(stages[-1]), self._write]
