@@ -496,3 +496,61 @@ def decode_sum_unwhiten(
             BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
         )  # fmt: skip
     return out
+
+
+# -- Memory traffic of each launch (the launch meter, ``testing/meter.py``) -------------------------
+# ``TRAFFIC[kernel name](args) -> (bytes read, bytes written)``: ``args`` are a launch's bound
+# arguments by parameter name (tensors, scalars, constexprs) plus ``"grid"``. Each byte of a tensor
+# counts once per launch (re-reads inside a program, e.g. of D, Q or a unit's later chunks, are
+# cache hits); sizes come from the scalar arguments, element sizes from the tensors' dtypes.
+# Whoever adds or changes a kernel updates its entry in the same commit.
+
+
+def _n_scales(a: dict) -> int:
+    """Scales a launch addresses: one per unit (groups of ``lengths``, BLOCK/MX), per row (ROW) or one (TENSOR)."""
+    if a["LAYOUT"] == _GROUPS.value:
+        return a["n_units"]
+    if a["scale_row_stride"] == 0 and a["scale_col_stride"] == 0:
+        return 1
+    return a["rows"] if a["scale_col_stride"] == 0 else a["n_units"]
+
+
+def _encode_traffic(a: dict) -> tuple[int, int]:
+    n = a["rows"] * a["cols"]
+    read = n * a["g_ptr"].element_size()
+    read += a["n_units"] * a["ends_ptr"].element_size() if a["LAYOUT"] == _GROUPS.value else 0
+    if a["WHITEN"]:  # D^-1/2 [cols], P [rows, r], Qᵀ [r, cols]
+        read += 4 * (a["cols"] + a["rank"] * (a["rows"] + a["cols"]))
+    if a["PASS"] == _AMAX.value:
+        return read, a["n_units"] * a["amax_ptr"].element_size()
+    written = n * a["code_ptr"].element_size() + (n * a["u_ptr"].element_size() if a["STORE_U"] else 0)
+    scales = _n_scales(a) * a["scale_ptr"].element_size()
+    return (read, written + scales) if a["PASS"] == _FUSED_BLOCK.value else (read + scales, written)
+
+
+def _decode_sum_traffic(a: dict) -> tuple[int, int]:
+    n, scales = a["rows"] * a["cols"], _n_scales(a)
+    read = a["n_units"] * a["ends_ptr"].element_size() if a["LAYOUT"] == _GROUPS.value else 0
+    for i in range(MAX_PARTS):
+        k = a[f"k{i}"]
+        read += k * (n * a[f"code{i}_ptr"].element_size() + scales * a[f"scale{i}_ptr"].element_size())
+    return read, n * a["out_ptr"].element_size()
+
+
+def _project_traffic(a: dict) -> tuple[int, int]:
+    rows, cols, rank = a["rows"], a["cols"], a["rank"]
+    read = rows * cols * a["x_ptr"].element_size() + 4 * (cols * rank + rank + (cols if a["SCALE_D"] else 0))
+    return read, 4 * rows * rank
+
+
+def _unwhiten_traffic(a: dict) -> tuple[int, int]:
+    rows, cols, rank = a["rows"], a["cols"], a["rank"]
+    return 4 * (rows * cols + cols + rank * (rows + cols)), 4 * rows * cols
+
+
+TRAFFIC = {
+    "_encode_kernel": _encode_traffic,
+    "_decode_sum_kernel": _decode_sum_traffic,
+    "_project_kernel": _project_traffic,
+    "_unwhiten_kernel": _unwhiten_traffic,
+}
