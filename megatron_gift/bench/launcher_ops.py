@@ -5,8 +5,9 @@ steady training step of the real launcher (``megatron_gift.pretrain_gpt --gift-c
 Model: the demo's Llama-style flags (RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, the
 distributed optimizer, ``--overlap-grad-reduce``) on Megatron's mock data with the NullTokenizer
 (vocabulary 2048); ``--gift-mode gift --gift-euclidean-layers '.*'`` (linear weights GIFT, the rest
-Euclidean FP8). Steps 5 and 6 (0-based) are counted: no refresh (the default interval's early
-refreshes are steps 0, 1, 2, 4 and 8), no plugin logging. ``parameters``: the buckets' elements
+Euclidean FP8). Steps 6 and 7 (0-based) are counted: no refresh (the default interval's early
+refreshes are steps 0, 1, 2, 4 and 8) and no refresh's install (the step after one), no plugin
+logging. ``parameters``: the buckets' elements
 Megatron logs. The target: the same count at both sizes (within 10%), the work per bucket not
 growing with its elements.
 """
@@ -28,7 +29,7 @@ MODELS = {  # hidden, layers, ffn: 2·V·h + L·(4h² + 3h·ffn + 2h) + h parame
     "0.43M": (64, 2, 352),
     "1.67M": (128, 4, 576),
 }
-STEPS = (5, 6)
+STEPS = (6, 7)
 BUCKET_RE = re.compile(r"Params for bucket (\d+) \((\d+) elements")
 
 

@@ -15,8 +15,8 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 - per stage: ``aten_ops``, ``triton_launches``, ``bytes_read`` / ``bytes_written`` (ATen ops by
   the tensors they touch, kernels by their ``TRAFFIC`` formulas), ``essential_read`` /
   ``essential_written`` (what one fused pass must move: below) and ``ratio`` (moved / essential);
-- ``host_ms``: the plugin's own host time per bucket, kernels stubbed: the stages' wall time
-  less the time inside ATen dispatch (``testing.meter``'s ``python_s``: on ``meta`` tensors an
+- ``host_ms``: the plugin's own host time per bucket, kernels stubbed: the stages' thread CPU
+  time (other processes' time on a shared machine is not in it) less the time inside ATen dispatch (``testing.meter``'s ``python_s``: on ``meta`` tensors an
   op's shape function costs more than a CUDA launch's host side, so it is left out; on a GPU add
   each op's and launch's dispatch, ~5-20 µs);
 - ``delta-gather`` (the parameter all-gather as coded changes: encode, decode), ``refresh`` (one
@@ -36,6 +36,7 @@ Error feedback adds the residual read and written (FP32).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -53,7 +54,7 @@ from ..config import IntraNode, Mode, Schedule
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp8 import CodecConfig
 from ..numerics.whitening import LowRankWhitening
-from ..testing.meter import Meter
+from ..testing.meter import Meter, probe_overhead
 from ..testing.simulate import FakeGroup, kernels_on, recorded_collectives
 
 SIZES = {"1M": 1 << 20, "10M": 10 << 20, "40M": 40 << 20, "200M": 200 << 20}
@@ -195,25 +196,38 @@ def _with_essentials(stages: list[dict], ess: list) -> list[dict]:
     return stages
 
 
-def measure(case: Case, timing_reps: int = 2) -> dict:
-    """Counts of one steady reduction (the first run builds the layout's plans and is not counted),
-    then its host time without the probe (the least of ``timing_reps`` runs)."""
+def counted(case: Case) -> tuple[list, list]:
+    """The metered stages (``meter.StageCount``) of one steady reduction of ``case`` (a first,
+    uncounted run builds the layout's plans) and the collectives it issued. On ``meta`` tensors the
+    kernels are stubbed; on CPU tensors they run (``fused``: under Triton's interpreter only)."""
     stub = case.device.type == "meta"
-    with recorded_collectives() as calls, kernels_on(case.device) if stub else _nothing():
+    with recorded_collectives() as calls, kernels_on(case.device) if stub else contextlib.nullcontext():
         with Meter(stub=stub, count_ops=False) as warm:
-            case.run(warm)  # warm-up: plans built
+            case.run(warm)
+        n_calls = len(calls)
         with Meter(stub=stub) as meter:
-            n_calls = len(calls)
             case.run(meter)
-            collectives = calls[n_calls:]
-        times = None
-        for _ in range(timing_reps):
+    return meter.stages, calls[n_calls:]
+
+
+def host_seconds(case: Case, reps: int = 2) -> list[float]:
+    """Per stage, the least over ``reps`` runs of its host CPU time outside ATen dispatch (``python_s``)."""
+    stub = case.device.type == "meta"
+    best = None
+    with recorded_collectives(), kernels_on(case.device) if stub else contextlib.nullcontext():
+        for _ in range(reps):
             with Meter(stub=stub, count_ops=False) as timer:
                 case.run(timer)
             run = [s.python_s for s in timer.stages]
-            times = run if times is None else [min(a, c) for a, c in zip(times, run)]
-    stages = [s.as_dict() for s in meter.stages]
-    for s, t in zip(stages, times):
+            best = run if best is None else [min(a, b) for a, b in zip(best, run)]
+    return best
+
+
+def measure(case: Case, timing_reps: int = 2) -> dict:
+    """One record: ``counted`` and ``host_seconds`` of ``case`` with its essential bytes."""
+    counts, collectives = counted(case)
+    stages = [s.as_dict() for s in counts]
+    for s, t in zip(stages, host_seconds(case, timing_reps)):
         s["host_ms"] = round(1e3 * t, 3)
     _with_essentials(stages, [essential(case, s["stage"]) for s in stages])
     segs = case.layout.segments
@@ -223,37 +237,33 @@ def measure(case: Case, timing_reps: int = 2) -> dict:
                 collectives=[list(c) for c in collectives])  # fmt: skip
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def scan(quick: bool) -> list[tuple]:
     """``(path, bucket, size, dp, kernels)`` of every reduction record."""
     sizes = ("1M", "10M") if quick else tuple(SIZES)
     dps = (2, 64) if quick else DPS
+    torch_sizes = ("1M",) if quick else ("1M", "10M")  # the PyTorch path: 16K-element chunks
     out = []
     paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs", "two-level/bf16-ar", "two-level/fp8-ar"]
     if quick:
-        paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs"]
+        paths = ["flat-rs", "two-level/bf16-rs"]  # Megatron's distributed optimizer, flat and the default two-level
     for bucket in ("euclidean", "gift", "plain", "euclidean+ef"):
         for size in sizes:
             for dp in dps:
                 for path in paths:
-                    if bucket.endswith("+ef") and path != "flat-rs":
-                        continue  # error feedback: the flat reduce-scatter's sender (the same encode elsewhere)
+                    if bucket.endswith("+ef") and (path != "flat-rs" or SIZES[size] > SIZES[torch_sizes[-1]]):
+                        # error feedback: the flat reduce-scatter's sender (the same encode elsewhere);
+                        # today on the PyTorch path (16K chunks: ~0.5 ms per op on meta tensors)
+                        continue
                     if path.startswith("two-level") and dp < 4:
                         continue  # two levels need >1 node of >1 ranks
                     out.append((path, bucket, size, dp, "fused"))
-    torch_sizes = ("1M",) if quick else ("1M", "10M")
     for bucket in ("euclidean", "gift"):
         for size in torch_sizes:
             for dp in ((2, 8) if quick else (2, 512)):
                 out.append(("flat-rs", bucket, size, dp, "pytorch"))
-    return out
+    # smallest buckets first, and at each size the cheapest to meter first (16K-element loops last)
+    cost = lambda c: (SIZES[c[2]], c[4] != "fused", c[0].startswith("two-level/bf16"), c[0].startswith("two-level"))  # noqa: E731
+    return sorted(out, key=cost)
 
 
 def delta_gather(numel: int, p: int) -> dict:
@@ -324,21 +334,30 @@ def machine() -> dict:
                 load_average=os.getloadavg()[0])  # fmt: skip
 
 
-def run(quick: bool, json_path: str | None, command: str | None = None, launcher: bool = True) -> dict:
+def run(quick: bool, json_path: str | None, command: str | None = None, launcher: bool = True,
+        budget_s: float | None = None) -> dict:  # fmt: skip
+    """The scan (``--quick``: its subset): the launcher, delta-gather and refresh records first,
+    then the reductions from the smallest bucket up, the JSON rewritten after each record; past
+    ``budget_s`` seconds the remaining reductions are listed as ``skipped``."""
     t0 = time.time()
     threads = torch.get_num_threads()
+    doc = dict(benchmark="launches", command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
+               machine=dict(machine(), probe_overhead_us=round(1e6 * probe_overhead(), 2)), wall_seconds=0.0,
+               budget_s=budget_s, schema=__doc__, records=[], skipped=[])  # fmt: skip
+    records = doc["records"]
+
+    def save():
+        doc["wall_seconds"] = round(time.time() - t0, 1)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(doc, f, indent=1)
+
+    if launcher:
+        from .launcher_ops import launcher_records
+
+        records += launcher_records(quick)
     torch.set_num_threads(1)
-    records = []
     try:
-        layouts: dict = {}
-        for path, bucket, size, dp, kernels in scan(quick):
-            print(f"[bench launches] {path} {bucket} {size} dp={dp} {kernels} ...", file=sys.stderr, flush=True)
-            key = (BUCKETS[bucket], size, dp)  # one layout (and its cached plans) per bucket, size and group
-            case = Case(path, bucket, SIZES[size], dp, kernels, layout=layouts.get(key))
-            layouts = {key: case.layout}
-            rec = measure(case)
-            rec["size"] = size
-            records.append(rec)
         for size in ("1M",) if quick else ("1M", "200M"):
             for dp in (2, 64) if quick else DPS:
                 print(f"[bench launches] delta gather {size} dp={dp} ...", file=sys.stderr, flush=True)
@@ -346,39 +365,63 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
         for dp in (2,) if quick else (2, 8):
             print(f"[bench launches] refresh dp={dp} ...", file=sys.stderr, flush=True)
             records.append(refresh(dp))
+        save()
+        layouts: dict = {}
+        for path, bucket, size, dp, kernels in scan(quick):
+            if budget_s is not None and time.time() - t0 > budget_s:
+                doc["skipped"].append([path, bucket, size, dp, kernels])
+                continue
+            print(f"[bench launches] {path} {bucket} {size} dp={dp} {kernels} ...", file=sys.stderr, flush=True)
+            key = (BUCKETS[bucket], size, dp)  # one layout (and its cached plans) per bucket, size and group
+            layouts = {k: v for k, v in layouts.items() if k[1] == size}
+            case = Case(path, bucket, SIZES[size], dp, kernels, layout=layouts.get(key))
+            layouts[key] = case.layout
+            t = time.time()
+            rec = measure(case, 1 if quick else 2)
+            rec["size"], rec["meter_seconds"] = size, round(time.time() - t, 1)
+            records.append(rec)
+            save()
     finally:
         torch.set_num_threads(threads)
-    if launcher:
-        from .launcher_ops import launcher_records
-
-        records += launcher_records(quick)
-    doc = dict(benchmark="launches", command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
-               machine=machine(), wall_seconds=round(time.time() - t0, 1), schema=__doc__, records=records)  # fmt: skip
+    save()
     print(format_table(doc), end="")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=1)
     return doc
 
 
-def _mb(x) -> str:
-    return "-" if x is None else f"{x / 1e6:.1f}"
+def _corners(records: list[dict]) -> tuple[dict, dict]:
+    """The record of the smallest bucket at the smallest DP and of the largest at the largest."""
+    key = lambda r: (r["elements"], r["dp"])  # noqa: E731
+    return min(records, key=key), max(records, key=key)
 
 
 def format_table(doc: dict) -> str:
-    """Per record and stage: ops, launches, MB moved and essential, ratio, host ms."""
-    lines = ["| path | kernels | bucket | size | DP | stage | ATen ops | Triton | MB moved | MB essential | ratio | host ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Per path, kernels, bucket and stage: GPU launches (ATen ops that touch memory + Triton) of
+    the smallest and the largest case scanned, the largest's ATen ops / Triton launches, bytes moved
+    over essential, and host ms per bucket; then the delta gather, the refresh and the launcher."""
+    groups: dict = {}
+    for r in doc["records"]:
+        if r["kind"] == "reduction":
+            groups.setdefault((r["path"], r["kernels"], r["bucket"]), []).append(r)
+    lines = ["| path | kernels | bucket | stage | launches (small) | launches (large) | ATen ops / Triton (large) | "
+             "ratio (small, large) | host ms (small, large) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (path, kernels, bucket), recs in groups.items():
+        small, large = _corners(recs)
+        tag = lambda r: f"{r['size']}/DP{r['dp']}"  # noqa: E731
+        for s0, s1 in zip(small["stages"], large["stages"]):
+            lines.append(f"| {path} | {kernels} | {bucket} | {s0['stage']} | {s0['launches']} ({tag(small)}) | "
+                         f"{s1['launches']} ({tag(large)}) | {s1['aten_ops']} / {s1['triton_launches']} | "
+                         f"{s0['ratio'] or '-'}, {s1['ratio'] or '-'} | {s0['host_ms']:.2f}, {s1['host_ms']:.2f} |")  # fmt: skip
+    lines += ["", "| record | DP | stage | launches | ATen ops / Triton | MB moved | ratio |", "|---|---|---|---|---|---|---|"]
+    for r in doc["records"]:
+        if r["kind"] in ("delta-gather", "refresh"):
+            what = f"{r['kind']} {r.get('size', r.get('model', ''))}"
+            for s in r["stages"]:
+                lines.append(f"| {what} | {r['dp']} | {s['stage']} | {s['launches']} | {s['aten_ops']} / {s['triton_launches']} | "
+                             f"{(s['bytes_read'] + s['bytes_written']) / 1e6:.1f} | {s['ratio'] or '-'} |")  # fmt: skip
     for r in doc["records"]:
         if r["kind"] == "launcher":
-            lines.append(f"| launcher | pytorch | {r['mode']} | {r['parameters'] / 1e6:.2f}M params | 2 | steady step | "
-                         f"{r['plugin_ops']} | - | - | - | - | - |")  # fmt: skip
-            continue
-        for s in r["stages"]:
-            ess = None if s["essential_read"] is None else s["essential_read"] + s["essential_written"]
-            lines.append(f"| {r['path']} | {r.get('kernels', 'pytorch')} | {r.get('bucket', '-')} | {r.get('size', '-')} | "
-                         f"{r['dp']} | {s['stage']} | {s['aten_ops']} | {s['triton_launches']} | "
-                         f"{_mb(s['bytes_read'] + s['bytes_written'])} | {_mb(ess)} | {s['ratio'] or '-'} | {s.get('host_ms', '-')} |")  # fmt: skip
+            lines.append(f"| launcher {r['parameters'] / 1e6:.2f}M params ({r['mode']}) | 2 | steady step | - | "
+                         f"{r['plugin_ops']} plugin ops | - | {r.get('ratio_to_smaller', '-')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -386,8 +429,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_gift.bench.launches", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--no-launcher", action="store_true")
+    ap.add_argument("--budget", type=float, default=None, metavar="S", help="stop adding reductions after S seconds")
     args = ap.parse_args(argv)
-    run(args.quick, args.json)
+    run(args.quick, args.json, launcher=not args.no_launcher, budget_s=args.budget)
     return 0
 
 

@@ -13,7 +13,8 @@ Inside a stage:
   the elements they index: ``index_copy_``/``index_add_``/``index_put_`` write as many as their
   source holds, ``index_select`` reads as many as it returns (plus the index). Views and
   allocations (``empty``, ``as_strided``, ``view``, ``slice`` ...) touch nothing: counted as ops
-  (each is a host dispatch), zero bytes, and tallied apart (``no_traffic_ops``);
+  (each is a host dispatch), zero bytes, and tallied apart (``no_traffic_ops``); ``launches`` are
+  the others plus the Triton launches (what a GPU would run);
 - every Triton launch (``JITFunction.run``, or ``InterpretedFunction.run`` under
   ``TRITON_INTERPRET=1``) is recorded with its kernel name and bound arguments (by parameter name,
   constexprs included, plus ``"grid"``); its bytes come from the ``TRAFFIC`` dict of the kernel's
@@ -23,8 +24,8 @@ Inside a stage:
 
 ``Meter(stub=True)`` records the launches without running them (for ``meta`` tensors, and to time
 the plugin's host work without kernel time); ``stub=False`` runs them after recording.
-``Meter(count_ops=False)`` times instead: each stage's wall time and the part of it spent inside
-ATen dispatch (on ``meta`` tensors an op's shape function alone costs 0.1-4 ms of Python, far more
+``Meter(count_ops=False)`` times instead: each stage's wall and thread CPU time and the part of
+the latter spent inside ATen dispatch (on ``meta`` tensors an op's shape function alone costs 0.1-4 ms of Python, far more
 than a CUDA launch's host side, so the plugin's own host time is what is left: ``python_s``; it
 still holds the ~µs per op of entering the dispatch probe).
 No state outside the ``Meter`` object: the launcher patch lives only inside ``with meter:``.
@@ -127,16 +128,22 @@ class StageCount:
     by_op: collections.Counter = field(default_factory=collections.Counter)
     launches: list[Launch] = field(default_factory=list)
     host_s: float = 0.0  # the stage's wall time
-    aten_s: float = 0.0  # of which inside ATen dispatch (``Meter(count_ops=False)`` only)
+    cpu_s: float = 0.0  # its thread's CPU time (what other processes on the machine take is not in it)
+    aten_s: float = 0.0  # of which inside ATen dispatch (CPU time; ``Meter(count_ops=False)`` only)
 
     @property
     def python_s(self) -> float:
-        """The stage's host time outside ATen dispatch: the plugin's Python (and the launch stubs)."""
-        return self.host_s - self.aten_s
+        """The stage's host CPU time outside ATen dispatch: the plugin's Python (and the launch stubs)."""
+        return self.cpu_s - self.aten_s
 
     @property
     def triton_launches(self) -> int:
         return len(self.launches)
+
+    @property
+    def gpu_launches(self) -> int:
+        """Device launches on a GPU: the ATen ops that touch memory and the Triton launches."""
+        return self.aten_ops - self.no_traffic_ops + self.triton_launches
 
     @property
     def read(self) -> int:
@@ -149,7 +156,7 @@ class StageCount:
     def as_dict(self) -> dict:
         kernels = collections.Counter(k.kernel for k in self.launches)
         return dict(stage=self.name, aten_ops=self.aten_ops, no_traffic_ops=self.no_traffic_ops,
-                    triton_launches=self.triton_launches, launches=self.aten_ops + self.triton_launches,
+                    triton_launches=self.triton_launches, launches=self.gpu_launches,
                     aten_bytes_read=self.aten_read, aten_bytes_written=self.aten_written,
                     triton_bytes_read=sum(k.read for k in self.launches),
                     triton_bytes_written=sum(k.written for k in self.launches),
@@ -188,10 +195,10 @@ class _OpTimer(TorchDispatchMode):
         self.count = count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         out = func(*args, **(kwargs or {}))
         self.count.aten_ops += 1
-        self.count.aten_s += time.perf_counter() - t0
+        self.count.aten_s += time.thread_time() - t0
         return out
 
 
@@ -283,12 +290,12 @@ class Meter:
         self.stages.append(count)
         outer, self._current = self._current, count
         mode = (_OpTraffic if self.count_ops else _OpTimer)(count)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             with mode:
                 yield count
         finally:
-            count.host_s = time.perf_counter() - t0
+            count.host_s, count.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
             self._current = outer
 
     def probe(self):
@@ -304,11 +311,11 @@ def probe_overhead(n: int = 2000) -> float:
     x, count = torch.empty(4, device="meta"), StageCount("calibration")
     best = float("inf")
     for _ in range(3):
-        count.host_s = count.aten_s = 0.0
-        t0 = time.perf_counter()
+        count.cpu_s = count.aten_s = 0.0
+        t0 = time.thread_time()
         with _OpTimer(count):
             for _ in range(n):
                 x.view(-1)
-        count.host_s = time.perf_counter() - t0
+        count.cpu_s = time.thread_time() - t0
         best = min(best, count.python_s / n)
     return best
