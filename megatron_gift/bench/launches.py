@@ -352,7 +352,9 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
             with open(json_path, "w") as f:
                 json.dump(doc, f, indent=1)
 
-    if launcher:
+    if launcher and torch.cuda.is_available():
+        doc["launcher_skipped"] = "CUDA is available: the CPU launcher (--gift-cpu) refuses to run"
+    elif launcher:
         from .launcher_ops import launcher_records
 
         records += launcher_records(quick)

@@ -108,7 +108,7 @@ def aten_traffic(func, args, kwargs, out) -> tuple[int, int] | None:
 
 @dataclass
 class Launch:
-    """One Triton launch: the kernel, its bound arguments' scalars and its bytes."""
+    """One Triton launch: the kernel, its grid and its bytes (its ``TRAFFIC`` entry)."""
 
     kernel: str
     grid: tuple
