@@ -434,7 +434,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-launcher", action="store_true")
     ap.add_argument("--budget", type=float, default=None, metavar="S", help="stop adding reductions after S seconds")
     args = ap.parse_args(argv)
-    run(args.quick, args.json, launcher=not args.no_launcher, budget_s=args.budget)
+    argv = sys.argv[1:] if argv is None else argv
+    run(args.quick, args.json, "python -m megatron_gift.bench.launches " + " ".join(argv), not args.no_launcher, args.budget)
     return 0
 
 
