@@ -261,9 +261,11 @@ def scan(quick: bool) -> list[tuple]:
         for size in torch_sizes:
             for dp in ((2, 8) if quick else (2, 512)):
                 out.append(("flat-rs", bucket, size, dp, "pytorch"))
-    # smallest buckets first, and at each size the cheapest to meter first (16K-element loops last)
-    cost = lambda c: (SIZES[c[2]], c[4] != "fused", c[0].startswith("two-level/bf16"), c[0].startswith("two-level"))  # noqa: E731
-    return sorted(out, key=cost)
+    # the cases without 16K-element loops first (on meta tensors each op costs ~0.1-4 ms of shape
+    # functions: the BF16 intra-node cast, error feedback and the PyTorch path are the slow ones to
+    # meter), each from the smallest bucket up
+    slow = lambda c: c[4] != "fused" or c[0].startswith("two-level/bf16") or c[1].endswith("+ef")  # noqa: E731
+    return sorted(out, key=lambda c: (slow(c), SIZES[c[2]], c[4] != "fused"))
 
 
 def delta_gather(numel: int, p: int) -> dict:
@@ -335,16 +337,25 @@ def machine() -> dict:
 
 
 def run(quick: bool, json_path: str | None, command: str | None = None, launcher: bool = True,
-        budget_s: float | None = None) -> dict:  # fmt: skip
+        budget_s: float | None = None, resume: bool = False) -> dict:  # fmt: skip
     """The scan (``--quick``: its subset): the launcher, delta-gather and refresh records first,
-    then the reductions from the smallest bucket up, the JSON rewritten after each record; past
-    ``budget_s`` seconds the remaining reductions are listed as ``skipped``."""
+    then the reductions (``scan``'s order), the JSON rewritten after each record; past ``budget_s``
+    seconds the remaining reductions are listed as ``skipped``. ``resume``: the records already in
+    ``json_path`` are kept and not measured again."""
     t0 = time.time()
     threads = torch.get_num_threads()
     doc = dict(benchmark="launches", command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
                machine=dict(machine(), probe_overhead_us=round(1e6 * probe_overhead(), 2)), wall_seconds=0.0,
                budget_s=budget_s, schema=__doc__, records=[], skipped=[])  # fmt: skip
     records = doc["records"]
+    done = set()
+    if resume and json_path and os.path.exists(json_path):
+        with open(json_path) as f:
+            old = json.load(f)
+        records += old["records"]
+        doc["wall_seconds_before_resume"] = old["wall_seconds"] + old.get("wall_seconds_before_resume", 0)
+        done = {(r["path"], r.get("bucket"), r.get("size"), r["dp"], r.get("kernels")) for r in records}
+        launcher = launcher and not any(r["kind"] == "launcher" for r in records)
 
     def save():
         doc["wall_seconds"] = round(time.time() - t0, 1)
@@ -360,16 +371,18 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
         records += launcher_records(quick)
     torch.set_num_threads(1)
     try:
-        for size in ("1M",) if quick else ("1M", "200M"):
+        for size in () if resume and done else ("1M",) if quick else ("1M", "200M"):
             for dp in (2, 64) if quick else DPS:
                 print(f"[bench launches] delta gather {size} dp={dp} ...", file=sys.stderr, flush=True)
                 records.append(dict(delta_gather(SIZES[size], dp), size=size))
-        for dp in (2,) if quick else (2, 8):
+        for dp in () if resume and done else (2,) if quick else (2, 8):
             print(f"[bench launches] refresh dp={dp} ...", file=sys.stderr, flush=True)
             records.append(refresh(dp))
         save()
         layouts: dict = {}
         for path, bucket, size, dp, kernels in scan(quick):
+            if (path, bucket, size, dp, kernels) in done:
+                continue
             if budget_s is not None and time.time() - t0 > budget_s:
                 doc["skipped"].append([path, bucket, size, dp, kernels])
                 continue
@@ -433,9 +446,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--no-launcher", action="store_true")
     ap.add_argument("--budget", type=float, default=None, metavar="S", help="stop adding reductions after S seconds")
+    ap.add_argument("--resume", action="store_true", help="keep the records already in --json, measure the rest")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    run(args.quick, args.json, "python -m megatron_gift.bench.launches " + " ".join(argv), not args.no_launcher, args.budget)
+    run(args.quick, args.json, "python -m megatron_gift.bench.launches " + " ".join(argv), not args.no_launcher, args.budget,
+        args.resume)
     return 0
 
 
