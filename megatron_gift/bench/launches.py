@@ -16,9 +16,10 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
   the tensors they touch, kernels by their ``TRAFFIC`` formulas), ``essential_read`` /
   ``essential_written`` (what one fused pass must move: below) and ``ratio`` (moved / essential);
 - ``host_ms``: the plugin's own host time per bucket, kernels stubbed: the stages' thread CPU
-  time (other processes' time on a shared machine is not in it) less the time inside ATen dispatch (``testing.meter``'s ``python_s``: on ``meta`` tensors an
-  op's shape function costs more than a CUDA launch's host side, so it is left out; on a GPU add
-  each op's and launch's dispatch, ~5-20 µs);
+  time (other processes' time on a shared machine is not in it) less the time inside ATen
+  dispatch (``testing.meter``'s ``python_s``: on ``meta`` tensors an op's shape function costs
+  more than a CUDA launch's host side, so it is left out; it keeps Python's own cost of each
+  torch call, ~5-9 µs, ``machine.probe_overhead_us``; on a GPU add each launch's dispatch);
 - ``delta-gather`` (the parameter all-gather as coded changes: encode, decode), ``refresh`` (one
   GIFT refresh of the demo model's layers on real CPU tensors) and ``launcher`` (ops dispatched
   from the plugin's frames in a steady step of the real launcher on 2 gloo ranks).
