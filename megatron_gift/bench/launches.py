@@ -26,7 +26,8 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 
 Essential bytes (``b``: the bucket's bytes per element; messages in the wire format,
 ``comm.layout``; a GIFT parameter's input is read twice, once for its projection ``G Q`` or
-``S Q`` and once for the pass): send / intra-node stage: read the bucket, write every message;
+``S Q`` and once for the pass, or, where that is less, the receiver's FP32 sum is read twice and
+rewritten instead of its senders' messages read again): send / intra-node stage: read the bucket, write every message;
 node sums: read the node's messages of the held shards, write their FP8 messages; reduce: read
 every sender's message of the own shard, write the shard (``b`` per element); cut rows: their
 values read and written; all-reduce gather: read the senders' messages, write one; decode of
@@ -176,8 +177,10 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
         return bucket_read, sum(msg(topo.inter_ranks(lp), wire) for lp in range(g))
     if stage == "node_sums":
         return topo.ranks_per_node * msg(held, wire), sum(msg([j]) for j in held)
-    if stage == "reduce":
-        return senders * (msg([r]) + gift_codes(r)), shard_elements(r) * b
+    if stage == "reduce":  # GIFT's S Q: the messages read again, or the FP32 sum read twice and rewritten
+        again = gift_codes(r) // code
+        twice = (senders * gift_codes(r), 0) if senders * code <= 3 * 4 else (2 * 4 * again, 4 * again)
+        return senders * msg([r]) + twice[0], shard_elements(r) * b + twice[1]
     if stage == "finish":
         return 4 * pieces, b * pieces
     if stage in ("gather", "gather_inter"):
@@ -342,7 +345,7 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
     """The scan (``--quick``: its subset): the launcher, delta-gather and refresh records first,
     then the reductions (``scan``'s order), the JSON rewritten after each record; past ``budget_s``
     seconds the remaining reductions are listed as ``skipped``. ``resume``: the records already in
-    ``json_path`` are kept and not measured again."""
+    ``json_path`` are kept and not measured again (their essential bytes recomputed)."""
     t0 = time.time()
     threads = torch.get_num_threads()
     doc = dict(benchmark="launches", command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
@@ -356,6 +359,10 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
         records += old["records"]
         doc["wall_seconds_before_resume"] = old["wall_seconds"] + old.get("wall_seconds_before_resume", 0)
         done = {(r["path"], r.get("bucket"), r.get("size"), r["dp"], r.get("kernels")) for r in records}
+        for r in records:  # the counts kept, the essential bytes by the current model
+            if r["kind"] == "reduction":
+                case = Case(r["path"], r["bucket"], r["elements"], r["dp"], r["kernels"])
+                _with_essentials(r["stages"], [essential(case, st["stage"]) for st in r["stages"]])
         launcher = launcher and not any(r["kind"] == "launcher" for r in records)
 
     def save():
