@@ -97,6 +97,13 @@ def _bench_param_gather(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_launches(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import launches
+
+    launches.run(quick=args.quick, json_path=args.json, command=args.command_line, launcher=not args.no_launcher)
+    return 0
+
+
 def _add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -174,6 +181,19 @@ def _add_bench(subparsers) -> None:
     pg.add_argument("--ranks", type=positive_int, default=2, metavar="N", help="data-parallel size (default 2)")
     pg.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps per run (default 200; --quick 20)")
     pg.set_defaults(func=_bench_param_gather, needs=CORPUS)
+    lau = commands.add_parser(
+        "launches",
+        help="ATen ops, Triton launches and bytes per stage of one bucket reduction, against the essential bytes",
+        description="Meter one bucket's reduction stage by stage on simulated layouts (bucket sizes 1M to 200M "
+        "elements, DP 2 to 512, flat and two-level, Euclidean, GIFT, plain segments, error feedback; the fused path "
+        "on meta tensors with the Triton launches recorded, the PyTorch path), the delta parameter gather and a "
+        "refresh: ops, launches, bytes read and written, essential bytes, host time; and the plugin's ops in a "
+        "steady step of the real launcher on 2 CPU ranks.",
+    )
+    lau.add_argument("--quick", action="store_true", help="a subset: 1M and 10M elements, DP 2 and 64 (under 5 minutes)")
+    lau.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    lau.add_argument("--no-launcher", action="store_true", help="skip the real launcher's steady-step count")
+    lau.set_defaults(func=_bench_launches)
 
 
 def _demo(args: argparse.Namespace) -> int:

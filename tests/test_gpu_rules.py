@@ -161,3 +161,40 @@ def test_ops_per_bucket_do_not_grow_with_the_data_parallel_size(ranks_per_node):
             layout = "fixed" if kind == "B" else "replicated"
             counts = {(w, r): res[(layout, all_reduce)][k] for w, per in ops.items() for r, res in enumerate(per)}
             assert len(set(counts.values())) == 1, (all_reduce, k, layout, counts)
+
+
+# -- Launch targets of the hot path (the launch meter, on simulated layouts) ------------------------
+# Four [rows, 1000] parameters per bucket at every size (``bench.launches.segments``).
+_SEGMENTS = 4
+_CHUNK_LOOPS = ("chunk loops: the fused path cuts buckets into 1M-element chunks, the receiver's budget "
+                "is divided by the senders, cast and plain segments use 16K chunks, error feedback and the "
+                "PyTorch path 16K; fixed by the hot-path rewrite")  # fmt: skip
+
+
+def _launches(path, bucket, numel, dp, kernels):
+    from megatron_gift.bench import launches
+
+    stages, _ = launches.counted(launches.Case(path, bucket, numel, dp, kernels))
+    return {s.name: (s.gpu_launches if kernels == "fused" else s.aten_ops) for s in stages}
+
+
+@pytest.mark.xfail(strict=True, reason=_CHUNK_LOOPS)
+@pytest.mark.parametrize("path", ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-ar"])
+def test_fused_launches_per_stage_do_not_grow_and_stay_few(path):
+    """On the fused path (the one CUDA takes; kernels stubbed on meta tensors) every stage of a
+    bucket issues the same launches at 1M and 10M elements and at 8 and 64 ranks, and at most
+    4 + 3 per parameter segment: a loop over element chunks, or over peers, makes the host launch-bound."""
+    for bucket in ("gift", "plain"):
+        counts = {(n, dp): _launches(path, bucket, n, dp, "fused") for n in (1 << 20, 10 << 20) for dp in (8, 64)}
+        assert len({tuple(c.items()) for c in counts.values()}) == 1, (bucket, counts)
+        assert all(k <= 4 + 3 * _SEGMENTS for c in counts.values() for k in c.values()), (bucket, counts)
+
+
+@pytest.mark.xfail(strict=True, reason=_CHUNK_LOOPS)
+@pytest.mark.parametrize("path", ["flat-rs", "two-level/fp8-rs"])
+def test_pytorch_ops_per_stage_do_not_grow_with_the_data_parallel_size(path):
+    """On the PyTorch reference path every stage dispatches the same ATen ops at 8 and 64 ranks, at
+    two bucket sizes (a receive budget divided by the senders cuts the own shard finer as DP grows)."""
+    for n in (1 << 20, 2 << 20):
+        counts = {dp: _launches(path, "gift", n, dp, "pytorch") for dp in (8, 64)}
+        assert counts[8] == counts[64], (n, counts)

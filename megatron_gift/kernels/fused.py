@@ -585,9 +585,6 @@ def _encode_traffic(a: dict) -> tuple[int, int]:
     return read, written
 
 
-# Kernel name -> (bytes read, bytes written) of a launch from its bound arguments (and "grid").
-TRAFFIC = {"_encode_kernel": _encode_traffic}
-
 
 def _rows(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Parts as ``[k, m]`` tensors with inner stride 1 (rows strided); one tensor may be ``[k, ...]``."""
@@ -654,6 +651,14 @@ def decode_sum_unwhiten(
     return unwhiten(acc, out, whitening)
 
 
+# -- Memory traffic of each launch (the launch meter, ``testing/meter.py``) -------------------------
+# ``TRAFFIC[kernel name](args) -> (bytes read, bytes written)``: ``args`` are a launch's bound
+# arguments by parameter name (tensors, scalars, constexprs) plus ``"grid"``. Each byte of a tensor
+# counts once per launch (re-reads inside a program, e.g. of D, Q or a unit's later chunks, are
+# cache hits); sizes come from the scalar arguments, element sizes from the tensors' dtypes.
+# Whoever adds or changes a kernel updates its entry in the same commit.
+
+
 def _scale_count(a: dict) -> int:
     """Distinct scales a decode reads per rank: one per unit of ``lengths`` or the matrix codec's
     blocks, one per row (ROW), one (TENSOR)."""
@@ -662,19 +667,28 @@ def _scale_count(a: dict) -> int:
     return {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
 
 
-def _decode_sum_bytes(a: dict) -> tuple[int, int]:
+def _decode_sum_traffic(a: dict) -> tuple[int, int]:
     n, ranks = a["rows"] * a["cols"], a["k0"] + a["k1"] + a["k2"]
     read = ranks * (n * a["code0_ptr"].element_size() + _scale_count(a) * a["scale0_ptr"].element_size())
     read += a["ends_ptr"].element_size() * a["n_units"] if a["LAYOUT"] == _GROUPS.value else 0
     return read, n * a["out_ptr"].element_size()
 
 
-def _unwhiten_bytes(a: dict) -> tuple[int, int]:
+def _unwhiten_traffic(a: dict) -> tuple[int, int]:
     n, rank = a["rows"] * a["cols"], a["rank"]
     read = n * a["u_ptr"].element_size() + 4 * (rank * (a["rows"] + a["cols"]) + a["cols"])
     return read, n * a["out_ptr"].element_size()
 
 
-# (bytes read, bytes written) of a launch from its bound arguments (the meter's convention), for
-# the receiver's kernels of this module.
-TRAFFIC = {"_decode_sum_kernel": _decode_sum_bytes, "_unwhiten_kernel": _unwhiten_bytes}
+def _project_traffic(a: dict) -> tuple[int, int]:
+    rows, cols, rank = a["rows"], a["cols"], a["rank"]
+    read = rows * cols * a["x_ptr"].element_size() + 4 * (cols * rank + rank + (cols if a["SCALE_D"] else 0))
+    return read, 4 * rows * rank
+
+
+TRAFFIC = {
+    "_encode_kernel": _encode_traffic,
+    "_decode_sum_kernel": _decode_sum_traffic,
+    "_project_kernel": _project_traffic,
+    "_unwhiten_kernel": _unwhiten_traffic,
+}

@@ -150,7 +150,7 @@ def _launch_sum(out, parts, place, n, average, mode) -> None:
     )  # fmt: skip
 
 
-def _decode_placed_bytes(a: dict) -> tuple[int, int]:
+def _decode_placed_traffic(a: dict) -> tuple[int, int]:
     n, groups = a["rows"] * a["cols"], a["LAYOUT"] == 2
     scales = a["n_units"] if groups else {(0, 0): 1, (1, 0): a["rows"]}.get(
         (a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])  # fmt: skip
@@ -159,11 +159,11 @@ def _decode_placed_bytes(a: dict) -> tuple[int, int]:
     return read, n * a["out_ptr"].element_size()
 
 
-def _sum_bytes(a: dict) -> tuple[int, int]:
+def _sum_traffic(a: dict) -> tuple[int, int]:
     rows = sum(a[f"k{i}"] * a[f"x{i}_ptr"].element_size() for i in range(3))
     table = 16 * a["n_table"] if a["PLACE"] != _PLAIN.value else 0
     return a["n"] * rows + table, a["n"] * a["out_ptr"].element_size()
 
 
 # (bytes read, bytes written) of a launch from its bound arguments (the meter's convention).
-TRAFFIC = {"_decode_placed_kernel": _decode_placed_bytes, "_sum_kernel": _sum_bytes}
+TRAFFIC = {"_decode_placed_kernel": _decode_placed_traffic, "_sum_kernel": _sum_traffic}
