@@ -367,7 +367,8 @@ def gift_config_from_args(args) -> GiftConfig | None:
             param_gather=ParamGather(args.gift_param_gather),
             param_gather_full_every=args.gift_param_gather_full_every,
             allow_untested_megatron=args.gift_allow_untested_megatron,
-            param_gather_check_every=args.log_interval,  # Megatron's logging steps
+            # Megatron's logging steps (without Megatron's flags, e.g. the recipes' checks: the default)
+            param_gather_check_every=getattr(args, "log_interval", _DEFAULT.param_gather_check_every),
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e

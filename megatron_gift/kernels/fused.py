@@ -561,6 +561,22 @@ def whiten_encode(
     return Encoded(payload=payload, scales=scales if n_groups is not None else scales.view(cfg.groups(rows, cols)))
 
 
+# -- Memory traffic of each launch (the launch meter, ``testing/meter.py``) -------------------------
+# ``TRAFFIC[kernel name](args) -> (bytes read, bytes written)``: ``args`` are a launch's bound
+# arguments by parameter name (tensors, scalars, constexprs) plus ``"grid"``. Each byte of a tensor
+# counts once per launch (re-reads inside a program, e.g. of D, Q or a unit's later chunks, are
+# cache hits); sizes come from the scalar arguments, element sizes from the tensors' dtypes.
+# Whoever adds or changes a kernel updates its entry in the same commit.
+
+
+def _scale_count(a: dict) -> int:
+    """Distinct scales a launch addresses (per rank for a decode): one per unit of ``lengths`` or the
+    matrix codec's blocks, one per row (ROW), one (TENSOR)."""
+    if a["LAYOUT"] == _GROUPS.value:
+        return a["n_units"]
+    return {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
+
+
 def _encode_traffic(a: dict) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one ``_encode_kernel`` launch from its bound arguments: ``G``
     (and ``e``) once per pass, ``P`` and ``T``'s factors with whitening, the group ends, each unit's
@@ -577,11 +593,12 @@ def _encode_traffic(a: dict) -> tuple[int, int]:
         return read, 4 * units
     written = n + (4 * n if a["STORE_U"] else 0) + (4 * n if a["FEEDBACK"] else 0)
     scale_size = a["scale_out_ptr"].element_size()
+    scales = _scale_count(a)  # each distinct scale once (a row's units share it)
     if a["PASS"] == _ENCODE.value:
-        read += units * a["scale_ptr"].element_size()
-        written += units * scale_size if a["PLACE"] else 0
+        read += scales * a["scale_ptr"].element_size()
+        written += scales * scale_size if a["PLACE"] else 0
     else:
-        written += units * scale_size
+        written += scales * scale_size
     return read, written
 
 
@@ -649,22 +666,6 @@ def decode_sum_unwhiten(
         AVERAGE=average, BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
     )  # fmt: skip
     return unwhiten(acc, out, whitening)
-
-
-# -- Memory traffic of each launch (the launch meter, ``testing/meter.py``) -------------------------
-# ``TRAFFIC[kernel name](args) -> (bytes read, bytes written)``: ``args`` are a launch's bound
-# arguments by parameter name (tensors, scalars, constexprs) plus ``"grid"``. Each byte of a tensor
-# counts once per launch (re-reads inside a program, e.g. of D, Q or a unit's later chunks, are
-# cache hits); sizes come from the scalar arguments, element sizes from the tensors' dtypes.
-# Whoever adds or changes a kernel updates its entry in the same commit.
-
-
-def _scale_count(a: dict) -> int:
-    """Distinct scales a decode reads per rank: one per unit of ``lengths`` or the matrix codec's
-    blocks, one per row (ROW), one (TENSOR)."""
-    if a["LAYOUT"] == _GROUPS.value:
-        return a["n_units"]
-    return {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
 
 
 def _decode_sum_traffic(a: dict) -> tuple[int, int]:

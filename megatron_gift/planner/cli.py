@@ -20,6 +20,15 @@ from .workloads import DIMS, PRESETS
 DIM_HELP = {"kv_heads": "key-value heads (grouped-query attention; default: the preset's, else --heads)"}
 
 
+def _shown(path) -> str:
+    """``path`` as the JSON records it: relative to the checkout where it lies inside it."""
+    from .checks import COMM_JSON
+
+    root = COMM_JSON.parents[2]
+    path = Path(path).resolve()
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -102,11 +111,11 @@ def add_parser(subparsers) -> None:
                      help="the parameter all-gather of every row but the stock BF16 reference: Megatron's bf16, or delta "
                      "(about 1 byte per element, as --gift-param-gather delta) (default: %(default)s)")  # fmt: skip
     mod.add_argument("--delta-decode-stream", default=DeltaKernels().stream.value, choices=_values(DecodeStream),
-                     help="where the delta gather's decode runs: compute (today's code: in the forward pre-hook, before "
-                     "the next bucket's gather) or side (a stream of its own) (default: %(default)s)")  # fmt: skip
+                     help="where the delta gather's decode runs: side (a stream of its own, as the code runs it) or "
+                     "compute (in the forward pre-hook, before the next bucket's gather) (default: %(default)s)")  # fmt: skip
     mod.add_argument("--delta-decode-bytes", type=positive_float, default=DeltaKernels().decode_bytes, metavar="BYTES",
-                     help="HBM bytes per element of the delta decode (default: %(default)s, today's; a fused decode: "
-                     "about 5.03)")  # fmt: skip
+                     help="HBM bytes per element of the delta decode (default: %(default)s, the fused kernel's; the "
+                     "unfused decode it replaced: 49.16)")  # fmt: skip
     mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
     mod.add_argument("--overhead-json", metavar="PATH", help="plugin kernel costs from a bench overhead JSON of the target "
                      "GPU (default: HBM-bandwidth estimates)")  # fmt: skip
@@ -179,7 +188,6 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = None, json_path: str | None = None,
         comm_json: str | None = None, show_checks: bool = False, validate_overhead_json: str | None = None,
         validate_iters: int = 30, measured_json: str | None = None, show_sensitivity: bool = False,
@@ -204,7 +212,7 @@ def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = 
         doc["sensitivity"] = plan.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts)
         out.append(output.format_sensitivity(doc["sensitivity"], max(gpus)))
     if comm_json and Path(comm_json).exists():
-        doc["bytes_check"] = dict(source=comm_json, rows=checks.comm_bytes_check(comm_json),
+        doc["bytes_check"] = dict(source=_shown(comm_json), rows=checks.comm_bytes_check(comm_json),
                                   links=checks.comm_links_check(comm_json))  # fmt: skip
         if show_checks:
             out.append(output.format_bytes_check(doc["bytes_check"]["rows"], doc["bytes_check"]["links"]))

@@ -1,9 +1,9 @@
 """The delta parameter gather's inputs: its wire format (``DeltaCodec``) and what its encode and
-decode kernels cost and where they run (``DeltaKernels``). Defaults are today's implementation,
-``comm/param_delta.py``: the decode on the compute stream inside Megatron's forward pre-hook, the
-next bucket's encode and all-gather dispatched after it, ~49 bytes of HBM traffic per element.
-A fused decode on a side stream is the same model with other inputs
-(``--delta-decode-stream side --delta-decode-bytes 5.03``)."""
+decode kernels cost and where they run (``DeltaKernels``). Defaults are the implementation on a GPU,
+``comm/param_delta.py`` with ``kernels/delta.py``: one fused encode and one fused decode per bucket,
+the decode on a side stream overlapping the next bucket's gather. The decode of the unfused code it
+replaced (on the compute stream in the forward pre-hook, ~49 bytes per element) is the same model
+with other inputs (``--delta-decode-stream compute --delta-decode-bytes 49.16``)."""
 
 from __future__ import annotations
 
@@ -42,18 +42,17 @@ class DeltaKernels:
     and the decode's stream: counted from the torch operations of ``comm/param_delta.py`` (each
     operation's reads and writes; the launches beyond the bytes priced at ``Cluster.launch_s``)."""
 
-    stream: DecodeStream = sourced(DecodeStream.COMPUTE, """the decode runs in ``_Gathered.wait()``, which
-        Megatron's ``finish_param_sync`` calls in the forward pre-hook, on the compute stream, before it
-        dispatches the next bucket's gather (comm/param_delta.py, megatron/param_gather.py).""")
-    decode_bytes: float = sourced(49.16, """per element of the bucket: ``decode_into`` widens the base to
-        FP32 (2 + 4), builds the units from its exponent bits (4 + 4, 4 + 4), clamps them by the block scales
-        (4 + 4 + 5/32), adds codes times units (4 + 4 + 1 + 4), writes the parameters back (4 + 2).""")
-    prev_bytes: float = sourced(4.0, "per shard element: the decode copies the own shard into ``prev`` (2 + 2)")
-    decode_launches: int = sourced(10, "``decode_into``'s nine elementwise operations and the copy into ``prev``")
-    encode_bytes: float = sourced(129.0, """per shard element: ``encode``'s FP32 widening of the new shard and
-        ``prev``, the difference, the half spacings, the far-block maxima, the division by the units, rounding,
-        the casts to codes, and the own shard put back to ``prev``.""")
-    encode_launches: int = sourced(33, "``encode``'s operations (about a dozen on the per-block scales) and the copy back")
+    stream: DecodeStream = sourced(DecodeStream.SIDE, """bucket k's decode is enqueued on a stream of its own
+        (``comm.param_delta.DeltaGather``); Megatron's forward pre-hook waits on its event, and the next bucket's
+        gather is dispatched right after it (megatron/param_gather.py).""")
+    decode_bytes: float = sourced(5.03, """per element of the bucket: the fused decode (``kernels.delta``'s
+        ``TRAFFIC``) reads every rank's codes and scales (1 + 1/32) and each row's BF16 base (2), and writes the
+        BF16 parameters (2).""")
+    prev_bytes: float = sourced(2.0, "per shard element: the decode also writes the own shard's new base ``prev`` (2)")
+    decode_launches: int = sourced(1, "one fused decode launch per bucket (``kernels.delta``)")
+    encode_bytes: float = sourced(5.03, """per shard element: the fused encode reads the new BF16 shard and its
+        base ``prev`` (2 + 2) and writes the codes and scales (1 + 1/32) (``kernels.delta``'s ``TRAFFIC``).""")
+    encode_launches: int = sourced(1, "one fused encode launch per bucket (``kernels.delta``)")
 
     def __post_init__(self):
         object.__setattr__(self, "stream", DecodeStream(self.stream))

@@ -4,7 +4,7 @@ Megatron's ``--overlap-param-gather``: bucket k's forward pre-hook waits for buc
 then dispatches bucket k+1's. Its BF16 ring gathers queue back to back on their NCCL stream (the
 host is ahead), each bucket's forward waits for its own. The delta gather (``comm/param_delta.py``)
 adds an encode of the own shard before the all-gather and a decode of every shard after it; with
-the decode on the compute stream (``DecodeStream.COMPUTE``, today's code) the compute stream runs
+the decode on the compute stream (``DecodeStream.COMPUTE``, the unfused decode) the compute stream runs
 ``encode 0``, then per bucket ``decode k, encode k+1, forward k``, and gather k+1 starts only after
 encode k+1: decode and encode are on the critical path. With the decode on a side stream the
 gathers queue back to back again and only the forward waits for each decode.

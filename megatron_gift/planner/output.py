@@ -66,7 +66,7 @@ def format_costs(costs, opts) -> str:
     """Where each stage's cost comes from: the kernel costs, the reduction stages' launches, the delta codec's."""
     k = opts.delta_kernels
     delta = (f"; delta gather: decode on the {k.stream.value} stream, {k.decode_bytes:g} B per element, "
-             f"{k.decode_launches} launches (counted in comm/param_delta.py)" if opts.param_gather.value == "delta" else "")  # fmt: skip
+             f"{k.decode_launches} launches (kernels/delta.py)" if opts.param_gather.value == "delta" else "")  # fmt: skip
     return f"stage costs: {costs.source}; {STAGE_LAUNCHES} launches per reduction stage (assumed){delta}\n"
 
 

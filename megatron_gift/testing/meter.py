@@ -71,10 +71,16 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def launches(func) -> bool:
+    """Whether a dispatched ATen op is a device launch on a GPU: it touches memory (not a view, not an
+    allocation)."""
+    return not (func.is_view or func in _NO_TRAFFIC)
+
+
 def aten_traffic(func, args, kwargs, out) -> tuple[int, int] | None:
     """``(bytes read, bytes written)`` of one dispatched ATen op by the module doc's rule; None for
     an op that touches nothing (a view or an allocation)."""
-    if func.is_view or func in _NO_TRAFFIC:
+    if not launches(func):
         return None
     packet = func.overloadpacket
     bound = {}
