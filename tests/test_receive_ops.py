@@ -115,7 +115,7 @@ def _flat_stages(numel, world, fused, log, rank=1):
                                         all_reduce=all_reduce, kernels=fused)  # fmt: skip
         pk = packing(layout, list(range(world)), [[j] for j in range(world) if j != rank] + [[rank]], None, "cpu")
         recv, own = _received((world - 1) * pk.own.nbytes), _received(pk.own.nbytes)
-        rows = lambda: Rows(recv, own, rank, pk.own)  # noqa: E731
+        rows = lambda: Rows(recv, own, rank, pk.own, world)  # noqa: E731
         if all_reduce:
             out["own message"] = _count(lambda: red._own_message(rows()), log)
         else:
