@@ -3,8 +3,8 @@
 ``python -m megatron_gift.testing.launch_ops OUT_DIR STEPS -- <megatron_gift.pretrain_gpt args>``
 runs ``megatron_gift.pretrain_gpt`` unchanged, except that Megatron's ``train_step`` calls whose
 0-based index is in ``STEPS`` (comma-separated) run inside a dispatch mode that counts every ATen
-op whose innermost ``megatron_gift``/``megatron`` frame is the plugin's (``testing.dispatch``'s
-rule: Megatron's own ops are stock behaviour). Each rank writes ``OUT_DIR/rank<r>.json``:
+op whose innermost ``megatron_gift``/``megatron`` frame is the plugin's (``_owner``: Megatron's
+own ops are stock behaviour, even when the plugin calls into Megatron). Each rank writes ``OUT_DIR/rank<r>.json``:
 ``{step: {"plugin_ops": n, "all_ops": m, "by_op": {...}}}``.
 """
 
@@ -18,7 +18,19 @@ import sys
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .dispatch import _owner
+from .dispatch import _PACKAGE, _TESTING
+
+
+def _owner(frame) -> str | None:
+    """``"plugin"``, ``"megatron"`` or None: who the innermost frame of either package belongs to."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_PACKAGE) and not path.startswith(_TESTING):
+            return "plugin"
+        if f"{os.sep}megatron{os.sep}" in path and not path.startswith(_PACKAGE):
+            return "megatron"
+        frame = frame.f_back
+    return None
 
 
 class PluginOps(TorchDispatchMode):
