@@ -245,7 +245,7 @@ def scan(quick: bool) -> list[tuple]:
     """``(path, bucket, size, dp, kernels)`` of every reduction record."""
     sizes = ("1M", "10M") if quick else tuple(SIZES)
     dps = (2, 64) if quick else DPS
-    torch_sizes = ("1M",) if quick else ("1M", "10M")  # the PyTorch path: 16K-element chunks
+    torch_sizes = ("1M",) if quick else ("1M", "10M")  # the PyTorch path (the reference, CPU): two sizes
     out = []
     paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs", "two-level/bf16-ar", "two-level/fp8-ar"]
     if quick:
@@ -255,8 +255,8 @@ def scan(quick: bool) -> list[tuple]:
             for dp in dps:
                 for path in paths:
                     if bucket.endswith("+ef") and (path != "flat-rs" or SIZES[size] > SIZES[torch_sizes[-1]]):
-                        # error feedback: the flat reduce-scatter's sender (the same encode elsewhere);
-                        # today on the PyTorch path (16K chunks: ~0.5 ms per op on meta tensors)
+                        # error feedback: the flat reduce-scatter's sender (the same encode elsewhere),
+                        # at the PyTorch path's sizes
                         continue
                     if path.startswith("two-level") and dp < 4:
                         continue  # two levels need >1 node of >1 ranks
@@ -265,9 +265,8 @@ def scan(quick: bool) -> list[tuple]:
         for size in torch_sizes:
             for dp in ((2, 8) if quick else (2, 512)):
                 out.append(("flat-rs", bucket, size, dp, "pytorch"))
-    # the cases without 16K-element loops first (on meta tensors each op costs ~0.1-4 ms of shape
-    # functions: the BF16 intra-node cast, error feedback and the PyTorch path are the slow ones to
-    # meter), each from the smallest bucket up
+    # the quick cases first (on meta tensors each op costs ~0.1-4 ms of shape functions: the BF16
+    # intra-node cast, error feedback and the PyTorch path dispatch the most), each from the smallest bucket up
     slow = lambda c: c[4] != "fused" or c[0].startswith("two-level/bf16") or c[1].endswith("+ef")  # noqa: E731
     return sorted(out, key=lambda c: (slow(c), SIZES[c[2]], c[4] != "fused"))
 
