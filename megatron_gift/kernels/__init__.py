@@ -220,8 +220,8 @@ def sum_rows(parts: torch.Tensor | Sequence[torch.Tensor], average: bool, out: t
     when averaging; into ``out`` (``[n]``, the FP32 result rounded once to its dtype; a new FP32
     tensor when None) or, ``out`` a ``Place``, element ``i`` at its position (nothing returned)."""
     parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
-    if isinstance(out, Place) and parts[0].shape[-1] == 0:
-        return None  # nothing to place: no launch on either path
+    if isinstance(out, Place) and parts[0].shape[-1] == 0 and fused and available(parts[0].device):
+        return None  # nothing to place: no launch (the reference runs its ops on empty tensors, as on every rank)
     if _use_sum(fused, parts, out.out if isinstance(out, Place) else out):
         return _receive().sum_rows(parts, average, out)
     return reference_sum_rows(parts, average, out)
