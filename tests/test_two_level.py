@@ -1,7 +1,14 @@
 """Two-level quantized reduce-scatter / all-reduce on simulated nodes (gloo, ranks grouped as nodes
 by index): bitwise against a pure-PyTorch simulation of the same algorithm and summation order,
 within FP8's bound of an FP32 reduction computed by hand, ranks bit-identical, NaN propagation,
-the link ledger, and the topology rules."""
+the link ledger, and the topology rules.
+
+The simulation shares neither codec nor whitening with the runtime unchecked: its FP8 roundings are
+tests/reference.py's (torch's FP8 cast, groups written out), and every ``T`` / ``T⁻¹`` it applies goes
+through ``CheckedWhitening``, which holds the runtime transform's FP32 result (the simulation is
+bitwise, so it must round as the runtime does) to a dense FP64 ``T`` built from the definition in
+numerics/whitening.py, within the componentwise FP32 bound of tests/bounds.py: a wrong ``T``, ``T⁻¹``
+or piece projection fails here even though it would show on both sides of the bitwise comparison."""
 
 import itertools
 import time
@@ -18,10 +25,12 @@ from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import MAX_STAGES, ReductionQueue, StageStreams, reduce_now
 from megatron_gift.comm.topology import Topology, build_groups, topology_of
 from megatron_gift.config import Exchange, IntraNode, Mode, Schedule
-from megatron_gift.numerics import CodecConfig, decode_flat, encode_flat
+from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
+from tests.bounds import EPS32, lowrank_gamma, lowrank_magnitudes
+from tests.reference import fp8_roundtrip_groups, ordered_sum
 from tests.test_arguments import megatron_parse_args, parse  # noqa: F401  (fixtures)
-from tests.test_comm import _bucket_grads, _transforms
+from tests.test_comm import _bucket_grads, _codec_args, _coded_groups, _factor, _transforms
 
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -47,19 +56,104 @@ def _runs(values, runs):
     return torch.cat([values[a:b] for a, b in runs]) if runs else values.new_zeros(0)
 
 
-def _ordered_sum(parts):
-    """FP32 sum in rank order (``acc = x_0``, then ``acc += x_i``), written out here on purpose: the
-    test's reference stays independent of ``kernels.ordered_sum``, the runtime's."""
-    acc = parts[0].clone()
-    for t in parts[1:]:
-        acc += t
-    return acc
+_ordered_sum = ordered_sum  # tests/reference.py's: independent of kernels.ordered_sum, the runtime's
 
 
 def _roundtrip(x, layout, j):
-    plan = layout.shards[j]
-    lengths = layout.group_lengths[plan.group_lo : plan.group_hi]
-    return decode_flat(encode_flat(x, lengths, layout.codec), lengths, layout.codec)
+    """Shard ``j``'s coded values through FP8 by tests/reference.py, in the shard's scaling groups
+    (test_comm._coded_groups: each parameter's groups cut at shard boundaries, written out there)."""
+    lo, hi = layout.shards[j].lo, layout.shards[j].hi
+    lengths = []
+    for s, groups in _coded_groups(layout.numel, layout.num_shards, layout.segments, layout.codec.name):
+        pos = s.start
+        for n in groups:
+            if lo <= pos < hi:
+                lengths.append(n)
+            pos += n
+    dtype, _, pow2 = _codec_args(layout.codec.name)
+    return fp8_roundtrip_groups(x, lengths, dtype, pow2)
+
+
+def dense_whitening(a: torch.Tensor, rank: int, damping: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Â, T, T⁻¹)`` in FP64 from the factor ``A`` by numerics/whitening.py's definitions, densely:
+    ``Â = D + V Λ Vᵀ`` (top-``rank`` eigenpairs of ``A``, ``D`` the residual diagonal clamped at 0 plus
+    ``δ·mean(diag A)``); ``T = D^{-1/2} B^{-1/2}`` with ``B = D^{-1/2} Â D^{-1/2}`` (the documented
+    ``D^{-1/2}(I + Q diag(c) Qᵀ)``, ``I + Q diag(s) Qᵀ = B``: ``Tᵀ Â T = I``), from one ``d x d`` eigh
+    (the runtime takes the ``r x r`` Gram of ``W`` instead)."""
+    a64 = a.double()
+    a64 = 0.5 * (a64 + a64.T)
+    evals, evecs = torch.linalg.eigh(a64)
+    v, lam = evecs[:, -rank:], evals[-rank:].clamp_min(0.0)
+    d = (torch.diagonal(a64) - (v * v) @ lam).clamp_min(0.0) + damping * torch.diagonal(a64).mean()
+    a_hat = torch.diag(d) + (v * lam) @ v.T
+    b = a_hat / torch.outer(d.sqrt(), d.sqrt())
+    s, u = torch.linalg.eigh(0.5 * (b + b.T))
+    t = (u * s.rsqrt()) @ u.T / d.sqrt().unsqueeze(1)
+    t_inv = (u * s.sqrt()) @ u.T * d.sqrt()
+    return a_hat, t, t_inv
+
+
+class CheckedWhitening:
+    """The runtime transform ``w`` as the simulation uses it, each result held to the dense FP64
+    ``T`` / ``T⁻¹`` (``dense_whitening``) elementwise within ``γ |X| M`` (tests/bounds.py's
+    ``lowrank_magnitudes``; FP64's own error of ``T`` is ~1e-12 of it, allowed as 1e-9) and
+    returned as the runtime computed it. A cut row: each piece's ``U Q[cols]`` is kept, and the
+    finished pieces of a row are checked together, once the last one is done (``γ`` grows by the
+    pieces' extra sums: 4 roundings more)."""
+
+    def __init__(self, w, t, t_inv):
+        self.w, self.t, self.t_inv = w, t, t_inv
+        self.m, self.m_inv = lowrank_magnitudes(w)
+        self.gamma = lowrank_gamma(w)
+        self.checked = 0
+        self.rows = {}  # a cut row's pieces so far: {id(proj): [(cols, u, finished)]}
+
+    def _check(self, x, got, exact, mags, gamma):
+        x = x.double()
+        err = (got.double() - x @ exact).abs()
+        bound = gamma * (x.abs() @ mags) + 1e-9 * (x.abs() @ exact.abs())
+        assert bool((err <= bound).all()), f"T departs from its dense definition: excess {(err - bound).max().item():.3e}"
+        self.checked += 1
+
+    def apply(self, g):
+        out = self.w.apply(g)
+        self._check(g, out, self.t, self.m, self.gamma)
+        return out
+
+    def inverse(self, u):
+        out = self.w.inverse(u)
+        self._check(u, out, self.t_inv, self.m_inv, self.gamma)
+        return out
+
+    def projection(self, u, cols):
+        return self.w.projection(u, cols)
+
+    def inverse_piece(self, u, proj, cols):
+        out = self.w.inverse_piece(u, proj, cols)
+        pieces = self.rows.setdefault(id(proj), [])
+        pieces.append((cols, u.clone(), out.clone()))
+        if sum(c.stop - c.start for c, _, _ in pieces) == self.w.d_in:  # the whole row: check it
+            pieces.sort(key=lambda p: p[0].start)
+            row_u, row_out = (torch.cat([p[k] for p in pieces], 1) for k in (1, 2))
+            self._check(row_u, row_out, self.t_inv, self.m_inv, self.gamma + 4 * EPS32)
+            del self.rows[id(proj)]
+        return out
+
+
+def checked_transforms(segments):
+    """test_comm._transforms, each wrapped in ``CheckedWhitening`` with its dense FP64 reference (the
+    same factor ``A`` and rank), after checking the reference's ``Tᵀ Â T = I`` in FP64."""
+    out = []
+    for k, (s, w) in enumerate(zip(segments, _transforms(segments))):
+        if w is None:
+            out.append(None)
+            continue
+        basis, evals = _factor(s.cols, k)
+        a_hat, t, t_inv = dense_whitening(((basis * evals) @ basis.T).float(), w.rank)
+        eye = torch.eye(s.cols, dtype=torch.float64)
+        assert float((t.T @ a_hat @ t - eye).abs().max()) < 1e-9 and float((t @ t_inv - eye).abs().max()) < 1e-9
+        out.append(CheckedWhitening(w, t, t_inv))
+    return out
 
 
 def _rows(layout, ts, j, coded, fn):
@@ -175,7 +269,8 @@ def _worker(rank, world, ranks_per_node):
     for name, codec, intra, all_reduce, average in _cases(world):
         numel, segs = LAYOUTS[name]
         layout = BucketLayout(numel, world, segs, CodecConfig(*codec.split("-")), torch.float32)
-        ts = _transforms(segs)
+        checked = checked_transforms(segs)
+        ts = [c.w if c is not None else None for c in checked]  # the runtime's own transforms
         grads = [_bucket_grads(numel, segs, r) for r in range(world)]
         flat = grads[rank].clone()
         ledger = CommLedger()
@@ -185,7 +280,8 @@ def _worker(rank, world, ranks_per_node):
         again = grads[rank].clone()
         lagged.append((again, queue.start(TwoLevelReduce(again, layout, placed, ts, **common))))
         lo, hi = (0, numel) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
-        want = simulate(layout, ts, grads, world // ranks_per_node, intra, average, all_reduce)
+        want = simulate(layout, checked, grads, world // ranks_per_node, intra, average, all_reduce)
+        dense_checks = sum(c.checked for c in checked if c is not None)
         ref = torch.stack(grads).double().sum(0) / (world if average else 1)
         untouched = all_reduce or (torch.equal(flat[:lo], grads[rank][:lo]) and torch.equal(flat[hi:], grads[rank][hi:]))
         out[(name, codec, intra, all_reduce, average)] = dict(
@@ -197,6 +293,7 @@ def _worker(rank, world, ranks_per_node):
             links=dict(ledger.links),
             message_bytes=sum(s.message_bytes for s in layout.shards),
             nonfinite=bool(nonfinite.any()),
+            dense_checks=dense_checks,
         )
     for key, (again, flight) in zip(out, lagged):
         queue.wait(flight)
@@ -219,6 +316,7 @@ def _check(results, world, ranks_per_node):
             assert r["rel"] < tol, (key, rank, r["rel"])
             assert r["untouched"], (key, rank)  # nothing outside the rank's shard is written
             assert not r["nonfinite"], (key, rank)
+            assert r["dense_checks"] > 0, (key, rank)  # the simulation's T, T⁻¹ held to the dense FP64 ones
             if name == "gift":  # equal shards: FP8 bytes through the NIC per rank = (n-1)/n · S_fp8 / g
                 target = (n - 1) / n * r["message_bytes"] / g * (2 if all_reduce else 1)  # + the all-gather
                 assert abs(r["links"][("inter", "fp8+scales")] - target) <= 0.01 * target, (key, rank, r["links"], target)
