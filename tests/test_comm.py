@@ -14,7 +14,7 @@ from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
 from megatron_gift.numerics import CodecConfig, ErrorFeedback, LowRankWhitening
 from megatron_gift.testing import run_on_ranks
-from tests.reference import fp8_roundtrip_groups, ordered_sum, scaling_groups
+from tests.reference import CheckedWhitening, dense_whitening, fp8_roundtrip_groups, ordered_sum, scaling_groups
 from tests.test_whitening import fp32_bound
 
 # Shard boundaries cut GIFT rows (4 ranks: at 352 inside row 8 of the first weight, at 1056
@@ -64,6 +64,22 @@ def _transforms(segments):
             continue
         basis, evals = _factor(s.cols, k)
         out.append(LowRankWhitening.from_statistics(((basis * evals) @ basis.T).float(), rank=min(8, s.cols)))
+    return out
+
+
+def checked_transforms(segments):
+    """``_transforms``, each wrapped in ``CheckedWhitening`` with its dense FP64 reference (the
+    same factor ``A`` and rank), after checking the reference's ``Tᵀ Â T = I`` in FP64."""
+    out = []
+    for k, (s, w) in enumerate(zip(segments, _transforms(segments))):
+        if w is None:
+            out.append(None)
+            continue
+        basis, evals = _factor(s.cols, k)
+        a_hat, t, t_inv = dense_whitening(((basis * evals) @ basis.T).float(), w.rank)
+        eye = torch.eye(s.cols, dtype=torch.float64)
+        assert float((t.T @ a_hat @ t - eye).abs().max()) < 1e-9 and float((t @ t_inv - eye).abs().max()) < 1e-9
+        out.append(CheckedWhitening(w, t, t_inv))
     return out
 
 
@@ -119,7 +135,8 @@ def _emulate(layout, transforms, grads):
 
 def all_reduce_reference(numel, world, segments, codec, transforms, grads, average):
     """The flat quantized all-reduce bit for bit, with both of its roundings, from tests/reference.py's
-    FP8 cast (not the runtime codec) and the layout rules written out here: per rank ``Q(G_r T)``
+    FP8 cast (not the runtime codec), ``T`` and ``T⁻¹`` checked against dense FP64 ones
+    (``checked_transforms``), and the layout rules written out here: per rank ``Q(G_r T)``
     (groups cut at shard boundaries); per shard the FP32 sum of the decoded messages in rank order,
     ÷ p when averaging (before the re-encode, as the flat path divides); that sum ``Q``-rounded again
     in the same groups (the all-gathered message); ``T⁻¹`` of whole GIFT rows. Plain values: ``off``
@@ -142,7 +159,10 @@ def all_reduce_reference(numel, world, segments, codec, transforms, grads, avera
 
 def _worker(rank, world):
     out = {}
-    _transforms_of = {name: _transforms(segs) for name, (_, segs) in LAYOUTS.items()}
+    # the references' T, held to dense FP64 ones where that is cheap: "long_row"'s 1100-wide dense
+    # build would cost every rank as much as the runtime's own build again
+    checked_of = {name: checked_transforms(segs) if name == "mixed" else _transforms(segs) for name, (_, segs) in LAYOUTS.items()}
+    _transforms_of = {name: [c.w if isinstance(c, CheckedWhitening) else c for c in ts] for name, ts in checked_of.items()}
     all_grads = {name: [_bucket_grads(numel, segs, r) for r in range(world)] for name, (numel, segs) in LAYOUTS.items()}
     for (name, (numel, segs)), codec, all_reduce, average in itertools.product(
         LAYOUTS.items(), CODECS, [False, True], [False, True]
@@ -151,7 +171,7 @@ def _worker(rank, world):
         grads = all_grads[name]
         transforms = _transforms_of[name]
         reference = torch.stack(grads).double().sum(0)
-        emulated = _emulate(layout, transforms, grads)
+        emulated = _emulate(layout, checked_of[name], grads)
         if average:
             reference /= world
             emulated /= world
@@ -165,7 +185,7 @@ def _worker(rank, world):
         # The reduce-scatter must equal the unsplit math (FP32 orders aside); the all-reduce, which
         # quantizes the sum once more, must equal its bitwise reference.
         emu_err = ((got - emulated[lo:hi].double()).norm() / ref.norm()).item()
-        bitwise = all_reduce and torch.equal(flat, all_reduce_reference(numel, world, segs, codec, transforms, grads, average))
+        bitwise = all_reduce and torch.equal(flat, all_reduce_reference(numel, world, segs, codec, checked_of[name], grads, average))
         # off values are summed exactly in FP32, bf16 ones to BF16 precision
         plain_ok = all(
             torch.allclose(flat[max(a, lo) : min(b, hi)].double(), reference[max(a, lo) : min(b, hi)], rtol=tol, atol=1e-7)

@@ -4,11 +4,12 @@ within FP8's bound of an FP32 reduction computed by hand, ranks bit-identical, N
 the link ledger, and the topology rules.
 
 The simulation shares neither codec nor whitening with the runtime unchecked: its FP8 roundings are
-tests/reference.py's (torch's FP8 cast, groups written out), and every ``T`` / ``T⁻¹`` it applies goes
-through ``CheckedWhitening``, which holds the runtime transform's FP32 result (the simulation is
-bitwise, so it must round as the runtime does) to a dense FP64 ``T`` built from the definition in
-numerics/whitening.py, within the componentwise FP32 bound of tests/bounds.py: a wrong ``T``, ``T⁻¹``
-or piece projection fails here even though it would show on both sides of the bitwise comparison."""
+tests/reference.py's (torch's FP8 cast, groups written out, rank sums in order), and every ``T`` /
+``T⁻¹`` it applies goes through tests/reference.py's ``CheckedWhitening``, which holds the runtime
+transform's FP32 result (the simulation is bitwise, so it must round as the runtime does) to a dense
+FP64 ``T`` built from the definition in numerics/whitening.py, within the componentwise FP32 bound
+of tests/bounds.py: a wrong ``T``, ``T⁻¹`` or piece finish fails here even though it would show on
+both sides of the bitwise comparison."""
 
 import itertools
 import time
@@ -27,10 +28,9 @@ from megatron_gift.comm.topology import Topology, build_groups, topology_of
 from megatron_gift.config import Exchange, IntraNode, Mode, Schedule
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
-from tests.bounds import EPS32, lowrank_gamma, lowrank_magnitudes
 from tests.reference import fp8_roundtrip_groups, ordered_sum
 from tests.test_arguments import megatron_parse_args, parse  # noqa: F401  (fixtures)
-from tests.test_comm import _bucket_grads, _codec_args, _coded_groups, _factor, _transforms
+from tests.test_comm import _bucket_grads, _codec_args, _coded_groups, _transforms, checked_transforms
 
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,9 +56,6 @@ def _runs(values, runs):
     return torch.cat([values[a:b] for a, b in runs]) if runs else values.new_zeros(0)
 
 
-_ordered_sum = ordered_sum  # tests/reference.py's: independent of kernels.ordered_sum, the runtime's
-
-
 def _roundtrip(x, layout, j):
     """Shard ``j``'s coded values through FP8 by tests/reference.py, in the shard's scaling groups
     (test_comm._coded_groups: each parameter's groups cut at shard boundaries, written out there)."""
@@ -72,88 +69,6 @@ def _roundtrip(x, layout, j):
             pos += n
     dtype, _, pow2 = _codec_args(layout.codec.name)
     return fp8_roundtrip_groups(x, lengths, dtype, pow2)
-
-
-def dense_whitening(a: torch.Tensor, rank: int, damping: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(Â, T, T⁻¹)`` in FP64 from the factor ``A`` by numerics/whitening.py's definitions, densely:
-    ``Â = D + V Λ Vᵀ`` (top-``rank`` eigenpairs of ``A``, ``D`` the residual diagonal clamped at 0 plus
-    ``δ·mean(diag A)``); ``T = D^{-1/2} B^{-1/2}`` with ``B = D^{-1/2} Â D^{-1/2}`` (the documented
-    ``D^{-1/2}(I + Q diag(c) Qᵀ)``, ``I + Q diag(s) Qᵀ = B``: ``Tᵀ Â T = I``), from one ``d x d`` eigh
-    (the runtime takes the ``r x r`` Gram of ``W`` instead)."""
-    a64 = a.double()
-    a64 = 0.5 * (a64 + a64.T)
-    evals, evecs = torch.linalg.eigh(a64)
-    v, lam = evecs[:, -rank:], evals[-rank:].clamp_min(0.0)
-    d = (torch.diagonal(a64) - (v * v) @ lam).clamp_min(0.0) + damping * torch.diagonal(a64).mean()
-    a_hat = torch.diag(d) + (v * lam) @ v.T
-    b = a_hat / torch.outer(d.sqrt(), d.sqrt())
-    s, u = torch.linalg.eigh(0.5 * (b + b.T))
-    t = (u * s.rsqrt()) @ u.T / d.sqrt().unsqueeze(1)
-    t_inv = (u * s.sqrt()) @ u.T * d.sqrt()
-    return a_hat, t, t_inv
-
-
-class CheckedWhitening:
-    """The runtime transform ``w`` as the simulation uses it, each result held to the dense FP64
-    ``T`` / ``T⁻¹`` (``dense_whitening``) elementwise within ``γ |X| M`` (tests/bounds.py's
-    ``lowrank_magnitudes``; FP64's own error of ``T`` is ~1e-12 of it, allowed as 1e-9) and
-    returned as the runtime computed it. A cut row: each piece's ``U Q[cols]`` is kept, and the
-    finished pieces of a row are checked together, once the last one is done (``γ`` grows by the
-    pieces' extra sums: 4 roundings more)."""
-
-    def __init__(self, w, t, t_inv):
-        self.w, self.t, self.t_inv = w, t, t_inv
-        self.m, self.m_inv = lowrank_magnitudes(w)
-        self.gamma = lowrank_gamma(w)
-        self.checked = 0
-        self.rows = {}  # a cut row's pieces so far: {id(proj): [(cols, u, finished)]}
-
-    def _check(self, x, got, exact, mags, gamma):
-        x = x.double()
-        err = (got.double() - x @ exact).abs()
-        bound = gamma * (x.abs() @ mags) + 1e-9 * (x.abs() @ exact.abs())
-        assert bool((err <= bound).all()), f"T departs from its dense definition: excess {(err - bound).max().item():.3e}"
-        self.checked += 1
-
-    def apply(self, g):
-        out = self.w.apply(g)
-        self._check(g, out, self.t, self.m, self.gamma)
-        return out
-
-    def inverse(self, u):
-        out = self.w.inverse(u)
-        self._check(u, out, self.t_inv, self.m_inv, self.gamma)
-        return out
-
-    def projection(self, u, cols):
-        return self.w.projection(u, cols)
-
-    def inverse_piece(self, u, proj, cols):
-        out = self.w.inverse_piece(u, proj, cols)
-        pieces = self.rows.setdefault(id(proj), [])
-        pieces.append((cols, u.clone(), out.clone()))
-        if sum(c.stop - c.start for c, _, _ in pieces) == self.w.d_in:  # the whole row: check it
-            pieces.sort(key=lambda p: p[0].start)
-            row_u, row_out = (torch.cat([p[k] for p in pieces], 1) for k in (1, 2))
-            self._check(row_u, row_out, self.t_inv, self.m_inv, self.gamma + 4 * EPS32)
-            del self.rows[id(proj)]
-        return out
-
-
-def checked_transforms(segments):
-    """test_comm._transforms, each wrapped in ``CheckedWhitening`` with its dense FP64 reference (the
-    same factor ``A`` and rank), after checking the reference's ``Tᵀ Â T = I`` in FP64."""
-    out = []
-    for k, (s, w) in enumerate(zip(segments, _transforms(segments))):
-        if w is None:
-            out.append(None)
-            continue
-        basis, evals = _factor(s.cols, k)
-        a_hat, t, t_inv = dense_whitening(((basis * evals) @ basis.T).float(), w.rank)
-        eye = torch.eye(s.cols, dtype=torch.float64)
-        assert float((t.T @ a_hat @ t - eye).abs().max()) < 1e-9 and float((t @ t_inv - eye).abs().max()) < 1e-9
-        out.append(CheckedWhitening(w, t, t_inv))
-    return out
 
 
 def _rows(layout, ts, j, coded, fn):
@@ -207,14 +122,14 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
         coded, plain_sections = [], []
         for j, plan in enumerate(shards):
             if intra == "fp8":
-                coded.append(_ordered_sum([_roundtrip(_runs(x, plan.coded_runs), layout, j) for x in whitened]))
+                coded.append(ordered_sum([_roundtrip(_runs(x, plan.coded_runs), layout, j) for x in whitened]))
             else:
-                coded.append(_ordered_sum([_runs(x, plan.coded_runs).to(WIRE[intra]).float() for x in whitened]))
-            plain_sections.append([_ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
+                coded.append(ordered_sum([_runs(x, plan.coded_runs).to(WIRE[intra]).float() for x in whitened]))
+            plain_sections.append([ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
         for j in range(p):
             sent[k][j] = (_roundtrip(coded[j], layout, j), [v.to(dt).float() for v, dt in zip(plain_sections[j], plain_dtypes)])
-    total = [(_ordered_sum([sent[k][j][0] for k in range(nodes)]),
-              [_ordered_sum([sent[k][j][1][c] for k in range(nodes)]) for c in range(2)]) for j in range(p)]  # fmt: skip
+    total = [(ordered_sum([sent[k][j][0] for k in range(nodes)]),
+              [ordered_sum([sent[k][j][1][c] for k in range(nodes)]) for c in range(2)]) for j in range(p)]  # fmt: skip
     out = torch.zeros(layout.numel)
     if all_reduce:
         for j, (coded, plain_sections) in enumerate(total):
