@@ -67,6 +67,57 @@ def _owned(rank, world):
     return lambda bg, bucket: slice(rank * bucket.grad_data.numel() // world, (rank + 1) * bucket.grad_data.numel() // world)
 
 
+def _as_sent(ddp, rank, world) -> list:
+    """This rank's reduced shard of each parameter sent in FP8 this step, with what the invariant
+    of ``_feedback_invariant`` needs: ``(param, shard slice of the parameter, reduced values, dense
+    |T| |T⁻¹| (None: Euclidean), T's rank)``."""
+    out = []
+    for bg in ddp.bucket_groups:
+        for bucket in bg.buckets:
+            n = bucket.grad_data.numel()
+            lo, hi = rank * n // world, (rank + 1) * n // world
+            for p, (a, b) in bucket.param_to_index.items():
+                g = ddp.gift_params.get(p)
+                if g is None or g.mode not in (Mode.EUCLIDEAN, Mode.GIFT) or max(a, lo) >= min(b, hi):
+                    continue
+                w = g.whitening if g.mode is Mode.GIFT else None
+                mags = None if w is None else tuple(m.double().abs() for m in w.dense())
+                got = bucket.grad_data[max(a, lo) : min(b, hi)].double().clone()
+                out.append((p, slice(max(a, lo) - a, min(b, hi) - a), got, mags, 0 if w is None else w.rank))
+    return out
+
+
+def _feedback_invariant(sent, local, carried_in, carried_out, world) -> list[tuple[float, float]]:
+    """``(‖got − Σ_r (G_r + ε_r − ε'_r) / R‖, tolerance)`` per FP8 parameter shard of one step, with
+    ``ε_r`` the residual carried in and ``ε'_r`` the one carried out, in gradient coordinates.
+
+    Error feedback sends ``Q(Ũ_r)``, ``Ũ_r = U_r + e_r``, and keeps ``e'_r = Ũ_r − dec(Q(Ũ_r))``, so
+    the receiver's sum ``Σ_r dec(Q(Ũ_r)) = Σ_r (U_r + e_r − e'_r)`` holds exactly but for FP32: it is
+    no bound on a rounding, an identity. Mapped by ``T⁻¹`` (``ε = e T⁻¹``; the bucket divided by ``R``
+    first) it leaves only FP32 work, each step a sum of at most ``d + r + R + 6`` products
+    (tests/bounds.py's accounting): ``G T``, ``U + e``, the rank sum, ``· T⁻¹`` in the runtime, the
+    test's two maps of the residuals to gradient coordinates, and a refresh's or mode switch's
+    ``T_old⁻¹ T_new`` carried on them: at most 7 such steps, each within ``(d + r + R + 6) 2^-24`` of
+    ``Z |T| |T⁻¹|``, ``Z = Σ_r (|G_r| + |ε_r| + |ε'_r|)``. A residual never fed back leaves
+    ``Σ_r ε_r / R`` (FP8's own error, ~2^-5 of the gradient) in the difference, hundreds of times
+    the tolerance; one fed back in the wrong coordinates leaves the difference of its two maps."""
+    out = []
+    for p, region, got, mags, rank in sent:
+        if p not in carried_out:  # dropped at the close (a switch to BF16): nothing to balance
+            continue
+        g = local[p].double()
+        e_in = carried_in[p] if p in carried_in else torch.zeros_like(g)
+        e_out = carried_out[p]
+        want = (g + e_in - e_out).sum(0)[region] / world
+        cols = p.numel() // (p.shape[0] if p.dim() > 1 else 1)  # as the bucket views it (tests/bounds.py)
+        z = (g.abs() + e_in.abs() + e_out.abs()).sum(0).view(-1, cols)
+        if mags is not None:
+            z = z @ mags[0] @ mags[1]
+        tol = 7 * (cols + rank + world + 6) * EPS32 * float(z.flatten()[region].norm()) / world
+        out.append((float((got - want).norm()), tol))
+    return out
+
+
 def _train(model, ddp, steps, first_step=0):
     """``steps`` steps of plain SGD on the FP64 sum; per step the records' checks (RelL2 and cosine
     of each layer by hand) and the errors against tests/bounds.py."""
@@ -82,7 +133,7 @@ def _train(model, ddp, steps, first_step=0):
         raw.append(copy.deepcopy(record))
 
     ddp.monitor.sink = sink
-    checks, errors, residuals = [], [], _residuals(ddp, group)
+    checks, errors, invariants, residuals = [], [], [], _residuals(ddp, group)
     for step in range(first_step, first_step + steps):
         ddp.zero_grad_buffer()
         tokens = random_tokens(step, rank)
@@ -90,6 +141,7 @@ def _train(model, ddp, steps, first_step=0):
         ddp.finish_grad_sync()
         local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: group)
         errors.append(reduction_errors(ddp, local, lambda p: 1.0 / world, ReductionPath(), owned=_owned(rank, world), residuals=residuals))
+        sent = _as_sent(ddp, rank, world)  # before the close: its decisions may switch modes
         expected = {p: g.sum(0) / world for p, g in local.items()}
         # RelL2 / cosine of each parameter's reduced gradient (this rank's shard, summed over ranks)
         names = {p: g.name for p, g in ddp.gift_params.items()}
@@ -108,12 +160,13 @@ def _train(model, ddp, steps, first_step=0):
         total = torch.stack([sums.get(k, torch.zeros(4, dtype=torch.float64)) for k in keys])
         dist.all_reduce(total, group=group)
         checks.append({k: (math.sqrt(e / r), d / math.sqrt(g * r)) for k, (e, r, d, g) in zip(keys, total.tolist())})
-        residuals = _residuals(ddp, group)  # closes the step: its record goes out
+        carried_in, residuals = residuals, _residuals(ddp, group)  # closes the step: its record goes out
+        invariants.append(_feedback_invariant(sent, local, carried_in, residuals, world))
         with torch.no_grad():  # a plain SGD step on the FP64 average
             for p in model.parameters():
                 p -= 1e-2 * expected[p].view_as(p).to(p.dtype)
     modes = {g.name: g.mode.value for g in ddp.gift_params.values()}
-    return dict(records=records, raw=raw, checks=checks, errors=errors, modes=modes)
+    return dict(records=records, raw=raw, checks=checks, errors=errors, invariants=invariants, modes=modes)
 
 
 def _conversion(ddp):
@@ -187,7 +240,10 @@ def test_records_match_the_reduced_gradients(results):
     """Telemetry (RelL2, cosine) equals the reduced gradients' own against the FP64 sum, on every
     rank's same record; every parameter within its mode's bound at every step, the carried
     error-feedback residuals accounted for (bugs caught: a residual lost or left in the wrong
-    coordinates at a refresh or a mode switch; a wrong T⁻¹)."""
+    coordinates at a refresh or a mode switch; a wrong T⁻¹); and every FP8 parameter's reduced shard
+    is, to FP32 rounding, the sum of the gradients plus the residuals carried in minus those carried
+    out (``_feedback_invariant``: an identity of error feedback, which a residual never fed back breaks
+    by FP8's whole error)."""
     for name in ("auto", "bf16", "restored"):
         res, other = results[0][name], results[1][name]
         records = [json.loads(r) for r in res["records"]]
@@ -206,6 +262,12 @@ def test_records_match_the_reduced_gradients(results):
             for step, errors in enumerate(rank_res["errors"]):
                 over = [e for e in errors if not e[2] <= e[3]]
                 assert errors and not over, (name, step, over)
+            # error feedback's identity, to FP32 rounding: a residual lost, not fed back or fed back in
+            # other coordinates departs by FP8's error, not by 0.1% (``_feedback_invariant``)
+            for step, inv in enumerate(rank_res["invariants"]):
+                assert all(err <= tol for err, tol in inv), (name, step, [e for e in inv if e[0] > e[1]])
+        if name == "auto":
+            assert sum(len(inv) for inv in res["invariants"][1:]) > 0  # residuals carried in and balanced
 
 
 @pytest.mark.slow

@@ -1,7 +1,15 @@
 """Two-level quantized reduce-scatter / all-reduce on simulated nodes (gloo, ranks grouped as nodes
 by index): bitwise against a pure-PyTorch simulation of the same algorithm and summation order,
 within FP8's bound of an FP32 reduction computed by hand, ranks bit-identical, NaN propagation,
-the link ledger, and the topology rules."""
+the link ledger, and the topology rules.
+
+The simulation shares neither codec nor whitening with the runtime unchecked: its FP8 roundings are
+tests/reference.py's (torch's FP8 cast, groups written out, rank sums in order), and every ``T`` /
+``T⁻¹`` it applies goes through tests/reference.py's ``CheckedWhitening``, which holds the runtime
+transform's FP32 result (the simulation is bitwise, so it must round as the runtime does) to a dense
+FP64 ``T`` built from the definition in numerics/whitening.py, within the componentwise FP32 bound
+of tests/bounds.py: a wrong ``T``, ``T⁻¹`` or piece finish fails here even though it would show on
+both sides of the bitwise comparison."""
 
 import itertools
 import time
@@ -18,10 +26,11 @@ from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import MAX_STAGES, ReductionQueue, StageStreams, reduce_now
 from megatron_gift.comm.topology import Topology, build_groups, topology_of
 from megatron_gift.config import Exchange, IntraNode, Mode, Schedule
-from megatron_gift.numerics import CodecConfig, decode_flat, encode_flat
+from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
+from tests.reference import fp8_roundtrip_groups, ordered_sum
 from tests.test_arguments import megatron_parse_args, parse  # noqa: F401  (fixtures)
-from tests.test_comm import _bucket_grads, _transforms
+from tests.test_comm import _bucket_grads, _codec_args, _coded_groups, _transforms, checked_transforms
 
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -47,19 +56,19 @@ def _runs(values, runs):
     return torch.cat([values[a:b] for a, b in runs]) if runs else values.new_zeros(0)
 
 
-def _ordered_sum(parts):
-    """FP32 sum in rank order (``acc = x_0``, then ``acc += x_i``), written out here on purpose: the
-    test's reference stays independent of ``kernels.ordered_sum``, the runtime's."""
-    acc = parts[0].clone()
-    for t in parts[1:]:
-        acc += t
-    return acc
-
-
 def _roundtrip(x, layout, j):
-    plan = layout.shards[j]
-    lengths = layout.group_lengths[plan.group_lo : plan.group_hi]
-    return decode_flat(encode_flat(x, lengths, layout.codec), lengths, layout.codec)
+    """Shard ``j``'s coded values through FP8 by tests/reference.py, in the shard's scaling groups
+    (test_comm._coded_groups: each parameter's groups cut at shard boundaries, written out there)."""
+    lo, hi = layout.shards[j].lo, layout.shards[j].hi
+    lengths = []
+    for s, groups in _coded_groups(layout.numel, layout.num_shards, layout.segments, layout.codec.name):
+        pos = s.start
+        for n in groups:
+            if lo <= pos < hi:
+                lengths.append(n)
+            pos += n
+    dtype, _, pow2 = _codec_args(layout.codec.name)
+    return fp8_roundtrip_groups(x, lengths, dtype, pow2)
 
 
 def _rows(layout, ts, j, coded, fn):
@@ -113,14 +122,14 @@ def simulate(layout, ts, grads, nodes, intra, average, all_reduce):
         coded, plain_sections = [], []
         for j, plan in enumerate(shards):
             if intra == "fp8":
-                coded.append(_ordered_sum([_roundtrip(_runs(x, plan.coded_runs), layout, j) for x in whitened]))
+                coded.append(ordered_sum([_roundtrip(_runs(x, plan.coded_runs), layout, j) for x in whitened]))
             else:
-                coded.append(_ordered_sum([_runs(x, plan.coded_runs).to(WIRE[intra]).float() for x in whitened]))
-            plain_sections.append([_ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
+                coded.append(ordered_sum([_runs(x, plan.coded_runs).to(WIRE[intra]).float() for x in whitened]))
+            plain_sections.append([ordered_sum([_runs(x, runs).to(dt).float() for x in members]) for runs, dt in zip(plan.plain_runs, plain_dtypes)])
         for j in range(p):
             sent[k][j] = (_roundtrip(coded[j], layout, j), [v.to(dt).float() for v, dt in zip(plain_sections[j], plain_dtypes)])
-    total = [(_ordered_sum([sent[k][j][0] for k in range(nodes)]),
-              [_ordered_sum([sent[k][j][1][c] for k in range(nodes)]) for c in range(2)]) for j in range(p)]  # fmt: skip
+    total = [(ordered_sum([sent[k][j][0] for k in range(nodes)]),
+              [ordered_sum([sent[k][j][1][c] for k in range(nodes)]) for c in range(2)]) for j in range(p)]  # fmt: skip
     out = torch.zeros(layout.numel)
     if all_reduce:
         for j, (coded, plain_sections) in enumerate(total):
@@ -175,7 +184,8 @@ def _worker(rank, world, ranks_per_node):
     for name, codec, intra, all_reduce, average in _cases(world):
         numel, segs = LAYOUTS[name]
         layout = BucketLayout(numel, world, segs, CodecConfig(*codec.split("-")), torch.float32)
-        ts = _transforms(segs)
+        checked = checked_transforms(segs)
+        ts = [c.w if c is not None else None for c in checked]  # the runtime's own transforms
         grads = [_bucket_grads(numel, segs, r) for r in range(world)]
         flat = grads[rank].clone()
         ledger = CommLedger()
@@ -185,7 +195,8 @@ def _worker(rank, world, ranks_per_node):
         again = grads[rank].clone()
         lagged.append((again, queue.start(TwoLevelReduce(again, layout, placed, ts, **common))))
         lo, hi = (0, numel) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
-        want = simulate(layout, ts, grads, world // ranks_per_node, intra, average, all_reduce)
+        want = simulate(layout, checked, grads, world // ranks_per_node, intra, average, all_reduce)
+        dense_checks = sum(c.checked for c in checked if c is not None)
         ref = torch.stack(grads).double().sum(0) / (world if average else 1)
         untouched = all_reduce or (torch.equal(flat[:lo], grads[rank][:lo]) and torch.equal(flat[hi:], grads[rank][hi:]))
         out[(name, codec, intra, all_reduce, average)] = dict(
@@ -197,6 +208,7 @@ def _worker(rank, world, ranks_per_node):
             links=dict(ledger.links),
             message_bytes=sum(s.message_bytes for s in layout.shards),
             nonfinite=bool(nonfinite.any()),
+            dense_checks=dense_checks,
         )
     for key, (again, flight) in zip(out, lagged):
         queue.wait(flight)
@@ -219,6 +231,7 @@ def _check(results, world, ranks_per_node):
             assert r["rel"] < tol, (key, rank, r["rel"])
             assert r["untouched"], (key, rank)  # nothing outside the rank's shard is written
             assert not r["nonfinite"], (key, rank)
+            assert r["dense_checks"] > 0, (key, rank)  # the simulation's T, T⁻¹ held to the dense FP64 ones
             if name == "gift":  # equal shards: FP8 bytes through the NIC per rank = (n-1)/n · S_fp8 / g
                 target = (n - 1) / n * r["message_bytes"] / g * (2 if all_reduce else 1)  # + the all-gather
                 assert abs(r["links"][("inter", "fp8+scales")] - target) <= 0.01 * target, (key, rank, r["links"], target)
@@ -230,6 +243,35 @@ def _check(results, world, ranks_per_node):
 @pytest.mark.parametrize("world,ranks_per_node", [(4, 2), (6, 2), (8, 4)])
 def test_two_level_against_simulation(world, ranks_per_node):
     _check(run_on_ranks(_worker, world, ranks_per_node, timeout=900), world, ranks_per_node)
+
+
+# -- the flat reduce-scatter: one rank per node ----------------------------------------------------
+def _flat_worker(rank, world):
+    out = {}
+    for name, codec, average in itertools.product(LAYOUTS, ["e4m3-block", "e5m2-tensor", "e4m3-mx"], [False, True]):
+        numel, segs = LAYOUTS[name]
+        layout = BucketLayout(numel, world, segs, CodecConfig(*codec.split("-")), torch.float32)
+        checked = checked_transforms(segs)
+        grads = [_bucket_grads(numel, segs, r) for r in range(world)]
+        flat = grads[rank].clone()
+        reduce_now(QuantizedReduce(flat, layout, dist.group.WORLD, [c.w if c is not None else None for c in checked],
+                                   average=average), "cpu")  # fmt: skip
+        lo, hi = layout.shards[rank].lo, layout.shards[rank].hi
+        want = simulate(layout, checked, grads, world, "fp32", average, False)
+        out[(name, codec, average)] = torch.equal(flat[lo:hi], want[lo:hi])
+    return out
+
+
+def test_flat_reduce_scatter_against_simulation():
+    """The flat reduce-scatter is the simulation's two-level one with one rank per node and an FP32
+    (lossless) intra-node stage: one FP8 rounding of each rank's ``G T``, the FP32 sum in rank order,
+    ``T⁻¹`` of the shard's whole rows and of its cut rows from their pieces' projections summed in
+    shard order; bit for bit on every rank (averaging divides before ``T⁻¹`` on the flat path, after
+    it in the simulation: the same bits for 4 ranks, a power of two). test_comm holds it only to
+    FP32 orders of the unsplit rows; bugs caught: a cut row's projections summed in another order or
+    from another piece, a whole row finished through the pieces' path, a scale of other groups."""
+    for rank, res in enumerate(run_on_ranks(_flat_worker, 4, timeout=600)):
+        assert all(res.values()), (rank, [k for k, v in res.items() if not v])
 
 
 # -- NaN, the flat path's untouched regions -----------------------------------------------------------
