@@ -94,7 +94,7 @@ def test_stage_seconds_are_launches_plus_ratio_times_bytes():
     assert [t.label for t in gpu] == ["encode", "decode-sum", "cut-row sums"]
     bw = 0.6 * 4.0e12
     send = 41 * 5e-6 + ((4e6 + 1.03125e6) * (0.75 * 1.25 + 0.25 * 1.5) + 1.5 * 1e6) / bw
-    assert gpu[0].seconds == pytest.approx(send, rel=1e-12)
+    assert gpu[0].seconds == pytest.approx(send, rel=1e-12) and gpu[0].launches == 41
     # finish: GIFT fixed 7 (7 - 4 x 0 per parameter), no bytes
     assert gpu[2].seconds == pytest.approx(7 * 5e-6, rel=1e-12)
 

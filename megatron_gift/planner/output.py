@@ -68,7 +68,7 @@ def format_costs(costs, opts) -> str:
     delta = (f"; delta gather: decode on the {k.stream.value} stream, {k.decode_bytes:g} B per element essential"
              if opts.param_gather.value == "delta" else "")  # fmt: skip
     counts = ("launches and moved/essential bytes of every GPU stage (reduction and delta gather) from the meter: "
-              f"{costs.meter.describe()}" if costs.meter is not None else
+              f"{costs.meter.describe()} (per stage: first_bucket_gpu_stages in --json)" if costs.meter is not None else
               "one launch and the essential bytes per GPU stage (no meter)")  # fmt: skip
     return f"stage costs: {counts}; priced at {costs.source}{delta}\n"
 

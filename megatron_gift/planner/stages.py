@@ -61,6 +61,8 @@ class Task:
     stage: int
     nvlink_bytes: float = 0.0
     nic_bytes: float = 0.0
+    launches: float = 0.0  # a GPU stage's kernel launches and HBM bytes moved (the meter's)
+    hbm_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class Context:
         stream unless ``stream`` is given."""
         codec = codec_bytes * (count.ratio * (1 - gift_share) + count.gift_ratio * gift_share)
         seconds = self.costs.seconds(count.launches, codec, count.gift_ratio * transform_bytes)
-        return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage)
+        return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage, launches=count.launches,
+                    hbm_bytes=codec + count.gift_ratio * transform_bytes)  # fmt: skip
 
     def links(self, p: int, g: int) -> tuple[str, ...]:
         return ("nvlink", "nic") if p > g else ("nvlink",)
