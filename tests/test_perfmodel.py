@@ -395,8 +395,9 @@ def test_verdicts_and_recommendation():
     assert output.verdict({"mode": "gift", "intra_dtype": None, "param_gather": "delta", "vs_bf16_pct": -9.5,
                            "vs_best_bf16_pct": 0.4}).endswith(
         "+ delta gather: -9.5% step time vs BF16 (+0.4% vs BF16 ring + delta gather): no gain here: keep BF16")  # fmt: skip
+    meter = Meter.load()  # the stage counts the planner runs with
     for name, cluster in CLUSTERS.items():
-        costs = KernelCosts.from_hbm(cluster)
+        costs = KernelCosts.from_hbm(cluster, meter)
         for m, tp in (("600m", 1), ("7b", 4), *([("8b", 1)] if name == "h100" else [])):
             w = workload(m, tp=tp)
             for gpus in (64, 512):
