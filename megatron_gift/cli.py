@@ -194,7 +194,8 @@ def _add_bench(subparsers) -> None:
     lau.add_argument("--quick", action="store_true", help="a subset: 1M and 10M elements, DP 2 and 64 (under 5 minutes)")
     lau.add_argument("--json", metavar="PATH", help="write the records as JSON")
     lau.add_argument("--no-launcher", action="store_true", help="skip the real launcher's steady-step count")
-    lau.add_argument("--resume", action="store_true", help="keep the records already in --json (same sources), measure the rest")
+    lau.add_argument("--resume", action="store_true",
+                     help="keep the records already in --json (same sources), measure the rest")
     lau.set_defaults(func=_bench_launches)
 
 

@@ -505,7 +505,8 @@ def test_cli_planner(tmp_path, capsys):
     assert f"from the meter: bench/results/launches-cpu.json ({meter['date']}" in out
     assert f"{1e3 * p['bf16_default_step_s']:.1f} ms at Megatron's default bucket size" in out
     assert f"{1e3 * p['bf16_tuned_step_s']:.1f} ms at its best" in out
-    for bad in (["--launches-json", str(tmp_path / "none.json")], ["--set", "warp_speed=9"], ["--tp", "3"], ["--model", "custom", "--layers", "2"], ["--gpus", "100"],
+    for bad in (["--launches-json", str(tmp_path / "none.json")], ["--set", "warp_speed=9"], ["--tp", "3"],
+                ["--model", "custom", "--layers", "2"], ["--gpus", "100"],
                 ["--measured", "x.json"], ["--nic-gbps", "-1"], ["--set", "mfu=0"], ["--intra-node", "fp16"],
                 ["--a2a-efficiency", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):

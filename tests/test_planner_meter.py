@@ -19,6 +19,7 @@ def test_committed_meter_json_measured_this_code():
     """The committed ``launches-cpu.json`` records the SHA-256 of the kernels, reduction and gather code it
     metered; a change to any of them without a new scan (the planner would price code that no longer runs)
     fails here. Fix: run the command in the message (about two minutes on two cores)."""
+    assert metered.REGENERATE == launches.REGENERATE  # one command in both messages
     with open(metered.LAUNCHES_JSON) as f:
         doc = json.load(f)
     now = launches.source_hash()

@@ -421,7 +421,8 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
         records += launcher_records(quick)
     torch.set_num_threads(1)
     try:
-        for size, kernels in () if resume and done else (("1M", "fused"),) if quick else (("1M", "fused"), ("200M", "fused"), ("1M", "pytorch")):
+        gathers = (("1M", "fused"),) if quick else (("1M", "fused"), ("200M", "fused"), ("1M", "pytorch"))
+        for size, kernels in () if resume and done else gathers:
             for dp in (2, 64) if quick else DPS:
                 print(f"[bench launches] delta gather {size} dp={dp} {kernels} ...", file=sys.stderr, flush=True)
                 records.append(dict(delta_gather(SIZES[size], dp, kernels), size=size))

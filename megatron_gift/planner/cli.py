@@ -115,12 +115,12 @@ def add_parser(subparsers) -> None:
                      help="where the delta gather's decode runs: side (a stream of its own, as the code runs it) or "
                      "compute (in the forward pre-hook, before the next bucket's gather) (default: %(default)s)")  # fmt: skip
     mod.add_argument("--delta-decode-bytes", type=positive_float, default=DeltaKernels().decode_bytes, metavar="BYTES",
-                     help="HBM bytes per element of the delta decode (default: %(default)s, the fused kernel's; the "
-                     "unfused decode it replaced: 49.16)")  # fmt: skip
+                     help="HBM bytes per element of the delta decode, before the meter's moved/essential ratio "
+                     "(default: %(default)s, the fused kernel's essential bytes; the unfused decode it replaced: 49.16)")
     mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
     mod.add_argument("--launches-json", metavar="PATH", default=None,
                      help="the launch-and-traffic meter's JSON each GPU stage's launches and bytes come from (default: "
-                     "the checkout's bench/results/launches-cpu.json; megatron-gift bench launches writes it)")  # fmt: skip
+                     "the checkout's bench/results/launches-cpu.json; megatron-gift bench launches writes it)")
     mod.add_argument("--overhead-json", metavar="PATH", help="plugin kernel costs from a bench overhead JSON of the target "
                      "GPU (default: HBM-bandwidth estimates)")  # fmt: skip
     mod.add_argument("--checks", action="store_true", help="also print the byte model against a bench comm ledger "

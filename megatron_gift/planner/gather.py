@@ -32,7 +32,7 @@ def gather_chain(elements: int, x: Context) -> list[Task]:
     k, bpe, shard = x.opts.delta_kernels, x.opts.delta.bytes_per_element, elements / x.p
     on_compute = k.stream is DecodeStream.COMPUTE
     m = x.costs.meter
-    enc, dec = (ONE_PASS, ONE_PASS) if m is None else (m.delta("encode", x.p, elements), m.delta("decode", x.p, elements))
+    enc, dec = [ONE_PASS if m is None else m.delta(stage, x.p, elements) for stage in ("encode", "decode")]
     encode = x.gpu("delta encode", 1, k.encode_bytes * shard, stream=COMPUTE if on_compute else "delta-encode",
                    count=enc)  # fmt: skip
     decode = x.gpu("delta decode", 2, k.decode_bytes * elements + k.prev_bytes * shard,

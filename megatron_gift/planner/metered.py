@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAUNCHES_JSON = Path(__file__).resolve().parents[2] / "bench" / "results" / "launches-cpu.json"
-"""the checkout's meter JSON (``bench.launches.REGENERATE`` rewrites it)."""
+"""the checkout's meter JSON."""
+REGENERATE = "megatron-gift bench launches --json bench/results/launches-cpu.json"
+"""the command that rewrites it (``bench.launches.REGENERATE``, the same)."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,11 @@ class Meter:
                 self._red.setdefault(key, {}).setdefault(r["dp"], {})[r["elements"]] = stages
             elif r["kind"] == "delta-gather" and r.get("kernels") == "fused":
                 self._delta.setdefault(r["dp"], {})[r["elements"]] = stages
-        missing = [k for k in (("flat-rs", "euclidean"), ("flat-rs", "gift"), ("flat-rs", "euclidean/8")) if k not in self._red]
+        need = (("flat-rs", "euclidean"), ("flat-rs", "gift"), ("flat-rs", "euclidean/8"))
+        missing = [k for k in need if k not in self._red]
         if missing or not self._delta:
             raise ValueError(f"{source} lacks the fused records the planner prices from ({missing or 'delta-gather'}); "
-                             "regenerate it: megatron-gift bench launches --json bench/results/launches-cpu.json")  # fmt: skip
+                             f"regenerate it: {REGENERATE}")
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "Meter":
@@ -89,8 +92,7 @@ class Meter:
         path = Path(path or LAUNCHES_JSON)
         if not path.exists():
             raise ValueError(f"the planner prices each GPU stage from the launch meter's JSON, and {path} does not "
-                             "exist: run from a checkout, pass --launches-json PATH, or write it with "
-                             "megatron-gift bench launches --json bench/results/launches-cpu.json")  # fmt: skip
+                             f"exist: run from a checkout, pass --launches-json PATH, or write it with {REGENERATE}")
         with open(path) as f:
             doc = json.load(f)
         try:
@@ -119,7 +121,8 @@ class Meter:
         per = (rec8[stage]["launches"] - four[stage]["launches"]) / 4
         return rec[stage]["launches"] - 4 * per, per
 
-    def reduction(self, path: str, stage: str, p: int, elements: float, parameters: int, gift_parameters: int) -> StageCount:
+    def reduction(self, path: str, stage: str, p: int, elements: float, parameters: int,
+                  gift_parameters: int) -> StageCount:  # fmt: skip
         """``stage`` of a bucket of ``elements`` with ``parameters`` (``gift_parameters`` of them GIFT's) at ``p``
         ranks on the meter's ``path`` (``flat-rs``, ``two-level/bf16-ar`` ...)."""
         path = self._path(path)

@@ -94,6 +94,12 @@ class Context:
         return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage, launches=count.launches,
                     hbm_bytes=codec + count.gift_ratio * transform_bytes)  # fmt: skip
 
+    def metered(self, b: Bucket, path: str, name: str, label: str, stage: int, codec_bytes: float,
+                transform_bytes: float = 0.0) -> Task:  # fmt: skip
+        """The code's GPU stage ``name`` (the meter's, on its ``path``) of bucket ``b``: ``gpu`` at the meter's count."""
+        return self.gpu(label, stage, codec_bytes, transform_bytes, count=self.count(b, path, name),
+                        gift_share=b.gift_elements / b.elements)  # fmt: skip
+
     def links(self, p: int, g: int) -> tuple[str, ...]:
         return ("nvlink", "nic") if p > g else ("nvlink",)
 
@@ -128,48 +134,48 @@ def _finish(b: Bucket, x: Context, path: str, stage: int, across_nodes: bool) ->
     if not b.gift_elements:
         return []
     count = x.count(b, path, "finish")
-    return [x.cut_rows(stage, across_nodes)] + ([x.gpu("cut-row sums", stage, 0.0, count=count)] if count.launches else [])
+    sums = [x.gpu("cut-row sums", stage, 0.0, count=count)] if count.launches else []
+    return [x.cut_rows(stage, across_nodes), *sums]
 
 
 def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """One all-to-all over the group (one node, one rank per node, or ``--gift-exchange flat``)."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
-    path, share = "flat-rs" if dist_opt else "flat-ar", Ng / N
+    path = "flat-rs" if dist_opt else "flat-ar"
     a2a = Task("all-to-all", Kind.COMM, nccl.all_to_all_time(F, p, g, x.c), "dp", x.links(p, g), 1,
                (g - 1) / p * F, (p - g) / p * F)  # fmt: skip
-    tasks = [x.gpu("encode", 1, 4 * N + F, 4 * Ng, count=x.count(b, path, "send"), gift_share=share), a2a]
+    tasks = [x.metered(b, path, "send", "encode", 1, 4 * N + F, 4 * Ng), a2a]
     if dist_opt:
-        tasks.append(x.gpu("decode-sum", 2, F + 4 * N / p, 8 * Ng / p, count=x.count(b, path, "reduce"), gift_share=share))
+        tasks.append(x.metered(b, path, "reduce", "decode-sum", 2, F + 4 * N / p, 8 * Ng / p))
         return tasks + _finish(b, x, path, 2, n > 1)
-    return tasks + [x.gpu("decode-sum + re-encode shard", 2, F + F / p, count=x.count(b, path, "gather"), gift_share=share),
+    return tasks + [x.metered(b, path, "gather", "decode-sum + re-encode shard", 2, F + F / p),
                     x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
-                    x.gpu("decode bucket", 4, F + 4 * N, 8 * Ng, count=x.count(b, path, "decode_all"), gift_share=share)]  # fmt: skip
+                    x.metered(b, path, "decode_all", "decode bucket", 4, F + 4 * N, 8 * Ng)]  # fmt: skip
 
 
 def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """Intra-node all-to-all in the intra dtype, node sums and encode of the 1/g slice, FP8 all-to-all among
     the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``)."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
-    path, share = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}", Ng / N
+    path = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}"
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
     # GIFT whitens at the sender, in every intra dtype: stage 1 casts or encodes G T, whole rows
-    tasks = [x.gpu("encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng, count=x.count(b, path, "intra"), gift_share=share),
+    tasks = [x.metered(b, path, "intra", "encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng),
              Task("intra all-to-all", Kind.COMM, nccl.all_to_all_time(intra, g, g, x.c), "intra", ("nvlink",), 1,
                   (g - 1) / g * intra),
-             x.gpu("node sums + encode slice", 2, intra + F / g, count=x.count(b, path, "node_sums"), gift_share=share),
+             x.metered(b, path, "node_sums", "node sums + encode slice", 2, intra + F / g),
              Task("inter all-to-all", Kind.COMM, nccl.all_to_all_time(F / g, n, 1, x.c), "inter", ("nic",), 2, 0.0,
                   (n - 1) / n * F / g)]  # fmt: skip
     if dist_opt:
-        tasks.append(x.gpu("decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p, count=x.count(b, path, "reduce"), gift_share=share))
+        tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
         return tasks + _finish(b, x, path, 3, True)
     gather = [Task("FP8 all-gather (inter)", Kind.COMM, nccl.ring_time("all_gather", F / g, n, 1, x.c), "inter", ("nic",),
                    4, 0.0, (n - 1) / n * F / g),
               Task("FP8 all-gather (intra)", Kind.COMM, nccl.ring_time("all_gather", F, g, g, x.c), "intra", ("nvlink",),
                    4, (g - 1) / g * F)]  # fmt: skip
-    return tasks + [x.gpu("decode-sum + re-encode shard", 3, F / g + F / p, count=x.count(b, path, "gather_inter"),
-                          gift_share=share), *gather,
-                    x.gpu("decode bucket", 5, F + 4 * N, 8 * Ng, count=x.count(b, path, "decode_all"), gift_share=share)]  # fmt: skip
+    return tasks + [x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p), *gather,
+                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng)]  # fmt: skip
 
 
 def record_bytes(d_in: int, rank: int) -> int:
