@@ -100,7 +100,8 @@ def _bench_param_gather(args: argparse.Namespace) -> int:
 def _bench_launches(args: argparse.Namespace) -> int:
     from megatron_gift.bench import launches
 
-    launches.run(quick=args.quick, json_path=args.json, command=args.command_line, launcher=not args.no_launcher)
+    launches.run(quick=args.quick, json_path=args.json, command=args.command_line, launcher=not args.no_launcher,
+                 resume=args.resume)  # fmt: skip
     return 0
 
 
@@ -193,6 +194,8 @@ def _add_bench(subparsers) -> None:
     lau.add_argument("--quick", action="store_true", help="a subset: 1M and 10M elements, DP 2 and 64 (under 5 minutes)")
     lau.add_argument("--json", metavar="PATH", help="write the records as JSON")
     lau.add_argument("--no-launcher", action="store_true", help="skip the real launcher's steady-step count")
+    lau.add_argument("--resume", action="store_true",
+                     help="keep the records already in --json (same sources), measure the rest")
     lau.set_defaults(func=_bench_launches)
 
 

@@ -157,3 +157,8 @@ def test_bench_launches_smoke(tmp_path, monkeypatch):
     for s in reductions[0]["stages"]:
         assert s["essential_read"] is not None and s["launches"] > 0
     assert {r["kind"] for r in doc["records"]} == {"reduction", "delta-gather", "refresh"}
+    assert doc["date"].endswith("UTC") and doc["sources"] == launches.source_hash()
+    doc["sources"]["sha256"] = "0" * 64  # records of other code are not resumed
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="other sources"):
+        main(["bench", "launches", "--quick", "--no-launcher", "--json", str(path), "--resume"])

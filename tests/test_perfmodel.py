@@ -21,6 +21,7 @@ from megatron_gift.planner.buckets import Bucket, buckets
 from megatron_gift.planner.choices import FP8Params, MegatronSchedule
 from megatron_gift.planner.cluster import CLUSTERS, GH200, Cluster, sources
 from megatron_gift.planner.costs import KernelCosts
+from megatron_gift.planner.metered import LAUNCHES_JSON, Meter
 from megatron_gift.planner.delta import DeltaCodec, DeltaKernels
 from megatron_gift.planner.gather import gather_chain
 from megatron_gift.planner.options import Options
@@ -127,19 +128,20 @@ def _bucket(gift: int = 0) -> Bucket:
 
 
 def test_two_level_stages_move_the_execution_models_bytes():
-    """HBM traffic of each GPU stage (the execution model's table), at 1 s per byte: a stage priced at the wrong
-    size (e.g. the intra-node cast at zero, or node sums of the whole bucket) fails."""
+    """Essential HBM bytes of each GPU stage (the execution model's table, the meter's definitions), at 1 s per
+    byte without a meter: a stage priced at the wrong size (e.g. the intra-node cast at zero, or node sums of
+    the whole bucket) fails."""
     x = Context(4, 8, TOY, UNIT, Options())
     chain = reduction_chain(_bucket(gift=400_000), Scheme.GIFT_2LEVEL, x)
     gpu = {t.label: t.seconds for t in chain if t.kind is Kind.GPU}
     assert gpu == {"cast": 6e6 + 1.6e6,  # read 4N FP32, write 2N BF16; G T of the GIFT rows at the sender (4N_g)
-                   "node sums": 3e6,  # read the 4 BF16 messages of the slice (2N), write 4N/4
-                   "encode slice": 1e6 + 257812.5,  # read 4N/4, write F/4
-                   "decode-sum": 257812.5 + 125000 + 100000}  # 8 messages of the shard (F/4), write 4N/32; T^-1  # fmt: skip
+                   "node sums + encode slice": 2e6 + 257812.5,  # read the 4 BF16 messages of the slice (2N), write F/4
+                   "decode-sum": 257812.5 + 125000 + 100000,  # 8 messages of the shard (F/4), write 4N/32; T^-1
+                   "cut-row sums": 0.0}  # launches only  # fmt: skip
     comm = [t for t in chain if t.kind is Kind.COMM]
     # whitened at the sender, no row is cut inside the node: one neighbour exchange, for T^-1 of the shard's cut rows
     assert [t.label for t in comm] == ["intra all-to-all", "inter all-to-all", "cut rows"]
-    assert [t.stage for t in chain] == [1, 1, 2, 2, 2, 3, 3]
+    assert [t.stage for t in chain] == [1, 1, 2, 2, 3, 3, 3]
     assert comm[0].nvlink_bytes == pytest.approx(1.5e6) and comm[1].nic_bytes == pytest.approx(7 / 8 * 257812.5)
     assert comm[2].seconds == pytest.approx((6.6 + 2.7) * 1e-6 + 2e-7)  # LL across nodes
     euclid = reduction_chain(_bucket(), Scheme.EUCLIDEAN_2LEVEL, x)
@@ -149,7 +151,7 @@ def test_two_level_stages_move_the_execution_models_bytes():
 def test_flat_path_and_fallback():
     x = Context(4, 8, TOY, UNIT, Options())
     gpu = {t.label: t.seconds for t in reduction_chain(_bucket(gift=400_000), Scheme.GIFT, x) if t.kind is Kind.GPU}
-    assert gpu == {"encode": 4e6 + 1.03125e6 + 1.6e6, "decode-sum": 1.03125e6 + 125000 + 100000}
+    assert gpu == {"encode": 4e6 + 1.03125e6 + 1.6e6, "decode-sum": 1.03125e6 + 125000 + 100000, "cut-row sums": 0.0}
     for g, n in ((1, 8), (4, 1)):  # one rank per node or one node: the two-level exchange is the flat one
         y = Context(g, n, TOY, UNIT, Options())
         assert reduction_chain(_bucket(), Scheme.EUCLIDEAN_2LEVEL, y) == reduction_chain(_bucket(), Scheme.EUCLIDEAN, y)
@@ -287,16 +289,18 @@ def test_step_time_never_falls_when_a_cost_rises(gift_schedule, param_gather):
     never gets shorter. Greedy link arbitration with the refresh chain first made GIFT 0.65 ms faster when one
     factor build went from 7 to 9.1 ms (its all-gather then let the parameter gathers take the links first)."""
     opts = Options(gift_schedule=gift_schedule, param_gather=param_gather)
+    meter = Meter.load()  # the stage counts the planner runs with
     for gpus in (64, 512):
         for scheme in Scheme:
-            base = model.step_time(W, GH200, scheme, gpus, KernelCosts.from_hbm(GH200), opts)["step_s"]
+            costs = KernelCosts.from_hbm(GH200, meter)
+            base = model.step_time(W, GH200, scheme, gpus, costs, opts)["step_s"]
             for field, value in COST_INPUTS:
                 worse = dataclasses.replace(GH200, **{field: value})
-                step = model.step_time(W, worse, scheme, gpus, KernelCosts.from_hbm(worse), opts)["step_s"]
+                step = model.step_time(W, worse, scheme, gpus, KernelCosts.from_hbm(worse, meter), opts)["step_s"]
                 assert step >= base - 1e-12, (scheme, gpus, field)
             for decode in (60.0, 100.0):
                 more = dataclasses.replace(opts, delta_kernels=DeltaKernels(decode_bytes=decode))
-                assert model.step_time(W, GH200, scheme, gpus, COSTS, more)["step_s"] >= base - 1e-12
+                assert model.step_time(W, GH200, scheme, gpus, costs, more)["step_s"] >= base - 1e-12
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
@@ -391,8 +395,9 @@ def test_verdicts_and_recommendation():
     assert output.verdict({"mode": "gift", "intra_dtype": None, "param_gather": "delta", "vs_bf16_pct": -9.5,
                            "vs_best_bf16_pct": 0.4}).endswith(
         "+ delta gather: -9.5% step time vs BF16 (+0.4% vs BF16 ring + delta gather): no gain here: keep BF16")  # fmt: skip
+    meter = Meter.load()  # the stage counts the planner runs with
     for name, cluster in CLUSTERS.items():
-        costs = KernelCosts.from_hbm(cluster)
+        costs = KernelCosts.from_hbm(cluster, meter)
         for m, tp in (("600m", 1), ("7b", 4), *([("8b", 1)] if name == "h100" else [])):
             w = workload(m, tp=tp)
             for gpus in (64, 512):
@@ -494,7 +499,14 @@ def test_cli_planner(tmp_path, capsys):
     assert all(math.isfinite(r["step_s"]) and r["step_s"] > 0 for r in p["rows"])
     assert all(doc["cluster_sources"][k] for k in ("inter_bw", "intra_bw", "a2a_nic_ratio", "efficiency", "mfu"))
     assert len(doc["bytes_check"]["rows"]) == 16
-    for bad in (["--set", "warp_speed=9"], ["--tp", "3"], ["--model", "custom", "--layers", "2"], ["--gpus", "100"],
+    meter = json.loads(LAUNCHES_JSON.read_text())  # every GPU stage priced from the meter: its JSON and date shown
+    assert doc["costs"]["meter"] == dict(source="bench/results/launches-cpu.json", date=meter["date"],
+                                         sources_sha256=meter["sources"]["sha256"])  # fmt: skip
+    assert f"from the meter: bench/results/launches-cpu.json ({meter['date']}" in out
+    assert f"{1e3 * p['bf16_default_step_s']:.1f} ms at Megatron's default bucket size" in out
+    assert f"{1e3 * p['bf16_tuned_step_s']:.1f} ms at its best" in out
+    for bad in (["--launches-json", str(tmp_path / "none.json")], ["--set", "warp_speed=9"], ["--tp", "3"],
+                ["--model", "custom", "--layers", "2"], ["--gpus", "100"],
                 ["--measured", "x.json"], ["--nic-gbps", "-1"], ["--set", "mfu=0"], ["--intra-node", "fp16"],
                 ["--a2a-efficiency", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):

@@ -32,18 +32,33 @@ node sums: read the node's messages of the held shards, write their FP8 messages
 every sender's message of the own shard, write the shard (``b`` per element); cut rows: their
 values read and written; all-reduce gather: read the senders' messages, write one; decode of
 all: read every shard's message, write the bucket; an all-gather's own stage moves nothing.
-Error feedback adds the residual read and written (FP32).
+Error feedback adds the residual read and written (FP32). Delta gather (``comm.param_delta``, a
+shard of ``S`` BF16 elements, message ``m``): encode reads ``new`` and ``prev`` (``4S``), writes
+the message; decode reads the ``p`` messages and every shard's base (``2pS``, the owner's from
+``prev``), writes the parameters and the owner's ``prev`` (``2pS + 2S``).
+
+Buckets ``euclidean/8`` and ``gift/8`` (eight parameters instead of four, at one size and two
+group sizes) give each stage's launches per parameter segment (the planner's launch count for
+a bucket of any number of parameters: ``planner.metered``).
+
+The JSON records ``date`` (UTC) and ``sources``: the SHA-256 of the files metered (``SOURCES``:
+the kernels, the reduction and gather code, the numerics they call, this meter). A test
+(``tests/test_planner_meter.py``) fails when the committed JSON's hash is not the checkout's:
+regenerate it with ``REGENERATE`` (about two minutes on two cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import hashlib
 import json
 import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -67,8 +82,27 @@ BUCKETS = {
     "gift": (Mode.GIFT,) * 4,
     "plain": (Mode.GIFT, Mode.EUCLIDEAN, Mode.OFF, Mode.BF16),
     "euclidean+ef": (Mode.EUCLIDEAN,) * 4,
+    "euclidean/8": (Mode.EUCLIDEAN,) * 8,
+    "gift/8": (Mode.GIFT,) * 8,
 }
+SEGMENT_SCAN = ("10M", (64, 512))
+"""size and group sizes of the ``*/8`` buckets (launches per segment)."""
 RANKS_PER_NODE = 8  # two-level: min(8, p/2) ranks per node
+PACKAGE = Path(__file__).resolve().parents[1]
+SOURCES = ("kernels/*.py", "comm/*.py", "numerics/fp8.py", "numerics/wire.py", "numerics/whitening.py",
+           "numerics/error_feedback.py", "testing/meter.py", "testing/simulate.py", "bench/launches.py")  # fmt: skip
+"""the files whose launches and bytes the JSON records (globs under ``megatron_gift/``)."""
+REGENERATE = "megatron-gift bench launches --json bench/results/launches-cpu.json"
+"""the command that rewrites the committed JSON (the full scan)."""
+
+
+def source_hash() -> dict:
+    """``files`` (``SOURCES`` expanded, sorted) and the SHA-256 of their paths and bytes."""
+    files = sorted({f.relative_to(PACKAGE).as_posix() for pat in SOURCES for f in PACKAGE.glob(pat)})
+    h = hashlib.sha256()
+    for name in files:
+        h.update(name.encode() + b"\0" + (PACKAGE / name).read_bytes() + b"\0")
+    return dict(files=files, sha256=h.hexdigest())
 
 
 def segments(numel: int, modes) -> list[Segment]:
@@ -250,7 +284,7 @@ def scan(quick: bool) -> list[tuple]:
     paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs", "two-level/bf16-ar", "two-level/fp8-ar"]
     if quick:
         paths = ["flat-rs", "two-level/bf16-rs"]  # Megatron's distributed optimizer, flat and the default two-level
-    for bucket in ("euclidean", "gift", "plain", "euclidean+ef"):
+    for bucket in ("euclidean", "gift", "plain", "euclidean+ef") + (() if quick else ("euclidean/8", "gift/8")):
         for size in sizes:
             for dp in dps:
                 for path in paths:
@@ -260,6 +294,8 @@ def scan(quick: bool) -> list[tuple]:
                         continue
                     if path.startswith("two-level") and dp < 4:
                         continue  # two levels need >1 node of >1 ranks
+                    if bucket.endswith("/8") and (size, dp) not in [(SEGMENT_SCAN[0], d) for d in SEGMENT_SCAN[1]]:
+                        continue
                     out.append((path, bucket, size, dp, "fused"))
     for bucket in ("euclidean", "gift"):
         for size in torch_sizes:
@@ -271,14 +307,16 @@ def scan(quick: bool) -> list[tuple]:
     return sorted(out, key=lambda c: (slow(c), SIZES[c[2]], c[4] != "fused"))
 
 
-def delta_gather(numel: int, p: int) -> dict:
+def delta_gather(numel: int, p: int, kernels: str = "fused") -> dict:
     """The delta parameter gather of one BF16 bucket of ``numel`` elements at ``p`` ranks, metered
-    (encode: ``start``; decode: the handle's ``wait``), on ``meta`` tensors."""
+    (encode: ``start``; decode: the handle's ``wait``), on ``meta`` tensors; ``kernels``: ``fused``
+    (``kernels.delta``, stubbed, as CUDA runs it) or ``pytorch``."""
     from ..comm.param_delta import DeltaGather, message_bytes
 
     buf = torch.empty(numel, dtype=torch.bfloat16, device="meta")
-    with recorded_collectives() as calls:
-        dg = DeltaGather([buf], FakeGroup(p, 0))
+    fused = kernels == "fused"
+    with recorded_collectives() as calls, kernels_on("meta") if fused else contextlib.nullcontext():
+        dg = DeltaGather([buf], FakeGroup(p, 0), fused=fused)
         dg.start(async_op=False, full=True)
         for warm in (True, False):
             meter = Meter(stub=True, count_ops=not warm)
@@ -288,9 +326,9 @@ def delta_gather(numel: int, p: int) -> dict:
                 with meter.stage("decode"):
                     handle.wait()
     s = numel // p
-    ess = [(2 * 2 * s, message_bytes(s) + 2 * s), (p * message_bytes(s) + 2 * numel + 2 * s, 2 * numel + 2 * s)]
+    ess = [(2 * 2 * s, message_bytes(s)), (p * message_bytes(s) + 2 * numel, 2 * numel + 2 * s)]
     stages = _with_essentials([st.as_dict() for st in meter.stages], ess)
-    return dict(kind="delta-gather", path="param-gather", elements=numel, dp=p, stages=stages,
+    return dict(kind="delta-gather", path="param-gather", kernels=kernels, elements=numel, dp=p, stages=stages,
                 launches=sum(x["launches"] for x in stages), collectives=[list(c) for c in calls[-1:]])  # fmt: skip
 
 
@@ -348,6 +386,7 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
     t0 = time.time()
     threads = torch.get_num_threads()
     doc = dict(benchmark="launches", command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), sources=source_hash(),
                machine=dict(machine(), probe_overhead_us=round(1e6 * probe_overhead(), 2)), wall_seconds=0.0,
                budget_s=budget_s, schema=__doc__, records=[], skipped=[])  # fmt: skip
     records = doc["records"]
@@ -355,6 +394,10 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
     if resume and json_path and os.path.exists(json_path):
         with open(json_path) as f:
             old = json.load(f)
+        if old.get("sources", {}).get("sha256") != doc["sources"]["sha256"]:
+            raise SystemExit(f"bench launches --resume: {json_path} metered other sources than the checkout's; "
+                             "run the scan without --resume")  # fmt: skip
+        doc["date"] = old["date"]  # the first part's
         records += old["records"]
         doc["wall_seconds_before_resume"] = old["wall_seconds"] + old.get("wall_seconds_before_resume", 0)
         done = {(r["path"], r.get("bucket"), r.get("size"), r["dp"], r.get("kernels")) for r in records}
@@ -378,10 +421,11 @@ def run(quick: bool, json_path: str | None, command: str | None = None, launcher
         records += launcher_records(quick)
     torch.set_num_threads(1)
     try:
-        for size in () if resume and done else ("1M",) if quick else ("1M", "200M"):
+        gathers = (("1M", "fused"),) if quick else (("1M", "fused"), ("200M", "fused"), ("1M", "pytorch"))
+        for size, kernels in () if resume and done else gathers:
             for dp in (2, 64) if quick else DPS:
-                print(f"[bench launches] delta gather {size} dp={dp} ...", file=sys.stderr, flush=True)
-                records.append(dict(delta_gather(SIZES[size], dp), size=size))
+                print(f"[bench launches] delta gather {size} dp={dp} {kernels} ...", file=sys.stderr, flush=True)
+                records.append(dict(delta_gather(SIZES[size], dp, kernels), size=size))
         for dp in () if resume and done else (2,) if quick else (2, 8):
             print(f"[bench launches] refresh dp={dp} ...", file=sys.stderr, flush=True)
             records.append(refresh(dp))
@@ -436,7 +480,7 @@ def format_table(doc: dict) -> str:
     lines += ["", "| record | DP | stage | launches | ATen ops / Triton | MB moved | ratio |", "|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
         if r["kind"] in ("delta-gather", "refresh"):
-            what = f"{r['kind']} {r.get('size', r.get('model', ''))}"
+            what = f"{r['kind']} {r.get('size', r.get('model', ''))} {r.get('kernels', '')}".rstrip()
             for s in r["stages"]:
                 lines.append(f"| {what} | {r['dp']} | {s['stage']} | {s['launches']} | {s['aten_ops']} / {s['triton_launches']} | "
                              f"{(s['bytes_read'] + s['bytes_written']) / 1e6:.1f} | {s['ratio'] or '-'} |")  # fmt: skip

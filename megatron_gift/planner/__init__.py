@@ -7,7 +7,8 @@ Modules (torch-free unless noted): ``choices`` (the planner's own option enums),
 (machines and their sources), ``workloads`` (models, batches, TP/PP), ``schemes`` (Megatron's
 rings and the plugin's modes over each exchange; torch: ``config.Mode``), ``options`` (schedules,
 gather, buckets, refresh; torch: ``config``), ``nccl`` (NCCL's own collective cost model),
-``costs`` (GPU kernel costs from HBM traffic; torch: the wire format), ``buckets`` (Megatron's
+``costs`` (GPU kernel costs from HBM traffic; torch: the wire format), ``metered`` (each GPU
+stage's launches and moved bytes from the launch meter's JSON), ``buckets`` (Megatron's
 buckets and bytes; torch), ``stages`` (each bucket's stage streams as tasks), ``simulate`` (the
 eager and lagged schedules), ``model`` (step time, plan, break-even, sensitivity), ``output``
 (Markdown), ``checks`` (bytes against ``bench comm``'s JSON), ``validation`` (step times against

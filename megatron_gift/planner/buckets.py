@@ -16,13 +16,16 @@ from .workloads import LINEAR_KINDS, Workload, is_kind
 @dataclass
 class Bucket:
     """One gradient bucket: elements, compute FLOPs per token of its parameters, wire bytes of the scheme
-    (full buffer, before ``(p-1)/p``), bytes in each intra-node dtype (two-level stage 1), GIFT elements."""
+    (full buffer, before ``(p-1)/p``), bytes in each intra-node dtype (two-level stage 1), GIFT elements,
+    parameters (the layout's segments: launches grow with them) and GIFT parameters."""
 
     elements: int = 0
     flops_per_token: float = 0.0
     wire_bytes: float = 0.0
     intra_bytes: dict = field(default_factory=lambda: dict.fromkeys(INTRA_NODE_DTYPES, 0.0))
     gift_elements: int = 0
+    parameters: int = 0
+    gift_parameters: int = 0
 
 
 def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: FP8Params, codec: CodecConfig) -> float:
@@ -52,12 +55,14 @@ def buckets(w: Workload, scheme: Scheme, dp: int, fp8_params: FP8Params = FP8Par
     for name, shape, flops in reversed(w.parameters()):
         b = out[-1]
         b.elements += shape[0] * shape[1]
+        b.parameters += 1
         b.flops_per_token += flops
         b.wire_bytes += param_bytes(scheme, name, shape, fp8_params, codec)
         for dtype in INTRA_NODE_DTYPES:
             b.intra_bytes[dtype] += intra_param_bytes(dtype, scheme, name, shape, fp8_params, codec)
         if scheme.mode is Mode.GIFT and is_kind(name, gift_layers):
             b.gift_elements += shape[0] * shape[1]
+            b.gift_parameters += 1
         if b.elements >= size:
             out.append(Bucket())
     return tuple(b for b in out if b.elements or b.flops_per_token)

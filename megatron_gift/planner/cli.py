@@ -15,6 +15,7 @@ from ..cli import CORPUS, positive_int, require_bench_extra
 from .choices import FP8Params, MegatronSchedule
 from .cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
 from .delta import DecodeStream, DeltaKernels
+from .metered import Meter
 from .workloads import DIMS, PRESETS
 
 DIM_HELP = {"kv_heads": "key-value heads (grouped-query attention; default: the preset's, else --heads)"}
@@ -114,9 +115,12 @@ def add_parser(subparsers) -> None:
                      help="where the delta gather's decode runs: side (a stream of its own, as the code runs it) or "
                      "compute (in the forward pre-hook, before the next bucket's gather) (default: %(default)s)")  # fmt: skip
     mod.add_argument("--delta-decode-bytes", type=positive_float, default=DeltaKernels().decode_bytes, metavar="BYTES",
-                     help="HBM bytes per element of the delta decode (default: %(default)s, the fused kernel's; the "
-                     "unfused decode it replaced: 49.16)")  # fmt: skip
+                     help="HBM bytes per element of the delta decode, before the meter's moved/essential ratio "
+                     "(default: %(default)s, the fused kernel's essential bytes; the unfused decode it replaced: 49.16)")
     mod.add_argument("--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)")
+    mod.add_argument("--launches-json", metavar="PATH", default=None,
+                     help="the launch-and-traffic meter's JSON each GPU stage's launches and bytes come from (default: "
+                     "the checkout's bench/results/launches-cpu.json; megatron-gift bench launches writes it)")
     mod.add_argument("--overhead-json", metavar="PATH", help="plugin kernel costs from a bench overhead JSON of the target "
                      "GPU (default: HBM-bandwidth estimates)")  # fmt: skip
     mod.add_argument("--checks", action="store_true", help="also print the byte model against a bench comm ledger "
@@ -176,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
                        delta_kernels=kernels)  # fmt: skip
         for gpus in args.gpus:
             model.placement(model.data_parallel(w, gpus)[0], w.tp, c)
+        meter = Meter.load(args.launches_json)
     except ValueError as e:
         raise SystemExit(f"megatron-gift model: {e}") from None
     comm_json = args.comm_json or str(COMM_JSON)
@@ -184,32 +189,34 @@ def main(args: argparse.Namespace) -> int:
     a2a = "yours, --a2a-efficiency" if args.a2a_efficiency else "assumed from published measurements"
     run(w, c, tuple(args.gpus), opts, overhead_json=args.overhead_json, json_path=args.json, comm_json=comm_json,
         show_checks=args.checks, validate_overhead_json=args.validate_cpu, validate_iters=args.iters,
-        measured_json=args.measured, show_sensitivity=args.sensitivity, command=args.command_line, a2a_source=a2a)  # fmt: skip
+        measured_json=args.measured, show_sensitivity=args.sensitivity, command=args.command_line, a2a_source=a2a,
+        meter=meter)  # fmt: skip
     return 0
 
 
 def run(w, c: Cluster, gpus: tuple[int, ...], opts, overhead_json: str | None = None, json_path: str | None = None,
         comm_json: str | None = None, show_checks: bool = False, validate_overhead_json: str | None = None,
         validate_iters: int = 30, measured_json: str | None = None, show_sensitivity: bool = False,
-        command: str | None = None, a2a_source: str = "assumed") -> dict:  # fmt: skip
+        command: str | None = None, a2a_source: str = "assumed", meter=None) -> dict:  # fmt: skip
     """The parameter count, per GPU count a table with verdicts, a summary row each (several counts), optionally
     the sensitivity at the largest count; the byte check against ``comm_json`` where it exists (printed with
     ``show_checks``) and optionally the CPU validation. Prints, writes JSON, returns the document."""
     from . import checks, nccl, output, plan, validation
     from .costs import KernelCosts
 
-    costs = KernelCosts.from_json(overhead_json, c, f"llama-{w.name}") if overhead_json else KernelCosts.from_hbm(c)
+    costs = (KernelCosts.from_json(overhead_json, c, f"llama-{w.name}", meter) if overhead_json
+             else KernelCosts.from_hbm(c, meter))  # fmt: skip
     doc = dict(model="planner", command=command or "megatron-gift model", workload=dataclasses.asdict(w),
                parameters=w.total_parameters(), options=dataclasses.asdict(opts), cluster=dataclasses.asdict(c),
                cluster_sources=sources(), preset_source=PRESET_SOURCES.get(c.name, "custom"), a2a_source=a2a_source,
-               costs=dataclasses.asdict(costs), nccl=nccl.SOURCE, min_gain_pct=plan.MIN_GAIN_PCT,
+               costs=costs.summary(), nccl=nccl.SOURCE, min_gain_pct=plan.MIN_GAIN_PCT,
                plans=[plan.plan(w, c, n, costs, opts) for n in gpus])  # fmt: skip
     head = output.format_model(w) + output.format_costs(costs, opts)
     out = [head, *(output.format_plan(p, w, a2a_source) for p in doc["plans"])]
     if len(gpus) > 1:
         out.append(output.format_summary(doc["plans"]))
     if show_sensitivity:
-        doc["sensitivity"] = plan.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts)
+        doc["sensitivity"] = plan.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts, meter)
         out.append(output.format_sensitivity(doc["sensitivity"], max(gpus)))
     if comm_json and Path(comm_json).exists():
         doc["bytes_check"] = dict(source=_shown(comm_json), rows=checks.comm_bytes_check(comm_json),

@@ -47,16 +47,18 @@ class Cluster:
     mfu: float = sourced(0.4, "model-FLOP utilization: assumed, typical of Megatron on H100 for ~1B-parameter models.")
     hbm_bw: float = sourced(4.0e12, "HBM3 bandwidth of the 96 GB GH200 (NVIDIA datasheet).")
     codec_hbm_efficiency: float = sourced(0.6, """fraction of ``hbm_bw`` the plugin's memory-bound kernels (cast,
-        sums, encode, decode) reach: assumed; the fused kernels' target is 70% of copy bandwidth, and a
-        device copy reaches about 85-90% of the datasheet peak on H100; the GPU check measures it
-        (gpu-codec.json).""")
+        sums, encode, decode) reach on the bytes they move (the meter's, not the essential ones): assumed;
+        the fused kernels' target is 70% of copy bandwidth, and a device copy reaches about 85-90% of the
+        datasheet peak on H100 (0.7 x 0.87 = 0.6); the GPU check measures it (gpu-codec.json).""")
     codec_compute_overlap: float = sourced(0.0, """fraction of a codec kernel's time that runs under concurrent
         backward/forward compute without delaying it: assumed 0 (the GPU time-shared between the streams, a
         conservative bound; memory-bound kernels and GEMMs do overlap partly). The GPU check's profiler
         trace reports the share of codec work that overlaps the backward (docs/gpu-check.md).""")
     launch_s: float = sourced(5e-6, """GPU time of one kernel launch of the plugin's small, memory-bound
-        kernels beyond their bytes: assumed ~5 us (a launch's latency on H100-class GPUs); a stage's
-        launches are the execution model's (``stages``) or counted in the code (the delta codec).""")
+        kernels beyond their bytes (launch latency, the grid's ramp-up and tail): assumed 5 us, the high end of
+        the few microseconds a short kernel costs on H100-class GPUs, so that stages of many launches are not
+        under-priced; not measured yet (the GPU check's profiler trace gives it). Each stage's launch count
+        is the launch-and-traffic meter's (bench/results/launches-cpu.json, ``planner.metered``).""")
     factor_build_s: float = sourced(7.0e-3, """one GIFT factor build (Nyström core of a [d_in, 64] sketch, d_in = 3456)
         without a ``bench overhead`` JSON of the GPU: what ``bench overhead`` measured on a 2-core EPYC CPU with one
         thread (bench/results/overhead-cpu.json, llama-600m fc2: 7.04 ms). The refresh builds it on the GPU, where

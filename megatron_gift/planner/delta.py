@@ -1,5 +1,6 @@
 """The delta parameter gather's inputs: its wire format (``DeltaCodec``) and what its encode and
-decode kernels cost and where they run (``DeltaKernels``). Defaults are the implementation on a GPU,
+decode kernels must move and where they run (``DeltaKernels``; their launches and moved over
+essential bytes: the meter's, ``metered``). Defaults are the implementation on a GPU,
 ``comm/param_delta.py`` with ``kernels/delta.py``: one fused encode and one fused decode per bucket,
 the decode on a side stream overlapping the next bucket's gather. The decode of the unfused code it
 replaced (on the compute stream in the forward pre-hook, ~49 bytes per element) is the same model
@@ -38,9 +39,9 @@ class DecodeStream(enum.Enum):
 
 @dataclass(frozen=True)
 class DeltaKernels:
-    """Launches and HBM bytes of the delta gather's kernels per bucket of ``N`` elements (shard ``S = N/p``)
-    and the decode's stream: counted from the torch operations of ``comm/param_delta.py`` (each
-    operation's reads and writes; the launches beyond the bytes priced at ``Cluster.launch_s``)."""
+    """The essential HBM bytes of the delta gather's kernels per bucket of ``N`` elements (shard ``S = N/p``),
+    one fused pass each (``kernels.delta``), and the decode's stream; the meter's JSON gives their launches and
+    moved over essential bytes (``metered.Meter.delta``)."""
 
     stream: DecodeStream = sourced(DecodeStream.SIDE, """bucket k's decode is enqueued on a stream of its own
         (``comm.param_delta.DeltaGather``); Megatron's forward pre-hook waits on its event, and the next bucket's
@@ -49,12 +50,10 @@ class DeltaKernels:
         ``TRAFFIC``) reads every rank's codes and scales (1 + 1/32) and each row's BF16 base (2), and writes the
         BF16 parameters (2).""")
     prev_bytes: float = sourced(2.0, "per shard element: the decode also writes the own shard's new base ``prev`` (2)")
-    decode_launches: int = sourced(1, "one fused decode launch per bucket (``kernels.delta``)")
     encode_bytes: float = sourced(5.03, """per shard element: the fused encode reads the new BF16 shard and its
         base ``prev`` (2 + 2) and writes the codes and scales (1 + 1/32) (``kernels.delta``'s ``TRAFFIC``).""")
-    encode_launches: int = sourced(1, "one fused encode launch per bucket (``kernels.delta``)")
 
     def __post_init__(self):
         object.__setattr__(self, "stream", DecodeStream(self.stream))
-        if min(self.decode_bytes, self.prev_bytes, self.encode_bytes, self.decode_launches, self.encode_launches) < 0:
-            raise ValueError(f"DeltaKernels: bytes and launches must be >= 0, got {self}")
+        if min(self.decode_bytes, self.prev_bytes, self.encode_bytes) < 0:
+            raise ValueError(f"DeltaKernels: bytes must be >= 0, got {self}")

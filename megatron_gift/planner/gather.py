@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..config import ParamGather
 from .delta import DecodeStream
+from .metered import ONE_PASS
 from .simulate import simulate
 from .stages import Context, Task
 
@@ -30,10 +31,12 @@ def gather_chain(elements: int, x: Context) -> list[Task]:
         return [x.ring("all-gather", "all_gather", 2.0 * elements, "param-gather", 1)]
     k, bpe, shard = x.opts.delta_kernels, x.opts.delta.bytes_per_element, elements / x.p
     on_compute = k.stream is DecodeStream.COMPUTE
+    m = x.costs.meter
+    enc, dec = [ONE_PASS if m is None else m.delta(stage, x.p, elements) for stage in ("encode", "decode")]
     encode = x.gpu("delta encode", 1, k.encode_bytes * shard, stream=COMPUTE if on_compute else "delta-encode",
-                   launches=k.encode_launches)  # fmt: skip
+                   count=enc)  # fmt: skip
     decode = x.gpu("delta decode", 2, k.decode_bytes * elements + k.prev_bytes * shard,
-                   stream=COMPUTE if on_compute else "delta-decode", launches=k.decode_launches)  # fmt: skip
+                   stream=COMPUTE if on_compute else "delta-decode", count=dec)  # fmt: skip
     return [encode, x.ring("delta all-gather", "all_gather", bpe * elements, "param-gather", 1), decode]
 
 

@@ -20,7 +20,7 @@ from .gather import forward_phase, gather_chain
 from .options import Options
 from .schemes import Scheme
 from .simulate import simulate, simulate_lagged
-from .stages import Context, Kind, reduction_chain, refresh_chain
+from .stages import Context, Kind, Task, reduction_chain, refresh_chain
 from .workloads import Workload, is_kind
 
 
@@ -97,4 +97,10 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
                 param_gather_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in pg),
                 refresh_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in refresh) / opts.refresh_interval,
                 refresh_statistics_bytes=sum(t.nvlink_bytes + t.nic_bytes for t in refresh[:1]),
-                buckets=len(bks))  # fmt: skip
+                buckets=len(bks), first_bucket_gpu_stages=_gpu_stages(chains[:1] + gathers[-1:]))  # fmt: skip
+
+
+def _gpu_stages(chains: list[list[Task]]) -> list[dict]:
+    """The GPU stages of these chains as the JSON records them: launches, HBM bytes moved, milliseconds."""
+    return [dict(stage=t.label, launches=t.launches, hbm_mb=round(t.hbm_bytes / 1e6, 3), ms=round(1e3 * t.seconds, 4))
+            for chain in chains for t in chain if t.kind is Kind.GPU]  # fmt: skip

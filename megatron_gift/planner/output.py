@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .plan import BREAK_EVEN_RANGE, MIN_GAIN_PCT
 from .schemes import Scheme
-from .stages import STAGE_LAUNCHES
 from .workloads import Workload
 
 
@@ -63,11 +62,15 @@ def format_model(w: Workload) -> str:
 
 
 def format_costs(costs, opts) -> str:
-    """Where each stage's cost comes from: the kernel costs, the reduction stages' launches, the delta codec's."""
+    """Where each stage's cost comes from: the kernel costs, the meter's JSON (and its date) every GPU stage's
+    launches and moved bytes come from, the delta gather's stream."""
     k = opts.delta_kernels
-    delta = (f"; delta gather: decode on the {k.stream.value} stream, {k.decode_bytes:g} B per element, "
-             f"{k.decode_launches} launches (kernels/delta.py)" if opts.param_gather.value == "delta" else "")  # fmt: skip
-    return f"stage costs: {costs.source}; {STAGE_LAUNCHES} launches per reduction stage (assumed){delta}\n"
+    delta = (f"; delta gather: decode on the {k.stream.value} stream, {k.decode_bytes:g} B per element essential"
+             if opts.param_gather.value == "delta" else "")  # fmt: skip
+    counts = ("launches and moved/essential bytes of every GPU stage (reduction and delta gather) from the meter: "
+              f"{costs.meter.describe()} (per stage: first_bucket_gpu_stages in --json)" if costs.meter is not None else
+              "one launch and the essential bytes per GPU stage (no meter)")  # fmt: skip
+    return f"stage costs: {counts}; priced at {costs.source}{delta}\n"
 
 
 def _is_reference(r: dict) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from ..config import Mode, ParamGather, Schedule
 from .cluster import Cluster
 from .costs import KernelCosts
+from .metered import Meter
 from .model import step_time
 from .options import Options
 from .schemes import PLUGIN, Scheme
@@ -119,15 +120,16 @@ SENSITIVITY = (("a2a_nic_ratio", (0.35, 0.75, 1.0)), ("a2a_nvlink_ratio", (0.5,)
 """fields moved one at a time: absolute values, except ``inter_bw`` (a factor)."""
 
 
-def sensitivity(w: Workload, c: Cluster, gpus: int, costs: KernelCosts | None, opts: Options = Options()) -> list[dict]:
+def sensitivity(w: Workload, c: Cluster, gpus: int, costs: KernelCosts | None, opts: Options = Options(),
+                meter: Meter | None = None) -> list[dict]:  # fmt: skip
     """Each scheme's change against the BF16 baseline at ``gpus`` GPUs when one cluster field moves (``costs``:
-    None re-estimates the kernel costs from each moved cluster's HBM)."""
+    None re-estimates the kernel costs from each moved cluster's HBM, with ``meter``'s stage counts)."""
     rows = []
     for name, values in (("defaults", (None,)), *SENSITIVITY):
         for v in values:
             value = v if v is None or name != "inter_bw" else v * c.inter_bw
             moved = c if v is None else replace(c, **{name: value})
-            p = plan(w, moved, gpus, costs or KernelCosts.from_hbm(moved), opts, with_break_even=False)
+            p = plan(w, moved, gpus, costs or KernelCosts.from_hbm(moved, meter), opts, with_break_even=False)
             rows.append(dict(field=name, value=value, bf16_step_s=p["baseline_s"], recommended=p["recommended"],
                              recommended_param_gather=p["recommended_param_gather"],
                              **{f"{r['mode']}_vs_bf16_pct": r["vs_bf16_pct"] for r in p["rows"]}))  # fmt: skip

@@ -2,25 +2,30 @@
 ordered chain of GPU stages and collectives, each on its stream.
 
 Per bucket of ``N`` elements (``F`` wire bytes, ``N_g`` of them GIFT's, ``I`` in the intra-node
-dtype), ``p = g·n`` ranks, shard ``S = N/p``. HBM traffic of each GPU stage (bytes):
+dtype), ``p = g·n`` ranks, shard ``S = N/p``. Each GPU stage is one of the meter's
+(``metered``: its launches and moved over essential bytes come from the meter's JSON); its
+essential HBM bytes, one fused pass (the meter's definitions, ``bench.launches``):
 
-=====================  ==========================================  =============================
-stage                  elementwise (codec bandwidth)               GIFT (transform bandwidth)
-=====================  ==========================================  =============================
-flat encode            read 4N, write F                            read 4N_g (``G Q``)
-flat decode-sum        read F (p messages of S), write 4S          8 N_g/p (``T⁻¹``)
-2-level cast           read 4N, write I                            4N_g (``G T`` at the sender)
-2-level node sums      read I (g messages of N/g), write 4N/g
-2-level encode slice   read 4N/g, write F/g
-2-level decode-sum     read F/g (n messages of S), write 4S        8 N_g/p
-all-reduce re-encode   read 4S, write F/p
-all-reduce decode      read F, write 4N                            8 N_g
-=====================  ==========================================  =============================
+=================================  ============================  ==============================
+stage (meter's name)               elementwise (codec bw)        GIFT (transform bandwidth)
+=================================  ============================  ==============================
+flat encode (send)                 read 4N, write F              read 4N_g (``G Q``)
+flat decode-sum (reduce)           read F (p messages of S),     8 N_g/p (``T⁻¹``)
+                                   write 4S
+2-level cast/encode (intra)        read 4N, write I              4N_g (``G T`` at the sender)
+2-level node sums + encode         read I (g messages of N/g),
+(node_sums)                        write F/g (its FP8 messages)
+2-level decode-sum (reduce)        read F/g (n messages of S),   8 N_g/p
+                                   write 4S
+cut rows (finish)                  launches only
+all-reduce decode-sum + re-encode  read F (F/g two-level),
+(gather, gather_inter)             write F/p
+all-reduce decode (decode_all)     read F, write 4N              8 N_g
+=================================  ============================  ==============================
 
-Each GPU stage is ``STAGE_LAUNCHES`` kernels (the execution model's fused stages; assumed). All-to-alls
-skip the rank itself. GIFT rows cut by a shard boundary cost one neighbour exchange (one LL latency)
-per bucket, on the data-parallel group's own communicator (``comm/pieces.py``): with the flat
-exchange that is the all-to-all's, so it queues in line with the buckets' all-to-alls.
+All-to-alls skip the rank itself. GIFT rows cut by a shard boundary cost one neighbour exchange
+(one LL latency) per bucket, on the data-parallel group's own communicator (``comm/pieces.py``):
+with the flat exchange that is the all-to-all's, so it queues in line with the buckets' all-to-alls.
 """
 
 from __future__ import annotations
@@ -34,12 +39,9 @@ from . import nccl
 from .buckets import Bucket
 from .cluster import Cluster
 from .costs import KernelCosts
+from .metered import ONE_PASS, StageCount
 from .options import Options
 from .schemes import Scheme
-
-
-STAGE_LAUNCHES = 2
-"""kernel launches of one GPU stage of the reduction: the execution model's fixed number per bucket (assumed)."""
 
 
 class Kind(enum.Enum):
@@ -59,6 +61,8 @@ class Task:
     stage: int
     nvlink_bytes: float = 0.0
     nic_bytes: float = 0.0
+    launches: float = 0.0  # a GPU stage's kernel launches and HBM bytes moved (the meter's)
+    hbm_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,26 @@ class Context:
     def p(self) -> int:
         return self.g * self.n
 
+    def count(self, b: Bucket, path: str, stage: str) -> StageCount:
+        """The meter's launches and ratios of ``stage`` for bucket ``b`` (without a meter: one fused pass)."""
+        m = self.costs.meter
+        return ONE_PASS if m is None else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters)
+
     def gpu(self, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0, stream: str = "",
-            launches: int = STAGE_LAUNCHES) -> Task:  # fmt: skip
-        """A GPU stage moving these HBM bytes, on stage ``stage``'s stream unless ``stream`` is given."""
-        seconds = self.costs.seconds(launches, codec_bytes, transform_bytes)
-        return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage)
+            count: StageCount = ONE_PASS, gift_share: float = 0.0) -> Task:  # fmt: skip
+        """A GPU stage of ``count.launches`` moving these essential HBM bytes times the meter's ratios (the GIFT
+        ratio for the ``gift_share`` of the elementwise bytes and for the whitening's), on stage ``stage``'s
+        stream unless ``stream`` is given."""
+        codec = codec_bytes * (count.ratio * (1 - gift_share) + count.gift_ratio * gift_share)
+        seconds = self.costs.seconds(count.launches, codec, count.gift_ratio * transform_bytes)
+        return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage, launches=count.launches,
+                    hbm_bytes=codec + count.gift_ratio * transform_bytes)  # fmt: skip
+
+    def metered(self, b: Bucket, path: str, name: str, label: str, stage: int, codec_bytes: float,
+                transform_bytes: float = 0.0) -> Task:  # fmt: skip
+        """The code's GPU stage ``name`` (the meter's, on its ``path``) of bucket ``b``: ``gpu`` at the meter's count."""
+        return self.gpu(label, stage, codec_bytes, transform_bytes, count=self.count(b, path, name),
+                        gift_share=b.gift_elements / b.elements)  # fmt: skip
 
     def links(self, p: int, g: int) -> tuple[str, ...]:
         return ("nvlink", "nic") if p > g else ("nvlink",)
@@ -110,40 +129,53 @@ def reduction_chain(b: Bucket, scheme: Scheme, x: Context) -> list[Task]:
     return _flat(b, x, dist_opt)
 
 
+def _finish(b: Bucket, x: Context, path: str, stage: int, across_nodes: bool) -> list[Task]:
+    """The cut rows of GIFT parameters: their neighbour exchange and the stage's launches (the meter's ``finish``)."""
+    if not b.gift_elements:
+        return []
+    count = x.count(b, path, "finish")
+    sums = [x.gpu("cut-row sums", stage, 0.0, count=count)] if count.launches else []
+    return [x.cut_rows(stage, across_nodes), *sums]
+
+
 def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """One all-to-all over the group (one node, one rank per node, or ``--gift-exchange flat``)."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    path = "flat-rs" if dist_opt else "flat-ar"
     a2a = Task("all-to-all", Kind.COMM, nccl.all_to_all_time(F, p, g, x.c), "dp", x.links(p, g), 1,
                (g - 1) / p * F, (p - g) / p * F)  # fmt: skip
-    tasks = [x.gpu("encode", 1, 4 * N + F, 4 * Ng), a2a, x.gpu("decode-sum", 2, F + 4 * N / p, 8 * Ng / p * dist_opt)]
+    tasks = [x.metered(b, path, "send", "encode", 1, 4 * N + F, 4 * Ng), a2a]
     if dist_opt:
-        return tasks + ([x.cut_rows(2, n > 1)] if Ng else [])
-    return tasks + [x.gpu("re-encode shard", 3, 4 * N / p + F / p), x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
-                    x.gpu("decode bucket", 4, F + 4 * N, 8 * Ng)]  # fmt: skip
+        tasks.append(x.metered(b, path, "reduce", "decode-sum", 2, F + 4 * N / p, 8 * Ng / p))
+        return tasks + _finish(b, x, path, 2, n > 1)
+    return tasks + [x.metered(b, path, "gather", "decode-sum + re-encode shard", 2, F + F / p),
+                    x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
+                    x.metered(b, path, "decode_all", "decode bucket", 4, F + 4 * N, 8 * Ng)]  # fmt: skip
 
 
 def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
-    """Intra-node all-to-all in the intra dtype, node sums, encode of the 1/g slice, FP8 all-to-all among the
-    ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``)."""
+    """Intra-node all-to-all in the intra dtype, node sums and encode of the 1/g slice, FP8 all-to-all among
+    the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``)."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    path = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}"
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
     # GIFT whitens at the sender, in every intra dtype: stage 1 casts or encodes G T, whole rows
-    tasks = [x.gpu("encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng),
+    tasks = [x.metered(b, path, "intra", "encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng),
              Task("intra all-to-all", Kind.COMM, nccl.all_to_all_time(intra, g, g, x.c), "intra", ("nvlink",), 1,
                   (g - 1) / g * intra),
-             x.gpu("node sums", 2, intra + 4 * N / g)]  # fmt: skip
-    tasks += [x.gpu("encode slice", 2, 4 * N / g + F / g),
-              Task("inter all-to-all", Kind.COMM, nccl.all_to_all_time(F / g, n, 1, x.c), "inter", ("nic",), 2, 0.0,
-                   (n - 1) / n * F / g),
-              x.gpu("decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p * dist_opt)]  # fmt: skip
+             x.metered(b, path, "node_sums", "node sums + encode slice", 2, intra + F / g),
+             Task("inter all-to-all", Kind.COMM, nccl.all_to_all_time(F / g, n, 1, x.c), "inter", ("nic",), 2, 0.0,
+                  (n - 1) / n * F / g)]  # fmt: skip
     if dist_opt:
-        return tasks + ([x.cut_rows(3, True)] if Ng else [])
+        tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
+        return tasks + _finish(b, x, path, 3, True)
     gather = [Task("FP8 all-gather (inter)", Kind.COMM, nccl.ring_time("all_gather", F / g, n, 1, x.c), "inter", ("nic",),
                    4, 0.0, (n - 1) / n * F / g),
               Task("FP8 all-gather (intra)", Kind.COMM, nccl.ring_time("all_gather", F, g, g, x.c), "intra", ("nvlink",),
                    4, (g - 1) / g * F)]  # fmt: skip
-    return tasks + [x.gpu("re-encode shard", 4, 4 * N / p + F / p), *gather, x.gpu("decode bucket", 5, F + 4 * N, 8 * Ng)]
+    return tasks + [x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p), *gather,
+                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng)]  # fmt: skip
 
 
 def record_bytes(d_in: int, rank: int) -> int:
