@@ -84,3 +84,24 @@ def test_fp32_round_trip_and_batched_ranks():
     assert ((back - g).norm() / g.norm()).item() <= bound
     one = w.apply(g[2])
     assert ((w.apply(g)[2] - one).norm() / one.norm()).item() <= bound
+
+
+def test_captured_statistics_rebuild_the_weight_gradient():
+    """``capture_output_grads`` (the benchmark's source of ``B``) records per token the gradient of
+    each layer's output, aligned with ``capture_inputs``' rows: ``Σ_t g_t a_tᵀ`` equals the weight
+    gradient autograd gives. Bugs caught: a hook on the wrong tensor (the input's gradient, a
+    reshaped or transposed output), rows misaligned or dropped. Bound: both sides
+    are FP32 sums of ``tokens`` products, each within ``tokens·2^-24·Σ_t |g_t||a_t|`` elementwise."""
+    from megatron_gift.bench.llama import LlamaConfig, LlamaModel, capture_inputs, capture_output_grads, linear_layers, lm_loss
+
+    model = LlamaModel(LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=2, ffn_hidden=48, seq_len=16), seed=0)
+    layers = linear_layers(model)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 64, (6, 16), generator=gen), torch.randint(0, 64, (6, 16), generator=gen)
+    with capture_inputs(model, layers) as acts, capture_output_grads(model, layers) as grads:
+        weight_grads = torch.autograd.grad(lm_loss(model, x, y), [m.weight for m in layers.values()])
+    for (name, m), want in zip(layers.items(), weight_grads):
+        a, g = acts[name], grads[name]
+        assert a.shape == (96, m.in_features) and g.shape == (96, m.out_features)
+        bound = 96 * 2.0**-24 * (g.abs().T @ a.abs())
+        assert ((g.T @ a - want).abs() <= 2 * bound).all(), name

@@ -208,8 +208,9 @@ def capture_inputs(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str,
 @contextmanager
 def capture_output_grads(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str, torch.Tensor]]:
     """Record the gradients of the named linear layers' outputs during backwards of forwards run
-    inside the block: name -> detached fp32 ``[tokens, d_out]`` (concatenated as in
-    ``capture_inputs``). ``GᵀG`` of an entry is the layer's K-FAC output statistic."""
+    inside the block: name -> detached fp32 ``[tokens, d_out]``, rows of one forward aligned with
+    ``capture_inputs``'; several forwards' blocks are concatenated in the order the backward reaches
+    them (not necessarily forward order). ``GᵀG`` of an entry is the layer's K-FAC output statistic."""
     modules = dict(model.named_modules())
     captured: dict[str, torch.Tensor] = {}
 
