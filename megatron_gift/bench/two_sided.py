@@ -261,6 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (default: the preset's)")
     ap.add_argument("--sketch", type=int, help="Nyström sketch columns of both factors' statistics (default 0: exact)")
+    ap.add_argument("--candidates", type=float, nargs="+", help="dampings of each side (default: GiftConfig's candidates)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else TwoSidedConfig()
@@ -268,6 +269,8 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, tokens_per_rank=tuple(args.tokens))
     if args.sketch is not None:
         cfg = dataclasses.replace(cfg, sketch=args.sketch)
+    if args.candidates:
+        cfg = dataclasses.replace(cfg, candidates=tuple(args.candidates))
     if cfg.sketch and cfg.sketch < max(cfg.rank, *cfg.out_ranks):
         ap.error(f"--sketch {cfg.sketch} is below a rank measured ({max(cfg.rank, *cfg.out_ranks)})")
     t0 = time.perf_counter()
