@@ -28,16 +28,25 @@ What the output side changes in the reduction protocol (not in this module):
   adds its rows' (and row pieces') partial ``Q_out[rows]ᵀ V[rows]`` and the partials are summed
   over the reduction group (an all-reduce of ``r_out·d_in`` FP32 per parameter per step, after the
   reduce-scatter, before the optimizer reads the shard), then
-  ``G[rows] = D_out^{1/2}[rows] (V[rows] + Q_out[rows] diag(c') P)``. That is ``4·r_out·d_in``
-  bytes against the parameter's ``d_out·d_in`` FP8 bytes: ``4·r_out/d_out`` (10% for
-  ``r_out = 32``, ``d_out = 1280``; 2% for ``d_out = 6912``). A parameter that no shard boundary
-  cuts (all-reduce without the distributed optimizer, or one held by a single rank) needs nothing.
+  ``G[rows] = D_out^{1/2}[rows] (V[rows] + Q_out[rows] diag(c') P)``. Its payload is
+  ``4·r_out·d_in`` bytes against the parameter's ``d_out·d_in`` FP8 bytes, ``4·r_out/d_out``
+  (10% for ``r_out = 32``, ``d_out = 1280``; 2% for ``d_out = 6912``), and a ring all-reduce sends
+  about twice its payload per rank where the reduce-scatter sends about once. A parameter that no
+  shard boundary cuts (all-reduce without the distributed optimizer, or one held by a single rank)
+  needs nothing. (The partials of ``P`` can travel in the same exchange as the input side's
+  per-split-row projections: ``(U + Q_out c' P) Q_in = U Q_in + Q_out c' (P Q_in)``.)
+* **No row-local shortcut.** A diagonal ``T_out`` (rank 0) scales whole rows, and a 1x128 block
+  lies within one row, so with block (or row) scales it changes the FP8 round trip only by the
+  rounding of the FP32 scales: whatever the output side gains comes with its rank-``r_out`` part,
+  which mixes rows.
 * **Tensor parallelism.** A column-parallel weight ``[d_out/tp, d_in]`` sees the output gradients
   of its own output columns: its local ``B`` is a diagonal block of the full one and whitening per
   TP shard with it needs no TP communication. A row-parallel weight ``[d_out, d_in/tp]`` sees all
   ``d_out`` outputs; without sequence parallelism every TP rank sees the same output gradients, with
   it only ``s/tp`` tokens: all-reduce the partial sums over the TP group (a TP rank using its own
-  tokens alone would still be consistent within its data-parallel group, just noisier).
+  tokens alone would still be consistent within its data-parallel group, just noisier). The EMA is
+  linear in the per-step sums (``kfac``), so that TP sum can ride on the refresh's statistics
+  all-reduce (over the TP x DP group) instead of running every step.
 
 No torch.distributed here.
 """
