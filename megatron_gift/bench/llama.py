@@ -205,6 +205,34 @@ def capture_inputs(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str,
             handle.remove()
 
 
+@contextmanager
+def capture_output_grads(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """Record the gradients of the named linear layers' outputs during backwards of forwards run
+    inside the block: name -> detached fp32 ``[tokens, d_out]``, rows of one forward aligned with
+    ``capture_inputs``'; several forwards' blocks are concatenated in the order the backward reaches
+    them (not necessarily forward order). ``GᵀG`` of an entry is the layer's K-FAC output statistic."""
+    modules = dict(model.named_modules())
+    captured: dict[str, torch.Tensor] = {}
+
+    def make_hook(name: str):
+        def store(grad: torch.Tensor) -> None:
+            g = grad.detach().reshape(-1, grad.shape[-1]).float()
+            captured[name] = torch.cat([captured[name], g]) if name in captured else g
+
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(store)
+
+        return hook
+
+    handles = [modules[name].register_forward_hook(make_hook(name)) for name in names]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @dataclass
 class ShardGrads:
     """One simulated data-parallel rank's result: its loss, weight grads and (optionally) inputs."""

@@ -9,6 +9,7 @@ from .geometry import GeometryStats, geometry_stats, shares_ratio
 from .kfac import KFACStatistics
 from .profile import FIELDS as PROFILE_FIELDS
 from .profile import ProfileSummary, profile_gradient, summarize
+from .two_sided import TwoSidedWhitening
 from .wire import WireFormat
 from .whitening import LowRankFactor, LowRankWhitening, approximate_factor
 
@@ -35,5 +36,6 @@ __all__ = [
     "roundtrip",
     "shares_ratio",
     "summarize",
+    "TwoSidedWhitening",
     "WireFormat",
 ]
