@@ -76,8 +76,8 @@ class WireRecord:
         self.entries.append(WireEntry(stage, op, _segment(owner, segment_of), dtype, int(nbytes), whitened))
 
     def __enter__(self) -> "WireRecord":
-        inner = {name: getattr(kernels, name) for name in ("whiten_encode", "whiten_place", "decode_sum_unwhiten", "decode_placed")}
-        self._saved = inner
+        names = ("whiten_encode", "whiten_place", "decode_sum_unwhiten", "decode_placed")
+        inner = self._saved = {name: getattr(kernels, name) for name in names}
 
         def whiten_encode(g, whitening, cfg, *args, lengths=None, **kw):
             groups = lengths.numel() if lengths is not None else math.prod(cfg.groups(*g.shape))
@@ -87,7 +87,8 @@ class WireRecord:
 
         def whiten_place(x, whitening, into, *args, **kw):
             dtype, caller = into.out.dtype, sys._getframe(1).f_code.co_name
-            self._add("plain" if caller == "plain_bucket" else "cast", x, _FLOATS.get(dtype, str(dtype)), x.numel() * dtype.itemsize, whitening is not None)
+            op = "plain" if caller == "plain_bucket" else "cast"
+            self._add(op, x, _FLOATS.get(dtype, str(dtype)), x.numel() * dtype.itemsize, whitening is not None)
             return inner["whiten_place"](x, whitening, into, *args, **kw)
 
         def decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, *args, out=None, **kw):
