@@ -46,6 +46,7 @@ ranks see different tokens).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -157,8 +158,12 @@ class ReductionPath:
     intra: str = "bf16"
 
 
-def _mode(ddp, p):
+def _mode(ddp, p, name, sent):
+    """``(mode, GiftParam)``: the mode from ``sent`` (``{name: testing.wire.WireRecord.mode}``, what
+    went on the wire) when given, else from the DDP's own state."""
     g = getattr(ddp, "gift_params", {}).get(p)
+    if sent is not None:
+        return sent[name] if name in sent else "off", g
     return (g.mode.value if g is not None else "off"), g
 
 
@@ -190,7 +195,7 @@ def _roundings(mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: tor
 
 
 def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = ReductionPath(), owned=None, residuals: dict | None = None,
-                     buffer_u: float = 0.0) -> list[tuple[str, str, float, float]]:  # fmt: skip
+                     buffer_u: float = 0.0, sent: dict[str, str] | None = None) -> list[tuple[str, str, float, float]]:  # fmt: skip
     """``(parameter name, mode, ‖got − scale Σ_r (G_r + ε_r)‖, bound)`` over each parameter's part of
     its bucket that this rank holds after the reduction, the bound by the module doc for the mode:
     FP32 sums for ``off``, BF16 roundings for ``bf16``, FP8 of ``G_r T`` (``T`` the parameter's
@@ -200,7 +205,10 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
     ``scale_of(param)``: its scaling; ``owned(bucket group, bucket) -> slice`` of ``grad_data``
     (default: all of it); ``residuals``: ``{param: [ranks, numel]}`` error-feedback residuals carried
     into this step, in the gradient's coordinates (counted for parameters sent in FP8 this step: a
-    switch to BF16 drops them); ``buffer_u``: 2^-8 for a BF16 gradient buffer."""
+    switch to BF16 drops them); ``buffer_u``: 2^-8 for a BF16 gradient buffer; ``sent``: each
+    parameter's mode as the wire record saw it (``testing.wire.WireRecord.mode``; a parameter it does
+    not name is ``off``): the bound then follows what was sent (``T`` only where it was applied), not
+    what the DDP says it sent."""
     # stock Megatron's DDP (every parameter off, FP32 sums) has no codec: the default one is never read
     codec = ddp.gift_config.codec if hasattr(ddp, "gift_config") else CodecConfig()
     bits, sigma, fmax = fp8_format(codec.fmt.dtype)
@@ -212,7 +220,7 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
             region = slice(*(owned(bg, bucket) if owned is not None else slice(None)).indices(bucket.grad_data.numel())[:2])
             entries = {}
             for p, (a, b) in bucket.param_to_index.items():
-                mode, g = _mode(ddp, p)
+                mode, g = _mode(ddp, p, re.sub(r"^(module\.)+", "", names[p]), sent)  # the DDP's names
                 rows = p.shape[0] if p.dim() > 1 else 1
                 plain = local[p].view(-1, rows, (b - a) // rows).double()
                 if residuals is not None and p in residuals and mode in ("euclidean", "gift"):  # BF16 drops it

@@ -1,6 +1,7 @@
 """One reduction of a small MLP under ``GiftDistributedDataParallel`` for any layout a test draws:
 layer widths, biases, bucket size, mode, collective, exchange and schedule (``Case``), checked
-against a hand-made FP64 reduction of the ranks' local gradients (``tests/bounds.py``).
+against a hand-made FP64 reduction of the ranks' local gradients (``tests/bounds.py``), each
+parameter's bound for the mode it was sent in as the wire record saw it (``testing.wire``).
 
 Tiny buckets and odd widths make every kind of emptiness Megatron's layouts can have: a shard of
 padding only (the distributed optimizer pads buckets to a multiple of the group size), a rank
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gift.testing.reference import gathered_local_gradients
+from megatron_gift.testing.wire import WireRecord
 from tests.bounds import ReductionPath, reduction_errors
 
 
@@ -33,6 +35,7 @@ class Case:
     ranks_per_node: int | None = None
     layers: str = ".*"
     gift_steps: int = 2  # GIFT: the first step builds T, the second reduces with it (cut rows included)
+    intra: str = "bf16"  # the two-level exchange's intra-node dtype
 
 
 def build_mlp(case: Case) -> torch.nn.Sequential:
@@ -58,7 +61,7 @@ def reduce_case(case: Case, rank: int) -> dict:
                                                overlap_grad_reduce=True, bucket_size=case.bucket_size,
                                                grad_reduce_in_fp32=True)  # fmt: skip
     gift = GiftConfig(mode=Mode(case.mode), layers=(case.layers,), rank=4, sketch=0, damping=1.0, refresh_interval=1,
-                      schedule=case.schedule, ranks_per_node=case.ranks_per_node,
+                      schedule=case.schedule, ranks_per_node=case.ranks_per_node, intra_node=case.intra,
                       exchange=Exchange.AUTO if case.ranks_per_node else Exchange.FLAT)  # fmt: skip
     ddp = GiftDistributedDataParallel(config, ddp_config, model, gift_config=gift)
     dp = ps.get_data_parallel_group()
@@ -67,10 +70,14 @@ def reduce_case(case: Case, rank: int) -> dict:
     def loss(m):
         return m(x).square().sum()
 
-    for _ in range(case.gift_steps if case.mode == "gift" else 1):
-        ddp.zero_grad_buffer()
-        loss(ddp).backward()
-        ddp.finish_grad_sync()
+    with WireRecord() as wire:
+        for _ in range(case.gift_steps if case.mode == "gift" else 1):
+            wire.clear()  # the last step's
+            ddp.zero_grad_buffer()
+            loss(ddp).backward()
+            ddp.finish_grad_sync()
+    names = [s.name for b in ddp.gift_buckets() for s in b.layout.segments]
+    sent = {n: wire.mode(n) for n in names}
     local = gathered_local_gradients(ref, model, loss, lambda p: dp)
 
     def owned(bg, bucket):
@@ -78,11 +85,12 @@ def reduce_case(case: Case, rank: int) -> dict:
         r = bg.intra_distributed_optimizer_instance_rank
         return slice(r * size, (r + 1) * size)
 
-    path = ReductionPath(all_reduce=not case.distributed_optimizer, ranks_per_node=case.ranks_per_node)
+    path = ReductionPath(all_reduce=not case.distributed_optimizer, ranks_per_node=case.ranks_per_node, intra=case.intra)
     errors = reduction_errors(ddp, local, lambda p: 1.0 / dp.size(), path,
-                              owned=owned if case.distributed_optimizer else None)  # fmt: skip
+                              owned=owned if case.distributed_optimizer else None, sent=sent)  # fmt: skip
     grads = torch.cat([p.main_grad.flatten() for p in model.parameters()])
-    return dict(errors=errors, grads=grads, converted=sum(1 for _ in ddp.gift_buckets()))
+    return dict(errors=errors, grads=grads, converted=sum(1 for _ in ddp.gift_buckets()), sent=sent,
+                calls={n: wire.sent(n) for n in names}, stages=wire.stages(), ledger=dict(ddp.ledger.bytes))
 
 
 def check_case(case: Case, results: list[dict]) -> None:

@@ -14,7 +14,7 @@ from megatron_gift.arguments import (
     telemetry_dir,
     validate_gift_args,
 )
-from megatron_gift.config import GiftConfig, Mode, ParamGather, PolicyConfig
+from megatron_gift.config import GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 MEGATRON_ARGV = [
@@ -85,6 +85,14 @@ def test_defaults_come_from_gift_config(parse):
     assert cfg.damping_candidates == (0.3, 1.0, 3.0, 10.0)
     assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
     assert cfg.layers == (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
+
+
+@pytest.mark.parametrize("intra", ["fp32", "bf16", "fp8"])
+def test_intra_node_flag_reaches_the_config(parse, intra):
+    """Bug caught: ``--gift-intra-node fp8`` (or fp32) dropped on its way to ``GiftConfig``, the
+    two-level exchange silently running its BF16 default (tests/test_wire_paths.py holds the config
+    to what the intra-node stage sends)."""
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-intra-node", intra)).intra_node is IntraNode(intra)
 
 
 def test_every_flag_maps_to_config(parse):

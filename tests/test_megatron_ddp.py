@@ -18,6 +18,7 @@ from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import gathered_local_gradients
+from megatron_gift.testing.wire import WireRecord
 from tests.bounds import ReductionPath, reduction_errors
 
 pytestmark = pytest.mark.cpu_harness
@@ -51,30 +52,33 @@ def _train(mode, dist_opt, overlap, bucket_size, tp, stock=False):
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=dist_opt), [ddp])
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    errors, grads = [], []
-    for step in range(STEPS):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        tokens = random_tokens(step, dp_rank)
-        lm_loss(ddp, tokens).backward()
-        ddp.finish_grad_sync()
-        if not stock:
-            local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
-            errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, ReductionPath(all_reduce=not dist_opt),
-                                       owned=shard_of(dp_rank, dp_size) if dist_opt else None)  # fmt: skip
-        for bg in ddp.bucket_groups:
-            for bucket in bg.buckets:
-                n = bucket.grad_data.numel()
-                grads.append(bucket.grad_data[dp_rank * n // dp_size : (dp_rank + 1) * n // dp_size].clone()
-                             if dist_opt else bucket.grad_data.clone())  # fmt: skip
-        ok, _, _ = opt.step()
-        assert ok
+    errors, grads, modes = [], [], {}
+    with WireRecord() as wire:
+        for step in range(STEPS):
+            wire.clear()  # this step's
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            tokens = random_tokens(step, dp_rank)
+            lm_loss(ddp, tokens).backward()
+            ddp.finish_grad_sync()
+            if not stock:  # each parameter's bound for the mode it was sent in (testing.wire)
+                modes = {s.name: wire.mode(s.name) for b in ddp.gift_buckets() for s in b.layout.segments}
+                local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
+                errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, ReductionPath(all_reduce=not dist_opt),
+                                           owned=shard_of(dp_rank, dp_size) if dist_opt else None, sent=modes)  # fmt: skip
+            for bg in ddp.bucket_groups:
+                for bucket in bg.buckets:
+                    n = bucket.grad_data.numel()
+                    grads.append(bucket.grad_data[dp_rank * n // dp_size : (dp_rank + 1) * n // dp_size].clone()
+                                 if dist_opt else bucket.grad_data.clone())  # fmt: skip
+            ok, _, _ = opt.step()
+            assert ok
     ddp.zero_grad_buffer()  # closes the last step: its byte count moves to last_step_bytes
     sent = dict(getattr(ddp, "last_step_bytes", {}))
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     pieces = sum(b.layout.max_pieces for b in ddp.gift_buckets()) if hasattr(ddp, "gift_buckets") else 0  # stock DDP: none
     n_buckets = sum(len(bg.buckets) for bg in ddp.bucket_groups)
-    return dict(errors=errors, grads=grads, params=params, pieces=pieces, buckets=n_buckets, sent=sent)
+    return dict(errors=errors, grads=grads, params=params, pieces=pieces, buckets=n_buckets, sent=sent, modes=modes)
 
 
 def _worker(rank, world, tp_sizes):
@@ -109,7 +113,8 @@ def _check(results, dist_opt_split_rows_expected=True):
             assert not over, (key, over)
             for m in {m for _, m, _, _ in res["errors"]}:  # how tight the bounds are (pytest -s shows it)
                 used.setdefault(m, []).extend(e / b for _, mm, e, b in res["errors"] if mm == m and b > 0)
-            assert {m for _, m, _, _ in res["errors"]} == {"off", mode}, key
+            # the last step (GIFT with its T), as the wire record saw it: the mode asked for, the rest off
+            assert set(res["modes"].values()) | {"off"} == {"off", mode}, (key, res["modes"])
             if mode != "off":  # bytes are reported per step, by collective and dtype
                 assert res["sent"].get("all_to_all/fp8+scales", 0) > 0, (key, res["sent"])
                 assert (res["sent"].get("all_gather/fp8+scales", 0) > 0) == (not dist_opt), (key, res["sent"])

@@ -4,8 +4,10 @@ distributed optimizer on and off, overlap on and off, mixed buckets, the intra-n
 BF16 and FP8, ``average_in_collective``, ``--gift-exchange flat``, two distributed-optimizer
 instances (each on one node: the flat exchange), error feedback (which keeps the flat exchange),
 a resume; TP 2 around a data-parallel group with one rank per node (flat, every byte inter-node).
-Every parameter's reduced gradient within ``tests/bounds.py``'s bound for its mode and the path
-taken (the intra-node rounding, then the node partial sums' FP8); ranks bit-identical; bytes by link."""
+Every parameter's reduced gradient within ``tests/bounds.py``'s bound for the mode it was sent in
+and the path taken (the intra-node rounding, then the node partial sums' FP8); the path, the
+intra-node dtype and each parameter's mode read from what was sent (``testing.wire``); ranks
+bit-identical; bytes by link."""
 
 import itertools
 
@@ -17,6 +19,7 @@ from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 from megatron_gift.testing.reference import gathered_local_gradients
+from megatron_gift.testing.wire import WireRecord
 from tests.bounds import ReductionPath, reduction_errors
 from tests.test_megatron_ddp import _resume_worker
 
@@ -63,24 +66,32 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
         return slice(r * n, (r + 1) * n)
 
     errors, grads, links, sent = [], [], {}, {}
-    for step in range(steps):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        tokens = random_tokens(step, dp_rank)
-        lm_loss(ddp, tokens).backward()
-        ddp.finish_grad_sync()
-        links = ddp.ledger.by_link()
-        local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
-        errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, path, owned=owned)
-        grads += [bucket.grad_data[owned(bg, bucket)].clone() for bg in ddp.bucket_groups for bucket in bg.buckets]
-        ok, _, _ = opt.step()
-        assert ok
+    with WireRecord() as wire:
+        for step in range(steps):
+            wire.clear()  # this step's
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            tokens = random_tokens(step, dp_rank)
+            lm_loss(ddp, tokens).backward()
+            ddp.finish_grad_sync()
+            # what the DDP says it sent this step: GIFT as G T once a layer has its T
+            claimed = {g.name: "euclidean" if g.mode is Mode.GIFT and g.whitening is None else g.mode.value
+                       for g in ddp.gift_params.values()}  # fmt: skip
+            links = ddp.ledger.by_link()
+            local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
+            modes = {s.name: wire.mode(s.name) for b in ddp.gift_buckets() for s in b.layout.segments}
+            errors += reduction_errors(ddp, local, lambda p: 1.0 / dp_size, path, owned=owned, sent=modes)
+            grads += [bucket.grad_data[owned(bg, bucket)].clone() for bg in ddp.bucket_groups for bucket in bg.buckets]
+            ok, _, _ = opt.step()
+            assert ok
+    intra_calls = {(e.op, e.dtype) for e in wire.entries if e.stage == "_intra" and e.op != "plain"}  # coded values
     ddp.zero_grad_buffer()  # closes the last step: its bytes move to last_step_bytes
     sent = dict(ddp.last_step_bytes)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     shard = ddp.bucket_groups[0].intra_distributed_optimizer_instance_rank if dist_opt else dp_rank
     return dict(errors=errors, grads=grads, params=params, links=links, sent=sent, expect_two_level=not flat,
-                tp_rank=parallel_state.get_tensor_model_parallel_rank(), shard=shard)  # fmt: skip
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(), shard=shard, modes=modes, claimed=claimed,
+                stages=wire.stages(), intra_calls=intra_calls, intra=intra)  # fmt: skip
 
 
 def _worker(rank, world):
@@ -108,12 +119,24 @@ def _worker(rank, world):
     return out
 
 
+_INTRA_SENT = {"fp32": ("cast", "fp32"), "bf16": ("cast", "bf16"), "fp8": ("encode", "fp8")}
+
+
 def _two_level(res) -> bool:
-    """What the bytes say: the two-level exchange sends more inside a node than out of it (2 x 2:
-    half of a rank's bucket in BF16 or more inside, a quarter of its FP8 out); the flat one sends a
-    rank's FP8 to two other-node peers and one same-node peer (inter = 2 x intra)."""
-    intra, inter = res["links"].get("intra", 0), res["links"].get("inter", 0)
-    return 0 < inter < intra
+    """What was sent (``testing.wire``, the last step) says which exchange ran: the two-level one an
+    intra-node stage and node sums, the coded values inside the node in the dtype asked for (the
+    link bytes alone, ``0 < inter < intra``, hold for every intra-node dtype); the flat one a single
+    send stage. Every parameter went out in the mode the DDP claims for it (GIFT: given ``T``, once
+    the layer has one)."""
+    stages = res["stages"]
+    assert ("_intra" in stages) != ("_send" in stages), stages
+    assert all(res["modes"].get(n, "off") == m for n, m in res["claimed"].items()), (res["modes"], res["claimed"])
+    two_level = "_intra" in stages
+    if two_level:  # plain values (BF16 mode) make no hooked call at the node sums
+        coded = any(m in ("gift", "euclidean") for m in res["claimed"].values())
+        assert ("_node_sums" in stages) == coded, stages
+        assert res["intra_calls"] == ({_INTRA_SENT[res["intra"]]} if coded else set()), (res["intra"], res["intra_calls"])
+    return two_level
 
 
 @pytest.fixture(scope="module")
