@@ -30,8 +30,9 @@ def test_loss_is_read_on_logging_iterations_only(monkeypatch):
     reads, records = [], []
     with training._loss_hook([types.SimpleNamespace(monitor=monitor)]):
         for step in range(4):
+            loss = torch.tensor(8.0 - step)  # made before the probe: the sanitizer takes it for a device tensor
             with SyncSanitizer() as sanitizer:
-                megatron_training.training_log({"lm loss": torch.tensor(8.0 - step)}, {}, 1e-4, step + 1)
+                megatron_training.training_log({"lm loss": loss}, {}, 1e-4, step + 1)
                 records.append(monitor.close(step, [], {}))
             reads.append(len(sanitizer.events))
     assert len(logged) == 4  # Megatron's own function still runs

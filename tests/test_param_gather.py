@@ -100,6 +100,19 @@ def test_every_weight_within_the_bound_and_near_blocks_exact(dtype):
     assert roundtrip(prev, prev).equal(prev)  # no change, nothing moves
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_change_just_below_a_power_of_two_stays_within_int8(dtype):
+    """A block's scale is the least power of two ``s`` with ``a <= 127 s``: a largest change of 255/256
+    of a power of two (more than 127/128 of it) needs the next power up. Catches a scale taken from
+    the change's exponent alone: ``a / s`` then rounds to 128, which the int8 code wraps to -128."""
+    c = 255 / 256 * 2.0**-3  # exact in BF16 and FP16
+    prev = torch.zeros(2 * 32, dtype=dtype)  # zero weights: the unit is the block scale alone
+    new = prev.clone()
+    new[0], new[1], new[33], new[40] = c, 1e-3, -c, 2e-3
+    got = roundtrip(new, prev)
+    assert ((got.float() - new.float()).abs() <= reference_bound(new, prev)).all(), got[[0, 1, 33, 40]]
+
+
 def test_a_non_finite_change_makes_its_block_nan():
     """Catches a NaN or Inf that is flushed to zero or clipped (it must reach every replica) and one
     that spills into other blocks."""

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from megatron_gift import kernels
 from megatron_gift.bench.dense import DenseCholeskyWhitening
 from megatron_gift.numerics import (
     CodecConfig,
@@ -17,6 +18,7 @@ from megatron_gift.numerics import (
     geometry_stats,
     roundtrip,
 )
+from megatron_gift.numerics.fp8 import decode
 from megatron_gift.numerics.whitening import factor_from_sketch
 from tests.bounds import lowrank_gamma, lowrank_magnitudes
 
@@ -153,6 +155,12 @@ def test_kfac_statistics_ema():
     x2f = x2.reshape(-1, 8)
     # E = β(1-β) S1 + (1-β) S2, M = β(1-β) N1 + (1-β) N2
     assert torch.allclose(stats.factor, (0.25 * x1.T @ x1 + 0.5 * x2f.T @ x2f) / (0.25 * 100 + 0.5 * 150), atol=1e-4)
+    # β = 0.5 is also 1 - β: at β = 0.75 the old sums' weight β and the new ones' 1 - β differ
+    skewed = KFACStatistics(8, ema=0.75)
+    for x in (x1, x2):
+        skewed.accumulate(x)
+        skewed.fold()
+    assert torch.allclose(skewed.factor, (0.1875 * x1.T @ x1 + 0.25 * x2f.T @ x2f) / (0.1875 * 100 + 0.25 * 150), atol=1e-4)
     before = stats.factor.clone()
     stats.fold()  # no tokens this step: E and M both halve (β = 0.5, a power of two: exact)
     assert torch.equal(stats.factor, before)
@@ -329,3 +337,24 @@ def test_error_feedback_telescopes():
     ef.stage(x + float("nan"), x)
     ef.commit(applied=False)
     assert torch.equal(ef.residual, staged)
+
+
+def test_the_sender_feeds_the_residual_back():
+    """The same invariant through the sender's path: ``kernels.whiten_encode`` given ``ErrorFeedback.feedback``'s
+    ``(e, e')``, as ``comm.codec.encode_bucket`` calls it, decoded by the codec. Bug caught: the residual
+    staged but never added to the next input (every step sends ``Q(x)`` again: the sum drifts by
+    ``Q(x) - x`` per step), which the test above, driving ``ErrorFeedback`` by hand, cannot see."""
+    cfg = CodecConfig("e4m3", "tensor")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 64, generator=gen) * 1e-3
+    x[0, 0] = 1.0
+    ef = ErrorFeedback(x.numel())
+    total, bound = torch.zeros_like(x, dtype=torch.float64), torch.zeros_like(x, dtype=torch.float64)
+    for _ in range(50):
+        e, staged = ef.feedback(0, x.numel())
+        bound += 2.0**-24 * (x + e.view_as(x)).double().abs()  # the FP32 rounding of x + e, as above
+        enc = kernels.whiten_encode(x, None, cfg, fused=False, feedback=(e, staged))
+        ef.commit()
+        total += decode(enc, cfg).double()
+    defect = (total + ef.residual.view_as(x).double() - 50 * x.double()).abs()
+    assert (defect <= bound).all(), float((defect - bound).max())
