@@ -37,6 +37,9 @@ class GiftParam:
     expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
     stats_groups: list = field(default_factory=list)
     damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
+    held_out: LowRankWhitening | None = None  # its owner only: the best T of the last build, checked on the next
+    # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; after a
+    # checkpoint load, the restored T)
 
 
 def _to(tree, device):
@@ -152,6 +155,9 @@ class GiftState:
             for k, t in gp.whitening.tensors().items():
                 t.copy_(w[k])
             gp.damping = entry.get("damping")
+            # a restored T was trusted when saved: it stands as the held-out T of the next refresh (a layer
+            # saved as Euclidean waits one refresh for its check, as a new one does)
+            gp.held_out = gp.whitening if gp.damping is not None else None
         f = entry.get("factor")
         if f is not None and gp.stats is not None and f["d"].shape == (gp.stats.d_in,):
             gp.factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"]))
