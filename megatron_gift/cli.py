@@ -54,7 +54,8 @@ def _bench_comm(args: argparse.Namespace) -> int:
     from megatron_gift.bench import comm
 
     nodes = args.nodes if args.nodes is not None else (["2x2"] if args.quick else ["2x2", "2x4"])
-    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks), nodes=tuple(_node_layout(v) for v in nodes))
+    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks), nodes=tuple(_node_layout(v) for v in nodes),
+             command=args.command_line)  # fmt: skip
     return 0
 
 

@@ -154,7 +154,7 @@ def _layer_errors(ddp, model, expected: dict, rank: int, world: int, dist_opt: b
 
 
 def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...] = (2, 4),
-        nodes: tuple[tuple[int, int], ...] = ()) -> dict:  # fmt: skip
+        nodes: tuple[tuple[int, int], ...] = (), command: str | None = None) -> dict:  # fmt: skip
     """Run every configuration, print a table, write JSON; returns the JSON document. ``nodes``:
     ``(n, g)`` simulated-node layouts of the link ledger (``links``)."""
     from ..testing import run_on_ranks
@@ -186,7 +186,7 @@ def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...]
         links.extend(_summarize_links(per_rank, n, g))
     doc = dict(
         benchmark="comm",
-        command="megatron-gift bench comm" + (" --quick" if quick else ""),
+        command=command or "megatron-gift bench comm" + (" --quick" if quick else ""),
         machine=dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__),
         spec=spec,
         bytes_model="plugin: bytes each rank sends (all-to-all: what leaves the rank; ring all-gather: (R-1)*chunk); "
@@ -254,10 +254,10 @@ def _per_layer(runs: list[dict]) -> dict[str, list[tuple[float, float]]]:
     ranks' regions of it: shards with the distributed optimizer; one rank's copy without)."""
     from .pretrained_steps import noisy_rel_l2
 
-    names = runs[0]["steps"][0]["layers"]
-    return {name: [noisy_rel_l2([e for r in runs for e in r["steps"][t]["layers"][name][0]],
-                                sum(r["steps"][t]["layers"][name][1] for r in runs)) for t in range(len(runs[0]["steps"]))]
-            for name in names}  # fmt: skip
+    names = sorted({n for r in runs for n in r["steps"][0]["layers"]})  # a rank's shard may hold none of a layer
+    parts = lambda name, t: [r["steps"][t]["layers"][name] for r in runs if name in r["steps"][t]["layers"]]  # noqa: E731
+    return {name: [noisy_rel_l2([e for errs, _ in parts(name, t) for e in errs], sum(ref2 for _, ref2 in parts(name, t)))
+                   for t in range(len(runs[0]["steps"]))] for name in names}  # fmt: skip
 
 
 def gift_vs_euclidean(rows: list[dict]) -> list[dict]:
