@@ -158,7 +158,7 @@ class ModelSpec:
         return self.rows_per_rank * self.seq_len * (2 if self.kind == "encoder" else 1)
 
 
-QUICK = (ModelSpec("smollm2-135m", "causal", 2, 4, 256, 5, (0, 7, 14, 22, 29)),
+QUICK = (ModelSpec("smollm2-135m", "causal", 2, 4, 256, 4, (0, 7, 14, 22, 29)),
          ModelSpec("all-minilm-l6-v2", "encoder", 4, 8, 64, 5, None))  # fmt: skip
 FULL = (ModelSpec("smollm2-135m", "causal", 8, 4, 256, 11, None),
         ModelSpec("all-minilm-l6-v2", "encoder", 8, 8, 64, 11, None))  # fmt: skip
