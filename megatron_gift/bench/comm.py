@@ -135,7 +135,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
 def _layer_errors(ddp, model, expected: dict, rank: int, world: int, dist_opt: bool) -> dict[str, tuple[list[float], float]]:
     """Per linear weight (``LINEAR``): the squared error of this rank's reduced region of it in
     ``CHUNKS`` chunks, and its reference's squared norm (``pretrained_steps.noisy_rel_l2`` sums them over ranks)."""
-    from .pretrained_steps import chunk_errors
+    from .fidelity import chunk_errors
 
     names = {p: n for n, p in model.named_parameters()}
     out = {}
@@ -252,7 +252,7 @@ def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
 def _per_layer(runs: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """Per linear weight, per step: ``(RelL2, its standard error)`` from every rank's chunks (the
     ranks' regions of it: shards with the distributed optimizer; one rank's copy without)."""
-    from .pretrained_steps import noisy_rel_l2
+    from .fidelity import noisy_rel_l2
 
     names = sorted({n for r in runs for n in r["steps"][0]["layers"]})  # a rank's shard may hold none of a layer
     parts = lambda name, t: [r["steps"][t]["layers"][name] for r in runs if name in r["steps"][t]["layers"]]  # noqa: E731

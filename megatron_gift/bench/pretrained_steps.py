@@ -46,44 +46,16 @@ from ..numerics.fp8 import roundtrip
 from ..numerics.profile import damping_choice, damping_errors, held_out_gate
 from ..numerics.refresh import RecordLayout
 from ..state import GiftState
+from .fidelity import CHUNKS, rel_l2_noise
 from .llama import layer_type, lm_loss
 
 DEFAULTS = GiftConfig()
 BLOCK, ROW = CodecConfig(FP8Format.E4M3, Scaling.BLOCK), CodecConfig(FP8Format.E4M3, Scaling.ROW)
 RANK_AXIS = {"qkv": 64, "fc1": 64}  # layer type -> the other rank measured (sketch 2x)
-CHUNKS = 16
 
 
 def _log(msg: str) -> None:
     print(f"[bench pretrained] {msg}", file=sys.stderr, flush=True)
-
-
-def chunk_errors(approx: torch.Tensor, truth: torch.Tensor, chunks: int = CHUNKS) -> list[float]:
-    """Squared error ``‖approx − truth‖²`` of each of ``chunks`` interleaved groups of elements (element
-    ``k`` of the flattened tensor in group ``k mod chunks``), FP64: the samples ``noisy_rel_l2`` estimates
-    the noise from. Interleaved, every group samples each row and scale block alike, so their spread is
-    the rounding's randomness and not the differences between rows."""
-    diff = (approx.double() - truth.double()).pow(2).flatten()
-    n = diff.numel() - diff.numel() % chunks
-    head = diff[:n].view(-1, chunks).sum(0)
-    head[: diff.numel() - n] += diff[n:]
-    return head.tolist()
-
-
-def noisy_rel_l2(errs: list[float], ref2: float) -> tuple[float, float]:
-    """``(rel_l2, standard error)`` from the chunks' squared errors ``e_c`` and ``ref2 = ‖truth‖²``:
-    ``rel² = Σe_c / ref2``; treating the chunks as samples, ``se(Σe) = sqrt(n·var(e_c))`` and
-    ``se(rel) = rel·se(Σe)/(2Σe)`` (the reference is the same for every scheme, so only the error varies)."""
-    e = torch.tensor(errs, dtype=torch.float64)
-    rel = math.sqrt(float(e.sum()) / ref2)
-    n = e.numel()
-    se = rel * math.sqrt(n * float(e.var())) / (2 * float(e.sum())) if n > 1 and float(e.sum()) > 0 else 0.0
-    return rel, se
-
-
-def rel_l2_noise(approx: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
-    """``(rel_l2, standard error)`` of ``approx`` against ``truth`` (``noisy_rel_l2`` of ``chunk_errors``)."""
-    return noisy_rel_l2(chunk_errors(approx, truth), float(truth.double().pow(2).sum()))
 
 
 def _sum(stack: torch.Tensor, codec: CodecConfig, t: LowRankWhitening | None) -> torch.Tensor:
