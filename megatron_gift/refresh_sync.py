@@ -13,7 +13,7 @@ device (on CUDA on a stream of its own), and is installed one step later:
   the EMAs over each statistics group (one FP32 all-reduce per group for all layers) and starts
   each layer's build on its owner (``numerics.refresh``: the device part of the Nyström core);
 * each bucket group's sync keeps, on the owner, a copy of the layer's local gradient (``--gift-damping
-  auto`` chooses the damping from it);
+  auto`` chooses the damping from it, and the cold-start rule checks the previous build's ``T`` on it);
 * ``after_reductions`` (Megatron's ``finish_grad_sync``) waits for the statistics (host wait 1),
   solves the k x k cores on the host and enqueues the whitening Grams;
 * ``close_step`` (the start of step t+1, or a checkpoint) waits for them (host wait 2), solves
@@ -147,7 +147,7 @@ class RefreshSync:
         of the step is done) installs the last refresh's factors, folds each GIFT layer's statistics
         into its local EMA and, on a refresh step, starts the next refresh. Then the ``layers``
         ``(GiftParam, reduction group, local gradient)`` of the bucket group that this rank builds
-        keep their gradient for the damping choice (``--gift-damping auto``). ``all_layers()``:
+        keep their gradient for the damping choice and the held-out check. ``all_layers()``:
         ``(GiftParam, reduction group)`` of every GIFT layer, in one order on all ranks; ``remap(gp,
         old T, new T)`` carries ``gp``'s residual over."""
         if self.state.collect_statistics:
@@ -158,7 +158,7 @@ class RefreshSync:
             if self.state.is_refresh_step(self.state.step) and every:
                 self._start_refresh(every)
         r = self.pending
-        if r is not None and r.stage == 1 and self.config.damping is None:
+        if r is not None and r.stage == 1:
             for gp, _, grad in layers:
                 if id(gp) in r.owned:
                     r.owned[id(gp)].grad = grad.detach().clone()
@@ -207,7 +207,7 @@ class RefreshSync:
                     places.append(used[gp.owner])
                     used[gp.owner] += layout.nbytes
                 slot = max(used)
-                mine = [OwnedLayer(gp.name, layout.rank, *summed[id(gp)], gp.stats.omega)
+                mine = [OwnedLayer(gp.name, layout.rank, *summed[id(gp)], gp.stats.omega, held_out=gp.held_out)
                         for gp, layout in zip(members, layouts) if gp.owner == group.rank()]  # fmt: skip
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
                 build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS)
@@ -298,28 +298,29 @@ class RefreshSync:
                 if status is BuildStatus.INDEFINITE:
                     logger.warning("megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
                                    "corrupt statistics?): using the diagonal of A alone for this factor", gp.name, MAX_SHIFTS)  # fmt: skip
-                self._install(gp, gr.received[i], head, remap)
+                self._install(gp, gr.received[i], head, remap, gp.owner == gr.group.rank())
         if failed:
             raise RuntimeError(f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
                                f"the traceback); stopping on every rank")  # fmt: skip
 
     @staticmethod
-    def _install(gp: GiftParam, rec: dict, head: dict, remap) -> None:
+    def _install(gp: GiftParam, rec: dict, head: dict, remap, owner: bool) -> None:
         # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
         # where views would hold it, growing with the group size, until the next refresh.
         rec = {k: t.clone() for k, t in rec.items()}
         rank, choice = int(head["rank"]), head["choice"]
         cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
         factor = LowRankFactor(rec["d"], cols(rec["v"]), cols(rec["lam"]), head["trace_a"], head["damping"])
-        if choice < 0:  # Euclidean chosen: T = I, the factor kept for the profiles
+        best = LowRankWhitening.from_tensors({k: cols(rec[k]) if k in ("q", "c", "c_inv") else rec[k]
+                                              for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
+        if choice < 0:  # Euclidean chosen (or not yet trusted): T = I, the factor kept for the profiles
             new, damping = LowRankWhitening.identity(gp.stats.d_in, device=rec["d"].device), None
         else:
-            new = LowRankWhitening.from_tensors({k: cols(rec[k]) if k in ("q", "c", "c_inv") else rec[k]
-                                                 for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
-            damping = choice
+            new, damping = best, choice
         if gp.mode is Mode.GIFT:
             remap(gp, gp.whitening, new)
         gp.factor, gp.whitening, gp.damping = factor, new, damping
+        gp.held_out = best if owner else None  # the next build's held-out check, on the rank that runs it
 
     def sum_statistics(self, layers) -> dict[int, tuple]:
         """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups: one

@@ -37,6 +37,8 @@ class GiftParam:
     expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
     stats_groups: list = field(default_factory=list)
     damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
+    held_out: LowRankWhitening | None = None  # its owner only: the best T of the last build, checked on the next
+    # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; checkpointed)
 
 
 def _to(tree, device):
@@ -95,8 +97,9 @@ class GiftState:
     def state_dict(self, residuals) -> dict:
         """This rank's state on the CPU, keyed by parameter name: ``{"step", "params": {name: {"mode",
         "stats" (step accumulators and local per-step EMA), "whitening", "damping" (None: Euclidean
-        chosen), "factor", "residual"}}}``. Everything but ``residual`` (the error-feedback residual in the
-        parameter's quantized coordinates, this rank's own) is identical on all ranks that hold it.
+        chosen), "factor", "held_out", "residual"}}}``. Everything but ``residual`` (the error-feedback
+        residual in the parameter's quantized coordinates, this rank's own) and ``held_out`` (on the
+        layer's factor owner only) is identical on all ranks that hold it.
         A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
         params = {}
         for gp in self.params.values():
@@ -106,6 +109,8 @@ class GiftState:
             if gp.whitening is not None:
                 entry["whitening"] = _to(gp.whitening.tensors(), "cpu")
                 entry["damping"] = gp.damping
+            if gp.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
+                entry["held_out"] = _to(gp.held_out.tensors(), "cpu")
             if gp.factor is not None:
                 f = gp.factor
                 entry["factor"] = {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a),
@@ -152,6 +157,12 @@ class GiftState:
             for k, t in gp.whitening.tensors().items():
                 t.copy_(w[k])
             gp.damping = entry.get("damping")
+        held = entry.get("held_out") if local else None
+        if held is not None:
+            gp.held_out = LowRankWhitening.from_tensors({k: t.clone() for k, t in held.items()})
+        else:  # another layout (or an older checkpoint): a restored T was trusted when saved, so it stands as
+            # the held-out T of the next refresh; a layer saved as Euclidean waits one refresh for its check
+            gp.held_out = gp.whitening if gp.whitening is not None and gp.damping is not None else None
         f = entry.get("factor")
         if f is not None and gp.stats is not None and f["d"].shape == (gp.stats.d_in,):
             gp.factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"]))

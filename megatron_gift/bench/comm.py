@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import platform
+import re
 import sys
 import time
 
@@ -121,7 +123,8 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                     num += float((got - want).pow(2).sum())
                     den += float(want.pow(2).sum())
                     shards.append(got.float())
-                steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards, ops_per_bucket=ops()))
+                steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards, ops_per_bucket=ops(),
+                                  layers=_layer_errors(ddp, model, expected, rank, world, dist_opt)))  # fmt: skip
                 opt.step()
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
             out.append(dict(mode=mode, distributed_optimizer=dist_opt, steps=steps, params=params))
@@ -129,8 +132,29 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     return out
 
 
+def _layer_errors(ddp, model, expected: dict, rank: int, world: int, dist_opt: bool) -> dict[str, tuple[list[float], float]]:
+    """Per linear weight (``LINEAR``): the squared error of this rank's reduced region of it in
+    ``CHUNKS`` chunks, and its reference's squared norm (``pretrained_steps.noisy_rel_l2`` sums them over ranks)."""
+    from .fidelity import chunk_errors
+
+    names = {p: n for n, p in model.named_parameters()}
+    out = {}
+    for bg in ddp.bucket_groups:
+        for bucket in bg.buckets:
+            n = bucket.grad_data.numel()
+            lo, hi = (rank * n // world, (rank + 1) * n // world) if dist_opt else (0, n)
+            for p, (a, b) in bucket.param_to_index.items():
+                name = names.get(p, "")
+                if not re.search(LINEAR, name) or min(b, hi) <= max(a, lo):
+                    continue
+                got = bucket.grad_data[max(a, lo) : min(b, hi)].double()
+                want = expected[p].flatten()[max(a, lo) - a : min(b, hi) - a].double()
+                out[name] = (chunk_errors(got, want), float(want.pow(2).sum()))
+    return out
+
+
 def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...] = (2, 4),
-        nodes: tuple[tuple[int, int], ...] = ()) -> dict:  # fmt: skip
+        nodes: tuple[tuple[int, int], ...] = (), command: str | None = None) -> dict:  # fmt: skip
     """Run every configuration, print a table, write JSON; returns the JSON document. ``nodes``:
     ``(n, g)`` simulated-node layouts of the link ledger (``links``)."""
     from ..testing import run_on_ranks
@@ -162,17 +186,21 @@ def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...]
         links.extend(_summarize_links(per_rank, n, g))
     doc = dict(
         benchmark="comm",
-        command="megatron-gift bench comm" + (" --quick" if quick else ""),
+        command=command or "megatron-gift bench comm" + (" --quick" if quick else ""),
         machine=dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__),
         spec=spec,
         bytes_model="plugin: bytes each rank sends (all-to-all: what leaves the rank; ring all-gather: (R-1)*chunk); "
         "stock Megatron: ring reduce-scatter (R-1)/R*bytes, all-reduce 2(R-1)/R*bytes",
         wall_seconds=round(time.time() - t0, 1),
         results=results,
+        gift_vs_euclidean=gift_vs_euclidean(results),
+        noise="per (step, layer): the standard error of each RelL2 from 16 chunks of every rank's reduced region "
+        "(pretrained_steps.noisy_rel_l2); GIFT loses where its RelL2 exceeds Euclidean's by more than 2 combined standard errors",
         links=links,
         links_model=LINKS_MODEL,
     )
     print(format_table(results))
+    print(format_comparison(doc["gift_vs_euclidean"]))
     if links:
         print(format_links(links))
     if json_path:
@@ -215,9 +243,51 @@ def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                                  for t in range(n)],  # fmt: skip
                 ranks_bitwise_identical=bool(identical),
                 ops_per_bucket=_ops(runs),
+                rel_l2_per_layer_step=_per_layer(runs if dist_opt else runs[:1]),
             )
         )
     return rows
+
+
+def _per_layer(runs: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per linear weight, per step: ``(RelL2, its standard error)`` from every rank's chunks (the
+    ranks' regions of it: shards with the distributed optimizer; one rank's copy without)."""
+    from .fidelity import noisy_rel_l2
+
+    names = sorted({n for r in runs for n in r["steps"][0]["layers"]})  # a rank's shard may hold none of a layer
+    parts = lambda name, t: [r["steps"][t]["layers"][name] for r in runs if name in r["steps"][t]["layers"]]  # noqa: E731
+    return {name: [noisy_rel_l2([e for errs, _ in parts(name, t) for e in errs], sum(ref2 for _, ref2 in parts(name, t)))
+                   for t in range(len(runs[0]["steps"]))] for name in names}  # fmt: skip
+
+
+def gift_vs_euclidean(rows: list[dict]) -> list[dict]:
+    """Per rank count and optimizer: every (step, linear layer) of ``gift-e4m3`` against
+    ``euclidean-e4m3``, ``loses`` where GIFT's RelL2 exceeds Euclidean's by more than twice their
+    combined standard error (the benchmark's noise)."""
+    out = []
+    by = {(r["ranks"], r["distributed_optimizer"], r["mode"]): r for r in rows}
+    for (world, dist_opt, mode), g in by.items():
+        e = by.get((world, dist_opt, "euclidean-e4m3"))
+        if mode != "gift-e4m3" or e is None:
+            continue
+        recs = []
+        for name, steps in g["rel_l2_per_layer_step"].items():
+            for t, ((gr, gs), (er, es)) in enumerate(zip(steps, e["rel_l2_per_layer_step"][name])):
+                noise = 2 * math.hypot(gs, es)
+                recs.append(dict(step=t, layer=name, gift=gr, euclidean=er, ratio=gr / er, noise=noise, loses=gr - er > noise))
+        out.append(dict(ranks=world, distributed_optimizer=dist_opt, records=recs, losses_beyond_noise=sum(r["loses"] for r in recs),
+                        worst_ratio=max(r["ratio"] for r in recs),
+                        worst_ratio_per_step=[max(r["ratio"] for r in recs if r["step"] == t) for t in range(len(steps))]))  # fmt: skip
+    return out
+
+
+def format_comparison(cmp: list[dict]) -> str:
+    lines = ["| ranks | dist. opt. | (step, layer) records | GIFT above Euclidean beyond noise | worst GIFT/Euclidean per step |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for c in cmp:
+        lines.append(f"| {c['ranks']} | {'on' if c['distributed_optimizer'] else 'off'} | {len(c['records'])} | {c['losses_beyond_noise']} | "
+                     + ", ".join(f"{x:.3f}" for x in c["worst_ratio_per_step"]) + " |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _ops(runs: list[dict]) -> float | None:

@@ -212,10 +212,42 @@ def quantized_sum(stack: torch.Tensor, codec: CodecConfig, shared: bool) -> torc
     return total
 
 
+CHUNKS = 16  # interleaved element groups the noise of a RelL2 is estimated from
+
+
+def chunk_errors(approx: torch.Tensor, truth: torch.Tensor, chunks: int = CHUNKS) -> list[float]:
+    """Squared error ``‖approx − truth‖²`` of each of ``chunks`` interleaved groups of elements (element
+    ``k`` of the flattened tensor in group ``k mod chunks``), FP64: the samples ``noisy_rel_l2`` estimates
+    the noise from. Interleaved, every group samples each row and scale block alike, so their spread is
+    the rounding's randomness and not the differences between rows."""
+    diff = (approx.double() - truth.double()).pow(2).flatten()
+    n = diff.numel() - diff.numel() % chunks
+    head = diff[:n].view(-1, chunks).sum(0)
+    head[: diff.numel() - n] += diff[n:]
+    return head.tolist()
+
+
+def noisy_rel_l2(errs: list[float], ref2: float) -> tuple[float, float]:
+    """``(rel_l2, standard error)`` from the chunks' squared errors ``e_c`` and ``ref2 = ‖truth‖²``:
+    ``rel² = Σe_c / ref2``; treating the chunks as samples, ``se(Σe) = sqrt(n·var(e_c))`` and
+    ``se(rel) = rel·se(Σe)/(2Σe)`` (the reference is the same for every scheme, so only the error varies)."""
+    e = torch.tensor(errs, dtype=torch.float64)
+    rel = math.sqrt(float(e.sum()) / ref2)
+    n = e.numel()
+    se = rel * math.sqrt(n * float(e.var())) / (2 * float(e.sum())) if n > 1 and float(e.sum()) > 0 else 0.0
+    return rel, se
+
+
+def rel_l2_noise(approx: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
+    """``(rel_l2, standard error)`` of ``approx`` against ``truth`` (``noisy_rel_l2`` of ``chunk_errors``)."""
+    return noisy_rel_l2(chunk_errors(approx, truth), float(truth.double().pow(2).sum()))
+
+
 def errors(approx: torch.Tensor, truth: torch.Tensor) -> dict:
-    """``rel_l2`` and ``cos`` of ``approx`` against ``truth``, in FP64."""
+    """``rel_l2``, its standard error ``rel_l2_se`` (``rel_l2_noise``) and ``cos`` of ``approx`` against ``truth``, in FP64."""
     a, t = approx.double().flatten(), truth.double().flatten()
-    return {"rel_l2": float((a - t).norm() / t.norm()), "cos": float(a @ t / (a.norm() * t.norm()))}
+    return {"rel_l2": float((a - t).norm() / t.norm()), "rel_l2_se": rel_l2_noise(approx, truth)[1],
+            "cos": float(a @ t / (a.norm() * t.norm()))}
 
 
 def _geometry(stack: torch.Tensor, truth: torch.Tensor, factor, whitening) -> dict:
@@ -239,12 +271,13 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tu
     LowRankFactor of the scheme's last refresh, its age in steps)}``."""
     truth = stack.sum(0)
     results = [{"scheme": "bf16", **errors(stack.bfloat16().float().sum(0), truth)}]
-    euclid = {}
+    euclid, euclid_se = {}, {}
     for codec, shared in CODECS:
         scheme = Scheme("euclid", codec, shared)
         results.append({"scheme": scheme.name, **errors(quantized_sum(stack, codec, shared), truth)})
-        euclid[scheme.codec_name] = results[-1]["rel_l2"]
-    best = min(euclid[name.removeprefix("euclid-")] for name in BEST_EUCLID)
+        euclid[scheme.codec_name], euclid_se[scheme.codec_name] = results[-1]["rel_l2"], results[-1]["rel_l2_se"]
+    best_name = min((name.removeprefix("euclid-") for name in BEST_EUCLID), key=euclid.get)
+    best, best_se = euclid[best_name], euclid_se[best_name]
     geometry = []
     for family, (factor, age) in factors.items():
         gift = cfg.gift if family == "gift" else cfg.paper
@@ -260,6 +293,8 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tu
                        "damping": "euclidean" if damping is None else damping, "factor_age": age}  # fmt: skip
                 rec["ratio_vs_euclid"] = rec["rel_l2"] / euclid[scheme.codec_name]
                 rec["ratio_vs_best_euclid"] = rec["rel_l2"] / best
+                rec["noise_vs_best_euclid"] = 2 * math.hypot(rec["rel_l2_se"], best_se)  # GIFT loses only beyond it
+                rec["best_euclid"] = best
                 results.append(rec)
                 if fam == family:
                     measured[scheme.codec_name] = rec["ratio_vs_euclid"]
@@ -413,7 +448,16 @@ def summarize(results: list[dict], geometry: list[dict]) -> dict:
         "damping_choices": _damping_choices(results),
         "ratio_by_layer_type": _ratio_by_layer_type(geometry),
         "prediction_fit": _prediction_fit(geometry),
+        "gift_above_best_euclid_beyond_noise": _losses(results),
     }
+
+
+def _losses(results: list[dict]) -> list[dict]:
+    """Records of the shipped scheme (configured codec) whose RelL2 exceeds the best Euclidean's by
+    more than ``noise_vs_best_euclid`` (twice the combined standard error)."""
+    name = Scheme("gift", GiftConfig().codec).name
+    return [{k: r[k] for k in ("step", "layer", "tokens_per_rank", "rel_l2", "best_euclid", "noise_vs_best_euclid")}
+            for r in results if r["scheme"] == name and r["rel_l2"] - r["best_euclid"] > r["noise_vs_best_euclid"]]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- tables
@@ -479,7 +523,9 @@ def format_tables(report: dict) -> str:
     summary = report["summary"]
     choices = "\n".join(f"- {lt}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) for lt, c in sorted(summary["damping_choices"].items()))
     parts = [_best_euclid_table(summary), *_rel_l2_tables(summary, list(report["schemes"])),
-             "Damping chosen by the default scheme (records per layer type)\n\n" + choices, _ratio_table(summary), _fit_table(summary)]  # fmt: skip
+             "Damping chosen by the default scheme (records per layer type)\n\n" + choices, _ratio_table(summary), _fit_table(summary),
+             f"Default-scheme records above the best Euclidean by more than twice the combined standard error of "
+             f"the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}"]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
 

@@ -231,6 +231,18 @@ def damping_choice(errs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return chosen, e[..., 1:].argmin(-1)
 
 
+def held_out_gate(chosen: torch.Tensor, euclidean_err: torch.Tensor, held_out_err: torch.Tensor | None) -> torch.Tensor:
+    """The cold-start rule on the device: ``chosen`` (an index into ``[Euclidean, *candidates]``) where
+    the previous build's ``T`` (its best candidate, installed before this step's statistics existed)
+    had a smaller FP8 error than Euclidean on this step's gradient, which it never saw; else 0
+    (Euclidean). ``held_out_err`` None (no previous build) or not finite: Euclidean. Why a held-out
+    check rather than a token count: docs/fidelity.md#cold-start."""
+    if held_out_err is None:
+        return torch.zeros_like(chosen)
+    trusted = torch.isfinite(held_out_err) & (held_out_err < euclidean_err)
+    return torch.where(trusted, chosen, torch.zeros_like(chosen))
+
+
 def choose_damping(g: torch.Tensor, factor: LowRankFactor, candidates, cfg: CodecConfig) -> tuple[float | None, dict]:
     """``damping_choice`` of ``damping_errors`` for ``T_δ`` from ``factor.with_damping(δ)``, δ in
     ``candidates``, read on the host: the chosen δ (``None``: Euclidean) and every estimate by δ."""

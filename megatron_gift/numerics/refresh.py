@@ -10,9 +10,12 @@ host transfer between them (``HostCopy``), batched over every layer of the refre
     whitening_grams   device  V = (Y + νΩ) B, residual diagonal, and per damping candidate δ:
                               D_δ, W_δ = D_δ^{-1/2} V Λ^{1/2}, S_δ = W_δᵀ W_δ (r x r)   -> host
     whitening_cores   host    S_δ = P diag(s) Pᵀ (r x r eigh)                          -> device
-    finish            device  Q_δ, c_δ, c'_δ; ``--gift-damping auto``: the FP8 error of each T_δ on
-                              the owner's own gradient (``profile.damping_errors``) and the
-                              choice (``profile.damping_choice``), all on the device; the record
+    finish            device  Q_δ, c_δ, c'_δ; the FP8 error on the owner's own gradient
+                              (``profile.damping_errors``) of each T_δ (``--gift-damping auto``:
+                              the choice, ``profile.damping_choice``) and of the previous build's
+                              T, which never saw this gradient (the cold-start rule,
+                              ``profile.held_out_gate``: Euclidean unless it beat plain FP8),
+                              all on the device; the record
 
 (the maths: ``numerics.whitening``). Host stages run FP64 LAPACK on k x k and r x r matrices only;
 device stages never wait for the host. A stage that raises marks its layer ``FAILED`` (the rest
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .fp8 import CodecConfig
-from .profile import damping_choice, damping_errors
+from .profile import damping_choice, damping_errors, held_out_gate
 from .whitening import (
     LowRankWhitening,
     gram_eigh,
@@ -141,7 +144,8 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 @dataclass
 class OwnedLayer:
     """One layer a rank builds: its summed EMA (views of the all-reduced statistics), its record in
-    the send buffer, and (``--gift-damping auto``) its local gradient of the refresh step."""
+    the send buffer, its local gradient of the refresh step (the damping choice and the held-out
+    check) and ``held_out``, the best ``T`` of its previous build (None: none yet)."""
 
     name: str
     rank: int  # the factor's configured rank (``KFACStatistics.factor_rank``)
@@ -149,6 +153,7 @@ class OwnedLayer:
     tokens: torch.Tensor  # summed EMA token count (0-d)
     omega: torch.Tensor | None  # the sketch's Ω (None: exact statistics)
     grad: torch.Tensor | None = None
+    held_out: LowRankWhitening | None = None
     status: BuildStatus = BuildStatus.OK
     work: dict = field(default_factory=dict)  # the stages' intermediate tensors
 
@@ -244,13 +249,17 @@ class FactorBuild:
             s, p = parts
             cand = whitening_tensors(w["d"], whitening_gram(w["d"], w["v"], w["lam"])[0], s, p)  # [C, ...] FP32
             dev_ = w["d"].device
+            if layer.grad is None:
+                raise RuntimeError("no local gradient was kept for the damping choice and the held-out check")
+            whitenings = [LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()})
+                          for j in range(len(self.candidates))] if self.auto else []  # fmt: skip
+            held_out = [layer.held_out] if layer.held_out is not None else []
+            errs = damping_errors(layer.grad, whitenings + held_out, self.codec)  # [Euclidean, *whitenings, held-out]
             if self.auto:
-                if layer.grad is None:
-                    raise RuntimeError("no local gradient was kept for the damping choice")
-                whitenings = [LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()}) for j in range(len(self.candidates))]
-                chosen, best = damping_choice(damping_errors(layer.grad, whitenings, self.codec))
+                chosen, best = damping_choice(errs[: 1 + len(whitenings)])
             else:
                 chosen, best = torch.ones((), dtype=torch.long, device=dev_), torch.zeros((), dtype=torch.long, device=dev_)
+            chosen = held_out_gate(chosen, errs[0], errs[-1] if held_out else None)
             choices = torch.cat([torch.full((1,), -1.0, dtype=torch.float64, device=dev_), w["deltas"]])
             pick = lambda t: t.index_select(0, best.view(1))[0]  # noqa: E731
             r = w["v"].shape[1]
