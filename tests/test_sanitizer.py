@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_gift.numerics.refresh import HostCopy
 from megatron_gift.testing import dispatch
@@ -57,6 +58,24 @@ def test_each_host_read_of_a_device_tensor_counts_once(read):
     assert len(_events(fn, x)) == 1, _events(fn, x)
 
 
+class _Below(TorchFunctionMode):
+    """A function mode entered before the sanitizer, as the CPU harness's is in a launcher run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("read", list(READS), ids=list(READS))
+def test_each_host_read_counts_once_above_another_function_mode(read):
+    """With the reads wrapped (for the backward's hooks), a function mode below the sanitizer's that
+    handles a read calls the wrapper again with the sanitizer's popped: judged there too, one
+    ``sums.tolist()`` of the telemetry counted twice in the launcher (the CPU harness's mode)."""
+    fn = _function(PLUGIN, f"def f(x):\n    {READS[read]}\n")
+    x = torch.arange(1.0, 4.0) * 2
+    with _Below():
+        assert len(_events(fn, x)) == 1, _events(fn, x)
+
+
 def test_tensors_that_stay_on_the_host_are_free_to_read():
     """Plans are built from Python data on the host, and ``HostCopy.wait`` hands over host copies: reading
     them waits for nothing. Counting them would hide real syncs in noise; the wait itself counts once."""
@@ -93,3 +112,19 @@ def test_a_plugin_call_into_megatron_that_syncs_is_the_plugins():
     assert _events(_function(PLUGIN, "def f(x):\n    return stock(x)\n", stock=stock), x) == []
     assert _events(helper, x) == []  # from this test's frames
     assert _events(launcher, _function(MEGATRON, "def f(x):\n    return x.sum().item()\n"), x) == []
+
+
+def test_host_reads_in_the_backwards_hooks_count():
+    """The bucket groups' reductions start in autograd hooks, which the engine runs without the
+    function modes of the ``backward()`` call: a ``.tolist()`` or ``.cpu()`` there passed unseen (the
+    dispatch-level ``.item()`` did not). Each counts once in a hook as outside one; a host copy, and a host
+    tensor made or computed from host tensors in the hook, stay free to read."""
+    fn = _function(PLUGIN, "def f(p):\n    p.grad.sum().tolist()\n    [r.tolist() for r in p.grad.view(2, 2).cpu()]\n"
+                           "    (torch.zeros(2) + 1).tolist()\n")
+    w = torch.nn.Parameter(torch.ones(4))
+    w.register_post_accumulate_grad_hook(fn)
+    with SyncSanitizer() as s:
+        (w * (torch.ones(4) * 3)).sum().backward()
+    assert [op for op, _ in s.events] == ["tolist", "cpu"], s.events
+    assert _events(fn, w) == ["tolist", "cpu"]
+    assert torch.Tensor.tolist is dispatch._READS[0]  # the wrappers are gone with the sanitizer

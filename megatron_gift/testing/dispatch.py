@@ -15,7 +15,9 @@ run every tensor is on the host, so the mode tracks which ones would be there in
 a host read or ``HostCopy.wait`` returned, what a factory made without a ``device``, what is
 computed from those alone) and counts a read (these, and ``.item()``, ``float(t)``, ``bool(t)``) of
 any other tensor: in a GPU run it would be a device-to-host copy. ``HostCopy.wait`` itself counts
-once (on CUDA it waits for its event).
+once (on CUDA it waits for its event). The autograd engine runs the backward's hooks (where
+the bucket groups' reductions start) without the function modes of the ``backward()`` call, so while
+active the sanitizer also wraps those reads and the factories (``_WRAPPED``), which judge themselves there.
 
 An op counts when the innermost frame of the Python stack that belongs to ``megatron_gift`` is the
 plugin's: frames of torch, Megatron and other libraries are skipped, so a plugin call into Megatron
@@ -105,8 +107,16 @@ def _where(frame) -> str:
 
 
 _READS = (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu)
+_TO = torch.Tensor.to
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)  # aten.lift_fresh behind them
 _FACTORIES = (*_FROM_DATA, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.eye, torch.linspace)
+# What ``SyncSanitizer`` wraps while active, ``(owner, name, original)``: the autograd engine runs the backward's
+# hooks (the bucket groups' reductions) without the function modes of the ``backward()`` call (a mode
+# is popped while it handles a call), so there the wrappers judge the host reads and make the host
+# tensors themselves (what is computed from host tensors alone, this dispatch mode marks).
+_WRAPPED = [(torch.Tensor if f.__qualname__.startswith(("Tensor", "TensorBase")) else torch, f.__name__, f)
+            for f in (*_READS, _TO, *_FACTORIES)]
+_JUDGED = frozenset(f for _, _, f in _WRAPPED)
 
 
 def _device_arg(args, kwargs):
@@ -136,6 +146,7 @@ class _HostReads(TorchFunctionMode):
         self.events = events
         self.host = WeakIdKeyDictionary()
         self.quiet = 0  # > 0 while a call whose lift_fresh this mode has judged runs
+        self.judging = 0  # > 0 while this mode runs one of ``_WRAPPED`` (popped, as a mode is while it handles a call)
 
     def is_host(self, t: torch.Tensor) -> bool:
         return t in self.host
@@ -151,26 +162,44 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        func = getattr(func, "_sanitized", func)  # a wrapped method: judged as the original (``_WRAPPED``)
         judged = func in _FROM_DATA or (func is torch.Tensor.__setitem__ and not isinstance(args[2], torch.Tensor))
+        wrapped = func in _JUDGED
         self.quiet += judged
+        self.judging += wrapped
         try:
             out = func(*args, **kwargs)
         finally:
             self.quiet -= judged
+            self.judging -= wrapped
         inputs = _tensors((args, kwargs))
-        device = _device_arg(args, kwargs) if func is torch.Tensor.to or func in _FACTORIES else None
+        device = _device_arg(args, kwargs) if func is _TO or func in _FACTORIES else None
         to_cpu = device is not None and torch.device(device).type == "cpu" and isinstance(device, str)
-        if func in _READS or (func is torch.Tensor.to and to_cpu):
+        if func in _READS or (func is _TO and to_cpu):
             if not self.is_host(args[0]):
                 self.record(func.__name__, sys._getframe(1))
             self.mark(out)
-        elif func is torch.Tensor.to and device is not None and self.is_host(args[0]) and not kwargs.get("non_blocking"):
+        elif func is _TO and device is not None and self.is_host(args[0]) and not kwargs.get("non_blocking"):
             self.record("to(device)", sys._getframe(1))
-        elif func in _FROM_DATA and (device is not None or (func is torch.Tensor.new_tensor and not self.is_host(args[0]))):
+        elif func in _FROM_DATA and (device is not None or (func is _FROM_DATA[2] and not self.is_host(args[0]))):
             self.record(func.__name__, sys._getframe(1))
         elif (func in _FACTORIES and device is None and not inputs) or (inputs and all(map(self.is_host, inputs))):
             self.mark(out)
         return out
+
+    def wrap(self, method):
+        """``method`` (one of ``_WRAPPED``) judged by this mode where it is not on the function-mode stack
+        (the backward's hooks); where it is, the mode sees the call and judges it. Nor where the mode is
+        running this call: a function mode below it on the stack (the CPU harness's) that handles the call
+        reaches the wrapper again, with this mode popped, and judging it there counted one read twice."""
+
+        def wrapper(*args, **kwargs):
+            if self.judging or self in torch.overrides._get_current_function_mode_stack():
+                return method(*args, **kwargs)
+            return self.__torch_function__(method, (), args, kwargs)
+
+        wrapper._sanitized = method
+        return wrapper
 
     def host_copy_wait(self, wait):
         """``HostCopy.wait`` counted as one host synchronisation (on CUDA an event wait), its tensors on the host."""
@@ -198,6 +227,8 @@ class SyncSanitizer(TorchDispatchMode):
 
         self._wait = HostCopy.wait
         HostCopy.wait = self._reads.host_copy_wait(self._wait)
+        for owner, name, method in _WRAPPED:
+            setattr(owner, name, self._reads.wrap(method))
         self._reads.__enter__()
         return super().__enter__()
 
@@ -209,6 +240,8 @@ class SyncSanitizer(TorchDispatchMode):
         finally:
             self._reads.__exit__(*exc_info)
             HostCopy.wait = self._wait
+            for owner, name, method in _WRAPPED:
+                setattr(owner, name, method)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -220,7 +253,11 @@ class SyncSanitizer(TorchDispatchMode):
             frame = _plugin_frame(sys._getframe(1))
             if frame is not None:
                 self.events.append((str(func.overloadpacket.__name__), _where(frame)))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        if inputs and all(map(self._reads.is_host, inputs)):  # computed from host tensors alone (in a hook too)
+            self._reads.mark(out)
+        return out
 
     def counts(self) -> collections.Counter:
         """How often each plugin frame synchronised, ``"file:line (op)"`` keyed."""
