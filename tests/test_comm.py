@@ -77,8 +77,11 @@ def checked_transforms(segments):
             continue
         basis, evals = _factor(s.cols, k)
         a_hat, t, t_inv = dense_whitening(((basis * evals) @ basis.T).float(), w.rank)
-        eye = torch.eye(s.cols, dtype=torch.float64)
-        assert float((t.T @ a_hat @ t - eye).abs().max()) < 1e-9 and float((t @ t_inv - eye).abs().max()) < 1e-9
+        # FP64 work of d-term products: |Tᵀ Â T − I| ≲ d·eps64·‖T‖²‖Â‖ = d·eps64·κ(T)² (as ‖Â‖ = σ_min(T)⁻²
+        # when Tᵀ Â T = I), |T T⁻¹ − I| ≲ d·eps64·κ(T); a wrong T misses by O(1)
+        eye, kappa = torch.eye(s.cols, dtype=torch.float64), float(torch.linalg.cond(t))
+        tol = 8 * s.cols * torch.finfo(torch.float64).eps * kappa
+        assert float((t.T @ a_hat @ t - eye).abs().max()) < tol * kappa and float((t @ t_inv - eye).abs().max()) < tol
         out.append(CheckedWhitening(w, t, t_inv))
     return out
 
