@@ -220,3 +220,154 @@ def test_two_sided_reduction_against_the_hand_reference():
             assert r["p_bytes"] == (0 if all_reduce else 2 * (WORLD - 1) * 4 * p_numel // WORLD), (key, rank, r["p_bytes"])
             if all_reduce:
                 assert torch.equal(r["result"], results[0][key]["result"]), (key, rank)
+
+
+# -- error feedback: the residual in U's coordinates -----------------------------------------------
+def _ef_worker(rank, world):
+    """Two steps of the flat reduce-scatter with error feedback (averaging); per step every rank's
+    gradient, residual before and after, and the whole reduced bucket (the shards all-gathered)."""
+    outputs = _outputs()
+    ts = [c.w if c is not None else None for c in checked_transforms(SEGS)]
+    layout = BucketLayout(NUMEL, world, SEGS, CodecConfig("e4m3", "block"), torch.float32)
+    ef = ErrorFeedback(layout.n_coded)
+    lo, hi = layout.shards[rank].lo, layout.shards[rank].hi
+    steps = []
+    for step in range(2):
+        flat = _grads(rank + world * step)
+        given, before = flat.clone(), ef.residual.clone()
+        inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, error_feedback=ef, average=True)
+        reduce_now(OutputSide(inner, [o[0] if o is not None else None for o in outputs], CommLedger()), "cpu")
+        ef.commit()
+
+        def gather(t):
+            out = torch.empty(world * t.numel())
+            dist.all_gather_into_tensor(out, t.contiguous())
+            return out.view(world, -1)
+
+        steps.append(dict(reduced=gather(flat[lo:hi]).flatten(), grads=gather(given), e=gather(before), e_new=gather(ef.residual)))
+    return steps
+
+
+@pytest.mark.slow
+def test_error_feedback_residual_in_whitened_coordinates():
+    """With error feedback each rank sends ``dec(q(Ũ_i))``, ``Ũ_i = T_outᵀ G_i T_in + e_i``, and keeps
+    ``e'_i = Ũ_i − dec(q(Ũ_i))``, so whatever codes were chosen ``T_outᵀ Ĝ T_in · p = Σ_i (T_outᵀ G_i T_in
+    + e_i − e'_i)`` for the reduced (averaged) ``Ĝ``, with dense FP64 ``T``s, on both steps (the second
+    carrying the first's residual). Bugs caught: the residual taken in ``G``'s or ``G T_in``'s
+    coordinates, not added, or added on the wrong elements; the output side skipped where feedback runs.
+
+    Tolerance (test_two_sided's FP32 bound): each FP32 map chains sums of at most ``d_in + d_out``
+    terms, ``γ = (d_in + d_out)·2^-24``, amplified by ``κ(T_in)κ(T_out)`` normwise; the sum over ranks
+    adds ``p·2^-24``; factor 8 for the sender's and the receiver's maps and the residual's subtraction,
+    relative to ``Σ_i ‖Ũ_i‖``. The test also asserts that the residuals' sum exceeds 4x the bound
+    (a wrong residual would not hide in it)."""
+    results = run_on_ranks(_ef_worker, WORLD, timeout=600)
+    outputs, checked = _outputs(), checked_transforms(SEGS)
+    layout = BucketLayout(NUMEL, WORLD, SEGS, CodecConfig("e4m3", "block"), torch.float32)
+    for step, r in enumerate(results[0]):
+        assert all(torch.equal(res[step]["reduced"], r["reduced"]) for res in results)
+        if step:
+            assert torch.equal(r["e"], results[0][step - 1]["e_new"])
+        for k in OUT_RANK:
+            s = SEGS[k]
+            c = layout.seg_at[k]
+            t_in, (_, t_out, _) = checked[k].t, outputs[k]
+            coded = lambda e: e[:, c : c + s.rows * s.cols].double().view(WORLD, s.rows, s.cols)  # noqa: E731
+            u = t_out.T @ r["grads"][:, s.start : s.end].double().view(WORLD, s.rows, s.cols) @ t_in + coded(r["e"])
+            want = (u - coded(r["e_new"])).sum(0)
+            got = WORLD * t_out.T @ r["reduced"][s.start : s.end].double().view(s.rows, s.cols) @ t_in
+            kappa = float(torch.linalg.cond(t_in) * torch.linalg.cond(t_out))
+            bound = 8 * (s.rows + s.cols + WORLD) * 2.0**-24 * kappa * u.norm(dim=(1, 2)).sum().item()
+            assert (got - want).norm().item() <= bound, (step, s.name, (got - want).norm().item(), bound)
+            assert coded(r["e_new"]).sum(0).norm().item() > 4 * bound, (step, s.name)
+
+
+# -- the fused kernels (Triton's interpreter on the CPU) ------------------------------------------
+def _kernel_worker(rank, world):
+    (placed,) = build_groups([dist.group.WORLD], 2)
+    outputs = [o[0] if o is not None else None for o in _outputs()]
+    ts = [c.w if c is not None else None for c in checked_transforms(SEGS)]
+    out = {}
+    for (path, all_reduce), use in itertools.product([("flat", False), ("two-level-bf16", True)], (False, True)):
+        layout = BucketLayout(NUMEL, world, SEGS, CodecConfig("e4m3", "block"), torch.bfloat16)
+        flat = _grads(rank).bfloat16()
+        common = dict(average=True, all_reduce=all_reduce, kernels=use)
+        if path == "flat":
+            inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, **common)
+        else:
+            inner = TwoLevelReduce(flat, layout, placed, ts, intra="bf16", **common)
+        assert inner.kernels == use
+        reduce_now(OutputSide(inner, outputs, CommLedger()), "cpu")
+        out[(path, all_reduce, use)] = flat
+    return out
+
+
+@pytest.mark.slow
+def test_two_sided_with_kernels(monkeypatch):
+    """The fused path (Triton's interpreter; BF16 bucket) against the PyTorch path, both wrapped in the
+    output side: the sources and targets reach the kernels' encode and decode. Non-two-sided values bit
+    for bit; two-sided ones within one E4M3 step (2^-4 relative: where FP32 rounding of ``U`` flips
+    a code) in norm. Bugs caught: a fused kernel mishandling the FP32 sources of a BF16 bucket (read
+    as the bucket's dtype) or the FP32 targets (written in the bucket's dtype, then rounded twice)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' processes inherit it
+    results = run_on_ranks(_kernel_worker, WORLD, timeout=900)
+    layout = BucketLayout(NUMEL, WORLD, SEGS, CodecConfig("e4m3", "block"), torch.bfloat16)
+    two_sided = torch.zeros(NUMEL, dtype=torch.bool)
+    for k in OUT_RANK:
+        two_sided[SEGS[k].start : SEGS[k].end] = True
+    for rank, res in enumerate(results):
+        for path, all_reduce in [("flat", False), ("two-level-bf16", True)]:
+            lo, hi = (0, NUMEL) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
+            a, b, mask = res[(path, all_reduce, False)][lo:hi], res[(path, all_reduce, True)][lo:hi], two_sided[lo:hi]
+            assert torch.equal(a[~mask], b[~mask]), (rank, path)
+            diff = ((a[mask].float() - b[mask].float()).norm() / a[mask].float().norm()).item()
+            assert diff < 2**-4, (rank, path, diff)
+
+
+# -- a steady step: no host synchronisation, launches independent of the sizes ---------------------
+@pytest.mark.parametrize("path", ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-ar"])
+def test_steady_step_never_synchronises_the_host(path):
+    """A steady two-sided reduction (rank 0 of a simulated group of 4, real CPU tensors, the PyTorch
+    path) dispatches none of the ops that would stop the host on a GPU (``SyncSanitizer``). Bug
+    caught: a ``.item()``/``.tolist()`` or a data-dependent shape in the output side's maps."""
+    from megatron_gift.bench import launches
+    from megatron_gift.testing.dispatch import SyncSanitizer
+    from megatron_gift.testing.simulate import recorded_collectives
+
+    case = launches.Case(path, "gift+out", 4 * launches.COLS * 8 + 96, 4, "pytorch", device="cpu")
+    with recorded_collectives() as calls:
+        reduce_now(case.reduction(), "cpu")  # first: the layout's plans are built
+        with SyncSanitizer() as sync:
+            reduce_now(case.reduction(), "cpu")
+    assert not sync.events, sync.counts()
+    assert ("all_reduce" in [c[0] for c in calls]) == path.endswith("-rs")
+
+
+@pytest.mark.parametrize("path", ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-ar"])
+def test_launches_per_stage_do_not_grow(path):
+    """On the fused path (kernels stubbed on meta tensors, ``bench launches``' ``gift+out`` bucket:
+    four two-sided parameters) every stage issues the same launches at 1M and 10M elements and at 8
+    and 64 ranks (up to 2: the segment parts a shard holds move with the sizes), the output side adds
+    at most 4 launches per segment to the send and a few to the last inner stage, and its own stage
+    stays at most 4 + 3 per segment. A loop over rows, chunks or peers in the output side fails."""
+    from megatron_gift.bench import launches
+
+    def counts(bucket, n, dp):
+        stages, _ = launches.counted(launches.Case(path, bucket, n, dp, "fused"))
+        return {s.name: s.gpu_launches for s in stages}
+
+    cases = [(n, dp) for n in (1 << 20, 10 << 20) for dp in (8, 64)]
+    two_sided = {c: counts("gift+out", *c) for c in cases}
+    for stage in two_sided[cases[0]]:
+        per_case = [two_sided[c][stage] for c in cases]
+        assert max(per_case) - min(per_case) <= 2, (stage, two_sided)
+    segments = len(launches.BUCKETS["gift+out"])
+    for c in cases:
+        base = counts("gift", *c)
+        got = two_sided[c]
+        first, *middle, last = list(base)
+        assert got[first] - base[first] <= 4 * segments, (c, got, base)
+        assert all(got[s] == base[s] for s in middle), (c, got, base)
+        assert got[last] - base[last] <= 4 + 3 * segments, (c, got, base)
+        assert got["output"] <= 4 + 3 * segments, (c, got)
