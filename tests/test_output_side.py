@@ -14,7 +14,7 @@ from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.output_side import OutputSide
-from megatron_gift.comm.quantized import QuantizedReduce
+from megatron_gift.comm.quantized import QuantizedReduce, _all_gather
 from megatron_gift.comm.schedule import MAX_STAGES, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import Mode
@@ -27,9 +27,11 @@ from tests.test_comm import _bucket_grads, checked_transforms
 
 WORLD = 4
 # test_two_level's "mixed" layout (2304 elements: 4 shards of 576): GIFT "a" [20, 40] (the boundary at
-# 576 cuts row 14), Euclidean "b", GIFT "c" [10, 100] (the boundary at 1728 cuts row 5), off, bf16.
+# 576 cuts row 14), Euclidean "b" [9, 33], GIFT "c" [10, 100] (the boundary at 1728 cuts row 5), off, bf16.
 NUMEL, SEGS = test_two_level.LAYOUTS["mixed"]
-OUT_RANK = {0: 4, 3: 3}  # segment index -> r_out of its T_out (a and c: two P's packed in one buffer)
+# segment index -> r_out of its T_out: three P's packed in one buffer; "b" has an output side and no
+# input side (T_in = I: its cut-free part reduced whole into the target)
+OUT_RANK = {0: 4, 2: 2, 3: 3}
 
 
 def _spd(d: int, decades: float, seed: int) -> torch.Tensor:
@@ -241,7 +243,7 @@ def _ef_worker(rank, world):
 
         def gather(t):
             out = torch.empty(world * t.numel())
-            dist.all_gather_into_tensor(out, t.contiguous())
+            _all_gather(out, t.contiguous(), group=dist.group.WORLD)
             return out.view(world, -1)
 
         steps.append(dict(reduced=gather(flat[lo:hi]).flatten(), grads=gather(given), e=gather(before), e_new=gather(ef.residual)))
@@ -271,7 +273,8 @@ def test_error_feedback_residual_in_whitened_coordinates():
         for k in OUT_RANK:
             s = SEGS[k]
             c = layout.seg_at[k]
-            t_in, (_, t_out, _) = checked[k].t, outputs[k]
+            t_in = checked[k].t if checked[k] is not None else torch.eye(s.cols, dtype=torch.float64)  # "b": T_in = I
+            t_out = outputs[k][1]
             coded = lambda e: e[:, c : c + s.rows * s.cols].double().view(WORLD, s.rows, s.cols)  # noqa: E731
             u = t_out.T @ r["grads"][:, s.start : s.end].double().view(WORLD, s.rows, s.cols) @ t_in + coded(r["e"])
             want = (u - coded(r["e_new"])).sum(0)
@@ -371,3 +374,55 @@ def test_launches_per_stage_do_not_grow(path):
         assert all(got[s] == base[s] for s in middle), (c, got, base)
         assert got[last] - base[last] <= 4 + 3 * segments, (c, got, base)
         assert got["output"] <= 4 + 3 * segments, (c, got)
+
+
+def test_output_side_refuses_what_it_cannot_whiten():
+    """A transform of other than ``d_out`` rows, one on a plain (``off``/``bf16``) parameter, or a
+    list not one per segment is refused at construction (start-up), never inside a stage."""
+    layout = BucketLayout(NUMEL, 1, SEGS, CodecConfig("e4m3", "block"), torch.float32)
+    from megatron_gift.testing.simulate import FakeGroup
+
+    inner = QuantizedReduce(torch.zeros(NUMEL), layout, FakeGroup(1), [None] * len(SEGS))
+    ok = [o[0] if o is not None else None for o in _outputs()]
+    OutputSide(inner, ok, CommLedger())
+    for bad in ([*ok[:1], LowRankWhitening.identity(7), *ok[2:]],  # "norm" is off
+                [LowRankWhitening.identity(40), *ok[1:]],  # "a" has 20 rows
+                ok[:-1]):
+        with pytest.raises(ValueError):
+            OutputSide(inner, bad, CommLedger())
+
+
+def _nan_worker(rank, world):
+    outputs = [o[0] if o is not None else None for o in _outputs()]
+    ts = [c.w if c is not None else None for c in checked_transforms(SEGS)]
+    layout = BucketLayout(NUMEL, world, SEGS, CodecConfig("e4m3", "block"), torch.float32)
+    out = {}
+    for all_reduce, poison in itertools.product((False, True), (False, True)):
+        flat = _grads(rank)
+        if poison and rank == 1:
+            flat[SEGS[3].start + 5 * 100 + 7] = float("nan")  # "c", row 5 (cut by the boundary at 1728)
+        flag = torch.zeros(MAX_STAGES, dtype=torch.bool)
+        inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, all_reduce=all_reduce, nonfinite=flag)
+        reduce_now(OutputSide(inner, outputs, CommLedger()), "cpu")
+        out[(all_reduce, poison)] = (flat, flag)
+    return out
+
+
+def test_nan_in_a_two_sided_weight():
+    """A NaN in one element of a two-sided weight on one rank: ``T_outᵀ G T_in`` mixes it into every
+    element of that weight, so every rank's elements of it are NaN and every rank holding some of it
+    flags it; the other segments keep the bits of the clean run, although their ``P`` travel in the
+    same buffer. Bugs caught: ``P`` of one segment read from another's place, a flag missing or
+    raised by a rank that wrote no NaN, the output stage's flag outside ``MAX_STAGES``."""
+    results = run_on_ranks(_nan_worker, WORLD, timeout=300)
+    layout = BucketLayout(NUMEL, WORLD, SEGS, CodecConfig("e4m3", "block"), torch.float32)
+    c = torch.zeros(NUMEL, dtype=torch.bool)
+    c[SEGS[3].start : SEGS[3].end] = True
+    for all_reduce in (False, True):
+        for rank, res in enumerate(results):
+            (clean, clean_flag), (got, flag) = res[(all_reduce, False)], res[(all_reduce, True)]
+            lo, hi = (0, NUMEL) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
+            mine = torch.zeros(NUMEL, dtype=torch.bool)
+            mine[lo:hi] = True
+            assert torch.isnan(got[mine & c]).all() and torch.equal(got[mine & ~c], clean[mine & ~c]), (all_reduce, rank)
+            assert not clean_flag.any() and bool(flag.any()) == bool((mine & c).any()), (all_reduce, rank)
