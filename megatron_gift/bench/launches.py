@@ -234,7 +234,7 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
     if stage == "gather_intra":
         return 0, 0
     if stage == "output":
-        own = sum(hi - lo for lo, hi in OutputSide(case.reduction(), case.outputs, CommLedger()).owned.values())
+        own = sum(hi - lo for lo, hi in case.reduction().owned.values())  # the OutputSide's elements of rank r
         return 4 * own, b * own
     if stage == "decode_all":
         return sum(msg([j]) + gift_codes(j) for j in range(p)), sum(shard_elements(j) for j in range(p)) * b

@@ -19,8 +19,10 @@ the stages are the inner's, extended::
 
 The bucket is only read at the sender and written only on the rank's elements (reduce-scatter:
 nothing outside its shard). Each stage adds a fixed few ops per two-sided segment, whatever the
-bucket's element count and the group's size; no host synchronisation. Error feedback needs
-nothing here: its residual is that of the encoded values, in ``U``'s coordinates.
+bucket's element count and the group's size; no host synchronisation. Temporaries: ``X`` (FP32,
+the two-sided parameters) during stage 0 only, the targets (FP32, the rank's elements of them) from
+stage 1 to the end, ``P`` (``4·Σ r_out·d_in`` bytes) from stage L. Error feedback needs nothing here:
+its residual is that of the encoded values, in ``U``'s coordinates.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ over ranks commutes with them as for the input side alone. Relative damping keep
 invariant to the scale of ``B`` (a loss scale, ``1/num_microbatches``), as long as the statistics
 of one EMA share that scale.
 
-What the output side changes in the reduction protocol (not in this module):
+What the output side changes in the reduction protocol (``comm/output_side.py``; its row-block maps,
+``output_apply``, ``output_projection``, ``output_inverse``, are at the end of this module):
 
 * **Row sharding.** ``U T_in⁻¹`` mixes entries within a row; ``T_out⁻ᵀ V = D_out^{1/2}(V + Q_out
   diag(c') Q_outᵀ V)`` mixes rows. With the distributed optimizer a rank holds a contiguous
