@@ -184,7 +184,8 @@ def _reduction_worker(rank, world):
             others_same=torch.equal(flat[mine & ~two_sided], want[mine & ~two_sided].to(dtype)),
             untouched=torch.equal(flat[~mine], grads[rank][~mine]),
             nonfinite=bool(flag.any()),
-            p_bytes=ledger.bytes.get(("all_reduce", "fp32"), 0),
+            p_bytes=ledger.bytes.get(("all_reduce", "fp32-out"), 0),
+            ledger_keys=set(ledger.bytes),
         )
     return res
 
@@ -194,7 +195,8 @@ def test_two_sided_reduction_against_the_hand_reference():
     """Every rank's two-sided elements are those of ``T_out⁻ᵀ Σ_i dec(q(T_outᵀ G_i T_in)) T_in⁻¹`` (÷ p),
     the other segments' bit for bit those of the input-side reduction, nothing outside the shard
     written (reduce-scatter), every rank the same bits (all-reduce), P's all-reduce in the ledger
-    (reduce-scatter: ``2(p-1)/p · 4 Σ r_out·d_in`` bytes; none with all-reduce), the steady run the
+    under its own key (reduce-scatter: ``2(p-1)/p · 4 Σ r_out·d_in`` bytes; none with all-reduce;
+    not the refresh's ``all_reduce/fp32``, which ``bench refresh`` reads), the steady run the
     same bits as the first. Bugs caught: ``T_out`` applied on the wrong side or not inverted, a
     partial of ``P`` lost (a cut row's piece, a rank's rows) or summed twice, ``P`` of one segment
     applied to another, a bucket element outside the shard written, the BF16 bucket rounded twice.
@@ -219,6 +221,7 @@ def test_two_sided_reduction_against_the_hand_reference():
             assert r["others_same"] and r["untouched"] and r["steady_same"], (key, rank, r)
             assert not r["nonfinite"], (key, rank)
             assert r["p_bytes"] == (0 if all_reduce else 2 * (WORLD - 1) * 4 * p_numel // WORLD), (key, rank, r["p_bytes"])
+            assert ("all_reduce", "fp32") not in r["ledger_keys"], (key, rank)  # the refresh's key: not P's
             if all_reduce:
                 assert torch.equal(r["result"], results[0][key]["result"]), (key, rank)
 

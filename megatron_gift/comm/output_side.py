@@ -13,7 +13,8 @@ the stages are the inner's, extended::
     L    the inner's last stage, then P = Qᵀ W [r_out, d_in] of every two-sided segment, packed in
          one FP32 buffer: reduce-scatter: the rank's partials Q[rows]ᵀ W[rows, cols] over its elements
          (``output_projection``: head piece, whole rows, tail piece), summed over the group by one
-         asynchronous all-reduce; all-reduce: the whole P locally, no collective
+         asynchronous all-reduce (the ledger's ``all_reduce/fp32-out``); all-reduce: the whole P
+         locally, no collective
     L+1  G = D^{1/2} (W + Q (c' ⊙ P)) on the rank's elements (``output_inverse``), written into the
          bucket once, in its dtype; the stage's ``nonfinite`` flag set where it holds a NaN/Inf
 
@@ -36,6 +37,9 @@ from .layout import FP8_MODES
 from .ledger import CommLedger, ring_all_reduce_bytes
 from .quantized import ShardReduction
 from .schedule import Reduction, Step
+
+
+LEDGER_DTYPE = "fp32-out"  # the ledger's name of P's all-reduce (``all_reduce/fp32-out``)
 
 
 class OutputSide(Reduction):
@@ -122,7 +126,8 @@ class OutputSide(Reduction):
             output_projection(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i))
         if inner.all_reduce or inner.world == 1 or self.p_numel == 0:  # the same answer on every rank
             return step
-        self.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(inner.world, 4 * self.p_numel))
+        # its own ledger dtype: apart from the refresh's and the instances' FP32 all-reduces
+        self.ledger.add("all_reduce", LEDGER_DTYPE, ring_all_reduce_bytes(inner.world, 4 * self.p_numel))
         work = dist.all_reduce(self.proj, group=inner.group, async_op=True)
         return Step([*step.works, work], [*step.handoff, self.proj])
 
