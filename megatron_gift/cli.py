@@ -153,7 +153,8 @@ def _add_bench(subparsers) -> None:
         help="per-step FP8 error of Euclidean and GIFT (as the plugin runs it, from step 0) on pretrained models",
         description="Load pretrained models shipped in PyPI packages (SmolLM2-135M, a causal LM; all-MiniLM-L6-v2, an "
         "encoder), split fresh batches of the Python docs over simulated ranks and report per step and layer the "
-        "RelL2 of FP8 gradient sums: Euclidean, GIFT input-side, and the scheme the plugin sends (cold-start rule).",
+        "RelL2 of FP8 gradient sums: Euclidean, GIFT input-side, and what the plugin sends (cold-start rule) at "
+        "--gift-side input, both (two-sided) and auto.",
     )
     pre.add_argument("--quick", action="store_true", help="fewer ranks, steps and measured blocks (under 15 minutes on 2 cores)")
     pre.add_argument("--json", metavar="PATH", help="write the records and summary as JSON")
