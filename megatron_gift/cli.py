@@ -67,7 +67,7 @@ def _bench_pretrained(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     pretrained_steps.run(quick=args.quick, json_path=args.json, models=tuple(args.models) if args.models else None,
-                         command=args.command_line)  # fmt: skip
+                         command=args.command_line, steps=args.steps)  # fmt: skip
     return 0
 
 
@@ -160,6 +160,8 @@ def _add_bench(subparsers) -> None:
     pre.add_argument("--json", metavar="PATH", help="write the records and summary as JSON")
     pre.add_argument("--models", nargs="+", choices=("smollm2-135m", "all-minilm-l6-v2"), help="models to run (default: both)")
     pre.add_argument("--threads", type=int, default=0, metavar="N", help="torch intra-op threads (default 0: torch's default)")
+    pre.add_argument("--steps", type=int, default=None, metavar="N",
+                     help="steps per model instead of the preset's (--quick: 4 and 5), to see past the first refreshes")
     pre.set_defaults(func=_bench_pretrained, needs=CORPUS)
     ovh = commands.add_parser(
         "overhead",

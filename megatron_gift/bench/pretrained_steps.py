@@ -40,6 +40,8 @@ and ``ratio`` (to ``best_euclid``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import statistics
@@ -377,7 +379,10 @@ def format_tables(doc: dict) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...] | None = None, command: str | None = None) -> dict:
+def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...] | None = None, command: str | None = None,
+        steps: int | None = None) -> dict:
+    """The benchmark of the module doc on the ``quick`` or full presets (``models`` of them), ``steps``
+    per model instead of the preset's where given; prints the tables, writes ``json_path``."""
     import json
 
     from .corpus import load_documents
@@ -386,6 +391,10 @@ def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...
     torch.manual_seed(0)
     docs, manifest = load_documents()
     specs = [s for s in (QUICK if quick else FULL) if models is None or s.name in models]
+    if steps is not None:
+        if steps < 3:
+            raise ValueError(f"steps must be >= 3 (steps 0-1 are the cold start), got {steps}")
+        specs = [dataclasses.replace(s, steps=steps) for s in specs]
     t0, records, load = time.time(), [], os.getloadavg()
     for spec in specs:
         _log(f"{spec.name}: {spec.ranks} ranks x {spec.tokens_per_rank} tokens, {spec.steps} steps")
