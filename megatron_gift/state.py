@@ -1,7 +1,8 @@
 """The plugin's reduction state, free of Megatron and of collectives (in the spirit of PyTorch's
 ``PowerSGDState``): what the bucket-group hooks need between steps, with its own state dict.
 
-Per parameter (``GiftParam``): mode, K-FAC statistics, factor, ``T`` and damping choice. Per rank:
+Per parameter (``GiftParam``): mode, K-FAC statistics, factor, ``T`` and damping choice, and for a
+two-sided layer (``numerics.two_sided``) their output-side twins. Per rank:
 the step, whether this step's statistics are still being collected, the non-finite flag and the
 byte ledger. The error-feedback residuals live in the bucket groups' buffers; the methods that
 need them take ``residuals``: ``(residual of one parameter as [rows, cols], its GiftParam)`` pairs.
@@ -39,6 +40,11 @@ class GiftParam:
     damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
     held_out: LowRankWhitening | None = None  # its owner only: the best T of the last build, checked on the next
     # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; checkpointed)
+    out_stats: KFACStatistics | None = None  # B = E[g gᵀ] over the layer's output gradients (d = weight rows); None: input side only
+    out_stats_groups: list = field(default_factory=list)  # groups B's EMA is summed over at a refresh
+    out_factor: LowRankFactor | None = None
+    output_whitening: LowRankWhitening | None = None  # T_out in use; None: no output side (the damping: out_factor's)
+    out_held_out: LowRankWhitening | None = None  # its owner only: T_out of the last build's best pair (None: it had none)
 
 
 def _to(tree, device):
@@ -97,24 +103,29 @@ class GiftState:
     def state_dict(self, residuals) -> dict:
         """This rank's state on the CPU, keyed by parameter name: ``{"step", "params": {name: {"mode",
         "stats" (step accumulators and local per-step EMA), "whitening", "damping" (None: Euclidean
-        chosen), "factor", "held_out", "residual"}}}``. Everything but ``residual`` (the error-feedback
-        residual in the parameter's quantized coordinates, this rank's own) and ``held_out`` (on the
-        layer's factor owner only) is identical on all ranks that hold it.
+        chosen), "factor", "held_out", "residual"}}}``, and for a two-sided layer the output side's
+        twins ``out_stats``, ``output_whitening`` (absent: no output side in use), ``out_factor`` and
+        ``out_held_out``. Everything but ``residual`` (the error-feedback residual in the parameter's
+        quantized coordinates, this rank's own) and the held-out transforms (on the layer's factor
+        owner only) is identical on all ranks that hold it.
         A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
         params = {}
         for gp in self.params.values():
             entry = {"mode": gp.mode.value}
-            if gp.stats is not None:
-                entry["stats"] = _to(gp.stats.state_dict(), "cpu")
+            for prefix, stats, whitening, held_out, factor in (("", gp.stats, gp.whitening, gp.held_out, gp.factor),
+                                                               ("out_", gp.out_stats, gp.output_whitening, gp.out_held_out, gp.out_factor)):  # fmt: skip
+                if stats is not None:
+                    entry[prefix + "stats"] = _to(stats.state_dict(), "cpu")
+                if whitening is not None:
+                    entry["output_whitening" if prefix else "whitening"] = _to(whitening.tensors(), "cpu")
+                if held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
+                    entry[prefix + "held_out"] = _to(held_out.tensors(), "cpu")
+                if factor is not None:
+                    f = factor
+                    entry[prefix + "factor"] = {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"),
+                                                "trace_a": float(f.trace_a), "damping": float(f.damping)}  # fmt: skip
             if gp.whitening is not None:
-                entry["whitening"] = _to(gp.whitening.tensors(), "cpu")
                 entry["damping"] = gp.damping
-            if gp.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
-                entry["held_out"] = _to(gp.held_out.tensors(), "cpu")
-            if gp.factor is not None:
-                f = gp.factor
-                entry["factor"] = {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a),
-                                   "damping": float(f.damping)}  # fmt: skip
             params[gp.name] = entry
         for view, gp in residuals:
             params[gp.name]["residual"] = view.to("cpu", copy=True)
@@ -145,25 +156,36 @@ class GiftState:
 
     @staticmethod
     def _load_param(gp: GiftParam, entry: dict, local: bool) -> bool:
-        """Statistics (``local``) and transform of one parameter; False if they don't fit this configuration."""
-        if gp.stats is not None and local:
-            saved = entry.get("stats")
-            if saved is None or "ema_tokens" not in saved or any(saved["sums"][k].shape != t.shape for k, t in gp.stats.sums.items()):
-                return False
-            gp.stats.load_state_dict(saved)
+        """Statistics (``local``) and transforms of one parameter, both sides; False if they don't fit
+        this configuration. A checkpoint without the output side's keys (an older one, or saved with
+        the input side only) leaves it fresh: no output side until the next refresh builds one."""
+        for stats, key in ((gp.stats, "stats"), (gp.out_stats, "out_stats")):
+            if stats is not None and local and (key == "stats" or key in entry):
+                saved = entry.get(key)
+                if saved is None or "ema_tokens" not in saved or any(saved["sums"][k].shape != t.shape for k, t in stats.sums.items()):
+                    return False
+                stats.load_state_dict(saved)
         if "whitening" in entry:
-            w = entry["whitening"]
-            gp.whitening = LowRankWhitening.empty(w["q"].shape[0], w["q"].shape[1], device=w["q"].device)
-            for k, t in gp.whitening.tensors().items():
-                t.copy_(w[k])
+            gp.whitening = _whitening(entry["whitening"])
             gp.damping = entry.get("damping")
+            # the T_out the residual was saved with: kept with T_in even without output statistics here
+            # (the next refresh installs a map without it and carries the residual over)
+            gp.output_whitening = _whitening(entry["output_whitening"]) if "output_whitening" in entry else None
         held = entry.get("held_out") if local else None
         if held is not None:
-            gp.held_out = LowRankWhitening.from_tensors({k: t.clone() for k, t in held.items()})
+            gp.held_out = _whitening(held)
+            gp.out_held_out = _whitening(entry["out_held_out"]) if "out_held_out" in entry else None
         else:  # another layout (or an older checkpoint): a restored T was trusted when saved, so it stands as
             # the held-out T of the next refresh; a layer saved as Euclidean waits one refresh for its check
             gp.held_out = gp.whitening if gp.whitening is not None and gp.damping is not None else None
-        f = entry.get("factor")
-        if f is not None and gp.stats is not None and f["d"].shape == (gp.stats.d_in,):
-            gp.factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"]))
+            gp.out_held_out = gp.output_whitening if gp.held_out is not None else None
+        for stats, key, attr in ((gp.stats, "factor", "factor"), (gp.out_stats, "out_factor", "out_factor")):
+            f = entry.get(key)
+            if f is not None and stats is not None and f["d"].shape == (stats.d_in,):
+                setattr(gp, attr, LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"])))
         return True
+
+
+def _whitening(saved: dict) -> LowRankWhitening:
+    """A saved ``LowRankWhitening.tensors()`` as a transform owning copies of them."""
+    return LowRankWhitening.from_tensors({k: t.clone() for k, t in saved.items()})
