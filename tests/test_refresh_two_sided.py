@@ -109,6 +109,7 @@ def _worker(rank, world, side):
     import megatron_gift.refresh_sync as refresh_mod
     from megatron_gift.refresh_sync import RefreshSync
     from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.testing.dispatch import SyncSanitizer
 
     dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -160,15 +161,19 @@ def _worker(rank, world, side):
                     qkv.out_held_out = bad
             held = {gp.name: (gp.held_out, gp.out_held_out) for gp in params if gp.owner == dp.rank()}
             waits, n_reduce, n_gather = st.host_waits, len(reduces), len(gathers)
-            st.at_sync(lambda: iter(every), [(gp, dp, g) for gp, g in zip(params, grads)], remap)
-            st.after_reductions()
-            st.close_step([])
-            st.install(remap)
+            san = SyncSanitizer()
+            with san:
+                st.at_sync(lambda: iter(every), [(gp, dp, g) for gp, g in zip(params, grads)], remap)
+                st.after_reductions()
+                st.close_step([])
+                st.install(remap)
+            counts = san.counts()
             remaps.extend((gp.name, type(new).__name__, isinstance(new, TwoSidedWhitening) and new.output_side is gp.output_whitening)
                           for gp, new in seen)  # fmt: skip
             seen.clear()
             rec = dict(waits=st.host_waits - waits, reduces=[sorted(dist.get_process_group_ranks(g)) for g in reduces[n_reduce:]],
-                       gathers=len(gathers) - n_gather, layers={})  # fmt: skip
+                       gathers=len(gathers) - n_gather, layers={}, seen_waits=sum(v for k, v in counts.items() if k.endswith("(HostCopy.wait)")),
+                       syncs={k: v for k, v in counts.items() if not k.endswith("(HostCopy.wait)")})  # fmt: skip
             for i, gp in enumerate(params):
                 flat = lambda w: None if w is None else torch.cat([t.flatten().double() for t in w.tensors().values()])  # noqa: E731
                 f = gp.out_factor
@@ -203,8 +208,8 @@ def runs(request):
 
 
 def test_every_rank_installs_the_owners_bits_in_three_host_waits(runs):
-    """Per refresh: 3 host waits; the statistics' all-reduces one per group of each distinct tuple of
-    groups (A and column-parallel B over DP together, the row-parallel B over DP then TP: 3 calls,
+    """Per refresh: 3 host waits and no other host synchronisation of the plugin's (the sanitizer); the
+    statistics' all-reduces one per group of each distinct tuple of groups (A and column-parallel B over DP together, the row-parallel B over DP then TP: 3 calls,
     whatever the number of layers); one all-gather. Every rank of a DP group installs the same bits of
     ``T_in``, ``T_out`` and the output factor (catches a rank that rebuilds or reads another slot, or
     the output record outside the layer's slot)."""
@@ -212,7 +217,7 @@ def test_every_rank_installs_the_owners_bits_in_three_host_waits(runs):
     for r, per_rank in enumerate(res):
         dp = [r % 2, r % 2 + 2]
         for s in per_rank["steps"]:
-            assert s["waits"] == 3 and s["gathers"] == 1
+            assert s["waits"] == 3 == s["seen_waits"] and s["syncs"] == {} and s["gathers"] == 1, s["syncs"]
             assert s["reduces"] == [dp, dp, [2 * (r // 2), 2 * (r // 2) + 1]], s["reduces"]
     for r in (0, 1):
         for s0, s1 in zip(res[r]["steps"], res[r + 2]["steps"]):

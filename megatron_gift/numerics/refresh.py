@@ -325,7 +325,7 @@ class FactorBuild:
             outs.append(torch.full((n,), -1, dtype=torch.long, device=dev))
         if "both" in kinds:
             host += [(i, o) for i in range(n) for o in range(n)]
-            ins.append(grid.repeat_interleave(n))
+            ins.append(grid.unsqueeze(1).expand(n, n).reshape(-1))
             outs.append(grid.repeat(n))
         return host, torch.cat(ins), torch.cat(outs)
 
