@@ -164,9 +164,10 @@ class RefreshSync:
     def assign_owners(self, layers) -> None:
         """Each GIFT layer's owner in its reduction group, from the ``(GiftParam, group)`` pairs in one
         order on all ranks: largest record first, to the rank that owns the fewest bytes so far
-        (lowest rank on ties; a record holds both sides of a two-sided layer). The all-gather's slot is the largest rank's share, so balancing the
-        bytes keeps its padding small (round-robin over Llama's four layer shapes at 64 ranks gave
-        slots 1.9x the mean); the build work, about proportional, is balanced with it."""
+        (lowest rank on ties; a two-sided layer's record holds both sides). The all-gather's slot is the
+        largest rank's share, so balancing the bytes keeps its padding small (round-robin over Llama's
+        four layer shapes at 64 ranks gave slots 1.9x the mean); the build work, about proportional, is
+        balanced with it."""
         by_group: dict = {}
         for gp, group in layers:
             if gp.out_stats is not None and self.side == "input":

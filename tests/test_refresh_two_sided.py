@@ -209,8 +209,9 @@ def runs(request):
 
 def test_every_rank_installs_the_owners_bits_in_three_host_waits(runs):
     """Per refresh: 3 host waits and no other host synchronisation of the plugin's (the sanitizer); the
-    statistics' all-reduces one per group of each distinct tuple of groups (A and column-parallel B over DP together, the row-parallel B over DP then TP: 3 calls,
-    whatever the number of layers); one all-gather. Every rank of a DP group installs the same bits of
+    statistics' all-reduces one per group of each distinct tuple of groups (A and column-parallel B
+    over DP together, the row-parallel B over DP then TP: 3 calls, whatever the number of layers);
+    one all-gather. Every rank of a DP group installs the same bits of
     ``T_in``, ``T_out`` and the output factor (catches a rank that rebuilds or reads another slot, or
     the output record outside the layer's slot)."""
     _, res = runs
