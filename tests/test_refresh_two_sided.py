@@ -20,7 +20,7 @@ from megatron_gift.testing import run_on_ranks
 CANDS = (0.1, 1.0, 10.0)
 RANK = 4
 TOKENS = 64
-STEPS = 3
+STEPS = 4  # refreshes at 0 (B empty), 1, 2 (a bad held-out T_out for qkv), 3 (a NaN in fc2's B on rank 0)
 # name: (d_out, d_in, output statistics: None, "dp" (column-parallel: B summed over DP) or "dp+tp"
 # (row-parallel with sequence parallelism: over DP and TP), B's sketch size (0: exact))
 LAYERS = {"qkv": (48, 32, "dp", 0), "fc2": (32, 40, "dp+tp", 0), "proj": (24, 24, None, 0), "fc1": (40, 24, "dp", 16)}
@@ -149,6 +149,8 @@ def _worker(rank, world, side):
                 gp.stats.accumulate(x)
                 if gp.out_stats is not None and step > 0:  # the previous step's output gradients
                     gp.out_stats.accumulate(_data(i, rank, step - 1)[1])
+                    if step == 3 and gp.name == "fc2" and rank == 0:
+                        gp.out_stats.sums["xtx"][0, 0] = float("nan")
                     gp.out_stats.fold()
                 grads.append((y.T @ x))
             if step == 2:  # the held-out gate on pairs: a bad T_out in qkv's held-out pair (it mixes rows)
@@ -179,11 +181,12 @@ def _worker(rank, world, side):
                 f = gp.out_factor
                 info = dict(owner=gp.owner, damping=gp.damping, whitening=flat(gp.whitening), output=flat(gp.output_whitening),
                             out_factor=None if f is None else torch.cat([f.d, f.v.flatten(), f.lam, torch.tensor([float(f.trace_a), f.damping])]),
-                            out_damping=None if f is None else f.damping)  # fmt: skip
+                            out_damping=None if f is None else f.damping,
+                            out_tokens=None if gp.out_stats is None else float(gp.out_stats.ema_tokens))  # fmt: skip
                 if gp.owner == dp.rank():  # the reference, from every rank's raw data
                     a = sum(_data(i, r, step)[0].double().T @ _data(i, r, step)[0].double() for r in dp_ranks) / (TOKENS * 2)
                     b = None
-                    if gp.out_stats is not None and step > 0:
+                    if gp.out_stats is not None and step > 0 and not (step == 3 and gp.name == "fc2"):  # NaN at 3: no B
                         b_ranks = dp_ranks if LAYERS[gp.name][2] == "dp" else all_ranks
                         b = sum(_data(i, r, step - 1)[1].double().T @ _data(i, r, step - 1)[1].double() for r in b_ranks) / (TOKENS * len(b_ranks))
                     info["b"] = b
@@ -253,7 +256,7 @@ def test_output_statistics_are_summed_over_their_groups(runs):
         for s in per_rank["steps"][1:]:
             for name in ("qkv", "fc2"):
                 info = s["layers"][name]
-                if info["owner"] != per_rank["dp_rank"]:
+                if info["owner"] != per_rank["dp_rank"] or info["b"] is None:  # fc2 at step 3: a NaN in B
                     continue
                 d_out = LAYERS[name][0]
                 f = info["out_factor"]
@@ -264,6 +267,18 @@ def test_output_statistics_are_summed_over_their_groups(runs):
                 assert abs(float(tr) - float(torch.trace(b))) <= tol * float(torch.trace(b)), name
                 ref = torch.linalg.eigvalsh(b)[-RANK:]
                 assert (lam.sort().values - ref).abs().max() <= tol * float(ref.max()) * d_out, name
+
+
+def test_non_finite_output_statistics_leave_the_input_side_alone(runs):
+    """Step 3: a NaN in rank 0's ``B`` of fc2 (summed over DP and TP: every rank sees it): on every
+    rank fc2 is installed without an output side, its input side built, its output EMA restarted, its
+    output factor the previous one (catches a whole layer skipped, or a NaN ``T_out`` installed)."""
+    _, res = runs
+    for per_rank in res:
+        before, after = per_rank["steps"][2]["layers"]["fc2"], per_rank["steps"][3]["layers"]["fc2"]
+        assert after["output"] is None and after["whitening"] is not None and after["out_tokens"] == 0.0
+        assert torch.equal(after["out_factor"], before["out_factor"])
+        assert not torch.equal(after["whitening"], before["whitening"]) or after["damping"] is None
 
 
 def _plugin_choice(info):
@@ -386,6 +401,48 @@ def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
         head, out_head = rec["header"].tolist(), dict(zip(OUT_HEADER, rec["out_header"].tolist()))
         assert head[2] == 1.0 and out_head["choice"] == (1.0 if e_both < e_in else -1.0), (layer, e_in, e_both)
         assert out_head["held_out"] == (1.0 if e_both < e_in else 0.0) and out_head["status"] == BuildStatus.OK
+
+
+def test_two_sided_record_layout_views_are_disjoint_and_aligned():
+    """The output side's fields follow the input side's in each part, each in its own bytes, records
+    8-aligned; without an output side the layout is the input-only one (catches overlapping views)."""
+    from megatron_gift.numerics.refresh import RecordLayout
+
+    lay = RecordLayout(37, 5, 23, 3)
+    assert lay.nbytes % 8 == 0 and RecordLayout(37, 5, 0, 0) == RecordLayout(37, 5)
+    buf = torch.zeros(2 * lay.nbytes, dtype=torch.uint8)
+    for j in range(2):
+        for i, t in enumerate(lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes]).values()):
+            t.fill_(100 * j + i + 1)
+    for j in range(2):
+        views = lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes])
+        assert all(torch.all(t == 100 * j + i + 1) for i, t in enumerate(views.values()))
+    assert list(views) == ["header", "d", "v", "lam", "out_header", "out_d", "out_v", "out_lam", "d_inv_sqrt", "d_sqrt", "q",
+                           "c", "c_inv", "out_d_inv_sqrt", "out_d_sqrt", "out_q", "out_c", "out_c_inv"]  # fmt: skip
+    assert views["out_header"].numel() == len(OUT_HEADER) and views["out_q"].shape == (23, 3)
+
+
+def test_an_indefinite_output_core_offers_no_output_candidate():
+    """A sketched ``B`` whose Nyström core never becomes positive definite: the output header says
+    INDEFINITE with rank 0, nothing chosen or held out on that side (a diagonal ``T_out`` gains nothing
+    and the reduction would skip it), the input side chosen as without output statistics."""
+    x, y = _data(3, 0, 0)
+    sb = KFACStatistics(40, sketch=8, seed=1)
+    sb.accumulate(y)
+    sb.fold()
+    sb.ema_sums["y"].fill_(float("nan"))
+    tokens = torch.tensor(float(TOKENS), dtype=torch.float64)
+    recs = []
+    for out in (FactorSide(RANK, dict(sb.ema_sums), sb.ema_tokens, sb.omega), None):
+        lay = OwnedLayer("fc1", RANK, {"xtx": (x.T @ x).float()}, tokens, None, grad=y.T @ x, out=out)
+        build = FactorBuild([lay], CANDS, True, CodecConfig(), 12, ("input", "both"))
+        parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
+        buf = torch.zeros(lay.layout.nbytes, dtype=torch.uint8)
+        build.finish(parts, [lay.layout.views(buf)])
+        recs.append(lay.layout.views(buf))
+    head = dict(zip(OUT_HEADER, recs[0]["out_header"].tolist()))
+    assert head["status"] == BuildStatus.INDEFINITE and head["rank"] == 0 and head["choice"] == -1 and head["held_out"] == 0
+    assert all(torch.equal(recs[0][k], t) for k, t in recs[1].items())
 
 
 # --------------------------------------------------------------------------- checkpoint
