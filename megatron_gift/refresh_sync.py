@@ -128,9 +128,10 @@ class _Refresh:
 class RefreshSync:
     """The refresh of one ``GiftState``'s factors across ranks, and the close of its steps (module doc)."""
 
-    def __init__(self, state: GiftState, side: str = "input"):
-        """``side`` (``--gift-side``: ``input``, ``both``, ``auto``): the damping candidates of the layers
-        with output statistics (``numerics.refresh.SIDE_KINDS``)."""
+    def __init__(self, state: GiftState, side="input"):
+        """``side`` (``--gift-side``: ``input``, ``both``, ``auto``, or the config's enum of them): the
+        damping candidates of the layers with output statistics (``numerics.refresh.SIDE_KINDS``)."""
+        side = getattr(side, "value", side)
         if side not in SIDE_KINDS:
             raise ValueError(f"megatron-gift: side must be one of {', '.join(SIDE_KINDS)}, got {side!r}")
         self.state, self.side = state, side
