@@ -460,7 +460,8 @@ def _two_sided_state():
 
 def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     """Statistics, ``T_out``, output factor and held-out ``T_out`` of a two-sided layer come back bit
-    for bit, an older checkpoint without the output side's keys loads without error with the output
+    for bit through Megatron checkpoints' split (``B`` and the held-out ``T_out`` in the per-rank part,
+    with their input-side twins), an older checkpoint without the output side's keys loads without error with the output
     side fresh, and a ``T_out`` saved for a layer now without output statistics stays until the next
     refresh (the residual's coordinates). Catches an output side dropped or mixed with the input's."""
     state, gp, approximate_factor = _two_sided_state()
@@ -480,10 +481,19 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     residual = torch.randn(48, 32)
     saved = state.state_dict([(residual, gp)])
 
+    # through Megatron checkpoints' split into replicated and per-rank parts: B's statistics and the
+    # held-out T_out go with the per-rank part (another rank's would replace them otherwise)
+    from types import SimpleNamespace
+
+    from megatron_gift.megatron.checkpoint import HELD_OUT, merge_state, split_state
+
+    parts = split_state(SimpleNamespace(gift_params={None: gp}), saved)
+    assert "out" in parts["local"]["qkv"] and "out" in parts["local"][HELD_OUT]["qkv"]
+    assert {"stats", "held_out"}.isdisjoint(parts["dense"]["params"]["qkv"])
     fresh, gq, _ = _two_sided_state()
     fresh.params[object()] = gq
     back = torch.zeros(48, 32)
-    assert fresh.load_state_dict(saved, [(back, gq)], torch.device("cpu")) == [] and torch.equal(back, residual)
+    assert fresh.load_state_dict(merge_state(parts), [(back, gq)], torch.device("cpu")) == [] and torch.equal(back, residual)
 
     def same(u, v):
         return all(torch.equal(s, t) for s, t in zip(u.tensors().values(), v.tensors().values())) and u.tensors().keys() == v.tensors().keys()
@@ -499,7 +509,11 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     assert gq.damping == 1.0
 
     # an older checkpoint: no output-side keys
-    old = {"step": saved["step"], "params": {"qkv": {k: v for k, v in saved["params"]["qkv"].items() if "out" not in k}}}
+    entry = saved["params"]["qkv"]
+    assert "out" in entry["stats"] and "out" in entry["held_out"]  # the per-rank state inside its per-rank twins
+    old = {k: v for k, v in entry.items() if "out" not in k}
+    old["stats"], old["held_out"] = ({k: v for k, v in entry[k].items() if k != "out"} for k in ("stats", "held_out"))
+    old = {"step": saved["step"], "params": {"qkv": old}}
     older, go, _ = _two_sided_state()
     older.params[object()] = go
     assert older.load_state_dict(old, [(torch.zeros(48, 32), go)], torch.device("cpu")) == []
