@@ -97,6 +97,16 @@ def _reference(a: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor, side: s
     return dict(euclidean=_ref_error(g, None, None, codec), pairs=errs)
 
 
+def _mean_gram(layer: int, ranks, step: int, which: int) -> torch.Tensor:
+    """The FP64 mean of ``x xᵀ`` over the tokens of ``ranks`` at ``step``: ``A`` (``which`` 0) or ``B`` (1)."""
+    return sum(_data(layer, r, step)[which].double().T @ _data(layer, r, step)[which].double() for r in ranks) / (TOKENS * len(ranks))
+
+
+def _dense(w: LowRankWhitening | None):
+    """``(T, T⁻¹)`` of a held-out transform in FP64, or None."""
+    return None if w is None else tuple(t.double() for t in w.dense())
+
+
 # --------------------------------------------------------------------------- the multi-rank run
 
 
@@ -173,31 +183,32 @@ def _worker(rank, world, side):
             remaps.extend((gp.name, type(new).__name__, isinstance(new, TwoSidedWhitening) and new.output_side is gp.output_whitening)
                           for gp, new in seen)  # fmt: skip
             seen.clear()
+            is_wait = lambda k: k.endswith("(HostCopy.wait)")  # noqa: E731
             rec = dict(waits=st.host_waits - waits, reduces=[sorted(dist.get_process_group_ranks(g)) for g in reduces[n_reduce:]],
-                       gathers=len(gathers) - n_gather, layers={}, seen_waits=sum(v for k, v in counts.items() if k.endswith("(HostCopy.wait)")),
-                       syncs={k: v for k, v in counts.items() if not k.endswith("(HostCopy.wait)")})  # fmt: skip
+                       gathers=len(gathers) - n_gather, layers={}, seen_waits=sum(v for k, v in counts.items() if is_wait(k)),
+                       syncs={k: v for k, v in counts.items() if not is_wait(k)})  # fmt: skip
             for i, gp in enumerate(params):
                 flat = lambda w: None if w is None else torch.cat([t.flatten().double() for t in w.tensors().values()])  # noqa: E731
                 f = gp.out_factor
                 info = dict(owner=gp.owner, damping=gp.damping, whitening=flat(gp.whitening), output=flat(gp.output_whitening),
-                            out_factor=None if f is None else torch.cat([f.d, f.v.flatten(), f.lam, torch.tensor([float(f.trace_a), f.damping])]),
+                            out_factor=None if f is None else torch.cat([f.d, f.v.flatten(), f.lam,
+                                                                         torch.tensor([float(f.trace_a), f.damping])]),
                             out_damping=None if f is None else f.damping,
                             out_tokens=None if gp.out_stats is None else float(gp.out_stats.ema_tokens))  # fmt: skip
                 if gp.owner == dp.rank():  # the reference, from every rank's raw data
-                    a = sum(_data(i, r, step)[0].double().T @ _data(i, r, step)[0].double() for r in dp_ranks) / (TOKENS * 2)
-                    b = None
+                    a, b = _mean_gram(i, dp_ranks, step, 0), None
                     if gp.out_stats is not None and step > 0 and not (step == 3 and gp.name == "fc2"):  # NaN at 3: no B
-                        b_ranks = dp_ranks if LAYERS[gp.name][2] == "dp" else all_ranks
-                        b = sum(_data(i, r, step - 1)[1].double().T @ _data(i, r, step - 1)[1].double() for r in b_ranks) / (TOKENS * len(b_ranks))
+                        b = _mean_gram(i, dp_ranks if LAYERS[gp.name][2] == "dp" else all_ranks, step - 1, 1)
                     info["b"] = b
                     info["ref"] = _reference(a, b, grads[i], side, cfg.codec)
                     info["held_out"] = gp.held_out.dense() if gp.held_out is not None else None
                     info["out_held_out"] = gp.out_held_out.dense() if gp.out_held_out is not None else None
                     h_in, h_out = held[gp.name]  # the previous build's best pair, checked on this gradient
-                    info["ref_held"] = None if h_in is None else _ref_error(
-                        grads[i], tuple(t.double() for t in h_in.dense()),
-                        None if h_out is None else tuple(t.double() for t in h_out.dense()), cfg.codec)  # fmt: skip
-                    info["ref_held_in"] = None if h_in is None else _ref_error(grads[i], tuple(t.double() for t in h_in.dense()), None, cfg.codec)
+                    if h_in is not None:
+                        info["ref_held"] = _ref_error(grads[i], _dense(h_in), _dense(h_out), cfg.codec)
+                        info["ref_held_in"] = _ref_error(grads[i], _dense(h_in), None, cfg.codec)
+                    else:
+                        info["ref_held"] = info["ref_held_in"] = None
                 rec["layers"][gp.name] = info
             steps.append(rec)
     finally:
@@ -395,8 +406,8 @@ def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
         rec = lay.layout.views(buf)
         build.finish(parts, [rec])
         t_in = _ref_t(a, 1.0)
-        e_in, e_both, eu = _ref_error(g, t_in, None, codec), _ref_error(g, t_in, _ref_t(b, 1.0), codec), _ref_error(g, None, None, codec)
-        held = _ref_error(g, tuple(t.double() for t in lay.held_out.dense()), None, codec)
+        e_in, e_both = _ref_error(g, t_in, None, codec), _ref_error(g, t_in, _ref_t(b, 1.0), codec)
+        eu, held = _ref_error(g, None, None, codec), _ref_error(g, _dense(lay.held_out), None, codec)
         assert abs(e_in - e_both) > MARGIN * min(e_in, e_both) and held < (1 - MARGIN) * eu  # the premise: clear winner, gate open
         head, out_head = rec["header"].tolist(), dict(zip(OUT_HEADER, rec["out_header"].tolist()))
         assert head[2] == 1.0 and out_head["choice"] == (1.0 if e_both < e_in else -1.0), (layer, e_in, e_both)
@@ -496,13 +507,14 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     assert fresh.load_state_dict(merge_state(parts), [(back, gq)], torch.device("cpu")) == [] and torch.equal(back, residual)
 
     def same(u, v):
-        return all(torch.equal(s, t) for s, t in zip(u.tensors().values(), v.tensors().values())) and u.tensors().keys() == v.tensors().keys()
+        return u.tensors().keys() == v.tensors().keys() and all(torch.equal(u.tensors()[k], t) for k, t in v.tensors().items())
 
     for w, v in ((gp.whitening, gq.whitening), (gp.output_whitening, gq.output_whitening), (gp.held_out, gq.held_out),
                  (gp.out_held_out, gq.out_held_out)):  # fmt: skip
         assert v is not None and same(w, v)
     for f, h in ((gp.factor, gq.factor), (gp.out_factor, gq.out_factor)):
-        assert all(torch.equal(s, t) for s, t in ((f.d, h.d), (f.v, h.v), (f.lam, h.lam))) and (f.trace_a, f.damping) == (h.trace_a, h.damping)
+        assert all(torch.equal(s, t) for s, t in ((f.d, h.d), (f.v, h.v), (f.lam, h.lam)))
+        assert (f.trace_a, f.damping) == (h.trace_a, h.damping)
     for s, t in ((gp.stats, gq.stats), (gp.out_stats, gq.out_stats)):
         assert all(torch.equal(s.state_dict()[k][n], t.state_dict()[k][n]) for k in ("sums", "ema_sums") for n in s.sums)
         assert torch.equal(s.tokens, t.tokens) and torch.equal(s.ema_tokens, t.ema_tokens) and s.folds == t.folds
