@@ -311,30 +311,32 @@ class FactorBuild:
         """Host stage 2: per layer ``[s, P]`` of every ``S_δ`` of each side."""
         return self._each("whitening core", lambda layer, parts: [t for gram in parts for t in gram_eigh(gram)], host)
 
-    def _pairs(self, layer, dev) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+    def _pairs(self, layer, dev) -> tuple[list[tuple[int, int]], tuple[torch.Tensor, torch.Tensor] | None]:
         """The layer's candidates as indices into the damping grid, ``(δ_in index, δ_out index or -1 for
-        T_out = I)``: on the host, and as two ``[P]`` device tensors built by fills (no host-to-device copy)."""
+        T_out = I)``: on the host, and, when some have an output side, as two ``[P]`` device tensors
+        built by fills (no host-to-device copy); None when all are input-only (the grid itself)."""
         n = len(self.candidates)
         usable = layer.out is not None and layer.out.status is BuildStatus.OK and layer.out.rank > 0
         kinds = self.kinds if usable else ("input",)
+        host = ([(i, -1) for i in range(n)] if "input" in kinds else []) + \
+            ([(i, o) for i in range(n) for o in range(n)] if "both" in kinds else [])  # fmt: skip
+        if "both" not in kinds:
+            return host, None
         grid = torch.arange(n, device=dev)
-        host, ins, outs = [], [], []
+        ins, outs = [grid.unsqueeze(1).expand(n, n).reshape(-1)], [grid.repeat(n)]
         if "input" in kinds:
-            host += [(i, -1) for i in range(n)]
-            ins.append(grid)
-            outs.append(torch.full((n,), -1, dtype=torch.long, device=dev))
-        if "both" in kinds:
-            host += [(i, o) for i in range(n) for o in range(n)]
-            ins.append(grid.unsqueeze(1).expand(n, n).reshape(-1))
-            outs.append(grid.repeat(n))
-        return host, torch.cat(ins), torch.cat(outs)
+            ins.insert(0, grid)
+            outs.insert(0, torch.full((n,), -1, dtype=torch.long, device=dev))
+        return host, (torch.cat(ins), torch.cat(outs))
 
     @staticmethod
-    def _write(rec: dict, prefix: str, w: dict, cand: dict, idx: torch.Tensor, header: list) -> None:
-        """One side's part of the record: ``header`` (numbers or 0-d device tensors), then the factor and
-        ``T`` of candidate ``idx`` (a 0-d device index)."""
-        for slot, value in zip(rec[prefix + "header"], header):
-            slot.fill_(value.double() if isinstance(value, torch.Tensor) else float(value))
+    def _write(rec: dict, prefix: str, w: dict, cand: dict, idx: torch.Tensor, status, rank: int, values: list) -> None:
+        """One side's part of the record: its header (``status``, ``rank``, then ``values``, 0-d device
+        tensors), then the factor and ``T`` of candidate ``idx`` (a 0-d device index)."""
+        head = rec[prefix + "header"]
+        head[0].fill_(float(status))
+        head[1].fill_(float(rank))
+        head[2:].copy_(torch.stack([v.double() for v in values]))
         pick = lambda t: t.index_select(0, idx.view(1))[0]  # noqa: E731
         r = w["v"].shape[1]
         rec[prefix + "d"].copy_(pick(w["d"]))
@@ -354,7 +356,7 @@ class FactorBuild:
             if layer.grad is None:
                 raise RuntimeError("no local gradient was kept for the damping choice and the held-out check")
             cand_out = self._candidates(layer.out, *parts[2:]) if layer.out_building else None
-            pairs, p_in, p_out = self._pairs(layer, dev_)
+            pairs, idx = self._pairs(layer, dev_)
             t_in = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()})  # noqa: E731
             t_out = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand_out.items()})  # noqa: E731
             whitenings = [t_in(i) if o < 0 else TwoSidedWhitening(t_in(i), t_out(o)) for i, o in pairs] \
@@ -364,20 +366,19 @@ class FactorBuild:
                 held = TwoSidedWhitening(held, layer.out_held_out)
             held_out = [held] if held is not None else []
             errs = damping_errors(layer.grad, whitenings + held_out, self.codec)  # [Euclidean, *whitenings, held-out]
-            zero = torch.zeros((), dtype=torch.long, device=dev_)
             if self.auto:
                 chosen, best = damping_choice(errs[: 1 + len(whitenings)])
             elif whitenings:  # one damping, two kinds of candidates: the better one (Euclidean is no candidate)
                 best = damping_choice(errs[: 1 + len(whitenings)])[1]
                 chosen = best + 1
             else:
-                chosen, best = torch.ones((), dtype=torch.long, device=dev_), zero
+                chosen, best = torch.ones((), dtype=torch.long, device=dev_), torch.zeros((), dtype=torch.long, device=dev_)
             chosen = held_out_gate(chosen, errs[0], errs[-1] if held_out else None)
             at = lambda t, i: t.index_select(0, i.view(1))[0]  # noqa: E731
             minus1 = torch.full((1,), -1.0, dtype=torch.float64, device=dev_)
-            b_in = at(p_in, best)
-            choices = torch.cat([minus1, w["deltas"].index_select(0, p_in)])
-            self._write(rec, "", w, cand, b_in, [layer.status, w["v"].shape[1], at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
+            b_in = best if idx is None else at(idx[0], best)
+            choices = torch.cat([minus1, w["deltas"] if idx is None else w["deltas"].index_select(0, idx[0])])
+            self._write(rec, "", w, cand, b_in, layer.status, w["v"].shape[1], [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
             if layer.out is None:
                 return []
             if not layer.out_building:  # skipped or non-finite: the input side alone, and the header says so
@@ -385,13 +386,18 @@ class FactorBuild:
                     slot.fill_(value)
                 return []
             wo = layer.out.work
-            # T_out of the best pair if it has one, else of the best pair that has one (its factor, for the profiles)
-            e = errs[1 : 1 + len(whitenings)] if whitenings else torch.zeros(len(pairs), dtype=errs.dtype, device=dev_)
-            e = torch.where(torch.isfinite(e) & (p_out >= 0), e, torch.inf)
-            b_out = torch.where(at(p_out, best) >= 0, at(p_out, best), at(p_out, e.argmin()).clamp_min(0))
-            out_choices = torch.cat([minus1, torch.where(p_out >= 0, wo["deltas"].index_select(0, p_out.clamp_min(0)), -1.0)])
-            self._write(rec, "out_", wo, cand_out, b_out, [layer.out.status, wo["v"].shape[1], at(out_choices, chosen),
-                                                            at(wo["deltas"], b_out), wo["trace"], (at(p_out, best) >= 0)])  # fmt: skip
+            if idx is None:  # no output candidate (a rank-0 T_out): its factor for the profiles, nothing chosen or held out
+                b_out = torch.zeros((), dtype=torch.long, device=dev_)
+                out_choice, has_out = minus1[0], torch.zeros((), dtype=torch.float64, device=dev_)
+            else:  # T_out of the best pair if it has one, else of the best pair that has one (its factor, for the profiles)
+                p_out = idx[1]
+                e = errs[1 : 1 + len(whitenings)] if whitenings else torch.zeros(len(pairs), dtype=errs.dtype, device=dev_)
+                e = torch.where(torch.isfinite(e) & (p_out >= 0), e, torch.inf)
+                has_out = at(p_out, best) >= 0
+                b_out = torch.where(has_out, at(p_out, best), at(p_out, e.argmin()).clamp_min(0))
+                out_choice = at(torch.cat([minus1, torch.where(p_out >= 0, wo["deltas"].index_select(0, p_out.clamp_min(0)), -1.0)]), chosen)
+            self._write(rec, "out_", wo, cand_out, b_out, layer.out.status, wo["v"].shape[1],
+                        [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out])  # fmt: skip
             return []
 
         for layer, rec in zip(self.layers, records):
