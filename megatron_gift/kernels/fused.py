@@ -24,6 +24,14 @@ per unit::
     s = max(amax / fp8_max, 2^-126), 1 where amax = 0   (FP32, as fp8.scales_from_amax)
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
+With an output side (``T_out``: ``D_out``, ``Q_out [rows, r_out]``, ``c_out``; ``numerics.two_sided``)
+``U = T_outᵀ G T``, with ``X = T_outᵀ G`` formed row by row in the pass, from ``Pre`` (a sum over all
+rows) and ``P`` both computed in one read of ``G`` first (``_project_two_sided``)::
+
+    Pre = c_out ⊙ Q_outᵀ D_out^{-1/2} G     [r_out, cols]: per program of OUTPUT_ROWS rows a part, summed
+    P   = X (D^{-1/2} Q) diag(c)            = D_out^{-1/2} G D^{-1/2} Q c  +  Q_out (Pre D^{-1/2} Q c)
+    X   = D_out^{-1/2} G + Q_out Pre        (per unit, r_out FP32 rank-1 updates), then U as above
+
 With error feedback ``U`` is ``G T + e`` (the residual read at the unit's offsets) and the
 encoding pass also writes ``e' = U - fp8⁻¹(code)·s`` (FMA contraction off, so that it is rounded as
 the reference rounds it). Placed (``PLACE``), a unit's codes go to ``k + delta[j]`` (``k`` its
