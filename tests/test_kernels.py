@@ -315,6 +315,7 @@ TWO_SIDED_CASES = [
     (CodecConfig(scaling=Scaling.ROW), 4, 3, None),
     (CodecConfig(FP8Format.E5M2, Scaling.MX), 4, 5, "cut"),
     (CodecConfig(), None, 3, "cut"),
+    (CodecConfig(scaling=Scaling.TENSOR), None, 3, None),
     (CodecConfig(), 4, 0, None),
 ]
 
