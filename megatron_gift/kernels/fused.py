@@ -25,12 +25,13 @@ per unit::
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
 With an output side (``T_out``: ``D_out``, ``Q_out [rows, r_out]``, ``c_out``; ``numerics.two_sided``)
-``U = T_outᵀ G T``, with ``X = T_outᵀ G`` formed row by row in the pass, from ``Pre`` (a sum over all
-rows) and ``P`` both computed in one read of ``G`` first (``_project_two_sided``)::
+``U = T_outᵀ G T = (D_out^{-1/2} G + Q_out Pre) T``, ``Pre`` a sum over all rows: ``Pre`` and ``P``
+from one read of ``G`` first (``_project_two_sided``), then per unit ``r_out + r`` rank-1 updates::
 
-    Pre = c_out ⊙ Q_outᵀ D_out^{-1/2} G     [r_out, cols]: per program of OUTPUT_ROWS rows a part, summed
-    P   = X (D^{-1/2} Q) diag(c)            = D_out^{-1/2} G D^{-1/2} Q c  +  Q_out (Pre D^{-1/2} Q c)
-    X   = D_out^{-1/2} G + Q_out Pre        (per unit, r_out FP32 rank-1 updates), then U as above
+    Pre T = (c_out ⊙ Q_outᵀ D_out^{-1/2} G) T      [r_out, cols]: per program of OUTPUT_ROWS rows a part
+                                                  (D^{-1/2} applied), summed; then its low-rank part
+    P     = D_out^{-1/2} G (D^{-1/2} Q) diag(c)     [rows, r]
+    U     = D_out^{-1/2} G D^{-1/2} + Q_out (Pre T) + P Qᵀ
 
 With error feedback ``U`` is ``G T + e`` (the residual read at the unit's offsets) and the
 encoding pass also writes ``e' = U - fp8⁻¹(code)·s`` (FMA contraction off, so that it is rounded as
@@ -220,8 +221,8 @@ def _chunk(start, length, umask, ch, W: tl.constexpr):
 def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask, ch,
              cols, rank, rank_out, W: tl.constexpr, WHITEN: tl.constexpr, FEEDBACK: tl.constexpr,
              OUTPUT: tl.constexpr):  # fmt: skip
-    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each; with ``OUTPUT`` the
-    rows first mapped by ``T_outᵀ`` (``X = D_out^{-1/2} G + Q_out Pre``); with ``FEEDBACK``
+    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each; with ``OUTPUT``
+    ``U = T_outᵀ G T`` (module doc: ``pre_ptr`` holds ``Pre T``); with ``FEEDBACK``
     ``Ũ = U + e`` (the residual ``e`` at the same offsets)."""
     off, flat, mask = _chunk(start, length, umask, ch, W)
     u = tl.load(g_ptr + flat, mask=mask, other=0.0).to(tl.float32)
@@ -229,9 +230,11 @@ def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, s
     cmask = col < cols
     if OUTPUT:
         u = u * tl.load(dout_ptr + row, mask=umask, other=0.0)[:, None]
-        u = _plus_low_rank(u, qo_ptr, pre_ptr, row, col, umask, cmask, rank_out, cols)
     if WHITEN:
         u = u * tl.load(dinv_ptr + col, mask=cmask, other=0.0)
+    if OUTPUT:
+        u = _plus_low_rank(u, qo_ptr, pre_ptr, row, col, umask, cmask, rank_out, cols)
+    if WHITEN:
         u = _plus_low_rank(u, p_ptr, qt_ptr, row, col, umask, cmask, rank, cols)
     if FEEDBACK:
         u = u + tl.load(e_ptr + flat, mask=mask, other=0.0)
@@ -392,8 +395,8 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank, do
     """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``) where
     ``PROJECT``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the
     same read of ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
-    and this program's share of ``Pre = c_out ⊙ Q_outᵀ D_out^{-1/2} X``, its ``BM`` rows' sum
-    ``(D_out^{-1/2} Q_out c_out)[m]ᵀ X[m]``, written as ``part[program] [r_out, cols]`` (the
+    and this program's share of ``Pre D = c_out ⊙ Q_outᵀ D_out^{-1/2} X D``, its ``BM`` rows' sum
+    ``(D_out^{-1/2} Q_out c_out)[m]ᵀ X[m] D``, written as ``part[program] [r_out, cols]`` (the
     programs' parts summed in order after the launch: deterministic, no atomics).
 
     True FP32 on purpose: ``tl.dot(..., input_precision="ieee")`` never uses TF32, whereas
@@ -417,13 +420,13 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank, do
         kmask = k < cols
         x = tl.load(x_ptr + m[:, None] * cols + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         x = x.to(tl.float32)
+        if SCALE_D:
+            x = x * tl.load(d_ptr + k, mask=kmask, other=0.0)[None, :]
         if OUTPUT:
             part = tl.dot(qot, x, input_precision="ieee")
             tl.store(part_ptr + (pid * rank_out + o[:, None]) * cols + k[None, :], part,
                      mask=omask[:, None] & kmask[None, :])  # fmt: skip
         if PROJECT:
-            if SCALE_D:
-                x = x * tl.load(d_ptr + k, mask=kmask, other=0.0)[None, :]
             q = tl.load(q_ptr + k[:, None] * rank + j[None, :], mask=kmask[:, None] & jmask[None, :], other=0.0)
             acc = tl.dot(x, q, acc, input_precision="ieee")
     if PROJECT:
@@ -531,16 +534,16 @@ OUTPUT_ROWS = 128  # rows of a program that also sums its share of Pre: its part
 
 
 def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows) -> tuple:
-    """``(P, Pre)`` of ``U = T_outᵀ G T_in`` from one read of ``G`` (the whole parameter): ``Pre = c_out ⊙
-    Q_outᵀ D_out^{-1/2} G`` ``[r_out, cols]`` and ``P = X Q_in' diag(c_in)`` ``[rows, r_in]`` of
-    ``X = T_outᵀ G``, ``Q_in' = D_in^{-1/2} Q_in``: ``X Q_in' = D_out^{-1/2} G Q_in' + Q_out (Pre Q_in')``,
-    the first term from the same pass as ``Pre`` (``_project_kernel``'s ``OUTPUT``), the second small.
-    ``P`` is None without ``whitening`` (or of rank 0). Launches: one pass, the parts' sum, and with
-    ``P`` ``Pre Q_in'`` and one ``addmm_``."""
+    """``(P, Pre T)`` of ``U = T_outᵀ G T`` (``T = whitening``, ``I`` when None) from one read of ``G`` (the
+    whole parameter): ``P = D_out^{-1/2} G D^{-1/2} Q diag(c)`` ``[rows, r]`` (None without a whitening
+    of rank > 0) and ``Pre T``, ``Pre = c_out ⊙ Q_outᵀ D_out^{-1/2} G`` ``[r_out, cols]`` (module doc):
+    ``_project_kernel``'s ``OUTPUT`` pass (its parts of ``Pre D^{-1/2}``), their sum, and with ``Q``
+    ``Pre T = Pre D^{-1/2} + (Pre D^{-1/2} Q c) Qᵀ``: a ``_project`` and an ``addmm_``, all small."""
     rows, cols = g.shape
     r_out = output.rank
     project = whitening is not None and whitening.rank > 0
-    q, dinv, c = (whitening.q, whitening.d_inv_sqrt, whitening.c) if project else (g, g, g)
+    dinv = whitening.d_inv_sqrt if whitening is not None else g
+    q, c = (whitening.q, whitening.c) if project else (g, g)
     rank = q.shape[1] if project else 0
     bm = max(16, min(OUTPUT_ROWS, triton.next_power_of_2(rows)))
     programs = triton.cdiv(rows, bm)
@@ -549,12 +552,13 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
     br = max(16, triton.next_power_of_2(rank))
     _project_kernel[(programs,)](
         g, dinv, q, c, p, rows, cols, rank, output.d_inv_sqrt, output.q, output.c, part if r_out else g, r_out,
-        SCALE_D=True, PROJECT=project, OUTPUT=True, BM=bm, BK=32, BR=br, BO=max(16, triton.next_power_of_2(r_out)),
+        SCALE_D=whitening is not None, PROJECT=project, OUTPUT=True, BM=bm, BK=32, BR=br,
+        BO=max(16, triton.next_power_of_2(r_out)),
     )  # fmt: skip
     pre = part.sum(0)
     if project and r_out:
         with ieee_fp32(g.device):
-            p.addmm_(output.q, _project(pre, dinv, q, c))
+            pre.addmm_(_project(pre, None, q, c), q.T)
     return (p if project else None), pre
 
 
@@ -569,9 +573,9 @@ def _table(place, fallback: torch.Tensor) -> tuple:
 
 def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows | None) -> tuple:
     """What the sender's pass over ``g`` (the whole parameter with ``output``) reads besides ``G``:
-    ``(D_in^{-1/2}, P, Q_inᵀ, r_in)`` of ``T_in`` (``P`` of ``T_outᵀ G`` with ``output``:
-    ``_project_two_sided``) and ``(D_out^{-1/2}, Q_out, Pre, r_out)`` of ``T_out``; ``g`` for the
-    pointers of a side not given (not read)."""
+    ``(D_in^{-1/2}, P, Q_inᵀ, r_in)`` of ``T_in`` and ``(D_out^{-1/2}, Q_out, Pre T_in, r_out)`` of
+    ``T_out`` (module doc; with ``output`` both from ``_project_two_sided``); ``g`` for the pointers
+    of a side not given (not read)."""
     p, out_side = None, (g, g, g, 0)
     if output is not None:
         p, pre = _project_two_sided(g, whitening, output)
@@ -766,9 +770,9 @@ def _unwhiten_traffic(a: dict) -> tuple[int, int]:
 def _project_traffic(a: dict) -> tuple[int, int]:
     """``X`` once, ``Q`` (and ``D``) with ``PROJECT``, ``T_out``'s rows with ``OUTPUT``; ``P`` and the parts of ``Pre``."""
     rows, cols, rank, r_out = a["rows"], a["cols"], a["rank"], a["rank_out"]
-    read, written = rows * cols * a["x_ptr"].element_size(), 0
+    read, written = rows * cols * a["x_ptr"].element_size() + (4 * cols if a["SCALE_D"] else 0), 0
     if a["PROJECT"]:
-        read += 4 * (cols * rank + rank + (cols if a["SCALE_D"] else 0))
+        read += 4 * (cols * rank + rank)
         written += 4 * rows * rank
     if a["OUTPUT"]:
         read += 4 * (rows * (1 + r_out) + r_out)

@@ -1,9 +1,9 @@
 """Triton kernel of the placed cast (imports triton; see the package docstring for when it runs).
 
 ``whiten_place`` writes ``X [rows, cols]`` (``G T`` where a whitening is given: ``U = X D^{-1/2} +
-P Qᵀ`` with ``P = X (D^{-1/2} Q) diag(c)`` from ``fused._project_kernel``; with an output side ``X``
-is first mapped row by row, ``D_out^{-1/2} X + Q_out Pre``, ``P`` and ``Pre`` from
-``fused.sender_factors``), cast to the buffer's dtype, straight into a buffer of messages: element ``k = at + i`` of the source goes to
+P Qᵀ`` with ``P = X (D^{-1/2} Q) diag(c)`` from ``fused._project_kernel``; with an output side
+``T_outᵀ X T = D_out^{-1/2} X D^{-1/2} + Q_out (Pre T) + P Qᵀ`` as ``fused``'s module doc has it, the
+small factors from ``fused.sender_factors``), cast to the buffer's dtype, straight into a buffer of messages: element ``k = at + i`` of the source goes to
 ``k + delta[j]``, ``j`` the table's shard of ``k`` (``fused._shard_delta``, per element: a tile may
 cross a shard boundary anywhere). It serves the float intra-node wire of the two-level exchange
 (BF16/FP32 ``U``) and the plain values (``off``: a copy in the bucket's dtype, ``bf16``: a cast).
@@ -43,8 +43,7 @@ def _bf16(x):
 def _place_kernel(x_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, out_ptr, ends_ptr, delta_ptr, shards,
                   steps, at, rows, cols, rank, rank_out, n_row_blocks, WHITEN: tl.constexpr, OUTPUT: tl.constexpr,
                   CAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (mapped by ``T_outᵀ`` with ``OUTPUT``, then ``U`` with
-    ``WHITEN``) at its placed positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or
+    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (``U`` with ``WHITEN``, ``T_outᵀ X T`` with ``OUTPUT``) at its placed positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or
     in BF16 (``_bf16``)."""
     pid = tl.program_id(0)
     r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -55,9 +54,11 @@ def _place_kernel(x_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, out
     x = tl.load(x_ptr + k, mask=mask, other=0.0)
     if OUTPUT:
         x = x.to(tl.float32) * tl.load(dout_ptr + r, mask=rmask, other=0.0)[:, None]
-        x = _plus_low_rank(x, qo_ptr, pre_ptr, r, c, rmask, cmask, rank_out, cols)
     if WHITEN:
         x = x.to(tl.float32) * tl.load(dinv_ptr + c, mask=cmask, other=0.0)
+    if OUTPUT:
+        x = _plus_low_rank(x, qo_ptr, pre_ptr, r, c, rmask, cmask, rank_out, cols)
+    if WHITEN:
         x = _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
     k += at
     dest = k + _shard_delta(ends_ptr, delta_ptr, shards, steps, k, mask)
