@@ -23,8 +23,8 @@ The bucket is only read at the sender and written only on the rank's elements (r
 nothing outside its shard). Each stage adds a fixed few ops per two-sided segment, whatever the
 bucket's element count and the group's size; no host synchronisation. Temporaries: ``Pre``
 (``4·r_out·d_in`` bytes per two-sided parameter) and on the fused path its per-program parts
-(``r_out/32`` bytes per element, ``kernels.fused.OUTPUT_ROWS``) during its encode only, the targets (FP32, the rank's elements of them) from
-stage 1 to the end, ``P`` (``4·Σ r_out·d_in`` bytes) from stage L. Error feedback needs nothing here:
+(``r_out/32`` bytes per element, ``kernels.fused.OUTPUT_ROWS``) during its encode only, the
+targets (FP32, the rank's elements of them) from stage 1 to the end, ``P`` (``4·Σ r_out·d_in`` bytes) from stage L. Error feedback needs nothing here:
 its residual is that of the encoded values, in ``U``'s coordinates.
 """
 

@@ -17,11 +17,11 @@ Stages (run by ``comm.schedule.ReductionQueue``), on rank ``r`` of ``p``:
 
 With the distributed optimizer, the bucket outside shard ``r`` is left as it was. Two hooks let a
 wrapper (``comm.output_side``) change what is sent and where results land, per coded segment:
-``outputs`` (a ``T_out`` whose ``T_outᵀ`` the sender applies in its encode pass, ``T_outᵀ G T``) and
-``targets`` (FP32 tensors that receive the segment's results instead of the bucket; ``destination``). ``nonfinite`` (a
-bool tensor of one flag per stage, ``schedule.MAX_STAGES``; read with ``.any()``), when given, has
-the flag of the stage that wrote a NaN/Inf set on the device. ``topology``, when
-given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
+``outputs`` (a ``T_out`` whose ``T_outᵀ`` the sender applies in its encode pass, ``T_outᵀ G T``)
+and ``targets`` (FP32 tensors that receive the segment's results instead of the bucket;
+``destination``). ``nonfinite`` (a bool tensor of one flag per stage, ``schedule.MAX_STAGES``;
+read with ``.any()``), when given, has the flag of the stage that wrote a NaN/Inf set on the
+device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
 kernels run (``GiftConfig.kernels``, see ``use_kernels``).
 """
 

@@ -24,7 +24,8 @@ interpreter (``TRITON_INTERPRET=1``, set before the first call here: triton read
 kernels are defined), for every format whose table entry names them (``WireFormat.kernels``: E4M3
 and E5M2), scaling and block size, with or without ``lengths`` and messages in up to
 ``fused.MAX_PARTS`` non-empty parts. The reference runs instead for other formats, for TENSOR
-scaling with ``lengths``, for more parts, for empty inputs, elsewhere, and without triton.
+scaling with ``lengths``, for an output side given with its ``Pre`` (rows of a parameter), for
+more parts, for empty inputs, elsewhere, and without triton.
 The kernel path never synchronises the host with the device.
 """
 
