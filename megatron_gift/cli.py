@@ -67,7 +67,7 @@ def _bench_pretrained(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     pretrained_steps.run(quick=args.quick, json_path=args.json, models=tuple(args.models) if args.models else None,
-                         command=args.command_line)  # fmt: skip
+                         command=args.command_line, steps=args.steps)  # fmt: skip
     return 0
 
 
@@ -153,12 +153,15 @@ def _add_bench(subparsers) -> None:
         help="per-step FP8 error of Euclidean and GIFT (as the plugin runs it, from step 0) on pretrained models",
         description="Load pretrained models shipped in PyPI packages (SmolLM2-135M, a causal LM; all-MiniLM-L6-v2, an "
         "encoder), split fresh batches of the Python docs over simulated ranks and report per step and layer the "
-        "RelL2 of FP8 gradient sums: Euclidean, GIFT input-side, and the scheme the plugin sends (cold-start rule).",
+        "RelL2 of FP8 gradient sums: Euclidean, GIFT input-side, and what the plugin sends (cold-start rule) at "
+        "--gift-side input, both (two-sided) and auto.",
     )
     pre.add_argument("--quick", action="store_true", help="fewer ranks, steps and measured blocks (under 15 minutes on 2 cores)")
     pre.add_argument("--json", metavar="PATH", help="write the records and summary as JSON")
     pre.add_argument("--models", nargs="+", choices=("smollm2-135m", "all-minilm-l6-v2"), help="models to run (default: both)")
     pre.add_argument("--threads", type=int, default=0, metavar="N", help="torch intra-op threads (default 0: torch's default)")
+    pre.add_argument("--steps", type=int, default=None, metavar="N",
+                     help="steps per model instead of the preset's (--quick: 4 and 5), to see past the first refreshes")
     pre.set_defaults(func=_bench_pretrained, needs=CORPUS)
     ovh = commands.add_parser(
         "overhead",

@@ -24,6 +24,13 @@ device (on CUDA on a stream of its own), and is installed one step later:
   factor and ``T`` (copied out of the received buffer: every rank holds the owner's bits) and carries
   the error-feedback residuals over; a failed build stops every rank with the same message.
 
+A layer with output-gradient statistics (``GiftParam.out_stats``) builds ``T_out`` in the same
+refresh: ``B``'s EMA is summed in the same all-reduce calls (one per distinct tuple of statistics
+groups, ``out_stats_groups`` beside ``stats_groups``), built in the same stages, and its record
+shares the layer's slot of the all-gather; the damping choice is joint (``numerics.refresh``).
+``B`` is folded a step late (its gradients arrive after the step's first sync), so a refresh at
+step t sees ``B`` up to step t-1 and the first refresh none: its output side is skipped.
+
 Each host wait is on a CUDA event recorded well before it (the statistics early in step t's
 backward, the Grams before Megatron's optimizer step, the records before step t+1's forward), so
 the GPU keeps its queue; a steady step has none. ``host_waits`` counts them.
@@ -41,7 +48,19 @@ import torch.distributed as dist
 from .comm.ledger import ring_all_reduce_bytes
 from .config import Mode
 from .numerics.kfac import KFACStatistics
-from .numerics.refresh import HEADER, BuildStatus, FactorBuild, HostCopy, OwnedLayer, RecordLayout, to_device
+from .numerics.refresh import (
+    HEADER,
+    OUT_HEADER,
+    SIDE_KINDS,
+    BuildStatus,
+    FactorBuild,
+    FactorSide,
+    HostCopy,
+    OwnedLayer,
+    RecordLayout,
+    to_device,
+)
+from .numerics.two_sided import TwoSidedWhitening
 from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
 from .state import GiftParam, GiftState
 
@@ -49,6 +68,17 @@ logger = logging.getLogger(__name__)
 
 # torch >= 2.10 renamed all_gather_into_tensor; NGC containers may carry either.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
+    """The layout of ``gp``'s record at the configured ``rank`` (its output side's too, if it has one)."""
+    out = gp.out_stats
+    return RecordLayout(gp.stats.d_in, gp.stats.factor_rank(rank), out.d_in if out else 0, out.factor_rank(rank) if out else 0)
+
+
+def _transform(t_in: LowRankWhitening | None, t_out: LowRankWhitening | None):
+    """The map a parameter's gradient is sent through: ``T_in``, or ``TwoSidedWhitening`` with an output side."""
+    return TwoSidedWhitening(t_in, t_out) if t_out is not None else t_in
 
 
 def _flat(parts: list[list]) -> list:
@@ -86,6 +116,7 @@ class _Refresh:
     """A refresh in flight: its layers, their builds, and the host copy the next stage waits for."""
 
     layers: list[GiftParam]  # every GIFT layer, in one order on all ranks
+    sides: list[tuple[GiftParam, str]]  # every statistics of the refresh, as ``(layer, "in" | "out")``: flagged in this order
     groups: list[_GroupRefresh]
     owned: dict[int, OwnedLayer]  # id(GiftParam) -> this rank's build of it
     copy: HostCopy
@@ -97,8 +128,13 @@ class _Refresh:
 class RefreshSync:
     """The refresh of one ``GiftState``'s factors across ranks, and the close of its steps (module doc)."""
 
-    def __init__(self, state: GiftState):
-        self.state = state
+    def __init__(self, state: GiftState, side="input"):
+        """``side`` (``--gift-side``: ``input``, ``both``, ``auto``, or the config's enum of them): the
+        damping candidates of the layers with output statistics (``numerics.refresh.SIDE_KINDS``)."""
+        side = getattr(side, "value", side)
+        if side not in SIDE_KINDS:
+            raise ValueError(f"megatron-gift: side must be one of {', '.join(SIDE_KINDS)}, got {side!r}")
+        self.state, self.side = state, side
         self.config, self.device = state.config, state.device
         self.pending: _Refresh | None = None  # the refresh in flight (built and sent, not yet installed)
         self.host_waits = 0  # host synchronisations of refreshes so far (3 per refresh: module doc)
@@ -129,15 +165,18 @@ class RefreshSync:
     def assign_owners(self, layers) -> None:
         """Each GIFT layer's owner in its reduction group, from the ``(GiftParam, group)`` pairs in one
         order on all ranks: largest record first, to the rank that owns the fewest bytes so far
-        (lowest rank on ties). The all-gather's slot is the largest rank's share, so balancing the
-        bytes keeps its padding small (round-robin over Llama's four layer shapes at 64 ranks gave
-        slots 1.9x the mean); the build work, about proportional, is balanced with it."""
+        (lowest rank on ties; a two-sided layer's record holds both sides). The all-gather's slot is the
+        largest rank's share, so balancing the bytes keeps its padding small (round-robin over Llama's
+        four layer shapes at 64 ranks gave slots 1.9x the mean); the build work, about proportional, is
+        balanced with it."""
         by_group: dict = {}
         for gp, group in layers:
+            if gp.out_stats is not None and self.side == "input":
+                raise ValueError(f"megatron-gift: {gp.name} keeps output-gradient statistics but the side is 'input'")
             by_group.setdefault(group, []).append(gp)
         for group, members in by_group.items():
             load = [0] * group.size()
-            sizes = [RecordLayout(gp.stats.d_in, gp.stats.factor_rank(self.config.rank)).nbytes for gp in members]
+            sizes = [record_layout(gp, self.config.rank).nbytes for gp in members]
             for i in sorted(range(len(members)), key=lambda i: -sizes[i]):  # stable: layer order on ties
                 members[i].owner = min(range(len(load)), key=lambda r: load[r])
                 load[members[i].owner] += sizes[i]
@@ -187,52 +226,59 @@ class RefreshSync:
         cfg = self.config
         candidates = cfg.damping_candidates if cfg.damping is None else (cfg.damping,)
         layers = [gp for gp, _ in every]
+        sides = [(gp, "in") for gp in layers] + [(gp, "out") for gp in layers if gp.out_stats is not None]
         with self._side():
             summed = self.sum_statistics(layers)
-            # per layer [finite, tokens > 0, trace > 0] in a fixed number of launches: max |x| of each
+            # per statistics [finite, tokens > 0, trace > 0] in a fixed number of launches: max |x| of each
             # summed tensor (NaN and ±Inf stay non-finite) and Σ diag(A) = ‖diag‖₁ (diag(A) ≥ 0)
-            diags = [sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"]) for sums, _ in (summed[id(gp)] for gp in layers)]
-            pieces = [t for (sums, tokens), diag in zip((summed[id(gp)] for gp in layers), diags) for t in (next(iter(sums.values())), diag, tokens)]
-            maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(layers), 3)
-            tokens = torch.stack([summed[id(gp)][1] for gp in layers])
+            ordered = [summed[id(gp), side] for gp, side in sides]
+            diags = [sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"]) for sums, _ in ordered]
+            pieces = [t for (sums, tokens), diag in zip(ordered, diags) for t in (next(iter(sums.values())), diag, tokens)]
+            maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(sides), 3)
+            tokens = torch.stack([tokens for _, tokens in ordered])
             flags = torch.stack([torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1)
             by_group: dict = {}
             for gp, group in every:
                 by_group.setdefault(group, []).append(gp)
             groups, owned = [], {}
             for group, members in by_group.items():
-                layouts = [RecordLayout(gp.stats.d_in, gp.stats.factor_rank(cfg.rank)) for gp in members]
+                layouts = [record_layout(gp, cfg.rank) for gp in members]
                 used, places = [0] * group.size(), []
                 for gp, layout in zip(members, layouts):
                     places.append(used[gp.owner])
                     used[gp.owner] += layout.nbytes
                 slot = max(used)
-                mine = [OwnedLayer(gp.name, layout.rank, *summed[id(gp)], gp.stats.omega, held_out=gp.held_out)
+                mine = [OwnedLayer(gp.name, layout.rank, *summed[id(gp), "in"], gp.stats.omega, held_out=gp.held_out,
+                                   out=FactorSide(layout.out_rank, *summed[id(gp), "out"], gp.out_stats.omega) if layout.d_out else None,
+                                   out_held_out=gp.out_held_out)
                         for gp, layout in zip(members, layouts) if gp.owner == group.rank()]  # fmt: skip
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
-                build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS)
+                build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS, SIDE_KINDS[self.side])
                 groups.append(_GroupRefresh(group, members, layouts, [gp.owner * slot + p for gp, p in zip(members, places)], slot, build))
             parts = [gr.build.grams() for gr in groups]
-            self.pending = _Refresh(layers, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts)
+            self.pending = _Refresh(layers, sides, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts)
 
     def _cores(self) -> None:
-        """Stage 2: host wait 1, each layer's status from the summed statistics (the same on every
-        rank), the k x k cores on the host, the whitening Grams enqueued."""
+        """Stage 2: host wait 1, each layer's status (and its output side's) from the summed statistics
+        (the same on every rank), the k x k cores on the host, the whitening Grams enqueued."""
         r = self.pending
         flags, *rest = self._wait()
-        for gp, (finite, has_tokens, has_trace) in zip(r.layers, flags.tolist()):
+        for (gp, side), (finite, has_tokens, has_trace) in zip(r.sides, flags.tolist()):
             status = BuildStatus.OK
+            what, keeps = ("activations", "keeping its previous factor") if side == "in" else \
+                ("output gradients", "whitening its input side alone")  # fmt: skip
             if not finite:
-                logger.warning("megatron-gift: non-finite activations in %s; keeping its previous factor", gp.name)
-                gp.stats.reset_ema()
+                logger.warning("megatron-gift: non-finite %s in %s; %s", what, gp.name, keeps)
+                (gp.stats if side == "in" else gp.out_stats).reset_ema()
                 status = BuildStatus.NONFINITE
-            elif not has_tokens:
+            elif not has_tokens:  # an output side at the first refresh: B is folded a step late
                 status = BuildStatus.SKIPPED
             elif not has_trace:
-                logger.warning("megatron-gift: %s saw only zero activations; keeping its previous factor", gp.name)
+                logger.warning("megatron-gift: %s saw only zero %s; %s", gp.name, what, keeps)
                 status = BuildStatus.SKIPPED
             if id(gp) in r.owned and status is not BuildStatus.OK:
-                r.owned[id(gp)].status = status
+                owned = r.owned[id(gp)]
+                (owned if side == "in" else owned.out).status = status
         out = [gr.build.cores(p) for gr, p in zip(r.groups, _unflat_groups(rest, r.parts))]
         with self._side():
             dev = _unflat_groups(to_device(_flat(_flat(out)), self.device), out)
@@ -273,7 +319,7 @@ class RefreshSync:
                 work.wait()  # the refresh stream waits for the all-gathers (a GPU-side wait on CUDA)
             for gr in r.groups:
                 gr.received = [gr.views(i, gr.recv) for i in range(len(gr.layers))]
-            headers = [rec["header"] for gr in r.groups for rec in gr.received]
+            headers = [rec[k] for gr in r.groups for rec in gr.received for k in ("header", "out_header") if k in rec]
             r.copy, r.stage, r.parts = HostCopy(headers, self.device), 3, None
 
     def install(self, remap) -> None:
@@ -290,6 +336,7 @@ class RefreshSync:
         for gr in r.groups:
             for i, gp in enumerate(gr.layers):
                 head = dict(zip(HEADER, next(headers).tolist()))
+                out_head = dict(zip(OUT_HEADER, next(headers).tolist())) if gr.layouts[i].d_out else None
                 status = BuildStatus(int(head["status"]))
                 if status is BuildStatus.FAILED:
                     failed.append(f"{gp.name} (rank {gp.owner} of its reduction group)")
@@ -298,51 +345,74 @@ class RefreshSync:
                 if status is BuildStatus.INDEFINITE:
                     logger.warning("megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
                                    "corrupt statistics?): using the diagonal of A alone for this factor", gp.name, MAX_SHIFTS)  # fmt: skip
-                self._install(gp, gr.received[i], head, remap, gp.owner == gr.group.rank())
+                self._install(gp, gr.received[i], head, out_head, remap, gp.owner == gr.group.rank())
         if failed:
             raise RuntimeError(f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
                                f"the traceback); stopping on every rank")  # fmt: skip
 
     @staticmethod
-    def _install(gp: GiftParam, rec: dict, head: dict, remap, owner: bool) -> None:
+    def _install(gp: GiftParam, rec: dict, head: dict, out_head: dict | None, remap, owner: bool) -> None:
+        """Install one built layer from its record: factor and ``T`` (identity when Euclidean was
+        chosen), with an output side ``out_factor`` and ``output_whitening`` (None unless the chosen
+        pair has ``T_out``); ``remap`` gets the old and the new map the gradient is sent through."""
         # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
         # where views would hold it, growing with the group size, until the next refresh.
         rec = {k: t.clone() for k, t in rec.items()}
-        rank, choice = int(head["rank"]), head["choice"]
-        cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
-        factor = LowRankFactor(rec["d"], cols(rec["v"]), cols(rec["lam"]), head["trace_a"], head["damping"])
-        best = LowRankWhitening.from_tensors({k: cols(rec[k]) if k in ("q", "c", "c_inv") else rec[k]
-                                              for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
+
+        def side(prefix: str, rank: int, trace: float, damping: float):
+            cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
+            factor = LowRankFactor(rec[prefix + "d"], cols(rec[prefix + "v"]), cols(rec[prefix + "lam"]), trace, damping)
+            best = LowRankWhitening.from_tensors({k: cols(rec[prefix + k]) if k in ("q", "c", "c_inv") else rec[prefix + k]
+                                                  for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
+            return factor, best
+
+        choice = head["choice"]
+        factor, best = side("", int(head["rank"]), head["trace_a"], head["damping"])
         if choice < 0:  # Euclidean chosen (or not yet trusted): T = I, the factor kept for the profiles
             new, damping = LowRankWhitening.identity(gp.stats.d_in, device=rec["d"].device), None
         else:
             new, damping = best, choice
+        out_factor, new_out, out_best = gp.out_factor, None, None  # a skipped output side: the input side alone
+        if out_head is not None:
+            out_status = BuildStatus(int(out_head["status"]))
+            if out_status is BuildStatus.INDEFINITE:
+                logger.warning("megatron-gift: the Nyström core of %s's output gradients stayed indefinite after %d shifts: "
+                               "whitening its input side alone", gp.name, MAX_SHIFTS)  # fmt: skip
+            if out_status in (BuildStatus.OK, BuildStatus.INDEFINITE):
+                out_factor, t_out = side("out_", int(out_head["rank"]), out_head["trace_b"], out_head["damping"])
+                new_out = t_out if choice >= 0 and out_head["choice"] >= 0 else None
+                out_best = t_out if out_head["held_out"] > 0 else None
         if gp.mode is Mode.GIFT:
-            remap(gp, gp.whitening, new)
+            remap(gp, _transform(gp.whitening, gp.output_whitening), _transform(new, new_out))
         gp.factor, gp.whitening, gp.damping = factor, new, damping
-        gp.held_out = best if owner else None  # the next build's held-out check, on the rank that runs it
+        gp.out_factor, gp.output_whitening = out_factor, new_out
+        # the next build's held-out check (the best pair), on the rank that runs it
+        gp.held_out, gp.out_held_out = (best, out_best) if owner else (None, None)
 
-    def sum_statistics(self, layers) -> dict[int, tuple]:
-        """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups: one
-        FP32 all-reduce per group for all layers at once (views of its result). By linearity this is
-        the EMA of the global statistics."""
-        by_groups: dict[tuple, list[GiftParam]] = {}
+    def sum_statistics(self, layers) -> dict[tuple[int, str], tuple]:
+        """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups, keyed by
+        ``(id(GiftParam), "in")``, and its output side's over ``out_stats_groups`` by ``(id, "out")``:
+        one FP32 all-reduce per group of each distinct tuple of groups, for all statistics at once (views
+        of its result). By linearity this is the EMA of the global statistics."""
+        by_groups: dict[tuple, list[tuple]] = {}
         for gp in layers:
-            by_groups.setdefault(tuple(gp.stats_groups), []).append(gp)
+            by_groups.setdefault(tuple(gp.stats_groups), []).append((id(gp), "in", gp.stats))
+            if gp.out_stats is not None:
+                by_groups.setdefault(tuple(gp.out_stats_groups), []).append((id(gp), "out", gp.out_stats))
         out = {}
         for groups, members in by_groups.items():
-            parts = [t for gp in members for t in (*gp.stats.ema_sums.values(), gp.stats.ema_tokens.reshape(1))]
+            parts = [t for _, _, st in members for t in (*st.ema_sums.values(), st.ema_tokens.reshape(1))]
             flat = torch.cat([t.reshape(-1).float() for t in parts])
             for group in groups:
                 dist.all_reduce(flat, group=group)
                 n = group.size()
                 self.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, flat.numel() * 4))
             pos = 0
-            for gp in members:
+            for key, side, st in members:
                 sums = {}
-                for k, t in gp.stats.ema_sums.items():
+                for k, t in st.ema_sums.items():
                     sums[k] = flat[pos : pos + t.numel()].view(t.shape)
                     pos += t.numel()
-                out[id(gp)] = (sums, flat[pos])
+                out[key, side] = (sums, flat[pos])
                 pos += 1
         return out

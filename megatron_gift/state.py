@@ -1,7 +1,8 @@
 """The plugin's reduction state, free of Megatron and of collectives (in the spirit of PyTorch's
 ``PowerSGDState``): what the bucket-group hooks need between steps, with its own state dict.
 
-Per parameter (``GiftParam``): mode, K-FAC statistics, factor, ``T`` and damping choice. Per rank:
+Per parameter (``GiftParam``): mode, K-FAC statistics, factor, ``T`` and damping choice, and for a
+two-sided layer (``numerics.two_sided``) their output-side twins. Per rank:
 the step, whether this step's statistics are still being collected, the non-finite flag and the
 byte ledger. The error-feedback residuals live in the bucket groups' buffers; the methods that
 need them take ``residuals``: ``(residual of one parameter as [rows, cols], its GiftParam)`` pairs.
@@ -39,6 +40,11 @@ class GiftParam:
     damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
     held_out: LowRankWhitening | None = None  # its owner only: the best T of the last build, checked on the next
     # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; checkpointed)
+    out_stats: KFACStatistics | None = None  # B = E[g gᵀ] over the layer's output gradients (d = weight rows); None: input side only
+    out_stats_groups: list = field(default_factory=list)  # groups B's EMA is summed over at a refresh
+    out_factor: LowRankFactor | None = None
+    output_whitening: LowRankWhitening | None = None  # T_out in use; None: no output side (the damping: out_factor's)
+    out_held_out: LowRankWhitening | None = None  # its owner only: T_out of the last build's best pair (None: it had none)
 
 
 def _to(tree, device):
@@ -98,23 +104,33 @@ class GiftState:
         """This rank's state on the CPU, keyed by parameter name: ``{"step", "params": {name: {"mode",
         "stats" (step accumulators and local per-step EMA), "whitening", "damping" (None: Euclidean
         chosen), "factor", "held_out", "residual"}}}``. Everything but ``residual`` (the error-feedback
-        residual in the parameter's quantized coordinates, this rank's own) and ``held_out`` (on the
-        layer's factor owner only) is identical on all ranks that hold it.
+        residual in the parameter's quantized coordinates, this rank's own), ``stats`` and ``held_out``
+        (on the layer's factor owner only) is identical on all ranks that hold it. A two-sided layer
+        adds its output side's twins: ``output_whitening`` (absent: no output side in use) and
+        ``out_factor`` beside theirs, and the per-rank ones inside their twins' entries, ``stats["out"]``
+        (``B``'s statistics) and ``held_out["out"]`` (``T_out`` of the held-out pair), so that whatever
+        keeps the per-rank state apart (``megatron.checkpoint.split_state``) keeps them with it.
         A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
         params = {}
         for gp in self.params.values():
             entry = {"mode": gp.mode.value}
             if gp.stats is not None:
                 entry["stats"] = _to(gp.stats.state_dict(), "cpu")
+                if gp.out_stats is not None:
+                    entry["stats"]["out"] = _to(gp.out_stats.state_dict(), "cpu")
             if gp.whitening is not None:
                 entry["whitening"] = _to(gp.whitening.tensors(), "cpu")
                 entry["damping"] = gp.damping
+            if gp.output_whitening is not None:
+                entry["output_whitening"] = _to(gp.output_whitening.tensors(), "cpu")
             if gp.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
                 entry["held_out"] = _to(gp.held_out.tensors(), "cpu")
-            if gp.factor is not None:
-                f = gp.factor
-                entry["factor"] = {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a),
-                                   "damping": float(f.damping)}  # fmt: skip
+                if gp.out_held_out is not None:
+                    entry["held_out"]["out"] = _to(gp.out_held_out.tensors(), "cpu")
+            for key, f in (("factor", gp.factor), ("out_factor", gp.out_factor)):
+                if f is not None:
+                    entry[key] = {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a),
+                                  "damping": float(f.damping)}  # fmt: skip
             params[gp.name] = entry
         for view, gp in residuals:
             params[gp.name]["residual"] = view.to("cpu", copy=True)
@@ -145,25 +161,44 @@ class GiftState:
 
     @staticmethod
     def _load_param(gp: GiftParam, entry: dict, local: bool) -> bool:
-        """Statistics (``local``) and transform of one parameter; False if they don't fit this configuration."""
+        """Statistics (``local``) and transforms of one parameter, both sides; False if they don't fit
+        this configuration. A checkpoint without the output side's keys (an older one, or saved with
+        the input side only) leaves it fresh: no output side until the next refresh builds one."""
         if gp.stats is not None and local:
             saved = entry.get("stats")
-            if saved is None or "ema_tokens" not in saved or any(saved["sums"][k].shape != t.shape for k, t in gp.stats.sums.items()):
+            if not _fits(gp.stats, saved) or (gp.out_stats is not None and "out" in saved and not _fits(gp.out_stats, saved["out"])):
                 return False
             gp.stats.load_state_dict(saved)
+            if gp.out_stats is not None and "out" in saved:
+                gp.out_stats.load_state_dict(saved["out"])
         if "whitening" in entry:
-            w = entry["whitening"]
-            gp.whitening = LowRankWhitening.empty(w["q"].shape[0], w["q"].shape[1], device=w["q"].device)
-            for k, t in gp.whitening.tensors().items():
-                t.copy_(w[k])
+            gp.whitening = _whitening(entry["whitening"])
             gp.damping = entry.get("damping")
+        # the T_out the residual was saved with, even for a layer now without output statistics (the next
+        # refresh installs a map without it and carries the residual over); None when none was in use
+        gp.output_whitening = _whitening(entry["output_whitening"]) if "output_whitening" in entry else None
         held = entry.get("held_out") if local else None
         if held is not None:
-            gp.held_out = LowRankWhitening.from_tensors({k: t.clone() for k, t in held.items()})
+            gp.held_out = _whitening(held)
+            gp.out_held_out = _whitening(held["out"]) if "out" in held else None
         else:  # another layout (or an older checkpoint): a restored T was trusted when saved, so it stands as
             # the held-out T of the next refresh; a layer saved as Euclidean waits one refresh for its check
             gp.held_out = gp.whitening if gp.whitening is not None and gp.damping is not None else None
+            gp.out_held_out = gp.output_whitening if gp.held_out is not None else None
         f = entry.get("factor")
         if f is not None and gp.stats is not None and f["d"].shape == (gp.stats.d_in,):
             gp.factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"]))
+        f = entry.get("out_factor")
+        fits = f is not None and gp.out_stats is not None and f["d"].shape == (gp.out_stats.d_in,)
+        gp.out_factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"])) if fits else None
         return True
+
+
+def _fits(stats: KFACStatistics, saved: dict | None) -> bool:
+    """Whether ``saved`` (``KFACStatistics.state_dict()``) can be loaded into ``stats``."""
+    return saved is not None and "ema_tokens" in saved and all(saved["sums"][k].shape == t.shape for k, t in stats.sums.items())
+
+
+def _whitening(saved: dict) -> LowRankWhitening:
+    """A saved ``LowRankWhitening.tensors()`` (without a nested ``"out"``) as a transform owning copies of them."""
+    return LowRankWhitening.from_tensors({k: t.clone() for k, t in saved.items() if k != "out"})

@@ -104,13 +104,13 @@ def test_cold_start_sends_euclidean_until_a_held_out_check_passes():
     sent = []
     for step in range(3):
         layer.install()
-        sent.append({k: v[1] for k, v in layer.sent.items()})
+        sent.append({("chosen" if gated else "input"): v[1] for (_, gated), v in layer.sent.items()})
         x = torch.randn(512, d, generator=gen) @ mix.T
         g = torch.randn(48, 512, generator=gen) @ x / 512
         layer.stats.accumulate(x)
         layer.stats.fold()
         if step == 1:
-            t, t_inv = (m.double() for m in layer.held_out.dense())
+            t, t_inv = (m.double() for m in layer.held_out["input"].dense())
             u = (g.double() @ t).float()
             wins = float(((roundtrip(u, codec) - u).double() @ t_inv).norm()) < float((roundtrip(g, codec) - g).norm())
         layer.refresh(g, (0.3, 1.0, 3.0, 10.0))
@@ -123,3 +123,135 @@ def test_cli_parses_bench_pretrained():
 
     args = build_parser().parse_args(["bench", "pretrained", "--quick", "--models", "smollm2-135m", "--json", "x.json"])
     assert args.quick and args.models == ["smollm2-135m"] and args.json == "x.json" and args.func.__name__ == "_bench_pretrained"
+
+
+def _ref_whitening(a: torch.Tensor, rank: int, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense FP64 ``(T, T⁻¹)`` from the dense factor ``a``, built from the definitions, not the low-rank
+    formulas: ``Â = D + V Λ Vᵀ`` (top-``rank`` eigenpairs, ``D`` the residual diagonal plus
+    ``δ·mean diag A``), ``S = D^{-1/2} Â D^{-1/2}``, ``T = D^{-1/2} S^{-1/2}``, ``T⁻¹ = S^{1/2} D^{1/2}``."""
+    evals, evecs = torch.linalg.eigh(a)
+    v, lam = evecs[:, -rank:], evals[-rank:].clamp_min(0)
+    low = (v * lam) @ v.T
+    d = (a.diagonal() - low.diagonal()).clamp_min(0) + delta * a.diagonal().mean()
+    e, u = torch.linalg.eigh((torch.diag(d) + low) / torch.outer(d.sqrt(), d.sqrt()))
+    return (u * e.rsqrt()) @ u.T / d.sqrt()[:, None], (u * e.sqrt()) @ u.T * d.sqrt()
+
+
+def _ref_ema(steps: list[torch.Tensor], beta: float = 0.95) -> torch.Tensor:
+    """``Σ_s β^{t-s} X_sᵀX_s / Σ_s β^{t-s} n_s`` over the per-step activations ``steps`` (FP64)."""
+    t = len(steps) - 1
+    num = sum(beta ** (t - s) * x.double().T @ x.double() for s, x in enumerate(steps))
+    return num / sum(beta ** (t - s) * x.shape[0] for s, x in enumerate(steps))
+
+
+def test_two_sided_schemes_against_a_dense_reference():
+    """``gift-both`` and ``gift-auto`` on a layer whose gradients are anisotropic on both sides: at step 3
+    each sends ``Σ_r T_out⁻ᵀ dec(q(T_outᵀ G_r T_in)) T_in⁻¹`` with ``T_in`` from ``A`` through step 2
+    and ``T_out`` from ``B`` through step 1 (the runtime's lag), at the damping pair chosen among the
+    grid (and the input candidates) on rank 0's step-2 gradient: recomputed here from dense FP64
+    EMAs and ``T`` built from their definition. Bugs caught: ``T_out`` dropped, transposed or put on
+    the wrong side, a wrong factor or damping (each re-rounds every element: a difference of the
+    order of the FP8 error itself), a choice that is not the smallest estimate; and ``B`` folded
+    without the lag (the first refresh, at step 0, would then have an output side, not ``T_out = I``).
+
+    Tolerance: with the same ``T`` the bench's FP32 low-rank maps and the FP64 dense ones differ by
+    about ``d·2^-24`` relative, which moves an FP8 code only for an element within that distance of a
+    rounding boundary (a handful of the 2·24·40 elements, one step each), far below the ``sqrt(n)``
+    steps of the FP8 error itself: a quarter of that error separates the two cases. Estimates of the
+    same ``T`` agree to well under 1%; the choice is allowed 2% of a near-tie."""
+    from megatron_gift.numerics import CodecConfig
+    from megatron_gift.numerics.fp8 import roundtrip
+
+    gen = torch.Generator().manual_seed(5)
+    d_in, d_out, rank, ranks, n = 40, 24, 8, 2, 256
+    dampings, codec = (0.3, 1.0, 3.0, 10.0), CodecConfig()
+
+    def mixing(d):
+        basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+        return (basis * torch.logspace(0, -2, d, dtype=torch.float64)).float()
+
+    m_in, m_out = mixing(d_in), mixing(d_out)
+    layer = pretrained_steps.GiftLayer(KFACStatistics(d_in, sketch=0), rank, KFACStatistics(d_out, sketch=0))
+    xs, dys, labels = [], [], []
+    for step in range(4):
+        layer.install()
+        labels.append({k: v[1] for k, v in layer.sent.items()})
+        x = [torch.randn(n, d_in, generator=gen) @ m_in.T for _ in range(ranks)]
+        dy = [torch.randn(n, d_out, generator=gen) @ m_out.T for _ in range(ranks)]
+        stack = torch.stack([g.T @ a / n for g, a in zip(dy, x)])
+        xs.append(torch.cat(x))
+        dys.append(torch.cat(dy))
+        if step < 3:
+            layer.observe(x, dy)
+            layer.refresh(stack[0], dampings)
+            g0 = stack[0]
+    assert all(labels[1][(side, True)] == "euclidean" for side in ("input", "both", "auto"))
+    assert labels[1][("both", False)].endswith("/I"), labels[1]  # no output statistics at the first refresh
+    truth = stack.sum(0)
+    a, b = _ref_ema(xs[:3]), _ref_ema(dys[:2])
+    t_in = {c: _ref_whitening(a, rank, c) for c in dampings}
+    t_out = {c: _ref_whitening(b, rank, c) for c in dampings}
+
+    def ref(label):
+        ti, ti_inv = t_in[float(str(label).split("/")[0])]
+        to, to_inv = t_out[float(label.split("/")[1])] if "/" in str(label) else (torch.eye(d_out, dtype=torch.float64),) * 2
+        sent = sum(roundtrip((to.T @ g.double() @ ti).float(), codec).double() for g in stack)
+        return to_inv.T @ sent @ ti_inv
+
+    def estimate(label):
+        (ti, ti_inv), (to, to_inv) = t_in[float(label.split("/")[0])], t_out[float(label.split("/")[1])]
+        u = (to.T @ g0.double() @ ti).float()
+        return float((to_inv.T @ (roundtrip(u, codec) - u).double() @ ti_inv).norm())
+
+    rel = {}
+    for scheme in ("gift-chosen", "gift-both", "gift-auto"):
+        approx, label = pretrained_steps.SCHEMES[scheme]({"gift": {"main": layer}}, stack, truth)
+        rel[scheme] = float((approx.double() - truth.double()).norm() / truth.double().norm())
+        assert label not in ("euclidean", "none"), (scheme, label)
+        expected = ref(label)
+        err = float((expected - truth.double()).norm())
+        assert float((approx.double() - expected).norm()) < 0.25 * err, (scheme, label)
+    both = layer.sent[("both", True)][1]
+    grid = {f"{i}/{o}": estimate(f"{i}/{o}") for i in dampings for o in dampings}
+    assert grid[both] <= 1.02 * min(grid.values()) and grid[both] < float((roundtrip(g0, codec) - g0).norm()), (both, grid)
+    assert rel["gift-both"] < 0.9 * rel["gift-chosen"], rel  # the output side matters here: a dropped T_out shows
+
+
+def test_run_model_on_a_tiny_causal_lm(monkeypatch):
+    """The benchmark end to end on a tiny Llama (the loader replaced): every layer and step has a record
+    of every scheme (rank 64 for qkv and fc1 only), the gated schemes send plain FP8 at steps 0-1 (their
+    RelL2 is ``euclid-e4m3-block``'s, bit for bit: nothing whitened before the held-out check) and the
+    summary and tables cover them; two-sided refresh bytes exceed the input side's by the output's.
+    Bugs caught: a scheme missing from a layer, the output gradients not captured (``B`` empty: the
+    two-sided refresh fails), a gated scheme whitening during the cold start."""
+    from megatron_gift.bench.llama import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=128, hidden=64, layers=2, heads=2, ffn_hidden=96, seq_len=32)
+    gen = torch.Generator().manual_seed(0)
+
+    def batches():
+        while True:
+            x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
+            yield x[:, :-1], x[:, 1:]
+
+    monkeypatch.setattr(pretrained_steps, "_load", lambda spec, docs: (LlamaModel(cfg), batches()))
+    spec = pretrained_steps.ModelSpec("tiny", "causal", 2, 2, cfg.seq_len, 4, None)
+    records = pretrained_steps.run_model(spec, [])
+    by = {(r["step"], r["layer"], r["scheme"]): r for r in records}
+    layers = {r["layer"] for r in records}
+    assert len(layers) == 8
+    for (step, layer, scheme), r in by.items():
+        if scheme in pretrained_steps.GATED and step < 2:
+            assert r["rel_l2"] == by[(step, layer, "euclid-e4m3-block")]["rel_l2"], (step, layer, scheme)
+    for step in range(4):
+        for layer in layers:
+            lt = layer.rsplit("_", 1)[-1]
+            want = set(pretrained_steps.SCHEMES) - (set() if lt in ("qkv", "fc1") else {"gift-input-r64"})
+            assert {s for (t, n, s) in by if t == step and n == layer} == want
+    dims = {(r["model"], r["layer_type"]): (r["d_in"], r["d_out"]) for r in records}
+    doc = dict(summary=pretrained_steps.summarize(records), rank_axis=pretrained_steps.rank_axis(records, dims),
+               refresh_bytes=pretrained_steps.two_sided_bytes(dims))  # fmt: skip
+    assert {r["scheme"] for r in doc["summary"]["per_type"]} == set(pretrained_steps.SCHEMES)
+    for r in doc["refresh_bytes"]:
+        assert r["both"] == sum(r["input"].values()) + sum(r["output"].values()) > sum(r["input"].values())
+    assert "gift-both" in pretrained_steps.format_tables(doc)

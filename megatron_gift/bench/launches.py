@@ -11,7 +11,9 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 - ``bucket``: the same segment structure at every size (four ``[rows, 1000]`` parameters, rows
   scaled with the bucket, padding after them): ``euclidean``, ``gift`` (each a parameter's
   whitening of rank 8), ``plain`` (GIFT, Euclidean, an ``off`` and a ``bf16`` parameter),
-  ``euclidean+ef`` (error feedback);
+  ``euclidean+ef`` (error feedback), ``gift+out`` (two-sided: ``gift`` with an output-side
+  whitening of rank 8 per parameter, ``comm.output_side``: ``T_outᵀ G`` before the send, ``P``'s
+  partials after the last inner stage, and the ``output`` stage);
 - per stage: ``aten_ops``, ``triton_launches``, ``bytes_read`` / ``bytes_written`` (ATen ops by
   the tensors they touch, kernels by their ``TRAFFIC`` formulas), ``essential_read`` /
   ``essential_written`` (what one fused pass must move: below) and ``ratio`` (moved / essential);
@@ -32,7 +34,10 @@ node sums: read the node's messages of the held shards, write their FP8 messages
 every sender's message of the own shard, write the shard (``b`` per element); cut rows: their
 values read and written; all-reduce gather: read the senders' messages, write one; decode of
 all: read every shard's message, write the bucket; an all-gather's own stage moves nothing.
-Error feedback adds the residual read and written (FP32). Delta gather (``comm.param_delta``, a
+Error feedback adds the residual read and written (FP32). The output side's stage reads its FP32
+``W`` and writes the rank's elements (``b`` per element; ``P`` aside); its other work (``T_outᵀ G``
+into an FP32 copy at the send, ``W`` through FP32 targets, ``P``'s partials) is not counted as
+essential: a fused pass would fold it into the existing ones, so the ratios show its cost. Delta gather (``comm.param_delta``, a
 shard of ``S`` BF16 elements, message ``m``): encode reads ``new`` and ``prev`` (``4S``), writes
 the message; decode reads the ``p`` messages and every shard's base (``2pS``, the owner's from
 ``prev``), writes the parameters and the owner's ``prev`` (``2pS + 2S``).
@@ -64,6 +69,8 @@ import torch
 
 from ..comm.hierarchical import TwoLevelReduce, intra_wire
 from ..comm.layout import BucketLayout, Segment
+from ..comm.ledger import CommLedger
+from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue, StageStreams
 from ..comm.topology import Topology, TwoLevelGroups
@@ -82,6 +89,7 @@ BUCKETS = {
     "gift": (Mode.GIFT,) * 4,
     "plain": (Mode.GIFT, Mode.EUCLIDEAN, Mode.OFF, Mode.BF16),
     "euclidean+ef": (Mode.EUCLIDEAN,) * 4,
+    "gift+out": (Mode.GIFT,) * 4,
     "euclidean/8": (Mode.EUCLIDEAN,) * 8,
     "gift/8": (Mode.GIFT,) * 8,
 }
@@ -112,15 +120,16 @@ def segments(numel: int, modes) -> list[Segment]:
     return [Segment(i * rows * COLS, rows, COLS, m, f"p{i}") for i, m in enumerate(modes)]
 
 
-def _whitenings(segs, device):
+def _whitenings(segs, device, output: bool = False):
+    """A rank-``RANK`` whitening per GIFT parameter (input side: ``cols``; ``output``: ``rows``), random finite values."""
     out = []
     for s in segs:
         if s.mode is not Mode.GIFT:
             out.append(None)
             continue
-        w = LowRankWhitening.empty(s.cols, RANK, device=device)
+        w = LowRankWhitening.empty(s.rows if output else s.cols, RANK, device=device)
         if device.type != "meta":  # finite values for a real run
-            gen = torch.Generator().manual_seed(s.start)
+            gen = torch.Generator().manual_seed(s.start + output)
             for t in w.tensors().values():
                 t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
         out.append(w)
@@ -142,6 +151,7 @@ class Case:
         self.device, self.rank = torch.device(device), rank
         self.layout = layout or BucketLayout(numel, p, segments(numel, BUCKETS[bucket]), CodecConfig(), torch.float32)
         self.transforms = _whitenings(self.layout.segments, self.device)
+        self.outputs = _whitenings(self.layout.segments, self.device, output=True) if bucket.endswith("+out") else None
         self.flat = torch.empty(numel, device=self.device)
         if self.device.type != "meta":
             self.flat.copy_(torch.randn(numel, generator=torch.Generator().manual_seed(rank)))
@@ -162,11 +172,13 @@ class Case:
     def reduction(self):
         fused = self.kernels == "fused"
         if self.two_level:
-            return TwoLevelReduce(self.flat, self.layout, _two_level_groups(self.p, self.rank), self.transforms,
-                                  intra=self.intra, average=True, all_reduce=self.all_reduce, kernels=fused)  # fmt: skip
-        return QuantizedReduce(self.flat, self.layout, FakeGroup(self.p, self.rank), self.transforms,
-                               error_feedback=self.error_feedback, average=True, all_reduce=self.all_reduce,
-                               kernels=fused)  # fmt: skip
+            inner = TwoLevelReduce(self.flat, self.layout, _two_level_groups(self.p, self.rank), self.transforms,
+                                   intra=self.intra, average=True, all_reduce=self.all_reduce, kernels=fused)  # fmt: skip
+        else:
+            inner = QuantizedReduce(self.flat, self.layout, FakeGroup(self.p, self.rank), self.transforms,
+                                    error_feedback=self.error_feedback, average=True, all_reduce=self.all_reduce,
+                                    kernels=fused)  # fmt: skip
+        return inner if self.outputs is None else OutputSide(inner, self.outputs, CommLedger())
 
     def run(self, meter: Meter) -> None:
         """One reduction through a ``ReductionQueue``, every stage inside ``meter.probe``."""
@@ -221,6 +233,9 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
         return senders * msg([r]), msg([r])
     if stage == "gather_intra":
         return 0, 0
+    if stage == "output":
+        own = sum(hi - lo for lo, hi in case.reduction().owned.values())  # the OutputSide's elements of rank r
+        return 4 * own, b * own
     if stage == "decode_all":
         return sum(msg([j]) + gift_codes(j) for j in range(p)), sum(shard_elements(j) for j in range(p)) * b
     return None
@@ -284,7 +299,7 @@ def scan(quick: bool) -> list[tuple]:
     paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs", "two-level/bf16-ar", "two-level/fp8-ar"]
     if quick:
         paths = ["flat-rs", "two-level/bf16-rs"]  # Megatron's distributed optimizer, flat and the default two-level
-    for bucket in ("euclidean", "gift", "plain", "euclidean+ef") + (() if quick else ("euclidean/8", "gift/8")):
+    for bucket in ("euclidean", "gift", "plain", "euclidean+ef", "gift+out") + (() if quick else ("euclidean/8", "gift/8")):
         for size in sizes:
             for dp in dps:
                 for path in paths:

@@ -16,22 +16,34 @@ so a scheme is added in one place):
   the last refresh built (statistics through step ``t-1``: the plugin's one-step lag; per-step EMA
   0.95, Nyström sketch 64, rank 32, refresh steps 0, 1, 2, 4, 8, 10, 20, ...) with the damping chosen
   among the candidates and Euclidean on rank 0's gradient of the refresh step; Euclidean before any.
-* ``gift-chosen``: what the plugin sends: the same, gated by the cold-start rule
-  (``profile.held_out_gate``: a new ``T`` is used only where the previous refresh's ``T`` beat
-  plain FP8 on the refresh step's gradient, which it never saw).
+* ``gift-chosen``: what the plugin sends at ``--gift-side input``: the same, gated by the cold-start
+  rule (``profile.held_out_gate``: a new ``T`` is used only where the previous refresh's best ``T``
+  beat plain FP8 on the refresh step's gradient, which it never saw).
+* ``gift-both`` / ``gift-auto``: what it sends at ``--gift-side both`` / ``auto``
+  (``numerics.two_sided``, ``U = T_outᵀ G T_in``), gated by the same rule applied to the pair:
+  ``T_out`` built from the output-gradient statistics ``B = E[g gᵀ]`` of the same schedule (per-step
+  EMA, sketch, rank) as ``T_in`` from ``A``, with ``B`` one step older than ``A`` (the runtime folds
+  the output gradients, which arrive after the step's first bucket sync, at the start of the next
+  step: a refresh at step ``t`` sees ``B`` through ``t-1``, and the first refresh none, so its
+  pairs have ``T_out = I``); the damping pair chosen on rank 0's gradient among Euclidean and the
+  4 x 4 grid (``both``), or Euclidean, the input-side candidates and the grid (``auto``).
 * ``gift-input-r64`` (qkv and fc1, ``RANK_AXIS``): ``gift-input`` at rank 64 (sketch 128), for the
   rank choice; its refresh bytes are in ``refresh_bytes``.
 
 Noise: ``rel_l2_se`` is the standard error of each ``rel_l2`` from 16 interleaved groups of its
-elements (``rel_l2_noise``); a step "loses" only where ``gift-chosen`` exceeds ``best_euclid`` by more than
-twice their combined standard error. Each record carries ``step, model, layer, layer_type, scheme,
-rel_l2, rel_l2_se, tokens_per_rank, ranks, damping`` (the ``T`` in use: a candidate, ``euclidean``
-or ``none``) and ``ratio`` (to ``best_euclid``).
+elements (``rel_l2_noise``); a step "loses" only where a gated scheme exceeds ``best_euclid`` by more than
+twice their combined standard error (``GATED``: each scheme the plugin may send). Each record carries
+``step, model, layer, layer_type, scheme, rel_l2, rel_l2_se, tokens_per_rank, ranks, d_in, d_out,
+damping`` (the ``T`` in use: a candidate ``δ_in``, a pair ``"δ_in/δ_out"``, ``euclidean`` or ``none``)
+and ``ratio`` (to ``best_euclid``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
+import os
 import statistics
 import sys
 import time
@@ -41,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GiftConfig
-from ..numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling
+from ..numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling, TwoSidedWhitening
 from ..numerics.fp8 import roundtrip
 from ..numerics.profile import damping_choice, damping_errors, held_out_gate
 from ..numerics.refresh import RecordLayout
@@ -58,8 +70,9 @@ def _log(msg: str) -> None:
     print(f"[bench pretrained] {msg}", file=sys.stderr, flush=True)
 
 
-def _sum(stack: torch.Tensor, codec: CodecConfig, t: LowRankWhitening | None) -> torch.Tensor:
-    """``Σ_r dec(enc(G_r T)) T⁻¹`` (``t`` None: plain FP8) in FP32."""
+def _sum(stack: torch.Tensor, codec: CodecConfig, t: LowRankWhitening | TwoSidedWhitening | None) -> torch.Tensor:
+    """``Σ_r dec(enc(G_r T)) T⁻¹`` (two-sided: ``T_out⁻ᵀ Σ_r dec(enc(T_outᵀ G_r T_in)) T_in⁻¹``; ``t``
+    None: plain FP8) in FP32."""
     total = torch.zeros_like(stack[0])
     for g in stack:
         total += roundtrip(g if t is None else t.apply(g), codec)
@@ -68,36 +81,73 @@ def _sum(stack: torch.Tensor, codec: CodecConfig, t: LowRankWhitening | None) ->
 
 @dataclass
 class GiftLayer:
-    """One layer's GIFT as the plugin keeps it: the per-step EMA statistics (summed over ranks: the
-    refresh's all-reduce), the ``T`` each variant sends, and the held-out ``T`` of the last refresh."""
+    """One layer's GIFT as the plugin keeps it: the per-step EMA statistics of the inputs (and, for the
+    two-sided sides, of the output gradients; both summed over ranks: the refresh's all-reduce), the
+    ``T`` each variant sends, and per side the held-out ``T`` of the last refresh."""
 
     stats: KFACStatistics
     rank: int
-    sent: dict = field(default_factory=dict)  # variant -> (T or None, damping label)
-    held_out: LowRankWhitening | None = None
+    out_stats: KFACStatistics | None = None  # B; None: the input side only
+    sent: dict = field(default_factory=dict)  # (side, gated) -> (T or None, damping label)
+    held_out: dict = field(default_factory=dict)  # side -> the last refresh's best candidate
     pending: dict | None = None  # built at a refresh, installed at the next step
 
     def install(self) -> None:
         if self.pending is not None:
             self.sent, self.held_out, self.pending = self.pending["sent"], self.pending["best"], None
 
-    def refresh(self, g0: torch.Tensor, candidates: tuple[float, ...]) -> None:
-        """The owner's build (``numerics.refresh.FactorBuild``'s maths on the host): factor, every
-        candidate's ``T``, the damping choice on rank 0's gradient ``g0`` and the cold-start gate."""
-        factor = self.stats.low_rank_factor(self.rank, 0.0)
-        ts = [LowRankWhitening(factor.with_damping(c)) for c in candidates]
-        held = [self.held_out] if self.held_out is not None else []
-        errs = damping_errors(g0, ts + held, BLOCK)
-        chosen, best = damping_choice(errs[: 1 + len(ts)])
-        gated = held_out_gate(chosen, errs[0], errs[-1] if held else None)
-        labels = ["euclidean", *candidates]
-        pick = lambda i: (None if int(i) == 0 else ts[int(i) - 1], labels[int(i)])  # noqa: E731
-        self.pending = {"sent": {"input": pick(chosen), "chosen": pick(gated)}, "best": ts[int(best)]}
+    def observe(self, inputs: list[torch.Tensor], out_grads: list[torch.Tensor]) -> None:
+        """One step's statistics, summed over the ranks' ``inputs`` and ``out_grads``: ``A``'s folded
+        into the EMA now; ``B``'s accumulated and folded at the next call, as the runtime folds the
+        output gradients at the start of the next step (a refresh sees ``B`` a step older than ``A``)."""
+        for x in inputs:
+            self.stats.accumulate(x)
+        self.stats.fold()
+        if self.out_stats is not None:
+            if float(self.out_stats.tokens) > 0:
+                self.out_stats.fold()
+            for g in out_grads:
+                self.out_stats.accumulate(g)
+
+    def candidates(self, dampings: tuple[float, ...]) -> dict[str, list]:
+        """Side -> ``[(label, T)]``: ``input`` the ``T_in`` of each damping; with output statistics
+        ``both`` the ``TwoSidedWhitening`` of every pair (``T_out = I`` while ``B`` holds no token:
+        the first refresh) and ``auto`` the union of the two (the same objects)."""
+        f_in = self.stats.low_rank_factor(self.rank, 0.0)
+        inputs = [(c, LowRankWhitening(f_in.with_damping(c))) for c in dampings]
+        if self.out_stats is None:
+            return {"input": inputs}
+        if float(self.out_stats.ema_tokens) > 0:
+            f_out = self.out_stats.low_rank_factor(self.rank, 0.0)
+            outputs = [(c, LowRankWhitening(f_out.with_damping(c))) for c in dampings]
+        else:
+            outputs = [("I", LowRankWhitening.identity(self.out_stats.d_in))]
+        grid = [(f"{ci}/{co}", TwoSidedWhitening(ti, to)) for ci, ti in inputs for co, to in outputs]
+        return {"input": inputs, "both": grid, "auto": inputs + grid}
+
+    def refresh(self, g0: torch.Tensor, dampings: tuple[float, ...]) -> None:
+        """The owner's build (``numerics.refresh.FactorBuild``'s maths on the host): factors, every
+        candidate's ``T``, per side the damping choice on rank 0's gradient ``g0`` among Euclidean and
+        the side's candidates and the cold-start gate with that side's held-out ``T``."""
+        sides = self.candidates(dampings)
+        unique = list({id(t): t for cands in sides.values() for _, t in cands}.values())
+        held = list(self.held_out.items())
+        errs = damping_errors(g0, unique + [t for _, t in held], BLOCK)  # [Euclidean, *unique, *held]
+        col = {id(t): 1 + i for i, t in enumerate(unique)}
+        held_err = {side: errs[1 + len(unique) + i] for i, (side, _) in enumerate(held)}
+        sent, best = {}, {}
+        for side, cands in sides.items():
+            chosen, b = damping_choice(errs[[0, *(col[id(t)] for _, t in cands)]])
+            gated = held_out_gate(chosen, errs[0], held_err.get(side))
+            for flag, i in ((False, int(chosen)), (True, int(gated))):
+                sent[(side, flag)] = (None, "euclidean") if i == 0 else cands[i - 1][::-1]
+            best[side] = cands[int(b)][1]
+        self.pending = {"sent": sent, "best": best}
 
 
-def _gift_scheme(variant: str, key: str = "main"):
+def _gift_scheme(side: str, gated: bool, key: str = "main"):
     def run(ctx, stack, truth):
-        t, label = ctx["gift"][key].sent.get(variant, (None, "none"))
+        t, label = ctx["gift"][key].sent.get((side, gated), (None, "none"))
         return _sum(stack, BLOCK, t), label
 
     return run
@@ -106,12 +156,15 @@ def _gift_scheme(variant: str, key: str = "main"):
 SCHEMES = {
     "euclid-e4m3-block": lambda ctx, stack, truth: (_sum(stack, BLOCK, None), None),
     "euclid-e4m3-row": lambda ctx, stack, truth: (_sum(stack, ROW, None), None),
-    "gift-input": _gift_scheme("input"),
-    "gift-chosen": _gift_scheme("chosen"),
-    "gift-input-r64": _gift_scheme("input", "r64"),
+    "gift-input": _gift_scheme("input", False),
+    "gift-chosen": _gift_scheme("input", True),
+    "gift-both": _gift_scheme("both", True),
+    "gift-auto": _gift_scheme("auto", True),
+    "gift-input-r64": _gift_scheme("input", False, "r64"),
 }
 """name -> ``fn(ctx, stack [R, d_out, d_in], truth) -> (Σ decoded, damping label)``; ``ctx["gift"]``
 holds the layer's ``GiftLayer`` variants (``main`` at the shipped rank, ``r64`` where measured)."""
+GATED = ("gift-chosen", "gift-both", "gift-auto")  # what the plugin sends at --gift-side input, both, auto
 EUCLID = ("euclid-e4m3-block", "euclid-e4m3-row")
 
 
@@ -160,23 +213,39 @@ def _load(spec: ModelSpec, docs: list[str]):
 
 
 def _shards(model, layers: dict, inputs, targets, ranks: int):
-    """Per rank: ``(grads {name: G_r}, inputs {name: X_r})`` of the measured ``layers``."""
-    from .llama import capture_inputs
+    """Per rank: ``(grads {name: G_r}, inputs {name: X_r}, output gradients {name: dY_r})`` of the measured ``layers``."""
+    from .llama import capture_inputs, capture_output_grads
 
     names = list(layers)
     out = []
     for x, y in zip(inputs.chunk(ranks), targets.chunk(ranks)):
-        with capture_inputs(model, names) as acts:
+        with capture_inputs(model, names) as acts, capture_output_grads(model, names) as dys:
             loss = lm_loss(model, x, y)
-        grads = torch.autograd.grad(loss, [layers[n].weight for n in names])
-        out.append(({n: g.float() for n, g in zip(names, grads)}, dict(acts)))
+            grads = torch.autograd.grad(loss, [layers[n].weight for n in names])
+        out.append(({n: g.float() for n, g in zip(names, grads)}, dict(acts), dict(dys)))
     return out
 
 
 def refresh_bytes(d_in: int, rank: int, sketch: int) -> dict:
-    """Bytes one refresh moves for one layer: its FP32 statistics in the all-reduce (sketch ``Y``,
-    diagonal, token count) and its record in the factor all-gather (``RecordLayout``)."""
+    """Bytes one refresh moves for one factor of ``d_in`` (a layer's input side; its output side with
+    ``d_out``): its FP32 statistics in the all-reduce (sketch ``Y``, diagonal, token count) and its
+    record in the factor all-gather (``RecordLayout``)."""
     return {"statistics": 4 * (d_in * sketch + d_in + 1), "record": RecordLayout(d_in, rank).nbytes}
+
+
+def two_sided_bytes(dims: dict, cfg: GiftConfig = DEFAULTS) -> list[dict]:
+    """Per model and layer type (``dims``: ``(model, type) -> (d_in, d_out)``): one layer's refresh
+    bytes input-side and two-sided (the output statistics and record of ``d_out`` added), and each
+    against the layer's FP8 gradient payload (``d_out·d_in`` bytes, scales not counted) of one step
+    and of the ``refresh_interval`` steps one refresh serves in steady training."""
+    out = []
+    for (model, lt), (d_in, d_out) in sorted(dims.items()):
+        inp, outp = refresh_bytes(d_in, cfg.rank, cfg.sketch), refresh_bytes(d_out, cfg.rank, cfg.sketch)
+        both = sum(inp.values()) + sum(outp.values())
+        out.append(dict(model=model, layer_type=lt, d_in=d_in, d_out=d_out, input=inp, output=outp, both=both,
+                        fp8_gradient_bytes=d_in * d_out, input_share=sum(inp.values()) / (cfg.refresh_interval * d_in * d_out),
+                        both_share=both / (cfg.refresh_interval * d_in * d_out)))  # fmt: skip
+    return out
 
 
 def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> list[dict]:
@@ -191,7 +260,8 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
     gift = {}
     for i, (name, m) in enumerate(layers.items()):
         d = m.in_features
-        g = {"main": GiftLayer(KFACStatistics(d, cfg.ema, cfg.sketch, seed=i), cfg.rank)}
+        b = KFACStatistics(m.out_features, cfg.ema, cfg.sketch, seed=len(layers) + i)
+        g = {"main": GiftLayer(KFACStatistics(d, cfg.ema, cfg.sketch, seed=i), cfg.rank, b)}
         if layer_type(name) in RANK_AXIS:
             r = RANK_AXIS[layer_type(name)]
             g["r64"] = GiftLayer(KFACStatistics(d, cfg.ema, 2 * r, seed=i), r)
@@ -208,7 +278,7 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
             stack = torch.stack([s[0][name] for s in shards])
             truth = stack.sum(0)
             key = dict(step=step, model=spec.name, layer=name, layer_type=layer_type(name), d_in=stack.shape[2],
-                       tokens_per_rank=spec.tokens_per_rank, ranks=spec.ranks)  # fmt: skip
+                       d_out=stack.shape[1], tokens_per_rank=spec.tokens_per_rank, ranks=spec.ranks)  # fmt: skip
             out = []
             for scheme, fn in SCHEMES.items():
                 if scheme.endswith("-r64") and "r64" not in gift[name]:
@@ -221,10 +291,8 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
                 r["ratio"] = r["rel_l2"] / best["rel_l2"]
                 r["best_euclid_se"] = best["rel_l2_se"]
             records += out
-            for v in gift[name].values():  # this step's statistics, summed over ranks, into the EMA
-                for s in shards:
-                    v.stats.accumulate(s[1][name])
-                v.stats.fold()
+            for v in gift[name].values():
+                v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
                 if schedule.is_refresh_step(step):
                     v.refresh(stack[0], cfg.damping_candidates)
         _log(f"{spec.name} step {step}: {len(layers)} layers, {time.time() - t0:.0f} s")
@@ -236,10 +304,15 @@ def _geomean(xs) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
 
 
+def _whitened(label) -> bool:
+    return label not in (None, "none", "euclidean")
+
+
 def summarize(records: list[dict], cold_steps: int = 2) -> dict:
     """Per model and layer type: geometric-mean ``ratio`` of each scheme over the steps after the
-    cold start (``step >= cold_steps``) and per step; the losing records (``gift-chosen`` above the
-    best Euclidean by more than 2 standard errors); the rank axis."""
+    cold start (``step >= cold_steps``) and before; per step (with the layers sent whitened); the
+    losing records of the ``GATED`` schemes (above the best Euclidean by more than 2 standard
+    errors) and each one's worst ratio per model."""
     by = defaultdict(list)
     for r in records:
         by[(r["model"], r["layer_type"], r["scheme"], r["step"] >= cold_steps)].append(r["ratio"])
@@ -247,24 +320,24 @@ def summarize(records: list[dict], cold_steps: int = 2) -> dict:
                 for (m, lt, s, after), v in sorted(by.items())]  # fmt: skip
     steps = defaultdict(list)
     for r in records:
-        steps[(r["model"], r["step"], r["scheme"])].append(r["ratio"])
-    per_step = [dict(model=m, step=t, scheme=s, ratio=_geomean(v), worst=max(v)) for (m, t, s), v in sorted(steps.items())]
-    losses = [dict(model=r["model"], step=r["step"], layer=r["layer"], ratio=r["ratio"],
+        steps[(r["model"], r["step"], r["scheme"])].append(r)
+    per_step = [dict(model=m, step=t, scheme=s, ratio=_geomean(r["ratio"] for r in v), worst=max(r["ratio"] for r in v),
+                     whitened=sum(_whitened(r["damping"]) for r in v), layers=len(v)) for (m, t, s), v in sorted(steps.items())]  # fmt: skip
+    gated = [r for r in records if r["scheme"] in GATED]
+    losses = [dict(model=r["model"], scheme=r["scheme"], step=r["step"], layer=r["layer"], ratio=r["ratio"],
                    margin=r["rel_l2"] - r["rel_l2"] / r["ratio"], noise=2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"]))
-              for r in records if r["scheme"] == "gift-chosen"
-              and r["rel_l2"] - r["rel_l2"] / r["ratio"] > 2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"])]  # fmt: skip
-    worst = {}
-    for r in records:
-        if r["scheme"] == "gift-chosen":
-            worst[r["model"]] = max(worst.get(r["model"], 0.0), r["ratio"])
-    return dict(per_type=per_type, per_step=per_step, losses_beyond_noise=losses, worst_chosen_ratio=worst)
+              for r in gated if r["rel_l2"] - r["rel_l2"] / r["ratio"] > 2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"])]  # fmt: skip
+    worst = defaultdict(dict)
+    for r in gated:
+        worst[r["scheme"]][r["model"]] = max(worst[r["scheme"]].get(r["model"], 0.0), r["ratio"])
+    return dict(per_type=per_type, per_step=per_step, losses_beyond_noise=losses, worst_ratio=dict(worst))
 
 
 def rank_axis(records: list[dict], dims: dict) -> list[dict]:
     """Per model and layer type in ``RANK_AXIS``: ``gift-input`` at rank 32 vs 64 (geometric-mean
-    ratio after the cold start) and the refresh bytes of each rank per layer."""
+    ratio after the cold start) and the refresh bytes of each rank per layer (``dims`` as ``two_sided_bytes``)."""
     out = []
-    for (model, lt), d_in in sorted(dims.items()):
+    for (model, lt), (d_in, _) in sorted(dims.items()):
         if lt not in RANK_AXIS:
             continue
         sel = lambda s: [r["ratio"] for r in records if r["model"] == model and r["layer_type"] == lt and r["scheme"] == s and r["step"] >= 2]  # noqa: E731
@@ -288,19 +361,28 @@ def format_tables(doc: dict) -> str:
         out.append(_md_table(["model", "scheme", "qkv", "proj", "fc1", "fc2"],
                              [[m, sc, *(f"{v[lt]:.3g}" if lt in v else "-" for lt in ("qkv", "proj", "fc1", "fc2"))]
                               for (m, sc), v in sorted(rows.items())]))  # fmt: skip
-    out.append("per step: scheme / best Euclidean (geometric mean, worst layer)")
-    out.append(_md_table(["model", "step", "scheme", "geomean", "worst"],
-                         [[r["model"], r["step"], r["scheme"], f"{r['ratio']:.3g}", f"{r['worst']:.3g}"] for r in s["per_step"]]))  # fmt: skip
+    out.append("per step: scheme / best Euclidean (geometric mean, worst layer, layers sent whitened)")
+    out.append(_md_table(["model", "step", "scheme", "geomean", "worst", "whitened"],
+                         [[r["model"], r["step"], r["scheme"], f"{r['ratio']:.3g}", f"{r['worst']:.3g}", f"{r['whitened']}/{r['layers']}"]
+                          for r in s["per_step"]]))  # fmt: skip
     out.append("rank axis (gift-input, after the cold start) and refresh bytes per layer (statistics + record)")
     out.append(_md_table(["model", "type", "d_in", "r32", "r64", "bytes r32", "bytes r64"],
                          [[r["model"], r["layer_type"], r["d_in"], f"{r['ratio_r32']:.3g}", f"{r['ratio_r64']:.3g}",
                            sum(r["bytes_r32"].values()), sum(r["bytes_r64"].values())] for r in doc["rank_axis"]]))  # fmt: skip
-    out.append(f"gift-chosen records above the best Euclidean by more than 2 standard errors: {len(s['losses_beyond_noise'])}; "
-               f"worst ratio per model: {s['worst_chosen_ratio']}")  # fmt: skip
+    out.append("refresh bytes per layer, input side and two-sided (statistics + record of each side), and against the "
+               "layer's FP8 gradient bytes of the refresh interval's steps")
+    out.append(_md_table(["model", "type", "d_in", "d_out", "bytes input", "bytes both", "input share", "both share"],
+                         [[r["model"], r["layer_type"], r["d_in"], r["d_out"], sum(r["input"].values()), r["both"],
+                           f"{r['input_share']:.2%}", f"{r['both_share']:.2%}"] for r in doc["refresh_bytes"]]))  # fmt: skip
+    out.append(f"gated records ({', '.join(GATED)}) above the best Euclidean by more than 2 standard errors: "
+               f"{len(s['losses_beyond_noise'])}; worst ratio per scheme and model: {s['worst_ratio']}")  # fmt: skip
     return "\n\n".join(out) + "\n"
 
 
-def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...] | None = None, command: str | None = None) -> dict:
+def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...] | None = None, command: str | None = None,
+        steps: int | None = None) -> dict:
+    """The benchmark of the module doc on the ``quick`` or full presets (``models`` of them), ``steps``
+    per model instead of the preset's where given; prints the tables, writes ``json_path``."""
     import json
 
     from .corpus import load_documents
@@ -309,19 +391,25 @@ def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...
     torch.manual_seed(0)
     docs, manifest = load_documents()
     specs = [s for s in (QUICK if quick else FULL) if models is None or s.name in models]
-    t0, records = time.time(), []
+    if steps is not None:
+        if steps < 3:
+            raise ValueError(f"steps must be >= 3 (steps 0-1 are the cold start), got {steps}")
+        specs = [dataclasses.replace(s, steps=steps) for s in specs]
+    t0, records, load = time.time(), [], os.getloadavg()
     for spec in specs:
         _log(f"{spec.name}: {spec.ranks} ranks x {spec.tokens_per_rank} tokens, {spec.steps} steps")
         records += run_model(spec, docs)
-    dims = {(r["model"], r["layer_type"]): r["d_in"] for r in records}
+    dims = {(r["model"], r["layer_type"]): (r["d_in"], r["d_out"]) for r in records}
     doc = dict(benchmark="pretrained", command=command or "megatron-gift bench pretrained" + (" --quick" if quick else ""),
                machine=machine(), corpus=manifest.get("origin"), wall_seconds=round(time.time() - t0, 1),
+               load_average=dict(start=load, end=os.getloadavg()),
                settings=dict(rank=DEFAULTS.rank, sketch=DEFAULTS.sketch, ema=DEFAULTS.ema, refresh_interval=DEFAULTS.refresh_interval,
                              damping_candidates=list(DEFAULTS.damping_candidates), lag=1, noise_chunks=CHUNKS),
                specs=[s.__dict__ | {"tokens_per_rank": s.tokens_per_rank} for s in specs],
                records=records)  # fmt: skip
     doc["summary"] = summarize(records)
     doc["rank_axis"] = rank_axis(records, dims)
+    doc["refresh_bytes"] = two_sided_bytes(dims)
     print(format_tables(doc), end="")
     if json_path:
         with open(json_path, "w") as f:

@@ -53,18 +53,27 @@ def _segment_chunks(layout: BucketLayout, i: int, fused: bool, whiten: bool) -> 
     return layout.chunks(i, at, at + s.rows * s.cols, CHUNK, whole_rows=whiten)
 
 
+def _values(flat: torch.Tensor, layout: BucketLayout, sources: dict | None, i: int, k0: int, k1: int, rows: bool) -> torch.Tensor:
+    """Coded values ``[k0, k1)`` of segment ``i`` as the sender reads them: from ``sources[i]`` (the
+    segment's ``rows·cols`` values, e.g. the output side's FP32 ``T_outᵀ G``) where given, else from
+    the bucket; ``[rows, cols]`` with ``rows`` (whole rows), else ``[1, n]``."""
+    s, at = layout.segments[i], layout.seg_at[i]
+    x = sources[i][k0 - at : k1 - at] if sources and i in sources else flat[s.start + k0 - at : s.start + k1 - at]
+    return x.view(-1, s.cols) if rows else x.view(1, -1)
+
+
 def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                  use_kernels: bool, error_feedback: ErrorFeedback | None = None) -> None:  # fmt: skip
+                  use_kernels: bool, error_feedback: ErrorFeedback | None = None, sources: dict | None = None) -> None:  # fmt: skip
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``; plus the residual with
     ``error_feedback``, whose next residual is staged) as codes of the format and scales into its
-    message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket."""
+    message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket. ``sources``: per
+    segment index, values read instead of the bucket's (``_values``); the bucket is only read."""
     out, cfg = views(buf, layout), layout.codec
     for i in layout.coded_segments:
-        s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
+        t = transforms[i]
         for k0, k1 in _segment_chunks(layout, i, use_kernels, t is not None):
             g0, g1 = layout.group_range(k0, k1)
-            x = flat[s.start + k0 - at : s.start + k1 - at]
-            x = x.view(-1, s.cols) if t is not None else x.view(1, -1)
+            x = _values(flat, layout, sources, i, k0, k1, t is not None)
             into = kernels.Placed(pk.place["coded"].at(out["coded"], k0), pk.place["groups"].at(out["groups"], g0))
             feedback = error_feedback.feedback(k0, k1 - k0) if error_feedback is not None else None
             kernels.whiten_encode(x, t, cfg, lengths=layout.lengths(g0, g1, flat.device), fused=use_kernels, into=into,
@@ -72,15 +81,14 @@ def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Bu
 
 
 def cast_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                wire: torch.dtype, use_kernels: bool) -> None:  # fmt: skip
+                wire: torch.dtype, use_kernels: bool, sources: dict | None = None) -> None:  # fmt: skip
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) in the float
-    ``wire`` dtype into its message in ``buf``."""
+    ``wire`` dtype into its message in ``buf``; ``sources`` as in ``encode_bucket``."""
     out = buf.view(wire)
     for i in layout.coded_segments:
-        s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
+        t = transforms[i]
         for k0, k1 in _segment_chunks(layout, i, use_kernels, t is not None):
-            x = flat[s.start + k0 - at : s.start + k1 - at]
-            x = x.view(-1, s.cols) if t is not None else x.view(1, -1)
+            x = _values(flat, layout, sources, i, k0, k1, t is not None)
             kernels.whiten_place(x, t, pk.place["coded"].at(out, k0), fused=use_kernels)
 
 

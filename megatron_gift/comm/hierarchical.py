@@ -87,9 +87,9 @@ class TwoLevelReduce(ShardReduction):
         self.pk1 = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
         buf = torch.empty(self.pk1.nbytes, dtype=torch.uint8, device=device)
         if self.wire is None:
-            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.kernels)
+            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.kernels, sources=self.sources)
         else:
-            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.kernels)
+            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.kernels, self.sources)
         plain_bucket(buf, self.pk1, self.flat, layout, self.kernels)
         own = self.pk1.own.nbytes
         recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)
@@ -181,6 +181,6 @@ class TwoLevelReduce(ShardReduction):
         """Every shard's message: shard ``m·g + l'`` came from local rank l' (row l'), node m (column m)."""
         g, n = self.topo.ranks_per_node, self.topo.nodes
         slots = [(j % g) * n + j // g for j in range(self.world)]
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.kernels)
+        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.kernels, self.targets)
         del self.gathered
         return Step()

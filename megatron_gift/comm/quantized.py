@@ -15,7 +15,10 @@ Stages (run by ``comm.schedule.ReductionQueue``), on rank ``r`` of ``p``:
 2. *finish*: the cut rows' ``T⁻¹`` (reduce-scatter); all-reduce: every shard's message decoded
    and ``T⁻¹`` applied to whole rows on every rank: the same bytes give the same bits everywhere.
 
-With the distributed optimizer, the bucket outside shard ``r`` is left as it was. ``nonfinite`` (a
+With the distributed optimizer, the bucket outside shard ``r`` is left as it was. Two hooks let a
+wrapper (``comm.output_side``) change what is sent and where results land, per coded segment:
+``sources`` (the values the sender encodes instead of the bucket's) and ``targets`` (FP32 tensors
+that receive the segment's results instead of the bucket; ``destination``). ``nonfinite`` (a
 bool tensor of one flag per stage, ``schedule.MAX_STAGES``; read with ``.any()``), when given, has
 the flag of the stage that wrote a NaN/Inf set on the device. ``topology``, when
 given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
@@ -60,8 +63,13 @@ def with_self(sizes: list[int], rank: int, own: int = 0) -> list[int]:
     return [*sizes[:rank], own, *sizes[rank:]]
 
 
-def write(flat: torch.Tensor, pos: int, values: torch.Tensor) -> None:
-    flat[pos : pos + values.numel()].copy_(values.reshape(-1))
+def destination(flat: torch.Tensor, targets: dict, seg: int, lo: int, hi: int) -> torch.Tensor:
+    """Where the results for bucket positions ``[lo, hi)`` of segment ``seg`` are written: ``targets[seg] =
+    (tensor, first position)`` where the segment has a target, else the bucket ``flat``."""
+    if seg in targets:
+        t, at = targets[seg]
+        return t[lo - at : hi - at]
+    return flat[lo:hi]
 
 
 class ShardReduction(Reduction):
@@ -88,6 +96,10 @@ class ShardReduction(Reduction):
         self.kernels = use_kernels(flat.device, kernels, layout.codec)
         self.chunk = None if self.kernels else CHUNK
         self.coded_label = coded_label(layout.codec.fmt)  # the ledger's name of the coded messages
+        # hooks (module doc): segment -> values sent instead of the bucket's ([rows·cols]); segment ->
+        # (FP32 tensor, bucket position of its first element) written instead of the bucket
+        self.sources: dict[int, torch.Tensor] = {}
+        self.targets: dict[int, tuple[torch.Tensor, int]] = {}
 
     def _links(self, per_peer: list[int]) -> dict[str, int] | None:
         """Links crossed by ``per_peer[j]`` bytes sent to rank ``j`` of the group."""
@@ -133,7 +145,7 @@ class ShardReduction(Reduction):
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
             for k0, k1, n_rows, cols in part_chunks(layout, part, self.chunk, t is not None):
-                dest = flat[part.lo + k0 - part.at : part.lo + k1 - part.at].view(n_rows, cols)
+                dest = destination(flat, self.targets, part.seg, part.lo + k0 - part.at, part.lo + k1 - part.at).view(n_rows, cols)
                 out = self._target(dest)
                 self._store(dest, reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels, out))
         values = []
@@ -154,7 +166,7 @@ class ShardReduction(Reduction):
         for p, values in zip(layout.shards[self.rank].pieces, self.exchange.finish()):
             if values is not None:
                 values = self._reduced(values)
-                write(self.flat, p.flat(layout.segments[p.seg])[0], values)
+                destination(self.flat, self.targets, p.seg, *p.flat(layout.segments[p.seg])).copy_(values.reshape(-1))
         del self.exchange
         return Step()
 
@@ -204,7 +216,7 @@ class QuantizedReduce(ShardReduction):
         self.pk = layout.cached(("flat", r, str(device)), lambda: packing(
             layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device))  # fmt: skip
         self.buf = torch.empty(self.pk.nbytes, dtype=torch.uint8, device=device)
-        encode_bucket(self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback)
+        encode_bucket(self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback, self.sources)
         plain_bucket(self.buf, self.pk, self.flat, layout, self.kernels)
         self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
         return Step(self._all_to_all(), [self.buf, self.recv])
@@ -234,18 +246,19 @@ class QuantizedReduce(ShardReduction):
         return Step([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
 
     def _decode_all(self) -> Step:
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels)
+        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels, self.targets)
         del self.gathered
         return Step()
 
 
 def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Whitenings, flat: torch.Tensor,
-                    slots: list[int], fused: bool) -> None:  # fmt: skip
+                    slots: list[int], fused: bool, targets: dict | None = None) -> None:  # fmt: skip
     """Every shard's reduced message (shard ``j`` in slot ``slots[j]`` of ``gathered``, slots of
     ``max_message_bytes``) decoded into ``flat``, ``T⁻¹`` applied to whole rows: the same bytes give
     the same bits on every rank. Per segment one placed decode (``kernels.decode_placed``: codes and
     scales read at the packing's table positions) or one placed read of its plain values, written
-    into the bucket in its dtype (the PyTorch path: chunks of ``CHUNK`` coded elements)."""
+    into the bucket in its dtype (the PyTorch path: chunks of ``CHUNK`` coded elements), or into a
+    segment's ``targets`` (``destination``)."""
     width, device = layout.max_message_bytes, flat.device
     order = sorted(range(layout.num_shards), key=lambda j: slots[j])
     gp = layout.cached(("gathered", tuple(slots), str(device)), lambda: packing(
@@ -260,7 +273,7 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
             shape = ((k1 - k0) // s.cols, s.cols) if t is not None else (1, k1 - k0)
             placed = _kernels.Placed(gp.place["coded"].at(src["coded"], k0), gp.place["groups"].at(src["groups"], g0))
             _kernels.decode_placed(placed, *shape, t, layout.codec, lengths=layout.lengths(g0, g1, device),
-                                   out=flat[s.start + k0 - at : s.start + k1 - at], fused=fused)  # fmt: skip
+                                   out=destination(flat, targets or {}, i, s.start + k0 - at, s.start + k1 - at), fused=fused)  # fmt: skip
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]

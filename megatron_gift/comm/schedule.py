@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..config import Schedule
 
 
-MAX_STAGES = 5  # the most stages a reduction has (the two-level all-reduce): per-stage flags' length
+MAX_STAGES = 6  # the most stages a reduction has (the two-level all-reduce with the output side, comm.output_side): per-stage flags' length
 
 
 def default_schedule(device: torch.device) -> Schedule:

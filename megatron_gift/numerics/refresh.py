@@ -21,6 +21,16 @@ host transfer between them (``HostCopy``), batched over every layer of the refre
 device stages never wait for the host. A stage that raises marks its layer ``FAILED`` (the rest
 go on), so the record of every layer is always written: its header tells every rank what happened.
 
+Output side (``numerics.two_sided``): a layer with output-gradient statistics ``B`` (``d_out``)
+builds ``T_out`` from them in the same stages, exactly as ``T_in`` from ``A`` (each stage's parts of
+a layer: the input side's, then the output side's). The damping choice is then joint, over the
+candidates ``kinds`` names (``SIDE_KINDS``): ``(δ_in, T_out = I)`` for every δ_in (``input``) and/or
+``(δ_in, δ_out)`` over the grid x grid (``both``), each measured as ``TwoSidedWhitening`` by
+``profile.damping_errors``; the held-out check runs on the previous build's best pair. An output
+side without tokens (``B`` is folded a step late: none at the first refresh), non-finite, or left
+at rank 0 (a diagonal ``T_out`` gains nothing: ``two_sided``) offers no candidate: the input side
+goes on alone, and the output header says why.
+
 Record of one layer with input size ``d_in`` and factor rank ``r`` (``RecordLayout``), bytes::
 
     FP64: header [status, rank, choice, damping, tr A] | d [d_in] | V [d_in, r] | λ [r]
@@ -28,6 +38,11 @@ Record of one layer with input size ``d_in`` and factor rank ``r`` (``RecordLayo
 
 ``rank`` is the factor's actual rank (0 for the diagonal fallback; columns beyond it are zero),
 ``choice`` the chosen damping (-1: Euclidean, ``T = I``), ``damping`` the one ``d`` and ``T`` use.
+A layer with output statistics (``d_out > 0``) appends the same fields for ``B`` and ``T_out``
+(``out_`` + the name), its FP64 ones after ``λ``, its FP32 ones after ``c'``; its header
+``OUT_HEADER``: the output side's status, rank, ``choice`` (δ_out of the chosen pair; -1: the
+choice has no output side), ``damping`` (the one ``out_d`` and ``T_out`` use), ``tr B``, and
+``held_out`` (1: this ``T_out`` is part of the best pair, the next refresh's held-out check).
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ import torch
 
 from .fp8 import CodecConfig
 from .profile import damping_choice, damping_errors, held_out_gate
+from .two_sided import TwoSidedWhitening
 from .whitening import (
     LowRankWhitening,
     gram_eigh,
@@ -67,21 +83,29 @@ class BuildStatus(enum.IntEnum):
 
 
 HEADER = ("status", "rank", "choice", "damping", "trace_a")
+OUT_HEADER = ("status", "rank", "choice", "damping", "trace_b", "held_out")
 _FP32_KEYS = ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")  # LowRankWhitening.tensors()
+_RANK_COLS = ("v", "lam", "q", "c", "c_inv")  # columns beyond the built rank stay zero
+# ``--gift-side`` -> the candidate kinds of a layer with output statistics (module doc)
+SIDE_KINDS = {"input": ("input",), "both": ("both",), "auto": ("input", "both")}
 
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Byte layout of one layer's record (module doc)."""
+    """Byte layout of one layer's record (module doc); ``d_out`` 0: no output side."""
 
     d_in: int
     rank: int
+    d_out: int = 0
+    out_rank: int = 0
 
     def _parts(self):
         """``(dtype, [(name, shape)])`` of the FP64 part, then the FP32 part."""
-        d, r = self.d_in, self.rank
-        yield torch.float64, [("header", (len(HEADER),)), ("d", (d,)), ("v", (d, r)), ("lam", (r,))]
-        yield torch.float32, [("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,))]
+        sides = [("", HEADER, self.d_in, self.rank)] + ([("out_", OUT_HEADER, self.d_out, self.out_rank)] if self.d_out else [])
+        yield torch.float64, [(p + name, shape) for p, head, d, r in sides
+                              for name, shape in (("header", (len(head),)), ("d", (d,)), ("v", (d, r)), ("lam", (r,)))]  # fmt: skip
+        yield torch.float32, [(p + name, shape) for p, _, d, r in sides
+                              for name, shape in (("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,)))]  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -142,10 +166,29 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 
 
 @dataclass
+class FactorSide:
+    """The output side of an owned layer: ``B``'s summed EMA, its status (the same on every rank)
+    and its stages' intermediate tensors; the input side's twin fields are ``OwnedLayer``'s own."""
+
+    rank: int  # ``T_out``'s configured rank
+    sums: dict[str, torch.Tensor]
+    tokens: torch.Tensor
+    omega: torch.Tensor | None
+    status: BuildStatus = BuildStatus.OK
+    work: dict = field(default_factory=dict)
+
+    @property
+    def building(self) -> bool:
+        return self.status in (BuildStatus.OK, BuildStatus.INDEFINITE)
+
+
+@dataclass
 class OwnedLayer:
     """One layer a rank builds: its summed EMA (views of the all-reduced statistics), its record in
     the send buffer, its local gradient of the refresh step (the damping choice and the held-out
-    check) and ``held_out``, the best ``T`` of its previous build (None: none yet)."""
+    check) and ``held_out``, the best ``T`` of its previous build (None: none yet); with output
+    statistics ``out`` (its output side) and ``out_held_out`` (``T_out`` of the previous best pair, if
+    that pair had one)."""
 
     name: str
     rank: int  # the factor's configured rank (``KFACStatistics.factor_rank``)
@@ -156,23 +199,35 @@ class OwnedLayer:
     held_out: LowRankWhitening | None = None
     status: BuildStatus = BuildStatus.OK
     work: dict = field(default_factory=dict)  # the stages' intermediate tensors
+    out: FactorSide | None = None
+    out_held_out: LowRankWhitening | None = None
 
     @property
     def layout(self) -> RecordLayout:
-        return RecordLayout(next(iter(self.sums.values())).shape[0], self.rank)
+        d_out = next(iter(self.out.sums.values())).shape[0] if self.out is not None else 0
+        return RecordLayout(next(iter(self.sums.values())).shape[0], self.rank, d_out, self.out.rank if self.out is not None else 0)
 
     @property
     def building(self) -> bool:
         return self.status in (BuildStatus.OK, BuildStatus.INDEFINITE)
 
+    @property
+    def out_building(self) -> bool:
+        return self.out is not None and self.out.building
+
 
 class FactorBuild:
     """The builds of the layers one rank owns in one refresh (module doc). ``candidates``: the
-    dampings to choose from (``auto``) or the one configured damping (``auto`` False)."""
+    dampings to choose from (``auto``) or the one configured damping (``auto`` False), on each side;
+    ``kinds`` (``SIDE_KINDS``): the candidates of a layer with output statistics. With one configured
+    damping and two candidates (``auto`` side: ``(δ, I)`` and ``(δ, δ)``), the better one is chosen."""
 
     def __init__(self, layers: list[OwnedLayer], candidates: tuple[float, ...], auto: bool, codec: CodecConfig,
-                 max_shifts: int):  # fmt: skip
+                 max_shifts: int, kinds: tuple[str, ...] = ("input",)):  # fmt: skip
+        if not kinds or set(kinds) - {"input", "both"}:
+            raise ValueError(f"candidate kinds must be 'input' and/or 'both', got {kinds!r}")
         self.layers, self.candidates, self.auto, self.codec, self.max_shifts = layers, candidates, auto, codec, max_shifts
+        self.kinds = kinds
 
     def _each(self, stage: str, fn, parts=None) -> list[list[torch.Tensor]]:
         """``fn(layer[, its parts])`` for every layer still building; a layer that raises is FAILED
@@ -191,95 +246,174 @@ class FactorBuild:
                 out.append([])
         return out
 
+    # -- one side's stages (``side``: the ``OwnedLayer`` itself for A, its ``FactorSide`` for B)
+    @staticmethod
+    def _grams(side) -> torch.Tensor:
+        w, scale = side.work, side.tokens.double()
+        if side.omega is None:
+            a = side.sums["xtx"].double() / scale
+            w["diag"] = torch.diagonal(a)
+            return 0.5 * (a + a.T)
+        w["y"], w["diag"] = side.sums["y"].double() / scale, side.sums["diag"].double() / scale
+        w["omega"] = side.omega.double()
+        return sketch_grams(w["y"], w["omega"])
+
+    def _core(self, side, gram: torch.Tensor) -> list[torch.Tensor]:
+        if side.omega is None:
+            v, lam = top_eigenpairs(gram, [side.rank])[side.rank]
+            return [v, lam]
+        core = nystrom_core(gram, side.rank, self.max_shifts)
+        side.work["nu"] = core.nu
+        if not core.ok:
+            side.status = BuildStatus.INDEFINITE
+        return [core.basis, core.lam]
+
+    def _whitening_gram(self, side, basis: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        w = side.work
+        v = basis if side.omega is None else nystrom_basis(w["y"], w["omega"], w["nu"], basis)
+        base = residual_factor(w["diag"], v, lam, 0.0)
+        deltas = torch.stack([torch.full((), c, dtype=torch.float64, device=v.device) for c in self.candidates])
+        d = base.d + deltas.unsqueeze(1) * (base.trace_a / base.d.shape[0])  # [C, d]
+        # what stage 3 needs, no more: the FP64 statistics go now; W (C x the basis) is rebuilt there
+        side.work = dict(v=v, lam=lam, d=d, deltas=deltas, trace=base.trace_a)
+        return whitening_gram(d, v, lam)[1]
+
+    @staticmethod
+    def _candidates(side, s: torch.Tensor, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``tensors()`` of every candidate's ``T`` (``[C, ...]`` FP32)."""
+        w = side.work
+        return whitening_tensors(w["d"], whitening_gram(w["d"], w["v"], w["lam"])[0], s, p)
+
+    # -- the stages, batched over the layers
     def grams(self) -> list[list[torch.Tensor]]:
-        """Device stage 1: per layer, what its host core needs."""
-
-        def one(layer):
-            w, scale = layer.work, layer.tokens.double()
-            if layer.omega is None:
-                a = layer.sums["xtx"].double() / scale
-                w["diag"] = torch.diagonal(a)
-                return [0.5 * (a + a.T)]
-            w["y"], w["diag"] = layer.sums["y"].double() / scale, layer.sums["diag"].double() / scale
-            w["omega"] = layer.omega.double()
-            return [sketch_grams(w["y"], w["omega"])]
-
-        return self._each("statistics", one)
+        """Device stage 1: per layer, what its host cores need (the input side's, then the output side's)."""
+        return self._each("statistics", lambda layer: [self._grams(side) for side in (layer, layer.out) if side is not None])
 
     def cores(self, host: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Host stage 1: per layer ``[basis or V, λ]`` for the device."""
+        """Host stage 1: per layer ``[basis or V, λ]`` of each side still building."""
 
         def one(layer, parts):
-            if layer.omega is None:
-                v, lam = top_eigenpairs(parts[0], [layer.rank])[layer.rank]
-                return [v, lam]
-            core = nystrom_core(parts[0], layer.rank, self.max_shifts)
-            layer.work["nu"] = core.nu
-            if not core.ok:
-                layer.status = BuildStatus.INDEFINITE
-            return [core.basis, core.lam]
+            out = self._core(layer, parts[0])
+            return out + self._core(layer.out, parts[1]) if layer.out_building else out
 
         return self._each("Nyström core", one, host)
 
     def whitening_grams(self, dev: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Device stage 2: per layer ``[S_δ for every candidate]`` (``[C, r, r]``)."""
+        """Device stage 2: per layer ``[S_δ for every candidate]`` (``[C, r, r]``) of each side."""
 
         def one(layer, parts):
-            w = layer.work
-            basis, lam = parts
-            v = basis if layer.omega is None else nystrom_basis(w["y"], w["omega"], w["nu"], basis)
-            base = residual_factor(w["diag"], v, lam, 0.0)
-            deltas = torch.stack([torch.full((), c, dtype=torch.float64, device=v.device) for c in self.candidates])
-            d = base.d + deltas.unsqueeze(1) * (base.trace_a / base.d.shape[0])  # [C, d_in]
-            # what stage 3 needs, no more: the FP64 statistics go now; W (C x the basis) is rebuilt there
-            layer.work = dict(v=v, lam=lam, d=d, deltas=deltas, trace=base.trace_a)
-            return [whitening_gram(d, v, lam)[1]]
+            out = [self._whitening_gram(layer, *parts[:2])]
+            return out + [self._whitening_gram(layer.out, *parts[2:])] if layer.out_building else out
 
         return self._each("whitening", one, dev)
 
     def whitening_cores(self, host: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Host stage 2: per layer ``[s, P]`` of every ``S_δ``."""
-        return self._each("whitening core", lambda layer, parts: list(gram_eigh(parts[0])), host)
+        """Host stage 2: per layer ``[s, P]`` of every ``S_δ`` of each side."""
+        return self._each("whitening core", lambda layer, parts: [t for gram in parts for t in gram_eigh(gram)], host)
+
+    def _pairs(self, layer, dev) -> tuple[list[tuple[int, int]], tuple[torch.Tensor, torch.Tensor] | None]:
+        """The layer's candidates as indices into the damping grid, ``(δ_in index, δ_out index or -1 for
+        T_out = I)``: on the host, and, when some have an output side, as two ``[P]`` device tensors
+        built by fills (no host-to-device copy); None when all are input-only (the grid itself)."""
+        n = len(self.candidates)
+        usable = layer.out is not None and layer.out.status is BuildStatus.OK and layer.out.rank > 0
+        kinds = self.kinds if usable else ("input",)
+        host = ([(i, -1) for i in range(n)] if "input" in kinds else []) + \
+            ([(i, o) for i in range(n) for o in range(n)] if "both" in kinds else [])  # fmt: skip
+        if "both" not in kinds:
+            return host, None
+        grid = torch.arange(n, device=dev)
+        ins, outs = [grid.unsqueeze(1).expand(n, n).reshape(-1)], [grid.repeat(n)]
+        if "input" in kinds:
+            ins.insert(0, grid)
+            outs.insert(0, torch.full((n,), -1, dtype=torch.long, device=dev))
+        return host, (torch.cat(ins), torch.cat(outs))
+
+    @staticmethod
+    def _write(rec: dict, prefix: str, w: dict, cand: dict, idx: torch.Tensor, status, rank: int, values: list) -> None:
+        """One side's part of the record: its header (``status``, ``rank``, then ``values``, 0-d device
+        tensors), then the factor and ``T`` of candidate ``idx`` (a 0-d device index)."""
+        head = rec[prefix + "header"]
+        head[0].fill_(float(status))
+        head[1].fill_(float(rank))
+        head[2:].copy_(torch.stack([v.double() for v in values]))
+        pick = lambda t: t.index_select(0, idx.view(1))[0]  # noqa: E731
+        r = w["v"].shape[1]
+        rec[prefix + "d"].copy_(pick(w["d"]))
+        rec[prefix + "lam"][:r].copy_(w["lam"])
+        rec[prefix + "v"][:, :r].copy_(w["v"])
+        for k in _FP32_KEYS:
+            t = pick(cand[k])
+            (rec[prefix + k][..., :r] if k in ("q", "c", "c_inv") else rec[prefix + k]).copy_(t)
 
     def finish(self, dev: list[list[torch.Tensor]], records: list[dict[str, torch.Tensor]]) -> None:
         """Device stage 3: every layer's record (``RecordLayout.views`` of its slot of the send buffer)."""
 
         def one(layer, parts):
             w, rec = layer.work, layer.work["record"]
-            s, p = parts
-            cand = whitening_tensors(w["d"], whitening_gram(w["d"], w["v"], w["lam"])[0], s, p)  # [C, ...] FP32
+            cand = self._candidates(layer, *parts[:2])
             dev_ = w["d"].device
             if layer.grad is None:
                 raise RuntimeError("no local gradient was kept for the damping choice and the held-out check")
-            whitenings = [LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()})
-                          for j in range(len(self.candidates))] if self.auto else []  # fmt: skip
-            held_out = [layer.held_out] if layer.held_out is not None else []
+            cand_out = self._candidates(layer.out, *parts[2:]) if layer.out_building else None
+            pairs, idx = self._pairs(layer, dev_)
+            t_in = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()})  # noqa: E731
+            t_out = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand_out.items()})  # noqa: E731
+            whitenings = [t_in(i) if o < 0 else TwoSidedWhitening(t_in(i), t_out(o)) for i, o in pairs] \
+                if self.auto or len(pairs) > 1 else []  # fmt: skip
+            held = layer.held_out
+            if held is not None and layer.out_held_out is not None:
+                held = TwoSidedWhitening(held, layer.out_held_out)
+            held_out = [held] if held is not None else []
             errs = damping_errors(layer.grad, whitenings + held_out, self.codec)  # [Euclidean, *whitenings, held-out]
             if self.auto:
                 chosen, best = damping_choice(errs[: 1 + len(whitenings)])
+            elif whitenings:  # one damping, two kinds of candidates: the better one (Euclidean is no candidate)
+                best = damping_choice(errs[: 1 + len(whitenings)])[1]
+                chosen = best + 1
             else:
                 chosen, best = torch.ones((), dtype=torch.long, device=dev_), torch.zeros((), dtype=torch.long, device=dev_)
             chosen = held_out_gate(chosen, errs[0], errs[-1] if held_out else None)
-            choices = torch.cat([torch.full((1,), -1.0, dtype=torch.float64, device=dev_), w["deltas"]])
-            pick = lambda t: t.index_select(0, best.view(1))[0]  # noqa: E731
-            r = w["v"].shape[1]
-            rec["header"][0].fill_(float(layer.status))
-            rec["header"][1].fill_(float(r))
-            rec["header"][2:].copy_(torch.stack([choices.index_select(0, chosen.view(1))[0], pick(w["deltas"]), w["trace"]]))
-            rec["d"].copy_(pick(w["d"]))
-            rec["lam"][:r].copy_(w["lam"])
-            rec["v"][:, :r].copy_(w["v"])
-            for k in _FP32_KEYS:
-                t = pick(cand[k])
-                (rec[k][..., :r] if k in ("q", "c", "c_inv") else rec[k]).copy_(t)
-            layer.work = {}
+            at = lambda t, i: t.index_select(0, i.view(1))[0]  # noqa: E731
+            minus1 = torch.full((1,), -1.0, dtype=torch.float64, device=dev_)
+            b_in = best if idx is None else at(idx[0], best)
+            choices = torch.cat([minus1, w["deltas"] if idx is None else w["deltas"].index_select(0, idx[0])])
+            self._write(rec, "", w, cand, b_in, layer.status, w["v"].shape[1], [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
+            if layer.out is None:
+                return []
+            if not layer.out_building:  # skipped or non-finite: the input side alone, and the header says so
+                for slot, value in zip(rec["out_header"], (float(layer.out.status), 0.0, -1.0, -1.0, 0.0, 0.0)):
+                    slot.fill_(value)
+                return []
+            wo = layer.out.work
+            if idx is None:  # no output candidate (a rank-0 T_out): its factor for the profiles, nothing chosen or held out
+                b_out = torch.zeros((), dtype=torch.long, device=dev_)
+                out_choice, has_out = minus1[0], torch.zeros((), dtype=torch.float64, device=dev_)
+            else:  # T_out of the best pair if it has one, else of the best pair that has one (its factor, for the profiles)
+                p_out = idx[1]
+                e = errs[1 : 1 + len(whitenings)] if whitenings else torch.zeros(len(pairs), dtype=errs.dtype, device=dev_)
+                e = torch.where(torch.isfinite(e) & (p_out >= 0), e, torch.inf)
+                has_out = at(p_out, best) >= 0
+                b_out = torch.where(has_out, at(p_out, best), at(p_out, e.argmin()).clamp_min(0))
+                out_choice = at(torch.cat([minus1, torch.where(p_out >= 0, wo["deltas"].index_select(0, p_out.clamp_min(0)), -1.0)]), chosen)
+            self._write(rec, "out_", wo, cand_out, b_out, layer.out.status, wo["v"].shape[1],
+                        [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out])  # fmt: skip
             return []
 
         for layer, rec in zip(self.layers, records):
-            for k in ("header", "v", "lam", "q", "c", "c_inv"):  # columns beyond the built rank stay zero
-                rec[k].zero_()
+            for k in ("header", *_RANK_COLS):  # columns beyond the built rank stay zero
+                for key in (k, "out_" + k):
+                    if key in rec:
+                        rec[key].zero_()
             layer.work["record"] = rec
         self._each("damping choice", one, dev)
         for layer, rec in zip(self.layers, records):
+            layer.work = {}
+            if layer.out is not None:
+                layer.out.work = {}
             if not layer.building:  # skipped, or failed in any stage (perhaps after writing part of its record)
                 rec["header"][0].fill_(float(layer.status))
+                if "out_header" in rec:
+                    rec["out_header"][2:4].fill_(-1.0)  # nothing chosen, nothing held out
+                    rec["out_header"][5].zero_()
+                    rec["out_header"][0].fill_(float(layer.out.status))

@@ -19,7 +19,8 @@ over ranks commutes with them as for the input side alone. Relative damping keep
 invariant to the scale of ``B`` (a loss scale, ``1/num_microbatches``), as long as the statistics
 of one EMA share that scale.
 
-What the output side changes in the reduction protocol (not in this module):
+What the output side changes in the reduction protocol (``comm/output_side.py``; its row-block maps,
+``output_apply``, ``output_projection``, ``output_inverse``, are at the end of this module):
 
 * **Row sharding.** ``U T_in⁻¹`` mixes entries within a row; ``T_out⁻ᵀ V = D_out^{1/2}(V + Q_out
   diag(c') Q_outᵀ V)`` mixes rows. With the distributed optimizer a rank holds a contiguous
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 import torch
 
-from .whitening import LowRankWhitening
+from .whitening import LowRankWhitening, ieee_fp32
 
 
 class TwoSidedWhitening:
@@ -72,3 +73,63 @@ class TwoSidedWhitening:
     def inverse(self, u: torch.Tensor) -> torch.Tensor:
         """``T_out⁻ᵀ U T_in⁻¹`` for ``U [..., d_out, d_in]``."""
         return self.output_side.inverse(self.input_side.inverse(u).mT).mT
+
+
+# -- the output side's row-block maps, as the reduction runs them (comm/output_side.py) -------------
+# ``w``: ``T_out``, a ``LowRankWhitening`` over the ``d_out`` rows (``q [d_out, r]``, ``c``, ``c_inv``
+# ``[r]``, ``d_inv_sqrt``, ``d_sqrt [d_out]``); all maps in FP32 (full FP32 on CUDA: ``ieee_fp32``).
+
+
+def output_apply(w: LowRankWhitening, g: torch.Tensor) -> torch.Tensor:
+    """``T_outᵀ G`` of a whole parameter ``G [d_out, d_in]`` (any float dtype) as a new FP32
+    ``[d_out, d_in]`` tensor: ``X = D^{-1/2} G`` (rows scaled), ``X + Q (c ⊙ Qᵀ X)``: four ops."""
+    x = g * w.d_inv_sqrt[:, None]  # FP32 whatever g's dtype (type promotion): one pass
+    if w.rank == 0:
+        return x
+    with ieee_fp32(x.device):
+        return x.addmm_(w.q, (w.q.T @ x).mul_(w.c[:, None]))
+
+
+def row_blocks(cols: int, e0: int, e1: int) -> list[tuple[int, int, int, int, int]]:
+    """Elements ``[e0, e1)`` (row-major) of a ``[rows, cols]`` matrix as at most three blocks
+    ``(offset from e0, first row, rows, c0, c1)``: a head piece of the row ``e0`` starts inside, the
+    whole rows, a tail piece of the row ``e1`` ends inside (one piece when both lie in one row)."""
+    blocks, pos = [], e0
+    if pos % cols:
+        end = min(e1, (pos // cols + 1) * cols)
+        blocks.append((0, pos // cols, 1, pos % cols, end - pos // cols * cols))
+        pos = end
+    full = (e1 - pos) // cols
+    if full:
+        blocks.append((pos - e0, pos // cols, full, 0, cols))
+        pos += full * cols
+    if pos < e1:
+        blocks.append((pos - e0, pos // cols, 1, 0, e1 - pos))
+    return blocks
+
+
+def _block(values: torch.Tensor, offset: int, rows: int, c0: int, c1: int) -> torch.Tensor:
+    return values[offset : offset + rows * (c1 - c0)].view(rows, c1 - c0)
+
+
+def output_projection(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, out: torch.Tensor) -> None:
+    """``out += Q[rows]ᵀ W[rows, cols]`` (``out [r, cols]`` FP32) for ``W``'s elements ``[e0, e0 + n)``
+    given flat (``values [n]``, FP32): the part of ``P = Qᵀ W`` these elements contribute (summed
+    over the owners of a parameter's elements, ``P`` is whole). One ``addmm_`` per ``row_blocks``
+    block: ``out[:, c0:c1] += Q[i0:i1]ᵀ W[i0:i1, c0:c1]``."""
+    with ieee_fp32(values.device):
+        for offset, i0, n, c0, c1 in row_blocks(cols, e0, e0 + values.numel()):
+            out[:, c0:c1].addmm_(w.q[i0 : i0 + n].T, _block(values, offset, n, c0, c1))
+
+
+def output_inverse(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor,
+                   out: torch.Tensor) -> None:  # fmt: skip
+    """``T_out⁻ᵀ W`` on ``W``'s elements ``[e0, e0 + n)`` (``values [n]`` FP32) from the whole ``P = Qᵀ W``
+    (``proj [r, cols]``): ``G[i, j] = d_sqrt[i] (W[i, j] + Σ_k Q[i, k] c'_k P[k, j])``, computed in FP32
+    and written once into ``out [n]`` (any float dtype: rounded once). Per ``row_blocks`` block an
+    ``addmm`` and a ``mul`` into ``out``, plus one ``c' ⊙ P``."""
+    with ieee_fp32(values.device):
+        cp = proj * w.c_inv[:, None]
+        for offset, i0, n, c0, c1 in row_blocks(cols, e0, e0 + values.numel()):
+            g = torch.addmm(_block(values, offset, n, c0, c1), w.q[i0 : i0 + n], cp[:, c0:c1])
+            torch.mul(g, w.d_sqrt[i0 : i0 + n, None], out=_block(out, offset, n, c0, c1))

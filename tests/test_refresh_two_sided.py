@@ -1,0 +1,557 @@
+"""The refresh with output-side (two-sided) statistics: ``T_out`` built beside ``T_in``, the joint
+damping choice, the held-out gate on pairs, a skipped output side, and the checkpoint state.
+
+The multi-rank test drives ``RefreshSync`` on plain gloo groups (no Megatron) over 4 ranks laid out
+as DP 2 x TP 2, and checks against an independent FP64 reference built from the raw activations
+and output gradients: dense factors from ``eigh``, dense ``T = D^{-1/2} (D^{-1/2} Â D^{-1/2})^{-1/2}``
+(the one ``T`` with ``Tᵀ Â T = I`` that is ``D^{-1/2}`` times a symmetric matrix: the plugin's), and
+every candidate's FP8 error ``‖T_out⁻ᵀ (q(U) - U) T_in⁻¹‖``, ``U = T_outᵀ G T_in``, by brute force.
+"""
+
+import pytest
+import torch
+
+from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.numerics import CodecConfig, KFACStatistics, LowRankWhitening, TwoSidedWhitening
+from megatron_gift.numerics.fp8 import roundtrip
+from megatron_gift.numerics.refresh import OUT_HEADER, BuildStatus, FactorBuild, FactorSide, OwnedLayer
+from megatron_gift.testing import run_on_ranks
+
+CANDS = (0.1, 1.0, 10.0)
+RANK = 4
+TOKENS = 64
+STEPS = 4  # refreshes at 0 (B empty), 1, 2 (a bad held-out T_out for qkv), 3 (a NaN in fc2's B on rank 0)
+# name: (d_out, d_in, output statistics: None, "dp" (column-parallel: B summed over DP) or "dp+tp"
+# (row-parallel with sequence parallelism: over DP and TP), B's sketch size (0: exact))
+LAYERS = {"qkv": (48, 32, "dp", 0), "fc2": (32, 40, "dp+tp", 0), "proj": (24, 24, None, 0), "fc1": (40, 24, "dp", 16)}
+# margin between the reference's best candidate and the runner-up (and between the held-out error
+# and Euclidean's) above which the plugin must agree exactly. The plugin's estimates differ from the
+# reference's by (a) its FP32 statistics (sums of TOKENS·R products: ~1e-5 relative on A, B), (b) the
+# FP32 low-rank T and products against dense FP64 ones (~d·eps32·κ(T) ~ 1e-4 relative on U): these move
+# an FP8 code only where U lies within that distance of a rounding boundary, i.e. ~2^3·1e-4 of the
+# entries, each changing the error by at most one quantum: the estimates agree to ~1e-3 relative,
+# below this margin.
+MARGIN = 0.01
+
+
+def _spd(d: int, decay: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return (basis * torch.logspace(0, -decay, d, dtype=torch.float64)) @ basis.T
+
+
+def _data(layer: int, rank: int, step: int):
+    """Rank ``rank``'s activations ``X [TOKENS, d_in]`` and output gradients ``Y [TOKENS, d_out]`` of
+    ``layer`` at ``step`` (anisotropic on both sides); its weight gradient is ``Yᵀ X``."""
+    d_out, d_in = list(LAYERS.values())[layer][:2]
+    gen = torch.Generator().manual_seed(1000 * layer + 100 * step + rank)
+    x = torch.randn(TOKENS, d_in, generator=gen, dtype=torch.float64) @ torch.linalg.cholesky(_spd(d_in, 3.0, layer)).T
+    y = torch.randn(TOKENS, d_out, generator=gen, dtype=torch.float64) @ torch.linalg.cholesky(_spd(d_out, 3.0, 50 + layer)).T
+    return x.float(), y.float()
+
+
+# --------------------------------------------------------------------------- independent reference
+
+
+def _ref_factor(m: torch.Tensor, delta: float):
+    """``(D, V, Λ)`` of the rank-``RANK`` factor of the dense FP64 ``m`` at relative damping ``delta``."""
+    evals, evecs = torch.linalg.eigh(m)
+    v, lam = evecs[:, -RANK:], evals[-RANK:]
+    d = (torch.diagonal(m) - (v * v) @ lam).clamp_min(0) + delta * torch.trace(m) / m.shape[0]
+    return d, v, lam
+
+
+def _ref_t(m: torch.Tensor, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``(T, T⁻¹)`` for ``G T``: ``T = D^{-1/2} S``, ``S = (D^{-1/2} Â D^{-1/2})^{-1/2}``."""
+    d, v, lam = _ref_factor(m, delta)
+    # D^{-1/2} (D + V Λ Vᵀ) D^{-1/2} = I + D^{-1/2} V Λ Vᵀ D^{-1/2}
+    n = torch.eye(m.shape[0], dtype=torch.float64) + (v * lam) @ v.T / (d.sqrt()[:, None] * d.sqrt()[None, :])
+    e, u = torch.linalg.eigh(n)
+    s, s_inv = (u * e.rsqrt()) @ u.T, (u * e.sqrt()) @ u.T
+    return d.rsqrt()[:, None] * s, s_inv * d.sqrt()[None, :]
+
+
+def _ref_error(g: torch.Tensor, t_in, t_out, codec: CodecConfig) -> float:
+    """``‖T_out⁻ᵀ (q(U) - U) T_in⁻¹‖`` with ``U = T_outᵀ G T_in`` (dense FP64, ``U`` rounded to FP32
+    as sent); ``t_*`` ``(T, T⁻¹)`` or None (identity)."""
+    g64 = g.double()
+    u64 = g64 @ t_in[0] if t_in is not None else g64
+    u64 = t_out[0].T @ u64 if t_out is not None else u64
+    u = u64.float()
+    e = (roundtrip(u, codec) - u).double()
+    e = e @ t_in[1] if t_in is not None else e
+    e = t_out[1].T @ e if t_out is not None else e
+    return float(e.norm())
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor, side: str, codec: CodecConfig) -> dict:
+    """Every candidate's error by brute force: ``{(δ_in, δ_out or None): error}``, and Euclidean's."""
+    errs = {}
+    pairs = []
+    if side == "auto" or b is None:
+        pairs += [(di, None) for di in CANDS]
+    if b is not None:
+        pairs += [(di, do) for di in CANDS for do in CANDS]
+    for di, do in pairs:
+        errs[di, do] = _ref_error(g, _ref_t(a, di), _ref_t(b, do) if do is not None else None, codec)
+    return dict(euclidean=_ref_error(g, None, None, codec), pairs=errs)
+
+
+def _mean_gram(layer: int, ranks, step: int, which: int) -> torch.Tensor:
+    """The FP64 mean of ``x xᵀ`` over the tokens of ``ranks`` at ``step``: ``A`` (``which`` 0) or ``B`` (1)."""
+    return sum(_data(layer, r, step)[which].double().T @ _data(layer, r, step)[which].double() for r in ranks) / (TOKENS * len(ranks))
+
+
+def _dense(w: LowRankWhitening | None):
+    """``(T, T⁻¹)`` of a held-out transform in FP64, or None."""
+    return None if w is None else tuple(t.double() for t in w.dense())
+
+
+# --------------------------------------------------------------------------- the multi-rank run
+
+
+def _worker(rank, world, side):
+    """4 ranks: DP groups {0, 2}, {1, 3}; TP groups {0, 1}, {2, 3}. Refresh steps 0, 1, 2 (B folded a
+    step late: none at step 0); per step what every layer installed, the host waits and collectives,
+    and on each layer's owner the reference of its choice."""
+    import torch.distributed as dist
+
+    import megatron_gift.refresh_sync as refresh_mod
+    from megatron_gift.refresh_sync import RefreshSync
+    from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.testing.dispatch import SyncSanitizer
+
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp, tp = dps[rank % 2], tps[rank // 2]
+    dp_ranks, all_ranks = [rank % 2, rank % 2 + 2], [0, 1, 2, 3]
+    cfg = GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0, damping_candidates=CANDS, refresh_interval=1)
+    state = GiftState(cfg, torch.device("cpu"))
+    params = []
+    for i, (name, (d_out, d_in, out, sketch)) in enumerate(LAYERS.items()):
+        gp = GiftParam(name, Mode.GIFT, candidate=True)
+        gp.stats, gp.stats_groups = KFACStatistics(d_in, ema=0.0), [dp]
+        if out is not None:
+            gp.out_stats = KFACStatistics(d_out, ema=0.0, sketch=sketch, seed=7 + i)
+            gp.out_stats_groups = [dp] if out == "dp" else [dp, tp]
+        params.append(gp)
+        state.params[object()] = gp
+    st = RefreshSync(state, side)
+    every = [(gp, dp) for gp in params]
+    st.assign_owners(every)
+
+    reduces, real_reduce = [], dist.all_reduce
+    gathers, real_gather = [], refresh_mod._all_gather
+    remaps, seen = [], []
+
+    def remap(gp, old, new):
+        seen.append((gp, new))
+
+    dist.all_reduce = lambda t, *a, **k: reduces.append(k.get("group")) or real_reduce(t, *a, **k)
+    refresh_mod._all_gather = lambda *a, **k: gathers.append(1) or real_gather(*a, **k)
+    steps = []
+    try:
+        for step in range(STEPS):
+            state.open_step()
+            grads = []
+            for i, gp in enumerate(params):
+                x, y = _data(i, rank, step)
+                gp.stats.accumulate(x)
+                if gp.out_stats is not None and step > 0:  # the previous step's output gradients
+                    gp.out_stats.accumulate(_data(i, rank, step - 1)[1])
+                    if step == 3 and gp.name == "fc2" and rank == 0:
+                        gp.out_stats.sums["xtx"][0, 0] = float("nan")
+                    gp.out_stats.fold()
+                grads.append((y.T @ x))
+            if step == 2:  # the held-out gate on pairs: a bad T_out in qkv's held-out pair (it mixes rows)
+                qkv = params[0]
+                if qkv.owner == dp.rank() and qkv.held_out is not None:
+                    q, _ = torch.linalg.qr(torch.randn(48, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+                    bad = LowRankWhitening.identity(48)
+                    bad = LowRankWhitening.from_tensors({**bad.tensors(), "q": q.float(), "c": torch.full((4,), -0.999),
+                                                         "c_inv": torch.full((4,), 999.0)})  # fmt: skip
+                    qkv.out_held_out = bad
+            held = {gp.name: (gp.held_out, gp.out_held_out) for gp in params if gp.owner == dp.rank()}
+            waits, n_reduce, n_gather = st.host_waits, len(reduces), len(gathers)
+            san = SyncSanitizer()
+            with san:
+                st.at_sync(lambda: iter(every), [(gp, dp, g) for gp, g in zip(params, grads)], remap)
+                st.after_reductions()
+                st.close_step([])
+                st.install(remap)
+            counts = san.counts()
+            remaps.extend((gp.name, type(new).__name__, isinstance(new, TwoSidedWhitening) and new.output_side is gp.output_whitening)
+                          for gp, new in seen)  # fmt: skip
+            seen.clear()
+            is_wait = lambda k: k.endswith("(HostCopy.wait)")  # noqa: E731
+            rec = dict(waits=st.host_waits - waits, reduces=[sorted(dist.get_process_group_ranks(g)) for g in reduces[n_reduce:]],
+                       gathers=len(gathers) - n_gather, layers={}, seen_waits=sum(v for k, v in counts.items() if is_wait(k)),
+                       syncs={k: v for k, v in counts.items() if not is_wait(k)})  # fmt: skip
+            for i, gp in enumerate(params):
+                flat = lambda w: None if w is None else torch.cat([t.flatten().double() for t in w.tensors().values()])  # noqa: E731
+                f = gp.out_factor
+                info = dict(owner=gp.owner, damping=gp.damping, whitening=flat(gp.whitening), output=flat(gp.output_whitening),
+                            out_factor=None if f is None else torch.cat([f.d, f.v.flatten(), f.lam,
+                                                                         torch.tensor([float(f.trace_a), f.damping])]),
+                            out_damping=None if f is None else f.damping,
+                            out_tokens=None if gp.out_stats is None else float(gp.out_stats.ema_tokens))  # fmt: skip
+                if gp.owner == dp.rank():  # the reference, from every rank's raw data
+                    a, b = _mean_gram(i, dp_ranks, step, 0), None
+                    if gp.out_stats is not None and step > 0 and not (step == 3 and gp.name == "fc2"):  # NaN at 3: no B
+                        b = _mean_gram(i, dp_ranks if LAYERS[gp.name][2] == "dp" else all_ranks, step - 1, 1)
+                    info["b"] = b
+                    info["ref"] = _reference(a, b, grads[i], side, cfg.codec)
+                    info["held_out"] = gp.held_out.dense() if gp.held_out is not None else None
+                    info["out_held_out"] = gp.out_held_out.dense() if gp.out_held_out is not None else None
+                    h_in, h_out = held[gp.name]  # the previous build's best pair, checked on this gradient
+                    if h_in is not None:
+                        info["ref_held"] = _ref_error(grads[i], _dense(h_in), _dense(h_out), cfg.codec)
+                        info["ref_held_in"] = _ref_error(grads[i], _dense(h_in), None, cfg.codec)
+                    else:
+                        info["ref_held"] = info["ref_held_in"] = None
+                rec["layers"][gp.name] = info
+            steps.append(rec)
+    finally:
+        dist.all_reduce, refresh_mod._all_gather = real_reduce, real_gather
+    return dict(steps=steps, remaps=remaps, dp_rank=dp.rank())
+
+
+@pytest.fixture(scope="module", params=["auto", "both"])
+def runs(request):
+    return request.param, run_on_ranks(_worker, 4, request.param, timeout=600)
+
+
+def test_every_rank_installs_the_owners_bits_in_three_host_waits(runs):
+    """Per refresh: 3 host waits and no other host synchronisation of the plugin's (the sanitizer); the
+    statistics' all-reduces one per group of each distinct tuple of groups (A and column-parallel B
+    over DP together, the row-parallel B over DP then TP: 3 calls, whatever the number of layers);
+    one all-gather. Every rank of a DP group installs the same bits of
+    ``T_in``, ``T_out`` and the output factor (catches a rank that rebuilds or reads another slot, or
+    the output record outside the layer's slot)."""
+    _, res = runs
+    for r, per_rank in enumerate(res):
+        dp = [r % 2, r % 2 + 2]
+        for s in per_rank["steps"]:
+            assert s["waits"] == 3 == s["seen_waits"] and s["syncs"] == {} and s["gathers"] == 1, s["syncs"]
+            assert s["reduces"] == [dp, dp, [2 * (r // 2), 2 * (r // 2) + 1]], s["reduces"]
+    for r in (0, 1):
+        for s0, s1 in zip(res[r]["steps"], res[r + 2]["steps"]):
+            for name in LAYERS:
+                a, b = s0["layers"][name], s1["layers"][name]
+                for k in ("whitening", "output", "out_factor"):
+                    assert (a[k] is None) == (b[k] is None) and (a[k] is None or torch.equal(a[k], b[k])), (name, k)
+                assert a["damping"] == b["damping"] and a["out_damping"] == b["out_damping"]
+    # the output side was built and used somewhere, so the comparison above is not vacuous
+    assert any(s["layers"][n]["output"] is not None for p in res for s in p["steps"] for n in ("qkv", "fc2", "fc1"))
+
+
+def test_no_output_tokens_yet_means_the_input_side_alone(runs):
+    """Step 0: ``B`` has no tokens yet (folded a step late): no output side is installed, the input
+    side's factor is (catches a refresh that stalls or builds ``T_out`` from an empty ``B``)."""
+    _, res = runs
+    for per_rank in res:
+        first = per_rank["steps"][0]["layers"]
+        for name, (_, _, out, _) in LAYERS.items():
+            assert first[name]["output"] is None and first[name]["out_factor"] is None, name
+            assert first[name]["whitening"] is not None  # T = I (no held-out check passed yet), factor built
+
+
+def test_output_statistics_are_summed_over_their_groups(runs):
+    """``tr B`` and ``B``'s top eigenvalues of the installed output factor equal the FP64 reference
+    summed over DP (column-parallel) or DP and TP (row-parallel with SP): catches ``B`` summed over the
+    input side's groups only, or not at all. Bound: FP32 sums of ``TOKENS·4`` products (relative
+    ``TOKENS·4·eps32`` on each entry of ``B``; an eigenvalue moves by at most ``‖ΔB‖₂ ≤ d·max|ΔB|``)
+    and FP64 eigh."""
+    _, res = runs
+    for per_rank in res:
+        for s in per_rank["steps"][1:]:
+            for name in ("qkv", "fc2"):
+                info = s["layers"][name]
+                if info["owner"] != per_rank["dp_rank"] or info["b"] is None:  # fc2 at step 3: a NaN in B
+                    continue
+                d_out = LAYERS[name][0]
+                f = info["out_factor"]
+                b = info["b"]
+                tr = f[-2]
+                lam = f[d_out + d_out * RANK : d_out + d_out * RANK + RANK]
+                tol = TOKENS * 4 * torch.finfo(torch.float32).eps
+                assert abs(float(tr) - float(torch.trace(b))) <= tol * float(torch.trace(b)), name
+                ref = torch.linalg.eigvalsh(b)[-RANK:]
+                assert (lam.sort().values - ref).abs().max() <= tol * float(ref.max()) * d_out, name
+
+
+def test_non_finite_output_statistics_leave_the_input_side_alone(runs):
+    """Step 3: a NaN in rank 0's ``B`` of fc2 (summed over DP and TP: every rank sees it): on every
+    rank fc2 is installed without an output side, its input side built, its output EMA restarted, its
+    output factor the previous one (catches a whole layer skipped, or a NaN ``T_out`` installed)."""
+    _, res = runs
+    for per_rank in res:
+        before, after = per_rank["steps"][2]["layers"]["fc2"], per_rank["steps"][3]["layers"]["fc2"]
+        assert after["output"] is None and after["whitening"] is not None and after["out_tokens"] == 0.0
+        assert torch.equal(after["out_factor"], before["out_factor"])
+        assert not torch.equal(after["whitening"], before["whitening"]) or after["damping"] is None
+
+
+def _plugin_choice(info):
+    """The installed choice as ``(δ_in, δ_out or None)``, None for Euclidean."""
+    if info["damping"] is None:
+        return None
+    return (info["damping"], info["out_damping"] if info["output"] is not None else None)
+
+
+def test_joint_choice_equals_the_brute_force_reference_behind_the_held_out_gate(runs):
+    """At every refresh, every owner's installed choice is the brute-force reference: the candidate
+    with the smallest FP8 error (``input``-side pairs only in ``auto``, grid x grid, ``(δ, I)`` when
+    ``B`` is empty), or Euclidean unless the previous build's best pair beat Euclidean on this gradient
+    (the held-out gate, on the pair: qkv's held-out ``T_out`` is replaced by a bad one at step 2, so
+    Euclidean there though its input side alone would pass). Catches swapped δ_in/δ_out, a candidate
+    set that ignores the side, a gate that checks ``T_in`` alone, a ``T_out`` kept for an input-only
+    choice. Exact agreement where the reference's margins exceed ``MARGIN`` (module analysis); the
+    test's premise requires it for most cases."""
+    side, res = runs
+    checked, outputs, gated = 0, 0, 0
+    for per_rank in res:
+        for step, s in enumerate(per_rank["steps"]):
+            for name, info in s["layers"].items():
+                if info["owner"] != per_rank["dp_rank"] or name == "fc1":  # fc1: a sketched B (Nyström), no dense reference
+                    continue
+                ref = info["ref"]
+                ranked = sorted(ref["pairs"].items(), key=lambda kv: kv[1])
+                (best, e_best), (_, e_next) = ranked[0], ranked[1]
+                if side == "both" and info["b"] is not None:
+                    assert all(do is not None for _, do in ref["pairs"])
+                held, eu = info["ref_held"], ref["euclidean"]
+                if e_next - e_best <= MARGIN * e_best or abs(e_best - eu) <= MARGIN * eu:
+                    continue  # too close to call from outside (module analysis)
+                if held is not None and abs(held - eu) <= MARGIN * eu:
+                    continue
+                expected = None if held is None or held >= eu or e_best >= eu else best
+                got = _plugin_choice(info)
+                assert got == expected, (side, step, name, got, expected, ref, held)
+                checked += 1
+                outputs += expected is not None and expected[1] is not None
+                gated += held is not None and held >= eu
+                # the owner keeps the best pair for the next gate, T_out only if the pair has one
+                assert (info["out_held_out"] is not None) == (best[1] is not None), (step, name)
+                if step == 2 and name == "qkv":  # the bad held-out T_out closed the gate its T_in alone passes
+                    assert held > eu and info["ref_held_in"] < eu and got is None
+    assert checked >= 8 and outputs >= 1 and gated >= 1, (checked, outputs, gated)
+
+
+def test_remap_gets_the_two_sided_map_when_an_output_side_is_installed(runs):
+    """The residual's remap receives ``TwoSidedWhitening`` exactly when the new choice has ``T_out``
+    (its output side the installed one), a ``LowRankWhitening`` otherwise: catches a residual carried
+    over into input-only coordinates while the reduction sends two-sided ones."""
+    _, res = runs
+    kinds = {new for p in res for _, new, _ in p["remaps"]}
+    assert "TwoSidedWhitening" in kinds and "LowRankWhitening" in kinds
+    assert all(same for p in res for _, new, same in p["remaps"] if new == "TwoSidedWhitening")
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def _owned(out_tokens: float, out_nan: bool = False):
+    """proj's exact statistics (24 x 24) with an output side whose ``B`` has ``out_tokens`` tokens."""
+    x, y = _data(2, 0, 0)
+    sb = {"xtx": (y.T @ y).float()}
+    if out_nan:
+        sb["xtx"][0, 0] = float("nan")
+    return OwnedLayer("proj", RANK, {"xtx": (x.T @ x).float()}, torch.tensor(float(TOKENS), dtype=torch.float64), None,
+                      grad=y.T @ x, out=FactorSide(RANK, sb, torch.tensor(out_tokens, dtype=torch.float64), None))  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [BuildStatus.SKIPPED, BuildStatus.NONFINITE])
+def test_a_skipped_output_side_says_so_and_the_input_side_goes_on(status):
+    """An output side marked skipped or non-finite (as ``RefreshSync`` does from the summed
+    statistics) builds nothing, its header says so with no choice and no held-out ``T_out``; the
+    input side's record is what an input-only build writes (catches a whole layer dropped, or an
+    output ``choice`` of 0 read as a damping)."""
+    lay = _owned(0.0 if status is BuildStatus.SKIPPED else float(TOKENS), status is BuildStatus.NONFINITE)
+    plain = OwnedLayer("proj", RANK, lay.sums, lay.tokens, None, grad=lay.grad)
+    recs = []
+    for layer, kinds in ((lay, ("input", "both")), (plain, ("input",))):
+        build = FactorBuild([layer], CANDS, True, CodecConfig(), 12, kinds)
+        parts = build.grams()
+        if layer.out is not None:
+            layer.out.status = status
+        parts = build.whitening_cores(build.whitening_grams(build.cores(parts)))
+        buf = torch.zeros(layer.layout.nbytes, dtype=torch.uint8)
+        build.finish(parts, [layer.layout.views(buf)])
+        recs.append(layer.layout.views(buf))
+    two, one = recs
+    head = dict(zip(OUT_HEADER, two["out_header"].tolist()))
+    assert head["status"] == status and head["choice"] == -1 and head["held_out"] == 0 and head["rank"] == 0
+    for k, t in one.items():
+        assert torch.equal(two[k], t), k
+
+
+def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
+    """``--gift-damping x`` with ``auto``: the better of ``(x, I)`` and ``(x, x)`` by the reference's FP8
+    error, never Euclidean once the held-out check passed (catches the one-candidate shortcut taken
+    with two candidates, or an output side kept when ``(x, I)`` wins)."""
+    from megatron_gift.numerics.whitening import approximate_factor
+
+    codec = CodecConfig()
+    for layer in range(3):
+        x, y = _data(layer, 0, 0)
+        a, b, g = (x.T @ x).double() / TOKENS, (y.T @ y).double() / TOKENS, y.T @ x
+        tokens = torch.tensor(float(TOKENS), dtype=torch.float64)
+        lay = OwnedLayer("w", RANK, {"xtx": (x.T @ x).float()}, tokens, None, grad=g,
+                         out=FactorSide(RANK, {"xtx": (y.T @ y).float()}, tokens, None),
+                         held_out=LowRankWhitening(approximate_factor(a, RANK, 1.0)))  # fmt: skip
+        build = FactorBuild([lay], (1.0,), False, codec, 12, ("input", "both"))
+        parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
+        buf = torch.zeros(lay.layout.nbytes, dtype=torch.uint8)
+        rec = lay.layout.views(buf)
+        build.finish(parts, [rec])
+        t_in = _ref_t(a, 1.0)
+        e_in, e_both = _ref_error(g, t_in, None, codec), _ref_error(g, t_in, _ref_t(b, 1.0), codec)
+        eu, held = _ref_error(g, None, None, codec), _ref_error(g, _dense(lay.held_out), None, codec)
+        assert abs(e_in - e_both) > MARGIN * min(e_in, e_both) and held < (1 - MARGIN) * eu  # the premise: clear winner, gate open
+        head, out_head = rec["header"].tolist(), dict(zip(OUT_HEADER, rec["out_header"].tolist()))
+        assert head[2] == 1.0 and out_head["choice"] == (1.0 if e_both < e_in else -1.0), (layer, e_in, e_both)
+        assert out_head["held_out"] == (1.0 if e_both < e_in else 0.0) and out_head["status"] == BuildStatus.OK
+
+
+def test_two_sided_record_layout_views_are_disjoint_and_aligned():
+    """The output side's fields follow the input side's in each part, each in its own bytes, records
+    8-aligned; without an output side the layout is the input-only one (catches overlapping views)."""
+    from megatron_gift.numerics.refresh import RecordLayout
+
+    lay = RecordLayout(37, 5, 23, 3)
+    assert lay.nbytes % 8 == 0 and RecordLayout(37, 5, 0, 0) == RecordLayout(37, 5)
+    buf = torch.zeros(2 * lay.nbytes, dtype=torch.uint8)
+    for j in range(2):
+        for i, t in enumerate(lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes]).values()):
+            t.fill_(100 * j + i + 1)
+    for j in range(2):
+        views = lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes])
+        assert all(torch.all(t == 100 * j + i + 1) for i, t in enumerate(views.values()))
+    assert list(views) == ["header", "d", "v", "lam", "out_header", "out_d", "out_v", "out_lam", "d_inv_sqrt", "d_sqrt", "q",
+                           "c", "c_inv", "out_d_inv_sqrt", "out_d_sqrt", "out_q", "out_c", "out_c_inv"]  # fmt: skip
+    assert views["out_header"].numel() == len(OUT_HEADER) and views["out_q"].shape == (23, 3)
+
+
+def test_an_indefinite_output_core_offers_no_output_candidate():
+    """A sketched ``B`` whose Nyström core never becomes positive definite: the output header says
+    INDEFINITE with rank 0, nothing chosen or held out on that side (a diagonal ``T_out`` gains nothing
+    and the reduction would skip it), the input side chosen as without output statistics."""
+    x, y = _data(3, 0, 0)
+    sb = KFACStatistics(40, sketch=8, seed=1)
+    sb.accumulate(y)
+    sb.fold()
+    sb.ema_sums["y"].fill_(float("nan"))
+    tokens = torch.tensor(float(TOKENS), dtype=torch.float64)
+    recs = []
+    for out in (FactorSide(RANK, dict(sb.ema_sums), sb.ema_tokens, sb.omega), None):
+        lay = OwnedLayer("fc1", RANK, {"xtx": (x.T @ x).float()}, tokens, None, grad=y.T @ x, out=out)
+        build = FactorBuild([lay], CANDS, True, CodecConfig(), 12, ("input", "both"))
+        parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
+        buf = torch.zeros(lay.layout.nbytes, dtype=torch.uint8)
+        build.finish(parts, [lay.layout.views(buf)])
+        recs.append(lay.layout.views(buf))
+    head = dict(zip(OUT_HEADER, recs[0]["out_header"].tolist()))
+    assert head["status"] == BuildStatus.INDEFINITE and head["rank"] == 0 and head["choice"] == -1 and head["held_out"] == 0
+    assert all(torch.equal(recs[0][k], t) for k, t in recs[1].items())
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def _two_sided_state():
+    from megatron_gift.numerics.whitening import approximate_factor
+    from megatron_gift.state import GiftParam, GiftState
+
+    state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
+    gp = GiftParam("qkv", Mode.GIFT, candidate=True)
+    gp.stats, gp.out_stats = KFACStatistics(32, ema=0.5), KFACStatistics(48, ema=0.5, sketch=16, seed=3)
+    return state, gp, approximate_factor
+
+
+def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
+    """Statistics, ``T_out``, output factor and held-out ``T_out`` of a two-sided layer come back bit
+    for bit through Megatron checkpoints' split (``B`` and the held-out ``T_out`` in the per-rank part,
+    with their input-side twins), an older checkpoint without the output side's keys loads without error with the output
+    side fresh, and a ``T_out`` saved for a layer now without output statistics stays until the next
+    refresh (the residual's coordinates). Catches an output side dropped or mixed with the input's."""
+    state, gp, approximate_factor = _two_sided_state()
+    x, y = _data(0, 0, 0)
+    for _ in range(2):
+        gp.stats.accumulate(x)
+        gp.stats.fold()
+        gp.out_stats.accumulate(y)
+        gp.out_stats.fold()
+    gp.out_stats.accumulate(y[:5])  # a step's accumulators in flight
+    a, b = (x.T @ x).double() / TOKENS, (y.T @ y).double() / TOKENS
+    gp.factor, gp.out_factor = approximate_factor(a, RANK, 1.0), approximate_factor(b, RANK, 3.0)
+    gp.whitening, gp.damping = LowRankWhitening(gp.factor), 1.0
+    gp.output_whitening = LowRankWhitening(gp.out_factor)
+    gp.held_out, gp.out_held_out = LowRankWhitening(gp.factor.with_damping(0.3)), LowRankWhitening(gp.out_factor.with_damping(10.0))
+    state.params[object()] = gp
+    residual = torch.randn(48, 32)
+    saved = state.state_dict([(residual, gp)])
+
+    # through Megatron checkpoints' split into replicated and per-rank parts: B's statistics and the
+    # held-out T_out go with the per-rank part (another rank's would replace them otherwise)
+    from types import SimpleNamespace
+
+    from megatron_gift.megatron.checkpoint import HELD_OUT, merge_state, split_state
+
+    parts = split_state(SimpleNamespace(gift_params={None: gp}), saved)
+    assert "out" in parts["local"]["qkv"] and "out" in parts["local"][HELD_OUT]["qkv"]
+    assert {"stats", "held_out"}.isdisjoint(parts["dense"]["params"]["qkv"])
+    fresh, gq, _ = _two_sided_state()
+    fresh.params[object()] = gq
+    back = torch.zeros(48, 32)
+    assert fresh.load_state_dict(merge_state(parts), [(back, gq)], torch.device("cpu")) == [] and torch.equal(back, residual)
+
+    def same(u, v):
+        return u.tensors().keys() == v.tensors().keys() and all(torch.equal(u.tensors()[k], t) for k, t in v.tensors().items())
+
+    for w, v in ((gp.whitening, gq.whitening), (gp.output_whitening, gq.output_whitening), (gp.held_out, gq.held_out),
+                 (gp.out_held_out, gq.out_held_out)):  # fmt: skip
+        assert v is not None and same(w, v)
+    for f, h in ((gp.factor, gq.factor), (gp.out_factor, gq.out_factor)):
+        assert all(torch.equal(s, t) for s, t in ((f.d, h.d), (f.v, h.v), (f.lam, h.lam)))
+        assert (f.trace_a, f.damping) == (h.trace_a, h.damping)
+    for s, t in ((gp.stats, gq.stats), (gp.out_stats, gq.out_stats)):
+        assert all(torch.equal(s.state_dict()[k][n], t.state_dict()[k][n]) for k in ("sums", "ema_sums") for n in s.sums)
+        assert torch.equal(s.tokens, t.tokens) and torch.equal(s.ema_tokens, t.ema_tokens) and s.folds == t.folds
+    assert gq.damping == 1.0
+
+    # an older checkpoint: no output-side keys
+    entry = saved["params"]["qkv"]
+    assert "out" in entry["stats"] and "out" in entry["held_out"]  # the per-rank state inside its per-rank twins
+    old = {k: v for k, v in entry.items() if "out" not in k}
+    old["stats"], old["held_out"] = ({k: v for k, v in entry[k].items() if k != "out"} for k in ("stats", "held_out"))
+    old = {"step": saved["step"], "params": {"qkv": old}}
+    older, go, _ = _two_sided_state()
+    older.params[object()] = go
+    assert older.load_state_dict(old, [(torch.zeros(48, 32), go)], torch.device("cpu")) == []
+    assert go.output_whitening is None and go.out_factor is None and go.out_held_out is None and float(go.out_stats.ema_tokens) == 0
+    assert same(go.whitening, gp.whitening)
+
+    # saved two-sided, restored without output statistics: T_out kept with T_in until the next refresh
+    nout, gn, _ = _two_sided_state()
+    gn.out_stats = None
+    nout.params[object()] = gn
+    assert nout.load_state_dict(saved, [(torch.zeros(48, 32), gn)], torch.device("cpu")) == []
+    assert same(gn.output_whitening, gp.output_whitening) and gn.out_factor is None
+
+
+def test_input_side_with_output_statistics_is_refused_at_start_up():
+    """A layer with output statistics under ``side='input'`` (an adapter bug) is a clear error when the
+    owners are assigned, not a silently unused ``T_out``; an unknown side too."""
+    from megatron_gift.refresh_sync import RefreshSync
+
+    state, gp, _ = _two_sided_state()
+
+    class Group:
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="output-gradient statistics"):
+        RefreshSync(state).assign_owners([(gp, Group())])
+    with pytest.raises(ValueError, match="side must be"):
+        RefreshSync(state, "output")
