@@ -45,7 +45,7 @@ from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
 from ..state import GiftParam, GiftState
 from ..upstream import check_upstream
-from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group
+from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group, sent_map
 from .layer_inputs import opaque_modules, refuse_opaque, weight_input
 from .monitor import Monitor
 from .param_gather import DeltaParamSync, enable_delta_param_gather, refuse_delta_param_gather
@@ -94,7 +94,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         refuse_unsupported(config, ddp_config, self.gift_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.gift_state = GiftState(self.gift_config, self._device())
-        self.refresh = RefreshSync(self.gift_state)
+        self.refresh = RefreshSync(self.gift_state, self.gift_config.side)
         # names as in the model, without the prefixes of wrappers such as Float16Module
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
@@ -233,8 +233,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             r = residuals.get(id(p))
             if r is None:
                 continue
-            if p is gp and gp.whitening is not None:  # whitened coordinates: plain ones while there is no T
-                r = gp.whitening.inverse(r) if old is Mode.GIFT else gp.whitening.apply(r)
+            t = sent_map(gp)
+            if p is gp and t is not None:  # whitened coordinates (both sides'): plain ones while there is no T
+                r = t.inverse(r) if old is Mode.GIFT else t.apply(r)
             view.copy_(r)
 
     def _register_stat_hooks(self):
