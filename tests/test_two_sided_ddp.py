@@ -22,7 +22,7 @@ from tests.bounds import ReductionPath, reduction_errors
 from tests.test_megatron_ddp import _ef_invariant_worker, check_error_feedback_telescopes
 
 pytestmark = pytest.mark.cpu_harness
-STEPS = 6
+STEPS = 8
 
 
 def _train(dist_opt: bool):
