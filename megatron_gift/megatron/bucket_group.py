@@ -7,8 +7,9 @@ it (configuration, state, monitor, queue, the refresh's hook): it never reads th
 ``GiftBucketGroup.start_grad_sync`` (which re-implements Megatron's) starts one quantized reduction
 per bucket on the DDP's ``comm.schedule.ReductionQueue`` (``comm.QuantizedReduce``, or
 ``comm.hierarchical.TwoLevelReduce`` where the data-parallel group spans several nodes with several
-ranks each) instead of NCCL's reduce-scatter / all-reduce: its stages run on the plugin's side
-streams, in bucket order. That one override serves the overlapped backward-hook path, the
+ranks each) instead of NCCL's reduce-scatter / all-reduce, wrapped in ``comm.output_side.OutputSide``
+where a GIFT parameter has an output side (``--gift-side both`` / ``auto``: ``T_outᵀ G T_in`` sent):
+its stages run on the plugin's side streams, in bucket order. That one override serves the overlapped backward-hook path, the
 synchronous path and the first batch; ``finish_grad_sync`` waits on the returned
 ``_BucketGroupReduction`` (a device-side wait). With several distributed-optimizer instances each
 bucket's reduction ends with the FP32 all-reduce of its shard across the instances

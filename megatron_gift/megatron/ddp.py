@@ -11,7 +11,9 @@ statistics; the first bucket sync of the step folds them into the rank's local p
 (local compute only). With ``--gift-side both`` / ``auto`` tensor hooks on the layers' outputs
 add the statistics of their gradients during the backward (every micro-batch's, recomputed
 forwards' included, once), folded when the step closes (the next ``zero_grad_buffer``, or a
-checkpoint): a refresh at step t uses ``B`` up to step t-1. On refresh steps that first sync also sums the local EMAs over the
+checkpoint): a refresh at step t uses ``B`` up to step t-1. ``B`` carries the loss's scale (a loss
+scale, ``1/num_microbatches``), which relative damping cancels while it is constant; a dynamic FP16
+loss scale weights the EMA's steps by theirs until the EMA forgets a change (~1/(1-ema) steps). On refresh steps that first sync also sums the local EMAs over the
 data-parallel group (FP32; by linearity the EMA of the global statistics) and starts each
 layer's build on its owner rank (the layers spread over the reduction group by record size); each
 bucket group's sync keeps the owner's local gradient for the damping choice (``--gift-damping
