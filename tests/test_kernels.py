@@ -29,6 +29,7 @@ from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_white
 from megatron_gift.kernels.reference import reference_sum_rows, reference_take
 from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, encode, encode_flat, group_lengths
+from megatron_gift.numerics.two_sided import OutputRows
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.dispatch import OpCounter, SyncSanitizer
@@ -292,6 +293,70 @@ def test_whiten_encode_with_lengths(device, cfg, layout, rank, kernels_only):
     reference_whiten_encode(g, w, cfg, out=u_ref, lengths=lengths)
     _assert_fp32_close(u, u_ref, w)
     _assert_same_encoding(enc, _flat_encoding(u, lengths, cfg))
+
+
+def _fp64(w, d):
+    """Dense FP64 ``(T, |T|)`` of ``w`` (its own FP32 tensors, exactly converted; ``T = I`` of size ``d``
+    for None): ``T = D^{-1/2} (I + Q diag(c) Qᵀ)`` and the magnitudes of its factors,
+    ``|T| = D^{-1/2} (I + |Q| diag(|c|) |Q|ᵀ)``, that bound the FP32 evaluation's rounding."""
+    if w is None:
+        eye = torch.eye(d, dtype=torch.float64)
+        return eye, eye
+    d_inv, q, c = (v.double().cpu() for v in (w.d_inv_sqrt, w.q, w.c))
+    eye = torch.eye(d, dtype=torch.float64)
+    return d_inv[:, None] * (eye + (q * c) @ q.T), d_inv[:, None] * (eye + (q.abs() * c.abs()) @ q.abs().T)
+
+
+# (cfg, r_in (None: no input side), r_out, groups): [150, 70] weights, more rows than a program of
+# the two-sided projection takes (fused.OUTPUT_ROWS: its parts of Pre summed); "cut": the matrix
+# codec's groups cut at shard-like boundaries (a row's start, mid-row, one-element groups).
+TWO_SIDED_CASES = [
+    (CodecConfig(), 4, 3, None),
+    (CodecConfig(scaling=Scaling.ROW), 4, 3, None),
+    (CodecConfig(FP8Format.E5M2, Scaling.MX), 4, 5, "cut"),
+    (CodecConfig(), None, 3, "cut"),
+    (CodecConfig(scaling=Scaling.TENSOR), None, 3, None),
+    (CodecConfig(), 4, 0, None),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,r_in,r_out,groups", TWO_SIDED_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_two_sided_encode_against_dense_fp64(device, cfg, r_in, r_out, groups, kernels_only):
+    """``whiten_encode`` and ``whiten_place`` with an output side (``OutputRows``, ``Pre`` formed by the
+    kernels in the read of ``G`` that gives ``G Q_in``): ``U = T_outᵀ G T_in`` against the dense FP64
+    product, the kernels', the reference's and the FP32 cast's alike, and the codes and scales bit for
+    bit the codec's of the kernels' ``U``. Bugs caught: a program's part of ``Pre`` dropped or summed
+    twice, ``Q_out``/``D_out`` rows misaligned with a unit's row (groups cut mid-row), ``c_out`` or
+    ``D_out`` applied twice or not at all in ``P = X Q_in'``, ``T_outᵀ`` skipped without an input side.
+
+    Tolerance (componentwise, first order): every element of ``U`` is FP32 sums of at most
+    ``n = d_out + d_in + r_out + r_in + 4`` products (``Pre``, ``P``, the rank-1 updates, the scalings),
+    off by at most ``γ_n = n·2^-24`` times the same sums in magnitudes, ``|T_out|ᵀ |G| |T_in|``
+    (``_fp64``); asserted normwise at ``2 γ_n`` of it (the factor for second-order terms)."""
+    rows, cols = 150, 70
+    g = _gradient(rows, cols, seed=21, device=device, special=False)
+    w_in = _whitening(cols, r_in, device) if r_in is not None else None
+    w_out = _whitening(rows, r_out, device, seed=1)
+    (t_out, m_out), (t_in, m_in) = _fp64(w_out, rows), _fp64(w_in, cols)
+    want = t_out.T @ g.double().cpu() @ t_in
+    n = rows + cols + r_out + (r_in or 0) + 4
+    bound = 2 * n * 2.0**-24 * (m_out.T @ g.double().cpu().abs() @ m_in).norm().item()
+    lengths = None
+    if groups == "cut":
+        ends = torch.cumsum(group_lengths(rows, cols, cfg), 0)
+        cuts = torch.tensor([0, 1, 70 * 40, 70 * 40 + 33, 70 * 99 + 1, 70 * 130 + 69])
+        lengths = torch.diff(torch.unique(torch.cat([ends, cuts]))).to(device)
+    u, u_ref = torch.empty_like(g), torch.empty_like(g)
+    enc = kernels.whiten_encode(g, w_in, cfg, out=u, lengths=lengths, output=OutputRows.of(w_out))
+    reference_whiten_encode(g, w_in, cfg, out=u_ref, lengths=lengths, output=OutputRows.of(w_out))
+    for got in (u, u_ref):
+        assert (got.double().cpu() - want).norm().item() <= bound, ((got.double().cpu() - want).norm().item(), bound)
+    _assert_same_encoding(enc, encode(u, cfg) if lengths is None else _flat_encoding(u, lengths, cfg))
+    placed = torch.full((rows * cols + 3,), 7.0, device=device)  # elements [2, n) placed after a gap of 3
+    kernels.whiten_place(g, w_in, Placement([2, rows * cols - 2], [0, 5], device).at(placed, 0), output=OutputRows.of(w_out))
+    got = torch.cat([placed[:2], placed[5:]]).view(rows, cols)
+    assert (got.double().cpu() - want).norm().item() <= bound and (placed[2:5] == 7.0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -732,7 +797,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
     E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
     ROW_BLOCKS, GROUPS, ORDERED = dict(LAYOUT=1, ONE_CHUNK=True), dict(LAYOUT=2, ONE_CHUNK=False), dict(LAYOUT=0, ONE_CHUNK=True)
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
-    UNPLACED = dict(PLACE=False, FEEDBACK=False)
+    UNPLACED = dict(PLACE=False, FEEDBACK=False, OUTPUT=False)
     SM90_CASES = [
         ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_BLOCKS, **E4M3, **UNPLACED), True, True),
         ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3, **UNPLACED), False, True),
@@ -740,11 +805,15 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         ("_encode_kernel", dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED), False, True),
         ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=448.0, **ORDERED, **E4M3, **UNPLACED), False, True),
         # the sender's: placed into the messages, with error feedback
-        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=True, **GROUPS, **E4M3), False, True),
-        ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=57344.0, PLACE=True, FEEDBACK=False, **GROUPS, **E5M2_MX), False, True),
-        ("_project_kernel", dict(SCALE_D=True, BM=16, BK=64, BR=32), True, False),
-        ("_place_kernel", dict(WHITEN=True, CAST=2), True, False),
-        ("_place_kernel", dict(WHITEN=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True, False),
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=True, OUTPUT=False, **GROUPS, **E4M3), False, True),
+        ("_encode_kernel", dict(PASS=1, WHITEN=False, STORE_U=False, FMAX=57344.0, PLACE=True, FEEDBACK=False, OUTPUT=False, **GROUPS, **E5M2_MX), False, True),
+        # two-sided (T_outᵀ in the pass), placed
+        ("_encode_kernel", dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=False, OUTPUT=True, **GROUPS, **E4M3), False, True),
+        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=32, BO=16), True, False),
+        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=128, BK=32, BR=16, BO=16), True, False),
+        ("_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2), True, False),
+        ("_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2), True, False),
+        ("_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True, False),
         ("_decode_sum_kernel", dict(AVERAGE=True, BF16=False, **GROUPS, **E4M3), False, True),
         ("_decode_sum_kernel", dict(AVERAGE=False, BF16=True, **ORDERED, **E5M2_MX), False, False),
         ("_unwhiten_kernel", dict(BF16=False), True, False),

@@ -18,7 +18,7 @@ from megatron_gift.comm.quantized import QuantizedReduce, _all_gather
 from megatron_gift.comm.schedule import MAX_STAGES, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.numerics import CodecConfig, ErrorFeedback, LowRankWhitening, approximate_factor
-from megatron_gift.numerics.two_sided import TwoSidedWhitening, output_apply, output_inverse, output_projection, row_blocks
+from megatron_gift.numerics.two_sided import OutputRows, TwoSidedWhitening, output_inverse, output_projection, row_blocks
 from megatron_gift.testing import run_on_ranks
 from tests import test_two_level
 from tests.reference import dense_whitening
@@ -72,7 +72,7 @@ def _dense_sides(d_out, d_in, r_out):
 
 @pytest.mark.parametrize("e0, e1", [(0, 12 * 20), (7, 12 * 20 - 3), (45, 52), (20, 100), (33, 40), (3, 20)])
 def test_row_block_maps_against_the_dense_reference(e0, e1):
-    """``output_apply`` is ``T_outᵀ G`` and, over any contiguous element range (cut at both ends, one
+    """``OutputRows`` (``Pre`` from all rows, then ``X``) is ``T_outᵀ G`` and, over any contiguous element range (cut at both ends, one
     piece inside a row, whole rows only), ``output_projection`` summed over a split of the parameter
     into ranges gives ``Qᵀ W`` and ``output_inverse`` the range of ``T_out⁻ᵀ W``: held to the dense FP64
     ``TwoSidedWhitening`` with ``T_in = I`` (``inverse`` of the whole matrix). Bugs caught: a head or
@@ -90,7 +90,7 @@ def test_row_block_maps_against_the_dense_reference(e0, e1):
     kappa = float(torch.linalg.cond(w_out.dense()[0]))
     bound = 4 * (d_out + d_in) * 2.0**-24 * kappa
     want = dense.apply(g.double())
-    got = output_apply(w, g)
+    got = OutputRows.of(w).with_pre(g).apply(g)
     assert ((got.double() - want).norm() / want.norm()).item() <= bound
     # the receiver: W split into [0, e0), [e0, e1), [e1, n): the partials of P summed, each range finished
     wmat = torch.randn(d_out, d_in, generator=gen)
@@ -310,10 +310,11 @@ def _kernel_worker(rank, world):
 @pytest.mark.slow
 def test_two_sided_with_kernels(monkeypatch):
     """The fused path (Triton's interpreter; BF16 bucket) against the PyTorch path, both wrapped in the
-    output side: the sources and targets reach the kernels' encode and decode. Non-two-sided values bit
-    for bit; two-sided ones within one E4M3 step (2^-4 relative: where FP32 rounding of ``U`` flips
-    a code) in norm. Bugs caught: a fused kernel mishandling the FP32 sources of a BF16 bucket (read
-    as the bucket's dtype) or the FP32 targets (written in the bucket's dtype, then rounded twice)."""
+    output side: its ``T_outᵀ`` reaches the kernels' encode and cast, the targets their decode.
+    Non-two-sided values bit for bit; two-sided ones within one E4M3 step (2^-4 relative: where FP32
+    rounding of ``U`` flips a code) in norm. Bugs caught: a fused kernel mishandling ``T_outᵀ`` on a
+    BF16 bucket (rows or ``Pre`` misplaced, ``X`` rounded to the bucket's dtype) or the FP32 targets
+    (written in the bucket's dtype, then rounded twice)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' processes inherit it
     results = run_on_ranks(_kernel_worker, WORLD, timeout=900)

@@ -12,8 +12,8 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
   scaled with the bucket, padding after them): ``euclidean``, ``gift`` (each a parameter's
   whitening of rank 8), ``plain`` (GIFT, Euclidean, an ``off`` and a ``bf16`` parameter),
   ``euclidean+ef`` (error feedback), ``gift+out`` (two-sided: ``gift`` with an output-side
-  whitening of rank 8 per parameter, ``comm.output_side``: ``T_outᵀ G`` before the send, ``P``'s
-  partials after the last inner stage, and the ``output`` stage);
+  whitening of rank 8 per parameter, ``comm.output_side``: ``T_outᵀ`` in the send's encode pass,
+  ``P``'s partials after the last inner stage, and the ``output`` stage);
 - per stage: ``aten_ops``, ``triton_launches``, ``bytes_read`` / ``bytes_written`` (ATen ops by
   the tensors they touch, kernels by their ``TRAFFIC`` formulas), ``essential_read`` /
   ``essential_written`` (what one fused pass must move: below) and ``ratio`` (moved / essential);
@@ -28,16 +28,17 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 
 Essential bytes (``b``: the bucket's bytes per element; messages in the wire format,
 ``comm.layout``; a GIFT parameter's input is read twice, once for its projection ``G Q`` or
-``S Q`` and once for the pass, or, where that is less, the receiver's FP32 sum is read twice and
+``S Q`` and once for the pass, and so is a two-sided parameter's at the send (``Pre = c ⊙ Q_outᵀ
+D_out^{-1/2} G``, a sum over all rows, from the read that gives ``G Q``), or, where that is less, the receiver's FP32 sum is read twice and
 rewritten instead of its senders' messages read again): send / intra-node stage: read the bucket, write every message;
 node sums: read the node's messages of the held shards, write their FP8 messages; reduce: read
 every sender's message of the own shard, write the shard (``b`` per element); cut rows: their
 values read and written; all-reduce gather: read the senders' messages, write one; decode of
 all: read every shard's message, write the bucket; an all-gather's own stage moves nothing.
 Error feedback adds the residual read and written (FP32). The output side's stage reads its FP32
-``W`` and writes the rank's elements (``b`` per element; ``P`` aside); its other work (``T_outᵀ G``
-into an FP32 copy at the send, ``W`` through FP32 targets, ``P``'s partials) is not counted as
-essential: a fused pass would fold it into the existing ones, so the ratios show its cost. Delta gather (``comm.param_delta``, a
+``W`` and writes the rank's elements (``b`` per element; ``P`` aside); its other work (``W``
+through FP32 targets, ``P``'s partials) is not counted as essential: a fused pass would fold it
+into the existing ones, so the ratios show its cost. Delta gather (``comm.param_delta``, a
 shard of ``S`` BF16 elements, message ``m``): encode reads ``new`` and ``prev`` (``4S``), writes
 the message; decode reads the ``p`` messages and every shard's base (``2pS``, the owner's from
 ``prev``), writes the parameters and the owner's ``prev`` (``2pS + 2S``).
@@ -206,7 +207,8 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
         plan = layout.shards[j]
         return plan.n_coded + sum(h - lo for lo, h in zip(plan.plain_lo, plan.plain_hi))
 
-    bucket_read = sum(s.rows * s.cols * b * (2 if s.mode is Mode.GIFT else 1) for s in segs)
+    two_sided = case.outputs or [None] * len(segs)
+    bucket_read = sum(s.rows * s.cols * b * (2 if s.mode is Mode.GIFT or w is not None else 1) for s, w in zip(segs, two_sided))
     ef = 8 * layout.n_coded if case.error_feedback is not None else 0
     p = layout.num_shards
     if case.two_level:

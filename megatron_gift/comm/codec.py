@@ -7,7 +7,9 @@ and the number of messages; the PyTorch path cuts a segment into chunks of ``CHU
 (aligned to scaling groups, and to whole rows where a GIFT transform applies) to bound its
 temporaries::
 
-    U = G T            per GIFT weight, whole rows (``kernels.whiten_encode``; G elsewhere)
+    U = G T            per GIFT weight, whole rows (``kernels.whiten_encode``; G elsewhere);
+                       T_outᵀ G T with an output side (``outputs``), T_outᵀ applied row by row in the
+                       same pass (its ``Pre``, a sum over all rows, from the read of G that gives G Q)
     Ũ = U + e          with error feedback (then the residual e ← Ũ - dec(q(Ũ)) is staged)
     codes, scales of q(Ũ) → each shard's message        (``cast_bucket``: U in a float wire dtype)
 
@@ -24,6 +26,7 @@ import torch
 
 from .. import kernels
 from ..numerics.error_feedback import ErrorFeedback
+from ..numerics.two_sided import OutputRows
 from .layout import BucketLayout, Part, ShardPlan
 from .packing import Packing, Rows
 
@@ -53,43 +56,49 @@ def _segment_chunks(layout: BucketLayout, i: int, fused: bool, whiten: bool) -> 
     return layout.chunks(i, at, at + s.rows * s.cols, CHUNK, whole_rows=whiten)
 
 
-def _values(flat: torch.Tensor, layout: BucketLayout, sources: dict | None, i: int, k0: int, k1: int, rows: bool) -> torch.Tensor:
-    """Coded values ``[k0, k1)`` of segment ``i`` as the sender reads them: from ``sources[i]`` (the
-    segment's ``rows·cols`` values, e.g. the output side's FP32 ``T_outᵀ G``) where given, else from
-    the bucket; ``[rows, cols]`` with ``rows`` (whole rows), else ``[1, n]``."""
-    s, at = layout.segments[i], layout.seg_at[i]
-    x = sources[i][k0 - at : k1 - at] if sources and i in sources else flat[s.start + k0 - at : s.start + k1 - at]
-    return x.view(-1, s.cols) if rows else x.view(1, -1)
+def _sends(flat: torch.Tensor, layout: BucketLayout, transforms, outputs: dict | None, fused: bool):
+    """Per sender call of each coded segment ``i``: ``(i, k0, k1, x, T, T_outᵀ)``: ``x`` the coded values
+    ``[k0, k1)`` read from the bucket, ``[rows, cols]`` (whole rows) where a transform applies, else
+    ``[1, n]``; ``T_outᵀ`` (``OutputRows``) on ``x``'s rows where ``outputs`` has the segment's
+    ``T_out``, its ``Pre`` left to the call on the fused path (one call: the whole segment), else
+    computed once here from the whole segment for its chunks."""
+    outputs = outputs or {}
+    for i in layout.coded_segments:
+        s, at, t, w = layout.segments[i], layout.seg_at[i], transforms[i], outputs.get(i)
+        rows = t is not None or w is not None
+        out = None
+        if w is not None:
+            out = OutputRows.of(w)
+            if not fused:
+                out = out.with_pre(flat[s.start : s.end].view(s.rows, s.cols))
+        for k0, k1 in _segment_chunks(layout, i, fused, rows):
+            x = flat[s.start + k0 - at : s.start + k1 - at]
+            rows_of = out.rows((k0 - at) // s.cols, (k1 - at) // s.cols) if out is not None and not fused else out
+            yield i, k0, k1, (x.view(-1, s.cols) if rows else x.view(1, -1)), t, rows_of
 
 
 def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                  use_kernels: bool, error_feedback: ErrorFeedback | None = None, sources: dict | None = None) -> None:  # fmt: skip
-    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``; plus the residual with
-    ``error_feedback``, whose next residual is staged) as codes of the format and scales into its
-    message in ``buf`` (the module doc's sender); ``pk``'s source is the bucket. ``sources``: per
-    segment index, values read instead of the bucket's (``_values``); the bucket is only read."""
+                  use_kernels: bool, error_feedback: ErrorFeedback | None = None, outputs: dict | None = None) -> None:  # fmt: skip
+    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``, two-sided where
+    ``outputs``, segment index -> ``T_out``, has one; plus the residual with ``error_feedback``, whose
+    next residual is staged) as codes of the format and scales into its message in ``buf`` (the
+    module doc's sender); ``pk``'s source is the bucket, which is only read."""
     out, cfg = views(buf, layout), layout.codec
-    for i in layout.coded_segments:
-        t = transforms[i]
-        for k0, k1 in _segment_chunks(layout, i, use_kernels, t is not None):
-            g0, g1 = layout.group_range(k0, k1)
-            x = _values(flat, layout, sources, i, k0, k1, t is not None)
-            into = kernels.Placed(pk.place["coded"].at(out["coded"], k0), pk.place["groups"].at(out["groups"], g0))
-            feedback = error_feedback.feedback(k0, k1 - k0) if error_feedback is not None else None
-            kernels.whiten_encode(x, t, cfg, lengths=layout.lengths(g0, g1, flat.device), fused=use_kernels, into=into,
-                                  feedback=feedback)  # fmt: skip
+    for i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
+        g0, g1 = layout.group_range(k0, k1)
+        into = kernels.Placed(pk.place["coded"].at(out["coded"], k0), pk.place["groups"].at(out["groups"], g0))
+        feedback = error_feedback.feedback(k0, k1 - k0) if error_feedback is not None else None
+        kernels.whiten_encode(x, t, cfg, lengths=layout.lengths(g0, g1, flat.device), fused=use_kernels, into=into,
+                              feedback=feedback, output=rows_of)  # fmt: skip
 
 
 def cast_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                wire: torch.dtype, use_kernels: bool, sources: dict | None = None) -> None:  # fmt: skip
-    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``) in the float
-    ``wire`` dtype into its message in ``buf``; ``sources`` as in ``encode_bucket``."""
+                wire: torch.dtype, use_kernels: bool, outputs: dict | None = None) -> None:  # fmt: skip
+    """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``, two-sided as in
+    ``encode_bucket``) in the float ``wire`` dtype into its message in ``buf``."""
     out = buf.view(wire)
-    for i in layout.coded_segments:
-        t = transforms[i]
-        for k0, k1 in _segment_chunks(layout, i, use_kernels, t is not None):
-            x = _values(flat, layout, sources, i, k0, k1, t is not None)
-            kernels.whiten_place(x, t, pk.place["coded"].at(out, k0), fused=use_kernels)
+    for i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
+        kernels.whiten_place(x, t, pk.place["coded"].at(out, k0), fused=use_kernels, output=rows_of)
 
 
 def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, use_kernels: bool) -> None:

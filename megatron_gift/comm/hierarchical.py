@@ -87,9 +87,9 @@ class TwoLevelReduce(ShardReduction):
         self.pk1 = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
         buf = torch.empty(self.pk1.nbytes, dtype=torch.uint8, device=device)
         if self.wire is None:
-            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.kernels, sources=self.sources)
+            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.kernels, outputs=self.outputs)
         else:
-            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.kernels, self.sources)
+            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.kernels, self.outputs)
         plain_bucket(buf, self.pk1, self.flat, layout, self.kernels)
         own = self.pk1.own.nbytes
         recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)

@@ -6,8 +6,9 @@ everything of ``T_in``, the quantization, the sums and averaging; ``T_out``'s ma
 (they act on the other side of ``G``). On rank ``r`` of ``p``, ``W = V T_in⁻¹`` (÷ p when averaging),
 the stages are the inner's, extended::
 
-    0    X = T_outᵀ G  FP32, whole parameters (``output_apply``)     then the inner's send, which
-                                                                      encodes X (its ``sources``)
+    0    the inner's send, which encodes T_outᵀ G T_in (its ``outputs``: ``T_outᵀ`` applied row by
+         row in the encode pass, ``X = D^{-1/2} G + Q Pre``, ``Pre = c ⊙ Qᵀ D^{-1/2} G`` from the
+         read of G that gives T_in's projection: ``kernels.whiten_encode``'s ``output``)
     1..  the inner's stages; from stage 1 on it writes the two-sided segments' W on the rank's
          elements (its shard's part; all-reduce: the whole segment) into FP32 ``targets``, not the bucket
     L    the inner's last stage, then P = Qᵀ W [r_out, d_in] of every two-sided segment, packed in
@@ -20,9 +21,10 @@ the stages are the inner's, extended::
 
 The bucket is only read at the sender and written only on the rank's elements (reduce-scatter:
 nothing outside its shard). Each stage adds a fixed few ops per two-sided segment, whatever the
-bucket's element count and the group's size; no host synchronisation. Temporaries: ``X`` (FP32,
-the two-sided parameters) during stage 0 only, the targets (FP32, the rank's elements of them) from
-stage 1 to the end, ``P`` (``4·Σ r_out·d_in`` bytes) from stage L. Error feedback needs nothing here:
+bucket's element count and the group's size; no host synchronisation. Temporaries: ``Pre``
+(``4·r_out·d_in`` bytes per two-sided parameter) and on the fused path its per-program parts
+(``r_out/32`` bytes per element, ``kernels.fused.OUTPUT_ROWS``) during its encode only, the
+targets (FP32, the rank's elements of them) from stage 1 to the end, ``P`` (``4·Σ r_out·d_in`` bytes) from stage L. Error feedback needs nothing here:
 its residual is that of the encoded values, in ``U``'s coordinates.
 """
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..numerics.two_sided import output_apply, output_inverse, output_projection
+from ..numerics.two_sided import output_inverse, output_projection
 from ..numerics.whitening import LowRankWhitening
 from .layout import FP8_MODES
 from .ledger import CommLedger, ring_all_reduce_bytes
@@ -63,6 +65,7 @@ class OutputSide(Reduction):
             if w is not None:
                 self.p_at[i], pos = pos, pos + w.rank * layout.segments[i].cols
         self.p_numel = pos
+        inner.outputs = {i: outputs[i] for i in self.p_at}  # the sender's T_outᵀ (stage 0)
         # the rank's elements of each two-sided segment, bucket positions [lo, hi)
         if inner.all_reduce:
             self.owned = {i: (layout.segments[i].start, layout.segments[i].end) for i in self.p_at}
@@ -83,13 +86,9 @@ class OutputSide(Reduction):
 
         def wrapped(k, stage):
             def run() -> Step:
-                if k == 0:
-                    self._sources()
-                elif k == 1:
+                if k == 1:
                     self._targets()
                 step = stage()
-                if k == 0:
-                    self.inner.sources = {}  # encoded: X goes
                 if k == last:
                     step = self._projections(step)
                 if k > 0:
@@ -100,12 +99,6 @@ class OutputSide(Reduction):
             return run
 
         return [*(wrapped(k, s) for k, s in enumerate(inner)), self._output]
-
-    def _sources(self) -> None:
-        """``T_outᵀ G`` (FP32) of every two-sided parameter, read by the inner's sender."""
-        flat, layout = self.inner.flat, self.inner.layout
-        self.inner.sources = {i: output_apply(self.outputs[i], flat[s.start : s.end].view(s.rows, s.cols)).view(-1)
-                              for i in self.p_at for s in [layout.segments[i]]}  # fmt: skip
 
     def _targets(self) -> None:
         """FP32 tensors receiving ``W`` on the rank's elements of each two-sided segment."""

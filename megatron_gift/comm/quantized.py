@@ -17,11 +17,11 @@ Stages (run by ``comm.schedule.ReductionQueue``), on rank ``r`` of ``p``:
 
 With the distributed optimizer, the bucket outside shard ``r`` is left as it was. Two hooks let a
 wrapper (``comm.output_side``) change what is sent and where results land, per coded segment:
-``sources`` (the values the sender encodes instead of the bucket's) and ``targets`` (FP32 tensors
-that receive the segment's results instead of the bucket; ``destination``). ``nonfinite`` (a
-bool tensor of one flag per stage, ``schedule.MAX_STAGES``; read with ``.any()``), when given, has
-the flag of the stage that wrote a NaN/Inf set on the device. ``topology``, when
-given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
+``outputs`` (a ``T_out`` whose ``T_outᵀ`` the sender applies in its encode pass, ``T_outᵀ G T``)
+and ``targets`` (FP32 tensors that receive the segment's results instead of the bucket;
+``destination``). ``nonfinite`` (a bool tensor of one flag per stage, ``schedule.MAX_STAGES``;
+read with ``.any()``), when given, has the flag of the stage that wrote a NaN/Inf set on the
+device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
 kernels run (``GiftConfig.kernels``, see ``use_kernels``).
 """
 
@@ -96,9 +96,9 @@ class ShardReduction(Reduction):
         self.kernels = use_kernels(flat.device, kernels, layout.codec)
         self.chunk = None if self.kernels else CHUNK
         self.coded_label = coded_label(layout.codec.fmt)  # the ledger's name of the coded messages
-        # hooks (module doc): segment -> values sent instead of the bucket's ([rows·cols]); segment ->
-        # (FP32 tensor, bucket position of its first element) written instead of the bucket
-        self.sources: dict[int, torch.Tensor] = {}
+        # hooks (module doc): segment -> T_out the sender applies (T_outᵀ G T); segment -> (FP32 tensor,
+        # bucket position of its first element) written instead of the bucket
+        self.outputs: dict[int, LowRankWhitening] = {}
         self.targets: dict[int, tuple[torch.Tensor, int]] = {}
 
     def _links(self, per_peer: list[int]) -> dict[str, int] | None:
@@ -216,7 +216,7 @@ class QuantizedReduce(ShardReduction):
         self.pk = layout.cached(("flat", r, str(device)), lambda: packing(
             layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device))  # fmt: skip
         self.buf = torch.empty(self.pk.nbytes, dtype=torch.uint8, device=device)
-        encode_bucket(self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback, self.sources)
+        encode_bucket(self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback, self.outputs)
         plain_bucket(self.buf, self.pk, self.flat, layout, self.kernels)
         self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
         return Step(self._all_to_all(), [self.buf, self.recv])

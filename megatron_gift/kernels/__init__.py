@@ -1,7 +1,8 @@
 """Fused Triton kernels for the two hot paths of a GIFT gradient exchange, with the pure-PyTorch
 code as reference and fallback:
 
-- sender, ``whiten_encode``: ``U = G T`` (``+ e`` with error feedback, the new residual written)
+- sender, ``whiten_encode``: ``U = G T`` (``T_outᵀ G T`` with an output side; ``+ e`` with error
+  feedback, the new residual written)
   and its FP8 codes and scales in one pass over ``G`` after the small ``G Q`` (1x128 block scales;
   MX scaling, and TENSOR/ROW without ``lengths``, take two passes), written straight into a buffer
   of messages at the positions of a per-layout table (``into``) or returned; ``whiten_place``:
@@ -23,7 +24,8 @@ interpreter (``TRITON_INTERPRET=1``, set before the first call here: triton read
 kernels are defined), for every format whose table entry names them (``WireFormat.kernels``: E4M3
 and E5M2), scaling and block size, with or without ``lengths`` and messages in up to
 ``fused.MAX_PARTS`` non-empty parts. The reference runs instead for other formats, for TENSOR
-scaling with ``lengths``, for more parts, for empty inputs, elsewhere, and without triton.
+scaling with ``lengths``, for an output side given with its ``Pre`` (rows of a parameter), for
+more parts, for empty inputs, elsewhere, and without triton.
 The kernel path never synchronises the host with the device.
 """
 
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded, Scaling
+from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
 from .reference import (
     ordered_sum,
@@ -137,7 +140,7 @@ class Placed:
 def whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None, fused: bool = True, into: Placed | None = None,
-    feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    feedback: tuple[torch.Tensor, torch.Tensor] | None = None, output: OutputRows | None = None,
 ) -> Encoded | None:  # fmt: skip
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
     ``[rows, cols]`` codes, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
@@ -148,21 +151,31 @@ def whiten_encode(
     ``into``: the codes and scales are written straight into a buffer at the positions of its
     tables (``Placed``), nothing returned; every group must lie inside one shard of the tables (the
     layout's groups, cut at shard boundaries, do). ``feedback = (e, e')``: FP32 tensors of ``g``'s
-    numel (contiguous); ``Ũ = G T + e`` is encoded and ``e' ← Ũ - dec(q(Ũ))`` written (error feedback)."""
+    numel (contiguous); ``Ũ = G T + e`` is encoded and ``e' ← Ũ - dec(q(Ũ))`` written (error feedback).
+
+    ``output``: the output side too, ``U = T_outᵀ G T`` (``two_sided.OutputRows``, on ``g``'s rows; with
+    ``lengths`` each group inside one row). Without its ``Pre`` (``g`` the whole parameter) the kernels
+    form it in the read of ``G`` that gives ``T``'s projection and ``T_outᵀ`` row by row in the pass:
+    ``G`` is read twice, as with ``T`` alone; with it (rows of a parameter) the reference runs."""
     lengths = _lengths(cfg, lengths)
-    if _use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths):
-        return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback)
-    return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback)
+    if (_use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths)
+            and (output is None or output.pre is None)):  # fmt: skip
+        return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback,
+                                      output=output)  # fmt: skip
+    return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback,
+                                   output=output)  # fmt: skip
 
 
-def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into: Place, fused: bool = True) -> None:
-    """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given) cast to ``into.out``'s dtype,
-    element ``i`` (memory order) written at its position of ``into`` (``Place``): the float
-    intra-node wire and the plain values. ``fused``: the Triton kernel wherever it can run
-    (``available``), else the PyTorch reference."""
-    if fused and x.numel() > 0 and available(x.device):
-        return _place().whiten_place(x, whitening, into)
-    return reference_whiten_place(x, whitening, into)
+def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into: Place, fused: bool = True,
+                 output: OutputRows | None = None) -> None:  # fmt: skip
+    """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given, ``T_outᵀ G T`` with ``output``
+    as in ``whiten_encode``) cast to ``into.out``'s dtype, element ``i`` (memory order) written at its
+    position of ``into`` (``Place``): the float intra-node wire and the plain values. ``fused``: the
+    Triton kernel wherever it can run (``available``; ``output`` without its ``Pre``), else the
+    PyTorch reference."""
+    if fused and x.numel() > 0 and available(x.device) and (output is None or output.pre is None):
+        return _place().whiten_place(x, whitening, into, output)
+    return reference_whiten_place(x, whitening, into, output)
 
 
 def decode_sum_unwhiten(

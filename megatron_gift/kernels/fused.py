@@ -24,6 +24,15 @@ per unit::
     s = max(amax / fp8_max, 2^-126), 1 where amax = 0   (FP32, as fp8.scales_from_amax)
     code = fp8(clamp(U / s, ±fp8_max))     (RNE by integer bit manipulation)
 
+With an output side (``T_out``: ``D_out``, ``Q_out [rows, r_out]``, ``c_out``; ``numerics.two_sided``)
+``U = T_outᵀ G T = (D_out^{-1/2} G + Q_out Pre) T``, ``Pre`` a sum over all rows: ``Pre`` and ``P``
+from one read of ``G`` first (``_project_two_sided``), then per unit ``r_out + r`` rank-1 updates::
+
+    Pre T = (c_out ⊙ Q_outᵀ D_out^{-1/2} G) T      [r_out, cols]: per program of OUTPUT_ROWS rows a part
+                                                  (D^{-1/2} applied), summed; then its low-rank part
+    P     = D_out^{-1/2} G (D^{-1/2} Q) diag(c)     [rows, r]
+    U     = D_out^{-1/2} G D^{-1/2} + Q_out (Pre T) + P Qᵀ
+
 With error feedback ``U`` is ``G T + e`` (the residual read at the unit's offsets) and the
 encoding pass also writes ``e' = U - fp8⁻¹(code)·s`` (FMA contraction off, so that it is rounded as
 the reference rounds it). Placed (``PLACE``), a unit's codes go to ``k + delta[j]`` (``k`` its
@@ -62,7 +71,8 @@ import triton
 import triton.language as tl
 
 from ..numerics.fp8 import CodecConfig, Encoded, Scaling, scales_from_amax
-from ..numerics.whitening import LowRankWhitening
+from ..numerics.two_sided import OutputRows
+from ..numerics.whitening import LowRankWhitening, ieee_fp32
 
 TILE = 128  # columns of a unit where the scaling group is a whole row or tensor
 MAX_TILE = 4096  # elements of a chunk: wider groups are read in several chunks
@@ -208,16 +218,23 @@ def _chunk(start, length, umask, ch, W: tl.constexpr):
 
 
 @triton.jit
-def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, ch, cols, rank,
-             W: tl.constexpr, WHITEN: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
-    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each; with ``FEEDBACK``
+def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask, ch,
+             cols, rank, rank_out, W: tl.constexpr, WHITEN: tl.constexpr, FEEDBACK: tl.constexpr,
+             OUTPUT: tl.constexpr):  # fmt: skip
+    """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each; with ``OUTPUT``
+    ``U = T_outᵀ G T`` (module doc: ``pre_ptr`` holds ``Pre T``); with ``FEEDBACK``
     ``Ũ = U + e`` (the residual ``e`` at the same offsets)."""
     off, flat, mask = _chunk(start, length, umask, ch, W)
     u = tl.load(g_ptr + flat, mask=mask, other=0.0).to(tl.float32)
+    col = col0 + off
+    cmask = col < cols
+    if OUTPUT:
+        u = u * tl.load(dout_ptr + row, mask=umask, other=0.0)[:, None]
     if WHITEN:
-        col = col0 + off
-        cmask = col < cols
         u = u * tl.load(dinv_ptr + col, mask=cmask, other=0.0)
+    if OUTPUT:
+        u = _plus_low_rank(u, qo_ptr, pre_ptr, row, col, umask, cmask, rank_out, cols)
+    if WHITEN:
         u = _plus_low_rank(u, p_ptr, qt_ptr, row, col, umask, cmask, rank, cols)
     if FEEDBACK:
         u = u + tl.load(e_ptr + flat, mask=mask, other=0.0)
@@ -269,13 +286,13 @@ def _store_codes(u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE
 
 @triton.jit
 def _encode_kernel(
-    g_ptr, ends_ptr, dinv_ptr, p_ptr, qt_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr,
-    n_units, rows, cols, rank, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
+    g_ptr, ends_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr,
+    n_units, rows, cols, rank, rank_out, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
     code_ends_ptr, code_delta_ptr, code_shards, code_steps, code_at,
     scale_out_ptr, scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, scale_at, e_ptr, e_new_ptr,
     UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    WHITEN: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr, PLACE: tl.constexpr, FEEDBACK: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
+    WHITEN: tl.constexpr, OUTPUT: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr, PLACE: tl.constexpr,
+    FEEDBACK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
 ):  # fmt: skip
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
         ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
@@ -290,15 +307,15 @@ def _encode_kernel(
         code_shift = (code_at + _shard_delta(code_ends_ptr, code_delta_ptr, code_shards, code_steps, k, umask))[:, None]
         k = scale_at + scale_index
         scale_dest = k + _shard_delta(scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, k, umask)
-    u, flat, mask = _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, 0, cols, rank,
-                             W, WHITEN, FEEDBACK)  # fmt: skip
+    u, flat, mask = _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row,
+                             col0, umask, 0, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT)  # fmt: skip
     if PASS != _ENCODE:
         amax = _finite_amax(u, mask)
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
-                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN,
-                    FEEDBACK,
+                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask,
+                    ch, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT,
                 )  # fmt: skip
                 amax = tl.maximum(amax, _finite_amax(uc, mc))
     if PASS == _AMAX:
@@ -318,8 +335,8 @@ def _encode_kernel(
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
-                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, start, length, row, col0, umask, ch, cols, rank, W, WHITEN,
-                    FEEDBACK,
+                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask,
+                    ch, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT,
                 )  # fmt: skip
                 _store_codes(uc, fc, mc, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS,
                              FMAX, NO_INF)  # fmt: skip
@@ -372,19 +389,32 @@ def _decode_sum_kernel(
 
 
 @triton.jit
-def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank,
-                    SCALE_D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-    """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``).
+def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank, dout_ptr, qo_ptr, co_ptr, part_ptr,
+                    rank_out, SCALE_D: tl.constexpr, PROJECT: tl.constexpr, OUTPUT: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, BR: tl.constexpr, BO: tl.constexpr):  # fmt: skip
+    """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``) where
+    ``PROJECT``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the
+    same read of ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
+    and this program's share of ``Pre D = c_out ⊙ Q_outᵀ D_out^{-1/2} X D``, its ``BM`` rows' sum
+    ``(D_out^{-1/2} Q_out c_out)[m]ᵀ X[m] D``, written as ``part[program] [r_out, cols]`` (the
+    programs' parts summed in order after the launch: deterministic, no atomics).
 
     True FP32 on purpose: ``tl.dot(..., input_precision="ieee")`` never uses TF32, whereas
     ``torch.matmul`` in FP32 does on CUDA wherever ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (NGC
     images) whatever torch's flags say (~10 mantissa bits in ``P``, hence in ``G T``). FP64
     through torch would need an FP64 copy of ``X`` (8 B/element); this reads ``X`` once, a program
     per ``BM`` rows looping over the columns."""
-    m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    pid = tl.program_id(0).to(tl.int64)
+    m = pid * BM + tl.arange(0, BM)
     j = tl.arange(0, BR)
     mmask, jmask = m < rows, j < rank
     acc = tl.zeros([BM, BR], tl.float32)
+    if OUTPUT:
+        o = tl.arange(0, BO)
+        omask = o < rank_out
+        dm = tl.load(dout_ptr + m, mask=mmask, other=0.0)
+        qo = tl.load(qo_ptr + m[:, None] * rank_out + o[None, :], mask=mmask[:, None] & omask[None, :], other=0.0)
+        qot = tl.trans(qo * dm[:, None] * tl.load(co_ptr + o, mask=omask, other=0.0)[None, :])  # [BO, BM]
     for k0 in range(0, cols, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < cols
@@ -392,10 +422,18 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank,
         x = x.to(tl.float32)
         if SCALE_D:
             x = x * tl.load(d_ptr + k, mask=kmask, other=0.0)[None, :]
-        q = tl.load(q_ptr + k[:, None] * rank + j[None, :], mask=kmask[:, None] & jmask[None, :], other=0.0)
-        acc = tl.dot(x, q, acc, input_precision="ieee")
-    acc = acc * tl.load(coef_ptr + j, mask=jmask, other=0.0)[None, :]
-    tl.store(out_ptr + m[:, None] * rank + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
+        if OUTPUT:
+            part = tl.dot(qot, x, input_precision="ieee")
+            tl.store(part_ptr + (pid * rank_out + o[:, None]) * cols + k[None, :], part,
+                     mask=omask[:, None] & kmask[None, :])  # fmt: skip
+        if PROJECT:
+            q = tl.load(q_ptr + k[:, None] * rank + j[None, :], mask=kmask[:, None] & jmask[None, :], other=0.0)
+            acc = tl.dot(x, q, acc, input_precision="ieee")
+    if PROJECT:
+        acc = acc * tl.load(coef_ptr + j, mask=jmask, other=0.0)[None, :]
+        if OUTPUT:
+            acc = acc * dm[:, None]
+        tl.store(out_ptr + m[:, None] * rank + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
 
 
 @triton.jit
@@ -486,9 +524,42 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
     br = max(16, triton.next_power_of_2(rank))
     bk = max(16, min(64, 8192 // br))
     _project_kernel[(triton.cdiv(rows, 16),)](
-        x, d if d is not None else x, q, coef, out, rows, cols, rank, SCALE_D=d is not None, BM=16, BK=bk, BR=br
-    )
+        x, d if d is not None else x, q, coef, out, rows, cols, rank, x, x, x, x, 0, SCALE_D=d is not None,
+        PROJECT=True, OUTPUT=False, BM=16, BK=bk, BR=br, BO=16,
+    )  # fmt: skip
     return out
+
+
+OUTPUT_ROWS = 128  # rows of a program that also sums its share of Pre: its parts are r_out/128 of X's size
+
+
+def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows) -> tuple:
+    """``(P, Pre T)`` of ``U = T_outᵀ G T`` (``T = whitening``, ``I`` when None) from one read of ``G`` (the
+    whole parameter): ``P = D_out^{-1/2} G D^{-1/2} Q diag(c)`` ``[rows, r]`` (None without a whitening
+    of rank > 0) and ``Pre T``, ``Pre = c_out ⊙ Q_outᵀ D_out^{-1/2} G`` ``[r_out, cols]`` (module doc):
+    ``_project_kernel``'s ``OUTPUT`` pass (its parts of ``Pre D^{-1/2}``), their sum, and with ``Q``
+    ``Pre T = Pre D^{-1/2} + (Pre D^{-1/2} Q c) Qᵀ``: a ``_project`` and an ``addmm_``, all small."""
+    rows, cols = g.shape
+    r_out = output.rank
+    project = whitening is not None and whitening.rank > 0
+    dinv = whitening.d_inv_sqrt if whitening is not None else g
+    q, c = (whitening.q, whitening.c) if project else (g, g)
+    rank = q.shape[1] if project else 0
+    bm = max(16, min(OUTPUT_ROWS, triton.next_power_of_2(rows)))
+    programs = triton.cdiv(rows, bm)
+    part = torch.empty(programs, r_out, cols, device=g.device)
+    p = torch.empty(rows, rank, device=g.device) if project else g
+    br = max(16, triton.next_power_of_2(rank))
+    _project_kernel[(programs,)](
+        g, dinv, q, c, p, rows, cols, rank, output.d_inv_sqrt, output.q, output.c, part if r_out else g, r_out,
+        SCALE_D=whitening is not None, PROJECT=project, OUTPUT=True, BM=bm, BK=32, BR=br,
+        BO=max(16, triton.next_power_of_2(r_out)),
+    )  # fmt: skip
+    pre = part.sum(0)
+    if project and r_out:
+        with ieee_fp32(g.device):
+            pre.addmm_(_project(pre, None, q, c), q.T)
+    return (p if project else None), pre
 
 
 def _table(place, fallback: torch.Tensor) -> tuple:
@@ -500,43 +571,56 @@ def _table(place, fallback: torch.Tensor) -> tuple:
     return place.out, ends, place.table.delta, ends.numel(), ends.numel().bit_length(), place.at
 
 
+def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows | None) -> tuple:
+    """What the sender's pass over ``g`` (the whole parameter with ``output``) reads besides ``G``:
+    ``(D_in^{-1/2}, P, Q_inᵀ, r_in)`` of ``T_in`` and ``(D_out^{-1/2}, Q_out, Pre T_in, r_out)`` of
+    ``T_out`` (module doc; with ``output`` both from ``_project_two_sided``); ``g`` for the pointers
+    of a side not given (not read)."""
+    p, out_side = None, (g, g, g, 0)
+    if output is not None:
+        p, pre = _project_two_sided(g, whitening, output)
+        out_side = (output.d_inv_sqrt, output.q, pre if output.rank else g, output.rank)
+    elif whitening is not None and whitening.rank:
+        p = _project(g, whitening.d_inv_sqrt, whitening.q, whitening.c)
+    if whitening is None:
+        return (g, g, g, 0), out_side
+    return (whitening.d_inv_sqrt, g if p is None else p, whitening.q.T.contiguous(), whitening.rank), out_side
+
+
 def whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output: OutputRows | None = None,
 ) -> Encoded | None:  # fmt: skip
     """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR. Launches: ``G Q`` with
-    whitening, then one pass (BLOCK, ROW with ``lengths``) or two (the others, with a few small ops
-    on the groups' maxima between them), whatever ``g``'s size and the table's.
+    whitening (with ``output``: ``sender_factors``' few), then one pass (BLOCK, ROW with ``lengths``)
+    or two (the others, with a few small ops on the groups' maxima between them), whatever ``g``'s
+    size and the table's.
 
     Essential bytes per element of ``G`` (BLOCK 1x128, FP32 scales): reads ``G`` once (2 B for BF16,
-    4 for FP32; GIFT reads it twice, for ``G Q`` and for the pass), writes 1 B of code and 4/128 B of
-    scale; error feedback adds 4 B read (``e``) and 4 B written (``e'``); two passes read ``G`` (and
-    ``e``) once more."""
+    4 for FP32; GIFT reads it twice, for ``G Q`` and for the pass, and so does the two-sided map,
+    ``Pre`` then coming from the first read), writes 1 B of code and 4/128 B of scale; error feedback
+    adds 4 B read (``e``) and 4 B written (``e'``); two passes read ``G`` (and ``e``) once more."""
     rows, cols = g.shape
     fmt_args = _fmt_args(cfg, "whiten_encode")
     g = (g if g.dtype in _READ_DTYPES else g.float()).contiguous()
     n_groups = None if lengths is None else lengths.numel()
-    tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None)
+    tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None or output is not None)
     ends = _ends(lengths, g)
     payload = into.codes.out if into is not None else torch.empty(rows, cols, dtype=torch.uint8, device=g.device)
     u_out = out if out is None or out.is_contiguous() else torch.empty(rows, cols, device=g.device)
     residual, new_residual = feedback if feedback is not None else (g, g)
     codes_table = _table(None if into is None else into.codes, g)[1:]
-    transform = (g, g, g, 0)  # pointers the kernel does not read
-    if whitening is not None:
-        q, dinv = whitening.q, whitening.d_inv_sqrt
-        p = _project(g, dinv, q, whitening.c) if whitening.rank else g
-        transform = (dinv, p, q.T.contiguous(), whitening.rank)
+    transform, out_side = sender_factors(g, whitening, output)
 
     def launch(pass_: tl.constexpr, scales: torch.Tensor, amax: torch.Tensor = g, fusion: bool = False) -> None:
-        dinv, p, qt, rank = transform
         scales_table = _table(None if into is None else into.scales, scales)
         _encode_kernel[(tiling.programs,)](
-            g, ends, dinv, p, qt, u_out if out is not None else g, payload, scales, amax,
-            tiling.n_units, rows, cols, rank, *tiling.args(), *codes_table, *scales_table, residual, new_residual,
-            WHITEN=whitening is not None, STORE_U=out is not None, PASS=pass_.value, PLACE=into is not None,
-            FEEDBACK=feedback is not None, FMAX=cfg.fmt.max, enable_fp_fusion=fusion and feedback is None,
-            **tiling.constexprs(), **fmt_args,
+            g, ends, *transform[:3], *out_side[:3], u_out if out is not None else g, payload, scales, amax,
+            tiling.n_units, rows, cols, transform[3], out_side[3], *tiling.args(), *codes_table, *scales_table,
+            residual, new_residual, WHITEN=whitening is not None, OUTPUT=output is not None, STORE_U=out is not None,
+            PASS=pass_.value, PLACE=into is not None, FEEDBACK=feedback is not None, FMAX=cfg.fmt.max,
+            enable_fp_fusion=fusion and feedback is None, **tiling.constexprs(), **fmt_args,
         )  # fmt: skip
 
     # One pass where a unit's maximum is its group's and the scale FP32: BLOCK, or groups given by lengths.
@@ -585,6 +669,8 @@ def _encode_traffic(a: dict) -> tuple[int, int]:
     read = n * a["g_ptr"].element_size() + (4 * n if a["FEEDBACK"] else 0)
     if a["WHITEN"]:
         read += 4 * (a["rows"] * rank + a["cols"] * (1 + rank))
+    if a["OUTPUT"]:  # D_out^{-1/2}, Q_out, Pre
+        read += 4 * (a["rows"] * (1 + a["rank_out"]) + a["rank_out"] * a["cols"])
     if a["LAYOUT"] == _GROUPS.value:
         read += 8 * units
     if a["PLACE"]:  # the two tables (their lookups hit the cache)
@@ -682,9 +768,16 @@ def _unwhiten_traffic(a: dict) -> tuple[int, int]:
 
 
 def _project_traffic(a: dict) -> tuple[int, int]:
-    rows, cols, rank = a["rows"], a["cols"], a["rank"]
-    read = rows * cols * a["x_ptr"].element_size() + 4 * (cols * rank + rank + (cols if a["SCALE_D"] else 0))
-    return read, 4 * rows * rank
+    """``X`` once, ``Q`` (and ``D``) with ``PROJECT``, ``T_out``'s rows with ``OUTPUT``; ``P`` and the parts of ``Pre``."""
+    rows, cols, rank, r_out = a["rows"], a["cols"], a["rank"], a["rank_out"]
+    read, written = rows * cols * a["x_ptr"].element_size() + (4 * cols if a["SCALE_D"] else 0), 0
+    if a["PROJECT"]:
+        read += 4 * (cols * rank + rank)
+        written += 4 * rows * rank
+    if a["OUTPUT"]:
+        read += 4 * (rows * (1 + r_out) + r_out)
+        written += 4 * a["grid"][0] * r_out * cols
+    return read, written
 
 
 TRAFFIC = {

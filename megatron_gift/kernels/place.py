@@ -1,8 +1,9 @@
 """Triton kernel of the placed cast (imports triton; see the package docstring for when it runs).
 
 ``whiten_place`` writes ``X [rows, cols]`` (``G T`` where a whitening is given: ``U = X D^{-1/2} +
-P Qᵀ`` with ``P = X (D^{-1/2} Q) diag(c)`` from ``fused._project_kernel``), cast to the buffer's
-dtype, straight into a buffer of messages: element ``k = at + i`` of the source goes to
+P Qᵀ`` with ``P = X (D^{-1/2} Q) diag(c)`` from ``fused._project_kernel``; with an output side
+``T_outᵀ X T = D_out^{-1/2} X D^{-1/2} + Q_out (Pre T) + P Qᵀ`` as ``fused``'s module doc has it, the
+small factors from ``fused.sender_factors``), cast to the buffer's dtype, straight into a buffer of messages: element ``k = at + i`` of the source goes to
 ``k + delta[j]``, ``j`` the table's shard of ``k`` (``fused._shard_delta``, per element: a tile may
 cross a shard boundary anywhere). It serves the float intra-node wire of the two-level exchange
 (BF16/FP32 ``U``) and the plain values (``off``: a copy in the bucket's dtype, ``bf16``: a cast).
@@ -16,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
-from .fused import TILE, _plus_low_rank, _project, _shard_delta
+from .fused import TILE, _plus_low_rank, _shard_delta, sender_factors
 
 FLAT_TILE = 1024  # elements of a program without whitening (the values as one row)
 ROWS = 16  # rows of a program with whitening (sharing the loads of D and Q), TILE columns
@@ -38,11 +40,11 @@ def _bf16(x):
 
 
 @triton.jit
-def _place_kernel(x_ptr, dinv_ptr, p_ptr, qt_ptr, out_ptr, ends_ptr, delta_ptr, shards, steps, at,
-                  rows, cols, rank, n_row_blocks, WHITEN: tl.constexpr, CAST: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (``U`` with ``WHITEN``) at its placed positions in
-    ``out``: as it is (``_COPY``: the same dtype), in FP32, or in BF16 (``_bf16``)."""
+def _place_kernel(x_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, out_ptr, ends_ptr, delta_ptr, shards,
+                  steps, at, rows, cols, rank, rank_out, n_row_blocks, WHITEN: tl.constexpr, OUTPUT: tl.constexpr,
+                  CAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (``U`` with ``WHITEN``, ``T_outᵀ X T`` with ``OUTPUT``) at its placed positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or
+    in BF16 (``_bf16``)."""
     pid = tl.program_id(0)
     r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid // n_row_blocks).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -50,8 +52,13 @@ def _place_kernel(x_ptr, dinv_ptr, p_ptr, qt_ptr, out_ptr, ends_ptr, delta_ptr, 
     mask = rmask[:, None] & cmask
     k = r[:, None] * cols + c
     x = tl.load(x_ptr + k, mask=mask, other=0.0)
+    if OUTPUT:
+        x = x.to(tl.float32) * tl.load(dout_ptr + r, mask=rmask, other=0.0)[:, None]
     if WHITEN:
         x = x.to(tl.float32) * tl.load(dinv_ptr + c, mask=cmask, other=0.0)
+    if OUTPUT:
+        x = _plus_low_rank(x, qo_ptr, pre_ptr, r, c, rmask, cmask, rank_out, cols)
+    if WHITEN:
         x = _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
     k += at
     dest = k + _shard_delta(ends_ptr, delta_ptr, shards, steps, k, mask)
@@ -70,38 +77,44 @@ def _cast(src: torch.dtype, dst: torch.dtype) -> int:
     raise ValueError(f"the placed cast writes FP32 or BF16 (or copies), not {src} to {dst}")
 
 
-def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into) -> None:
-    """See ``kernels.whiten_place``: one launch (+ ``G Q`` and ``Qᵀ`` with a whitening of rank > 0).
+def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, output: OutputRows | None = None) -> None:
+    """See ``kernels.whiten_place``: one launch (+ ``G Q`` and ``Qᵀ`` with a whitening of rank > 0, +
+    ``fused.sender_factors``' few with ``output``).
 
-    Essential bytes per element: reads ``x`` once (2 B for BF16, 4 for FP32; GIFT reads it twice,
-    for ``G Q`` and for the pass), writes the element in the wire dtype (2 B for BF16, 4 for FP32)."""
+    Essential bytes per element: reads ``x`` once (2 B for BF16, 4 for FP32; GIFT and the two-sided
+    map read it twice, for ``G Q`` and ``Pre`` and for the pass), writes the element in the wire
+    dtype (2 B for BF16, 4 for FP32)."""
     rows, cols = x.shape
     x = x.contiguous()
     table = into.table
     place = (into.out, table.ends, table.delta, table.ends.numel(), table.ends.numel().bit_length(), into.at)
-    cast = _cast(x.dtype if whitening is None else torch.float32, into.out.dtype)
-    if whitening is None:
+    mapped = whitening is not None or output is not None
+    cast = _cast(torch.float32 if mapped else x.dtype, into.out.dtype)
+    if not mapped:
         _place_kernel[(triton.cdiv(x.numel(), FLAT_TILE),)](
-            x, x, x, x, *place, 1, x.numel(), 0, 1, WHITEN=False, CAST=cast, BLOCK_R=1, BLOCK_C=FLAT_TILE,
+            x, x, x, x, x, x, x, *place, 1, x.numel(), 0, 0, 1, WHITEN=False, OUTPUT=False, CAST=cast, BLOCK_R=1,
+            BLOCK_C=FLAT_TILE,
         )  # fmt: skip
         return
-    q, dinv = whitening.q, whitening.d_inv_sqrt
-    p = _project(x, dinv, q, whitening.c) if whitening.rank else x
+    (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output)
     block_r = min(ROWS, triton.next_power_of_2(rows))
     n_rb = triton.cdiv(rows, block_r)
     _place_kernel[(n_rb * triton.cdiv(cols, TILE),)](
-        x, dinv, p, q.T.contiguous(), *place, rows, cols, whitening.rank, n_rb, WHITEN=True, CAST=cast, BLOCK_R=block_r,
-        BLOCK_C=TILE, enable_fp_fusion=True,
+        x, dinv, p, qt, dout, qo, pre, *place, rows, cols, rank, rank_out, n_rb, WHITEN=whitening is not None,
+        OUTPUT=output is not None, CAST=cast, BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
     )  # fmt: skip
 
 
 def _place_traffic(a: dict) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one ``_place_kernel`` launch from its bound arguments: ``X``
-    once (``P`` and ``T``'s factors with whitening) and the table; each element in ``out``'s dtype."""
+    once (``P`` and ``T``'s factors with whitening, ``T_out``'s rows and ``Pre`` with an output side)
+    and the table; each element in ``out``'s dtype."""
     n, rank = a["rows"] * a["cols"], a["rank"]
     read = n * a["x_ptr"].element_size() + 16 * a["shards"]
     if a["WHITEN"]:
         read += 4 * (a["rows"] * rank + a["cols"] * (1 + rank))
+    if a["OUTPUT"]:
+        read += 4 * (a["rows"] * (1 + a["rank_out"]) + a["rank_out"] * a["cols"])
     return read, n * a["out_ptr"].element_size()
 
 

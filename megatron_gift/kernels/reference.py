@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode_flat, group_lengths, scale_values
+from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
 
 Parts = Sequence[torch.Tensor]
@@ -64,18 +65,27 @@ def _read(src, n: int) -> torch.Tensor:
     return src.out.index_select(0, src.table.index(src.at, src.at + n))
 
 
+def sender_values(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows | None) -> torch.Tensor:
+    """``T_outᵀ G T_in`` in FP32 of ``g [rows, cols]``: ``output`` (``T_outᵀ`` on ``g``'s rows; ``Pre``
+    computed from ``g`` where not given) and ``whitening`` (``T_in``) each where given."""
+    x = output.with_pre(g).apply(g) if output is not None else g.float()
+    return whitening.apply(x) if whitening is not None else x
+
+
 def reference_whiten_encode(
     g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output: OutputRows | None = None,
 ) -> Encoded | None:  # fmt: skip
-    """``fp8.encode(G T)`` (``G`` when ``whitening`` is None) of ``g [rows, cols]``; ``out``, when
+    """``fp8.encode(G T)`` (``G`` when ``whitening`` is None; ``T_outᵀ G T`` with ``output``:
+    ``sender_values``) of ``g [rows, cols]``; ``out``, when
     given, receives the encoded values in FP32. ``lengths``: the scaling groups in memory order
     (each inside one row unless the scaling is per tensor), when they are not the matrix codec's
     own (groups cut at shard boundaries); the scales then come flat, one per group. ``into`` and
     ``feedback`` as in ``kernels.whiten_encode``: ``index_copy_`` at the tables' positions; ``Ũ = U + e``
     encoded, ``e' = Ũ - dec(q(Ũ))``."""
     rows, cols = g.shape
-    u = whitening.apply(g.float()) if whitening is not None else g.float()
+    u = sender_values(g, whitening, output)
     if feedback is not None:
         u = u + feedback[0].view_as(u)
     if out is not None:
@@ -92,10 +102,12 @@ def reference_whiten_encode(
                    scales=enc.scales if lengths is not None else enc.scales.view(cfg.groups(rows, cols)))  # fmt: skip
 
 
-def reference_whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into) -> None:
-    """``kernels.whiten_place``: ``x T`` (FP32; ``x`` where ``whitening`` is None) in ``into.out``'s dtype,
-    ``index_copy_`` at the table's positions of ``[at, at + numel)``."""
-    _write(into, whitening.apply(x.float()) if whitening is not None else x)
+def reference_whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into,
+                           output: OutputRows | None = None) -> None:  # fmt: skip
+    """``kernels.whiten_place``: ``x T`` (FP32, ``T_outᵀ x T`` with ``output``: ``sender_values``; ``x``
+    where neither is given) in ``into.out``'s dtype, ``index_copy_`` at the table's positions of
+    ``[at, at + numel)``."""
+    _write(into, x if whitening is None and output is None else sender_values(x, whitening, output))
 
 
 def reference_decode_sum_unwhiten(

@@ -20,7 +20,7 @@ invariant to the scale of ``B`` (a loss scale, ``1/num_microbatches``), as long 
 of one EMA share that scale.
 
 What the output side changes in the reduction protocol (``comm/output_side.py``; its row-block maps,
-``output_apply``, ``output_projection``, ``output_inverse``, are at the end of this module):
+``OutputRows`` (the sender's), ``output_projection``, ``output_inverse``, are at the end of this module):
 
 * **Row sharding.** ``U T_in⁻¹`` mixes entries within a row; ``T_out⁻ᵀ V = D_out^{1/2}(V + Q_out
   diag(c') Q_outᵀ V)`` mixes rows. With the distributed optimizer a rank holds a contiguous
@@ -54,6 +54,8 @@ No torch.distributed here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .whitening import LowRankWhitening, ieee_fp32
@@ -80,14 +82,52 @@ class TwoSidedWhitening:
 # ``[r]``, ``d_inv_sqrt``, ``d_sqrt [d_out]``); all maps in FP32 (full FP32 on CUDA: ``ieee_fp32``).
 
 
-def output_apply(w: LowRankWhitening, g: torch.Tensor) -> torch.Tensor:
-    """``T_outᵀ G`` of a whole parameter ``G [d_out, d_in]`` (any float dtype) as a new FP32
-    ``[d_out, d_in]`` tensor: ``X = D^{-1/2} G`` (rows scaled), ``X + Q (c ⊙ Qᵀ X)``: four ops."""
-    x = g * w.d_inv_sqrt[:, None]  # FP32 whatever g's dtype (type promotion): one pass
-    if w.rank == 0:
-        return x
-    with ieee_fp32(x.device):
-        return x.addmm_(w.q, (w.q.T @ x).mul_(w.c[:, None]))
+@dataclass(frozen=True)
+class OutputRows:
+    """The sender's ``T_outᵀ`` on rows of a parameter ``G [d_out, d_in]``, as the encode pass applies it
+    row by row: ``X[rows] = D^{-1/2}[rows] G[rows] + Q[rows] Pre``, where ``Pre = c ⊙ Qᵀ (D^{-1/2} G)``
+    ``[r, d_in]`` sums over *all* rows (``X + Q (c ⊙ Qᵀ X)`` with ``X = D^{-1/2} G``). ``d_inv_sqrt [rows]``,
+    ``q [rows, r]``: ``T_out``'s on these rows; ``pre``: None until computed from the whole ``G``
+    (``with_pre``; the fused kernels compute it in the read of ``G`` that gives the input side's
+    projection: ``kernels/fused.py``)."""
+
+    d_inv_sqrt: torch.Tensor
+    q: torch.Tensor
+    c: torch.Tensor
+    pre: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, w: LowRankWhitening) -> "OutputRows":
+        """All rows of ``T_out = w``, ``Pre`` not yet known."""
+        return cls(w.d_inv_sqrt, w.q, w.c)
+
+    @property
+    def rank(self) -> int:
+        return self.q.shape[1]
+
+    def rows(self, r0: int, r1: int) -> "OutputRows":
+        """Rows ``[r0, r1)`` of these (``Pre`` known: it is the whole parameter's)."""
+        return OutputRows(self.d_inv_sqrt[r0:r1], self.q[r0:r1], self.c, self.pre)
+
+    def with_pre(self, g: torch.Tensor) -> "OutputRows":
+        """These rows with ``Pre`` from ``g`` (all ``d_out`` rows of the parameter, any float dtype) where
+        not known yet: ``((D^{-1/2} Q) c)ᵀ G``, one matmul over ``G`` (an FP32 copy of a narrower ``g``)."""
+        if self.pre is not None:
+            return self
+        if g.shape[0] != self.q.shape[0]:
+            raise ValueError(f"Pre sums over all {self.q.shape[0]} rows of the parameter, got {g.shape[0]}")
+        with ieee_fp32(g.device):
+            pre = (self.q * self.d_inv_sqrt[:, None] * self.c).T @ g.float()
+        return OutputRows(self.d_inv_sqrt, self.q, self.c, pre)
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        """``X = T_outᵀ G`` on these rows (``g [rows, d_in]``, any float dtype; ``Pre`` known) as a new FP32
+        tensor: ``D^{-1/2} G`` (one pass), then ``+ Q Pre`` (one ``addmm_``)."""
+        x = g * self.d_inv_sqrt[:, None]  # FP32 whatever g's dtype (type promotion)
+        if self.rank == 0:
+            return x
+        with ieee_fp32(x.device):
+            return x.addmm_(self.q, self.pre)
 
 
 def row_blocks(cols: int, e0: int, e1: int) -> list[tuple[int, int, int, int, int]]:
