@@ -50,6 +50,17 @@ class Mode(enum.Enum):
     GIFT = "gift"
 
 
+class Side(enum.Enum):
+    """Which sides of a GIFT layer's gradient are whitened (``numerics.two_sided``): the input side
+    alone (``T_in``, from ``A``), or both (``T_outᵀ G T_in``, ``T_out`` from ``B = E[g gᵀ]`` over the
+    layer's output gradients, collected in the backward); ``auto`` chooses per layer at each refresh
+    between the input side alone and both, with the damping."""
+
+    INPUT = "input"
+    BOTH = "both"
+    AUTO = "auto"
+
+
 class ParamGather(enum.Enum):
     """The distributed optimizer's parameter all-gather: Megatron's own (BF16 with ``--bf16``), or
     each shard's coded change since the last gather (``comm.param_delta``, ~1 byte per element)."""
@@ -103,7 +114,11 @@ class GiftConfig:
     ``damping_candidates`` and Euclidean (no whitening), from the error each gives on the factor
     owner's own gradient (``numerics.profile.choose_damping``). Defaults: docs/fidelity.md.
     ``sketch``: columns of the Nyström sketch of ``XᵀX`` that is kept and summed over ranks
-    instead of the full matrix (0: exact ``XᵀX``). ``layers``: regular expressions on parameter names that select which weights use ``mode``
+    instead of the full matrix (0: exact ``XᵀX``). ``side``: ``input`` whitens each GIFT layer's
+    gradient from its input statistics alone; ``both`` / ``auto`` also keep statistics of its output
+    gradients (the same ``ema``, ``sketch`` and ``rank``) and whiten the output side too (``auto``:
+    per layer where that measures better); costs in docs/fidelity.md.
+    ``layers``: regular expressions on parameter names that select which weights use ``mode``
     (default: the weight matrices of linear layers). ``euclidean_layers`` puts other parameters
     (embeddings, output layer) in plain FP8 as well. ``policy``: when set, ``layers`` are
     candidates whose mode (Euclidean, GIFT or BF16) is chosen from measurement
@@ -134,6 +149,7 @@ class GiftConfig:
     sketch: int = 64
     damping: float | None = None
     damping_candidates: tuple[float, ...] = (0.3, 1.0, 3.0, 10.0)
+    side: Side = Side.INPUT
     ema: float = 0.95
     refresh_interval: int = 10
     error_feedback: bool = False
@@ -153,7 +169,8 @@ class GiftConfig:
     allow_untested_megatron: bool = False
 
     def __post_init__(self):
-        for name, kind in (("mode", Mode), ("param_gather", ParamGather), ("exchange", Exchange), ("intra_node", IntraNode)):
+        enums = (("mode", Mode), ("side", Side), ("param_gather", ParamGather), ("exchange", Exchange), ("intra_node", IntraNode))
+        for name, kind in enums:
             if not isinstance(getattr(self, name), kind):  # a spelling: the enum's member, or its ValueError
                 object.__setattr__(self, name, kind(getattr(self, name)))
         for name in ("param_gather_full_every", "param_gather_check_every"):

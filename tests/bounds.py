@@ -84,13 +84,18 @@ def fp8_format(dtype: torch.dtype) -> tuple[int, float, float]:
 
 
 def error_bound(local: torch.Tensor, roundings: list[Rounding], t: torch.Tensor | None = None,
-                t_inv: torch.Tensor | None = None, region: slice | None = None, buffer_u: float = 0.0) -> float:  # fmt: skip
+                t_inv: torch.Tensor | None = None, region: slice | None = None, buffer_u: float = 0.0,
+                t_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:  # fmt: skip
     """Bound on ``‖got − Σ_r G_r‖`` over ``region`` of one tensor (module doc), unscaled.
 
     ``local [R, rows, cols]``: the ranks' gradients (FP64, residuals included); ``roundings``: the
     path's; ``t``, ``t_inv [cols, cols]``: the dense ``T``, ``T⁻¹`` used (None: ``T = I``);
     ``region``: a slice of the tensor's flat, row-major elements (None: all); ``buffer_u``: the
-    relative rounding of the buffer the result is written to beyond FP32's (BF16: 2^-8)."""
+    relative rounding of the buffer the result is written to beyond FP32's (BF16: 2^-8);
+    ``t_out``: the dense ``(T_out, T_out⁻¹) [rows, rows]`` of an output side (``U = T_outᵀ G T``,
+    :func:`two_sided_error_bound`)."""
+    if t_out is not None:
+        return two_sided_error_bound(local, roundings, t, t_inv, t_out, region, buffer_u)
     local = local.double()
     ranks, rows, cols = local.shape
     eye = torch.eye(cols, dtype=torch.float64)
@@ -111,6 +116,38 @@ def error_bound(local: torch.Tensor, roundings: list[Rounding], t: torch.Tensor 
         var += 2.0 * float(((vw @ (b * b)) * vw).sum() + 2.0 * (spread * vp).sum() + (vp * vp).sum())
     exact = local.sum(0).flatten()[lo:hi]
     fp32 = (cols + ranks) * EPS32 * float((local.abs().sum(0) @ t.abs() @ t_inv.abs()).flatten()[lo:hi].norm())
+    return math.sqrt(mean + TAIL_SDS * math.sqrt(var)) + fp32 + buffer_u * float(exact.norm())
+
+
+def two_sided_error_bound(local: torch.Tensor, roundings: list[Rounding], t: torch.Tensor | None, t_inv: torch.Tensor | None,
+                          t_out: tuple[torch.Tensor, torch.Tensor], region: slice | None = None, buffer_u: float = 0.0) -> float:  # fmt: skip
+    """:func:`error_bound` of a two-sided reduction, ``U_r = T_outᵀ G_r T`` sent, ``T_out⁻ᵀ (Σ_r Q(U_r)) T⁻¹``
+    received (``numerics.two_sided``). A whitened rounding ``e`` reaches ``(a, j)`` as
+    ``Σ_{b,i} T_out⁻ᵀ[a, b] e[b, i] T⁻¹[i, j]``, so (2) becomes
+    ``E E[a, j]² = Σ_{b,i} T_out⁻ᵀ[a, b]² V_w[b, i] T⁻¹[i, j]² + V_p[a, j]``, summed over the region
+    for the mean. ``T_out`` mixes rows, so the variance uses ``tr(C²) ≤ λ_max(C) tr(C)`` with
+    ``λ_max(C) ≤ ‖T_out⁻¹‖₂² ‖T⁻¹‖₂² max V_w + max V_p`` (``C``: the region's error covariance, a
+    restriction of ``M diag(V) Mᵀ``, ``M`` the map above). FP32 work: the maps, the sums over ranks and
+    ``P``'s all-reduce are sums of at most ``cols + rows + R`` terms each (the low-rank maps' ``r``
+    included), within that many ``2^-24`` of ``|T_out⁻ᵀ| |T_outᵀ| Σ_r |G_r| |T| |T⁻¹|``."""
+    local = local.double()
+    ranks, rows, cols = local.shape
+    eye = torch.eye(cols, dtype=torch.float64)
+    t = eye if t is None else t.double()
+    t_inv = eye if t_inv is None else t_inv.double()
+    o, o_inv = (x.double() for x in t_out)
+    zero = torch.zeros(rows, cols, dtype=torch.float64)
+    v_w = sum((r.variance() for r in roundings if r.whitened), zero)
+    v_p = sum((r.variance() for r in roundings if not r.whitened), zero)
+    lo, hi = (0, rows * cols) if region is None else (region.start, region.stop)
+    per_element = ((o_inv.T * o_inv.T) @ v_w @ (t_inv * t_inv) + v_p).flatten()[lo:hi]
+    mean = float(per_element.sum())
+    norm2 = lambda m: float(torch.linalg.matrix_norm(m, 2)) ** 2  # noqa: E731
+    lam = norm2(o_inv) * norm2(t_inv) * float(v_w.max()) + float(v_p.max())
+    var = 2.0 * lam * mean
+    exact = local.sum(0).flatten()[lo:hi]
+    magnitude = o_inv.T.abs() @ o.T.abs() @ local.abs().sum(0) @ t.abs() @ t_inv.abs()
+    fp32 = (cols + rows + ranks) * EPS32 * float(magnitude.flatten()[lo:hi].norm())
     return math.sqrt(mean + TAIL_SDS * math.sqrt(var)) + fp32 + buffer_u * float(exact.norm())
 
 
@@ -159,12 +196,15 @@ class ReductionPath:
 
 
 def _mode(ddp, p, name, sent):
-    """``(mode, GiftParam)``: the mode from ``sent`` (``{name: testing.wire.WireRecord.mode}``, what
-    went on the wire) when given, else from the DDP's own state."""
+    """``(mode, output side, GiftParam)``: the mode and whether ``T_out`` was applied from ``sent``
+    (``{name: testing.wire.WireRecord.mode}``, what went on the wire: ``+out`` for the output side)
+    when given, else from the DDP's own state."""
     g = getattr(ddp, "gift_params", {}).get(p)
     if sent is not None:
-        return sent[name] if name in sent else "off", g
-    return (g.mode.value if g is not None else "off"), g
+        mode = sent[name] if name in sent else "off"
+        return mode.removesuffix("+out"), mode.endswith("+out"), g
+    out = g is not None and g.mode.value == "gift" and getattr(g, "output_whitening", None) is not None and g.output_whitening.rank > 0
+    return (g.mode.value if g is not None else "off"), out, g
 
 
 def _roundings(mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: torch.Tensor, bits: int,
@@ -199,7 +239,8 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
     """``(parameter name, mode, ‖got − scale Σ_r (G_r + ε_r)‖, bound)`` over each parameter's part of
     its bucket that this rank holds after the reduction, the bound by the module doc for the mode:
     FP32 sums for ``off``, BF16 roundings for ``bf16``, FP8 of ``G_r T`` (``T`` the parameter's
-    current ``whitening`` in GIFT mode, else ``I``) for ``euclidean`` / ``gift``.
+    current ``whitening`` in GIFT mode, else ``I``; ``T_outᵀ G_r T`` with its ``output_whitening``)
+    for ``euclidean`` / ``gift``.
 
     ``local``: ``{param: [ranks, numel]}`` (``megatron_gift.testing.reference.gathered_local_gradients``);
     ``scale_of(param)``: its scaling; ``owned(bucket group, bucket) -> slice`` of ``grad_data``
@@ -207,8 +248,8 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
     into this step, in the gradient's coordinates (counted for parameters sent in FP8 this step: a
     switch to BF16 drops them); ``buffer_u``: 2^-8 for a BF16 gradient buffer; ``sent``: each
     parameter's mode as the wire record saw it (``testing.wire.WireRecord.mode``; a parameter it does
-    not name is ``off``): the bound then follows what was sent (``T`` only where it was applied), not
-    what the DDP says it sent."""
+    not name is ``off``; ``+out``: with the output side): the bound then follows what was sent (``T``
+    and ``T_out`` only where they were applied), not what the DDP says it sent."""
     # stock Megatron's DDP (every parameter off, FP32 sums) has no codec: the default one is never read
     codec = ddp.gift_config.codec if hasattr(ddp, "gift_config") else CodecConfig()
     bits, sigma, fmax = fp8_format(codec.fmt.dtype)
@@ -220,18 +261,22 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
             region = slice(*(owned(bg, bucket) if owned is not None else slice(None)).indices(bucket.grad_data.numel())[:2])
             entries = {}
             for p, (a, b) in bucket.param_to_index.items():
-                mode, g = _mode(ddp, p, re.sub(r"^(module\.)+", "", names[p]), sent)  # the DDP's names
+                mode, with_out, g = _mode(ddp, p, re.sub(r"^(module\.)+", "", names[p]), sent)  # the DDP's names
                 rows = p.shape[0] if p.dim() > 1 else 1
                 plain = local[p].view(-1, rows, (b - a) // rows).double()
                 if residuals is not None and p in residuals and mode in ("euclidean", "gift"):  # BF16 drops it
                     plain = plain + residuals[p].view_as(plain).double()
                 t = g.whitening.dense() if mode == "gift" and g.whitening is not None else (None, None)
                 coded = plain if t[0] is None else plain @ t[0].double()
-                entries[p] = (a, b, mode, plain, coded, t)
+                t_out = None  # an output side applied (--gift-side both / auto): U = T_outᵀ G T
+                if with_out:
+                    t_out = g.output_whitening.dense()
+                    coded = t_out[0].double().T @ coded
+                entries[p] = (a, b, mode, plain, coded, t, t_out)
             maxima = [e[4].abs().flatten(1).amax(1) for e in entries.values() if e[2] in ("euclidean", "gift")]
             # the largest scale a rank's group can have: groups may straddle parameters of the bucket
             spacing = sigma * (2 if mx else 1) * torch.stack(maxima).amax(0) / fmax if maxima else None
-            for p, (a, b, mode, plain, coded, t) in entries.items():
+            for p, (a, b, mode, plain, coded, t, t_out) in entries.items():
                 lo, hi = max(a, region.start), min(b, region.stop)
                 if lo >= hi:
                     continue
@@ -242,7 +287,7 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
                     bound = fp32_sum_bound(plain.flatten(1)[:, lo - a : hi - a], buffer_u)
                 else:
                     rounds = _roundings(mode, coded, plain, spacing, bits, path)
-                    bound = error_bound(plain, rounds, *t, region=slice(lo - a, hi - a), buffer_u=buffer_u)
+                    bound = error_bound(plain, rounds, *t, region=slice(lo - a, hi - a), buffer_u=buffer_u, t_out=t_out)
                 out.append((names[p], mode, err, scale * bound))
     return out
 

@@ -14,7 +14,7 @@ from megatron_gift.arguments import (
     telemetry_dir,
     validate_gift_args,
 )
-from megatron_gift.config import GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig
+from megatron_gift.config import GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig, Side
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 MEGATRON_ARGV = [
@@ -85,6 +85,7 @@ def test_defaults_come_from_gift_config(parse):
     assert cfg.damping_candidates == (0.3, 1.0, 3.0, 10.0)
     assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
     assert cfg.layers == (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
+    assert cfg.side is Side.INPUT
 
 
 @pytest.mark.parametrize("intra", ["fp32", "bf16", "fp8"])
@@ -93,6 +94,54 @@ def test_intra_node_flag_reaches_the_config(parse, intra):
     two-level exchange silently running its BF16 default (tests/test_wire_paths.py holds the config
     to what the intra-node stage sends)."""
     assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-intra-node", intra)).intra_node is IntraNode(intra)
+
+
+@pytest.mark.parametrize("side", ["input", "both", "auto"])
+def test_side_flag_reaches_the_config(parse, side):
+    """Bug caught: ``--gift-side both`` dropped on its way to ``GiftConfig`` (no output statistics kept,
+    the run silently input-side); a spelling is accepted by ``GiftConfig`` as by its other enums."""
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-side", side)).side is Side(side)
+    assert GiftConfig(side=side).side is Side(side)
+
+
+def test_bad_side_is_refused(parse, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse("--gift-mode", "gift", "--gift-side", "output")
+    assert exc.value.code == 2 and "--gift-side" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'output' is not a valid Side"):
+        GiftConfig(side="output")
+
+
+def test_side_help_says_what_each_choice_costs():
+    """``--help`` named the choices without their cost (the refresh bytes and the per-step all-reduce)."""
+    parser = add_gift_args(argparse.ArgumentParser())
+    text = parser.format_help()  # argparse formats the help: a bare % would raise here
+    side = next(a for a in parser._actions if "--gift-side" in a.option_strings)
+    assert side.choices == ["input", "both", "auto"]
+    assert all(f"{c}:" in side.help for c in side.choices) and "7.9%" in text and "all-reduce" in side.help
+
+
+def test_rank_above_layer_output_size_with_two_sides(parse):
+    """With the output side, ``--gift-rank`` must fit each GIFT layer's output size (its rows on this
+    rank) as it must fit the input size; input side only, the output size does not matter."""
+    named = [(n, p) for n, p in NAMED_PARAMS if "linear_fc2" in n]  # [64, 256]
+    flags = ("--gift-mode", "gift", "--gift-layers", r"linear_fc2\.weight$", "--gift-rank", "100", "--gift-sketch", "0")
+    with pytest.raises(ValueError) as exc:
+        validate_gift_args(parse(*flags, "--gift-side", "both"), named)
+    msg = str(exc.value)
+    assert "--gift-side both: --gift-rank 100" in msg and "linear_fc2.weight (output size 64 on this rank)" in msg
+    assert "at most 64" in msg and "--gift-side input" in msg
+    validate_gift_args(parse(*flags, "--gift-side", "input"), named)
+
+
+def test_side_with_rank_zero_is_noted(parse, capsys, monkeypatch):
+    """``--gift-side both --gift-rank 0`` keeps no output statistics (a diagonal ``T_out`` is no
+    whitening the FP8 scales don't already do): said once instead of silently input-side."""
+    monkeypatch.delenv("RANK", raising=False)
+    validate_gift_args(parse("--gift-mode", "gift", "--gift-rank", "0", "--gift-side", "both"))
+    assert "--gift-side both with --gift-rank 0 whitens the input side alone" in capsys.readouterr().err
+    validate_gift_args(parse("--gift-mode", "gift", "--gift-rank", "0"))
+    assert "--gift-side" not in capsys.readouterr().err
 
 
 def test_every_flag_maps_to_config(parse):
@@ -305,6 +354,8 @@ def test_local_world_size_must_be_a_positive_integer(parse, monkeypatch):
           "--gift-scaling row has no effect with --gift-mode bf16 and no --gift-euclidean-layers",
           "--gift-error-feedback has no effect with --gift-mode bf16 and no --gift-euclidean-layers"]),
         (["--gift-mode", "bf16", "--gift-error-feedback", "--gift-euclidean-layers", "embedding"], []),
+        (["--gift-mode", "euclidean", "--gift-side", "both"],
+         ["--gift-side both has no effect with --gift-mode euclidean (GIFT only)"]),
         (["--gift-mode", "gift", "--gift-scaling", "mx", "--gift-block-size", "64"],
          ["--gift-block-size 64 has no effect with --gift-scaling mx (block only)"]),
         (["--gift-mode", "gift", "--gift-policy-margin", "0.2", "--gift-telemetry-dir", "/tmp/x"],

@@ -10,6 +10,7 @@ reconstructed ones, which a resume must continue from. The iteration-4 checkpoin
 one rank (another data-parallel size), and a checkpoint written with ``--gift-mode off`` is
 loaded by a GIFT run: both train and say in the log what they did. A 4-rank run's iteration-4
 checkpoint is loaded with 2 ranks (the delta gather's replicas checked at every logged iteration).
+With ``--gift-side both`` a run resumed from iteration 4 is bit-identical to the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -127,3 +128,34 @@ def test_a_resume_from_4_to_2_ranks_keeps_the_replicas_and_the_weights(four_to_t
     assert "replicas of a bucket group differ" not in four + two
     assert sorted(losses(two)) == [5, 6]
     assert abs(losses(two)[5] - losses(four)[5]) <= 1e-5 * abs(losses(four)[5])
+
+
+@pytest.fixture(scope="module")
+def two_sided_runs(tmp_path_factory):
+    """``--gift-side both`` through the launcher: 6 iterations uninterrupted, and resumed from the
+    iteration-4 checkpoint; the tmp directory."""
+    tmp = tmp_path_factory.mktemp("two-sided")
+    both = [*GIFT, "--gift-side", "both"]
+    run_launcher(2, *_args(tmp, "whole", *both, "--save", str(tmp / "whole")))
+    start = checkpoint_at(tmp / "whole", 4, tmp / "resumed")
+    log = run_launcher(2, *_args(tmp, "resumed", *both, "--save", str(start), "--load", str(start)))
+    return tmp, start, log
+
+
+def test_two_sided_resume_is_bitwise_identical(two_sided_runs):
+    """With ``--gift-side both`` the checkpoints carry each layer's ``T_out`` (replicated) and each rank's
+    output statistics ``B`` (per rank, beside ``A``), and a run resumed from iteration 4 writes an
+    iteration-6 checkpoint bit-identical to the uninterrupted run's. Bugs caught: ``B`` lost or
+    replaced by another rank's at a resume (the next refresh builds another ``T_out``), its step's
+    accumulators folded twice or never (a checkpoint closes the step), ``T_out`` not restored."""
+    tmp, start, log = two_sided_runs
+    assert "megatron-gift: GIFT state restored (step 3)" in log
+    whole, resumed = _contents(tmp / "whole" / "iter_0000006", tmp), _contents(start / "iter_0000006", tmp)
+    dense = whole[next(k for k in whole if k.startswith("gift.chunk0.dense"))]["params"]
+    assert any("output_whitening" in p for p in dense.values())  # output sides chosen by then (all 8 when written)
+    local = [whole[k] for k in sorted(whole) if k.startswith("gift.chunk0.local")]
+    out = [{n: s["out"] for n, s in rank.items() if n != HELD_OUT} for rank in local]
+    assert all(len(b) == len(dense) and all(s["folds"] == ITERS for s in b.values()) for b in out)
+    assert not _bitwise_equal(out[0], out[1])  # each rank keeps its own B
+    differ = [k for k in whole if not k.startswith(("common_state", "rng_state")) and not _bitwise_equal(whole[k], resumed[k])]
+    assert whole.keys() == resumed.keys() and differ == []

@@ -49,7 +49,7 @@ def test_killed_rank_resumes_bitwise_from_the_last_checkpoint(launcher_runs):
 def _misfit_worker(rank, world):
     from megatron.core import parallel_state
 
-    from megatron_gift.config import GiftConfig, Mode
+    from megatron_gift.config import GiftConfig, Mode, Side
     from megatron_gift.megatron import checkpoint
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -57,10 +57,10 @@ def _misfit_worker(rank, world):
 
     parallel_state.initialize_model_parallel(1, 1)
 
-    def trained(hidden=64, sketch=0, steps=1):
-        model = build_tiny_gpt(hidden_size=hidden, ffn_hidden_size=2 * hidden)
+    def trained(hidden=64, sketch=0, steps=1, side=Side.INPUT, ffn=None):
+        model = build_tiny_gpt(hidden_size=hidden, ffn_hidden_size=ffn or 2 * hidden)
         gift = GiftConfig(mode=Mode.GIFT, rank=8, sketch=sketch, refresh_interval=1, error_feedback=True,
-                          loopback=True)  # one rank: GIFT state exists only with loopback  # fmt: skip
+                          loopback=True, side=side)  # one rank: GIFT state exists only with loopback  # fmt: skip
         ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=gift)
         for step in range(steps):
             ddp.zero_grad_buffer()
@@ -69,7 +69,8 @@ def _misfit_worker(rank, world):
         return ddp
 
     def fresh(ddp):
-        return all(g.whitening is None and (g.stats is None or (g.stats.folds == 0 and float(g.stats.ema_tokens) == 0))
+        return all(g.whitening is None and g.output_whitening is None and all(
+            st is None or (st.folds == 0 and float(st.ema_tokens) == 0) for st in (g.stats, g.out_stats))
                    for g in ddp.gift_params.values())  # fmt: skip
 
     source = trained()
@@ -80,8 +81,12 @@ def _misfit_worker(rank, world):
     entry = dict(cut["dense"]["params"][qkv])
     entry["whitening"] = {k: v[: v.shape[0] // 2] for k, v in entry["whitening"].items()}
     cut["dense"]["params"][qkv] = entry
+    both = trained(steps=3, side=Side.BOTH)
+    saved_both = checkpoint.split_state(both, both.gift_state_dict())
     cases = {
         "fits": (trained(steps=0), saved),
+        "fits_two_sided": (trained(steps=0, side=Side.BOTH), saved_both),
+        "other_output_rows": (trained(steps=0, side=Side.BOTH, ffn=64), saved_both),
         "other_width": (trained(hidden=72, steps=0), saved),
         "other_sketch": (trained(sketch=16, steps=0), saved),
         "truncated": (trained(steps=0), truncated),
@@ -98,8 +103,9 @@ def _misfit_worker(rank, world):
         logging.getLogger("megatron_gift").removeHandler(handler)
         out[name] = dict(applied=applied, fresh=fresh(ddp), log=log.getvalue(), step=ddp.step)
     # what the fitting restore holds, against what was saved, entry by entry
-    out["fits"]["restored"] = checkpoint.split_state(cases["fits"][0], cases["fits"][0].gift_state_dict())
-    out["fits"]["saved"] = saved
+    for name in ("fits", "fits_two_sided"):
+        out[name]["restored"] = checkpoint.split_state(cases[name][0], cases[name][0].gift_state_dict())
+        out[name]["saved"] = cases[name][1]
     hooks = checkpoint._Hooks([])
     hooks.meta = {**checkpoint.layout(), "version": checkpoint.VERSION + 1}
     log = io.StringIO()
@@ -123,11 +129,13 @@ def _leaves(tree, path=()):
         yield path, tree
 
 
-def test_fitting_gift_state_is_applied(misfits):
-    """Every saved entry (step, modes, statistics, transforms, damping choices, residuals) is what the
-    restored DDP holds, bit for bit. Bug caught: a part reported applied but left fresh or mixed."""
-    res = misfits["fits"]
-    assert res["applied"] and not res["fresh"] and res["step"] == 0
+@pytest.mark.parametrize("case", ["fits", "fits_two_sided"])
+def test_fitting_gift_state_is_applied(misfits, case):
+    """Every saved entry (step, modes, statistics, transforms, damping choices, residuals; the output
+    side's with ``--gift-side both``) is what the restored DDP holds, bit for bit. Bug caught: a part
+    reported applied but left fresh or mixed."""
+    res = misfits[case]
+    assert res["applied"] and not res["fresh"] and res["step"] == (0 if case == "fits" else 2)
     saved, restored = dict(_leaves(res["saved"])), dict(_leaves(res["restored"]))
     assert saved.keys() == restored.keys() and any(isinstance(v, torch.Tensor) for v in saved.values())
     for path, value in saved.items():
@@ -135,6 +143,15 @@ def test_fitting_gift_state_is_applied(misfits):
             assert torch.equal(restored[path], value), path
         else:
             assert restored[path] == value, path
+
+
+def test_output_statistics_are_saved_per_rank(misfits):
+    """``B``'s local EMA is this rank's own, like ``A``'s: it belongs in the per-rank part, not in the
+    replicated dense part (bug caught: every rank resumed with one rank's ``B``, the refresh's sum
+    over ranks then p times that rank's instead of the global one)."""
+    saved = misfits["fits_two_sided"]["saved"]
+    assert any("out" in entry for entry in saved["local"].values() if isinstance(entry, dict))
+    assert not any("stats" in entry for entry in saved["dense"]["params"].values())
 
 
 PROJ = "decoder.layers.0.self_attention.linear_proj.weight"
@@ -148,6 +165,8 @@ PROJ = "decoder.layers.0.self_attention.linear_proj.weight"
         ("truncated", "part 'dense' lacks ['params'] (truncated)"),
         ("cut_tensor", "decoder.layers.0.self_attention.linear_qkv.weight: saved transform for input size 32, the layer has 64"),
         ("garbled", "part 'dense' is bytes, not a GIFT state (garbled)"),
+        ("other_output_rows", "decoder.layers.0.mlp.linear_fc1.weight: saved statistics xtx of shape (256, 256), this run's "
+                              "is (128, 128)"),
     ],
 )
 def test_misfit_gift_state_starts_fresh_with_a_message(misfits, case, message):

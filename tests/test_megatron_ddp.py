@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.config import GiftConfig, Mode, Side
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
@@ -533,22 +533,24 @@ def test_resume_from_gift_state_is_bitwise_identical(two_ranks, dist_opt):
         assert res["equal"], "resumed run diverged from the uninterrupted one"
 
 
-def _ef_invariant_worker(rank, world):
-    """Error feedback over 4 steps, GIFT rebuilt every step (each rebuild carries the whitened
+def _ef_invariant_worker(rank, world, side=Side.INPUT, steps=4):
+    """Error feedback over ``steps`` steps, GIFT rebuilt every step (each rebuild carries the whitened
     residuals into the new ``T``'s coordinates), one layer sent Euclidean at step 2 and GIFT again
     at step 3 (``set_mode``: the residual to plain coordinates and back), distributed optimizer:
     the telescoping sum ``Σ_t reduced_t + Σ_r ε_r = Σ_t Σ_r x_{r,t}`` in the gradient's coordinates,
     ``x_{r,t}`` rank r's scaled local gradient (÷ R before the reduction, as Megatron scales the
-    bucket) and ``ε_r`` its final residual."""
+    bucket) and ``ε_r`` its final residual. ``side``: ``--gift-side`` (``both``: the residuals in
+    ``T_outᵀ G T_in``'s coordinates wherever an output side is in use)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    from megatron_gift.megatron.bucket_group import sent_map
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
     from megatron_gift.testing.reference import all_gather_rows
 
     parallel_state.initialize_model_parallel(1, 1)
     model, ref = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136), build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
-    gift = GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True, damping=3.0)
+    gift = GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True, damping=3.0, side=side)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000)
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     group = parallel_state.get_data_parallel_group()
@@ -560,10 +562,14 @@ def _ef_invariant_worker(rank, world):
         out = {}
         for p, g in ddp.gift_params.items():
             r = state["params"][g.name]["residual"]
-            out[p] = all_gather_rows((g.whitening.inverse(r) if g.mode is Mode.GIFT else r).double().flatten(), group)
+            out[p] = all_gather_rows((sent_map(g).inverse(r) if g.mode is Mode.GIFT else r).double().flatten(), group)
         return out
 
-    for step in range(4):
+    def kappa(f) -> float:  # κ(T) = sqrt(λmax(Â) / λmin(Â)) (Tᵀ Â T = I) from the FP64 factor
+        lam = torch.linalg.eigvalsh(f.dense())
+        return float(lam.max() / lam.min()) ** 0.5
+
+    for step in range(steps):
         ddp.zero_grad_buffer()
         if step in (2, 3):
             ddp.set_mode(switched, Mode.EUCLIDEAN if step == 2 else Mode.GIFT)
@@ -584,8 +590,9 @@ def _ef_invariant_worker(rank, world):
                     got[p] = got.get(p, 0) + bucket.grad_data[max(a, lo) : min(b, hi)].double()
                     inputs[p] = inputs.get(p, 0) + local[p][:, owned[p]].sum(0) / world
                     norms[p] = norms.get(p, 0) + float(local[p].norm(dim=1).sum()) / world + float(residuals[p].norm(dim=1).sum())
-                    lam = torch.linalg.eigvalsh(g.factor.dense()) if g.mode is Mode.GIFT else torch.ones(1, dtype=torch.float64)
-                    spectra.setdefault(p, []).append((float(lam.min()), float(lam.max())))
+                    two_sided = g.mode is Mode.GIFT and g.output_whitening is not None
+                    k = (kappa(g.factor) if g.mode is Mode.GIFT else 1.0) * (kappa(g.out_factor) if two_sided else 1.0)
+                    spectra.setdefault(p, []).append((k, p.shape[1] + (p.shape[0] + 8 if two_sided else 0)))
         with torch.no_grad():
             for p in model.parameters():
                 p -= 1e-2 * (local[p].sum(0) / world).view_as(p).to(p.dtype)
@@ -594,9 +601,9 @@ def _ef_invariant_worker(rank, world):
         if p not in owned:
             continue
         defect = float((got[p] + residuals[p][:, owned[p]].sum(0) - inputs[p]).norm())
-        # κ(T) = sqrt(λmax(Â) / λmin(Â)) (Tᵀ Â T = I) from each step's FP64 factor; 1 for T = I
-        k = max((hi / lo) ** 0.5 for lo, hi in spectra[p])
-        out.append((g.name, defect, float(inputs[p].norm()), norms[p], k, p.shape[1]))
+        # κ of each step's map: κ(T_in) (1 for T = I), times κ(T_out) with an output side, whose terms it adds
+        k, d = max(k for k, _ in spectra[p]), max(d for _, d in spectra[p])
+        out.append((g.name, defect, float(inputs[p].norm()), norms[p], k, d, sum(d > p.shape[1] for _, d in spectra[p])))
     parallel_state.destroy_model_parallel()
     return out
 
@@ -612,8 +619,15 @@ def test_error_feedback_telescopes_through_refreshes_and_mode_switches(two_ranks
     ``‖Σ x‖``, a dropped residual ~1e-2.) Bugs caught: a
     residual dropped or left in the old ``T``'s coordinates at a refresh (``remap_residual``) or a
     mode switch, a residual committed for a step it was not sent in."""
-    for res in two_ranks:
-        for name, defect, total, norms, k, d in res["ef"]:
+    check_error_feedback_telescopes([r["ef"] for r in two_ranks])
+
+
+def check_error_feedback_telescopes(per_rank) -> None:
+    """The tolerance of :func:`test_error_feedback_telescopes_through_refreshes_and_mode_switches` on
+    :func:`_ef_invariant_worker`'s results; with an output side ``d`` counts both sides' terms
+    (``d_in + d_out + r_out``) and ``κ = κ(T_in) κ(T_out)`` (``‖T_out⁻ᵀ e T_in⁻¹‖``)."""
+    for res in per_rank:
+        for name, defect, total, norms, k, d, _ in res:
             tol = 4 * (d + 8 + 2 + 2) * 2.0**-24 * k * norms
             assert defect <= tol, (name, defect, tol, total)
             assert tol < 0.1 * 2.0**-4 / 3**0.5 * total, (name, tol, total)  # far below one FP8 rounding: the test can fail

@@ -9,7 +9,9 @@ coordinates); every rank writes the same records; every decision is the one a fr
 ``LayerPolicy`` takes from the record's own profiles, and the switches the profiles call for
 (Euclidean → GIFT, FP8 → BF16, BF16 → FP8 after a restore) happen. ``set_mode`` carries a GIFT
 layer's residual to plain coordinates and back (FP64 ``T⁻¹``/``T`` within FP32 rounding), and the
-policy's decisions survive ``gift_state_dict`` / ``load_gift_state_dict`` into a fresh model.
+policy's decisions survive ``gift_state_dict`` / ``load_gift_state_dict`` into a fresh model. The
+``auto`` run again with ``--gift-side both``: the same checks with the residuals in ``T_outᵀ G T_in``'s
+coordinates, and each two-sided layer's profile measuring that map (an FP64 round trip by hand).
 """
 
 import copy
@@ -20,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gift.config import GiftConfig, Mode, PolicyConfig
+from megatron_gift.config import GiftConfig, Mode, PolicyConfig, Side
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.policy import LayerPolicy
 from megatron_gift.telemetry import jsonable
@@ -35,22 +37,25 @@ EPS32 = 2.0**-24
 RESTORED = PolicyConfig(hysteresis=1, profile_steps=2 * STEPS, margin=0.99, bf16_bound=10.0)
 
 
-def _ddp(policy: PolicyConfig):
+def _ddp(policy: PolicyConfig, side: Side = Side.INPUT):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
     model = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
     cfg = GiftConfig(mode=Mode.GIFT, codec=CodecConfig("e4m3", "block"), rank=8, refresh_interval=1, error_feedback=True,
-                     policy=policy, log_interval=1)  # fmt: skip
+                     policy=policy, log_interval=1, side=side)  # fmt: skip
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000)
     return model, GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=cfg)
 
 
 def _residuals(ddp, group) -> dict:
     """Every rank's committed error-feedback residual of each FP8 parameter, in the gradient's own
-    coordinates and scale (``ε = e T⁻¹`` for a GIFT layer's whitened ``e``, times the group size
-    that Megatron divided the bucket by before it was encoded): ``{param: [ranks, numel]}``."""
+    coordinates and scale (``ε = e T⁻¹`` for a GIFT layer's whitened ``e``, ``T_out⁻ᵀ e T⁻¹`` with an
+    output side, times the group size that Megatron divided the bucket by before it was encoded):
+    ``{param: [ranks, numel]}``."""
+    from megatron_gift.megatron.bucket_group import sent_map
+
     state = ddp.gift_state_dict()  # closes the step: commits its residuals
     out = {}
     for p, g in ddp.gift_params.items():
@@ -58,7 +63,7 @@ def _residuals(ddp, group) -> dict:
         if r is None:
             continue
         if g.mode is Mode.GIFT and g.whitening is not None:
-            r = g.whitening.inverse(r)
+            r = sent_map(g).inverse(r)
         out[p] = all_gather_rows(r.double().flatten(), group) * group.size()
     return out
 
@@ -70,7 +75,10 @@ def _owned(rank, world):
 def _as_sent(ddp, rank, world) -> list:
     """This rank's reduced shard of each parameter sent in FP8 this step, with what the invariant
     of ``_feedback_invariant`` needs: ``(param, shard slice of the parameter, reduced values, dense
-    |T| |T⁻¹| (None: Euclidean), T's rank)``."""
+    |T| |T⁻¹| (None: Euclidean) and with an output side |T_out| |T_out⁻¹| after them, the terms the
+    maps add (T's rank, plus T_out's and the rows with an output side))``."""
+    from megatron_gift.megatron.bucket_group import output_side
+
     out = []
     for bg in ddp.bucket_groups:
         for bucket in bg.buckets:
@@ -81,9 +89,11 @@ def _as_sent(ddp, rank, world) -> list:
                 if g is None or g.mode not in (Mode.EUCLIDEAN, Mode.GIFT) or max(a, lo) >= min(b, hi):
                     continue
                 w = g.whitening if g.mode is Mode.GIFT else None
-                mags = None if w is None else tuple(m.double().abs() for m in w.dense())
+                o = output_side(g) if w is not None else None
+                mags = None if w is None else tuple(m.double().abs() for t in (w, o) if t is not None for m in t.dense())
+                terms = 0 if w is None else w.rank + (o.rank + o.d_in if o is not None else 0)
                 got = bucket.grad_data[max(a, lo) : min(b, hi)].double().clone()
-                out.append((p, slice(max(a, lo) - a, min(b, hi) - a), got, mags, 0 if w is None else w.rank))
+                out.append((p, slice(max(a, lo) - a, min(b, hi) - a), got, mags, terms))
     return out
 
 
@@ -113,6 +123,8 @@ def _feedback_invariant(sent, local, carried_in, carried_out, world) -> list[tup
         z = (g.abs() + e_in.abs() + e_out.abs()).sum(0).view(-1, cols)
         if mags is not None:
             z = z @ mags[0] @ mags[1]
+        if mags is not None and len(mags) == 4:  # the output side: |T_out⁻ᵀ| |T_outᵀ| Z |T| |T⁻¹|
+            z = mags[3].T @ mags[2].T @ z
         tol = 7 * (cols + rank + world + 6) * EPS32 * float(z.flatten()[region].norm()) / world
         out.append((float((got - want).norm()), tol))
     return out
@@ -133,13 +145,14 @@ def _train(model, ddp, steps, first_step=0):
         raw.append(copy.deepcopy(record))
 
     ddp.monitor.sink = sink
-    checks, errors, invariants, residuals = [], [], [], _residuals(ddp, group)
+    checks, errors, invariants, residuals, profiled = [], [], [], _residuals(ddp, group), []
     for step in range(first_step, first_step + steps):
         ddp.zero_grad_buffer()
         tokens = random_tokens(step, rank)
         lm_loss(ddp, tokens).backward()
         ddp.finish_grad_sync()
         local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: group)
+        profiled.append(_two_sided_round_trips(ddp, local))
         errors.append(reduction_errors(ddp, local, lambda p: 1.0 / world, ReductionPath(), owned=_owned(rank, world), residuals=residuals))
         sent = _as_sent(ddp, rank, world)  # before the close: its decisions may switch modes
         expected = {p: g.sum(0) / world for p, g in local.items()}
@@ -166,7 +179,33 @@ def _train(model, ddp, steps, first_step=0):
             for p in model.parameters():
                 p -= 1e-2 * expected[p].view_as(p).to(p.dtype)
     modes = {g.name: g.mode.value for g in ddp.gift_params.values()}
-    return dict(records=records, raw=raw, checks=checks, errors=errors, invariants=invariants, modes=modes)
+    return dict(records=records, raw=raw, checks=checks, errors=errors, invariants=invariants, modes=modes, profiled=profiled)
+
+
+def _two_sided_round_trips(ddp, local) -> dict:
+    """``{name: (RelL2 through T_outᵀ G T_in, RelL2 through G T_in alone)}`` of the FP8 round trip of every
+    rank's local gradient (FP64 dense maps; the codec's ``encode``/``decode``), summed over ranks as a
+    profile is, for each layer with an output side in use: what its profile's GIFT RelL2 must be."""
+    from megatron_gift.megatron.bucket_group import output_side
+    from megatron_gift.numerics.fp8 import decode, encode
+
+    cfg, out = ddp.gift_config.codec, {}
+    for p, g in ddp.gift_params.items():
+        o = output_side(g)
+        if o is None or g.whitening is None:
+            continue
+        (t, t_inv), (s, s_inv) = ((m.double() for m in w.dense()) for w in (g.whitening, o))
+        grads = local[p].view(-1, *p.shape)
+        err = {True: 0.0, False: 0.0}
+        for two in err:
+            a, a_inv = (s, s_inv) if two else (torch.eye(p.shape[0], dtype=torch.float64),) * 2
+            for x in grads:
+                u = (a.T @ x @ t).float()
+                back = a_inv.T @ decode(encode(u, cfg), cfg, out_shape=u.shape).double() @ t_inv
+                err[two] += float(((back - x) ** 2).sum())
+        sq = float((grads**2).sum())
+        out[g.name] = ((err[True] / sq) ** 0.5, (err[False] / sq) ** 0.5)
+    return out
 
 
 def _conversion(ddp):
@@ -193,6 +232,10 @@ def _worker(rank, world):
     model, ddp = _ddp(auto)
     out["auto"] = _train(model, ddp, STEPS)
     out["auto"]["conversion"] = _conversion(ddp)
+    # the same with --gift-side both: profiles, decisions and residuals through T_outᵀ G T_in
+    model, ddp = _ddp(auto, Side.BOTH)
+    out["auto_both"] = _train(model, ddp, STEPS)
+    out["auto_both"]["two_sided"] = sum(g.output_whitening is not None for g in ddp.gift_params.values())
     # an unreachable FP8 bound: every candidate falls back to BF16 after two profiles
     model, ddp = _ddp(PolicyConfig(hysteresis=2, profile_steps=STEPS, bf16_bound=1e-4))
     out["bf16"] = _train(model, ddp, STEPS)
@@ -244,7 +287,7 @@ def test_records_match_the_reduced_gradients(results):
     is, to FP32 rounding, the sum of the gradients plus the residuals carried in minus those carried
     out (``_feedback_invariant``: an identity of error feedback, which a residual never fed back breaks
     by FP8's whole error)."""
-    for name in ("auto", "bf16", "restored"):
+    for name in ("auto", "auto_both", "bf16", "restored"):
         res, other = results[0][name], results[1][name]
         records = [json.loads(r) for r in res["records"]]
         mine = [{k: v for k, v in r.items() if k != "bytes"} for r in records]  # bytes: what each rank sent
@@ -266,7 +309,7 @@ def test_records_match_the_reduced_gradients(results):
             # other coordinates departs by FP8's error, not by 0.1% (``_feedback_invariant``)
             for step, inv in enumerate(rank_res["invariants"]):
                 assert all(err <= tol for err, tol in inv), (name, step, [e for e in inv if e[0] > e[1]])
-        if name == "auto":
+        if name in ("auto", "auto_both"):
             assert sum(len(inv) for inv in res["invariants"][1:]) > 0  # residuals carried in and balanced
 
 
@@ -279,9 +322,12 @@ def test_decisions_follow_the_profiles(results):
     for res in results:
         auto, bf16, restored = res["auto"], res["bf16"], res["restored"]
         got = lambda run: [(d["step"], d["param"], d["from"], d["to"]) for r in run["raw"] for d in r["decisions"]]  # noqa: E731
-        assert sorted(got(auto)) == sorted(_replay(auto["raw"], PolicyConfig(hysteresis=1, profile_steps=STEPS, margin=0.0)))
-        assert any(t == "gift" for _, _, _, t in got(auto)), "no layer switched to GIFT: the auto run is vacuous"
-        assert set(auto["modes"].values()) <= {"euclidean", "gift"}
+        for run in (auto, res["auto_both"]):  # --gift-side input and both
+            assert sorted(got(run)) == sorted(_replay(run["raw"], PolicyConfig(hysteresis=1, profile_steps=STEPS, margin=0.0)))
+            assert any(t == "gift" for _, _, _, t in got(run)), "no layer switched to GIFT: the auto run is vacuous"
+            assert set(run["modes"].values()) <= {"euclidean", "gift"}
+        assert res["auto_both"]["two_sided"] > 0, "no output side installed: the two-sided auto run is vacuous"
+
         assert sorted(got(bf16)) == sorted(_replay(bf16["raw"], PolicyConfig(hysteresis=2, profile_steps=STEPS, bf16_bound=1e-4)))
         assert {(s, t) for s, _, _, t in got(bf16)} == {(2, "bf16")} and len(got(bf16)) == len(bf16["modes"])
         assert set(bf16["modes"].values()) == {"bf16"}
@@ -309,3 +355,20 @@ def test_set_mode_carries_the_residual_between_coordinates(results):
         tol = 2 * (d + conv["rank"] + 2) * EPS32 * conv["kappa"] * float(before.norm())
         assert before.norm() > 0 and float((plain @ conv["t"] - before).norm()) <= tol, conv["name"]
         assert float((back - before).norm()) <= 2 * tol and not torch.equal(plain, before)
+
+
+@pytest.mark.slow
+def test_profiles_measure_the_two_sided_map(results):
+    """With ``--gift-side both`` a layer's profile measures the map its gradient is sent through: its GIFT
+    RelL2 is the FP8 round trip of ``T_outᵀ G T_in`` (an FP64 reference of every rank's gradient). Bug
+    caught: the profile (and the policy's choice from it) measuring ``G T_in`` alone. Tolerance: the
+    runtime's FP32 maps move an element across an FP8 rounding boundary with probability ~2^-20, so the
+    two agree to far below 1e-3; the input-side map's RelL2 differs by more (checked)."""
+    run = results[0]["auto_both"]
+    seen = 0
+    for record, refs in zip((json.loads(r) for r in run["records"]), run["profiled"]):
+        for name, (two_sided, input_side) in refs.items():
+            got = record["layers"][name]["profile"]["gift_rel_l2"]
+            assert math.isclose(got, two_sided, rel_tol=1e-3), (record["step"], name, got, two_sided, input_side)
+            seen += not math.isclose(got, input_side, rel_tol=1e-3)
+    assert seen > 0, "no layer's two-sided RelL2 differs from its input side's: the test cannot fail"

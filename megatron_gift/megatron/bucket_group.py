@@ -7,8 +7,9 @@ it (configuration, state, monitor, queue, the refresh's hook): it never reads th
 ``GiftBucketGroup.start_grad_sync`` (which re-implements Megatron's) starts one quantized reduction
 per bucket on the DDP's ``comm.schedule.ReductionQueue`` (``comm.QuantizedReduce``, or
 ``comm.hierarchical.TwoLevelReduce`` where the data-parallel group spans several nodes with several
-ranks each) instead of NCCL's reduce-scatter / all-reduce: its stages run on the plugin's side
-streams, in bucket order. That one override serves the overlapped backward-hook path, the
+ranks each) instead of NCCL's reduce-scatter / all-reduce, wrapped in ``comm.output_side.OutputSide``
+where a GIFT parameter has an output side (``--gift-side both`` / ``auto``: ``T_outᵀ G T_in`` sent):
+its stages run on the plugin's side streams, in bucket order. That one override serves the overlapped backward-hook path, the
 synchronous path and the first batch; ``finish_grad_sync`` waits on the returned
 ``_BucketGroupReduction`` (a device-side wait). With several distributed-optimizer instances each
 bucket's reduction ends with the FP32 all-reduce of its shard across the instances
@@ -28,15 +29,32 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from ..comm.hierarchical import TwoLevelReduce
 from ..comm.layout import BucketLayout, Segment
 from ..comm.instances import AcrossInstances
+from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
 from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
+from ..numerics.two_sided import TwoSidedWhitening
+from ..numerics.whitening import LowRankWhitening
 from ..state import GiftParam, GiftState
 
 if TYPE_CHECKING:
     from .monitor import Monitor
+
+
+def output_side(gp: GiftParam) -> LowRankWhitening | None:
+    """``gp``'s ``T_out`` in use (``--gift-side both`` / ``auto``), None where it has none or only a
+    diagonal one (rank 0: it scales whole rows, which the codec's row and block scales already do)."""
+    w = gp.output_whitening
+    return w if w is not None and w.rank > 0 else None
+
+
+def sent_map(gp: GiftParam):
+    """The map a GIFT parameter's gradient is sent through: ``T_in`` (None: no ``T`` yet), or with an
+    output side ``TwoSidedWhitening`` (``U = T_outᵀ G T_in``)."""
+    t_out = output_side(gp)
+    return gp.whitening if t_out is None else TwoSidedWhitening(gp.whitening, t_out)
 
 
 def reduction_group(bg: _ParamAndGradBucketGroup) -> dist.ProcessGroup:
@@ -119,15 +137,21 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
     def _reduction(self, b: GiftBucket, all_reduce: bool):
         """The two-level reduction where the group has its subgroups (several nodes of several
         ranks) and there is no error feedback (its residual belongs to one rank's whole bucket),
-        else the flat one."""
+        else the flat one; wrapped in ``comm.output_side.OutputSide`` where a parameter has an
+        output side (``--gift-side both`` / ``auto``)."""
         transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
         ctx, groups = self.gift_context, self.gift_groups
         common = dict(average=self.ddp_config.average_in_collective, all_reduce=all_reduce, ledger=ctx.state.ledger,
                       nonfinite=ctx.state.nonfinite, kernels=ctx.config.kernels)  # fmt: skip
         if groups.intra is not None and b.error_feedback is None:
-            return TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.intra_node, **common)
-        return QuantizedReduce(b.grad, b.layout, groups.group, transforms, error_feedback=b.error_feedback,
-                               topology=groups.topology, **common)  # fmt: skip
+            inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.intra_node, **common)
+        else:
+            inner = QuantizedReduce(b.grad, b.layout, groups.group, transforms, error_feedback=b.error_feedback,
+                                    topology=groups.topology, **common)  # fmt: skip
+        outputs = [output_side(p) if p is not None and p.mode is Mode.GIFT else None for p in b.params]
+        if any(w is not None for w in outputs):
+            return OutputSide(inner, outputs, ctx.state.ledger)
+        return inner
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
         """Megatron's. With several distributed-optimizer instances and ``overlap_grad_reduce``

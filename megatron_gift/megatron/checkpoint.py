@@ -10,7 +10,8 @@ reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions 
   ``gift.chunk{i}.expert`` (expert weights; ``(pp, expert-tp, ep)``, replicas over the expert
   data-parallel group), ``gift.chunk{i}.local`` (this rank's own K-FAC statistics: each rank keeps
   a local per-step EMA, summed over ranks only at a refresh; and, under ``HELD_OUT``, the held-out
-  ``T`` of the layers it builds, for the cold-start rule; ``(world,)``) and, with error
+  ``T`` of the layers it builds, for the cold-start rule; with ``--gift-side both`` / ``auto`` each
+  holds the output side's twin under ``"out"``; ``(world,)``) and, with error
   feedback, ``gift.chunk{i}.residuals`` (this rank's own residuals; ``(world,)``). A common entry
   ``gift_meta`` (saved by rank 0) records the layout.
 * ``_load_base_checkpoint``: its first call (``rank0=True``, the common state) yields
@@ -235,8 +236,11 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         ddp.load_gift_state_dict(fresh)
         for gp in ddp.gift_params.values():  # a transform loaded before the failure: none when fresh
-            if "whitening" not in fresh["params"][gp.name]:
+            entry = fresh["params"][gp.name]
+            if "whitening" not in entry:
                 gp.factor = gp.whitening = None
+            if "output_whitening" not in entry:
+                gp.out_factor = gp.output_whitening = None
         _log("the checkpoint's GIFT state does not fit this run (%s: %s): statistics, transforms and error "
              "feedback start fresh", type(e).__name__, e)  # fmt: skip
         return False
@@ -252,24 +256,38 @@ def misfit(ddp, loaded: dict, local: bool = True) -> str | None:
         if part in ("dense", "expert") and not {"step", "params"} <= value.keys():
             return f"part {part!r} lacks {sorted({'step', 'params'} - value.keys())} (truncated)"
     params = merge_state(loaded)["params"]
-    for gp in ddp.gift_params.values():
+    for p, gp in ddp.gift_params.items():
         entry = params.get(gp.name)
         if not isinstance(entry, dict) or gp.stats is None:
             continue  # a parameter without saved state starts fresh, named by load_gift_state_dict
-        stats = entry.get("stats") if local else None
-        for key in ("sums", "ema_sums") if isinstance(stats, dict) else ():
-            saved = stats.get(key) or {}
-            if key == "ema_sums" and not saved:
-                continue  # saved before the first fold
-            if saved.keys() != gp.stats.sums.keys():
-                return f"{gp.name}: saved statistics {sorted(saved)}, this run keeps {sorted(gp.stats.sums)} (another --gift-sketch)"
-            for k, t in gp.stats.sums.items():
-                if tuple(saved[k].shape) != tuple(t.shape):
-                    return (f"{gp.name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
-                            f"{tuple(t.shape)} (another layer width or --gift-sketch)")  # fmt: skip
-        w = entry.get("whitening") or {}
-        if w and ("q" not in w or any(w[k].shape[0] != gp.stats.d_in for k in ("q", "d_sqrt", "d_inv_sqrt") if k in w)):
-            return f"{gp.name}: saved transform for input size {w['q'].shape[0] if 'q' in w else '?'}, the layer has {gp.stats.d_in}"
+        # each side's statistics and transform (the output side's: --gift-side both / auto, B under "out")
+        saved = entry.get("stats") if local else None
+        out = saved.get("out") if isinstance(saved, dict) else None
+        for stats, saved_stats, w, size, d in ((gp.stats, saved, entry.get("whitening"), "input", gp.stats.d_in),
+                                               (gp.out_stats, out, entry.get("output_whitening"), "output", p.shape[0])):  # fmt: skip
+            reason = _side_misfit(gp.name, stats, saved_stats, w, size, d)
+            if reason is not None:
+                return reason
+    return None
+
+
+def _side_misfit(name: str, stats, saved_stats, saved_whitening, size: str, d: int) -> str | None:
+    """Why one side's saved statistics or transform do not fit this run's ``stats`` (None: none kept on
+    that side) and the layer's ``d`` inputs or outputs (None: they fit). A ``T_out`` is restored even
+    where this run keeps no output statistics (``GiftState``: the next refresh replaces it)."""
+    for key in ("sums", "ema_sums") if stats is not None and isinstance(saved_stats, dict) else ():
+        saved = saved_stats.get(key) or {}
+        if key == "ema_sums" and not saved:
+            continue  # saved before the first fold
+        if saved.keys() != stats.sums.keys():
+            return f"{name}: saved statistics {sorted(saved)}, this run keeps {sorted(stats.sums)} (another --gift-sketch)"
+        for k, t in stats.sums.items():
+            if tuple(saved[k].shape) != tuple(t.shape):
+                return (f"{name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
+                        f"{tuple(t.shape)} (another layer width or --gift-sketch)")  # fmt: skip
+    w = saved_whitening or {}
+    if w and ("q" not in w or any(w[k].shape[0] != d for k in ("q", "d_sqrt", "d_inv_sqrt") if k in w)):
+        return f"{name}: saved transform for {size} size {w['q'].shape[0] if 'q' in w else '?'}, the layer has {d}"
     return None
 
 

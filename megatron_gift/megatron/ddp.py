@@ -8,7 +8,12 @@ whose parameters are all ``off`` keep Megatron's collective untouched.
 
 Per step (``zero_grad_buffer`` marks the start): forward pre-hooks add each GIFT layer's input
 statistics; the first bucket sync of the step folds them into the rank's local per-step EMA
-(local compute only). On refresh steps that first sync also sums the local EMAs over the
+(local compute only). With ``--gift-side both`` / ``auto`` tensor hooks on the layers' outputs
+add the statistics of their gradients during the backward (every micro-batch's, recomputed
+forwards' included, once), folded when the step closes (the next ``zero_grad_buffer``, or a
+checkpoint): a refresh at step t uses ``B`` up to step t-1. ``B`` carries the loss's scale (a loss
+scale, ``1/num_microbatches``), which relative damping cancels while it is constant; a dynamic FP16
+loss scale weights the EMA's steps by theirs until the EMA forgets a change (~1/(1-ema) steps). On refresh steps that first sync also sums the local EMAs over the
 data-parallel group (FP32; by linearity the EMA of the global statistics) and starts each
 layer's build on its owner rank (the layers spread over the reduction group by record size); each
 bucket group's sync keeps the owner's local gradient for the damping choice (``--gift-damping
@@ -36,13 +41,13 @@ from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, ranks_per_node_from_env
-from ..config import Exchange, GiftConfig, Mode, ParamGather, param_modes
+from ..config import Exchange, GiftConfig, Mode, ParamGather, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
 from ..state import GiftParam, GiftState
 from ..upstream import check_upstream
-from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group
+from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group, sent_map
 from .layer_inputs import opaque_modules, refuse_opaque, weight_input
 from .monitor import Monitor
 from .param_gather import DeltaParamSync, enable_delta_param_gather, refuse_delta_param_gather
@@ -91,7 +96,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         refuse_unsupported(config, ddp_config, self.gift_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.gift_state = GiftState(self.gift_config, self._device())
-        self.refresh = RefreshSync(self.gift_state)
+        self.refresh = RefreshSync(self.gift_state, self.gift_config.side)
         # names as in the model, without the prefixes of wrappers such as Float16Module
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
@@ -105,6 +110,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 mode = self.monitor.policy.mode(name) if candidate and self.monitor.policy else modes[name]
                 expert = not getattr(p, "allreduce", True)
                 self.gift_params[p] = GiftParam(name, mode, candidate, sketch_seed=i, expert=expert)
+        self._out_stats: list[KFACStatistics] = []  # B of every two-sided layer, folded at the close of a step
         self._stat_hooks = self._register_stat_hooks()
         self.queue = ReductionQueue(StageStreams(self._device()), self._schedule())
         context = ReductionContext(self.gift_config, self.gift_state, self.monitor, self.queue, self._at_sync)
@@ -229,8 +235,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             r = residuals.get(id(p))
             if r is None:
                 continue
-            if p is gp and gp.whitening is not None:  # whitened coordinates: plain ones while there is no T
-                r = gp.whitening.inverse(r) if old is Mode.GIFT else gp.whitening.apply(r)
+            t = sent_map(gp)
+            if p is gp and t is not None:  # whitened coordinates (both sides'): plain ones while there is no T
+                r = t.inverse(r) if old is Mode.GIFT else t.apply(r)
             view.copy_(r)
 
     def _register_stat_hooks(self):
@@ -266,6 +273,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             if column_parallel and getattr(mod, "sequence_parallel", False) and tp_group.size() > 1:
                 gp.stats_groups.append(tp_group)
             hooks.append(mod.register_forward_pre_hook(self._stat_hook(gp, weight_in)))
+            if self._two_sided():
+                hooks.append(self._register_output_side(mod, gp, w, tp_group, len(self._param_names)))
         for gp in self.gift_params.values():
             if gp.candidate and gp.stats is None:
                 logger.warning(
@@ -274,6 +283,62 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 )
                 gp.mode, gp.candidate = Mode.EUCLIDEAN, False
         return hooks
+
+    def _two_sided(self) -> bool:
+        """Whether GIFT layers keep output statistics: ``--gift-side both`` / ``auto`` with a low-rank
+        part (a rank-0 ``T_out`` is diagonal: it scales whole rows, which the codec's row and block
+        scales already do, so the reduction never applies one: ``comm.output_side``)."""
+        return self.gift_config.side is not Side.INPUT and self.gift_config.rank > 0
+
+    def _register_output_side(self, mod, gp: GiftParam, w: torch.nn.Parameter, tp_group, n_params: int):
+        """``gp.out_stats`` (``B = E[g gᵀ]`` over ``mod``'s output gradients ``g [..., w.shape[0]]``)
+        and the forward hook that collects them (``_output_hook``); returns its handle.
+
+        Summed at a refresh over the layer's (expert) data-parallel group, plus its tensor-parallel
+        group where each TP rank's output holds other tokens: a row-parallel layer's under sequence
+        parallelism (its output is reduce-scattered to ``s/tp`` tokens; the weight's gradient uses all
+        of them, all-gathered in the backward). A column-parallel weight ``[d_out/tp, d_in]`` sees
+        its own output columns: a diagonal block of the full ``B``, nothing to sum over TP. Experts
+        with Megatron's explicit expert communication reduce outside the layer: every expert-TP
+        rank gets the same gradients. The sketch's seed is the input side's plus the number of
+        parameters: distinct from every input seed, the same on every rank."""
+        cfg = self.gift_config
+        gp.out_stats = KFACStatistics(w.shape[0], ema=cfg.ema, sketch=cfg.sketch, seed=n_params + gp.sketch_seed, device=w.device)
+        gp.out_stats_groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
+        row_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 1
+        scattered = getattr(mod, "sequence_parallel", False) and not getattr(mod, "explicit_expert_comm", False)
+        if row_parallel and scattered and tp_group.size() > 1:
+            gp.out_stats_groups.append(tp_group)
+        self._out_stats.append(gp.out_stats)
+        return mod.register_forward_hook(self._output_hook(gp, tp_group))
+
+    def _output_hook(self, gp: GiftParam, tp_group):
+        """A forward hook that registers, on the layer's output (the first element of Megatron's
+        ``(output, bias)``), a tensor hook adding the output's gradient to ``gp.out_stats`` (a copy:
+        the gradient itself is left as it is). Only an output that requires grad gets one: with
+        activation recomputation the no-grad forward registers nothing and the recomputed one (inside
+        the backward) does, so every micro-batch's gradient is counted once. A column-parallel
+        output gathered over TP (``gather_output``) contributes this rank's own columns."""
+        width = gp.out_stats.d_in
+
+        def add(g: torch.Tensor) -> None:
+            if g.shape[-1] != width:
+                tp = tp_group.size()
+                if g.shape[-1] != width * tp:
+                    raise RuntimeError(
+                        f"megatron-gift: the output of {gp.name}'s layer has {g.shape[-1]} features where its weight "
+                        f"has {width} rows: its output gradient is not the weight's; use --gift-side input"
+                    )
+                g = g.narrow(-1, tp_group.rank() * width, width)  # gathered over TP: this rank's block
+            with torch.no_grad():
+                gp.out_stats.accumulate(g)
+
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if module.training and isinstance(y, torch.Tensor) and y.requires_grad:
+                y.register_hook(add)
+
+        return hook
 
     def _tensor_parallel_group(self, mod, gp: GiftParam):
         """The group a sequence-parallel layer splits its tokens over: the layer's own
@@ -314,6 +379,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         """Close the open step (``RefreshSync.close_step``) and hand it to the monitor; a no-op when no step is open."""
         efs = (b.error_feedback for b in self.gift_buckets() if b.error_feedback is not None)
         if self.refresh.close_step(efs):
+            # the step's output gradients are all in (they arrive during the backward, after the
+            # step's first sync, where A is folded): a refresh at step t sees B up to step t-1
+            KFACStatistics.fold_all(self._out_stats)
             self.monitor.close(self.step, self._segments(), self.last_step_bytes)
 
     def _bucket_groups(self) -> list:

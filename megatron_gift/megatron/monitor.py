@@ -23,6 +23,7 @@ from ..comm.layout import wire_bytes
 from ..config import GiftConfig, Mode
 from ..numerics.profile import profile_gradient, summarize
 from ..policy import LayerPolicy
+from .bucket_group import output_side, sent_map
 
 # torch >= 2.10 renamed reduce_scatter_tensor; NGC containers may carry either.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -67,7 +68,8 @@ class Monitor:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         vec = torch.stack(
             [
-                profile_gradient(x, self.cfg.codec, gp.whitening, gp.factor, amax[k])
+                # the map the gradient is sent through; two-sided: no geometry (its model is input-side)
+                profile_gradient(x, self.cfg.codec, sent_map(gp), gp.factor if output_side(gp) is None else None, amax[k])
                 for k, (x, (_, _, gp)) in enumerate(zip(grads, entries))
             ]
         )

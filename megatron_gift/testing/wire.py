@@ -37,6 +37,7 @@ class WireEntry:
     dtype: str
     nbytes: int
     whitened: bool
+    output_side: bool = False  # the output side's: ``T_outᵀ G T`` sent (``output`` given), ``W`` received
 
 
 def _reduction():
@@ -52,16 +53,24 @@ def _reduction():
     return found
 
 
-def _segment(owner, t: torch.Tensor | None) -> str | None:
-    """The name of the segment of ``owner.flat`` that ``t`` starts in (None: not in the bucket)."""
+def _within(t: torch.Tensor, base: torch.Tensor) -> bool:
+    at = t.data_ptr() - base.data_ptr()
+    return t.dtype == base.dtype and 0 <= at < base.numel() * base.element_size()
+
+
+def _segment(owner, t: torch.Tensor | None) -> tuple[str | None, bool]:
+    """The name of the segment of ``owner.flat`` that ``t`` starts in, or whose receiver target it lies
+    in (``ShardReduction.targets``: the output side's ``W``; then True), ``(None, False)``: neither."""
     if owner is None or t is None or t.numel() == 0:
-        return None
+        return None, False
+    for i, (base, _) in owner.targets.items():
+        if _within(t, base):
+            return owner.layout.segments[i].name, True
     flat = owner.flat
-    at = t.data_ptr() - flat.data_ptr()
-    if t.dtype != flat.dtype or not 0 <= at < flat.numel() * flat.element_size():
-        return None
-    k = at // flat.element_size()
-    return next((s.name for s in owner.layout.segments if s.start <= k < s.end), None)
+    if not _within(t, flat):
+        return None, False
+    k = (t.data_ptr() - flat.data_ptr()) // flat.element_size()
+    return next((s.name for s in owner.layout.segments if s.start <= k < s.end), None), False
 
 
 class WireRecord:
@@ -71,9 +80,10 @@ class WireRecord:
         self.entries: list[WireEntry] = []
         self._saved = {}
 
-    def _add(self, op, segment_of, dtype, nbytes, whitened):
+    def _add(self, op, segment_of, dtype, nbytes, whitened, output=False):
         owner, stage = _reduction()
-        self.entries.append(WireEntry(stage, op, _segment(owner, segment_of), dtype, int(nbytes), whitened))
+        segment, target = _segment(owner, segment_of)
+        self.entries.append(WireEntry(stage, op, segment, dtype, int(nbytes), whitened, output or target))
 
     def __enter__(self) -> "WireRecord":
         names = ("whiten_encode", "whiten_place", "decode_sum_unwhiten", "decode_placed")
@@ -82,13 +92,14 @@ class WireRecord:
         def whiten_encode(g, whitening, cfg, *args, lengths=None, **kw):
             groups = lengths.numel() if lengths is not None else math.prod(cfg.groups(*g.shape))
             nbytes = g.numel() * cfg.fmt.code_dtype.itemsize + groups * cfg.scale_dtype().itemsize
-            self._add("encode", g, cfg.fmt.label, nbytes, whitening is not None)
+            self._add("encode", g, cfg.fmt.label, nbytes, whitening is not None, kw.get("output") is not None)
             return inner["whiten_encode"](g, whitening, cfg, *args, lengths=lengths, **kw)
 
         def whiten_place(x, whitening, into, *args, **kw):
             dtype, caller = into.out.dtype, sys._getframe(1).f_code.co_name
             op = "plain" if caller == "plain_bucket" else "cast"
-            self._add(op, x, _FLOATS.get(dtype, str(dtype)), x.numel() * dtype.itemsize, whitening is not None)
+            self._add(op, x, _FLOATS.get(dtype, str(dtype)), x.numel() * dtype.itemsize, whitening is not None,
+                      kw.get("output") is not None)  # fmt: skip
             return inner["whiten_place"](x, whitening, into, *args, **kw)
 
         def decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, *args, out=None, **kw):
@@ -131,8 +142,16 @@ class WireRecord:
     def mode(self, segment: str) -> str:
         """What the senders of ``segment`` did, as a plugin mode: ``gift`` (coded, every call given
         ``T``), ``euclidean`` (coded, no call given ``T``), ``bf16`` / ``off`` (plain values in BF16 /
-        in the bucket's dtype), ``mixed`` otherwise, ``none`` where nothing was sent."""
-        calls = self.sent(segment)
+        in the bucket's dtype), ``mixed`` otherwise, ``none`` where nothing was sent; ``+out`` where
+        every coded call sent the output side's ``T_outᵀ G T`` (``comm.output_side``)."""
+        mode = self._mode(self.sent(segment))
+        out = {e.output_side for e in self.entries if e.segment == segment and e.op != "decode"}
+        if out == {True, False} or (out == {True} and mode not in ("gift", "euclidean")):
+            return "mixed"
+        return mode + "+out" if out == {True} else mode
+
+    @staticmethod
+    def _mode(calls) -> str:
         ops, dtypes, whitened = {c[1] for c in calls}, {c[2] for c in calls}, {c[3] for c in calls}
         if not calls:
             return "none"
