@@ -423,7 +423,7 @@ def test_byte_model_matches_bench_comm():
     assert len(rows) == 16
     for r in rows:  # Megatron's bucket padding and GIFT's cut-row partials (a latency here) are not counted
         assert r["ratio"] == pytest.approx(1.0, abs=0.005), r
-    # the ledger is read before the step closes: it holds a refresh's statistics all-reduce, not its records
+    # the ledger is read before the step closes: it holds a refresh's statistics reduce-scatter, not its records
     refresh = [r for r in rows if r["refresh_ratio"] is not None]
     assert len(refresh) == 4 and all(r["refresh_ratio"] == pytest.approx(1.0, rel=1e-6) for r in refresh)
     assert all(r["refresh_records"] > 0 for r in refresh)
