@@ -587,7 +587,8 @@ def _ef_invariant_worker(rank, world):
                     inputs[p] = inputs.get(p, 0) + local[p][:, owned[p]].sum(0) / world
                     norms[p] = norms.get(p, 0) + float(local[p].norm(dim=1).sum()) / world + float(residuals[p].norm(dim=1).sum())
                     # σ(T)² (T Tᵀ = Â⁻¹: the factor's spectrum inverted), from T itself: every rank has it
-                    sv = torch.linalg.svdvals(g.whitening.dense()[0].double()) if g.mode is Mode.GIFT else torch.ones(1, dtype=torch.float64)
+                    gift = g.mode is Mode.GIFT
+                    sv = torch.linalg.svdvals(g.whitening.dense()[0].double()) if gift else torch.ones(1, dtype=torch.float64)
                     spectra.setdefault(p, []).append((float(sv.min()) ** 2, float(sv.max()) ** 2))
         with torch.no_grad():
             for p in model.parameters():

@@ -524,9 +524,11 @@ def _two_sided_state():
 def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     """Statistics, ``T_out`` and its damping, output factor and held-out ``T_out`` of a two-sided layer
     come back bit for bit through Megatron checkpoints' split (``B``, both factors and the held-out
-    ``T_out`` in the per-rank part, with their input-side twins: only their owner holds them), an older checkpoint without the output side's keys loads without error with the output
-    side fresh, and a ``T_out`` saved for a layer now without output statistics stays until the next
-    refresh (the residual's coordinates). Catches an output side dropped or mixed with the input's."""
+    ``T_out`` in the per-rank part, with their input-side twins: only their owner holds them), an older
+    checkpoint without the output side's keys loads without error with the output side fresh, a
+    ``T_out`` saved for a layer now without output statistics stays until the next refresh (the
+    residual's coordinates), and another data-parallel layout restores no factor. Catches an output
+    side dropped or mixed with the input's, or a factor restored on a rank that did not build it."""
     state, gp, approximate_factor = _two_sided_state()
     x, y = _data(0, 0, 0)
     for _ in range(2):
@@ -574,9 +576,11 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
 
     # an older checkpoint: no output-side keys
     entry = saved["params"]["qkv"]
-    assert "out" in entry["stats"] and "out" in entry["held_out"] and "out" in entry["factor"]  # the per-rank state inside its per-rank twins
+    # the per-rank state inside its per-rank twins
+    assert "out" in entry["stats"] and "out" in entry["held_out"] and "out" in entry["factor"]
     old = {k: v for k, v in entry.items() if "out" not in k}
-    old["stats"], old["held_out"], old["factor"] = ({k: v for k, v in entry[k].items() if k != "out"} for k in ("stats", "held_out", "factor"))
+    for k in ("stats", "held_out", "factor"):
+        old[k] = {n: v for n, v in entry[k].items() if n != "out"}
     old = {"step": saved["step"], "params": {"qkv": old}}
     older, go, _ = _two_sided_state()
     older.params[object()] = go
@@ -653,8 +657,9 @@ def _sum_worker(rank, world):
                 local[name, side] = torch.cat([t.reshape(-1).float() for t in refresh_mod._packed(st)])
         every.append((gp, me))
     calls, real_reduce, real_scatter = [], dist.all_reduce, refresh_mod._reduce_scatter
-    dist.all_reduce = lambda t, *a, **k: calls.append(("all_reduce", sorted(dist.get_process_group_ranks(k["group"])))) or real_reduce(t, *a, **k)
-    refresh_mod._reduce_scatter = lambda *a, **k: calls.append(("reduce_scatter", sorted(dist.get_process_group_ranks(k["group"])))) or real_scatter(*a, **k)
+    seen = lambda name, k: calls.append((name, sorted(dist.get_process_group_ranks(k["group"]))))  # noqa: E731
+    dist.all_reduce = lambda t, *a, **k: seen("all_reduce", k) or real_reduce(t, *a, **k)
+    refresh_mod._reduce_scatter = lambda *a, **k: seen("reduce_scatter", k) or real_scatter(*a, **k)
     try:
         got = RefreshSync(state, "both").sum_statistics(every)
     finally:

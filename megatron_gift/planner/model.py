@@ -79,7 +79,8 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
     refresh = refresh_chain(shapes, x)
     gather_exposed = forward_phase(fwd[::-1], gathers, [], c.codec_compute_overlap)
     per_refresh = forward_phase(fwd[::-1], gathers, refresh, c.codec_compute_overlap) - gather_exposed if refresh else 0.0
-    stats = sum(4.0 * tokens * d * min(opts.sketch, d) for s in shapes for d in statistics_sides(s, opts)) * micro * per_flop if dp > 1 else 0.0
+    sides = [d for s in shapes for d in statistics_sides(s, opts)]
+    stats = sum(4.0 * tokens * d * min(opts.sketch, d) for d in sides) * micro * per_flop if dp > 1 else 0.0
     grad = [t for chain in chains for t in chain]
     pg = [t for chain in gathers for t in chain]
     grad_exposed = _grad_phase(scheme, bwd, chains, opts, c)
