@@ -10,24 +10,29 @@ A refresh (step t, see ``GiftState.is_refresh_step``) runs beside the training, 
 device (on CUDA on a stream of its own), and is installed one step later:
 
 * the first bucket-group sync of step t folds every layer's statistics into its local EMA, sums
-  the EMAs over each statistics group (one FP32 all-reduce per group for all layers) and starts
-  each layer's build on its owner (``numerics.refresh``: the device part of the Nyström core);
+  the EMAs over each statistics group onto the layer's owner (``sum_statistics``: one FP32
+  reduce-scatter per reduction group, the layers packed by owner into equal slots, after one FP32
+  all-reduce per other group) and starts each layer's build on its owner (``numerics.refresh``:
+  the device part of the Nyström core);
 * each bucket group's sync keeps, on the owner, a copy of the layer's local gradient (``--gift-damping
   auto`` chooses the damping from it, and the cold-start rule checks the previous build's ``T`` on it);
-* ``after_reductions`` (Megatron's ``finish_grad_sync``) waits for the statistics (host wait 1),
-  solves the k x k cores on the host and enqueues the whitening Grams;
+* ``after_reductions`` (Megatron's ``finish_grad_sync``) waits for the statistics' checks and
+  Grams of the layers this rank owns (host wait 1), solves the k x k cores on the host and
+  enqueues the whitening Grams;
 * ``close_step`` (the start of step t+1, or a checkpoint) waits for them (host wait 2), solves
   the r x r cores, enqueues the damping choice and the records, and sends every record of a
   reduction group in ONE all-gather of fixed-size slots (a slot per rank, sized from the layouts
   alone, so every rank sends and receives the same byte counts whatever a build did);
 * the first sync of step t+1 reads the received headers (host wait 3), installs every layer's
-  factor and ``T`` (copied out of the received buffer: every rank holds the owner's bits) and carries
-  the error-feedback residuals over; a failed build stops every rank with the same message.
+  ``T`` (copied out of the received buffer: every rank holds the owner's bits; the FP64 factor it
+  was built from only on the owner, which kept it) and carries the error-feedback residuals over;
+  what every rank must agree on comes from the headers: a layer with non-finite statistics
+  restarts its EMA on every rank there, a failed build stops every rank with the same message.
 
 A layer with output-gradient statistics (``GiftParam.out_stats``) builds ``T_out`` in the same
-refresh: ``B``'s EMA is summed in the same all-reduce calls (one per distinct tuple of statistics
-groups, ``out_stats_groups`` beside ``stats_groups``), built in the same stages, and its record
-shares the layer's slot of the all-gather; the damping choice is joint (``numerics.refresh``).
+refresh: ``B``'s EMA is summed in the same collectives (over ``out_stats_groups`` as ``A`` over
+``stats_groups``), built in the same stages, and its record shares the layer's slot of the
+all-gather; the damping choice is joint (``numerics.refresh``).
 ``B`` is folded a step late (its gradients arrive after the step's first sync), so a refresh at
 step t sees ``B`` up to step t-1 and the first refresh none: its output side is skipped.
 
@@ -66,8 +71,9 @@ from .state import GiftParam, GiftState
 
 logger = logging.getLogger(__name__)
 
-# torch >= 2.10 renamed all_gather_into_tensor; NGC containers may carry either.
+# torch >= 2.10 renamed all_gather_into_tensor and reduce_scatter_tensor; NGC containers may carry either.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
@@ -79,6 +85,30 @@ def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
 def _transform(t_in: LowRankWhitening | None, t_out: LowRankWhitening | None):
     """The map a parameter's gradient is sent through: ``T_in``, or ``TwoSidedWhitening`` with an output side."""
     return TwoSidedWhitening(t_in, t_out) if t_out is not None else t_in
+
+
+# what a side's statistics are of, and what a layer does without them
+_WHAT = {"in": ("activations", "keeping its previous T"), "out": ("output gradients", "whitening its input side alone")}
+
+
+def _same_ranks(a, b) -> bool:
+    """Whether the groups ``a`` and ``b`` hold the same ranks (Megatron hands one object around; a
+    caller's groups may be distinct objects over the same ranks)."""
+    return a is b or (a.size() == b.size() and dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b))
+
+
+def _packed(stats: KFACStatistics) -> list[torch.Tensor]:
+    """What of ``stats`` a refresh sums: its EMA sums, then its token count as ``[1]``."""
+    return [*stats.ema_sums.values(), stats.ema_tokens.reshape(1)]
+
+
+def _unpack(stats: KFACStatistics, flat: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """``(sums, tokens)`` as views of ``flat`` (``_packed(stats)`` flattened, summed)."""
+    sums, pos = {}, 0
+    for k, t in stats.ema_sums.items():
+        sums[k] = flat[pos : pos + t.numel()].view(t.shape)
+        pos += t.numel()
+    return sums, flat[pos]
 
 
 def _flat(parts: list[list]) -> list:
@@ -116,7 +146,7 @@ class _Refresh:
     """A refresh in flight: its layers, their builds, and the host copy the next stage waits for."""
 
     layers: list[GiftParam]  # every GIFT layer, in one order on all ranks
-    sides: list[tuple[GiftParam, str]]  # every statistics of the refresh, as ``(layer, "in" | "out")``: flagged in this order
+    sides: list[tuple[GiftParam, str]]  # the statistics this rank builds from, as ``(layer, "in" | "out")``: flagged in this order
     groups: list[_GroupRefresh]
     owned: dict[int, OwnedLayer]  # id(GiftParam) -> this rank's build of it
     copy: HostCopy
@@ -226,17 +256,19 @@ class RefreshSync:
         cfg = self.config
         candidates = cfg.damping_candidates if cfg.damping is None else (cfg.damping,)
         layers = [gp for gp, _ in every]
-        sides = [(gp, "in") for gp in layers] + [(gp, "out") for gp in layers if gp.out_stats is not None]
         with self._side():
-            summed = self.sum_statistics(layers)
+            summed = self.sum_statistics(every)  # this rank's own layers' statistics
+            sides = [(gp, side) for gp in layers for side in ("in", "out") if (id(gp), side) in summed]
             # per statistics [finite, tokens > 0, trace > 0] in a fixed number of launches: max |x| of each
             # summed tensor (NaN and ±Inf stay non-finite) and Σ diag(A) = ‖diag‖₁ (diag(A) ≥ 0)
             ordered = [summed[id(gp), side] for gp, side in sides]
             diags = [sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"]) for sums, _ in ordered]
             pieces = [t for (sums, tokens), diag in zip(ordered, diags) for t in (next(iter(sums.values())), diag, tokens)]
-            maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(sides), 3)
-            tokens = torch.stack([tokens for _, tokens in ordered])
-            flags = torch.stack([torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1)
+            flags = torch.zeros(0, 3, dtype=torch.bool, device=self.device)
+            if sides:
+                maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(sides), 3)
+                tokens = torch.stack([tokens for _, tokens in ordered])
+                flags = torch.stack([torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1)
             by_group: dict = {}
             for gp, group in every:
                 by_group.setdefault(group, []).append(gp)
@@ -259,24 +291,21 @@ class RefreshSync:
             self.pending = _Refresh(layers, sides, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts)
 
     def _cores(self) -> None:
-        """Stage 2: host wait 1, each layer's status (and its output side's) from the summed statistics
-        (the same on every rank), the k x k cores on the host, the whitening Grams enqueued."""
+        """Stage 2: host wait 1, the status of each side of this rank's layers from their summed
+        statistics (every rank reads it from the record header at install), the k x k cores on the
+        host, the whitening Grams enqueued."""
         r = self.pending
         flags, *rest = self._wait()
         for (gp, side), (finite, has_tokens, has_trace) in zip(r.sides, flags.tolist()):
             status = BuildStatus.OK
-            what, keeps = ("activations", "keeping its previous factor") if side == "in" else \
-                ("output gradients", "whitening its input side alone")  # fmt: skip
-            if not finite:
-                logger.warning("megatron-gift: non-finite %s in %s; %s", what, gp.name, keeps)
-                (gp.stats if side == "in" else gp.out_stats).reset_ema()
+            if not finite:  # logged, and the EMA restarted, on every rank at install
                 status = BuildStatus.NONFINITE
             elif not has_tokens:  # an output side at the first refresh: B is folded a step late
                 status = BuildStatus.SKIPPED
             elif not has_trace:
-                logger.warning("megatron-gift: %s saw only zero %s; %s", gp.name, what, keeps)
+                logger.warning("megatron-gift: %s saw only zero %s; %s", gp.name, *_WHAT[side])
                 status = BuildStatus.SKIPPED
-            if id(gp) in r.owned and status is not BuildStatus.OK:
+            if status is not BuildStatus.OK:
                 owned = r.owned[id(gp)]
                 (owned if side == "in" else owned.out).status = status
         out = [gr.build.cores(p) for gr, p in zip(r.groups, _unflat_groups(rest, r.parts))]
@@ -337,6 +366,10 @@ class RefreshSync:
             for i, gp in enumerate(gr.layers):
                 head = dict(zip(HEADER, next(headers).tolist()))
                 out_head = dict(zip(OUT_HEADER, next(headers).tolist())) if gr.layouts[i].d_out else None
+                for side, h, stats in (("in", head, gp.stats), ("out", out_head, gp.out_stats)):
+                    if h is not None and BuildStatus(int(h["status"])) is BuildStatus.NONFINITE:
+                        logger.warning("megatron-gift: non-finite %s in %s; %s", _WHAT[side][0], gp.name, _WHAT[side][1])
+                        stats.reset_ema()  # on every rank: the next refresh sums fresh EMAs
                 status = BuildStatus(int(head["status"]))
                 if status is BuildStatus.FAILED:
                     failed.append(f"{gp.name} (rank {gp.owner} of its reduction group)")
@@ -345,31 +378,32 @@ class RefreshSync:
                 if status is BuildStatus.INDEFINITE:
                     logger.warning("megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
                                    "corrupt statistics?): using the diagonal of A alone for this factor", gp.name, MAX_SHIFTS)  # fmt: skip
-                self._install(gp, gr.received[i], head, out_head, remap, gp.owner == gr.group.rank())
+                self._install(gp, gr.received[i], head, out_head, remap, r.owned.get(id(gp)))
         if failed:
             raise RuntimeError(f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
                                f"the traceback); stopping on every rank")  # fmt: skip
 
     @staticmethod
-    def _install(gp: GiftParam, rec: dict, head: dict, out_head: dict | None, remap, owner: bool) -> None:
-        """Install one built layer from its record: factor and ``T`` (identity when Euclidean was
-        chosen), with an output side ``out_factor`` and ``output_whitening`` (None unless the chosen
-        pair has ``T_out``); ``remap`` gets the old and the new map the gradient is sent through."""
+    def _install(gp: GiftParam, rec: dict, head: dict, out_head: dict | None, remap, owned: OwnedLayer | None) -> None:
+        """Install one built layer from its record: ``T`` (identity when Euclidean was chosen), with an
+        output side ``output_whitening`` (None unless the chosen pair has ``T_out``) and its damping;
+        ``remap`` gets the old and the new map the gradient is sent through. The owner (``owned``: its
+        build) also installs the factors it built, and keeps the best pair for its next held-out check."""
         # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
         # where views would hold it, growing with the group size, until the next refresh.
         rec = {k: t.clone() for k, t in rec.items()}
 
-        def side(prefix: str, rank: int, trace: float, damping: float):
+        def side(prefix: str, rank: int, built, trace: float, damping: float):
             cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
-            factor = LowRankFactor(rec[prefix + "d"], cols(rec[prefix + "v"]), cols(rec[prefix + "lam"]), trace, damping)
+            factor = LowRankFactor(*built, trace, damping) if built is not None else None
             best = LowRankWhitening.from_tensors({k: cols(rec[prefix + k]) if k in ("q", "c", "c_inv") else rec[prefix + k]
                                                   for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
             return factor, best
 
         choice = head["choice"]
-        factor, best = side("", int(head["rank"]), head["trace_a"], head["damping"])
+        factor, best = side("", int(head["rank"]), owned and owned.factor, head["trace_a"], head["damping"])
         if choice < 0:  # Euclidean chosen (or not yet trusted): T = I, the factor kept for the profiles
-            new, damping = LowRankWhitening.identity(gp.stats.d_in, device=rec["d"].device), None
+            new, damping = LowRankWhitening.identity(gp.stats.d_in, device=rec["d_sqrt"].device), None
         else:
             new, damping = best, choice
         out_factor, new_out, out_best = gp.out_factor, None, None  # a skipped output side: the input side alone
@@ -379,40 +413,79 @@ class RefreshSync:
                 logger.warning("megatron-gift: the Nyström core of %s's output gradients stayed indefinite after %d shifts: "
                                "whitening its input side alone", gp.name, MAX_SHIFTS)  # fmt: skip
             if out_status in (BuildStatus.OK, BuildStatus.INDEFINITE):
-                out_factor, t_out = side("out_", int(out_head["rank"]), out_head["trace_b"], out_head["damping"])
+                out_factor, t_out = side("out_", int(out_head["rank"]), owned and owned.out.factor, out_head["trace_b"],
+                                         out_head["damping"])  # fmt: skip
                 new_out = t_out if choice >= 0 and out_head["choice"] >= 0 else None
                 out_best = t_out if out_head["held_out"] > 0 else None
         if gp.mode is Mode.GIFT:
             remap(gp, _transform(gp.whitening, gp.output_whitening), _transform(new, new_out))
         gp.factor, gp.whitening, gp.damping = factor, new, damping
         gp.out_factor, gp.output_whitening = out_factor, new_out
+        gp.out_damping = out_head["choice"] if new_out is not None else None
         # the next build's held-out check (the best pair), on the rank that runs it
-        gp.held_out, gp.out_held_out = (best, out_best) if owner else (None, None)
+        gp.held_out, gp.out_held_out = (best, out_best) if owned is not None else (None, None)
 
-    def sum_statistics(self, layers) -> dict[tuple[int, str], tuple]:
-        """Every GIFT layer's local EMA ``(sums, tokens)`` summed over its statistics groups, keyed by
-        ``(id(GiftParam), "in")``, and its output side's over ``out_stats_groups`` by ``(id, "out")``:
-        one FP32 all-reduce per group of each distinct tuple of groups, for all statistics at once (views
-        of its result). By linearity this is the EMA of the global statistics."""
-        by_groups: dict[tuple, list[tuple]] = {}
-        for gp in layers:
-            by_groups.setdefault(tuple(gp.stats_groups), []).append((id(gp), "in", gp.stats))
-            if gp.out_stats is not None:
-                by_groups.setdefault(tuple(gp.out_stats_groups), []).append((id(gp), "out", gp.out_stats))
-        out = {}
-        for groups, members in by_groups.items():
-            parts = [t for _, _, st in members for t in (*st.ema_sums.values(), st.ema_tokens.reshape(1))]
-            flat = torch.cat([t.reshape(-1).float() for t in parts])
+    def sum_statistics(self, every) -> dict[tuple[int, str], tuple]:
+        """The EMA ``(sums, tokens)`` of every statistics of the layers this rank owns, summed over its
+        statistics groups (by linearity the EMA of the global statistics), keyed ``(id(GiftParam),
+        "in")`` (``stats`` over ``stats_groups``) or ``(id, "out")`` (``out_stats`` over
+        ``out_stats_groups``); views of the collectives' FP32 results. ``every``: ``(GiftParam,
+        reduction group)`` of every GIFT layer, in one order on all ranks.
+
+        Only the owner needs the sum, so a statistics whose groups include its layer's reduction
+        group (the owners' group) is reduce-scattered over it: every layer's statistics of that group
+        packed by owner into equal slots (the largest rank's share, sized from the layouts alone), one
+        call per reduction group, which sends ``(R-1)/R`` of the payload where an all-reduce sends twice
+        that. Its other groups (TP under sequence parallelism) are summed first, by one all-reduce per
+        group of each distinct tuple of them. A statistics whose groups do not include the owners'
+        group (several distributed-optimizer instances: summed over the full data-parallel group) is
+        all-reduced over all of them in the same calls, and its owner reads its share of the result."""
+        first: dict[tuple, list] = {}  # groups summed over by all-reduces -> statistics ``(key, stats)``
+        scatter: dict = {}  # reduction group -> statistics ``(key, stats, owner)`` reduce-scattered over it
+        reduced = []  # this rank's statistics summed by the all-reduces alone ``(key, stats)``
+        for gp, group in every:
+            for side, stats, groups in (("in", gp.stats, gp.stats_groups), ("out", gp.out_stats, gp.out_stats_groups)):
+                if stats is None:
+                    continue
+                at = next((i for i, g in enumerate(groups) if _same_ranks(g, group)), None)
+                rest = tuple(groups) if at is None else tuple(groups[:at]) + tuple(groups[at + 1 :])
+                if rest:
+                    first.setdefault(rest, []).append(((id(gp), side), stats))
+                if at is not None:
+                    scatter.setdefault(group, []).append(((id(gp), side), stats, gp.owner))
+                elif gp.owner == group.rank():
+                    reduced.append(((id(gp), side), stats))
+        summed: dict = {}  # key -> flat FP32 sum (so far) of ``_packed(stats)``
+        for groups, members in first.items():
+            flat = torch.cat([t.reshape(-1).float() for _, st in members for t in _packed(st)])
             for group in groups:
                 dist.all_reduce(flat, group=group)
-                n = group.size()
-                self.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, flat.numel() * 4))
+                self.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(group.size(), flat.numel() * 4))
             pos = 0
-            for key, side, st in members:
-                sums = {}
-                for k, t in st.ema_sums.items():
-                    sums[k] = flat[pos : pos + t.numel()].view(t.shape)
-                    pos += t.numel()
-                out[key, side] = (sums, flat[pos])
-                pos += 1
+            for key, st in members:
+                n = sum(t.numel() for t in _packed(st))
+                summed[key], pos = flat[pos : pos + n], pos + n
+        out = {key: _unpack(st, summed[key]) for key, st in reduced}
+        for group, members in scatter.items():
+            size = lambda st: sum(t.numel() for t in _packed(st))  # noqa: E731
+            n, me = group.size(), group.rank()
+            by_owner = [[(key, st) for key, st, owner in members if owner == r] for r in range(n)]
+            slot = max(sum(size(st) for _, st in mine) for mine in by_owner)
+            pad = torch.zeros(slot, dtype=torch.float32, device=self.device)
+            pieces = []
+            for mine in by_owner:  # each owner's statistics (summed over the other groups first, if any), then zeros up to the slot
+                for key, st in mine:
+                    pieces += [summed[key]] if key in summed else [t.reshape(-1).float() for t in _packed(st)]
+                pieces.append(pad[: slot - sum(size(st) for _, st in mine)])
+            send = torch.cat(pieces)
+            recv = torch.empty(slot, dtype=torch.float32, device=self.device)
+            if n > 1:
+                _reduce_scatter(recv, send, group=group)
+                self.state.ledger.add("reduce_scatter", "fp32", (n - 1) * slot * 4)  # ring reduce-scatter: (R-1) slots out
+            else:
+                recv.copy_(send)
+            pos = 0
+            for key, st in by_owner[me]:
+                out[key] = _unpack(st, recv[pos : pos + size(st)])
+                pos += size(st)
         return out

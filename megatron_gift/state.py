@@ -1,8 +1,9 @@
 """The plugin's reduction state, free of Megatron and of collectives (in the spirit of PyTorch's
 ``PowerSGDState``): what the bucket-group hooks need between steps, with its own state dict.
 
-Per parameter (``GiftParam``): mode, K-FAC statistics, factor, ``T`` and damping choice, and for a
-two-sided layer (``numerics.two_sided``) their output-side twins. Per rank:
+Per parameter (``GiftParam``): mode, K-FAC statistics, ``T`` and damping choice (on every rank), the
+factor ``T`` was built from (on the rank that built it), and for a two-sided layer
+(``numerics.two_sided``) their output-side twins. Per rank:
 the step, whether this step's statistics are still being collected, the non-finite flag and the
 byte ledger. The error-feedback residuals live in the bucket groups' buffers; the methods that
 need them take ``residuals``: ``(residual of one parameter as [rows, cols], its GiftParam)`` pairs.
@@ -31,7 +32,7 @@ class GiftParam:
     mode: Mode  # what its gradient is sent as now
     candidate: bool = False  # keeps K-FAC statistics and a whitening: may be sent GIFT
     stats: KFACStatistics | None = None
-    factor: LowRankFactor | None = None
+    factor: LowRankFactor | None = None  # its owner only (the refresh's record carries T, not the factor)
     whitening: LowRankWhitening | None = None
     sketch_seed: int = 0  # seed of its statistics' Nyström sketch (the same on every rank)
     owner: int = 0  # rank in its bucket group's reduction group that builds its factor
@@ -42,8 +43,9 @@ class GiftParam:
     # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; checkpointed)
     out_stats: KFACStatistics | None = None  # B = E[g gᵀ] over the layer's output gradients (d = weight rows); None: input side only
     out_stats_groups: list = field(default_factory=list)  # groups B's EMA is summed over at a refresh
-    out_factor: LowRankFactor | None = None
-    output_whitening: LowRankWhitening | None = None  # T_out in use; None: no output side (the damping: out_factor's)
+    out_factor: LowRankFactor | None = None  # its owner only, like factor
+    output_whitening: LowRankWhitening | None = None  # T_out in use; None: no output side
+    out_damping: float | None = None  # relative damping of T_out in use (None: no output side)
     out_held_out: LowRankWhitening | None = None  # its owner only: T_out of the last build's best pair (None: it had none)
 
 
@@ -104,12 +106,13 @@ class GiftState:
         """This rank's state on the CPU, keyed by parameter name: ``{"step", "params": {name: {"mode",
         "stats" (step accumulators and local per-step EMA), "whitening", "damping" (None: Euclidean
         chosen), "factor", "held_out", "residual"}}}``. Everything but ``residual`` (the error-feedback
-        residual in the parameter's quantized coordinates, this rank's own), ``stats`` and ``held_out``
-        (on the layer's factor owner only) is identical on all ranks that hold it. A two-sided layer
-        adds its output side's twins: ``output_whitening`` (absent: no output side in use) and
-        ``out_factor`` beside theirs, and the per-rank ones inside their twins' entries, ``stats["out"]``
-        (``B``'s statistics) and ``held_out["out"]`` (``T_out`` of the held-out pair), so that whatever
-        keeps the per-rank state apart (``megatron.checkpoint.split_state``) keeps them with it.
+        residual in the parameter's quantized coordinates, this rank's own), ``stats``, ``factor`` and
+        ``held_out`` (on the layer's factor owner only) is identical on all ranks that hold it. A
+        two-sided layer adds its output side's twins: ``output_whitening`` and ``out_damping`` (absent:
+        no output side in use) beside theirs, and the per-rank ones inside their twins' entries,
+        ``stats["out"]`` (``B``'s statistics), ``factor["out"]`` (``B``'s factor) and
+        ``held_out["out"]`` (``T_out`` of the held-out pair), so that whatever keeps the per-rank state
+        apart (``megatron.checkpoint.split_state``) keeps them with it.
         A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
         params = {}
         for gp in self.params.values():
@@ -123,14 +126,15 @@ class GiftState:
                 entry["damping"] = gp.damping
             if gp.output_whitening is not None:
                 entry["output_whitening"] = _to(gp.output_whitening.tensors(), "cpu")
+                entry["out_damping"] = gp.out_damping
             if gp.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
                 entry["held_out"] = _to(gp.held_out.tensors(), "cpu")
                 if gp.out_held_out is not None:
                     entry["held_out"]["out"] = _to(gp.out_held_out.tensors(), "cpu")
-            for key, f in (("factor", gp.factor), ("out_factor", gp.out_factor)):
-                if f is not None:
-                    entry[key] = {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a),
-                                  "damping": float(f.damping)}  # fmt: skip
+            if gp.factor is not None or gp.out_factor is not None:  # the factor owner's (an output factor alone: the input side skipped)
+                entry["factor"] = _factor_state(gp.factor) if gp.factor is not None else {}
+                if gp.out_factor is not None:
+                    entry["factor"]["out"] = _factor_state(gp.out_factor)
             params[gp.name] = entry
         for view, gp in residuals:
             params[gp.name]["residual"] = view.to("cpu", copy=True)
@@ -177,6 +181,7 @@ class GiftState:
         # the T_out the residual was saved with, even for a layer now without output statistics (the next
         # refresh installs a map without it and carries the residual over); None when none was in use
         gp.output_whitening = _whitening(entry["output_whitening"]) if "output_whitening" in entry else None
+        gp.out_damping = entry.get("out_damping") if gp.output_whitening is not None else None
         held = entry.get("held_out") if local else None
         if held is not None:
             gp.held_out = _whitening(held)
@@ -185,18 +190,27 @@ class GiftState:
             # the held-out T of the next refresh; a layer saved as Euclidean waits one refresh for its check
             gp.held_out = gp.whitening if gp.whitening is not None and gp.damping is not None else None
             gp.out_held_out = gp.output_whitening if gp.held_out is not None else None
-        f = entry.get("factor")
-        if f is not None and gp.stats is not None and f["d"].shape == (gp.stats.d_in,):
-            gp.factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"]))
-        f = entry.get("out_factor")
-        fits = f is not None and gp.out_stats is not None and f["d"].shape == (gp.out_stats.d_in,)
-        gp.out_factor = LowRankFactor(f["d"], f["v"], f["lam"], float(f["trace_a"]), float(f["damping"])) if fits else None
+        # the factors: the owner's, per rank like the held-out T (another layout: none until the next refresh)
+        saved = (entry.get("factor") or {}) if local else {}
+        gp.factor = _factor(saved, gp.stats)
+        gp.out_factor = _factor(saved.get("out"), gp.out_stats)
         return True
 
 
 def _fits(stats: KFACStatistics, saved: dict | None) -> bool:
     """Whether ``saved`` (``KFACStatistics.state_dict()``) can be loaded into ``stats``."""
     return saved is not None and "ema_tokens" in saved and all(saved["sums"][k].shape == t.shape for k, t in stats.sums.items())
+
+
+def _factor_state(f: LowRankFactor) -> dict:
+    return {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a), "damping": float(f.damping)}
+
+
+def _factor(saved: dict | None, stats: KFACStatistics | None) -> LowRankFactor | None:
+    """A saved ``_factor_state`` as the factor of ``stats``'s layer side, or None (none saved, or of another width)."""
+    if not saved or "d" not in saved or stats is None or saved["d"].shape != (stats.d_in,):
+        return None
+    return LowRankFactor(saved["d"], saved["v"], saved["lam"], float(saved["trace_a"]), float(saved["damping"]))
 
 
 def _whitening(saved: dict) -> LowRankWhitening:

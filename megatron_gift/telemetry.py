@@ -12,7 +12,7 @@ Schema of a line (keys may be missing on a line that does not have them)::
          "cos": float | null,
          "saturation": float,          # share of FP8 codes at ±max
          "underflow": float,           # share of non-zero entries decoded as zero
-         "top_r_share": float | null,  # gradient energy share in the factor's top-r subspace
+         "top_r_share": float | null,  # gradient energy share in the factor's top-r subspace (the factor owner's gradient)
          "bytes": int | null,
          "profile": {ProfileSummary fields} | null}},
      "decisions": [{"param": str, "from": str, "to": str, "reason": str}]}

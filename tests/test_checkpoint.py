@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gift.megatron.checkpoint import HELD_OUT
+from megatron_gift.megatron.checkpoint import FACTOR, HELD_OUT
 from megatron_gift.testing.launch import run_launcher
 from tests.launches import GIFT, ITERS, _args, checkpoint_at, losses
 
@@ -65,12 +65,14 @@ def test_resumed_run_is_bitwise_identical_to_the_uninterrupted_one(launcher_runs
     state = whole[gift[0]]
     assert state["step"] == ITERS - 1 and len(state["params"]) == 8
     assert "decoder.layers.0.mlp.linear_fc2.weight" in state["params"]  # names without wrapper prefixes
-    assert all(p["mode"] == "gift" and "whitening" in p and "damping" in p for p in state["params"].values())
+    assert all(p["mode"] == "gift" and "whitening" in p and "damping" in p and "factor" not in p for p in state["params"].values())
     local = [whole[k] for k in gift[1:3]]
-    # each rank's statistics, and the held-out T (the cold-start rule) of the layers it builds: every layer on one rank
-    held = [s.get(HELD_OUT, {}) for s in local]
+    # each rank's statistics, and the held-out T (the cold-start rule) and the factors of the layers it
+    # builds (only it holds them): every layer on one rank
+    held, factors = [s.get(HELD_OUT, {}) for s in local], [s.get(FACTOR, {}) for s in local]
     assert sorted(n for h in held for n in h) == sorted(state["params"]) and all(held)
-    local = [{k: v for k, v in s.items() if k != HELD_OUT} for s in local]
+    assert [sorted(f) for f in factors] == [sorted(h) for h in held] and all("d" in e for f in factors for e in f.values())
+    local = [{k: v for k, v in s.items() if k not in (HELD_OUT, FACTOR)} for s in local]
     assert all(len(s) == 8 and all(e["folds"] == ITERS for e in s.values()) for s in local)
     assert not _bitwise_equal(local[0], local[1])  # each rank keeps its own EMA
     residuals = [whole[k] for k in gift[3:]]

@@ -256,15 +256,15 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(launcher_runs):
     for flag in ("--gift-layers auto", "--gift-error-feedback", "--gift-rank 8", "--gift-log-interval 1", "--gift-telemetry-dir"):
         assert len(re.findall(rf"megatron-gift: warning: {re.escape(flag)}\b.* has no effect with --gift-mode off", off)) == 1, flag
 
-    # GIFT's reduction really ran: FP8 payloads every iteration, and the summed K-FAC statistics on
-    # (and only on) the refresh steps (every 2, warm-up at 1); the off run has no GIFT traffic.
+    # GIFT's reduction really ran: FP8 payloads every iteration, and the K-FAC statistics summed onto
+    # their owners on (and only on) the refresh steps (every 2, warm-up at 1); the off run has no GIFT traffic.
     sent = _bytes_lines(gift)
     # iteration k is reported when k+1 starts, the last one when the final checkpoint closes it
     assert sorted(sent) == list(range(1, ITERS + 1)), gift[-3000:]
     for iteration, (n, detail) in sent.items():
         step = iteration - 1  # a refresh every 2 steps, and the warm-up one at step 1 (1, 2, 4, ... below the interval)
         refresh = step % 2 == 0 or step == 1
-        assert n > 0 and "all_to_all/fp8+scales" in detail and ("all_reduce/fp32" in detail) == refresh, (iteration, detail)
+        assert n > 0 and "all_to_all/fp8+scales" in detail and ("reduce_scatter/fp32" in detail) == refresh, (iteration, detail)
     assert not BYTES_RE.findall(off)
 
     # Both train: finite, decreasing losses; the first iteration (before any reduction) is the

@@ -218,7 +218,7 @@ def _conversion(ddp):
     for mode in (Mode.EUCLIDEAN, Mode.GIFT):
         ddp.set_mode(g, mode)
         seen.append(ddp.gift_state_dict()["params"][g.name]["residual"].double())
-    kappa = math.sqrt(float(torch.linalg.cond(g.factor.dense())))  # Tᵀ Â T = I: κ(T)² = κ(Â)
+    kappa = float(torch.linalg.cond(g.whitening.dense()[0].double()))  # κ(T) (Tᵀ Â T = I: κ(T)² = κ(Â)), on every rank
     return dict(name=g.name, residuals=seen, t=g.whitening.dense()[0].double(), kappa=kappa, rank=g.whitening.rank)
 
 

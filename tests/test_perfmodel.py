@@ -344,8 +344,11 @@ def test_gift_costs_more_than_euclidean_and_refresh_amortizes():
 
 def test_factor_builds_once_per_refresh_shared_over_ranks():
     """32 GIFT layers (fc2), each built on its owner: ceil(32/N) builds per rank and refresh, on the GPU beside
-    the next forward; the refresh's traffic is the statistics' all-reduce and one all-gather of fixed-size records
-    (a per-layer broadcast, or a record sized by the layer count instead of the slots, fails)."""
+    the next forward; the refresh's traffic is the statistics' reduce-scatter onto the owners and one all-gather
+    of fixed-size records, both in slots of ceil(32/p) layers per rank (an all-reduce of the statistics, a
+    per-layer broadcast, a record carrying the FP64 factor, or one sized by the layer count instead of the
+    slots, fails); with output statistics (``side`` both) each layer adds its output side's statistics and
+    ``T_out`` (``d_out`` = 1280) to its slots."""
     slow = dataclasses.replace(COSTS, factor_build_s=1.0)
     free = dataclasses.replace(COSTS, factor_build_s=0.0)
     sync = Options(schedule=MegatronSchedule.SYNC)  # no parameter gathers: the builds alone lengthen the next forward
@@ -353,12 +356,13 @@ def test_factor_builds_once_per_refresh_shared_over_ranks():
         r = model.step_time(W, GH200, Scheme.GIFT, gpus, slow, sync)["refresh_s"]
         f = model.step_time(W, GH200, Scheme.GIFT, gpus, free, sync)["refresh_s"]
         assert (r - f) * 10 == pytest.approx(builds, rel=1e-9)  # refresh every 10 steps
-    d, k, rank = 3456, 64, 32
-    stats = 32 * (d * k + d + 1) * 4  # the EMAs of the sketch, diagonal and token count, FP32
-    record = 8 * (5 + d + d * rank + rank) + 4 * (2 * d + d * rank + 2 * rank)  # FP64 header, d, V, λ; FP32 T's parts
-    for gpus, slots in ((64, 1), (16, 2)):  # an all-gather of ceil(32/p) record slots per rank
-        got = model.step_time(W, GH200, Scheme.GIFT, gpus, COSTS)["refresh_bytes_per_rank"]
-        assert got == pytest.approx((2 * stats + slots * gpus * record) * (gpus - 1) / gpus / 10)
+    d, d_out, k, rank = 3456, 1280, 64, 32
+    stats = lambda d: (d * k + d + 1) * 4  # noqa: E731 - the EMAs of the sketch, diagonal and token count, FP32
+    record = lambda d: 4 * (2 * d + d * rank + 2 * rank)  # noqa: E731 - FP32 T's parts (its FP64 header apart)
+    for side, stat, rec in (("input", stats(d), 8 * 5 + record(d)), ("both", stats(d) + stats(d_out), 8 * 11 + record(d) + record(d_out))):
+        for gpus, slots in ((64, 1), (16, 2)):  # ring reduce-scatter and all-gather of p slots: (p - 1) slots out
+            got = model.step_time(W, GH200, Scheme.GIFT, gpus, COSTS, Options(side=side))["refresh_bytes_per_rank"]
+            assert got == pytest.approx(slots * (stat + rec) * (gpus - 1) / 10), (side, gpus)
 
 
 def test_refresh_owners_balance_record_bytes():
@@ -419,7 +423,7 @@ def test_byte_model_matches_bench_comm():
     assert len(rows) == 16
     for r in rows:  # Megatron's bucket padding and GIFT's cut-row partials (a latency here) are not counted
         assert r["ratio"] == pytest.approx(1.0, abs=0.005), r
-    # the ledger is read before the step closes: it holds a refresh's statistics all-reduce, not its records
+    # the ledger is read before the step closes: it holds a refresh's statistics reduce-scatter, not its records
     refresh = [r for r in rows if r["refresh_ratio"] is not None]
     assert len(refresh) == 4 and all(r["refresh_ratio"] == pytest.approx(1.0, rel=1e-6) for r in refresh)
     assert all(r["refresh_records"] > 0 for r in refresh)

@@ -120,6 +120,14 @@ def test_profile_is_additive_over_ranks(setup):
     # one rank without a transform: no GIFT verdict for the sum
     partial = profile_gradient(parts[0], CFG, w, factor) + profile_gradient(parts[1], CFG)
     assert summarize(partial).gift_rel_l2 is None and summarize(partial).euclidean_rel_l2 is not None
+    # the factor on one rank only (its owner after a refresh), T on every rank: the geometry is that of
+    # the owner's gradient alone, the GIFT verdict that of all (catches shares divided by every rank's
+    # ‖g‖², or geometry dropped because the other ranks have no factor)
+    owner = summarize(profile_gradient(parts[1], CFG, w, factor) + profile_gradient(parts[0], CFG, w) + profile_gradient(parts[2], CFG, w))
+    alone = summarize(profile_gradient(parts[1], CFG, w, factor))
+    for field in ("top_r_share", "trace_share", "predicted_ratio", "predicted_ratio_shares"):
+        assert getattr(owner, field) == pytest.approx(getattr(alone, field), rel=1e-12), field
+    assert owner.gift_rel_l2 == pytest.approx(a.gift_rel_l2, rel=1e-9) and owner.top_r_share != pytest.approx(a.top_r_share, rel=1e-6)
 
 
 def test_profile_of_zero_and_nonfinite_gradients():

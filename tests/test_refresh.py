@@ -102,7 +102,9 @@ def test_damping_choice_rules():
 
 
 def test_record_layout_views_are_disjoint_and_aligned():
-    """Every field of a record lies in its own bytes, 8-aligned records tile a buffer (catches overlapping views)."""
+    """Every field of a record lies in its own bytes, 8-aligned records tile a buffer (catches overlapping
+    views); the record holds the header and ``T`` alone, no FP64 factor: ``8·5 + 4·(2d + d·r + 2r)``
+    bytes, rounded up to 8 (catches the factor sent again, tripling the all-gather)."""
     lay = RecordLayout(37, 5)
     assert lay.nbytes % 8 == 0
     buf = torch.zeros(2 * lay.nbytes, dtype=torch.uint8)
@@ -113,7 +115,8 @@ def test_record_layout_views_are_disjoint_and_aligned():
     for j in range(2):
         for i, t in enumerate(seen[j].values()):
             assert torch.all(t == 10 * j + i + 1)
-    assert list(seen[0]) == ["header", "d", "v", "lam", "d_inv_sqrt", "d_sqrt", "q", "c", "c_inv"] and len(HEADER) == 5
+    assert list(seen[0]) == ["header", "d_inv_sqrt", "d_sqrt", "q", "c", "c_inv"] and len(HEADER) == 5
+    assert lay.nbytes == 8 * 5 + 4 * (2 * 37 + 37 * 5 + 2 * 5) + 4
 
 
 def test_owners_balance_the_record_bytes():
@@ -179,7 +182,8 @@ def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
     (``factor_from_sketch`` + ``LowRankWhitening`` + ``choose_damping``), gated by the cold-start
     rule (Euclidean unless the previous build's ``T``, given here as ``held_out``, beat plain FP8 on
     the gradient): catches a mixed-up layer, candidate or column in the batching and the record
-    packing, and a whitening sent before a held-out check passed (the first build has none)."""
+    packing, and a whitening sent before a held-out check passed (the first build has none). The
+    factor stays with the build (``OwnedLayer.factor``), only ``T`` and the header go in the record."""
     cfg, cands = CodecConfig(), (0.3, 1.0, 3.0, 10.0)
     stats = [_stats(24, 0, 1), _stats(96, 16, 2), _stats(64, 16, 3)]
     # gradients in the inputs' span (g = E aᵀ, as a linear layer's are: whitening gains) for two layers,
@@ -219,8 +223,9 @@ def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
         # carries ~eps·κ² from its Gram (κ² = λ1/λr here), D the same through diag(V Λ Vᵀ)
         kappa2 = float(ref.lam[0] / ref.lam[-1])
         tol = 100 * EPS64 * kappa2 * float(ref.lam[0])
-        assert (rec["d"] - ref.d).abs().max() <= tol
-        assert (rec["v"] @ (rec["v"] * rec["lam"]).T - ref.v @ (ref.v * ref.lam).T).abs().max() <= tol
+        d, v, lam = lay.factor
+        assert (d - ref.d).abs().max() <= tol
+        assert (v @ (v * lam).T - ref.v @ (ref.v * ref.lam).T).abs().max() <= tol
         w = LowRankWhitening(ref)
         t_rec, t_ref = LowRankWhitening.from_tensors({k: rec[k] for k in w.tensors()}).dense()[0], w.dense()[0]
         assert (t_rec - t_ref).abs().max() <= 4 * s.d_in * EPS32 * float(t_ref.abs().max())  # both rounded to FP32 once
@@ -242,7 +247,7 @@ def test_indefinite_sketch_builds_the_diagonal_and_says_so(caplog):
     with caplog.at_level("WARNING"):
         m = s.ema_tokens.double()
         f = factor_from_sketch(s.ema_sums["y"].double() / m, s.omega, s.ema_sums["diag"].double() / m, 8, 1.0)
-    assert "stayed indefinite" in caplog.text and torch.allclose(rec["d"], f.d)
+    assert "stayed indefinite" in caplog.text and torch.allclose(lay.factor[0], f.d) and lay.factor[1].shape == (32, 0)
 
 
 def test_fold_all_equals_one_fold_per_layer():
@@ -328,10 +333,15 @@ def _step(ddp, opt, step, rank):
 
 
 def _transforms(ddp) -> torch.Tensor:
-    layers = [g for g in ddp.gift_params.values() if g.candidate and g.factor is not None]
+    """What every rank installs: each layer's ``T`` and damping choice (the factor is its owner's alone)."""
+    layers = [g for g in ddp.gift_params.values() if g.candidate and g.whitening is not None]
     return torch.cat([torch.zeros(0, dtype=torch.float64)] + [t.flatten().double() for g in layers
-                      for t in (g.factor.d, g.factor.v, g.factor.lam, torch.tensor([g.factor.trace_a, g.factor.damping,
-                                -1.0 if g.damping is None else g.damping]), *g.whitening.tensors().values())])  # fmt: skip
+                      for t in (torch.tensor([-1.0 if g.damping is None else g.damping]), *g.whitening.tensors().values())])  # fmt: skip
+
+
+def _factors_on_owners(ddp, rank) -> bool:
+    """Every installed layer has its factor on its owner and nowhere else."""
+    return all((g.factor is not None) == (g.owner == rank) for g in ddp.gift_params.values() if g.candidate and g.whitening is not None)
 
 
 def _sync_worker(rank, world):
@@ -362,7 +372,8 @@ def _sync_worker(rank, world):
                 steps.append(dict(mine=mine, all=dict(counts), waits=ddp.refresh.host_waits - waits, seen_waits=seen,
                                   gathers=gathers[n_gather:], refresh=ddp.is_refresh_step(step), transforms=_transforms(ddp),
                                   whitened=sorted(g.name for g in ddp.gift_params.values() if g.candidate and g.damping is not None),
-                                  factors=sum(1 for g in ddp.gift_params.values() if g.candidate and g.factor is not None)))  # fmt: skip
+                                  factors=sum(1 for g in ddp.gift_params.values() if g.candidate and g.whitening is not None),
+                                  on_owners=_factors_on_owners(ddp, rank)))  # fmt: skip
             ddp.zero_grad_buffer()  # closes step 7
         finally:
             refresh_mod._all_gather, torch.distributed.broadcast = real_gather, real_bcast
@@ -381,8 +392,9 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
     on, error feedback on. Steady steps 6, 7 (no refresh, nothing to install): zero host
     synchronisations from this change's files, no host wait. Each refresh: exactly 3 host waits
     (refresh_sync.py module doc; the sanitizer sees each ``HostCopy.wait``), no other synchronising op; one all-gather of the same
-    byte count on every rank, no broadcast; every rank installs bit-identical factors and ``T``, each
-    in its own storage (views would keep the gathered buffer, R slots, alive until the next refresh).
+    byte count on every rank, no broadcast; every rank installs bit-identical ``T`` and choices, the
+    FP64 factor on its owner only, each in its own storage (views would keep the gathered buffer, R
+    slots, alive until the next refresh).
     Cold start: step 1 runs with the factors of step 0's refresh, which no held-out check has passed
     yet, so every layer is sent Euclidean (``T = I``) though its factor is installed; later, every
     rank whitens the same layers."""
@@ -400,6 +412,7 @@ def test_steady_steps_never_synchronise_and_a_refresh_sends_one_collective():
             assert [s["waits"] for s in steps] == [1, 3, 3, 2, 1, 2, 0, 0] and r["waits"] == 3 * 4
             assert r["broadcasts"] == 0 and r["own_storage"]
             assert steps[1]["factors"] > 0 and steps[1]["whitened"] == []
+            assert all(s["on_owners"] for s in steps)
         assert per_rank[0]["steps"][1]["gathers"] == per_rank[1]["steps"][1]["gathers"]
         for s0, s1 in zip(per_rank[0]["steps"], per_rank[1]["steps"]):
             assert torch.equal(s0["transforms"], s1["transforms"]) and s0["whitened"] == s1["whitened"], dist_opt
@@ -430,7 +443,7 @@ def _fault_worker(rank, world, fault):
     try:
         for step in range(3):
             _step(ddp, opt, step, rank)
-            ranks.append({g.name: g.factor.v.shape[1] for g in ddp.gift_params.values() if g.candidate and g.factor is not None})
+            ranks.append({g.name: g.factor.v.shape[1] for g in ddp.gift_params.values() if g.candidate and g.factor is not None})  # its own
     except Exception as e:  # noqa: BLE001 - the message is what is compared
         error = f"{type(e).__name__}: {e}"
     finally:
@@ -457,14 +470,16 @@ def test_a_failed_build_on_one_rank_stops_every_rank_with_the_same_message():
 @pytest.mark.slow
 @pytest.mark.cpu_harness
 def test_a_rank_deficient_build_on_one_rank_gives_the_same_warning_and_factors_everywhere():
-    """Rank 1's Nyström cores stay indefinite: every rank warns the same, installs rank-0 factors for
-    rank 1's layers (full rank for rank 0's), bit-identical on both ranks, and training goes on."""
+    """Rank 1's Nyström cores stay indefinite: every rank warns the same, rank 1 holds rank-0 factors
+    for its layers and rank 0 full-rank ones for its own (each owner its own layers' factors, no
+    other), every rank installs the same ``T``, and training goes on."""
     res = run_on_ranks(_fault_worker, 2, "deficient", cpu_harness=True, timeout=600)
     assert all(r["error"] is None for r in res), [r["error"] for r in res]
     assert res[0]["warnings"] and res[0]["warnings"] == res[1]["warnings"]
     for name, owner in res[0]["owners"].items():
-        assert res[0]["ranks"][-1][name] == (0 if owner == 1 else 8), (name, res[0]["ranks"][-1][name])
-    assert res[0]["ranks"] == res[1]["ranks"] and torch.equal(res[0]["transforms"], res[1]["transforms"])
+        assert res[owner]["ranks"][-1][name] == (0 if owner == 1 else 8), (name, res[owner]["ranks"][-1][name])
+        assert name not in res[1 - owner]["ranks"][-1]
+    assert torch.equal(res[0]["transforms"], res[1]["transforms"])
 
 
 def _resume_worker(rank, world):

@@ -141,13 +141,27 @@ def _worker(rank, world, side):
     st.assign_owners(every)
 
     reduces, real_reduce = [], dist.all_reduce
+    scatters, real_scatter = [], refresh_mod._reduce_scatter
     gathers, real_gather = [], refresh_mod._all_gather
-    remaps, seen = [], []
+    remaps, seen, sums = [], [], []
 
     def remap(gp, old, new):
         seen.append((gp, new))
 
+    real_sum = st.sum_statistics
+
+    def spy(layers):  # each statistics' local EMA before the sum, and the sums this rank receives
+        local = {(gp.name, side): torch.cat([t.reshape(-1).float() for t in refresh_mod._packed(s)]).clone()
+                 for gp, _ in layers for side, s in (("in", gp.stats), ("out", gp.out_stats)) if s is not None}  # fmt: skip
+        got = real_sum(layers)
+        names = {id(gp): gp.name for gp, _ in layers}
+        sums.append(dict(local=local, got={(names[i], side): torch.cat([*(t.reshape(-1) for t in s.values()), tokens.reshape(1)]).clone()
+                                           for (i, side), (s, tokens) in got.items()}))  # fmt: skip
+        return got
+
+    st.sum_statistics = spy
     dist.all_reduce = lambda t, *a, **k: reduces.append(k.get("group")) or real_reduce(t, *a, **k)
+    refresh_mod._reduce_scatter = lambda *a, **k: scatters.append(k.get("group")) or real_scatter(*a, **k)
     refresh_mod._all_gather = lambda *a, **k: gathers.append(1) or real_gather(*a, **k)
     steps = []
     try:
@@ -172,7 +186,7 @@ def _worker(rank, world, side):
                                                          "c_inv": torch.full((4,), 999.0)})  # fmt: skip
                     qkv.out_held_out = bad
             held = {gp.name: (gp.held_out, gp.out_held_out) for gp in params if gp.owner == dp.rank()}
-            waits, n_reduce, n_gather = st.host_waits, len(reduces), len(gathers)
+            waits, n_reduce, n_scatter, n_gather = st.host_waits, len(reduces), len(scatters), len(gathers)
             san = SyncSanitizer()
             with san:
                 st.at_sync(lambda: iter(every), [(gp, dp, g) for gp, g in zip(params, grads)], remap)
@@ -184,16 +198,17 @@ def _worker(rank, world, side):
                           for gp, new in seen)  # fmt: skip
             seen.clear()
             is_wait = lambda k: k.endswith("(HostCopy.wait)")  # noqa: E731
-            rec = dict(waits=st.host_waits - waits, reduces=[sorted(dist.get_process_group_ranks(g)) for g in reduces[n_reduce:]],
+            ranks_of = lambda groups: [sorted(dist.get_process_group_ranks(g)) for g in groups]  # noqa: E731
+            rec = dict(waits=st.host_waits - waits, reduces=ranks_of(reduces[n_reduce:]), scatters=ranks_of(scatters[n_scatter:]),
                        gathers=len(gathers) - n_gather, layers={}, seen_waits=sum(v for k, v in counts.items() if is_wait(k)),
-                       syncs={k: v for k, v in counts.items() if not is_wait(k)})  # fmt: skip
+                       syncs={k: v for k, v in counts.items() if not is_wait(k)}, sums=sums.pop())  # fmt: skip
             for i, gp in enumerate(params):
                 flat = lambda w: None if w is None else torch.cat([t.flatten().double() for t in w.tensors().values()])  # noqa: E731
                 f = gp.out_factor
                 info = dict(owner=gp.owner, damping=gp.damping, whitening=flat(gp.whitening), output=flat(gp.output_whitening),
                             out_factor=None if f is None else torch.cat([f.d, f.v.flatten(), f.lam,
                                                                          torch.tensor([float(f.trace_a), f.damping])]),
-                            out_damping=None if f is None else f.damping,
+                            out_damping=gp.out_damping, has_factor=gp.factor is not None,
                             out_tokens=None if gp.out_stats is None else float(gp.out_stats.ema_tokens))  # fmt: skip
                 if gp.owner == dp.rank():  # the reference, from every rank's raw data
                     a, b = _mean_gram(i, dp_ranks, step, 0), None
@@ -212,7 +227,7 @@ def _worker(rank, world, side):
                 rec["layers"][gp.name] = info
             steps.append(rec)
     finally:
-        dist.all_reduce, refresh_mod._all_gather = real_reduce, real_gather
+        dist.all_reduce, refresh_mod._all_gather, refresh_mod._reduce_scatter = real_reduce, real_gather, real_scatter
     return dict(steps=steps, remaps=remaps, dp_rank=dp.rank())
 
 
@@ -223,26 +238,61 @@ def runs(request):
 
 def test_every_rank_installs_the_owners_bits_in_three_host_waits(runs):
     """Per refresh: 3 host waits and no other host synchronisation of the plugin's (the sanitizer); the
-    statistics' all-reduces one per group of each distinct tuple of groups (A and column-parallel B
-    over DP together, the row-parallel B over DP then TP: 3 calls, whatever the number of layers);
-    one all-gather. Every rank of a DP group installs the same bits of
-    ``T_in``, ``T_out`` and the output factor (catches a rank that rebuilds or reads another slot, or
-    the output record outside the layer's slot)."""
+    statistics in two calls whatever the number of layers: the row-parallel B (summed over DP and TP)
+    all-reduced over TP, then every statistics reduce-scattered over DP onto its owner; one
+    all-gather. Every rank of a DP group installs the same bits of ``T_in``, ``T_out`` and both
+    dampings, the factors on the owner alone (catches a rank that rebuilds or reads another slot, the
+    output record outside the layer's slot, or a factor left on a rank that did not build it)."""
     _, res = runs
     for r, per_rank in enumerate(res):
         dp = [r % 2, r % 2 + 2]
         for s in per_rank["steps"]:
             assert s["waits"] == 3 == s["seen_waits"] and s["syncs"] == {} and s["gathers"] == 1, s["syncs"]
-            assert s["reduces"] == [dp, dp, [2 * (r // 2), 2 * (r // 2) + 1]], s["reduces"]
+            assert s["reduces"] == [[2 * (r // 2), 2 * (r // 2) + 1]] and s["scatters"] == [dp], (s["reduces"], s["scatters"])
     for r in (0, 1):
         for s0, s1 in zip(res[r]["steps"], res[r + 2]["steps"]):
             for name in LAYERS:
                 a, b = s0["layers"][name], s1["layers"][name]
-                for k in ("whitening", "output", "out_factor"):
+                for k in ("whitening", "output"):
                     assert (a[k] is None) == (b[k] is None) and (a[k] is None or torch.equal(a[k], b[k])), (name, k)
                 assert a["damping"] == b["damping"] and a["out_damping"] == b["out_damping"]
+                for info, dp_rank in ((a, 0), (b, 1)):  # s0: DP rank 0 of the group, s1: DP rank 1
+                    owner = info["owner"] == dp_rank
+                    assert info["has_factor"] == owner and (owner or info["out_factor"] is None), (name, dp_rank)
     # the output side was built and used somewhere, so the comparison above is not vacuous
     assert any(s["layers"][n]["output"] is not None for p in res for s in p["steps"] for n in ("qkv", "fc2", "fc1"))
+
+
+def _added(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b  # one FP32 addition, as a two-rank sum does (commutative: the same bits in either order)
+
+
+def test_statistics_reach_their_owner_exactly_summed(runs):
+    """Each owner receives, for each of its layers' statistics, exactly (bit for bit) the FP32 sum of
+    every rank's local EMA over the statistics' groups, computed here by hand in the collectives'
+    grouping: over the layer's DP group for ``A`` and column-parallel ``B``, for the row-parallel
+    ``B`` (fc2) the TP pairs' sums first, then over DP; every other rank receives nothing. Catches a
+    slot read at another owner's offset, a layer packed under the wrong owner, the TP sum lost or
+    taken twice, padding that spills into a neighbour."""
+    _, res = runs
+    checked = 0
+    for step in range(STEPS):
+        local = [p["steps"][step]["sums"]["local"] for p in res]
+        for r, per_rank in enumerate(res):
+            s = per_rank["steps"][step]
+            dp = [r % 2, r % 2 + 2]
+            mine = {(n, side) for n, (_, _, out, _) in LAYERS.items() for side in ("in", "out")
+                    if s["layers"][n]["owner"] == per_rank["dp_rank"] and (side == "in" or out is not None)}  # fmt: skip
+            assert set(s["sums"]["got"]) == mine, (r, step)
+            for (name, side), got in s["sums"]["got"].items():
+                if side == "out" and LAYERS[name][2] == "dp+tp":  # TP pairs {0, 1}, {2, 3} first, then DP
+                    ref = _added(_added(local[0][name, side], local[1][name, side]), _added(local[2][name, side], local[3][name, side]))
+                else:
+                    ref = _added(local[dp[0]][name, side], local[dp[1]][name, side])
+                same = (got == ref) | (got.isnan() & ref.isnan())  # fc2's B at step 3 holds a NaN
+                assert got.shape == ref.shape and bool(same.all()), (r, step, name, side)
+                checked += 1
+    assert checked == STEPS * 2 * (len(LAYERS) + sum(out is not None for _, _, out, _ in LAYERS.values()))
 
 
 def test_no_output_tokens_yet_means_the_input_side_alone(runs):
@@ -288,7 +338,8 @@ def test_non_finite_output_statistics_leave_the_input_side_alone(runs):
     for per_rank in res:
         before, after = per_rank["steps"][2]["layers"]["fc2"], per_rank["steps"][3]["layers"]["fc2"]
         assert after["output"] is None and after["whitening"] is not None and after["out_tokens"] == 0.0
-        assert torch.equal(after["out_factor"], before["out_factor"])
+        assert (after["out_factor"] is None) == (before["out_factor"] is None) == (after["owner"] != per_rank["dp_rank"])
+        assert after["out_factor"] is None or torch.equal(after["out_factor"], before["out_factor"])
         assert not torch.equal(after["whitening"], before["whitening"]) or after["damping"] is None
 
 
@@ -415,8 +466,9 @@ def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
 
 
 def test_two_sided_record_layout_views_are_disjoint_and_aligned():
-    """The output side's fields follow the input side's in each part, each in its own bytes, records
-    8-aligned; without an output side the layout is the input-only one (catches overlapping views)."""
+    """The output side's fields follow the input side's in each part (headers, then ``T``s: no factor),
+    each in its own bytes, records 8-aligned; without an output side the layout is the input-only one
+    (catches overlapping views)."""
     from megatron_gift.numerics.refresh import RecordLayout
 
     lay = RecordLayout(37, 5, 23, 3)
@@ -428,8 +480,8 @@ def test_two_sided_record_layout_views_are_disjoint_and_aligned():
     for j in range(2):
         views = lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes])
         assert all(torch.all(t == 100 * j + i + 1) for i, t in enumerate(views.values()))
-    assert list(views) == ["header", "d", "v", "lam", "out_header", "out_d", "out_v", "out_lam", "d_inv_sqrt", "d_sqrt", "q",
-                           "c", "c_inv", "out_d_inv_sqrt", "out_d_sqrt", "out_q", "out_c", "out_c_inv"]  # fmt: skip
+    assert list(views) == ["header", "out_header", "d_inv_sqrt", "d_sqrt", "q", "c", "c_inv", "out_d_inv_sqrt", "out_d_sqrt",
+                           "out_q", "out_c", "out_c_inv"]  # fmt: skip
     assert views["out_header"].numel() == len(OUT_HEADER) and views["out_q"].shape == (23, 3)
 
 
@@ -470,11 +522,13 @@ def _two_sided_state():
 
 
 def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
-    """Statistics, ``T_out``, output factor and held-out ``T_out`` of a two-sided layer come back bit
-    for bit through Megatron checkpoints' split (``B`` and the held-out ``T_out`` in the per-rank part,
-    with their input-side twins), an older checkpoint without the output side's keys loads without error with the output
-    side fresh, and a ``T_out`` saved for a layer now without output statistics stays until the next
-    refresh (the residual's coordinates). Catches an output side dropped or mixed with the input's."""
+    """Statistics, ``T_out`` and its damping, output factor and held-out ``T_out`` of a two-sided layer
+    come back bit for bit through Megatron checkpoints' split (``B``, both factors and the held-out
+    ``T_out`` in the per-rank part, with their input-side twins: only their owner holds them), an older
+    checkpoint without the output side's keys loads without error with the output side fresh, a
+    ``T_out`` saved for a layer now without output statistics stays until the next refresh (the
+    residual's coordinates), and another data-parallel layout restores no factor. Catches an output
+    side dropped or mixed with the input's, or a factor restored on a rank that did not build it."""
     state, gp, approximate_factor = _two_sided_state()
     x, y = _data(0, 0, 0)
     for _ in range(2):
@@ -486,7 +540,7 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     a, b = (x.T @ x).double() / TOKENS, (y.T @ y).double() / TOKENS
     gp.factor, gp.out_factor = approximate_factor(a, RANK, 1.0), approximate_factor(b, RANK, 3.0)
     gp.whitening, gp.damping = LowRankWhitening(gp.factor), 1.0
-    gp.output_whitening = LowRankWhitening(gp.out_factor)
+    gp.output_whitening, gp.out_damping = LowRankWhitening(gp.out_factor), 3.0
     gp.held_out, gp.out_held_out = LowRankWhitening(gp.factor.with_damping(0.3)), LowRankWhitening(gp.out_factor.with_damping(10.0))
     state.params[object()] = gp
     residual = torch.randn(48, 32)
@@ -496,11 +550,11 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     # held-out T_out go with the per-rank part (another rank's would replace them otherwise)
     from types import SimpleNamespace
 
-    from megatron_gift.megatron.checkpoint import HELD_OUT, merge_state, split_state
+    from megatron_gift.megatron.checkpoint import FACTOR, HELD_OUT, merge_state, split_state
 
     parts = split_state(SimpleNamespace(gift_params={None: gp}), saved)
-    assert "out" in parts["local"]["qkv"] and "out" in parts["local"][HELD_OUT]["qkv"]
-    assert {"stats", "held_out"}.isdisjoint(parts["dense"]["params"]["qkv"])
+    assert "out" in parts["local"]["qkv"] and "out" in parts["local"][HELD_OUT]["qkv"] and "out" in parts["local"][FACTOR]["qkv"]
+    assert {"stats", "held_out", "factor"}.isdisjoint(parts["dense"]["params"]["qkv"])
     fresh, gq, _ = _two_sided_state()
     fresh.params[object()] = gq
     back = torch.zeros(48, 32)
@@ -518,18 +572,21 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     for s, t in ((gp.stats, gq.stats), (gp.out_stats, gq.out_stats)):
         assert all(torch.equal(s.state_dict()[k][n], t.state_dict()[k][n]) for k in ("sums", "ema_sums") for n in s.sums)
         assert torch.equal(s.tokens, t.tokens) and torch.equal(s.ema_tokens, t.ema_tokens) and s.folds == t.folds
-    assert gq.damping == 1.0
+    assert gq.damping == 1.0 and gq.out_damping == 3.0
 
     # an older checkpoint: no output-side keys
     entry = saved["params"]["qkv"]
-    assert "out" in entry["stats"] and "out" in entry["held_out"]  # the per-rank state inside its per-rank twins
+    # the per-rank state inside its per-rank twins
+    assert "out" in entry["stats"] and "out" in entry["held_out"] and "out" in entry["factor"]
     old = {k: v for k, v in entry.items() if "out" not in k}
-    old["stats"], old["held_out"] = ({k: v for k, v in entry[k].items() if k != "out"} for k in ("stats", "held_out"))
+    for k in ("stats", "held_out", "factor"):
+        old[k] = {n: v for n, v in entry[k].items() if n != "out"}
     old = {"step": saved["step"], "params": {"qkv": old}}
     older, go, _ = _two_sided_state()
     older.params[object()] = go
     assert older.load_state_dict(old, [(torch.zeros(48, 32), go)], torch.device("cpu")) == []
     assert go.output_whitening is None and go.out_factor is None and go.out_held_out is None and float(go.out_stats.ema_tokens) == 0
+    assert go.out_damping is None and torch.equal(go.factor.v, gp.factor.v)
     assert same(go.whitening, gp.whitening)
 
     # saved two-sided, restored without output statistics: T_out kept with T_in until the next refresh
@@ -537,7 +594,13 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     gn.out_stats = None
     nout.params[object()] = gn
     assert nout.load_state_dict(saved, [(torch.zeros(48, 32), gn)], torch.device("cpu")) == []
-    assert same(gn.output_whitening, gp.output_whitening) and gn.out_factor is None
+    assert same(gn.output_whitening, gp.output_whitening) and gn.out_factor is None and gn.out_damping == 3.0
+
+    # another data-parallel layout (``local=False``): the owner's factors are per rank, none restored
+    other, gl, _ = _two_sided_state()
+    other.params[object()] = gl
+    assert other.load_state_dict(saved, [(torch.zeros(48, 32), gl)], torch.device("cpu"), local=False) == []
+    assert gl.factor is None and gl.out_factor is None and same(gl.output_whitening, gp.output_whitening)
 
 
 def test_input_side_with_output_statistics_is_refused_at_start_up():
@@ -555,3 +618,83 @@ def test_input_side_with_output_statistics_is_refused_at_start_up():
         RefreshSync(state).assign_owners([(gp, Group())])
     with pytest.raises(ValueError, match="side must be"):
         RefreshSync(state, "output")
+
+
+# --------------------------------------------------------------------------- the statistics' collectives
+
+
+def _sum_worker(rank, world):
+    """``sum_statistics`` over 4 ranks in two distributed-optimizer instances ({0, 1}, {2, 3}: the
+    owners' reduction groups), for every combination of statistics groups the adapter builds: the
+    whole data-parallel group (several instances), the instance itself, another object over the
+    instance's ranks, the instance and TP ({0, 2}, {1, 3}: sequence parallelism); an output side too.
+    Returns each rank's local EMAs, what it received, and the collectives' groups in call order."""
+    import torch.distributed as dist
+
+    import megatron_gift.refresh_sync as refresh_mod
+    from megatron_gift.refresh_sync import RefreshSync
+    from megatron_gift.state import GiftParam, GiftState
+
+    everyone = dist.new_group([0, 1, 2, 3])
+    inst = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    alias = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    me, own = inst[rank // 2], alias[rank // 2]
+    groups = {"all": [everyone], "instance": [me], "alias": [own], "instance+tp": [me, tp[rank % 2]]}
+    state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(rank)
+    every, local = [], {}
+    for i, (name, g) in enumerate(groups.items()):
+        gp = GiftParam(name, Mode.GIFT, candidate=True)
+        gp.stats, gp.stats_groups, gp.owner = KFACStatistics(6 + i, sketch=3 if i % 2 else 0, seed=i), g, i % 2
+        if name == "instance+tp":
+            gp.out_stats, gp.out_stats_groups = KFACStatistics(5, seed=9), [tp[rank % 2], me]  # the owners' group second
+        for side, st in (("in", gp.stats), ("out", gp.out_stats)):
+            if st is not None:
+                for t in st.ema_sums.values():
+                    t.copy_(torch.randn(t.shape, generator=gen))
+                st.ema_tokens.fill_(10.0 + rank)
+                local[name, side] = torch.cat([t.reshape(-1).float() for t in refresh_mod._packed(st)])
+        every.append((gp, me))
+    calls, real_reduce, real_scatter = [], dist.all_reduce, refresh_mod._reduce_scatter
+    seen = lambda name, k: calls.append((name, sorted(dist.get_process_group_ranks(k["group"]))))  # noqa: E731
+    dist.all_reduce = lambda t, *a, **k: seen("all_reduce", k) or real_reduce(t, *a, **k)
+    refresh_mod._reduce_scatter = lambda *a, **k: seen("reduce_scatter", k) or real_scatter(*a, **k)
+    try:
+        got = RefreshSync(state, "both").sum_statistics(every)
+    finally:
+        dist.all_reduce, refresh_mod._reduce_scatter = real_reduce, real_scatter
+    names = {id(gp): gp.name for gp, _ in every}
+    return dict(local=local, calls=calls, got={(names[i], side): torch.cat([*(t.reshape(-1) for t in s.values()), n.reshape(1)])
+                                              for (i, side), (s, n) in got.items()})  # fmt: skip
+
+
+def test_statistics_reach_their_owners_for_every_group_combination():
+    """Every owner receives its statistics summed over exactly their groups: over all 4 ranks (several
+    instances: all-reduced, the owner reads its share), over its instance (reduce-scattered, also when
+    the statistics' group is another object over the same ranks), over its instance and TP (all-reduced
+    over TP first, whichever order the groups are listed in); non-owners receive nothing. Two-rank sums
+    are one FP32 addition (the same bits in either order): exact; the 4-rank all-reduce's order is
+    gloo's: within 3 FP32 roundings of ``Σ|x|``. Collectives: one all-reduce per group of each distinct
+    tuple of other groups (all ranks; TP), one reduce-scatter over the instance. Catches a statistics
+    reduce-scattered over a group that is only part of its groups (the sum of one instance), a TP sum
+    lost, a slot read at another owner's offset."""
+    res = run_on_ranks(_sum_worker, 4, timeout=600)
+    eps = torch.finfo(torch.float32).eps
+    for r, per_rank in enumerate(res):
+        inst, tp = [2 * (r // 2), 2 * (r // 2) + 1], [r % 2, r % 2 + 2]
+        assert per_rank["calls"] == [("all_reduce", [0, 1, 2, 3]), ("all_reduce", tp), ("reduce_scatter", inst)], per_rank["calls"]
+        owned = {(n, s) for i, n in enumerate(("all", "instance", "alias", "instance+tp")) for s in ("in", "out")
+                 if i % 2 == r % 2 and (s == "in" or n == "instance+tp")}  # fmt: skip
+        assert set(per_rank["got"]) == owned, (r, per_rank["got"].keys())
+        for (name, side), got in per_rank["got"].items():
+            x = [p["local"][name, side] for p in res]
+            if name == "all":
+                ref = sum(t.double() for t in x)
+                assert ((got.double() - ref).abs() <= 3 * eps * sum(t.double().abs() for t in x)).all(), (r, name)
+                continue
+            if name == "instance+tp":  # TP pairs ({0, 2}, {1, 3}) first, then the instance
+                ref = _added(_added(x[inst[0]], x[(inst[0] + 2) % 4]), _added(x[inst[1]], x[(inst[1] + 2) % 4]))
+            else:
+                ref = _added(x[inst[0]], x[inst[1]])
+            assert torch.equal(got, ref), (r, name, side)

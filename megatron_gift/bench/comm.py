@@ -36,7 +36,7 @@ from ..numerics.fp8 import CodecConfig
 MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
 LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
 REFRESH_INTERVAL = GiftConfig().refresh_interval
-REFRESH_COLLECTIVES = ("all_reduce/fp32", "all_gather/factors")  # statistics (FP32 EMAs), factors and T
+REFRESH_COLLECTIVES = ("all_reduce/fp32", "reduce_scatter/fp32", "all_gather/factors")  # statistics (FP32 EMAs), records
 
 
 def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:

@@ -60,20 +60,27 @@ class _Done:
 
 @contextlib.contextmanager
 def _counted_collectives(calls: list):
-    """``dist.all_reduce`` and the factor all-gather record ``(name, bytes)`` instead of communicating
-    (the all-gather leaves the other ranks' slots zero: headers of empty rank-0 records)."""
-    real_reduce, real_gather = dist.all_reduce, refresh_mod._all_gather
+    """``dist.all_reduce``, the statistics' reduce-scatter and the factor all-gather record ``(name, bytes)``
+    instead of communicating (the reduce-scatter hands rank 0 its own slot as the sum; the all-gather leaves
+    the other ranks' slots zero: headers of empty rank-0 records)."""
+    real_reduce, real_scatter, real_gather = dist.all_reduce, refresh_mod._reduce_scatter, refresh_mod._all_gather
     dist.all_reduce = lambda t, *a, **k: calls.append(("all_reduce", t.numel() * t.element_size())) or _Done()
+
+    def scatter(out, t, **k):
+        calls.append(("reduce_scatter", t.numel() * t.element_size()))
+        out.copy_(t[: out.numel()])
+        return _Done()
+
     def gather(out, t, **k):  # rank 0's slot its own; the others' records are zero (status OK, rank 0)
         calls.append(("all_gather", t.numel() * t.element_size()))
         out.zero_()[: t.numel()].copy_(t)
         return _Done()
 
-    refresh_mod._all_gather = gather
+    refresh_mod._reduce_scatter, refresh_mod._all_gather = scatter, gather
     try:
         yield
     finally:
-        dist.all_reduce, refresh_mod._all_gather = real_reduce, real_gather
+        dist.all_reduce, refresh_mod._reduce_scatter, refresh_mod._all_gather = real_reduce, real_scatter, real_gather
 
 
 def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
@@ -136,7 +143,7 @@ def measure(model_name: str, dp: int, device: torch.device) -> dict:
     assert st.state.last_step_bytes.get("all_gather/factors", 0) == (dp - 1) * slot  # the ledger counts what is sent
     return dict(model=model_name, dp=dp, device=str(device), gift_layers=len(layers), owned_layers=len(owned),
                 built_layers=sum(g.whitening is not None for g in owned), record_bytes_total=sum(records), slot_bytes=slot,
-                stats_allreduce_bytes=st.state.last_step_bytes.get("all_reduce/fp32", 0),
+                stats_reduce_scatter_bytes=st.state.last_step_bytes.get("reduce_scatter/fp32", 0),
                 allgather_bytes_sent=st.state.last_step_bytes.get("all_gather/factors", 0), host_waits=st.host_waits, stages=stages,
                 host_s=sum(s["host_s"] for s in stages), done_s=sum(s["done_s"] for s in stages))  # fmt: skip
 
@@ -178,7 +185,7 @@ def format_table(doc: dict) -> str:
             lines.append(f"| {r['model']} | {r['dp']} | {r['built_layers']}/{r['gift_layers']} | {s['stage']} | {1e3 * s['host_s']:.1f} | "
                          f"{1e3 * s['done_s']:.1f} | {s['host_waits']} | {s['aten_ops']} | {coll} |")  # fmt: skip
         lines.append(f"| {r['model']} | {r['dp']} | | **refresh** | {1e3 * r['host_s']:.1f} | {1e3 * r['done_s']:.1f} | {r['host_waits']} | "
-                     f"| stats all-reduce {r['stats_allreduce_bytes']} B out, factor all-gather {r['allgather_bytes_sent']} B out "
+                     f"| stats reduce-scatter {r['stats_reduce_scatter_bytes']} B out, factor all-gather {r['allgather_bytes_sent']} B out "
                      f"(slot {r['slot_bytes']} B, records {r['record_bytes_total']} B) |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -9,9 +9,10 @@ reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions 
   global shape ``(pp, tp)``, one replica per data-parallel(+context) rank),
   ``gift.chunk{i}.expert`` (expert weights; ``(pp, expert-tp, ep)``, replicas over the expert
   data-parallel group), ``gift.chunk{i}.local`` (this rank's own K-FAC statistics: each rank keeps
-  a local per-step EMA, summed over ranks only at a refresh; and, under ``HELD_OUT``, the held-out
-  ``T`` of the layers it builds, for the cold-start rule; with ``--gift-side both`` / ``auto`` each
-  holds the output side's twin under ``"out"``; ``(world,)``) and, with error
+  a local per-step EMA, summed over ranks only at a refresh; under ``HELD_OUT``, the held-out
+  ``T`` of the layers it builds, for the cold-start rule, and under ``FACTOR`` their factors, which
+  only the rank that built them holds; with ``--gift-side both`` / ``auto`` each holds the output
+  side's twin under ``"out"``; ``(world,)``) and, with error
   feedback, ``gift.chunk{i}.residuals`` (this rank's own residuals; ``(world,)``). A common entry
   ``gift_meta`` (saved by rank 0) records the layout.
 * ``_load_base_checkpoint``: its first call (``rank0=True``, the common state) yields
@@ -39,6 +40,8 @@ META_KEY = "gift_meta"
 STATE_KEY = "gift"
 VERSION = 1
 HELD_OUT = "#held_out"  # in the per-rank part: {name: the factor owner's held-out T} (the cold-start rule)
+FACTOR = "#factor"  # in the per-rank part: {name: the factor owner's factors} (the telemetry's geometry)
+PER_RANK = {"held_out": HELD_OUT, "factor": FACTOR}  # an entry's keys kept beside the statistics, by the owner
 
 
 def _log(msg: str, *args) -> None:
@@ -105,8 +108,9 @@ def split_state(ddp, state: dict) -> dict:
         for key, part in (("residual", "residuals"), ("stats", "local")):
             if key in entry:
                 parts[part][name] = entry.pop(key)
-        if "held_out" in entry:  # the owner's only: per rank, beside its statistics
-            parts["local"].setdefault(HELD_OUT, {})[name] = entry.pop("held_out")
+        for key, bucket in PER_RANK.items():  # the owner's only: per rank, beside its statistics
+            if key in entry:
+                parts["local"].setdefault(bucket, {})[name] = entry.pop(key)
         parts["expert" if name in expert else "dense"]["params"][name] = entry
     return parts
 
@@ -122,11 +126,12 @@ def merge_state(loaded: dict) -> dict:
                 state["policy"] = loaded[part]["policy"]
     for key, part in (("residual", "residuals"), ("stats", "local")):
         for name, value in loaded.get(part, {}).items():
-            if name != HELD_OUT:
+            if name not in PER_RANK.values():
                 state["params"].setdefault(name, {})[key] = value
-    held = loaded.get("local", {}).get(HELD_OUT, {})
-    for name, value in held.items() if isinstance(held, dict) else ():
-        state["params"].setdefault(name, {})["held_out"] = value
+    for key, bucket in PER_RANK.items():
+        held = loaded.get("local", {}).get(bucket, {})
+        for name, value in held.items() if isinstance(held, dict) else ():
+            state["params"].setdefault(name, {})[key] = value
     return state
 
 

@@ -69,6 +69,12 @@ class KFACStatistics:
         self.ema_tokens = torch.zeros((), dtype=torch.float64, device=device)
         self.folds = 0
 
+    @staticmethod
+    def summed_numel(d_in: int, sketch: int) -> int:
+        """Elements of what a refresh sums of statistics of this size (``RefreshSync.sum_statistics``):
+        the EMA sums (``xtx`` exact, else the sketch ``y`` and ``diag``) and the token count."""
+        return d_in * d_in + 1 if not 0 < sketch < d_in else d_in * sketch + d_in + 1
+
     def accumulate(self, x: torch.Tensor) -> None:
         """Add the statistics of the activations ``x [..., d_in]`` to this step's."""
         x2 = x.detach().reshape(-1, self.d_in).to(self.sums[next(iter(self.sums))].dtype)

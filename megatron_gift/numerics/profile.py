@@ -49,7 +49,8 @@ FIELDS = (
     "gift_dec_sq",
     "gift_at_max",
     "gift_flushed",
-    "geometry_ranks",  # ranks that had the factor
+    "geometry_ranks",  # ranks that had the factor (its owner: the refresh leaves it there)
+    "geometry_grad_sq",  # ‖g‖² on those ranks: what the geometry's shares are of
     "top_r_energy",  # ‖g V‖² = q ‖g‖²  (V: the factor's top-r eigenvectors)
     "trace_share",  # p, the same on every rank: summed, then divided by geometry_ranks
     "rank_fraction",  # ρ = r / d_in, likewise
@@ -136,7 +137,7 @@ def profile_gradient(
         v["gift_at_max"], v["gift_flushed"] = stats.at_max, stats.flushed
 
     if factor is not None:
-        _, v["top_r_energy"], v["model_sq"], v["trace_share"] = geometry_sums(g, factor, whitening).unbind()
+        v["geometry_grad_sq"], v["top_r_energy"], v["model_sq"], v["trace_share"] = geometry_sums(g, factor, whitening).unbind()
         v["geometry_ranks"] = 1.0
         v["rank_fraction"] = factor.v.shape[1] / factor.d.shape[0]
     # Python numbers become device scalars by ``full`` (a fill, not a host-to-device copy)
@@ -157,7 +158,8 @@ def summarize(vec: torch.Tensor) -> ProfileSummary:
 
     Plain Python arithmetic in FP64 on the CPU: identical vectors give identical summaries.
     RelL2 and cosine are ``None`` when ``Σ‖g‖² = 0``; GIFT fields unless every rank measured
-    GIFT; geometry unless every rank had the factor.
+    GIFT; geometry unless some rank had the factor: it describes the gradients of the ranks that
+    had it (the layer's factor owner after a refresh), as the damping choice does.
     """
     if vec.shape != (len(FIELDS),):
         raise ValueError(f"profile vector must have shape ({len(FIELDS)},), got {tuple(vec.shape)}")
@@ -178,10 +180,10 @@ def summarize(vec: torch.Tensor) -> ProfileSummary:
     gi_rel, gi_cos = rel_cos("gift") if has_gift else (None, None)
     q = p = model = shares = None
     geo_ranks = int(v["geometry_ranks"])
-    if ranks > 0 and geo_ranks == ranks:
+    if geo_ranks > 0:
         p = v["trace_share"] / geo_ranks
-        q = _ratio(v["top_r_energy"], sq)
-        model = _sqrt(_ratio(v["model_sq"], sq))
+        q = _ratio(v["top_r_energy"], v["geometry_grad_sq"])
+        model = _sqrt(_ratio(v["model_sq"], v["geometry_grad_sq"]))
         shares = None if q is None else shares_ratio(p, q, v["rank_fraction"] / geo_ranks)
     return ProfileSummary(
         ranks=ranks,

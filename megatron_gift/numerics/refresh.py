@@ -33,16 +33,21 @@ goes on alone, and the output header says why.
 
 Record of one layer with input size ``d_in`` and factor rank ``r`` (``RecordLayout``), bytes::
 
-    FP64: header [status, rank, choice, damping, tr A] | d [d_in] | V [d_in, r] | λ [r]
+    FP64: header [status, rank, choice, damping, tr A]
     FP32: D^{-1/2} [d_in] | D^{1/2} [d_in] | Q [d_in, r] | c [r] | c' [r]   (padded to 8 bytes)
 
 ``rank`` is the factor's actual rank (0 for the diagonal fallback; columns beyond it are zero),
-``choice`` the chosen damping (-1: Euclidean, ``T = I``), ``damping`` the one ``d`` and ``T`` use.
-A layer with output statistics (``d_out > 0``) appends the same fields for ``B`` and ``T_out``
-(``out_`` + the name), its FP64 ones after ``λ``, its FP32 ones after ``c'``; its header
+``choice`` the chosen damping (-1: Euclidean, ``T = I``), ``damping`` the one the factor and ``T``
+use. A layer with output statistics (``d_out > 0``) appends the same fields for ``T_out``
+(``out_`` + the name), its header after the input side's, its FP32 fields after ``c'``; its header
 ``OUT_HEADER``: the output side's status, rank, ``choice`` (δ_out of the chosen pair; -1: the
-choice has no output side), ``damping`` (the one ``out_d`` and ``T_out`` use), ``tr B``, and
+choice has no output side), ``damping`` (the one ``T_out`` and its factor use), ``tr B``, and
 ``held_out`` (1: this ``T_out`` is part of the best pair, the next refresh's held-out check).
+
+The record carries what every rank sends with (``T``) and what every rank must agree on (the
+header), not the FP64 factor ``(d, V, λ)`` it was built from: that stays on the owner
+(``OwnedLayer.factor``, ``FactorSide.factor``; the telemetry's geometry and checkpoints read it
+there), which cuts the record by about two thirds (``d_in·(8r + 8)`` of its ``d_in·(12r + 16)`` bytes).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ class BuildStatus(enum.IntEnum):
 HEADER = ("status", "rank", "choice", "damping", "trace_a")
 OUT_HEADER = ("status", "rank", "choice", "damping", "trace_b", "held_out")
 _FP32_KEYS = ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")  # LowRankWhitening.tensors()
-_RANK_COLS = ("v", "lam", "q", "c", "c_inv")  # columns beyond the built rank stay zero
+_RANK_COLS = ("q", "c", "c_inv")  # columns beyond the built rank stay zero
 # ``--gift-side`` -> the candidate kinds of a layer with output statistics (module doc)
 SIDE_KINDS = {"input": ("input",), "both": ("both",), "auto": ("input", "both")}
 
@@ -102,8 +107,7 @@ class RecordLayout:
     def _parts(self):
         """``(dtype, [(name, shape)])`` of the FP64 part, then the FP32 part."""
         sides = [("", HEADER, self.d_in, self.rank)] + ([("out_", OUT_HEADER, self.d_out, self.out_rank)] if self.d_out else [])
-        yield torch.float64, [(p + name, shape) for p, head, d, r in sides
-                              for name, shape in (("header", (len(head),)), ("d", (d,)), ("v", (d, r)), ("lam", (r,)))]  # fmt: skip
+        yield torch.float64, [(p + "header", (len(head),)) for p, head, _, _ in sides]
         yield torch.float32, [(p + name, shape) for p, _, d, r in sides
                               for name, shape in (("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,)))]  # fmt: skip
 
@@ -176,6 +180,7 @@ class FactorSide:
     omega: torch.Tensor | None
     status: BuildStatus = BuildStatus.OK
     work: dict = field(default_factory=dict)
+    factor: tuple | None = None  # as ``OwnedLayer.factor``
 
     @property
     def building(self) -> bool:
@@ -201,6 +206,7 @@ class OwnedLayer:
     work: dict = field(default_factory=dict)  # the stages' intermediate tensors
     out: FactorSide | None = None
     out_held_out: LowRankWhitening | None = None
+    factor: tuple | None = None  # ``(d, V, λ)`` FP64 of the record's ``T`` (its built rank), set by ``finish``: the owner's alone
 
     @property
     def layout(self) -> RecordLayout:
@@ -330,18 +336,18 @@ class FactorBuild:
         return host, (torch.cat(ins), torch.cat(outs))
 
     @staticmethod
-    def _write(rec: dict, prefix: str, w: dict, cand: dict, idx: torch.Tensor, status, rank: int, values: list) -> None:
-        """One side's part of the record: its header (``status``, ``rank``, then ``values``, 0-d device
-        tensors), then the factor and ``T`` of candidate ``idx`` (a 0-d device index)."""
+    def _write(rec: dict, prefix: str, side, cand: dict, idx: torch.Tensor, values: list) -> None:
+        """One side's part of the record: its header (status, built rank, then ``values``, 0-d device
+        tensors), then ``T`` of candidate ``idx`` (a 0-d device index); its factor kept in ``side.factor``
+        (copies: the build's work is dropped)."""
+        w = side.work
+        r = w["v"].shape[1]
         head = rec[prefix + "header"]
-        head[0].fill_(float(status))
-        head[1].fill_(float(rank))
+        head[0].fill_(float(side.status))
+        head[1].fill_(float(r))
         head[2:].copy_(torch.stack([v.double() for v in values]))
         pick = lambda t: t.index_select(0, idx.view(1))[0]  # noqa: E731
-        r = w["v"].shape[1]
-        rec[prefix + "d"].copy_(pick(w["d"]))
-        rec[prefix + "lam"][:r].copy_(w["lam"])
-        rec[prefix + "v"][:, :r].copy_(w["v"])
+        side.factor = (pick(w["d"]), w["v"].clone(), w["lam"].clone())
         for k in _FP32_KEYS:
             t = pick(cand[k])
             (rec[prefix + k][..., :r] if k in ("q", "c", "c_inv") else rec[prefix + k]).copy_(t)
@@ -378,7 +384,7 @@ class FactorBuild:
             minus1 = torch.full((1,), -1.0, dtype=torch.float64, device=dev_)
             b_in = best if idx is None else at(idx[0], best)
             choices = torch.cat([minus1, w["deltas"] if idx is None else w["deltas"].index_select(0, idx[0])])
-            self._write(rec, "", w, cand, b_in, layer.status, w["v"].shape[1], [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
+            self._write(rec, "", layer, cand, b_in, [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
             if layer.out is None:
                 return []
             if not layer.out_building:  # skipped or non-finite: the input side alone, and the header says so
@@ -396,8 +402,7 @@ class FactorBuild:
                 has_out = at(p_out, best) >= 0
                 b_out = torch.where(has_out, at(p_out, best), at(p_out, e.argmin()).clamp_min(0))
                 out_choice = at(torch.cat([minus1, torch.where(p_out >= 0, wo["deltas"].index_select(0, p_out.clamp_min(0)), -1.0)]), chosen)
-            self._write(rec, "out_", wo, cand_out, b_out, layer.out.status, wo["v"].shape[1],
-                        [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out])  # fmt: skip
+            self._write(rec, "out_", layer.out, cand_out, b_out, [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out])
             return []
 
         for layer, rec in zip(self.layers, records):

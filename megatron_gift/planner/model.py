@@ -20,7 +20,7 @@ from .gather import forward_phase, gather_chain
 from .options import Options
 from .schemes import Scheme
 from .simulate import simulate, simulate_lagged
-from .stages import Context, Kind, Task, reduction_chain, refresh_chain
+from .stages import Context, Kind, Task, reduction_chain, refresh_chain, statistics_sides
 from .workloads import Workload, is_kind
 
 
@@ -75,11 +75,12 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
     chains = [reduction_chain(b, scheme, x) for b in bks]
     overlap = opts.schedule is MegatronSchedule.OVERLAP
     gathers = [gather_chain(b.elements, x) for b in reversed(bks)] if overlap else []
-    d_ins = [s[1] for name, s, _ in w.parameters() if is_kind(name, opts.gift_layers)] if scheme.mode is Mode.GIFT else []
-    refresh = refresh_chain(d_ins, x)
+    shapes = [s for name, s, _ in w.parameters() if is_kind(name, opts.gift_layers)] if scheme.mode is Mode.GIFT else []
+    refresh = refresh_chain(shapes, x)
     gather_exposed = forward_phase(fwd[::-1], gathers, [], c.codec_compute_overlap)
     per_refresh = forward_phase(fwd[::-1], gathers, refresh, c.codec_compute_overlap) - gather_exposed if refresh else 0.0
-    stats = sum(4.0 * tokens * d * min(opts.sketch, d) for d in d_ins) * micro * per_flop if dp > 1 else 0.0
+    sides = [d for s in shapes for d in statistics_sides(s, opts)]
+    stats = sum(4.0 * tokens * d * min(opts.sketch, d) for d in sides) * micro * per_flop if dp > 1 else 0.0
     grad = [t for chain in chains for t in chain]
     pg = [t for chain in gathers for t in chain]
     grad_exposed = _grad_phase(scheme, bwd, chains, opts, c)

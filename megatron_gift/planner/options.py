@@ -11,6 +11,7 @@ from .delta import DeltaCodec, DeltaKernels
 from .workloads import GIFT_KINDS
 
 _GIFT = GiftConfig()
+SIDES = ("input", "both", "auto")  # ``--gift-side``
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,8 @@ class Options:
     """``schedule``: Megatron's; ``gift_schedule``: the plugin's stream schedule; ``param_gather`` and
     ``delta``: the distributed optimizer's parameter all-gather and the delta codec's bytes;
     ``fp8_params``; ``bucket_size`` (None: Megatron's ``max(40M, 1M·DP)``); ``intra_dtype`` of the two-level
-    exchange; ``gift_layers``: the linear-layer kinds GIFT whitens; the refresh's interval, sketch and rank;
+    exchange; ``gift_layers``: the linear-layer kinds GIFT whitens; the refresh's interval, sketch and rank, and
+    ``side`` (``--gift-side``: ``input``, or ``both``/``auto``: every GIFT layer keeps output statistics too);
     ``cpu_waits``: the plugin's waits block the host (CPU/gloo: ``Work.wait()`` is a host wait, so each
     bucket's whole reduction runs inside its hook; the CPU validation only)."""
 
@@ -34,6 +36,7 @@ class Options:
     refresh_interval: int = _GIFT.refresh_interval
     sketch: int = _GIFT.sketch
     rank: int = _GIFT.rank
+    side: str = "input"
     cpu_waits: bool = False
 
     def __post_init__(self):
@@ -44,6 +47,8 @@ class Options:
             raise ValueError(f"intra_dtype must be one of {INTRA_NODE_DTYPES}, got {self.intra_dtype!r}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
+        if self.side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {self.side!r}")
         if min(self.refresh_interval, self.sketch, self.rank) < 1:
             raise ValueError(f"refresh_interval, sketch and rank must be >= 1, got {self}")
         if self.schedule is MegatronSchedule.SYNC and self.param_gather is ParamGather.DELTA:

@@ -35,6 +35,8 @@ import heapq
 from dataclasses import dataclass
 
 from ..config import Mode
+from ..numerics.kfac import KFACStatistics
+from ..numerics.refresh import RecordLayout
 from . import nccl
 from .buckets import Bucket
 from .cluster import Cluster
@@ -178,12 +180,25 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
                     x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng)]  # fmt: skip
 
 
-def record_bytes(d_in: int, rank: int) -> int:
-    """One layer's refresh record (the refresh's ``RecordLayout``): FP64 header (status, rank,
-    choice, damping, tr A), ``d``, ``V``, ``λ``; FP32 ``D^-1/2``, ``D^1/2``, ``Q``, ``c``, ``c'``; padded to 8 bytes."""
-    r = min(rank, d_in)
-    n = 8 * (5 + d_in + d_in * r + r) + 4 * (2 * d_in + d_in * r + 2 * r)
-    return -(-n // 8) * 8
+def statistics_sides(shape: tuple[int, int], opts: Options) -> list[int]:
+    """The statistics sizes of one GIFT layer ``(rows, cols)``: its input side's ``cols``, and with output
+    statistics (``Options.side`` both or auto) its output side's ``rows``."""
+    rows, cols = shape
+    return [cols] + ([rows] if opts.side != "input" else [])
+
+
+def record_bytes(shape: tuple[int, int], x: Context) -> int:
+    """One layer's refresh record: ``numerics.refresh.RecordLayout`` at the configured rank (each side's
+    factor rank as ``KFACStatistics.factor_rank``: at most its size, or the sketch)."""
+    rank = lambda d: min(x.opts.rank, d if not 0 < x.opts.sketch < d else x.opts.sketch)  # noqa: E731
+    sides = statistics_sides(shape, x.opts)
+    d_out = sides[1] if len(sides) > 1 else 0
+    return RecordLayout(sides[0], rank(sides[0]), d_out, rank(d_out) if d_out else 0).nbytes
+
+
+def statistics_bytes(shape: tuple[int, int], x: Context) -> int:
+    """One layer's FP32 statistics a refresh sums (EMA sums and token count, each side)."""
+    return sum(4 * KFACStatistics.summed_numel(d, x.opts.sketch) for d in statistics_sides(shape, x.opts))
 
 
 def owners(sizes: list[int], p: int) -> list[list[int]]:
@@ -197,18 +212,21 @@ def owners(sizes: list[int], p: int) -> list[list[int]]:
     return owned
 
 
-def refresh_chain(d_ins: list[int], x: Context) -> list[Task]:
-    """A GIFT refresh: one FP32 all-reduce of every layer's statistics EMA (sketch, diagonal,
-    token count), each factor built on its owner (``owners``), then one all-gather of a fixed-size slot per
-    rank (the most record bytes any rank owns). The busiest rank's builds set the time."""
-    if x.p == 1 or not d_ins:
+def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
+    """A GIFT refresh of the layers ``(rows, cols)`` (``RefreshSync``): the statistics (each side's EMA sums
+    and token count, FP32) reduce-scattered onto each layer's owner (``owners``) in one call, the layers
+    packed by owner into equal slots (the most statistics bytes any rank owns), the factors built on their
+    owners, then one all-gather of a fixed-size record slot per rank (the most record bytes any rank
+    owns). The busiest rank's builds (one per side) set the time. Only the data-parallel group is priced:
+    a sequence-parallel layer's TP sum (an all-reduce over TP before the reduce-scatter) is not."""
+    if x.p == 1 or not shapes:
         return []
-    k = x.opts.sketch
-    stats = sum((d * min(k, d) + d + 1) * 4.0 for d in d_ins)
-    sizes = [record_bytes(d, x.opts.rank) for d in d_ins]
+    sizes = [record_bytes(s, x) for s in shapes]
+    stats = [statistics_bytes(s, x) for s in shapes]
     owned = owners(sizes, x.p)
     slot = max(sum(sizes[i] for i in mine) for mine in owned)
-    builds = max(len(mine) for mine in owned) * x.costs.factor_build_s
-    return [x.ring("statistics all-reduce", "all_reduce", stats, "refresh", 1),
+    stats_slot = max(sum(stats[i] for i in mine) for mine in owned)
+    builds = max(sum(len(statistics_sides(shapes[i], x.opts)) for i in mine) for mine in owned) * x.costs.factor_build_s
+    return [x.ring("statistics reduce-scatter", "reduce_scatter", x.p * stats_slot, "refresh", 1),
             Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
             x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1)]  # fmt: skip
