@@ -65,7 +65,7 @@ from .numerics.refresh import (
     RecordLayout,
     to_device,
 )
-from .numerics.two_sided import TwoSidedWhitening
+from .numerics.two_sided import sent_map
 from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
 from .state import GiftParam, GiftState
 
@@ -80,11 +80,6 @@ def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
     """The layout of ``gp``'s record at the configured ``rank`` (its output side's too, if it has one)."""
     out = gp.out_stats
     return RecordLayout(gp.stats.d_in, gp.stats.factor_rank(rank), out.d_in if out else 0, out.factor_rank(rank) if out else 0)
-
-
-def _transform(t_in: LowRankWhitening | None, t_out: LowRankWhitening | None):
-    """The map a parameter's gradient is sent through: ``T_in``, or ``TwoSidedWhitening`` with an output side."""
-    return TwoSidedWhitening(t_in, t_out) if t_out is not None else t_in
 
 
 # what a side's statistics are of, and what a layer does without them
@@ -418,7 +413,7 @@ class RefreshSync:
                 new_out = t_out if choice >= 0 and out_head["choice"] >= 0 else None
                 out_best = t_out if out_head["held_out"] > 0 else None
         if gp.mode is Mode.GIFT:
-            remap(gp, _transform(gp.whitening, gp.output_whitening), _transform(new, new_out))
+            remap(gp, sent_map(gp.whitening, gp.output_whitening), sent_map(new, new_out))
         gp.factor, gp.whitening, gp.damping = factor, new, damping
         gp.out_factor, gp.output_whitening = out_factor, new_out
         gp.out_damping = out_head["choice"] if new_out is not None else None

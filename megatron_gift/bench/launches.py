@@ -99,7 +99,7 @@ SEGMENT_SCAN = ("10M", (64, 512))
 RANKS_PER_NODE = 8  # two-level: min(8, p/2) ranks per node
 PACKAGE = Path(__file__).resolve().parents[1]
 SOURCES = ("kernels/*.py", "comm/*.py", "numerics/fp8.py", "numerics/wire.py", "numerics/whitening.py",
-           "numerics/error_feedback.py", "testing/meter.py", "testing/simulate.py", "bench/launches.py")  # fmt: skip
+           "numerics/two_sided.py", "numerics/error_feedback.py", "testing/meter.py", "testing/simulate.py", "bench/launches.py")  # fmt: skip
 """the files whose launches and bytes the JSON records (globs under ``megatron_gift/``)."""
 REGENERATE = "megatron-gift bench launches --json bench/results/launches-cpu.json"
 """the command that rewrites the committed JSON (the full scan)."""

@@ -35,7 +35,7 @@ from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
 from ..config import GiftConfig, Mode
 from ..numerics.error_feedback import ErrorFeedback
-from ..numerics.two_sided import TwoSidedWhitening
+from ..numerics import two_sided
 from ..numerics.whitening import LowRankWhitening
 from ..state import GiftParam, GiftState
 
@@ -53,8 +53,7 @@ def output_side(gp: GiftParam) -> LowRankWhitening | None:
 def sent_map(gp: GiftParam):
     """The map a GIFT parameter's gradient is sent through: ``T_in`` (None: no ``T`` yet), or with an
     output side ``TwoSidedWhitening`` (``U = T_outᵀ G T_in``)."""
-    t_out = output_side(gp)
-    return gp.whitening if t_out is None else TwoSidedWhitening(gp.whitening, t_out)
+    return two_sided.sent_map(gp.whitening, output_side(gp))
 
 
 def reduction_group(bg: _ParamAndGradBucketGroup) -> dist.ProcessGroup:

@@ -77,6 +77,12 @@ class TwoSidedWhitening:
         return self.output_side.inverse(self.input_side.inverse(u).mT).mT
 
 
+def sent_map(t_in: LowRankWhitening | None, t_out: LowRankWhitening | None):
+    """The map a parameter's gradient is sent through: ``T_in`` alone (None: no ``T``), or
+    ``TwoSidedWhitening`` where it has an output side ``t_out``."""
+    return TwoSidedWhitening(t_in, t_out) if t_out is not None else t_in
+
+
 # -- the output side's row-block maps, as the reduction runs them (comm/output_side.py) -------------
 # ``w``: ``T_out``, a ``LowRankWhitening`` over the ``d_out`` rows (``q [d_out, r]``, ``c``, ``c_inv``
 # ``[r]``, ``d_inv_sqrt``, ``d_sqrt [d_out]``); all maps in FP32 (full FP32 on CUDA: ``ieee_fp32``).
