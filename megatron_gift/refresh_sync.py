@@ -431,7 +431,8 @@ class RefreshSync:
         group (the owners' group) is reduce-scattered over it: every layer's statistics of that group
         packed by owner into equal slots (the largest rank's share, sized from the layouts alone), one
         call per reduction group, which sends ``(R-1)/R`` of the payload where an all-reduce sends twice
-        that. Its other groups (TP under sequence parallelism) are summed first, by one all-reduce per
+        that, as long as the slots are full: where ``R`` slots hold more than twice the payload (more
+        ranks than layers to own) the group's statistics are all-reduced instead. Its other groups (TP under sequence parallelism) are summed first, by one all-reduce per
         group of each distinct tuple of them. A statistics whose groups do not include the owners'
         group (several distributed-optimizer instances: summed over the full data-parallel group) is
         all-reduced over all of them in the same calls, and its owner reads its share of the result."""
@@ -466,6 +467,18 @@ class RefreshSync:
             n, me = group.size(), group.rank()
             by_owner = [[(key, st) for key, st, owner in members if owner == r] for r in range(n)]
             slot = max(sum(size(st) for _, st in mine) for mine in by_owner)
+            if n * slot > 2 * sum(size(st) for _, st, _ in members):  # equal slots would send more than a ring
+                # all-reduce (2 (R-1)/R of the payload): many ranks own little or nothing (more ranks than layers)
+                flat = torch.cat([summed[key] if key in summed else torch.cat([t.reshape(-1).float() for t in _packed(st)])
+                                  for key, st, _ in members])  # fmt: skip
+                dist.all_reduce(flat, group=group)
+                self.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, flat.numel() * 4))
+                pos = 0
+                for key, st, owner in members:
+                    if owner == me:
+                        out[key] = _unpack(st, flat[pos : pos + size(st)])
+                    pos += size(st)
+                continue
             pad = torch.zeros(slot, dtype=torch.float32, device=self.device)
             pieces = []
             for mine in by_owner:  # each owner's statistics (summed over the other groups first, if any), then zeros up to the slot

@@ -19,23 +19,15 @@ import torch
 import torch.distributed as dist
 
 from .ledger import CommLedger, ring_all_reduce_bytes
-from .schedule import Reduction, Step
+from .schedule import Reduction, Step, Wrapping
 
 
-class AcrossInstances(Reduction):
+class AcrossInstances(Wrapping):
     """``inner`` (a reduction writing ``shard``), then ``shard`` summed over ``group`` (the ranks
     holding the same shard in the other instances) in FP32, averaged when ``average``."""
 
     def __init__(self, inner: Reduction, shard: torch.Tensor, group, average: bool, ledger: CommLedger):
         self.inner, self.shard, self.group, self.average, self.ledger = inner, shard, group, average, ledger
-
-    @property
-    def stage(self) -> int:
-        return self.inner.stage
-
-    @stage.setter
-    def stage(self, s: int) -> None:  # the inner stages set their own stage's flags (``schedule``)
-        self.inner.stage = s
 
     def stages(self) -> list:
         stages = self.inner.stages()

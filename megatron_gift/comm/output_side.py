@@ -38,13 +38,13 @@ from ..numerics.whitening import LowRankWhitening
 from .layout import FP8_MODES
 from .ledger import CommLedger, ring_all_reduce_bytes
 from .quantized import ShardReduction
-from .schedule import Reduction, Step
+from .schedule import Step, Wrapping
 
 
 LEDGER_DTYPE = "fp32-out"  # the ledger's name of P's all-reduce (``all_reduce/fp32-out``)
 
 
-class OutputSide(Reduction):
+class OutputSide(Wrapping):
     """``inner`` with ``T_out = outputs[i]`` on layout segment ``i`` (None: no output side there), the
     module doc's stages; ``ledger`` gets the bytes of P's all-reduce. Construction does no work."""
 
@@ -71,14 +71,6 @@ class OutputSide(Reduction):
             self.owned = {i: (layout.segments[i].start, layout.segments[i].end) for i in self.p_at}
         else:
             self.owned = {p.seg: (p.lo, p.hi) for p in layout.shards[inner.rank].coded_parts if p.seg in self.p_at}
-
-    @property
-    def stage(self) -> int:
-        return self.inner.stage
-
-    @stage.setter
-    def stage(self, s: int) -> None:  # the inner stages set their own stage's flags (``schedule``)
-        self.inner.stage = s
 
     def stages(self) -> list:
         inner = self.inner.stages()

@@ -75,6 +75,21 @@ class Reduction:
         raise NotImplementedError
 
 
+class Wrapping(Reduction):
+    """A reduction that extends ``inner``'s stages with its own (``comm.instances``, ``comm.output_side``):
+    ``stage`` is the inner's, whose stages set their own stage's flags."""
+
+    inner: Reduction
+
+    @property
+    def stage(self) -> int:
+        return self.inner.stage
+
+    @stage.setter
+    def stage(self, s: int) -> None:
+        self.inner.stage = s
+
+
 class StageStreams:
     """One CUDA stream per stage for reductions on ``device`` (created on first use); off CUDA,
     no-op contexts and waits."""

@@ -215,7 +215,8 @@ def owners(sizes: list[int], p: int) -> list[list[int]]:
 def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
     """A GIFT refresh of the layers ``(rows, cols)`` (``RefreshSync``): the statistics (each side's EMA sums
     and token count, FP32) reduce-scattered onto each layer's owner (``owners``) in one call, the layers
-    packed by owner into equal slots (the most statistics bytes any rank owns), the factors built on their
+    packed by owner into equal slots (the most statistics bytes any rank owns; all-reduced instead where
+    the slots would hold more than twice the statistics), the factors built on their
     owners, then one all-gather of a fixed-size record slot per rank (the most record bytes any rank
     owns). The busiest rank's builds (one per side) set the time. Only the data-parallel group is priced:
     a sequence-parallel layer's TP sum (an all-reduce over TP before the reduce-scatter) is not."""
@@ -227,6 +228,10 @@ def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
     slot = max(sum(sizes[i] for i in mine) for mine in owned)
     stats_slot = max(sum(stats[i] for i in mine) for mine in owned)
     builds = max(sum(len(statistics_sides(shapes[i], x.opts)) for i in mine) for mine in owned) * x.costs.factor_build_s
-    return [x.ring("statistics reduce-scatter", "reduce_scatter", x.p * stats_slot, "refresh", 1),
+    # the runtime's choice (``RefreshSync.sum_statistics``): equal slots, or a ring all-reduce where they would send more
+    scatter = x.p * stats_slot <= 2 * sum(stats)
+    summed = x.ring("statistics reduce-scatter", "reduce_scatter", x.p * stats_slot, "refresh", 1) if scatter else \
+        x.ring("statistics all-reduce", "all_reduce", sum(stats), "refresh", 1)
+    return [summed,
             Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
             x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1)]  # fmt: skip
