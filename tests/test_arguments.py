@@ -118,7 +118,7 @@ def test_side_help_says_what_each_choice_costs():
     text = parser.format_help()  # argparse formats the help: a bare % would raise here
     side = next(a for a in parser._actions if "--gift-side" in a.option_strings)
     assert side.choices == ["input", "both", "auto"]
-    assert all(f"{c}:" in side.help for c in side.choices) and "7.9%" in text and "all-reduce" in side.help
+    assert all(f"{c}:" in side.help for c in side.choices) and "3.5%" in text and "all-reduce" in side.help
 
 
 def test_rank_above_layer_output_size_with_two_sides(parse):
