@@ -17,7 +17,7 @@ from megatron_gift.config import GiftConfig, Mode, Side
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
-from megatron_gift.testing.reference import gathered_local_gradients
+from megatron_gift.testing.reference import gathered_local_gradients, shard_pieces
 from megatron_gift.testing.wire import WireRecord
 from tests.bounds import ReductionPath, reduction_errors
 
@@ -581,21 +581,14 @@ def _ef_invariant_worker(rank, world, side=Side.INPUT, steps=4):
         ddp.finish_grad_sync()
         local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: group)
         residuals = plain_residuals()
-        for bg in ddp.bucket_groups:
-            for bucket in bg.buckets:
-                n = bucket.grad_data.numel()
-                lo, hi = rank * n // world, (rank + 1) * n // world
-                for p, (a, b) in bucket.param_to_index.items():
-                    g = ddp.gift_params.get(p)
-                    if g is None or max(a, lo) >= min(b, hi):
-                        continue
-                    owned[p] = slice(max(a, lo) - a, min(b, hi) - a)
-                    got[p] = got.get(p, 0) + bucket.grad_data[max(a, lo) : min(b, hi)].double()
-                    inputs[p] = inputs.get(p, 0) + local[p][:, owned[p]].sum(0) / world
-                    norms[p] = norms.get(p, 0) + float(local[p].norm(dim=1).sum()) / world + float(residuals[p].norm(dim=1).sum())
-                    two_sided = g.mode is Mode.GIFT and g.output_whitening is not None
-                    k = (kappa(g.whitening) if g.mode is Mode.GIFT else 1.0) * (kappa(g.output_whitening) if two_sided else 1.0)
-                    spectra.setdefault(p, []).append((k, p.shape[1] + (p.shape[0] + 8 if two_sided else 0)))
+        for bucket, p, g, a, lo, hi in shard_pieces(ddp, rank, world):
+            owned[p] = slice(lo - a, hi - a)
+            got[p] = got.get(p, 0) + bucket.grad_data[lo:hi].double()
+            inputs[p] = inputs.get(p, 0) + local[p][:, owned[p]].sum(0) / world
+            norms[p] = norms.get(p, 0) + float(local[p].norm(dim=1).sum()) / world + float(residuals[p].norm(dim=1).sum())
+            two_sided = g.mode is Mode.GIFT and g.output_whitening is not None
+            k = (kappa(g.whitening) if g.mode is Mode.GIFT else 1.0) * (kappa(g.output_whitening) if two_sided else 1.0)
+            spectra.setdefault(p, []).append((k, p.shape[1] + (p.shape[0] + 8 if two_sided else 0)))
         with torch.no_grad():
             for p in model.parameters():
                 p -= 1e-2 * (local[p].sum(0) / world).view_as(p).to(p.dtype)

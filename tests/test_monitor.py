@@ -28,7 +28,7 @@ from megatron_gift.policy import LayerPolicy
 from megatron_gift.telemetry import jsonable
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
-from megatron_gift.testing.reference import all_gather_rows, gathered_local_gradients
+from megatron_gift.testing.reference import all_gather_rows, gathered_local_gradients, shard_pieces
 from tests.bounds import ReductionPath, reduction_errors
 
 pytestmark = pytest.mark.cpu_harness
@@ -80,20 +80,14 @@ def _as_sent(ddp, rank, world) -> list:
     from megatron_gift.megatron.bucket_group import output_side
 
     out = []
-    for bg in ddp.bucket_groups:
-        for bucket in bg.buckets:
-            n = bucket.grad_data.numel()
-            lo, hi = rank * n // world, (rank + 1) * n // world
-            for p, (a, b) in bucket.param_to_index.items():
-                g = ddp.gift_params.get(p)
-                if g is None or g.mode not in (Mode.EUCLIDEAN, Mode.GIFT) or max(a, lo) >= min(b, hi):
-                    continue
-                w = g.whitening if g.mode is Mode.GIFT else None
-                o = output_side(g) if w is not None else None
-                mags = None if w is None else tuple(m.double().abs() for t in (w, o) if t is not None for m in t.dense())
-                terms = 0 if w is None else w.rank + (o.rank + o.d_in if o is not None else 0)
-                got = bucket.grad_data[max(a, lo) : min(b, hi)].double().clone()
-                out.append((p, slice(max(a, lo) - a, min(b, hi) - a), got, mags, terms))
+    for bucket, p, g, a, lo, hi in shard_pieces(ddp, rank, world):
+        if g.mode not in (Mode.EUCLIDEAN, Mode.GIFT):
+            continue
+        w = g.whitening if g.mode is Mode.GIFT else None
+        o = output_side(g) if w is not None else None
+        mags = None if w is None else tuple(m.double().abs() for t in (w, o) if t is not None for m in t.dense())
+        terms = 0 if w is None else w.rank + (o.rank + o.d_in if o is not None else 0)
+        out.append((p, slice(lo - a, hi - a), bucket.grad_data[lo:hi].double().clone(), mags, terms))
     return out
 
 
@@ -159,16 +153,9 @@ def _train(model, ddp, steps, first_step=0):
         # RelL2 / cosine of each parameter's reduced gradient (this rank's shard, summed over ranks)
         names = {p: g.name for p, g in ddp.gift_params.items()}
         sums = {}
-        for bg in ddp.bucket_groups:
-            for bucket in bg.buckets:
-                n = bucket.grad_data.numel()
-                lo, hi = rank * n // world, (rank + 1) * n // world
-                for p, (a, b) in bucket.param_to_index.items():
-                    if p not in names or max(a, lo) >= min(b, hi):
-                        continue
-                    got = bucket.grad_data[max(a, lo) : min(b, hi)].double()
-                    want = expected[p][max(a, lo) - a : min(b, hi) - a]
-                    sums[names[p]] = torch.stack([((got - want) ** 2).sum(), (want**2).sum(), (got * want).sum(), (got**2).sum()])
+        for bucket, p, _, a, lo, hi in shard_pieces(ddp, rank, world):
+            got, want = bucket.grad_data[lo:hi].double(), expected[p][lo - a : hi - a]
+            sums[names[p]] = torch.stack([((got - want) ** 2).sum(), (want**2).sum(), (got * want).sum(), (got**2).sum()])
         keys = sorted(names.values())
         total = torch.stack([sums.get(k, torch.zeros(4, dtype=torch.float64)) for k in keys])
         dist.all_reduce(total, group=group)

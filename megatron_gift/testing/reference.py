@@ -24,6 +24,20 @@ def gathered_local_gradients(ref, model, loss_fn, group_of) -> dict:
     return out
 
 
+def shard_pieces(ddp, rank: int, world: int):
+    """``(bucket, param, GiftParam, a, lo, hi)`` for every plugin parameter (``ddp.gift_params``) of
+    the DDP's dense bucket groups that meets rank ``rank``'s equal ``1/world`` shard of its bucket:
+    the parameter holds bucket elements ``[a, ...)``, the shard its elements ``[lo, hi)``."""
+    for bg in ddp.bucket_groups:
+        for bucket in bg.buckets:
+            n = bucket.grad_data.numel()
+            start, stop = rank * n // world, (rank + 1) * n // world
+            for p, (a, b) in bucket.param_to_index.items():
+                g = ddp.gift_params.get(p)
+                if g is not None and max(a, start) < min(b, stop):
+                    yield bucket, p, g, a, max(a, start), min(b, stop)
+
+
 def all_gather_rows(x: torch.Tensor, group=None) -> torch.Tensor:
     """``[ranks, *x.shape]``: ``x`` of every rank of ``group``, in group rank order."""
     gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
