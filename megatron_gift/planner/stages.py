@@ -213,7 +213,8 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
               Task("FP8 all-gather (intra)", Kind.COMM, nccl.ring_time("all_gather", F, g, g, x.c), "intra", ("nvlink",),
                    4, (g - 1) / g * F)]  # fmt: skip
     return tasks + [x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p), *gather,
-                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng), *_output_side(b, x, path, 5, False)]  # fmt: skip
+                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng),
+                    *_output_side(b, x, path, 5, False)]  # fmt: skip
 
 
 def statistics_sides(shape: tuple[int, int], opts: Options) -> list[int]:
@@ -227,7 +228,8 @@ def record_bytes(shape: tuple[int, int], x: Context) -> int:
     """One layer's refresh record: ``numerics.refresh.RecordLayout`` at each side's ``factor_rank``."""
     sides = statistics_sides(shape, x.opts)
     d_out = sides[1] if len(sides) > 1 else 0
-    return RecordLayout(sides[0], factor_rank(sides[0], x.opts), d_out, factor_rank(d_out, x.opts) if d_out else 0).nbytes
+    r_out = factor_rank(d_out, x.opts) if d_out else 0
+    return RecordLayout(sides[0], factor_rank(sides[0], x.opts), d_out, r_out).nbytes
 
 
 def statistics_bytes(shape: tuple[int, int], x: Context) -> int:
