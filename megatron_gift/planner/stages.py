@@ -35,7 +35,9 @@ stage), then with the distributed optimizer an FP32 ring all-reduce of ``P = Q_o
 communicator (the ledger's ``all_reduce/fp32-out``; all-reduce: no collective, every rank has all
 of ``W``), and the ``output`` stage ``G = D^{1/2} (W + Q (c' ⊙ P))`` on the rank's two-sided
 elements ``E`` (``N_g/p``; all-reduce ``N_g``): essential read ``4E`` (``W``), write ``4E``, at the
-GIFT ratio.
+GIFT ratio. With the distributed optimizer ``P``'s partials run in the cut rows' stage (``finish``):
+their launches are priced, their bytes (a read of the shard's ``W``, ``4E``) are not, as that
+stage has no essential bytes; without it they run in the decode of the bucket, whose ratio has them.
 """
 
 from __future__ import annotations
