@@ -17,7 +17,8 @@ from .workloads import LINEAR_KINDS, Workload, is_kind
 class Bucket:
     """One gradient bucket: elements, compute FLOPs per token of its parameters, wire bytes of the scheme
     (full buffer, before ``(p-1)/p``), bytes in each intra-node dtype (two-level stage 1), GIFT elements,
-    parameters (the layout's segments: launches grow with them) and GIFT parameters."""
+    parameters (the layout's segments: launches grow with them), GIFT parameters and their shapes ``(rows, cols)``
+    (a two-sided one's ``P``: ``stages``)."""
 
     elements: int = 0
     flops_per_token: float = 0.0
@@ -26,6 +27,7 @@ class Bucket:
     gift_elements: int = 0
     parameters: int = 0
     gift_parameters: int = 0
+    gift_shapes: list = field(default_factory=list)
 
 
 def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: FP8Params, codec: CodecConfig) -> float:
@@ -63,6 +65,7 @@ def buckets(w: Workload, scheme: Scheme, dp: int, fp8_params: FP8Params = FP8Par
         if scheme.mode is Mode.GIFT and is_kind(name, gift_layers):
             b.gift_elements += shape[0] * shape[1]
             b.gift_parameters += 1
+            b.gift_shapes.append(shape)
         if b.elements >= size:
             out.append(Bucket())
     return tuple(b for b in out if b.elements or b.flops_per_token)

@@ -108,6 +108,10 @@ def add_parser(subparsers) -> None:
                      help="the plugin's stream schedule, as --gift-schedule: eager (all of a bucket's stages at its hook; "
                      "the default) or lagged (the default where CUDA_DEVICE_MAX_CONNECTIONS=1); the table shows the other "
                      "beside it (default: %(default)s)")  # fmt: skip
+    mod.add_argument("--gift-side", default="input", type=_runtime_choice("Side"), metavar="SIDE",
+                     help="GIFT's whitened sides, as --gift-side: input, both (T_out^T G T_in: the output side's encode and "
+                     "output stages, and with the distributed optimizer an FP32 all-reduce of r x d_in per GIFT weight) or "
+                     "auto (priced as both, its upper bound) (default: %(default)s)")  # fmt: skip
     mod.add_argument("--param-gather", default="bf16", type=_runtime_choice("ParamGather"), metavar="GATHER",
                      help="the parameter all-gather of every row but the stock BF16 reference: Megatron's bf16, or delta "
                      "(about 1 byte per element, as --gift-param-gather delta) (default: %(default)s)")  # fmt: skip
@@ -177,7 +181,7 @@ def main(args: argparse.Namespace) -> int:
         kernels = DeltaKernels(stream=args.delta_decode_stream, decode_bytes=args.delta_decode_bytes)
         opts = Options(schedule=args.schedule, gift_schedule=args.gift_schedule, param_gather=args.param_gather,
                        fp8_params=args.fp8_params, bucket_size=args.bucket_size, intra_dtype=args.intra_node,
-                       delta_kernels=kernels)  # fmt: skip
+                       delta_kernels=kernels, side=args.gift_side.value)  # fmt: skip
         for gpus in args.gpus:
             model.placement(model.data_parallel(w, gpus)[0], w.tp, c)
         meter = Meter.load(args.launches_json)

@@ -21,11 +21,24 @@ CUDA runs):
   (fewer below 16): the ratio carries over to other node sizes, the essential bytes are the planner's.
   The two-level exchange in FP32 takes the BF16 records (FP32 is not scanned).
 - Delta gather: the ``delta-gather`` records (fused), nearest group size, then bucket size.
+- Two-sided GIFT (``--gift-side both``/``auto``: every GIFT parameter of the bucket has an output
+  side, ``comm.output_side``): the ``gift+out`` records, chosen as above, give the GIFT elements'
+  ratio of every stage and the ``output`` stage's launches and ratio. Their launches less the
+  ``gift`` records' at the same group and bucket size are the output side's, for the records' 4
+  two-sided parameters: per two-sided parameter (a quarter each) in a stage whose GIFT launches
+  grow with the parameters (the 8-parameter records: ``send``, ``intra``, ``decode_all``: the
+  whole bucket), fixed in the others (the shard's stages, ``reduce`` and ``finish``, where ``P``'s
+  partials run); the ``output`` stage, which has no GIFT counterpart, works on the rank's elements:
+  per two-sided parameter on the all-reduce paths (the whole bucket), fixed on the reduce-scatter
+  ones (the shard). A meter without ``gift+out`` records for a path (older JSON; the committed one
+  has them for every path) prices that path's two-sided buckets as the GIFT ones, with
+  ``ONE_PASS`` for the ``output`` stage: a lower bound.
 
 Stage names map to the meter's: flat ``send``, ``reduce`` (reduce-scatter), ``gather`` (all-reduce:
 decode-sum and re-encode of the shard, fused), ``decode_all``, ``finish`` (the cut rows: launches,
 no essential bytes); two-level ``intra``, ``node_sums`` (sums and encode of the held slice, fused),
-``reduce``, ``gather_inter``, ``decode_all``, ``finish``; delta ``encode``, ``decode``.
+``reduce``, ``gather_inter``, ``decode_all``, ``finish``; two-sided ``output``; delta ``encode``,
+``decode``.
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ class StageCount:
 
 ONE_PASS = StageCount(1.0, 1.0, 1.0)
 """without a meter: one fused pass, one launch, its essential bytes (the lower bound)."""
+SCAN_PARAMETERS = 4
+"""parameters in the meter's buckets (``euclidean``, ``gift``, ``gift+out``; the ``/8`` ones hold twice as many)."""
 
 
 def _nearest(values, x: float):
@@ -118,14 +133,19 @@ class Meter:
             return float(rec[stage]["launches"]), 0.0
         dp, size, rec8 = self._pick(eight, p, elements)
         four = self._pick(self._red[(path, bucket)], dp, size)[2]  # the scan has it at the same group and bucket size
-        per = (rec8[stage]["launches"] - four[stage]["launches"]) / 4
-        return rec[stage]["launches"] - 4 * per, per
+        per = (rec8[stage]["launches"] - four[stage]["launches"]) / SCAN_PARAMETERS
+        return rec[stage]["launches"] - SCAN_PARAMETERS * per, per
 
     def reduction(self, path: str, stage: str, p: int, elements: float, parameters: int,
-                  gift_parameters: int) -> StageCount:  # fmt: skip
+                  gift_parameters: int, two_sided: bool = False) -> StageCount:  # fmt: skip
         """``stage`` of a bucket of ``elements`` with ``parameters`` (``gift_parameters`` of them GIFT's) at ``p``
-        ranks on the meter's ``path`` (``flat-rs``, ``two-level/bf16-ar`` ...)."""
+        ranks on the meter's ``path`` (``flat-rs``, ``two-level/bf16-ar`` ...); ``two_sided``: its GIFT
+        parameters have an output side (module doc)."""
         path = self._path(path)
+        if two_sided and gift_parameters and (path, "gift+out") in self._red:
+            return self._two_sided(path, stage, p, elements, parameters, gift_parameters)
+        if stage == "output":  # no gift+out records for this path: the lower bound
+            return ONE_PASS
         e_fixed, e_per = self._launch_line(path, "euclidean", stage, p, elements)
         g_fixed, g_per = self._launch_line(path, "gift", stage, p, elements)
         fixed = g_fixed if gift_parameters else e_fixed
@@ -133,6 +153,22 @@ class Meter:
         ratio = _ratio(self._pick(self._red[(path, "euclidean")], p, elements)[2][stage])
         gift_ratio = _ratio(self._pick(self._red[(path, "gift")], p, elements)[2][stage])
         return StageCount(launches, ratio, gift_ratio)
+
+    def _two_sided(self, path: str, stage: str, p: int, elements: float, parameters: int,
+                   gift_parameters: int) -> StageCount:  # fmt: skip
+        """``reduction`` of a bucket whose GIFT parameters are two-sided: the GIFT count plus the output
+        side's launches, the ``gift+out`` records' ratio (module doc)."""
+        dp, size, out = self._pick(self._red[(path, "gift+out")], p, elements)
+        extra = out[stage]["launches"]
+        if stage == "output":
+            base, whole_bucket = StageCount(0.0, 1.0, 1.0), path.endswith("-ar")
+        else:
+            base = self.reduction(path, stage, p, elements, parameters, gift_parameters)
+            extra -= self._pick(self._red[(path, "gift")], dp, size)[2][stage]["launches"]  # the same group and size
+            whole_bucket = self._launch_line(path, "gift", stage, p, elements)[1] > 0
+        extra *= gift_parameters / SCAN_PARAMETERS if whole_bucket else 1.0
+        gift_ratio = _ratio(out[stage])
+        return StageCount(base.launches + extra, gift_ratio if stage == "output" else base.ratio, gift_ratio)
 
     def delta(self, stage: str, p: int, elements: float) -> StageCount:
         """The delta gather's ``encode`` or ``decode`` of a bucket of ``elements`` at ``p`` ranks."""

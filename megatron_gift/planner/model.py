@@ -89,6 +89,7 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
     return dict(mode=scheme.value, gpus=gpus, dp=dp, ranks_per_node=g, nodes=n, micro_batches=micro,
                 schedule=opts.schedule.value, gift_schedule=opts.gift_schedule.value, param_gather=opts.param_gather.value,
                 intra_dtype=opts.intra_dtype if scheme.two_level else None,
+                gift_side=opts.side if scheme.mode is Mode.GIFT else None,
                 step_s=compute + grad_exposed + gather_exposed + refresh_s, compute_s=compute,
                 grad_comm_s=sum(t.seconds for t in grad if t.kind is Kind.COMM), grad_exposed_s=grad_exposed,
                 param_gather_s=sum(t.seconds for t in pg if t.kind is Kind.COMM), param_gather_exposed_s=gather_exposed,

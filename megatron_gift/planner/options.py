@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import INTRA_NODE_DTYPES, GiftConfig, ParamGather, Schedule
+from ..config import INTRA_NODE_DTYPES, GiftConfig, ParamGather, Schedule, Side
 from .choices import FP8Params, MegatronSchedule
 from .delta import DeltaCodec, DeltaKernels
 from .workloads import GIFT_KINDS
 
 _GIFT = GiftConfig()
-SIDES = ("input", "both", "auto")  # ``--gift-side``
+SIDES = tuple(s.value for s in Side)  # ``--gift-side``
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class Options:
     ``delta``: the distributed optimizer's parameter all-gather and the delta codec's bytes;
     ``fp8_params``; ``bucket_size`` (None: Megatron's ``max(40M, 1M·DP)``); ``intra_dtype`` of the two-level
     exchange; ``gift_layers``: the linear-layer kinds GIFT whitens; the refresh's interval, sketch and rank, and
-    ``side`` (``--gift-side``: ``input``, or ``both``/``auto``: every GIFT layer keeps output statistics too);
+    ``side`` (``--gift-side``: ``input``, or ``both``/``auto``: every GIFT layer keeps output statistics too and
+    is reduced two-sided, ``stages``; ``auto``, which chooses per layer at each refresh, is priced as ``both``,
+    its upper bound);
     ``cpu_waits``: the plugin's waits block the host (CPU/gloo: ``Work.wait()`` is a host wait, so each
     bucket's whole reduction runs inside its hook; the CPU validation only)."""
 

@@ -9,8 +9,10 @@ from .workloads import Workload
 
 
 def label(r: dict) -> str:
-    """A row's name: its scheme, the intra-node dtype of two-level exchanges, the delta gather if used."""
+    """A row's name: its scheme, the intra-node dtype of two-level exchanges, GIFT's sides unless the input side
+    alone, the delta gather if used."""
     name = Scheme(r["mode"]).label + (f" (intra {r['intra_dtype']})" if r["intra_dtype"] else "")
+    name += f" (--gift-side {r['gift_side']})" if r.get("gift_side") not in (None, "input") else ""
     return name + (" + delta gather" if r["param_gather"] == "delta" else "")
 
 

@@ -26,6 +26,18 @@ all-reduce decode (decode_all)     read F, write 4N              8 N_g
 All-to-alls skip the rank itself. GIFT rows cut by a shard boundary cost one neighbour exchange
 (one LL latency) per bucket, on the data-parallel group's own communicator (``comm/pieces.py``):
 with the flat exchange that is the all-to-all's, so it queues in line with the buckets' all-to-alls.
+
+Two-sided GIFT (``Options.side`` both, and auto priced as both: every GIFT layer two-sided, the
+upper bound; ``comm/output_side.py``): the stages above at the meter's ``gift+out`` counts
+(``T_outᵀ`` in the sender's encode, ``W`` into FP32 targets, ``P``'s partials after the last
+stage), then with the distributed optimizer an FP32 ring all-reduce of ``P = Q_outᵀ W``,
+``4·r_out·d_in`` bytes per two-sided parameter (``factor_rank``), on the data-parallel group's
+communicator (the ledger's ``all_reduce/fp32-out``; all-reduce: no collective, every rank has all
+of ``W``), and the ``output`` stage ``G = D^{1/2} (W + Q (c' ⊙ P))`` on the rank's two-sided
+elements ``E`` (``N_g/p``; all-reduce ``N_g``): essential read ``4E`` (``W``), write ``4E``, at the
+GIFT ratio. With the distributed optimizer ``P``'s partials run in the cut rows' stage (``finish``):
+their launches are priced, their bytes (a read of the shard's ``W``, ``4E``) are not, as that
+stage has no essential bytes; without it they run in the decode of the bucket, whose ratio has them.
 """
 
 from __future__ import annotations
@@ -81,10 +93,16 @@ class Context:
     def p(self) -> int:
         return self.g * self.n
 
+    @property
+    def two_sided(self) -> bool:
+        """Whether GIFT parameters have an output side (``Options.side`` both, or auto priced as both)."""
+        return self.opts.side != "input"
+
     def count(self, b: Bucket, path: str, stage: str) -> StageCount:
         """The meter's launches and ratios of ``stage`` for bucket ``b`` (without a meter: one fused pass)."""
         m = self.costs.meter
-        return ONE_PASS if m is None else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters)
+        return ONE_PASS if m is None else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters,
+                                                      self.two_sided)  # fmt: skip
 
     def gpu(self, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0, stream: str = "",
             count: StageCount = ONE_PASS, gift_share: float = 0.0) -> Task:  # fmt: skip
@@ -140,6 +158,25 @@ def _finish(b: Bucket, x: Context, path: str, stage: int, across_nodes: bool) ->
     return [x.cut_rows(stage, across_nodes), *sums]
 
 
+def factor_rank(d: int, opts: Options) -> int:
+    """The rank of one side's factor of size ``d`` (``KFACStatistics.factor_rank``): the configured rank, at most
+    ``d`` or the sketch."""
+    return min(opts.rank, d if not 0 < opts.sketch < d else opts.sketch)
+
+
+def _output_side(b: Bucket, x: Context, path: str, stage: int, dist_opt: bool) -> list[Task]:
+    """Two-sided GIFT after the inner reduction's last stage ``stage`` (module doc): ``P``'s all-reduce with the
+    distributed optimizer, then the ``output`` stage. Nothing for a bucket without GIFT parameters or one-sided GIFT."""
+    if not (x.two_sided and b.gift_elements):
+        return []
+    owned = b.gift_elements / x.p if dist_opt else b.gift_elements
+    out = x.gpu("output side", stage + 1, 0.0, 8 * owned, count=x.count(b, path, "output"))
+    if not dist_opt:
+        return [out]
+    nbytes = sum(4 * factor_rank(rows, x.opts) * cols for rows, cols in b.gift_shapes)
+    return [x.ring("P all-reduce (FP32)", "all_reduce", nbytes, "dp", stage), out]
+
+
 def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """One all-to-all over the group (one node, one rank per node, or ``--gift-exchange flat``)."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
@@ -149,10 +186,11 @@ def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     tasks = [x.metered(b, path, "send", "encode", 1, 4 * N + F, 4 * Ng), a2a]
     if dist_opt:
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 2, F + 4 * N / p, 8 * Ng / p))
-        return tasks + _finish(b, x, path, 2, n > 1)
+        return tasks + _finish(b, x, path, 2, n > 1) + _output_side(b, x, path, 2, True)
     return tasks + [x.metered(b, path, "gather", "decode-sum + re-encode shard", 2, F + F / p),
                     x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
-                    x.metered(b, path, "decode_all", "decode bucket", 4, F + 4 * N, 8 * Ng)]  # fmt: skip
+                    x.metered(b, path, "decode_all", "decode bucket", 4, F + 4 * N, 8 * Ng),
+                    *_output_side(b, x, path, 4, False)]  # fmt: skip
 
 
 def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
@@ -171,13 +209,14 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
                   (n - 1) / n * F / g)]  # fmt: skip
     if dist_opt:
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
-        return tasks + _finish(b, x, path, 3, True)
+        return tasks + _finish(b, x, path, 3, True) + _output_side(b, x, path, 3, True)
     gather = [Task("FP8 all-gather (inter)", Kind.COMM, nccl.ring_time("all_gather", F / g, n, 1, x.c), "inter", ("nic",),
                    4, 0.0, (n - 1) / n * F / g),
               Task("FP8 all-gather (intra)", Kind.COMM, nccl.ring_time("all_gather", F, g, g, x.c), "intra", ("nvlink",),
                    4, (g - 1) / g * F)]  # fmt: skip
     return tasks + [x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p), *gather,
-                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng)]  # fmt: skip
+                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng),
+                    *_output_side(b, x, path, 5, False)]  # fmt: skip
 
 
 def statistics_sides(shape: tuple[int, int], opts: Options) -> list[int]:
@@ -188,12 +227,11 @@ def statistics_sides(shape: tuple[int, int], opts: Options) -> list[int]:
 
 
 def record_bytes(shape: tuple[int, int], x: Context) -> int:
-    """One layer's refresh record: ``numerics.refresh.RecordLayout`` at the configured rank (each side's
-    factor rank as ``KFACStatistics.factor_rank``: at most its size, or the sketch)."""
-    rank = lambda d: min(x.opts.rank, d if not 0 < x.opts.sketch < d else x.opts.sketch)  # noqa: E731
+    """One layer's refresh record: ``numerics.refresh.RecordLayout`` at each side's ``factor_rank``."""
     sides = statistics_sides(shape, x.opts)
     d_out = sides[1] if len(sides) > 1 else 0
-    return RecordLayout(sides[0], rank(sides[0]), d_out, rank(d_out) if d_out else 0).nbytes
+    r_out = factor_rank(d_out, x.opts) if d_out else 0
+    return RecordLayout(sides[0], factor_rank(sides[0], x.opts), d_out, r_out).nbytes
 
 
 def statistics_bytes(shape: tuple[int, int], x: Context) -> int:
