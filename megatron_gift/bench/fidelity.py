@@ -598,8 +598,8 @@ def _fit_table(summary: dict) -> str:
 
 def _plugin_table(summary: dict) -> str:
     rows = [[r["step"], r["family"], r["ratio_geomean"], r["worst"], f"{r['whitened']}/{r['n']}"] for r in summary["plugin_per_step"]]
-    title = ("The plugin's schemes per step, cold start included: / best Euclidean RelL2 (geometric mean and worst over "
-             "layers and batch sizes), records sent whitened")  # fmt: skip
+    title = ("The plugin's schemes per step, cold start included: scheme / best Euclidean RelL2 (geometric mean and "
+             "worst over layers and batch sizes), records sent whitened")  # fmt: skip
     return f"{title}\n\n" + _md_table(["step", "scheme", "geomean", "worst", "whitened"], rows)
 
 
