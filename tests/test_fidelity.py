@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from megatron_gift.bench import fidelity
 from megatron_gift.bench.llama import LlamaConfig
 from megatron_gift.config import GiftConfig
 from megatron_gift.bench.dense import DenseCholeskyWhitening
-from megatron_gift.numerics import LowRankWhitening, approximate_factor
+from megatron_gift.numerics import LowRankWhitening, TwoSidedWhitening, approximate_factor
 from tests.reference import fp8_roundtrip
 
 TINY = fidelity.FidelityConfig(
@@ -71,22 +72,27 @@ def test_json_schema(report):
     assert data["command"] == "test" and data["config"]["ranks"] == RANKS
     assert {"platform", "cpu_count", "torch"} <= set(data["machine"])
     assert len(data["corpus"]["sha256"]) == 64
-    assert [p["step"] for p in data["points"]] == list(TINY.points)
+    assert [p["step"] for p in data["points"]] == [*TINY.cold_points, *TINY.points]
     names = set(data["schemes"])
+    plugin = {"gift-chosen-e4m3-block", "gift-both-e4m3-block", "gift-auto-e4m3-block"}
     assert {"bf16", "euclid-e5m2-tensor-shared", "euclid-e4m3-block", "gift-e4m3-block", "gift-paper-e4m3-mx",
-            "gift-paper-dense-e4m3-block"} <= names  # fmt: skip
-    assert len(names) == len(fidelity.schemes()) == 1 + 4 * len(fidelity.CODECS)
+            "gift-paper-dense-e4m3-block", *plugin} <= names  # fmt: skip
+    assert len(names) == len(fidelity.schemes()) == 1 + 4 * len(fidelity.CODECS) + len(plugin)
     assert data["schemes"]["gift-e4m3-block"]["settings"]["damping"] is None  # auto
+    assert data["schemes"]["gift-both-e4m3-block"]["side"] == "both"
     for r in data["results"]:
         assert {"step", "layer", "layer_type", "scheme", "tokens_per_rank", "rel_l2", "cos"} <= set(r)
         assert r["layer_type"] in fidelity.LAYER_TYPES
         gift = data["schemes"][r["scheme"]]["family"].startswith("gift")
-        assert ({"ratio_vs_euclid", "ratio_vs_best_euclid", "damping", "factor_age"} <= set(r)) == gift
+        assert ({"ratio_vs_euclid", "ratio_vs_best_euclid", "damping"} <= set(r)) == gift
+        assert ("factor_age" in r) == (gift and r["scheme"] not in plugin)
     tokens = {r["tokens_per_rank"] for r in data["results"]}
     assert tokens == {TINY.seqs_per_rank * 16, TINY.accumulation * TINY.seqs_per_rank * 16}
     cells = by_cell(data["results"])
-    assert len(cells) == len(TINY.points) * 4 * len(tokens)  # 4 linear layers
-    assert all(set(c) == names for c in cells.values())
+    assert len(cells) == (len(TINY.cold_points) + len(TINY.points)) * 4 * len(tokens)  # 4 linear layers
+    plain = {n for n in names if not data["schemes"][n]["family"].startswith("gift")}
+    for (step, _, _), c in cells.items():
+        assert set(c) == (plain | plugin if step in TINY.cold_points else names), step
 
 
 def test_factor_ages_follow_the_schedules(report):
@@ -162,6 +168,86 @@ def test_measure_layer_against_references():
     flat = stack.reshape(-1, 256).double()
     assert geo["grad_energy_share_top_r"] == pytest.approx(float((flat @ f.v).norm() ** 2 / flat.norm() ** 2), rel=1e-9)
     assert set(geo["measured_ratio"]) == {s.codec_name for s in fidelity.schemes() if s.family == "gift-paper"}
+
+
+def test_plugin_schemes_against_a_dense_reference():
+    """The plugin's schemes send the ``T`` their ``GiftLayer`` installed (input side and two-sided),
+    summed as the plugin sums: checked against dense FP64 maps built here, each rank's
+    ``T_outᵀ G_r T_in`` rounded by tests/reference.py's FP8 and the sum mapped back by dense
+    inverses. Bugs caught: a side sending another side's ``T``, the output side applied on the wrong
+    side of ``G`` or not inverted."""
+    gen = torch.Generator().manual_seed(1)
+    d_out, d_in = 48, 256
+    stack = torch.randn(3, d_out, d_in, generator=gen) * torch.linspace(0.01, 2.0, d_in) * torch.linspace(0.1, 3.0, d_out)[:, None]
+
+    def whitening(d, damping):
+        x = torch.randn(600, d, generator=gen) * torch.linspace(0.01, 2.0, d)
+        return LowRankWhitening(approximate_factor(x.T @ x / 600, 4, damping))
+
+    t_in, t_out = whitening(d_in, 1.0), whitening(d_out, 0.3)
+    layer = SimpleNamespace(sent={("input", True): (t_in, 1.0), ("both", True): (TwoSidedWhitening(t_in, t_out), "1.0/0.3")})
+    results, _ = fidelity.measure_layer(stack, {}, TINY, layer)
+    rec = {r["scheme"]: r for r in results}
+    truth = stack.double().sum(0)
+    ti, ti_inv = (m.double() for m in t_in.dense())
+    to, to_inv = (m.double() for m in t_out.dense())
+
+    def rel(approx):
+        return float((approx - truth).norm() / truth.norm())
+
+    # FP32 maps and sums there against FP64 here: each map adds O(d·2^-24) relative error per element, far
+    # below the FP8 error (2^-4 relative) they are compared at; 1e-3 of the RelL2 bounds it with margin.
+    one = rel(sum(fp8_roundtrip((g.double() @ ti).float()).double() for g in stack) @ ti_inv)
+    two = rel(to_inv.T @ sum(fp8_roundtrip((to.T @ g.double() @ ti).float()).double() for g in stack) @ ti_inv)
+    assert rec["gift-chosen-e4m3-block"]["rel_l2"] == pytest.approx(one, rel=1e-3)
+    assert rec["gift-both-e4m3-block"]["rel_l2"] == pytest.approx(two, rel=1e-3)
+    assert rec["gift-both-e4m3-block"]["damping"] == "1.0/0.3"
+    euclid = rel(sum(fp8_roundtrip(g).double() for g in stack))
+    assert rec["gift-auto-e4m3-block"]["damping"] == "none"  # nothing installed for the side: plain FP8
+    assert rec["gift-auto-e4m3-block"]["rel_l2"] == pytest.approx(euclid, rel=1e-3)
+    assert not any(r["scheme"].startswith(("gift-e", "gift-paper")) for r in results)  # no factors given
+
+
+def test_cold_start_steps_send_plain_fp8(report):
+    """Step 1 sends what the refresh of step 0 allows, and that refresh has no held-out ``T`` to
+    check its choice: every plugin record of step 1 is plain FP8, with the error of
+    euclid-e4m3-block (bug caught: a ``T`` chosen on step 0's batch alone sent at step 1, the
+    cold start the issue measured worse than plain FP8). The per-step summary counts the same."""
+    out, _ = report
+    cells = by_cell(out["results"])
+    for (step, layer, tokens), c in cells.items():
+        if step == 1:
+            for s in ("gift-chosen", "gift-both", "gift-auto"):
+                assert c[f"{s}-e4m3-block"]["damping"] == "euclidean", (layer, s)
+                assert c[f"{s}-e4m3-block"]["rel_l2"] == c["euclid-e4m3-block"]["rel_l2"]
+    per_step = {(r["step"], r["family"]): r for r in out["summary"]["plugin_per_step"]}
+    assert set(per_step) == {(t, f) for t in (*TINY.cold_points, *TINY.points) for f in fidelity.PLUGIN}
+    assert all(per_step[(1, f)]["whitened"] == 0 for f in fidelity.PLUGIN)
+    for (t, f), row in per_step.items():
+        recs = [c[f"{f}-e4m3-block"] for (step, _, _), c in cells.items() if step == t]
+        assert row["n"] == len(recs) and row["worst"] == max(r["ratio_vs_best_euclid"] for r in recs)
+        assert row["whitened"] == sum(r["damping"] not in ("euclidean", "none") for r in recs)
+
+
+def test_plugin_output_statistics_fold_a_step_late():
+    """The two-sided schemes' output statistics come from the training backward and are folded a step
+    later than the inputs', as the runtime folds them: after steps 0-2 the input EMA holds 3 steps'
+    tokens, the output EMA 2 (bug caught: no output gradients captured, so ``both`` silently sends the
+    input side alone)."""
+    cfg = dataclasses.replace(TINY, cold_points=(), points=(3,))
+    model = fidelity.LlamaModel(cfg.model, seed=0)
+    corpus = fidelity.build_token_corpus(vocab_size=cfg.model.vocab_size)
+    trainer = fidelity.Trainer(model, corpus, batch_size=cfg.batch_size, warmup_steps=cfg.warmup_steps)
+    layers = fidelity.linear_layers(model)
+    plugin = fidelity._PluginLayers(cfg.gift, layers)
+    for step in range(3):
+        with fidelity.capture_inputs(model, layers) as acts, fidelity.capture_output_grads(model, layers) as dys:
+            trainer.run(1)
+        plugin.after_step(step, acts, dys, {n: m.weight.grad for n, m in layers.items()})
+    for name, layer in plugin.layers.items():
+        assert layer.out_stats.d_in == layers[name].out_features
+        assert layer.stats.folds == 3 and layer.out_stats.folds == 2, name
+        assert float(layer.out_stats.tokens) == cfg.batch_size * cfg.model.seq_len, name  # step 2's, not yet folded
 
 
 def test_summary_and_tables(report):

@@ -19,6 +19,14 @@ GIFT schemes (:class:`GiftScheme`), their factors kept during training as the pl
   before), rank ``rank``, and the damping chosen per layer at measurement among
   ``damping_candidates`` and Euclidean by the error each gives on rank 0's own gradient
   (``profile.choose_damping``, as the factor's owner does at a refresh; Euclidean: ``T = I``).
+* ``gift-chosen`` / ``gift-both`` / ``gift-auto`` (``-e4m3-block``, the configured codec; :data:`PLUGIN`):
+  what the plugin sends at ``--gift-side input`` / ``both`` / ``auto``, simulated as
+  ``bench.pretrained_steps.GiftLayer`` runs it: the same statistics (and, for ``both`` and ``auto``,
+  those of the layer's output gradients, folded a step later as the runtime folds them), the refresh
+  on the plugin's steps with the damping (pair) chosen on that training step's gradient (the batch's,
+  clipped: the owner's own gradient in the plugin) and installed a step late, and the
+  cold-start rule (``profile.held_out_gate``). Also measured at ``cold_points`` (the first steps),
+  where only plain FP8 and these are measured, and which the other summaries leave out.
 * ``gift-paper-<codec>`` / ``gift-paper-dense-<codec>``: the paper's settings (:data:`PAPER`):
   exact ``XᵀX`` only on refresh steps (every 50, warm-ups below), EMA 0.95 per refresh, damping
   1e-3, rank 32; low-rank-plus-diagonal ``T``, or the paper's dense Cholesky ``T`` of the same Â.
@@ -61,6 +69,7 @@ from megatron_gift.bench.llama import (
     LlamaModel,
     Trainer,
     capture_inputs,
+    capture_output_grads,
     layer_type,
     linear_layers,
     per_shard_grads,
@@ -81,20 +90,26 @@ LAYER_TYPES = ("qkv", "proj", "fc1", "fc2")
 
 SCHEMA = {
     "results": "one record per (step, layer, tokens_per_rank, scheme): step, layer, layer_type, scheme, "
-    "tokens_per_rank, rel_l2, cos; gift schemes add ratio_vs_euclid (rel_l2 / rel_l2 of euclid with the same codec), "
-    "ratio_vs_best_euclid (rel_l2 / min(euclid-e4m3-block, euclid-e4m3-row)), damping (the damping used, "
-    "'euclidean' where the default scheme's choice was T = I) and factor_age",
+    "tokens_per_rank, rel_l2, rel_l2_se, cos; gift schemes add ratio_vs_euclid (rel_l2 / rel_l2 of euclid with the same "
+    "codec), ratio_vs_best_euclid (rel_l2 / min(euclid-e4m3-block, euclid-e4m3-row)), noise_vs_best_euclid, best_euclid, "
+    "damping (the damping used, 'euclidean' where the choice was T = I; the plugin's schemes: a candidate, a pair "
+    "'δ_in/δ_out', 'euclidean' or 'none' before any refresh) and (not the plugin's) factor_age; steps in cold_points "
+    "hold only bf16, euclid and the plugin's schemes (gift-chosen, gift-both, gift-auto)",
     "schemes": "scheme name -> family (bf16|euclid|gift|gift-paper|gift-paper-dense), codec (fmt-scaling[-shared]), fmt, "
     "scaling, shared, gift_rank, settings (the GIFT scheme's statistics, refresh and damping)",
     "geometry": "one record per (step, layer, tokens_per_rank, gift scheme family gift|gift-paper): d_in, "
     "trace_share_top_r (p), grad_energy_share_top_r (q over the per-rank gradients), grad_energy_share_top_r_sum "
     "(q of Σ_r G_r), predicted_ratio_shares, predicted_ratio_model, measured_ratio {codec: gift/euclid rel_l2}",
     "points": "per measurement step: train_loss (mean over the last 8 training batches), heldout_loss, seconds",
-    "summary": "rel_l2_geomean (per tokens_per_rank, scheme, layer_type; 'all' = every layer), "
+    "summary": "over the points (not the cold_points) unless said: rel_l2_geomean (per tokens_per_rank, scheme, "
+    "layer_type; 'all' = every layer), "
     "gift_vs_best_euclid (geomean of ratio_vs_best_euclid per tokens_per_rank ('all': both), family and layer_type, "
     "with the worst record), damping_choices (the default scheme's, per layer type), ratio_by_layer_type "
     "(geomeans of predicted and measured ratios), prediction_fit (per codec: Pearson correlation of log predicted vs "
-    "log measured ratio over all geometry records, median measured/predicted)",
+    "log measured ratio over all geometry records, median measured/predicted), plugin_per_step (every step, cold "
+    "ones included: per step and plugin scheme the geomean and worst ratio_vs_best_euclid, records sent whitened), "
+    "gift_above_best_euclid_beyond_noise (records of gift-e4m3-block and the plugin's schemes, every step, above the "
+    "best Euclidean by more than noise_vs_best_euclid)",
 }
 
 
@@ -143,11 +158,12 @@ class FidelityConfig:
     gift: GiftScheme = DEFAULT
     paper: GiftScheme = PAPER
     seed: int = 0
+    cold_points: tuple[int, ...] = (1, 2)  # the plugin's cold start: measured before ``points``, plugin schemes only
 
     def __post_init__(self):
-        steps = (0, *self.points)
-        if any(b <= a for a, b in zip(steps, steps[1:])):
-            raise ValueError(f"need increasing positive points, got {self.points}")
+        steps = (0, *self.cold_points, *self.points)
+        if any(b <= a for a, b in zip(steps, steps[1:])) or not self.points:
+            raise ValueError(f"need increasing positive cold_points then points, got {self.cold_points}, {self.points}")
 
 
 # points in the middle of the default refresh interval (factors 4-5 steps old), late enough to be past the warm-up
@@ -178,6 +194,9 @@ class Scheme:
         out = {"family": self.family, "codec": self.codec_name, "fmt": self.codec.fmt.name,
                "scaling": self.codec.scaling.value, "shared": self.shared}  # fmt: skip
         gift = {"gift": cfg.gift, "gift-paper": cfg.paper, "gift-paper-dense": cfg.paper}.get(self.family)
+        if self.family in PLUGIN:
+            gift = cfg.gift
+            out.update(side=PLUGIN[self.family])
         if gift is not None:
             out.update(gift_rank=gift.rank, settings=dataclasses.asdict(gift))
         return out
@@ -188,12 +207,15 @@ CODECS = [(CodecConfig(FP8Format.E5M2, Scaling.TENSOR), True)] + [
 ]
 """(codec, shared): the paper's baseline, then both formats at every granularity (1x128 blocks)."""
 GIFT_FAMILIES = ("gift", "gift-paper", "gift-paper-dense")
+PLUGIN = {"gift-chosen": "input", "gift-both": "both", "gift-auto": "auto"}
+"""The plugin's schemes (module doc) -> the ``--gift-side`` each simulates; configured codec only."""
 BEST_EUCLID = ("euclid-e4m3-block", "euclid-e4m3-row")  # the strongest plain FP8: GIFT's ratio_vs_best_euclid
 
 
 def schemes(cfg: FidelityConfig | None = None) -> list[Scheme]:
     """Every scheme measured, in table order."""
-    return [Scheme("bf16")] + [Scheme(family, c, s) for family in ("euclid", *GIFT_FAMILIES) for c, s in CODECS]
+    return ([Scheme("bf16")] + [Scheme(family, c, s) for family in ("euclid", *GIFT_FAMILIES) for c, s in CODECS]
+            + [Scheme(family, GiftConfig().codec) for family in PLUGIN])  # fmt: skip
 
 
 # --------------------------------------------------------------------------- measurement
@@ -265,10 +287,11 @@ def _gift_sum(stack: torch.Tensor, codec: CodecConfig, shared: bool, whitening) 
     return whitening.inverse(quantized_sum(whitening.apply(stack), codec, shared))
 
 
-def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tuple[list[dict], list[dict]]:
+def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig, plugin=None) -> tuple[list[dict], list[dict]]:
     """Result records of every scheme and geometry records of each GIFT scheme for one layer's
     per-rank gradients ``stack [R, d_out, d_in]``; ``factors``: ``{"gift" | "gift-paper": (undamped
-    LowRankFactor of the scheme's last refresh, its age in steps)}``."""
+    LowRankFactor of the scheme's last refresh, its age in steps)}`` (empty: those schemes left out);
+    ``plugin``: the layer's ``GiftLayer``, whose installed ``T`` the :data:`PLUGIN` schemes send."""
     truth = stack.sum(0)
     results = [{"scheme": "bf16", **errors(stack.bfloat16().float().sum(0), truth)}]
     euclid, euclid_se = {}, {}
@@ -278,6 +301,20 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tu
         euclid[scheme.codec_name], euclid_se[scheme.codec_name] = results[-1]["rel_l2"], results[-1]["rel_l2_se"]
     best_name = min((name.removeprefix("euclid-") for name in BEST_EUCLID), key=euclid.get)
     best, best_se = euclid[best_name], euclid_se[best_name]
+
+    def compared(rec: dict, codec_name: str) -> dict:
+        rec["ratio_vs_euclid"] = rec["rel_l2"] / euclid[codec_name]
+        rec["ratio_vs_best_euclid"] = rec["rel_l2"] / best
+        rec["noise_vs_best_euclid"] = 2 * math.hypot(rec["rel_l2_se"], best_se)  # GIFT loses only beyond it
+        rec["best_euclid"] = best
+        return rec
+
+    if plugin is not None:
+        codec = GiftConfig().codec
+        for family, side in PLUGIN.items():
+            t, label = plugin.sent.get((side, True), (None, "none"))
+            rec = {"scheme": Scheme(family, codec).name, **errors(_gift_sum(stack, codec, False, t), truth), "damping": label}
+            results.append(compared(rec, codec.name))
     geometry = []
     for family, (factor, age) in factors.items():
         gift = cfg.gift if family == "gift" else cfg.paper
@@ -291,11 +328,7 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig) -> tu
                 whitening = None if damping is None else transform(factor.with_damping(damping))
                 rec = {"scheme": scheme.name, **errors(_gift_sum(stack, codec, shared, whitening), truth),
                        "damping": "euclidean" if damping is None else damping, "factor_age": age}  # fmt: skip
-                rec["ratio_vs_euclid"] = rec["rel_l2"] / euclid[scheme.codec_name]
-                rec["ratio_vs_best_euclid"] = rec["rel_l2"] / best
-                rec["noise_vs_best_euclid"] = 2 * math.hypot(rec["rel_l2_se"], best_se)  # GIFT loses only beyond it
-                rec["best_euclid"] = best
-                results.append(rec)
+                results.append(compared(rec, scheme.codec_name))
                 if fam == family:
                     measured[scheme.codec_name] = rec["ratio_vs_euclid"]
                     if codec == GiftConfig().codec and not shared and whitening is not None:
@@ -329,6 +362,34 @@ class _SchemeFactors:
                 self.factors[n] = (stats.low_rank_factor(stats.factor_rank(gift.rank), 0.0), step)
 
 
+class _PluginLayers:
+    """Every linear layer's GIFT as the plugin runs it (:data:`PLUGIN`), one
+    ``pretrained_steps.GiftLayer`` each, fed by the training steps."""
+
+    def __init__(self, gift: GiftScheme, layers: dict):
+        from .pretrained_steps import GiftLayer  # it imports this module
+
+        self.gift, n = gift, len(layers)
+        self.layers = {name: GiftLayer(KFACStatistics(m.in_features, gift.ema, gift.sketch, seed=i), gift.rank,
+                                       KFACStatistics(m.out_features, gift.ema, gift.sketch, seed=n + i))
+                       for i, (name, m) in enumerate(layers.items())}  # fmt: skip
+
+    def install(self) -> None:
+        """The last refresh's ``T``, a step late (what the next step sends)."""
+        for layer in self.layers.values():
+            layer.install()
+
+    def after_step(self, step: int, acts: dict, dys: dict, grads: dict) -> None:
+        """Step ``step``'s statistics (inputs ``acts``, output gradients ``dys``); on a refresh step the
+        factors and the damping choice on its gradient ``grads``."""
+        self.install()
+        dampings = self.gift.candidates if self.gift.damping is None else (self.gift.damping,)
+        for name, layer in self.layers.items():
+            layer.observe([acts[name]], [dys[name]])
+            if self.gift.is_refresh(step):
+                layer.refresh(grads[name], dampings)
+
+
 def _heldout_batches(corpus: TokenCorpus, cfg: FidelityConfig, ranks: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Fixed held-out batches, by tokens per rank: ``seqs_per_rank`` and ``accumulation``× that per rank."""
     seq = cfg.model.seq_len
@@ -339,21 +400,24 @@ def _heldout_batches(corpus: TokenCorpus, cfg: FidelityConfig, ranks: int) -> di
     return out
 
 
-def _measure_point(model, trackers: dict, batches, ranks, cfg, step) -> tuple[list[dict], list[dict], float]:
-    """Records of every layer at every held-out batch size, and the held-out loss of the first batch."""
+def _measure_point(model, trackers: dict, plugin: _PluginLayers, batches, ranks, cfg, step) -> tuple[list[dict], list[dict], float]:
+    """Records of every layer at every held-out batch size, and the held-out loss of the first batch
+    (at a cold point: only plain FP8 and the plugin's schemes)."""
     results, geometry, heldout_loss = [], [], float("nan")
+    plugin.install()
+    cold = step in cfg.cold_points
     for tokens, (x, y) in batches.items():
         shards = per_shard_grads(model, x, y, shards=ranks)
         if math.isnan(heldout_loss):
             heldout_loss = statistics.fmean(s.loss for s in shards)
-        for name in trackers["gift"].stats:
+        for name in plugin.layers:
             stack = torch.stack([s.grads[name] for s in shards])
-            factors = {family: (t.factors[name][0], step - 1 - t.factors[name][1]) for family, t in trackers.items()}
-            res, geo = measure_layer(stack, factors, cfg)
+            factors = {} if cold else {family: (t.factors[name][0], step - 1 - t.factors[name][1]) for family, t in trackers.items()}
+            res, geo = measure_layer(stack, factors, cfg, plugin.layers[name])
             key = {"step": step, "layer": name, "layer_type": layer_type(name), "tokens_per_rank": tokens}
             results += [{**key, **r} for r in res]
             geometry += [{**key, **g} for g in geo]
-        _log(f"step {step}: measured {len(trackers['gift'].stats)} layers at {tokens} tokens/rank")
+        _log(f"step {step}: measured {len(plugin.layers)} layers at {tokens} tokens/rank")
     return results, geometry, heldout_loss
 
 
@@ -422,7 +486,7 @@ def _gift_vs_best_euclid(results: list[dict]) -> list[dict]:
     groups = defaultdict(list)
     for r in results:
         family = r["scheme"].removesuffix(f"-{codec}")
-        if family in GIFT_FAMILIES and r["scheme"].endswith(codec):
+        if family in (*GIFT_FAMILIES, *PLUGIN) and r["scheme"].endswith(codec):
             for t in (r["tokens_per_rank"], "all"):
                 for lt in (r["layer_type"], "all"):
                     groups[(t, family, lt)].append(r["ratio_vs_best_euclid"])
@@ -440,24 +504,40 @@ def _damping_choices(results: list[dict]) -> dict:
     return {k: dict(v) for k, v in out.items()}
 
 
-def summarize(results: list[dict], geometry: list[dict]) -> dict:
-    """Aggregates over layers and steps; the printed tables are rendered from these alone."""
+def _plugin_per_step(results: list[dict]) -> list[dict]:
+    """Per step and plugin scheme: geomean and worst ``ratio_vs_best_euclid`` over the layers and
+    batch sizes, and how many records were sent whitened (a damping other than Euclidean or none)."""
+    names = {Scheme(f, GiftConfig().codec).name: f for f in PLUGIN}
+    groups = defaultdict(list)
+    for r in results:
+        if r["scheme"] in names:
+            groups[(r["step"], names[r["scheme"]])].append(r)
+    return [{"step": t, "family": f, "ratio_geomean": _geomean(r["ratio_vs_best_euclid"] for r in rs),
+             "worst": max(r["ratio_vs_best_euclid"] for r in rs), "whitened": sum(r["damping"] not in ("euclidean", "none") for r in rs),
+             "n": len(rs)} for (t, f), rs in sorted(groups.items())]  # fmt: skip
+
+
+def summarize(results: list[dict], geometry: list[dict], cold_points: tuple[int, ...] = ()) -> dict:
+    """Aggregates over layers and steps (the steps after ``cold_points`` unless the key says otherwise:
+    module doc, ``SCHEMA``); the printed tables are rendered from these alone."""
+    everything, results = results, [r for r in results if r["step"] not in cold_points]
     return {
         "rel_l2_geomean": _rel_l2_geomean(results),
         "gift_vs_best_euclid": _gift_vs_best_euclid(results),
         "damping_choices": _damping_choices(results),
         "ratio_by_layer_type": _ratio_by_layer_type(geometry),
         "prediction_fit": _prediction_fit(geometry),
-        "gift_above_best_euclid_beyond_noise": _losses(results),
+        "plugin_per_step": _plugin_per_step(everything),
+        "gift_above_best_euclid_beyond_noise": _losses(everything),
     }
 
 
 def _losses(results: list[dict]) -> list[dict]:
-    """Records of the shipped scheme (configured codec) whose RelL2 exceeds the best Euclidean's by
-    more than ``noise_vs_best_euclid`` (twice the combined standard error)."""
-    name = Scheme("gift", GiftConfig().codec).name
-    return [{k: r[k] for k in ("step", "layer", "tokens_per_rank", "rel_l2", "best_euclid", "noise_vs_best_euclid")}
-            for r in results if r["scheme"] == name and r["rel_l2"] - r["best_euclid"] > r["noise_vs_best_euclid"]]  # fmt: skip
+    """Records of the default scheme and the plugin's (configured codec) whose RelL2 exceeds the best
+    Euclidean's by more than ``noise_vs_best_euclid`` (twice the combined standard error)."""
+    names = {Scheme(f, GiftConfig().codec).name for f in ("gift", *PLUGIN)}
+    return [{k: r[k] for k in ("step", "layer", "scheme", "tokens_per_rank", "rel_l2", "best_euclid", "noise_vs_best_euclid")}
+            for r in results if r["scheme"] in names and r["rel_l2"] - r["best_euclid"] > r["noise_vs_best_euclid"]]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- tables
@@ -489,7 +569,7 @@ def _best_euclid_table(summary: dict) -> str:
     tokens = sorted({t for t, _, _ in cell if t != "all"}) + ["all"]
     rows = [[family, t, *(cell[(t, family, c)]["ratio_geomean"] if (t, family, c) in cell else None for c in cols),
              cell[(t, family, "all")]["worst"] if (t, family, "all") in cell else None]
-            for family in GIFT_FAMILIES for t in tokens]  # fmt: skip
+            for family in (*GIFT_FAMILIES, *PLUGIN) for t in tokens]  # fmt: skip
     title = (f"GIFT / best Euclidean ({' or '.join(BEST_EUCLID)}) RelL2, {GiftConfig().codec.name}, geometric mean "
              "over layers and steps")  # fmt: skip
     return f"{title}\n\n" + _md_table(["scheme", "tokens/rank", *cols, "worst record"], rows)
@@ -516,6 +596,13 @@ def _fit_table(summary: dict) -> str:
     return "Prediction fit over every (step, layer, tokens/rank, GIFT scheme)\n\n" + _md_table(header, rows)
 
 
+def _plugin_table(summary: dict) -> str:
+    rows = [[r["step"], r["family"], r["ratio_geomean"], r["worst"], f"{r['whitened']}/{r['n']}"] for r in summary["plugin_per_step"]]
+    title = ("The plugin's schemes per step, cold start included: scheme / best Euclidean RelL2 (geometric mean and "
+             "worst over layers and batch sizes), records sent whitened")  # fmt: skip
+    return f"{title}\n\n" + _md_table(["step", "scheme", "geomean", "worst", "whitened"], rows)
+
+
 def format_tables(report: dict) -> str:
     """Markdown tables of ``report['summary']``: GIFT against the best plain FP8, RelL2 per scheme and
     layer type, the default scheme's damping choices, predicted vs measured GIFT/Euclidean ratios per
@@ -524,8 +611,9 @@ def format_tables(report: dict) -> str:
     choices = "\n".join(f"- {lt}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) for lt, c in sorted(summary["damping_choices"].items()))
     parts = [_best_euclid_table(summary), *_rel_l2_tables(summary, list(report["schemes"])),
              "Damping chosen by the default scheme (records per layer type)\n\n" + choices, _ratio_table(summary), _fit_table(summary),
-             f"Default-scheme records above the best Euclidean by more than twice the combined standard error of "
-             f"the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}"]  # fmt: skip
+             _plugin_table(summary),
+             f"Records of gift-{GiftConfig().codec.name} and the plugin's schemes above the best Euclidean by more than "
+             f"twice the combined standard error of the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}"]  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
 
@@ -593,18 +681,20 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
     trainer = Trainer(model, corpus, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed, warmup_steps=cfg.warmup_steps)
     layers = linear_layers(model)
     trackers = {"gift": _SchemeFactors(cfg.gift, layers), "gift-paper": _SchemeFactors(cfg.paper, layers)}
+    plugin = _PluginLayers(cfg.gift, layers)
     batches = _heldout_batches(corpus, cfg, ranks)
     results, geometry, points = [], [], []
-    for step in cfg.points:
+    for step in (*cfg.cold_points, *cfg.points):
         t, losses = time.perf_counter(), []
         while trainer.step < step:
-            with capture_inputs(model, layers) as acts:
+            with capture_inputs(model, layers) as acts, capture_output_grads(model, layers) as dys:
                 losses += trainer.run(1)
             for tracker in trackers.values():
                 tracker.after_step(trainer.step - 1, acts)
+            plugin.after_step(trainer.step - 1, acts, dys, {n: m.weight.grad for n, m in layers.items()})
         train_loss = statistics.fmean(losses[-8:])
         _log(f"step {step}: train loss {train_loss:.3f} ({time.perf_counter() - t:.1f}s)")
-        res, geo, heldout_loss = _measure_point(model, trackers, batches, ranks, cfg, step)
+        res, geo, heldout_loss = _measure_point(model, trackers, plugin, batches, ranks, cfg, step)
         results += res
         geometry += geo
         points.append({"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss, "seconds": time.perf_counter() - t})
@@ -619,7 +709,7 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
         "points": points,
         "results": results,
         "geometry": geometry,
-        "summary": summarize(results, geometry),
+        "summary": summarize(results, geometry, cfg.cold_points),
         "wall_seconds": time.perf_counter() - t0,
     }
     if json_path is not None:
