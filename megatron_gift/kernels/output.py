@@ -41,10 +41,11 @@ def _output_inverse_kernel(w_ptr, out_ptr, dsqrt_ptr, q_ptr, cinv_ptr, p_ptr, n,
     imask, jmask = i < row0 + rows, j < cols
     t = i[:, None] * cols + j - e0
     mask = imask[:, None] & jmask & (t >= 0) & (t < n)
+    used = tl.max(mask.to(tl.int32), axis=0)[None, :] > 0  # the columns the tile's elements use
     x = tl.load(w_ptr + t, mask=mask, other=0.0)
     for k in range(rank):
         qk = tl.load(q_ptr + i * rank + k, mask=imask, other=0.0) * tl.load(cinv_ptr + k)
-        x += qk[:, None] * tl.load(p_ptr + k * cols + j, mask=jmask, other=0.0)
+        x += qk[:, None] * tl.load(p_ptr + k * cols + j, mask=used, other=0.0)
     _store_as(out_ptr + t, x * tl.load(dsqrt_ptr + i, mask=imask, other=0.0)[:, None], mask, BF16)
 
 
