@@ -822,6 +822,8 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         ("_decode_placed_kernel", dict(BF16=False, **ORDERED, **E5M2_MX), False, False),
         ("_sum_kernel", dict(AVERAGE=True, PLACE=2, BLOCK=1024, BF16=True), False, True),
         ("_sum_kernel", dict(AVERAGE=False, PLACE=1, BLOCK=1024, BF16=False), False, False),
+        ("_output_inverse_kernel", dict(BF16=True), True, False),
+        ("_output_inverse_kernel", dict(BF16=False), True, False),
     ]
 
     def _signature(kernel, constexprs):
@@ -855,9 +857,9 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from megatron_gift.kernels import fused, place, receive
+        from megatron_gift.kernels import fused, output, place, receive
 
-        kernel = getattr(fused, name, None) or getattr(place, name, None) or getattr(receive, name)
+        kernel = next(getattr(m, name) for m in (fused, place, receive, output) if hasattr(m, name))
         tile = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
         constexprs = {**{k: v for k, v in tile.items() if k in kernel.arg_names}, **constexprs}
         signature = _signature(kernel, constexprs)

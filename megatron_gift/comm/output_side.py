@@ -16,8 +16,9 @@ the stages are the inner's, extended::
          (``output_projection``: head piece, whole rows, tail piece), summed over the group by one
          asynchronous all-reduce (the ledger's ``all_reduce/fp32-out``); all-reduce: the whole P
          locally, no collective
-    L+1  G = D^{1/2} (W + Q (c' ⊙ P)) on the rank's elements (``output_inverse``), written into the
-         bucket once, in its dtype; the stage's ``nonfinite`` flag set where it holds a NaN/Inf
+    L+1  G = D^{1/2} (W + Q (c' ⊙ P)) on the rank's elements (``kernels.output_inverse``: one Triton
+         launch per segment on the fused path, ``two_sided.output_inverse`` on the PyTorch one), written
+         into the bucket once, in its dtype; the stage's ``nonfinite`` flag set where it holds a NaN/Inf
 
 The bucket is only read at the sender and written only on the rank's elements (reduce-scatter:
 nothing outside its shard). Each stage adds a fixed few ops per two-sided segment, whatever the
@@ -33,7 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..numerics.two_sided import output_inverse, output_projection
+from .. import kernels as _kernels
+from ..numerics.two_sided import output_projection
 from ..numerics.whitening import LowRankWhitening
 from .layout import FP8_MODES
 from .ledger import CommLedger, ring_all_reduce_bytes
@@ -121,7 +123,8 @@ class OutputSide(Wrapping):
         inner, layout = self.inner, self.inner.layout
         for i, (lo, hi) in self.owned.items():
             s, dest = layout.segments[i], inner.flat[lo:hi]
-            output_inverse(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i), dest)
+            _kernels.output_inverse(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i), dest,
+                                    fused=inner.kernels)  # fmt: skip
             if inner.nonfinite is not None:  # this stage's own flag (``ShardReduction._reduced``)
                 inner.nonfinite[self.stage].logical_or_(torch.isfinite(dest).all().logical_not())
         inner.targets = {}

@@ -13,7 +13,8 @@ code as reference and fallback:
   into the caller's ``out`` (a bucket slice) in its dtype; ``decode_placed``, the same for one
   all-gathered message per shard read at a table's positions (``kernels/receive.py``);
   ``sum_rows`` / ``take``, the FP32 rank sum of float values (plain values, a BF16/FP32 wire)
-  and a placed read, one launch each.
+  and a placed read, one launch each; ``output_inverse``, the output side's ``T_out⁻ᵀ`` on a rank's
+  elements of a two-sided parameter, one launch per parameter (``kernels/output.py``).
 
 Each agrees with ``reference_whiten_encode`` / ``reference_decode_sum_unwhiten``: ``U`` and
 ``T⁻¹`` to FP32 rounding (true FP32: no TF32 whatever cuBLAS is told); the codes and scales bit
@@ -41,6 +42,7 @@ import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded, Scaling
 from ..numerics.two_sided import OutputRows
+from ..numerics.two_sided import output_inverse as reference_output_inverse  # the reference lives with its math
 from ..numerics.whitening import LowRankWhitening
 from .reference import (
     ordered_sum,
@@ -63,6 +65,7 @@ __all__ = [
     "decode_placed",
     "sum_rows",
     "take",
+    "output_inverse",
     "reference_whiten_encode",
     "reference_whiten_place",
     "reference_decode_sum_unwhiten",
@@ -85,6 +88,14 @@ def _place():
     from . import place
 
     return place
+
+
+@functools.cache
+def _output():
+    """The output-side inverse's kernel module (imports triton; only where ``_fused()`` is not None)."""
+    from . import output
+
+    return output
 
 
 def _receive():
@@ -245,3 +256,14 @@ def take(src: Place, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
     if _use_sum(fused, [src.out.view(1, -1)[:, : out.numel()]], out):
         return _receive().take(src, out)
     return reference_take(src, out)
+
+
+def output_inverse(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor,
+                   out: torch.Tensor, fused: bool = True) -> None:  # fmt: skip
+    """``out = T_out⁻ᵀ W`` on elements ``[e0, e0 + n)`` of a two-sided parameter ``[d_out, cols]``
+    (``w``: ``T_out``; ``values [n]`` FP32; ``proj``: the whole ``P = Qᵀ W`` ``[r, cols]``), computed in
+    FP32 and rounded once to ``out``'s dtype (``numerics.two_sided.output_inverse``, the reference):
+    one Triton launch wherever the kernels can run (``fused``, ``available``), else the reference."""
+    if fused and values.numel() > 0 and available(values.device):
+        return _output().output_inverse(w, values, cols, e0, proj, out)
+    return reference_output_inverse(w, values, cols, e0, proj, out)
