@@ -17,6 +17,7 @@ import torch
 
 from megatron_gift.comm import param_delta
 from megatron_gift.testing.dispatch import OpCounter
+from megatron_gift.testing.kernel_log import launches_of
 from megatron_gift.testing.spawn import wall_limit
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,33 +55,12 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16)))
 
 
-class Launches:
-    """Records each launch of ``kernels.delta``'s kernels as ``(name, bound arguments)``."""
-
-    def __init__(self, monkeypatch):
-        from megatron_gift.kernels import delta
-
-        self.log: list[tuple[str, dict]] = []
-        for name in delta.TRAFFIC:
-            monkeypatch.setattr(delta, name, _Recorded(getattr(delta, name), name, self.log))
-
-
-class _Recorded:
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            bound = dict(zip(self.kernel.arg_names, args), **kwargs, grid=tuple(grid))
-            self.log.append((self.name, bound))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 @pytest.fixture
-def launches(monkeypatch):
-    return Launches(monkeypatch)
+def launches():
+    from megatron_gift.kernels import delta
+
+    with launches_of(delta) as log:
+        yield log
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -98,7 +78,7 @@ def test_fused_codec_is_bitwise_the_reference(device, dtype, numel, p, launches)
         param_delta.encode(new[r], prev[r], got[r], fused=True)
         param_delta.encode(new[r], prev[r], want[r], fused=False)
     assert torch.equal(got, want)
-    assert [name for name, _ in launches.log] == ["_encode_kernel"] * p
+    assert [name for name, _ in launches] == ["_encode_kernel"] * p
     for rank in range(p):
         param = prev.clone()
         param[rank] = new[rank]  # the owner's row holds the new values until the decode
@@ -108,7 +88,7 @@ def test_fused_codec_is_bitwise_the_reference(device, dtype, numel, p, launches)
         param_delta.decode_into(got, ref_param, ref_own, rank, fused=False)
         assert same(param, ref_param) and same(own, ref_own), rank
         assert same(param[rank], own)
-    assert [name for name, _ in launches.log[p:]] == ["_decode_kernel"] * p
+    assert [name for name, _ in launches[p:]] == ["_decode_kernel"] * p
     # without prev: every row decoded against itself
     param, ref = prev.clone(), prev.clone()
     param_delta.decode_into(got, param, fused=True)
@@ -126,10 +106,10 @@ def test_traffic_entries_are_the_launch_bytes(device, launches):
     for numel, p in ((2048 + 37, 2), (100, 3)):
         prev, new = (t.to(device) for t in shards(p, numel, torch.bfloat16, seed=7))
         msgs = torch.empty(p, param_delta.message_bytes(numel), dtype=torch.uint8, device=device)
-        mark = len(launches.log)
+        mark = len(launches)
         param_delta.encode(new[0], prev[0], msgs[0])
         param_delta.decode_into(msgs, prev.clone(), prev[1].clone(), 1)
-        (enc_name, enc), (dec_name, dec) = launches.log[mark:]
+        (enc_name, enc), (dec_name, dec) = launches[mark:]
         assert delta.TRAFFIC[enc_name](enc) == (new[0].nbytes + prev[0].nbytes, msgs[0].nbytes)
         assert delta.TRAFFIC[dec_name](dec) == (msgs.nbytes + prev.nbytes, prev.nbytes + prev[1].nbytes)
 

@@ -31,6 +31,7 @@ import torch
 from megatron_gift import kernels
 from megatron_gift.numerics.two_sided import output_inverse as reference_output_inverse
 from megatron_gift.numerics.whitening import LowRankWhitening
+from megatron_gift.testing.kernel_log import launches_of
 from megatron_gift.testing.spawn import wall_limit
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -70,36 +71,16 @@ def _dense(w: LowRankWhitening, values: torch.Tensor, proj: torch.Tensor) -> tup
     return g.flatten(), m.flatten()
 
 
-class Launches:
-    """Records each launch of ``kernels.output``'s kernel as ``(name, bound arguments)``."""
-
-    def __init__(self, monkeypatch):
-        from megatron_gift.kernels import output
-
-        self.log: list[tuple[str, dict]] = []
-        for name in output.TRAFFIC:
-            monkeypatch.setattr(output, name, _Recorded(getattr(output, name), name, self.log))
-
-
-class _Recorded:
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append((self.name, dict(zip(self.kernel.arg_names, args), **kwargs, grid=tuple(grid))))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 @pytest.fixture
 def launches(monkeypatch):
     def fallback(*args, **kwargs):
         raise AssertionError("fell back to the PyTorch reference")
 
+    from megatron_gift.kernels import output
+
     monkeypatch.setattr(kernels, "reference_output_inverse", fallback)
-    return Launches(monkeypatch)
+    with launches_of(output) as log:
+        yield log
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -118,9 +99,9 @@ def test_output_inverse_against_dense_fp64(device, rank, e0, e1, launches):
     results = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         buf = torch.full((e1 - e0 + 2,), 7.0, dtype=dtype, device=device)
-        mark = len(launches.log)
+        mark = len(launches)
         kernels.output_inverse(w, values[e0:e1], COLS, e0, proj, buf[1:-1])
-        assert [name for name, _ in launches.log[mark:]] == ["_output_inverse_kernel"], dtype
+        assert [name for name, _ in launches[mark:]] == ["_output_inverse_kernel"], dtype
         assert buf[0].item() == 7.0 and buf[-1].item() == 7.0, dtype
         results[dtype] = got = buf[1:-1].double().cpu()
         nan = want.isnan()
@@ -154,7 +135,7 @@ def test_traffic_entry_is_the_launch_bytes(device, launches):
         for dtype in (torch.float32, torch.bfloat16):
             out = torch.empty(e1 - e0, dtype=dtype, device=device)
             kernels.output_inverse(w, values[e0:e1], COLS, e0, proj, out)
-            name, args = launches.log[-1]
+            name, args = launches[-1]
             e = torch.arange(e0, e1)
             rows, cols = e.div(COLS, rounding_mode="floor").unique().numel(), (e % COLS).unique().numel()
             read = 4 * (e1 - e0) + 4 * rows * (1 + rank) + 4 * cols * rank + 4 * rank

@@ -172,6 +172,7 @@ def kernel_rows(cases=KERNEL_CASES) -> list[dict]:
     from ..comm import param_delta
     from ..kernels import delta
     from ..testing.dispatch import OpCounter
+    from ..testing.kernel_log import launches_of
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -181,16 +182,9 @@ def kernel_rows(cases=KERNEL_CASES) -> list[dict]:
         new = (prev.float() + 1e-4 * torch.randn(p, numel, generator=gen).to(device)).bfloat16()
         m = param_delta.message_bytes(numel)
         msgs = torch.empty(p, m, dtype=torch.uint8, device=device)
-        log = []
-        for name in delta.TRAFFIC:
-            kernel = getattr(delta, name)
-            setattr(delta, name, _Recording(kernel, name, log))
-        try:
+        with launches_of(delta) as log:
             param_delta.encode(new[0], prev[0], msgs[0], fused=True)
             param_delta.decode_into(msgs, prev.clone(), prev[0].clone(), 0, fused=True)
-        finally:
-            for name in delta.TRAFFIC:
-                setattr(delta, name, getattr(delta, name).kernel)
         e, nb, n = 2, param_delta.blocks(numel), p * numel
         essential = {"_encode_kernel": (2 * e * numel, 33 * nb), "_decode_kernel": (p * (m + e * numel), (p + 1) * e * numel)}
         with OpCounter() as enc:
@@ -209,20 +203,6 @@ def kernel_rows(cases=KERNEL_CASES) -> list[dict]:
             entry["bytes_per_bucket_element"] = entry["bytes"] / n
         rows.append(row)
     return rows
-
-
-class _Recording:
-    """A kernel whose launches are logged as ``(name, bound arguments with the grid)``."""
-
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append((self.name, dict(zip(self.kernel.arg_names, args), **kwargs, grid=tuple(grid))))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
 
 
 def _kernel_report() -> dict:
