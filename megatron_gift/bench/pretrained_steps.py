@@ -40,6 +40,7 @@ and ``ratio`` (to ``best_euclid``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -63,6 +64,22 @@ from .llama import layer_type, lm_loss
 DEFAULTS = GiftConfig()
 BLOCK, ROW = CodecConfig(FP8Format.E4M3, Scaling.BLOCK), CodecConfig(FP8Format.E4M3, Scaling.ROW)
 RANK_AXIS = {"qkv": 64, "fc1": 64}  # layer type -> the other rank measured (sketch 2x)
+
+
+MEASURE_THREADS = 1
+"""torch threads of the measurement (statistics, refreshes, round trips): thousands of ops on tensors of
+about a million elements, for which a second thread's hand-offs cost more than it gains on a shared
+machine (``bench fidelity``'s reason); the models' passes run at the caller's setting (``--threads``)."""
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _log(msg: str) -> None:
@@ -292,7 +309,8 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
         t0 = time.time()
         inputs, targets = next(batches)
         shards = _shards(model, layers, inputs, targets, spec.ranks)
-        records += _measure_step(step, spec, shards, gift, schedule.is_refresh_step(step), cfg)
+        with _threads(MEASURE_THREADS):
+            records += _measure_step(step, spec, shards, gift, schedule.is_refresh_step(step), cfg)
         _log(f"{spec.name} step {step}: {len(layers)} layers, {time.time() - t0:.0f} s")
     return records
 
@@ -434,7 +452,8 @@ def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...
                machine=machine(), corpus=manifest.get("origin"), wall_seconds=round(time.time() - t0, 1),
                load_average=dict(start=load, end=os.getloadavg()),
                settings=dict(rank=DEFAULTS.rank, sketch=DEFAULTS.sketch, ema=DEFAULTS.ema, refresh_interval=DEFAULTS.refresh_interval,
-                             damping_candidates=list(DEFAULTS.damping_candidates), lag=1, noise_chunks=CHUNKS),
+                             damping_candidates=list(DEFAULTS.damping_candidates), lag=1, noise_chunks=CHUNKS,
+                             threads=dict(model=torch.get_num_threads(), measurement=MEASURE_THREADS)),
                specs=[s.__dict__ | {"tokens_per_rank": s.tokens_per_rank} for s in specs],
                records=records)  # fmt: skip
     doc["summary"] = summarize(records)
