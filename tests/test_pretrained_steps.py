@@ -205,7 +205,8 @@ def test_two_sided_schemes_against_a_dense_reference():
 
     rel = {}
     for scheme in ("gift-chosen", "gift-both", "gift-auto"):
-        approx, label = pretrained_steps.SCHEMES[scheme]({"gift": {"main": layer}}, stack, truth)
+        codec, t, label = pretrained_steps.SCHEMES[scheme]({"main": layer})
+        approx = pretrained_steps._sum(stack, codec, t)
         rel[scheme] = float((approx.double() - truth.double()).norm() / truth.double().norm())
         assert label not in ("euclidean", "none"), (scheme, label)
         expected = ref(label)
@@ -215,6 +216,31 @@ def test_two_sided_schemes_against_a_dense_reference():
     grid = {f"{i}/{o}": estimate(f"{i}/{o}") for i in dampings for o in dampings}
     assert grid[both] <= 1.02 * min(grid.values()) and grid[both] < float((roundtrip(g0, codec) - g0).norm()), (both, grid)
     assert rel["gift-both"] < 0.9 * rel["gift-chosen"], rel  # the output side matters here: a dropped T_out shows
+
+
+def test_damping_errors_equal_the_profiles_bit_for_bit():
+    """The bench's faster ``damping_errors`` (one ``G T_in`` per input side shared by its grid pairs, the
+    ``fp8_sim`` round trip) against ``numerics.profile.damping_errors`` on what a refresh passes: input
+    candidates, two-sided pairs in grid order (``T_out = I`` and low-rank) and held-out maps. Catches a
+    cached ``G T_in`` paired with another pair's input side, the output side applied untransposed and a
+    round trip that differs from the codec's in any bit (each moves an estimate, and the damping choice)."""
+    from megatron_gift.numerics import CodecConfig, LowRankWhitening, TwoSidedWhitening
+    from megatron_gift.numerics.profile import damping_errors
+
+    gen = torch.Generator().manual_seed(7)
+    d_in, d_out = 200, 72
+    s_in, s_out = KFACStatistics(d_in, sketch=64, seed=0), KFACStatistics(d_out, sketch=64, seed=1)
+    s_in.accumulate(torch.randn(512, d_in, generator=gen) * torch.logspace(0, -2, d_in))
+    s_out.accumulate(torch.randn(512, d_out, generator=gen) * torch.logspace(0, -2, d_out))
+    s_in.fold()
+    s_out.fold()
+    f_in, f_out = s_in.low_rank_factor(32, 0.0), s_out.low_rank_factor(32, 0.0)
+    ins = [LowRankWhitening(f_in.with_damping(c)) for c in (0.3, 1.0, 3.0)]
+    outs = [LowRankWhitening.identity(d_out), *(LowRankWhitening(f_out.with_damping(c)) for c in (0.3, 3.0))]
+    held = [TwoSidedWhitening(LowRankWhitening(f_in.with_damping(10.0)), outs[2]), LowRankWhitening(f_in.with_damping(0.1))]
+    maps = ins + [TwoSidedWhitening(i, o) for i in ins for o in outs] + held
+    g = torch.randn(d_out, d_in, generator=gen) * torch.logspace(0, -2, d_in)
+    assert torch.equal(pretrained_steps.damping_errors(g, maps), damping_errors(g, maps, CodecConfig()))
 
 
 def test_run_model_on_a_tiny_causal_lm(monkeypatch):

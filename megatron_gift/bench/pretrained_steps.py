@@ -40,8 +40,8 @@ and ``ratio`` (to ``best_euclid``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import math
 import os
 import statistics
@@ -54,16 +54,32 @@ import torch
 
 from ..config import GiftConfig
 from ..numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling, TwoSidedWhitening
-from ..numerics.fp8 import roundtrip
-from ..numerics.profile import damping_choice, damping_errors, held_out_gate
+from ..numerics.profile import damping_choice, held_out_gate
 from ..numerics.refresh import RecordLayout
 from ..state import GiftState
+from . import fp8_sim
 from .fidelity import CHUNKS, rel_l2_noise
 from .llama import layer_type, lm_loss
 
 DEFAULTS = GiftConfig()
 BLOCK, ROW = CodecConfig(FP8Format.E4M3, Scaling.BLOCK), CodecConfig(FP8Format.E4M3, Scaling.ROW)
 RANK_AXIS = {"qkv": 64, "fc1": 64}  # layer type -> the other rank measured (sketch 2x)
+
+
+MEASURE_THREADS = 1
+"""torch threads of the measurement (statistics, refreshes, round trips): thousands of ops on tensors of
+about a million elements, for which a second thread's hand-offs cost more than it gains on a shared
+machine (``bench fidelity``'s reason); the models' passes run at the caller's setting (``--threads``)."""
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _log(msg: str) -> None:
@@ -75,8 +91,26 @@ def _sum(stack: torch.Tensor, codec: CodecConfig, t: LowRankWhitening | TwoSided
     None: plain FP8) in FP32."""
     total = torch.zeros_like(stack[0])
     for g in stack:
-        total += roundtrip(g if t is None else t.apply(g), codec)
+        total += fp8_sim.roundtrip(g if t is None else t.apply(g), codec)
     return total if t is None else t.inverse(total)
+
+
+def damping_errors(g: torch.Tensor, whitenings: list) -> torch.Tensor:
+    """``numerics.profile.damping_errors(g, whitenings, BLOCK)``, its numbers bit for bit, faster: the
+    round trips of ``fp8_sim`` and each input side's ``G T_in`` computed once for all the pairs of the
+    grid that share it (the same maps in the same order: ``TwoSidedWhitening.apply`` is
+    ``T_out``'s ``apply`` of the transposed ``G T_in``)."""
+    g = g.detach().float()
+    errs, applied = [fp8_sim.roundtrip(g, BLOCK).sub_(g).norm()], {}
+    for w in whitenings:
+        t_in = w.input_side if isinstance(w, TwoSidedWhitening) else w
+        if id(t_in) not in applied:
+            applied[id(t_in)] = t_in.apply(g)
+        u = applied[id(t_in)]
+        if isinstance(w, TwoSidedWhitening):
+            u = w.output_side.apply(u.mT).mT
+        errs.append(w.inverse(fp8_sim.roundtrip(u, BLOCK).sub_(u)).norm())
+    return torch.stack(errs)
 
 
 @dataclass
@@ -132,7 +166,7 @@ class GiftLayer:
         sides = self.candidates(dampings)
         unique = list({id(t): t for cands in sides.values() for _, t in cands}.values())
         held = list(self.held_out.items())
-        errs = damping_errors(g0, unique + [t for _, t in held], BLOCK)  # [Euclidean, *unique, *held]
+        errs = damping_errors(g0, unique + [t for _, t in held])  # [Euclidean, *unique, *held]
         col = {id(t): 1 + i for i, t in enumerate(unique)}
         held_err = {side: errs[1 + len(unique) + i] for i, (side, _) in enumerate(held)}
         sent, best = {}, {}
@@ -146,24 +180,27 @@ class GiftLayer:
 
 
 def _gift_scheme(side: str, gated: bool, key: str = "main"):
-    def run(ctx, stack, truth):
-        t, label = ctx["gift"][key].sent.get((side, gated), (None, "none"))
-        return _sum(stack, BLOCK, t), label
+    def sent(gift):
+        if key not in gift:
+            return None
+        t, label = gift[key].sent.get((side, gated), (None, "none"))
+        return BLOCK, t, label
 
-    return run
+    return sent
 
 
 SCHEMES = {
-    "euclid-e4m3-block": lambda ctx, stack, truth: (_sum(stack, BLOCK, None), None),
-    "euclid-e4m3-row": lambda ctx, stack, truth: (_sum(stack, ROW, None), None),
+    "euclid-e4m3-block": lambda gift: (BLOCK, None, None),
+    "euclid-e4m3-row": lambda gift: (ROW, None, None),
     "gift-input": _gift_scheme("input", False),
     "gift-chosen": _gift_scheme("input", True),
     "gift-both": _gift_scheme("both", True),
     "gift-auto": _gift_scheme("auto", True),
     "gift-input-r64": _gift_scheme("input", False, "r64"),
 }
-"""name -> ``fn(ctx, stack [R, d_out, d_in], truth) -> (Σ decoded, damping label)``; ``ctx["gift"]``
-holds the layer's ``GiftLayer`` variants (``main`` at the shipped rank, ``r64`` where measured)."""
+"""name -> ``fn(gift) -> (codec, T, damping label)``: what the scheme sends on a layer (``T`` None: plain
+FP8; None where the scheme is not measured on the layer), measured as ``_sum``; ``gift`` holds the
+layer's ``GiftLayer`` variants (``main`` at the shipped rank, ``r64`` where measured)."""
 GATED = ("gift-chosen", "gift-both", "gift-auto")  # what the plugin sends at --gift-side input, both, auto
 EUCLID = ("euclid-e4m3-block", "euclid-e4m3-row")
 
@@ -272,30 +309,41 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
         t0 = time.time()
         inputs, targets = next(batches)
         shards = _shards(model, layers, inputs, targets, spec.ranks)
-        for name in layers:
-            for v in gift[name].values():
-                v.install()  # the refresh of step-1, a step late
-            stack = torch.stack([s[0][name] for s in shards])
-            truth = stack.sum(0)
-            key = dict(step=step, model=spec.name, layer=name, layer_type=layer_type(name), d_in=stack.shape[2],
-                       d_out=stack.shape[1], tokens_per_rank=spec.tokens_per_rank, ranks=spec.ranks)  # fmt: skip
-            out = []
-            for scheme, fn in SCHEMES.items():
-                if scheme.endswith("-r64") and "r64" not in gift[name]:
-                    continue
-                approx, label = fn({"gift": gift[name]}, stack, truth)
-                rel, se = rel_l2_noise(approx, truth)
-                out.append({**key, "scheme": scheme, "rel_l2": rel, "rel_l2_se": se, "damping": label})
-            best = min((r for r in out if r["scheme"] in EUCLID), key=lambda r: r["rel_l2"])
-            for r in out:
-                r["ratio"] = r["rel_l2"] / best["rel_l2"]
-                r["best_euclid_se"] = best["rel_l2_se"]
-            records += out
-            for v in gift[name].values():
-                v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
-                if schedule.is_refresh_step(step):
-                    v.refresh(stack[0], cfg.damping_candidates)
+        with _threads(MEASURE_THREADS):
+            records += _measure_step(step, spec, shards, gift, schedule.is_refresh_step(step), cfg)
         _log(f"{spec.name} step {step}: {len(layers)} layers, {time.time() - t0:.0f} s")
+    return records
+
+
+def _measure_step(step: int, spec: ModelSpec, shards: list, gift: dict, refresh: bool, cfg: GiftConfig) -> list[dict]:
+    """Step ``step``'s records of every measured layer (``gift``'s) and scheme; then each layer's
+    statistics observed and, at a ``refresh`` step, its ``T`` built (installed at the next step)."""
+    records = []
+    for name in gift:
+        for v in gift[name].values():
+            v.install()  # the refresh of step-1, a step late
+        stack = torch.stack([s[0][name] for s in shards])
+        truth = stack.sum(0)
+        key = dict(step=step, model=spec.name, layer=name, layer_type=layer_type(name), d_in=stack.shape[2],
+                   d_out=stack.shape[1], tokens_per_rank=spec.tokens_per_rank, ranks=spec.ranks)  # fmt: skip
+        out, measured = [], {}  # (codec, id(T)) -> (rel_l2, se): schemes sending the same map share it
+        for scheme, fn in SCHEMES.items():
+            if (sent := fn(gift[name])) is None:
+                continue
+            codec, t, label = sent
+            if (codec, id(t)) not in measured:
+                measured[(codec, id(t))] = rel_l2_noise(_sum(stack, codec, t), truth)
+            rel, se = measured[(codec, id(t))]
+            out.append({**key, "scheme": scheme, "rel_l2": rel, "rel_l2_se": se, "damping": label})
+        best = min((r for r in out if r["scheme"] in EUCLID), key=lambda r: r["rel_l2"])
+        for r in out:
+            r["ratio"] = r["rel_l2"] / best["rel_l2"]
+            r["best_euclid_se"] = best["rel_l2_se"]
+        records += out
+        for v in gift[name].values():
+            v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
+            if refresh:
+                v.refresh(stack[0], cfg.damping_candidates)
     return records
 
 
@@ -404,7 +452,8 @@ def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...
                machine=machine(), corpus=manifest.get("origin"), wall_seconds=round(time.time() - t0, 1),
                load_average=dict(start=load, end=os.getloadavg()),
                settings=dict(rank=DEFAULTS.rank, sketch=DEFAULTS.sketch, ema=DEFAULTS.ema, refresh_interval=DEFAULTS.refresh_interval,
-                             damping_candidates=list(DEFAULTS.damping_candidates), lag=1, noise_chunks=CHUNKS),
+                             damping_candidates=list(DEFAULTS.damping_candidates), lag=1, noise_chunks=CHUNKS,
+                             threads=dict(model=torch.get_num_threads(), measurement=MEASURE_THREADS)),
                specs=[s.__dict__ | {"tokens_per_rank": s.tokens_per_rank} for s in specs],
                records=records)  # fmt: skip
     doc["summary"] = summarize(records)
