@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gift.bench import gguf, pretrained_steps, smollm
+from megatron_gift.bench import gguf, plugin_sim, pretrained_steps, smollm
 from megatron_gift.numerics import KFACStatistics
 
 
@@ -100,7 +100,7 @@ def test_cold_start_sends_euclidean_until_a_held_out_check_passes():
     d, codec = 96, CodecConfig()
     basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
     mix = (basis * torch.logspace(0, -2, d, dtype=torch.float64)).float()
-    layer = pretrained_steps.GiftLayer(KFACStatistics(d, sketch=64, seed=0), 32)
+    layer = plugin_sim.GiftLayer(KFACStatistics(d, sketch=64, seed=0), 32)
     sent = []
     for step in range(3):
         layer.install()
@@ -123,6 +123,7 @@ def test_cli_parses_bench_pretrained():
 
     args = build_parser().parse_args(["bench", "pretrained", "--quick", "--models", "smollm2-135m", "--json", "x.json"])
     assert args.quick and args.models == ["smollm2-135m"] and args.json == "x.json" and args.func.__name__ == "_bench_pretrained"
+    assert args.threads == 1  # the measured wall time (docs/fidelity.md) is at 1 thread
 
 
 def _ref_whitening(a: torch.Tensor, rank: int, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +172,7 @@ def test_two_sided_schemes_against_a_dense_reference():
         return (basis * torch.logspace(0, -2, d, dtype=torch.float64)).float()
 
     m_in, m_out = mixing(d_in), mixing(d_out)
-    layer = pretrained_steps.GiftLayer(KFACStatistics(d_in, sketch=0), rank, KFACStatistics(d_out, sketch=0))
+    layer = plugin_sim.GiftLayer(KFACStatistics(d_in, sketch=0), rank, KFACStatistics(d_out, sketch=0))
     xs, dys, labels = [], [], []
     for step in range(4):
         layer.install()
@@ -240,7 +241,7 @@ def test_damping_errors_equal_the_profiles_bit_for_bit():
     held = [TwoSidedWhitening(LowRankWhitening(f_in.with_damping(10.0)), outs[2]), LowRankWhitening(f_in.with_damping(0.1))]
     maps = ins + [TwoSidedWhitening(i, o) for i in ins for o in outs] + held
     g = torch.randn(d_out, d_in, generator=gen) * torch.logspace(0, -2, d_in)
-    assert torch.equal(pretrained_steps.damping_errors(g, maps), damping_errors(g, maps, CodecConfig()))
+    assert torch.equal(plugin_sim.damping_errors(g, maps), damping_errors(g, maps, CodecConfig()))
 
 
 def test_run_model_on_a_tiny_causal_lm(monkeypatch):

@@ -21,7 +21,7 @@ GIFT schemes (:class:`GiftScheme`), their factors kept during training as the pl
   (``profile.choose_damping``, as the factor's owner does at a refresh; Euclidean: ``T = I``).
 * ``gift-chosen`` / ``gift-both`` / ``gift-auto`` (``-e4m3-block``, the configured codec; :data:`PLUGIN`):
   what the plugin sends at ``--gift-side input`` / ``both`` / ``auto``, simulated as
-  ``bench.pretrained_steps.GiftLayer`` runs it: the same statistics (and, for ``both`` and ``auto``,
+  ``bench.plugin_sim.GiftLayer`` runs it: the same statistics (and, for ``both`` and ``auto``,
   those of the layer's output gradients, folded a step later as the runtime folds them), the refresh
   on the plugin's steps with the damping (pair) chosen on that training step's gradient (the batch's,
   clipped: the owner's own gradient in the plugin) and installed a step late, and the
@@ -64,6 +64,7 @@ import torch
 
 from megatron_gift.bench.corpus import TokenCorpus, build_token_corpus
 from megatron_gift.bench.dense import DenseCholeskyWhitening
+from megatron_gift.bench.plugin_sim import GiftLayer
 from megatron_gift.bench.llama import (
     LlamaConfig,
     LlamaModel,
@@ -364,11 +365,9 @@ class _SchemeFactors:
 
 class _PluginLayers:
     """Every linear layer's GIFT as the plugin runs it (:data:`PLUGIN`), one
-    ``pretrained_steps.GiftLayer`` each, fed by the training steps."""
+    ``plugin_sim.GiftLayer`` each, fed by the training steps."""
 
     def __init__(self, gift: GiftScheme, layers: dict):
-        from .pretrained_steps import GiftLayer  # it imports this module
-
         self.gift, n = gift, len(layers)
         self.layers = {name: GiftLayer(KFACStatistics(m.in_features, gift.ema, gift.sketch, seed=i), gift.rank,
                                        KFACStatistics(m.out_features, gift.ema, gift.sketch, seed=n + i))
