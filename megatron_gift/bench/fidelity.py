@@ -64,7 +64,6 @@ import torch
 
 from megatron_gift.bench.corpus import TokenCorpus, build_token_corpus
 from megatron_gift.bench.dense import DenseCholeskyWhitening
-from megatron_gift.bench.plugin_sim import GiftLayer
 from megatron_gift.bench.llama import (
     LlamaConfig,
     LlamaModel,
@@ -75,6 +74,7 @@ from megatron_gift.bench.llama import (
     linear_layers,
     per_shard_grads,
 )
+from megatron_gift.bench.plugin_sim import GiftLayer
 from megatron_gift.config import GiftConfig
 from megatron_gift.numerics import (
     CodecConfig,
