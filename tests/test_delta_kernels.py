@@ -9,16 +9,13 @@ again in a fresh process with ``TRITON_INTERPRET=1``; without it they run on CUD
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_gift.comm import param_delta
 from megatron_gift.testing.dispatch import OpCounter
-from megatron_gift.testing.kernel_log import launches_of
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.kernel_log import assert_passes_under_interpreter, launches_of
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -118,12 +115,7 @@ if not INTERPRET:  # the outer run only
 
     def test_delta_kernels_under_interpreter():
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=wall_limit(900))  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-        summary = proc.stdout.strip().splitlines()[-1]
-        assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+        assert_passes_under_interpreter(__file__)
 
     @pytest.mark.parametrize("name,dtype", [("_encode_kernel", "bf16"), ("_decode_kernel", "bf16"), ("_decode_kernel", "fp16")])
     def test_kernels_compile_for_sm90(name, dtype):

@@ -30,6 +30,7 @@ from megatron_gift.kernels.reference import reference_sum_rows, reference_take
 from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, encode, encode_flat, group_lengths
 from megatron_gift.numerics.two_sided import OutputRows
+from megatron_gift.testing.kernel_log import assert_passes_under_interpreter
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.dispatch import OpCounter, SyncSanitizer
@@ -788,10 +789,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
 
     def test_kernels_under_interpreter():
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
-        proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], TRITON_INTERPRET="1")
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-        summary = proc.stdout.strip().splitlines()[-1]
-        assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+        assert_passes_under_interpreter(__file__)
 
     E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
     E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)

@@ -22,8 +22,6 @@ nearest even: not truncated, not rounded twice).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,8 +29,7 @@ import torch
 from megatron_gift import kernels
 from megatron_gift.numerics.two_sided import output_inverse as reference_output_inverse
 from megatron_gift.numerics.whitening import LowRankWhitening
-from megatron_gift.testing.kernel_log import launches_of
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.kernel_log import assert_passes_under_interpreter, launches_of
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -147,9 +144,4 @@ if not INTERPRET:  # the outer run only
     def test_output_kernel_under_interpreter():
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
         pytest.importorskip("triton")
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=wall_limit(900))  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-        summary = proc.stdout.strip().splitlines()[-1]
-        assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+        assert_passes_under_interpreter(__file__)

@@ -8,8 +8,6 @@ The kernels run on the CPU under Triton's interpreter, which must be on when the
 
 import collections
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from megatron_gift.config import Mode
 from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
 from megatron_gift.testing.dispatch import OpCounter
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.kernel_log import assert_passes_under_interpreter
 from tests.test_kernels import _assert_fp32_close, _gradient, _whitening
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -334,9 +332,4 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
 
     def test_send_under_interpreter():
         """The tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                              capture_output=True, text=True, timeout=wall_limit(1200))  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-        summary = proc.stdout.strip().splitlines()[-1]
-        assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+        assert_passes_under_interpreter(__file__, limit=1200)

@@ -1,9 +1,15 @@
-"""Triton kernels run with each launch logged as ``(kernel name, bound arguments and grid)``: how tests and
-``bench param-gather`` check a kernel's launch count and its ``TRAFFIC`` entry on real launches."""
+"""Triton kernels on a machine without a GPU: each launch logged as ``(kernel name, bound arguments and
+grid)`` (how tests and ``bench param-gather`` check a kernel's launch count and its ``TRAFFIC`` entry on
+real launches), and a kernel test file run again under Triton's interpreter."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
+
+from .spawn import wall_limit
 
 
 class Logged:
@@ -32,3 +38,14 @@ def launches_of(module):
     finally:
         for name, kernel in kernels.items():
             setattr(module, name, kernel)
+
+
+def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> None:
+    """Run ``test_file``'s tests in a fresh process with ``TRITON_INTERPRET=1`` (the interpreter must be on
+    before the kernels are defined) and require every one to pass: none failed, skipped or deselected."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file], env=env,
+                          capture_output=True, text=True, timeout=wall_limit(limit))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
