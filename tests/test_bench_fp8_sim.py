@@ -43,7 +43,7 @@ def test_random_gradients_round_trip_as_the_codec(cfg, cols):
     matrices, and a group's scale taken from a non-finite value (the codec's skips them)."""
     gen = torch.Generator().manual_seed(cols)
     x = torch.randn(3, 7, cols, generator=gen) * torch.exp2(torch.randint(-30, 10, (3, 7, cols), generator=gen).float())
-    x[x.abs() < 1e-6] = 0.0
+    x[x.abs() < 1e-6] = 0.0  # exact zeros among the data (not a tolerance: both sides are compared bit for bit)
     x[1, 2] *= 1e6
     x[2, 3, 0], x[0, 4, -1], x[2, 6, cols // 2] = float("nan"), float("inf"), -float("inf")
     expected = torch.stack([roundtrip(m, cfg) for m in x])

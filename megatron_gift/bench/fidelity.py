@@ -57,6 +57,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -665,10 +666,17 @@ def run(
     1 by default because the measurement is thousands of small ops, for which thread
     hand-offs cost more than they gain, ruinously so on a shared machine.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
+    with torch_threads(threads or torch.get_num_threads()):
         return _run(quick, json_path, ranks, config or (QUICK if quick else FULL), command)
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
     finally:
         torch.set_num_threads(previous)
 

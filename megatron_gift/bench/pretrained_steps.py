@@ -40,7 +40,6 @@ and ``ratio`` (to ``best_euclid``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -57,7 +56,7 @@ from ..numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening,
 from ..numerics.refresh import RecordLayout
 from ..state import GiftState
 from . import fp8_sim
-from .fidelity import CHUNKS, rel_l2_noise
+from .fidelity import CHUNKS, rel_l2_noise, torch_threads
 from .llama import layer_type, lm_loss
 from .plugin_sim import BLOCK, GiftLayer
 
@@ -70,16 +69,6 @@ MEASURE_THREADS = 1
 """torch threads of the measurement (statistics, refreshes, round trips): thousands of ops on tensors of
 about a million elements, for which a second thread's hand-offs cost more than it gains on a shared
 machine (``bench fidelity``'s reason); the models' passes run at the caller's setting (``--threads``)."""
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _log(msg: str) -> None:
@@ -225,7 +214,7 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
         t0 = time.time()
         inputs, targets = next(batches)
         shards = _shards(model, layers, inputs, targets, spec.ranks)
-        with _threads(MEASURE_THREADS):
+        with torch_threads(MEASURE_THREADS):
             records += _measure_step(step, spec, shards, gift, schedule.is_refresh_step(step), cfg)
         _log(f"{spec.name} step {step}: {len(layers)} layers, {time.time() - t0:.0f} s")
     return records
