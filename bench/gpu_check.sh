@@ -47,7 +47,7 @@ main() {
   step() { echo "== $*"; "$@" || { rc=$?; echo "== failed ($rc): $*"; ((status)) || status=$rc; }; }
   if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
   step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py --junitxml "$out/kernel-tests.xml"
-  step "$py" -m megatron_gift.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
+  step "$py" -m megatron_gift_tools.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
   step "$py" -m megatron_gift model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
   echo "== gpu_check: done (status $status); files in $out"
   return "$status"

@@ -21,13 +21,13 @@ around its ``pretrain`` call): ``--sft``, ``--fim-data``, ``--dataloader-inter-d
 
 Tokenizer: ``GPTDataset`` only needs the end-of-document id, so a pre-tokenized dataset needs no
 tokenizer files: ``--tokenizer-type NullTokenizer --vocab-size V --null-tokenizer-eod-id E``
-(``python -m megatron_gift.bench.indexed_data`` writes the benchmark corpus and prints these flags).
+(``python -m megatron_gift_tools.bench.indexed_data`` writes the benchmark corpus and prints these flags).
 Any other ``--tokenizer-type`` Megatron supports works as in Megatron-LM (``HuggingFaceTokenizer``
 needs ``transformers``).
 
 CPU (demos and tests only, gloo): ``--gift-cpu`` (or ``MEGATRON_GIFT_CPU=1``) redirects Megatron's
-CUDA-only calls (:func:`megatron_gift.testing.cpu_harness.install_for_training`) and puts the flags in
-:data:`megatron_gift.testing.cpu_harness.TRAINING_FLAGS` in front of the command line. It refuses to
+CUDA-only calls (:func:`megatron_gift.megatron.cpu_harness.install_for_training`) and puts the flags in
+:data:`megatron_gift.megatron.cpu_harness.TRAINING_FLAGS` in front of the command line. It refuses to
 run when CUDA is available.
 """
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     from .megatron import training as gift_training
 
     if _cpu_requested(argv):
-        from .testing import cpu_harness
+        from .megatron import cpu_harness
 
         cpu_harness.install_for_training()
         argv = [*cpu_harness.TRAINING_FLAGS, *argv]

@@ -35,7 +35,7 @@ work=$(mktemp -d)
 cat >"$work/run_patched.py" <<EOF
 import runpy, sys
 from megatron_gift.megatron import training as gift_training
-from megatron_gift.testing import cpu_harness
+from megatron_gift.megatron import cpu_harness
 
 cpu_harness.install_for_training()
 gift_training.use_prebuilt_dataset_helpers()

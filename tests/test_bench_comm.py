@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_gift.bench import comm
-from megatron_gift.cli import build_parser
+from megatron_gift_tools.bench import comm
+from megatron_gift_tools.cli import build_parser
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from megatron_gift.bench import fp8_sim
+from megatron_gift_tools.bench import fp8_sim
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, roundtrip
 
 CONFIGS = [CodecConfig(f, s) for f in FP8Format for s in (Scaling.BLOCK, Scaling.ROW)]

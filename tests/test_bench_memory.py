@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from megatron_gift.bench import memory
+from megatron_gift_tools.bench import memory
 
 
 def test_live_bytes_tracks_allocations_views_and_frees():

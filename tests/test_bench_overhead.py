@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from megatron_gift.bench import overhead
-from megatron_gift.cli import build_parser, main
+from megatron_gift_tools.bench import overhead
+from megatron_gift_tools.cli import build_parser, main
 from megatron_gift.config import GiftConfig
 
 TINY = {"tiny": dict(layers=1, hidden=64, heads=2, ffn=176, seq=16, micro_batch=2)}

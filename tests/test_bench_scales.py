@@ -1,18 +1,18 @@
-"""``python -m megatron_gift.bench.scales`` on a small matrix: JSON, bytes per element, and the
+"""``python -m megatron_gift_tools.bench.scales`` on a small matrix: JSON, bytes per element, and the
 bias it exists to show (BF16 scales rounded up decode block maxima too large; FP32 ones do not)."""
 
 import json
 
 import pytest
 
-from megatron_gift.bench import scales
+from megatron_gift_tools.bench import scales
 
 
 def test_bench_scales_small(tmp_path, capsys):
     path = tmp_path / "scales.json"
     assert scales.main(["--rows", "128", "--cols", "256", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
-    assert doc["command"] == f"python -m megatron_gift.bench.scales --rows 128 --cols 256 --json {path}"
+    assert doc["command"] == f"python -m megatron_gift_tools.bench.scales --rows 128 --cols 256 --json {path}"
     assert {"platform", "processor", "torch"} <= set(doc["machine"])
     rows = {(r["data"], r["variant"]): r for r in doc["results"]}
     assert len(rows) == 3 * 4

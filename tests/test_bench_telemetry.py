@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from megatron_gift.bench import telemetry_cost
-from megatron_gift.cli import build_parser, main
+from megatron_gift_tools.bench import telemetry_cost
+from megatron_gift_tools.cli import build_parser, main
 
 SPEC = telemetry_cost.PRESETS["quick"]
 STEPS = SPEC["warmup"] + SPEC["steps"]

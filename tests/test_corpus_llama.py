@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gift.bench.corpus import EOT, TokenCorpus, _train_tokenizer, build_token_corpus, load_documents
-from megatron_gift.bench.llama import (
+from megatron_gift_tools.bench.corpus import EOT, TokenCorpus, _train_tokenizer, build_token_corpus, load_documents
+from megatron_gift_tools.bench.llama import (
     LlamaConfig,
     LlamaModel,
     Trainer,

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gift.testing import RankError, cpu_harness, run_on_ranks
+from megatron_gift.testing import RankError, run_on_ranks
+from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing.gpt import build_tiny_gpt, hand_average, lm_loss, random_tokens
 
 STEPS = 3
@@ -117,7 +118,8 @@ def test_install_refuses_when_cuda_is_available(monkeypatch):
 def test_an_unmarked_test_cannot_start_the_harness():
     """tests/conftest.py: a test without the ``cpu_harness`` marker that starts ranks or the launcher
     through the harness fails at once (bug caught: a new test that would fail, not skip, on CUDA)."""
-    from megatron_gift.testing import cpu_harness, launch
+    from megatron_gift.testing import launch
+    from megatron_gift.megatron import cpu_harness
 
     for start in (lambda: run_on_ranks(print, 1, cpu_harness=True), lambda: launch.run_launcher(2, "--help"), cpu_harness.check_host):
         with pytest.raises(pytest.fail.Exception, match="without @pytest.mark.cpu_harness"):
@@ -126,7 +128,7 @@ def test_an_unmarked_test_cannot_start_the_harness():
 
 @pytest.mark.cpu_harness
 def test_a_marked_test_can():
-    from megatron_gift.testing import cpu_harness
+    from megatron_gift.megatron import cpu_harness
 
     cpu_harness.check_host()  # a CPU-only machine: no error
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from megatron_gift import demo
-from megatron_gift.cli import build_parser
+from megatron_gift_tools import demo
+from megatron_gift_tools.cli import build_parser
 
 
 def test_demo_cli_parses():
@@ -50,7 +50,7 @@ def test_demo_log_parsing_and_ring_bytes():
 @pytest.mark.slow
 @pytest.mark.cpu_harness
 def test_demo_writes_report_plots_and_metrics(tmp_path):
-    from megatron_gift.cli import main
+    from megatron_gift_tools.cli import main
 
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--train-iters", "13", "--out", str(out)]) == 0  # the last step is no refresh

@@ -128,7 +128,7 @@ def test_recipe_at_scale_and_its_planner_command():
     assert _value(cmd, "--micro-batch-size") == "2" and _value(cmd, "--nnodes") == "32"
     plan = res.stderr.split("megatron-gift model ", 1)[1].split()
     assert plan[plan.index("--micro-batch") + 1] == "2" and plan[plan.index("--gpus") + 1] == "256"
-    from megatron_gift.cli import main
+    from megatron_gift_tools.cli import main
 
     assert main(["model", *plan]) == 0
     custom = _command("pretrain_llama.sh", NNODES="32", GPUS_PER_NODE="8", MICRO_BATCH="1", GLOBAL_BATCH="1024", TP="2",

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gift import cli
-from megatron_gift.bench import fidelity
-from megatron_gift.bench.llama import LlamaConfig
+from megatron_gift_tools import cli
+from megatron_gift_tools.bench import fidelity
+from megatron_gift_tools.bench.llama import LlamaConfig
 from megatron_gift.config import GiftConfig
-from megatron_gift.bench.dense import DenseCholeskyWhitening
+from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
 from megatron_gift.numerics import LowRankWhitening, TwoSidedWhitening, approximate_factor
 from tests.reference import fp8_roundtrip
 

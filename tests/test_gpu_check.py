@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gift.bench import gpu_check, gpu_codec, gpu_step, gpu_trace
+from megatron_gift_tools.bench import gpu_check, gpu_codec, gpu_step, gpu_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = float(os.environ.get("GPU_CHECK_DRY_RUN_TIMEOUT", 1800))  # generous: CI machines are shared

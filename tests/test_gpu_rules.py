@@ -106,7 +106,7 @@ class _Launches(TorchDispatchMode):
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from megatron_gift.testing.meter import launches
+        from megatron_gift.testing.dispatch import launches
 
         self.total += launches(func)
         return func(*args, **(kwargs or {}))
@@ -184,7 +184,7 @@ _SEGMENTS = 4
 
 
 def _launches(path, bucket, numel, dp, kernels):
-    from megatron_gift.bench import launches
+    from megatron_gift_tools.bench import launches
 
     stages, _ = launches.counted(launches.Case(path, bucket, numel, dp, kernels))
     return {s.name: (s.gpu_launches if kernels == "fused" else s.aten_ops) for s in stages}

@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gift.bench.corpus import TokenCorpus
-from megatron_gift.bench.indexed_data import document_lengths, megatron_data_args, write_indexed_dataset
+from megatron_gift_tools.bench.corpus import TokenCorpus
+from megatron_gift_tools.bench.indexed_data import document_lengths, megatron_data_args, write_indexed_dataset
 from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training as gift_training
 from megatron_gift import pretrain_gpt
-from megatron_gift.testing import cpu_harness, launch
+from megatron_gift.testing import launch
+from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 from tests.launches import ITERS, losses
 

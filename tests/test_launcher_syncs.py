@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from megatron_gift.bench.corpus import build_token_corpus
-from megatron_gift.bench.indexed_data import megatron_data_args
+from megatron_gift_tools.bench.corpus import build_token_corpus
+from megatron_gift_tools.bench.indexed_data import megatron_data_args
 from megatron_gift.testing.launch import run_launcher
 from megatron_gift.testing.sync_probe import ENV
 from tests.launches import FLAGS

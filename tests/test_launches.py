@@ -11,10 +11,10 @@ import textwrap
 import pytest
 import torch
 
-from megatron_gift.bench import launches
+from megatron_gift_tools.bench import launches
 from megatron_gift.config import Mode
 from megatron_gift.numerics.fp8 import CodecConfig, Scaling
-from megatron_gift.testing.meter import Meter
+from megatron_gift_tools.meter import Meter
 from megatron_gift.testing.simulate import kernels_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +115,7 @@ def test_meta_counts_equal_real_cpu_counts(path):
 
 _INTERPRETED = textwrap.dedent("""
     import json, sys, torch
-    from megatron_gift.bench import launches
+    from megatron_gift_tools.bench import launches
     from tests.test_launches import _stage_counts
     out = {}
     for path in ("flat-rs", "two-level/fp8-ar"):
@@ -143,7 +143,7 @@ def test_stubbed_launches_equal_the_interpreters():
 def test_bench_launches_smoke(tmp_path, monkeypatch):
     """``megatron-gift bench launches`` end to end on a small scan: every record with its stages,
     essential bytes and ratio, and the JSON written (the CLI's wiring)."""
-    from megatron_gift.cli import main
+    from megatron_gift_tools.cli import main
 
     path = tmp_path / "launches.json"
     cases = [("flat-rs", "plain", "1M", 8, "fused"), ("two-level/bf16-rs", "euclidean", "1M", 8, "fused")]

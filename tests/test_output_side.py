@@ -337,7 +337,7 @@ def test_steady_step_never_synchronises_the_host(path):
     """A steady two-sided reduction (rank 0 of a simulated group of 4, real CPU tensors, the PyTorch
     path) dispatches none of the ops that would stop the host on a GPU (``SyncSanitizer``). Bug
     caught: a ``.item()``/``.tolist()`` or a data-dependent shape in the output side's maps."""
-    from megatron_gift.bench import launches
+    from megatron_gift_tools.bench import launches
     from megatron_gift.testing.dispatch import SyncSanitizer
     from megatron_gift.testing.simulate import recorded_collectives
 
@@ -359,7 +359,7 @@ def test_launches_per_stage_do_not_grow(path):
     is one fused launch per segment at most (``kernels.output_inverse``: its head piece, whole rows
     and tail piece together). A loop over rows, chunks or peers in the output side fails, and so does
     an output stage that leaves the fused path or splits a segment's pieces into launches."""
-    from megatron_gift.bench import launches
+    from megatron_gift_tools.bench import launches
 
     def counts(bucket, n, dp):
         stages, _ = launches.counted(launches.Case(path, bucket, n, dp, "fused"))

@@ -346,8 +346,8 @@ def test_bench_codecs_keep_their_bounds_on_a_training_like_change():
     """Catches a benchmark that measures a codec against a wrong bound ``h`` (each codec's error
     must be within twice its ``h`` after the rounding to BF16) or counts other bytes than payload
     plus scales."""
-    from megatron_gift.bench import param_gather
-    from megatron_gift.cli import build_parser
+    from megatron_gift_tools.bench import param_gather
+    from megatron_gift_tools.cli import build_parser
 
     gen = torch.Generator().manual_seed(3)
     prev = (0.02 * torch.randn(128 * 40, generator=gen)).bfloat16()

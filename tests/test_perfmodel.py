@@ -1,4 +1,4 @@
-"""The planner (``megatron_gift.planner``): NCCL's cost model, the stage streams' HBM traffic and
+"""The planner (``megatron_gift_tools.planner``): NCCL's cost model, the stage streams' HBM traffic and
 schedules worked out by hand, byte counts, monotonicity, overlap bounds, TP/PP sharding, the
 refresh and the delta gather, break-even, the bench-comm byte check, the CLI and the package's
 import boundaries."""
@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gift.cli import main
+from megatron_gift_tools.cli import main
 from megatron_gift.config import Mode, ParamGather, Schedule
-from megatron_gift.planner import checks, model, nccl, output, plan, stages, validation
-from megatron_gift.planner.buckets import Bucket, buckets
-from megatron_gift.planner.choices import FP8Params, MegatronSchedule
-from megatron_gift.planner.cluster import CLUSTERS, GH200, Cluster, sources
-from megatron_gift.planner.costs import KernelCosts
-from megatron_gift.planner.metered import LAUNCHES_JSON, Meter
-from megatron_gift.planner.delta import DeltaCodec, DeltaKernels
-from megatron_gift.planner.gather import gather_chain
-from megatron_gift.planner.options import Options
-from megatron_gift.planner.schemes import PLUGIN, Scheme
-from megatron_gift.planner.simulate import simulate, simulate_lagged
-from megatron_gift.planner.stages import Context, Kind, Task, reduction_chain
-from megatron_gift.planner.workloads import workload
+from megatron_gift_tools.planner import checks, model, nccl, output, plan, stages, validation
+from megatron_gift_tools.planner.buckets import Bucket, buckets
+from megatron_gift_tools.planner.choices import FP8Params, MegatronSchedule
+from megatron_gift_tools.planner.cluster import CLUSTERS, GH200, Cluster, sources
+from megatron_gift_tools.planner.costs import KernelCosts
+from megatron_gift_tools.planner.metered import LAUNCHES_JSON, Meter
+from megatron_gift_tools.planner.delta import DeltaCodec, DeltaKernels
+from megatron_gift_tools.planner.gather import gather_chain
+from megatron_gift_tools.planner.options import Options
+from megatron_gift_tools.planner.schemes import PLUGIN, Scheme
+from megatron_gift_tools.planner.simulate import simulate, simulate_lagged
+from megatron_gift_tools.planner.stages import Context, Kind, Task, reduction_chain
+from megatron_gift_tools.planner.workloads import workload
 from megatron_gift.testing.spawn import wall_limit
 
 W = workload("600m")
@@ -253,7 +253,7 @@ def test_delta_decode_ordered_as_the_code_runs_it():
     decode 1 4.5-4.8, forward 1 to 5.8: 3.8 s exposed. On side streams the gathers queue back to back: encode 1
     0.1-0.2, gather 1 2.1-4.1, decode 0 2.1-2.4, forward 0 2.4-3.4, decode 1 4.1-4.4, forward 1 to 5.4: 3.4 s.
     Pricing the decode as if it ran beside the next gather (the fused plan) gives the second on today's code."""
-    from megatron_gift.planner.gather import forward_phase
+    from megatron_gift_tools.planner.gather import forward_phase
 
     def chain(stream_enc, stream_dec):
         return [_task(Kind.GPU, 0.1, stream_enc, ("gpu",), 1), _task(Kind.COMM, 2.0, "pg", ("nic",), 1),
@@ -557,14 +557,14 @@ def test_planner_needs_no_benchmark_and_the_command_line_no_torch():
 import importlib.abc, json, sys
 class _Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.startswith(("megatron_gift.bench", "megatron_gift.demo", "megatron_gift.testing")):
+        if name.startswith(("megatron_gift_tools.bench", "megatron_gift_tools.demo", "megatron_gift.testing")):
             raise ImportError("blocked by the test: " + name)
 sys.meta_path.insert(0, _Blocker())
-import megatron_gift.cli
+import megatron_gift_tools.cli
 torch_after_cli = "torch" in sys.modules
-from megatron_gift.planner import checks, model, output, plan, validation, workloads
-from megatron_gift.planner.costs import KernelCosts
-from megatron_gift.planner.cluster import GH200
+from megatron_gift_tools.planner import checks, model, output, plan, validation, workloads
+from megatron_gift_tools.planner.costs import KernelCosts
+from megatron_gift_tools.planner.cluster import GH200
 p = plan.plan(workloads.workload("600m"), GH200, 64, KernelCosts.from_hbm(GH200), with_break_even=False)
 print(json.dumps(dict(torch_after_cli=torch_after_cli, rows=len(p["rows"]))))
 """)

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from megatron_gift.bench import launches
-from megatron_gift.planner import metered
-from megatron_gift.planner.buckets import Bucket
-from megatron_gift.planner.cluster import GH200
-from megatron_gift.planner.costs import KernelCosts
-from megatron_gift.planner.options import Options
-from megatron_gift.planner.schemes import Scheme
-from megatron_gift.planner.stages import Context, Kind, reduction_chain
+from megatron_gift_tools.bench import launches
+from megatron_gift_tools.planner import metered
+from megatron_gift_tools.planner.buckets import Bucket
+from megatron_gift_tools.planner.cluster import GH200
+from megatron_gift_tools.planner.costs import KernelCosts
+from megatron_gift_tools.planner.options import Options
+from megatron_gift_tools.planner.schemes import Scheme
+from megatron_gift_tools.planner.stages import Context, Kind, reduction_chain
 
 
 def test_committed_meter_json_measured_this_code():
@@ -34,7 +34,7 @@ def test_source_hash_sees_a_change(tmp_path, monkeypatch):
     """A hash that ignored a file's bytes (or its name) would let a stale JSON pass the test above."""
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "a.py").write_text("x = 1\n")
-    monkeypatch.setattr(launches, "PACKAGE", tmp_path)
+    monkeypatch.setattr(launches, "ROOT", tmp_path)
     monkeypatch.setattr(launches, "SOURCES", ("kernels/*.py",))
     first = launches.source_hash()
     (tmp_path / "kernels" / "a.py").write_text("x = 2\n")

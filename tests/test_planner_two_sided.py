@@ -7,16 +7,16 @@ import math
 
 import pytest
 
-from megatron_gift.cli import main
-from megatron_gift.planner import metered, model
-from megatron_gift.planner.buckets import Bucket
-from megatron_gift.planner.choices import MegatronSchedule
-from megatron_gift.planner.cluster import GH200
-from megatron_gift.planner.costs import KernelCosts
-from megatron_gift.planner.options import Options
-from megatron_gift.planner.schemes import Scheme
-from megatron_gift.planner.stages import Context, Kind, reduction_chain
-from megatron_gift.planner.workloads import workload
+from megatron_gift_tools.cli import main
+from megatron_gift_tools.planner import metered, model
+from megatron_gift_tools.planner.buckets import Bucket
+from megatron_gift_tools.planner.choices import MegatronSchedule
+from megatron_gift_tools.planner.cluster import GH200
+from megatron_gift_tools.planner.costs import KernelCosts
+from megatron_gift_tools.planner.options import Options
+from megatron_gift_tools.planner.schemes import Scheme
+from megatron_gift_tools.planner.stages import Context, Kind, reduction_chain
+from megatron_gift_tools.planner.workloads import workload
 
 METER = metered.Meter.load()
 COSTS = KernelCosts.from_hbm(GH200, METER)

@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from megatron_gift.bench import pretrained
-from megatron_gift.bench.llama import layer_type, linear_layers, per_shard_grads
+from megatron_gift_tools.bench import pretrained
+from megatron_gift_tools.bench.llama import layer_type, linear_layers, per_shard_grads
 
 
 def test_read_safetensors_against_a_hand_built_file():

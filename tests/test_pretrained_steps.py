@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gift.bench import gguf, plugin_sim, pretrained_steps, smollm
+from megatron_gift_tools.bench import gguf, plugin_sim, pretrained_steps, smollm
 from megatron_gift.numerics import KFACStatistics
 
 
@@ -119,7 +119,7 @@ def test_cold_start_sends_euclidean_until_a_held_out_check_passes():
 
 
 def test_cli_parses_bench_pretrained():
-    from megatron_gift.cli import build_parser
+    from megatron_gift_tools.cli import build_parser
 
     args = build_parser().parse_args(["bench", "pretrained", "--quick", "--models", "smollm2-135m", "--json", "x.json"])
     assert args.quick and args.models == ["smollm2-135m"] and args.json == "x.json" and args.func.__name__ == "_bench_pretrained"
@@ -251,7 +251,7 @@ def test_run_model_on_a_tiny_causal_lm(monkeypatch):
     summary and tables cover them; two-sided refresh bytes exceed the input side's by the output's.
     Bugs caught: a scheme missing from a layer, the output gradients not captured (``B`` empty: the
     two-sided refresh fails), a gated scheme whitening during the cold start."""
-    from megatron_gift.bench.llama import LlamaConfig, LlamaModel
+    from megatron_gift_tools.bench.llama import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(vocab_size=128, hidden=64, layers=2, heads=2, ffn_hidden=96, seq_len=32)
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gift.cli import main as cli_main
+from megatron_gift_tools.cli import main as cli_main
 from megatron_gift.config import Mode
 from megatron_gift.numerics import (
     PROFILE_FIELDS,
@@ -23,7 +23,7 @@ from megatron_gift.numerics import (
 )
 from megatron_gift.numerics.profile import choose_damping
 from megatron_gift.policy import Decision, LayerPolicy, PolicyConfig
-from megatron_gift.report import read_telemetry, render
+from megatron_gift_tools.report import read_telemetry, render
 from megatron_gift.telemetry import TelemetryWriter
 from megatron_gift.testing import run_on_ranks
 from tests.reference import fp8_roundtrip

@@ -123,7 +123,7 @@ def test_owners_balance_the_record_bytes():
     """Largest record first to the least-loaded rank: every rank's slot is within one record of the
     mean (the greedy's bound, max ≤ mean + largest), which round-robin misses on Llama-600M's four
     layer shapes at 64 ranks (catches an assignment that leaves the all-gather mostly padding)."""
-    from megatron_gift.bench.overhead import MODELS, layer_shapes
+    from megatron_gift_tools.bench.overhead import MODELS, layer_shapes
     from megatron_gift.refresh_sync import RefreshSync
     from megatron_gift.state import GiftParam, GiftState
 

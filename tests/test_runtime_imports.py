@@ -25,9 +25,8 @@ import pytest
 from megatron_gift.arguments import add_gift_args
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("megatron_gift.bench", "megatron_gift.planner", "megatron_gift.demo", "megatron_gift.report",
-         "megatron_gift.cli", "megatron_gift.__main__", "megatron_gift.testing")  # fmt: skip
-DEMO_ONLY = ("matplotlib", "tokenizers", "megatron_gift.bench.corpus", "megatron_gift.testing.cpu_harness")
+TOOLS = ("megatron_gift_tools", "megatron_gift.testing")
+DEMO_ONLY = ("matplotlib", "tokenizers", "megatron_gift_tools.bench.corpus", "megatron_gift.megatron.cpu_harness")
 TIMEOUT = float(os.environ.get("MEGATRON_GIFT_TEST_TIMEOUT", 600))
 
 BLOCKER = """
@@ -55,18 +54,18 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def _modules() -> list[str]:
-    """Every module of the package, by its file (nothing imported)."""
+def _modules(package: str = "megatron_gift", root: Path = ROOT) -> list[str]:
+    """Every module of ``package`` (a folder under ``root``), by its file (nothing imported)."""
     names = []
-    for path in sorted((ROOT / "megatron_gift").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
 
 def test_every_tools_module_exists():
     """A tool renamed or moved would silently fall out of ``TOOLS`` and be imported by the check below."""
-    modules = _modules()
+    modules = _modules() + _modules("megatron_gift_tools", ROOT / "tools")
     assert all(any(_under(m, (tool,)) for m in modules) for tool in TOOLS), TOOLS
 
 
@@ -87,7 +86,7 @@ for name in {runtime!r}:
     except ImportError as e:
         failed[name] = str(e)
 try:
-    import megatron_gift.bench.overhead
+    import megatron_gift_tools.bench.overhead
     blocker_works = False
 except ImportError:
     blocker_works = True
@@ -138,14 +137,14 @@ runpy.run_module("megatron_gift.pretrain_gpt", run_name="__main__", alter_sys=Tr
      (["bench", "comm", "--quick"], "tokenizers"), (["model", "--validate-cpu", "x.json"], "tokenizers")],
 )  # fmt: skip
 def test_bench_commands_name_the_extra_they_need(argv, needs):
-    res = _run(f"from megatron_gift.cli import main\nmain({argv!r})")
+    res = _run(f"from megatron_gift_tools.cli import main\nmain({argv!r})")
     assert res.returncode == 1, (res.stdout, res.stderr[-2000:])
-    assert f"needs {needs} (the bench extra): pip install 'megatron-gift[bench]'" in res.stderr
+    assert f"needs {needs} (a dependency of the tools): pip install -e tools  (in the megatron-gift checkout)" in res.stderr
 
 
 def test_gpu_check_commands_need_no_bench_extra():
     """bench/gpu_check.sh runs ``bench overhead`` and ``model`` in a training container."""
-    from megatron_gift.cli import build_parser
+    from megatron_gift_tools.cli import build_parser
 
     for argv in (["bench", "overhead"], ["bench", "telemetry"], ["model"]):
         assert getattr(build_parser().parse_args(argv), "needs", ()) == (), argv

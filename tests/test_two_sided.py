@@ -92,7 +92,7 @@ def test_captured_statistics_rebuild_the_weight_gradient():
     gradient autograd gives. Bugs caught: a hook on the wrong tensor (the input's gradient, a
     reshaped or transposed output), rows misaligned or dropped. Bound: both sides
     are FP32 sums of ``tokens`` products, each within ``tokens·2^-24·Σ_t |g_t||a_t|`` elementwise."""
-    from megatron_gift.bench.llama import LlamaConfig, LlamaModel, capture_inputs, capture_output_grads, linear_layers, lm_loss
+    from megatron_gift_tools.bench.llama import LlamaConfig, LlamaModel, capture_inputs, capture_output_grads, linear_layers, lm_loss
 
     model = LlamaModel(LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=2, ffn_hidden=48, seq_len=16), seed=0)
     layers = linear_layers(model)
@@ -132,7 +132,7 @@ def test_benchmark_sees_output_side_anisotropy(output_spiked):
     Each auto scheme's record is one of the variants its policy may choose, or Euclidean. Bugs
     caught: the output factor applied on the input axis or from the wrong statistics, an auto
     scheme choosing outside its policy (e.g. ``gift-input`` picking a two-sided variant)."""
-    from megatron_gift.bench.two_sided import EUCLIDEAN, TwoSidedConfig, measure_layer
+    from megatron_gift_tools.bench.two_sided import EUCLIDEAN, TwoSidedConfig, measure_layer
     from megatron_gift.numerics.whitening import factors_by_rank
 
     a = _spiked(256, 8, 0.9, 0)

@@ -56,7 +56,7 @@ def test_fingerprints_read_upstream_through_the_launchers_patches(monkeypatch):
     and the checkpoint hooks were fingerprinted instead of Megatron's functions, refusing every launch."""
     from megatron_gift.config import GiftConfig, Mode
     from megatron_gift.megatron.training import gift_ddp
-    from megatron_gift.testing import cpu_harness
+    from megatron_gift.megatron import cpu_harness
 
     monkeypatch.delenv(upstream.ALLOW_ENV, raising=False)
     with cpu_harness.install(), gift_ddp(GiftConfig(mode=Mode.EUCLIDEAN)):

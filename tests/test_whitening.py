@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gift import kernels
-from megatron_gift.bench.dense import DenseCholeskyWhitening
+from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
 from megatron_gift.numerics import (
     CodecConfig,
     ErrorFeedback,

@@ -22,10 +22,10 @@ from megatron_gift.config import Mode
 from megatron_gift.numerics import fp8
 from megatron_gift.numerics.fp8 import CodecConfig, Scaling
 from megatron_gift.numerics.wire import WireFormat
-from megatron_gift.planner.buckets import buckets, param_bytes
-from megatron_gift.planner.choices import FP8Params
-from megatron_gift.planner.schemes import Scheme
-from megatron_gift.planner.workloads import workload
+from megatron_gift_tools.planner.buckets import buckets, param_bytes
+from megatron_gift_tools.planner.choices import FP8Params
+from megatron_gift_tools.planner.schemes import Scheme
+from megatron_gift_tools.planner.workloads import workload
 from megatron_gift.testing import run_on_ranks
 from tests.reference import fp8_roundtrip
 

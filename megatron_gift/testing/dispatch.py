@@ -67,7 +67,8 @@ _LAUNCHER = os.path.join(_PACKAGE, "pretrain_gpt.py")
 # step) and its ``training_log`` (the loss and timers at its log interval).
 STOCK = {("param_and_grad_buffer.py", "check_grads"), ("training.py", "training_log")}
 # frames of these are never callers: this module's modes, the CPU harness's redirections of CUDA calls
-_TRANSPARENT = (os.path.abspath(__file__), os.path.join(_TESTING, "cpu_harness.py"))
+_HARNESS = os.path.join(_PACKAGE, "megatron", "cpu_harness.py")  # the CPU stand-ins for CUDA calls
+_TRANSPARENT = (os.path.abspath(__file__), _HARNESS)
 
 
 def _syncs(func, args, kwargs) -> bool:
@@ -278,3 +279,18 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+
+# Ops that allocate or alias: a dispatch each, no memory traffic.
+NO_TRAFFIC = {
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default, torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.resize_.default,
+    torch.ops.aten.record_stream.default,
+}  # fmt: skip
+
+
+def launches(func) -> bool:
+    """Whether a dispatched ATen op is a device launch on a GPU: it touches memory (not a view, not an
+    allocation)."""
+    return not (func.is_view or func in NO_TRAFFIC)

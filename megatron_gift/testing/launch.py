@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_gift.testing import cpu_harness
+from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megatron_gift.testing import cpu_harness as _cpu_harness
+from megatron_gift.megatron import cpu_harness as _cpu_harness
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
 TIMEOUT_SCALE_ENV = "MEGATRON_GIFT_TEST_TIMEOUT_SCALE"

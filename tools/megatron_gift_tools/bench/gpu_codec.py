@@ -1,0 +1,200 @@
+"""GPU check, codec bandwidth: the FP8 codec and the fused GIFT kernels at the Llama-600M layer
+shapes, as bytes per second next to a device-to-device copy timed in the same run.
+
+For each linear layer's weight gradient ``G [d_out, d_in]`` (``planner.workloads.layer_shapes``) and each
+implementation (``fused``: the Triton kernels, where ``overhead.fused_timed``; ``reference``: the
+PyTorch path they replace):
+
+===========================  ==============================================================  =============================================
+path                         what runs                                                       bytes counted (fewest a pass can move)
+===========================  ==============================================================  =============================================
+``encode``                   ``whiten_encode(G, None)``: FP8 codes + 1x128 block scales       ``4 n + n + scales`` (``n = d_out·d_in``)
+``whiten_encode``            ``whiten_encode(G, T)``: ``G T`` (rank 32) and FP8 in one pass   the same (``T``'s factors are ``O(d_in·r)``)
+``decode_sum``               ``decode_sum_unwhiten(.., None)``: 8 peers' messages of this     ``8 (m + scales_m) + 4 m``
+                             rank's shard (``m = d_out/8 · d_in``), FP32 sum in rank order
+``decode_sum_unwhiten``      the same, then ``T⁻¹``                                           the same
+===========================  ==============================================================  =============================================
+
+The delta parameter gather's codec (``DELTA_MODULE``), where it is installed, adds
+``delta_encode`` (a shard of ``n = d_out·d_in`` BF16 elements against its ``prev``: read ``2n + 2n``,
+write the message) and ``delta_decode`` (``RANKS`` shards' messages into ``n`` BF16 parameters: read
+the messages and ``2n``, write ``2n``), under ``doc["delta"]``; without the module that part says so and
+the rest runs.
+
+Each path is set against ``copy``: an FP32 tensor copy that moves the same number of bytes
+(``bytes/8`` elements read and written), timed the same way in the same run; ``copy_large``, a
+1 GiB copy (``--dry-run``: 1 MiB), is the machine's copy ceiling. On CUDA the time is
+``triton.testing.do_bench``'s median (it flushes the L2 cache before every call, so inputs come
+from device memory, as after a backward pass, and the flush hides launch latency); on the CPU
+(the dry run) ``overhead.time_call``'s fastest sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from megatron_gift import kernels
+from megatron_gift.numerics.fp8 import CodecConfig, encode
+from megatron_gift.numerics.whitening import LowRankWhitening
+from megatron_gift_tools.planner.workloads import layer_shapes
+from megatron_gift_tools.bench.overhead import RANK, RANKS, fused_timed, synthetic_factor, time_call
+
+PATHS = ("encode", "whiten_encode", "decode_sum", "decode_sum_unwhiten")
+TARGET_OVER_COPY = 0.7  # target: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
+LARGE_COPY_BYTES = {"gpu": 1 << 30, "dry-run": 1 << 20}
+DELTA_MODULE = "megatron_gift.comm.param_delta"
+"""The delta gather's codec; this part calls its ``encode(new, prev, out)``, ``decode_into(messages, base)`` and
+``message_bytes(numel)``."""
+DELTA_PATHS = ("delta_encode", "delta_decode")
+
+SCHEMA = {
+    "results": "one record per (layer, path, impl): layer, shape [d_out, d_in], path, impl (fused | reference), "
+    "rows x cols processed (decode paths: this rank's shard), peers, bytes (fewest moved), seconds, bytes_per_s, "
+    "copy_bytes_per_s (a copy of the same bytes, same run), over_copy, over_copy_large",
+    "summary": "per (path, impl) over the model's layers: bytes, seconds, bytes_per_s (sum bytes / sum seconds), "
+    "over_copy (against the same-size copies), over_copy_large, s_per_element (seconds per gradient element of G: "
+    "encode paths per d_out·d_in, decode paths per shard element)",
+    "copy_large": "bytes (read + written), seconds, bytes_per_s of one large FP32 copy: the device's copy ceiling",
+    "targets": "every fused path at >= 70% of the same-size copy's bandwidth (reported, not asserted)",
+    "delta": "the delta parameter gather's codec: available, module, and where available results and "
+    "summary as above for delta_encode / delta_decode (impl torch; rows 1, cols the elements coded or decoded)",
+}
+
+
+def bench_seconds(fn, device: torch.device) -> tuple[float, str]:
+    """Seconds per call of ``fn`` and how they were taken (see the module docstring)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3, "triton.testing.do_bench median, L2 flushed"
+    return time_call(fn, device)[0], "overhead.time_call fastest sample"
+
+
+def copy_record(nbytes: int, device: torch.device) -> dict:
+    """A device-to-device FP32 copy moving ``nbytes`` (read + written)."""
+    n = max(1, nbytes // 8)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    seconds, method = bench_seconds(lambda: dst.copy_(src), device)
+    return dict(bytes=8 * n, seconds=seconds, bytes_per_s=8 * n / seconds, method=method)
+
+
+def layer_paths(shape: tuple[int, int], device: torch.device, cfg: CodecConfig, impl: str) -> dict:
+    """``{path: (fn, rows, cols, bytes)}`` for one layer's gradient and one implementation."""
+    d_out, d_in = shape
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(d_out, d_in, generator=gen).to(device)
+    low = LowRankWhitening(synthetic_factor(d_in, RANK), device=device)
+    rows = max(1, d_out // RANKS)
+    peers = [encode(low.apply(torch.randn(rows, d_in, generator=gen).to(device)), cfg) for _ in range(RANKS)]
+    payloads = torch.stack([p.payload.reshape(-1) for p in peers])
+    scales = torch.stack([p.scales.reshape(-1) for p in peers])
+    we, dsu = {"fused": (kernels.whiten_encode, kernels.decode_sum_unwhiten),
+               "reference": (kernels.reference_whiten_encode, kernels.reference_decode_sum_unwhiten)}[impl]  # fmt: skip
+    n, m = d_out * d_in, rows * d_in
+    enc_bytes = 5 * n + cfg.scale_bytes(d_out, d_in)
+    dec_bytes = RANKS * (m + cfg.scale_bytes(rows, d_in)) + 4 * m
+    return {
+        "encode": (lambda: we(g, None, cfg), d_out, d_in, enc_bytes),
+        "whiten_encode": (lambda: we(g, low, cfg), d_out, d_in, enc_bytes),
+        "decode_sum": (lambda: dsu(payloads, scales, rows, d_in, None, cfg, True), rows, d_in, dec_bytes),
+        "decode_sum_unwhiten": (lambda: dsu(payloads, scales, rows, d_in, low, cfg, True), rows, d_in, dec_bytes),
+    }
+
+
+def measure(model: dict, device: torch.device, cfg: CodecConfig, large_copy: dict) -> list[dict]:
+    """Time every (layer, path, implementation) of ``model``; returns the result records."""
+    impls = ["fused", "reference"] if fused_timed(device) else ["reference"]
+    records = []
+    for layer, shape in layer_shapes(model).items():
+        for impl in impls:
+            for path, (fn, rows, cols, nbytes) in layer_paths(shape, device, cfg, impl).items():
+                seconds, method = bench_seconds(fn, device)
+                copy = copy_record(nbytes, device)
+                bw = nbytes / seconds
+                records.append(dict(layer=layer, shape=list(shape), path=path, impl=impl, rows=rows, cols=cols, peers=RANKS,
+                                    bytes=nbytes, seconds=seconds, bytes_per_s=bw, copy_bytes_per_s=copy["bytes_per_s"],
+                                    over_copy=bw / copy["bytes_per_s"], over_copy_large=bw / large_copy["bytes_per_s"],
+                                    method=method))  # fmt: skip
+    return records
+
+
+def delta_paths(codec, shape: tuple[int, int], device: torch.device) -> dict:
+    """``{path: (fn, elements, bytes)}`` of the delta codec at one layer's size (see the module docstring)."""
+    n = shape[0] * shape[1]
+    gen = torch.Generator().manual_seed(0)
+    prev = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+    new = (prev.float() + 1e-3 * torch.randn(n, generator=gen).to(device)).to(torch.bfloat16)
+    out = torch.empty(codec.message_bytes(n), dtype=torch.uint8, device=device)
+    shard = n // RANKS
+    messages = torch.zeros(RANKS, codec.message_bytes(shard), dtype=torch.uint8, device=device)
+    base = prev[: RANKS * shard].view(RANKS, shard).clone()
+    return {"delta_encode": (lambda: codec.encode(new, prev, out), n, 4 * n + codec.message_bytes(n)),
+            "delta_decode": (lambda: codec.decode_into(messages, base), RANKS * shard,
+                             RANKS * codec.message_bytes(shard) + 4 * RANKS * shard)}  # fmt: skip
+
+
+def measure_delta(model: dict, device: torch.device, large_copy: dict) -> dict:
+    """The delta codec's part: ``available`` False (and why) without ``DELTA_MODULE``."""
+    try:
+        codec = importlib.import_module(DELTA_MODULE)
+    except ImportError as e:
+        return dict(available=False, module=DELTA_MODULE, note=f"not installed here: {e}")
+    records = []
+    for layer, shape in layer_shapes(model).items():
+        for path, (fn, elements, nbytes) in delta_paths(codec, shape, device).items():
+            seconds, method = bench_seconds(fn, device)
+            copy = copy_record(nbytes, device)
+            records.append(dict(layer=layer, shape=list(shape), path=path, impl="torch", rows=1, cols=elements, peers=RANKS,
+                                bytes=nbytes, seconds=seconds, bytes_per_s=nbytes / seconds,
+                                copy_bytes_per_s=copy["bytes_per_s"], over_copy=nbytes / seconds / copy["bytes_per_s"],
+                                over_copy_large=nbytes / seconds / large_copy["bytes_per_s"], method=method))  # fmt: skip
+    return dict(available=True, module=DELTA_MODULE, results=records, summary=summarize(records, large_copy, DELTA_PATHS))
+
+
+def summarize(records: list[dict], large_copy: dict, paths: tuple[str, ...] = PATHS) -> list[dict]:
+    """Per (path, impl): totals over the layers (see ``SCHEMA['summary']``)."""
+    out = []
+    for impl in dict.fromkeys(r["impl"] for r in records):
+        for path in paths:
+            rows = [r for r in records if r["impl"] == impl and r["path"] == path]
+            nbytes, seconds = sum(r["bytes"] for r in rows), sum(r["seconds"] for r in rows)
+            copy_s = sum(r["bytes"] / r["copy_bytes_per_s"] for r in rows)
+            elements = sum(r["rows"] * r["cols"] for r in rows)
+            out.append(dict(path=path, impl=impl, bytes=nbytes, seconds=seconds, bytes_per_s=nbytes / seconds,
+                            over_copy=copy_s / seconds, over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
+                            s_per_element=seconds / elements))  # fmt: skip
+    return out
+
+
+def targets(summary: list[dict]) -> dict:
+    """Each fused path's bandwidth over the same-size copy's, against ``TARGET_OVER_COPY``."""
+    fused = {s["path"]: s["over_copy"] for s in summary if s["impl"] == "fused"}
+    if not fused:
+        return {"fused_timed": False, "note": "no fused kernels on this device: nothing to hold against the target"}
+    return dict(fused_timed=True, over_copy=fused, target_over_copy=TARGET_OVER_COPY,
+                met=all(v >= TARGET_OVER_COPY for v in fused.values()))  # fmt: skip
+
+
+def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
+    """The codec-bandwidth part of the GPU check: ``{schema, copy_large, results, summary, targets}``."""
+    cfg = CodecConfig()
+    large = copy_record(large_copy_bytes, device)
+    records = measure(model, device, cfg, large)
+    summary = summarize(records, large)
+    return dict(schema=SCHEMA, codec=cfg.name, block=cfg.block, rank=RANK, peers=RANKS, copy_large=large,
+                results=records, summary=summary, targets=targets(summary), delta=measure_delta(model, device, large))  # fmt: skip
+
+
+def format_table(doc: dict) -> str:
+    """Markdown: GB/s and fraction of copy per path and implementation, summed over the layers."""
+    lines = ["| path | impl | GB/s | / same-size copy | / large copy |", "|---|---|---|---|---|"]
+    for s in doc["summary"] + doc["delta"].get("summary", []):
+        gbs = s["bytes_per_s"] / 1e9
+        lines.append(f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} |")
+    if not doc["delta"]["available"]:
+        lines.append(f"\ndelta codec: {doc['delta']['note']}")
+    lines.append(f"\nlarge copy: {doc['copy_large']['bytes_per_s'] / 1e9:.1f} GB/s ({doc['copy_large']['bytes']} bytes moved)")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,220 @@
+"""``megatron-gift bench memory``: peak extra bytes per parameter over stock Megatron, per mode
+and option, at several data-parallel sizes on CPU (gloo ranks, CPU harness).
+
+Each rank builds the same small GPTModel once per configuration and, inside a tracker that
+counts every tensor storage created from then on (a ``TorchDispatchMode``: a storage's bytes are
+added when an op first returns it and removed when it is freed), wraps it in Megatron's
+``DistributedDataParallel`` (``stock``) or ``GiftDistributedDataParallel`` and runs ``steps``
+training steps (forward, backward, gradient reduction; distributed optimizer, overlapped
+reduction, as in production). Steps 0 and 1 are refresh steps (GIFT's statistics, factor builds
+and their all-gather, installed a step later). Per configuration and rank: ``peak`` (the most live
+bytes at any moment) and ``held`` (live after the last step closed: persistent state such as
+error-feedback residuals, statistics, transforms); with ``steady_step``, the run goes on to at least
+that step, until the next one neither refreshes nor installs a refresh (counted by GIFT's own step:
+each closing ``zero_grad_buffer`` opens an empty step), and measures its own peak over what was live
+when it began (``steady_step`` in the record: GIFT's index of the step measured). Reported per
+parameter of the model, minus ``stock``'s, the largest over the ranks:
+
+* ``peak_extra_B_per_param``: what a run needs on top of Megatron's own peak;
+* ``held_extra_B_per_param``: the persistent part of it;
+* ``transient_extra_B_per_param``: the peak minus the held, i.e. the reduction's buffers
+  (send and receive buffers, decoded peers, FP32 copies) and a refresh's builds;
+* ``steady_transient_extra_B_per_param``: a steady step's transient (the reduction alone).
+
+Only tensors count (the allocator's caching, gloo's internal buffers and Python objects do not),
+the same way for every configuration. The model's own parameters exist before the tracker starts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megatron_gift.config import GiftConfig, Mode
+from megatron_gift_tools.bench.fidelity import machine
+
+MODEL = dict(hidden_size=128, ffn_hidden_size=512, num_attention_heads=4, num_layers=2)
+PRESETS = {
+    "default": dict(ranks=(2, 4, 8), steps=2, steady_step=6, model=MODEL),
+    "quick": dict(ranks=(2,), steps=1, steady_step=None, model=dict(MODEL, hidden_size=64, ffn_hidden_size=128)),
+}
+# name -> GiftConfig keyword arguments (None: Megatron's own DistributedDataParallel)
+CONFIGS = {
+    "stock": None,
+    "off": dict(mode=Mode.OFF),
+    "bf16": dict(mode=Mode.BF16, error_feedback=False),
+    "euclidean": dict(mode=Mode.EUCLIDEAN, error_feedback=False),
+    "euclidean+error-feedback": dict(mode=Mode.EUCLIDEAN, error_feedback=True),
+    "gift (statistics, transforms)": dict(mode=Mode.GIFT, error_feedback=False),
+    "gift+error-feedback": dict(mode=Mode.GIFT, error_feedback=True),
+    "gift+error-feedback+telemetry": dict(mode=Mode.GIFT, error_feedback=True, log_interval=1),
+}
+QUICK_CONFIGS = ("stock", "off", "euclidean", "gift+error-feedback")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor storage created while active, until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+
+def _steady_ahead(ddp) -> bool:
+    """Whether the step measured next is steady: the closing ``zero_grad_buffer`` opens an empty step
+    (no backward: nothing refreshes), the measured step the one after; neither it nor the last step
+    with a backward (whose refresh it would install) refreshes. Stock Megatron: always."""
+    state = getattr(ddp, "gift_state", None)
+    return state is None or not (state.is_refresh_step(state.step) or state.is_refresh_step(state.step + 2))
+
+
+def _measure(name: str, spec: dict) -> dict:
+    """``peak`` and ``held`` bytes of one configuration on this rank (see module doc)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
+
+    model = build_tiny_gpt(**spec["model"])
+    params = sum(p.numel() for p in model.parameters())
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    tracker = LiveBytes()
+    with tracker:
+        if CONFIGS[name] is None:
+            ddp = DistributedDataParallel(model.config, ddp_config, model)
+        else:
+            gift = GiftConfig(**CONFIGS[name])
+            ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
+        def step(i: int) -> None:
+            ddp.zero_grad_buffer()  # (closes the step before: error feedback committed, telemetry written)
+            lm_loss(ddp, random_tokens(i, parallel_state.get_data_parallel_rank())).backward()
+            ddp.finish_grad_sync()
+
+        for i in range(spec["steps"]):
+            step(i)
+        ddp.zero_grad_buffer()
+        gc.collect()
+        out = dict(peak=tracker.peak, held=tracker.live, params=params)
+        if spec["steady_step"] is not None:
+            i = spec["steps"]
+            while i < spec["steady_step"] or not _steady_ahead(ddp):
+                step(i)
+                i += 1
+            ddp.zero_grad_buffer()
+            gc.collect()
+            tracker.peak = start = tracker.live
+            step(i)
+            out["steady"] = tracker.peak - start
+            if isinstance(ddp, GiftDistributedDataParallel):
+                out["steady_step"] = ddp.gift_state.step
+    del ddp, model
+    gc.collect()
+    return out
+
+
+def _rank_main(rank: int, world: int, spec: dict, names: tuple) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    out = {name: _measure(name, spec) for name in names}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def summarize(per_rank: list[dict], world: int) -> list[dict]:
+    """Rows of the table for one data-parallel size: per configuration, bytes per parameter over ``stock``."""
+    rows = []
+    for name in per_rank[0]:
+        def extra(key):
+            return max((r[name][key] - r["stock"][key]) / r[name]["params"] for r in per_rank)
+
+        peak, held = extra("peak"), extra("held")
+        row = dict(ranks=world, config=name, params=per_rank[0][name]["params"],
+                   peak_extra_B_per_param=round(peak, 3), held_extra_B_per_param=round(held, 3),
+                   transient_extra_B_per_param=round(peak - held, 3),
+                   peak_bytes_per_rank=[r[name]["peak"] for r in per_rank])  # fmt: skip
+        if "steady" in per_rank[0][name]:
+            row["steady_transient_extra_B_per_param"] = round(extra("steady"), 3)
+            if "steady_step" in per_rank[0][name]:
+                row["steady_step"] = per_rank[0][name]["steady_step"]
+        rows.append(row)
+    return rows
+
+
+def run(quick: bool = False, json_path: str | None = None, ranks=None, command: str | None = None) -> dict:
+    """Measure every configuration at every data-parallel size, print the table, write JSON."""
+    from megatron_gift.testing import run_on_ranks
+
+    spec = dict(PRESETS["quick" if quick else "default"])
+    if ranks:
+        spec["ranks"] = tuple(ranks)
+    names = QUICK_CONFIGS if quick else tuple(CONFIGS)
+    t0, rows = time.time(), []
+    for world in spec["ranks"]:
+        print(f"[bench memory] {len(names)} configurations on {world} ranks ...", file=sys.stderr, flush=True)
+        rows += summarize(run_on_ranks(_rank_main, world, spec, names, cpu_harness=True, timeout=1800), world)
+    doc = dict(
+        benchmark="memory",
+        command=command or "megatron-gift bench memory" + (" --quick" if quick else ""),
+        machine=machine(),
+        spec=dict(spec, configs={n: CONFIGS[n] and {k: getattr(v, "value", v) for k, v in CONFIGS[n].items()} for n in names},
+                  ddp="distributed optimizer, overlap_grad_reduce, default bucket size (one bucket), FP32 gradients"),
+        definition=__doc__.split("\n\n")[1].replace("\n", " "),
+        wall_seconds=round(time.time() - t0, 1),
+        results=rows,
+    )  # fmt: skip
+    print(format_table(rows))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def format_table(rows: list[dict]) -> str:
+    """Configurations down, data-parallel sizes across: peak extra (held + transient) bytes per
+    parameter, and a steady step's transient where measured."""
+    sizes = sorted({r["ranks"] for r in rows})
+    by = {(r["config"], r["ranks"]): r for r in rows}
+    steady = any("steady_transient_extra_B_per_param" in r for r in rows)
+    what = "peak (held + transient), steady transient" if steady else "peak (held + transient)"
+    head = "| configuration | " + " | ".join(f"{n} ranks: {what} B/param" for n in sizes) + " |"
+    lines = [head, "|---|" + "---|" * len(sizes)]
+    for name in dict.fromkeys(r["config"] for r in rows):
+        cells = []
+        for n in sizes:
+            r = by.get((name, n))
+            cell = "" if r is None else (f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f} + "
+                                         f"{r['transient_extra_B_per_param']:.2f})")  # fmt: skip
+            if r is not None and "steady_transient_extra_B_per_param" in r:
+                cell += f", {r['steady_transient_extra_B_per_param']:.2f}"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
