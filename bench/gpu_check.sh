@@ -6,7 +6,7 @@
 # the step-time model. A few minutes on an H200.
 #
 #   bench/gpu_check.sh             on the GPU machine: JSON to $OUT if set, else bench/results/
-#   bench/gpu_check.sh --dry-run   on a CPU, tiny shapes, same code path (CI: tests/test_gpu_check.py);
+#   bench/gpu_check.sh --dry-run   on a CPU, tiny shapes, same code path (CI: tests/tools/test_gpu_check.py);
 #                                  JSON to $OUT if set, else a fresh temporary folder
 #
 # megatron-core: used as installed; else installed from the wheel in .cache/wheels/ (made by
@@ -46,7 +46,7 @@ main() {
   status=0
   step() { echo "== $*"; "$@" || { rc=$?; echo "== failed ($rc): $*"; ((status)) || status=$rc; }; }
   if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
-  step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py --junitxml "$out/kernel-tests.xml"
+  step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels.py --junitxml "$out/kernel-tests.xml"
   step "$py" -m megatron_gift_tools.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
   step "$py" -m megatron_gift model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
   echo "== gpu_check: done (status $status); files in $out"

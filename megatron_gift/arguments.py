@@ -115,7 +115,6 @@ def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-
 def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract),
     with its help strings' stray ``%`` escaped (:func:`escape_stray_percent`) and its errors printed once."""
@@ -147,10 +146,12 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Elements per scale with --gift-scaling block (mx always uses 32; default: %(default)s).",
     )
     flags.add_argument(
-        "--gift-rank", type=int, default=_DEFAULT.rank,
+        "--gift-rank",
+        type=int,
+        default=_DEFAULT.rank,
         help="Rank of the whitening factor: the top eigenvectors of the input statistics XᵀX it whitens along; 0 "
         "scales each input column by its damped diagonal entry alone (no low-rank part; default: %(default)s).",
-    )  # fmt: skip
+    )
     flags.add_argument(
         "--gift-sketch",
         type=int,
@@ -164,9 +165,11 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Iterations between whitening-factor refreshes (default: %(default)s).",
     )
     flags.add_argument(
-        "--gift-ema", type=float, default=_DEFAULT.ema,
+        "--gift-ema",
+        type=float,
+        default=_DEFAULT.ema,
         help="Per-step EMA decay of the input statistics (default: %(default)s).",
-    )  # fmt: skip
+    )
     flags.add_argument(
         "--gift-damping",
         type=_damping,
@@ -390,7 +393,8 @@ def gift_config_from_args(args) -> GiftConfig | None:
 
 
 def telemetry_dir(args) -> str | None:
-    """The directory of ``gift_telemetry.jsonl``: ``--gift-telemetry-dir``, else ``--save``, else ``--tensorboard-dir``."""
+    """The directory of ``gift_telemetry.jsonl``: ``--gift-telemetry-dir``, else ``--save``, else
+    ``--tensorboard-dir``."""
     return args.gift_telemetry_dir or args.save or args.tensorboard_dir
 
 
@@ -419,23 +423,33 @@ def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
     if args.gift_log_interval < 0:
         raise ValueError(f"--gift-log-interval must be >= 0 (0 = off), got {args.gift_log_interval}")
     if args.gift_param_gather_full_every and args.gift_param_gather != ParamGather.DELTA.value:
-        raise ValueError("--gift-param-gather-full-every has no effect without --gift-param-gather delta: add it or "
-                         "drop --gift-param-gather-full-every")  # fmt: skip
+        raise ValueError(
+            "--gift-param-gather-full-every has no effect without --gift-param-gather delta: add it or "
+            "drop --gift-param-gather-full-every"
+        )
     cfg = gift_config_from_args(args)
     if named_parameters is None and warn:  # the flag-level call, once before the model exists: warn there
         _warn_ineffective_flags(args, cfg)
         if cfg is not None and cfg.mode is Mode.GIFT and cfg.rank == 0:
-            print_once("megatron-gift: note: --gift-rank 0 scales each GIFT layer's input columns by the damped "
-                       "diagonal of its statistics alone (no low-rank whitening)")  # fmt: skip
+            print_once(
+                "megatron-gift: note: --gift-rank 0 scales each GIFT layer's input columns by the damped "
+                "diagonal of its statistics alone (no low-rank whitening)"
+            )
             if cfg.side is not Side.INPUT:
-                print_once(f"megatron-gift: note: --gift-side {cfg.side.value} with --gift-rank 0 whitens the input side "
-                           "alone: a diagonal T_out only rescales whole rows, which the FP8 scales already do, so no "
-                           "output statistics are kept")  # fmt: skip
+                print_once(
+                    f"megatron-gift: note: --gift-side {cfg.side.value} with --gift-rank 0 whitens the input side "
+                    "alone: a diagonal T_out only rescales whole rows, which the FP8 scales already do, so no "
+                    "output statistics are kept"
+                )
     if args.gift_mode == Mode.OFF.value:
-        for flag, value in (("--gift-euclidean-layers", args.gift_euclidean_layers), ("--gift-loopback", args.gift_loopback)):
+        for flag, value in (
+            ("--gift-euclidean-layers", args.gift_euclidean_layers),
+            ("--gift-loopback", args.gift_loopback),
+        ):
             if value:
                 raise ValueError(
-                    f"{flag} has no effect with --gift-mode off: choose --gift-mode bf16, euclidean or gift, or drop {flag}"
+                    f"{flag} has no effect with --gift-mode off: choose --gift-mode bf16, euclidean or gift, "
+                    f"or drop {flag}"
                 )
     if cfg is None:
         return
@@ -445,8 +459,10 @@ def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
         return
     patterns = {"--gift-layers": cfg.layers, "--gift-euclidean-layers": cfg.euclidean_layers}
     if args.gift_log_interval and not telemetry_dir(args):
-        raise ValueError("--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save, or "
-                         "--tensorboard-dir)")  # fmt: skip
+        raise ValueError(
+            "--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save, or "
+            "--tensorboard-dir)"
+        )
     for flag, pats in patterns.items():
         for pat in pats:
             try:
@@ -530,10 +546,22 @@ def _flag_defaults() -> dict:
 
 _GIFT_ONLY = ("gift_rank", "gift_sketch", "gift_refresh_interval", "gift_ema", "gift_damping", "gift_side")
 _FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback")
-_AUTO_ONLY = ("gift_profile_steps", "gift_profile_interval", "gift_policy_margin", "gift_policy_hysteresis", "gift_bf16_bound")
+_AUTO_ONLY = (
+    "gift_profile_steps",
+    "gift_profile_interval",
+    "gift_policy_margin",
+    "gift_policy_hysteresis",
+    "gift_bf16_bound",
+)
 # errors, or read whatever the mode (the parameter all-gather is independent of it)
-_ANY_MODE = ("gift_mode", "gift_allow_untested_megatron", "gift_euclidean_layers", "gift_loopback", "gift_param_gather",
-             "gift_param_gather_full_every")  # fmt: skip
+_ANY_MODE = (
+    "gift_mode",
+    "gift_allow_untested_megatron",
+    "gift_euclidean_layers",
+    "gift_loopback",
+    "gift_param_gather",
+    "gift_param_gather_full_every",
+)
 
 
 def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
@@ -548,13 +576,17 @@ def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
         if k in _GIFT_ONLY and cfg.mode is not Mode.GIFT:
             out.append((k, f"with --gift-mode {cfg.mode.value} (GIFT only)"))
         elif k in _FP8_ONLY and not fp8:
-            out.append((k, f"with --gift-mode {cfg.mode.value} and no --gift-euclidean-layers (nothing is sent in FP8)"))
+            out.append(
+                (k, f"with --gift-mode {cfg.mode.value} and no --gift-euclidean-layers (nothing is sent in FP8)")
+            )
         elif k == "gift_block_size" and cfg.codec.scaling is not Scaling.BLOCK:
             out.append((k, f"with --gift-scaling {cfg.codec.scaling.value} (block only)"))
         elif k in _AUTO_ONLY and cfg.policy is None:
             out.append((k, f"without --gift-layers {AUTO}"))
         elif k == "gift_intra_node" and (cfg.exchange is Exchange.FLAT or cfg.error_feedback):
-            out.append((k, "with --gift-exchange flat or --gift-error-feedback (one flat exchange, no intra-node stage)"))
+            out.append(
+                (k, "with --gift-exchange flat or --gift-error-feedback (one flat exchange, no intra-node stage)")
+            )
         elif k == "gift_telemetry_dir" and not cfg.log_interval:
             out.append((k, "without --gift-log-interval"))
     return out
@@ -581,8 +613,14 @@ def _check_megatron_flags(args) -> None:
                 f"megatron-gift extends Megatron's DistributedDataParallel and does not support {flag}: "
                 f"drop {flag} (use --use-distributed-optimizer for sharded optimizer states) {off}"
             )
-    graphs = [flag for attr, flag in (("enable_cuda_graph", "--enable-cuda-graph"), ("external_cuda_graph", "--external-cuda-graph"))
-              if getattr(args, attr, False)]  # fmt: skip
+    graphs = [
+        flag
+        for attr, flag in (
+            ("enable_cuda_graph", "--enable-cuda-graph"),
+            ("external_cuda_graph", "--external-cuda-graph"),
+        )
+        if getattr(args, attr, False)
+    ]
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
         graphs.append(f"--cuda-graph-impl {args.cuda_graph_impl}")
     if graphs:
@@ -612,15 +650,23 @@ def _check_param_gather(args) -> None:
     if getattr(args, "use_layer_wise_distributed_optimizer", False):
         raise ValueError(
             f"{flag} codes the distributed optimizer's all-gather of equal shards; --optimizer {args.optimizer} uses "
-            f"the layer-wise distributed optimizer (whole parameters per rank, uneven gathers): use --gift-param-gather bf16"
+            f"the layer-wise distributed optimizer (whole parameters per rank, uneven gathers): "
+            f"use --gift-param-gather bf16"
         )
-    for attr, other in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-megatron-fsdp"),
-                        ("use_torch_fsdp2", "--use-torch-fsdp2")):  # fmt: skip
+    for attr, other in (
+        ("use_megatron_fsdp", "--use-megatron-fsdp"),
+        ("use_custom_fsdp", "--use-megatron-fsdp"),
+        ("use_torch_fsdp2", "--use-torch-fsdp2"),
+    ):
         if getattr(args, attr, False):
-            raise ValueError(f"{flag} codes the distributed optimizer's all-gather; {other} gathers parameters its own "
-                             f"way: drop {other} {alt}")  # fmt: skip
+            raise ValueError(
+                f"{flag} codes the distributed optimizer's all-gather; {other} gathers parameters its own "
+                f"way: drop {other} {alt}"
+            )
     if not getattr(args, "use_distributed_optimizer", False):
-        raise ValueError(f"{flag} codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer {alt}")
+        raise ValueError(
+            f"{flag} codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer {alt}"
+        )
     for attr, other in (("fp8_param_gather", "--fp8-param-gather"), ("fp4_param_gather", "--fp4-param-gather")):
         if getattr(args, attr, False):
             raise ValueError(f"{flag} and {other} both replace the parameter all-gather: drop {other} {alt}")
@@ -635,7 +681,10 @@ def _check_parameters(cfg: GiftConfig, named: list, patterns: dict) -> None:
     """Every pattern selects some parameter, and ``rank`` fits each GIFT layer's input size."""
     names = [n for n, _ in named]
     unmatched = [
-        f"{flag} {pat!r}" for flag, pats in patterns.items() for pat in pats if not any(re.search(pat, n) for n in names)
+        f"{flag} {pat!r}"
+        for flag, pats in patterns.items()
+        for pat in pats
+        if not any(re.search(pat, n) for n in names)
     ]
     if unmatched:
         more = f", ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else ""

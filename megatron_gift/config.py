@@ -169,7 +169,13 @@ class GiftConfig:
     allow_untested_megatron: bool = False
 
     def __post_init__(self):
-        enums = (("mode", Mode), ("side", Side), ("param_gather", ParamGather), ("exchange", Exchange), ("intra_node", IntraNode))
+        enums = (
+            ("mode", Mode),
+            ("side", Side),
+            ("param_gather", ParamGather),
+            ("exchange", Exchange),
+            ("intra_node", IntraNode),
+        )
         for name, kind in enums:
             if not isinstance(getattr(self, name), kind):  # a spelling: the enum's member, or its ValueError
                 object.__setattr__(self, name, kind(getattr(self, name)))
@@ -192,8 +198,12 @@ class GiftConfig:
             raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: off), got {self.log_interval}")
-        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be an integer >= 1 (None: from LOCAL_WORLD_SIZE), got {self.ranks_per_node!r}")
+        if self.ranks_per_node is not None and (
+            isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
+        ):
+            raise ValueError(
+                f"ranks_per_node must be an integer >= 1 (None: from LOCAL_WORLD_SIZE), got {self.ranks_per_node!r}"
+            )
         if self.schedule is not None and not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.kernels not in (None, True, False):

@@ -283,9 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     from .arguments import (
-        add_gift_args, chain_args_providers, checked_gift_config, gift_flags_checked_first, startup_errors, telemetry_dir,
+        add_gift_args,
+        chain_args_providers,
+        checked_gift_config,
+        gift_flags_checked_first,
+        startup_errors,
+        telemetry_dir,
         validate_gift_args,
-    )  # fmt: skip
+    )
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *argv]  # Megatron's parse_args reads sys.argv

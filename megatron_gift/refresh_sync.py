@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._compat import all_gather as _all_gather
+from ._compat import reduce_scatter as _reduce_scatter
 from .comm.ledger import ring_all_reduce_bytes
 from .config import Mode
 from .numerics.kfac import KFACStatistics
@@ -71,15 +73,13 @@ from .state import GiftParam, GiftState
 
 logger = logging.getLogger(__name__)
 
-# torch >= 2.10 renamed all_gather_into_tensor and reduce_scatter_tensor; NGC containers may carry either.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
     """The layout of ``gp``'s record at the configured ``rank`` (its output side's too, if it has one)."""
     out = gp.out_stats
-    return RecordLayout(gp.stats.d_in, gp.stats.factor_rank(rank), out.d_in if out else 0, out.factor_rank(rank) if out else 0)
+    return RecordLayout(
+        gp.stats.d_in, gp.stats.factor_rank(rank), out.d_in if out else 0, out.factor_rank(rank) if out else 0
+    )
 
 
 # what a side's statistics are of, and what a layer does without them
@@ -141,13 +141,14 @@ class _Refresh:
     """A refresh in flight: its layers, their builds, and the host copy the next stage waits for."""
 
     layers: list[GiftParam]  # every GIFT layer, in one order on all ranks
-    sides: list[tuple[GiftParam, str]]  # the statistics this rank builds from, as ``(layer, "in" | "out")``: flagged in this order
+    sides: list[
+        tuple[GiftParam, str]
+    ]  # the statistics this rank builds from, as ``(layer, "in" | "out")``: flagged in this order
     groups: list[_GroupRefresh]
     owned: dict[int, OwnedLayer]  # id(GiftParam) -> this rank's build of it
     copy: HostCopy
     parts: list | None  # per group, per own layer: the tensors ``copy`` carries
     stage: int = 1  # 1: statistics summed, 2: whitening Grams enqueued, 3: records sent
-
 
 
 class RefreshSync:
@@ -258,12 +259,16 @@ class RefreshSync:
             # summed tensor (NaN and ±Inf stay non-finite) and Σ diag(A) = ‖diag‖₁ (diag(A) ≥ 0)
             ordered = [summed[id(gp), side] for gp, side in sides]
             diags = [sums["diag"] if "diag" in sums else torch.diagonal(sums["xtx"]) for sums, _ in ordered]
-            pieces = [t for (sums, tokens), diag in zip(ordered, diags) for t in (next(iter(sums.values())), diag, tokens)]
+            pieces = [
+                t for (sums, tokens), diag in zip(ordered, diags) for t in (next(iter(sums.values())), diag, tokens)
+            ]
             flags = torch.zeros(0, 3, dtype=torch.bool, device=self.device)
             if sides:
                 maxabs = torch.stack(torch._foreach_norm(pieces, float("inf"))).view(len(sides), 3)
                 tokens = torch.stack([tokens for _, tokens in ordered])
-                flags = torch.stack([torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1)
+                flags = torch.stack(
+                    [torch.isfinite(maxabs).all(1), tokens > 0, torch.stack(torch._foreach_norm(diags, 1)) > 0], 1
+                )
             by_group: dict = {}
             for gp, group in every:
                 by_group.setdefault(group, []).append(gp)
@@ -275,15 +280,32 @@ class RefreshSync:
                     places.append(used[gp.owner])
                     used[gp.owner] += layout.nbytes
                 slot = max(used)
-                mine = [OwnedLayer(gp.name, layout.rank, *summed[id(gp), "in"], gp.stats.omega, held_out=gp.held_out,
-                                   out=FactorSide(layout.out_rank, *summed[id(gp), "out"], gp.out_stats.omega) if layout.d_out else None,
-                                   out_held_out=gp.out_held_out)
-                        for gp, layout in zip(members, layouts) if gp.owner == group.rank()]  # fmt: skip
+                mine = [
+                    OwnedLayer(
+                        gp.name,
+                        layout.rank,
+                        *summed[id(gp), "in"],
+                        gp.stats.omega,
+                        held_out=gp.held_out,
+                        out=FactorSide(layout.out_rank, *summed[id(gp), "out"], gp.out_stats.omega)
+                        if layout.d_out
+                        else None,
+                        out_held_out=gp.out_held_out,
+                    )
+                    for gp, layout in zip(members, layouts)
+                    if gp.owner == group.rank()
+                ]
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
                 build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS, SIDE_KINDS[self.side])
-                groups.append(_GroupRefresh(group, members, layouts, [gp.owner * slot + p for gp, p in zip(members, places)], slot, build))
+                groups.append(
+                    _GroupRefresh(
+                        group, members, layouts, [gp.owner * slot + p for gp, p in zip(members, places)], slot, build
+                    )
+                )
             parts = [gr.build.grams() for gr in groups]
-            self.pending = _Refresh(layers, sides, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts)
+            self.pending = _Refresh(
+                layers, sides, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts
+            )
 
     def _cores(self) -> None:
         """Stage 2: host wait 1, the status of each side of this rank's layers from their summed
@@ -336,7 +358,9 @@ class RefreshSync:
                 n = gr.group.size()
                 if n > 1:
                     works.append(_all_gather(gr.recv, send, group=gr.group, async_op=True))
-                    self.state.ledger.add("all_gather", "factors", (n - 1) * gr.slot)  # ring all-gather: (R-1) slots out
+                    self.state.ledger.add(
+                        "all_gather", "factors", (n - 1) * gr.slot
+                    )  # ring all-gather: (R-1) slots out
                 else:
                     gr.recv.copy_(send)
             for work in works:
@@ -363,7 +387,9 @@ class RefreshSync:
                 out_head = dict(zip(OUT_HEADER, next(headers).tolist())) if gr.layouts[i].d_out else None
                 for side, h, stats in (("in", head, gp.stats), ("out", out_head, gp.out_stats)):
                     if h is not None and BuildStatus(int(h["status"])) is BuildStatus.NONFINITE:
-                        logger.warning("megatron-gift: non-finite %s in %s; %s", _WHAT[side][0], gp.name, _WHAT[side][1])
+                        logger.warning(
+                            "megatron-gift: non-finite %s in %s; %s", _WHAT[side][0], gp.name, _WHAT[side][1]
+                        )
                         stats.reset_ema()  # on every rank: the next refresh sums fresh EMAs
                 status = BuildStatus(int(head["status"]))
                 if status is BuildStatus.FAILED:
@@ -371,12 +397,18 @@ class RefreshSync:
                 if status not in (BuildStatus.OK, BuildStatus.INDEFINITE):
                     continue
                 if status is BuildStatus.INDEFINITE:
-                    logger.warning("megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
-                                   "corrupt statistics?): using the diagonal of A alone for this factor", gp.name, MAX_SHIFTS)  # fmt: skip
+                    logger.warning(
+                        "megatron-gift: the Nyström core of %s stayed indefinite after %d shifts (non-finite or "
+                        "corrupt statistics?): using the diagonal of A alone for this factor",
+                        gp.name,
+                        MAX_SHIFTS,
+                    )
                 self._install(gp, gr.received[i], head, out_head, remap, r.owned.get(id(gp)))
         if failed:
-            raise RuntimeError(f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
-                               f"the traceback); stopping on every rank")  # fmt: skip
+            raise RuntimeError(
+                f"megatron-gift: building the factor of {', '.join(failed)} failed (the owner's log has "
+                f"the traceback); stopping on every rank"
+            )
 
     @staticmethod
     def _install(gp: GiftParam, rec: dict, head: dict, out_head: dict | None, remap, owned: OwnedLayer | None) -> None:
@@ -391,8 +423,12 @@ class RefreshSync:
         def side(prefix: str, rank: int, built, trace: float, damping: float):
             cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
             factor = LowRankFactor(*built, trace, damping) if built is not None else None
-            best = LowRankWhitening.from_tensors({k: cols(rec[prefix + k]) if k in ("q", "c", "c_inv") else rec[prefix + k]
-                                                  for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")})  # fmt: skip
+            best = LowRankWhitening.from_tensors(
+                {
+                    k: cols(rec[prefix + k]) if k in ("q", "c", "c_inv") else rec[prefix + k]
+                    for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")
+                }
+            )
             return factor, best
 
         choice = head["choice"]
@@ -405,11 +441,16 @@ class RefreshSync:
         if out_head is not None:
             out_status = BuildStatus(int(out_head["status"]))
             if out_status is BuildStatus.INDEFINITE:
-                logger.warning("megatron-gift: the Nyström core of %s's output gradients stayed indefinite after %d shifts: "
-                               "whitening its input side alone", gp.name, MAX_SHIFTS)  # fmt: skip
+                logger.warning(
+                    "megatron-gift: the Nyström core of %s's output gradients stayed indefinite after %d shifts: "
+                    "whitening its input side alone",
+                    gp.name,
+                    MAX_SHIFTS,
+                )
             if out_status in (BuildStatus.OK, BuildStatus.INDEFINITE):
-                out_factor, t_out = side("out_", int(out_head["rank"]), owned and owned.out.factor, out_head["trace_b"],
-                                         out_head["damping"])  # fmt: skip
+                out_factor, t_out = side(
+                    "out_", int(out_head["rank"]), owned and owned.out.factor, out_head["trace_b"], out_head["damping"]
+                )
                 new_out = t_out if choice >= 0 and out_head["choice"] >= 0 else None
                 out_best = t_out if out_head["held_out"] > 0 else None
         if gp.mode is Mode.GIFT:
@@ -432,10 +473,11 @@ class RefreshSync:
         packed by owner into equal slots (the largest rank's share, sized from the layouts alone), one
         call per reduction group, which sends ``(R-1)/R`` of the payload where an all-reduce sends twice
         that, as long as the slots are full: where ``R`` slots hold more than twice the payload (more
-        ranks than layers to own) the group's statistics are all-reduced instead. Its other groups (TP under sequence parallelism) are summed first, by one all-reduce per
-        group of each distinct tuple of them. A statistics whose groups do not include the owners'
-        group (several distributed-optimizer instances: summed over the full data-parallel group) is
-        all-reduced over all of them in the same calls, and its owner reads its share of the result."""
+        ranks than layers to own) the group's statistics are all-reduced instead. Its other groups (TP
+        under sequence parallelism) are summed first, by one all-reduce per group of each distinct tuple
+        of them. A statistics whose groups do not include the owners' group (several
+        distributed-optimizer instances: summed over the full data-parallel group) is all-reduced over
+        all of them in the same calls, and its owner reads its share of the result."""
         first: dict[tuple, list] = {}  # groups summed over by all-reduces -> statistics ``(key, stats)``
         scatter: dict = {}  # reduction group -> statistics ``(key, stats, owner)`` reduce-scattered over it
         reduced = []  # this rank's statistics summed by the all-reduces alone ``(key, stats)``
@@ -469,8 +511,12 @@ class RefreshSync:
             slot = max(sum(size(st) for _, st in mine) for mine in by_owner)
             if n * slot > 2 * sum(size(st) for _, st, _ in members):  # equal slots would send more than a ring
                 # all-reduce (2 (R-1)/R of the payload): many ranks own little or nothing (more ranks than layers)
-                flat = torch.cat([summed[key] if key in summed else torch.cat([t.reshape(-1).float() for t in _packed(st)])
-                                  for key, st, _ in members])  # fmt: skip
+                flat = torch.cat(
+                    [
+                        summed[key] if key in summed else torch.cat([t.reshape(-1).float() for t in _packed(st)])
+                        for key, st, _ in members
+                    ]
+                )
                 dist.all_reduce(flat, group=group)
                 self.state.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(n, flat.numel() * 4))
                 pos = 0
@@ -481,7 +527,9 @@ class RefreshSync:
                 continue
             pad = torch.zeros(slot, dtype=torch.float32, device=self.device)
             pieces = []
-            for mine in by_owner:  # each owner's statistics (summed over the other groups first, if any), then zeros up to the slot
+            for mine in (
+                by_owner
+            ):  # each owner's statistics (summed over the other groups first, if any), then zeros up to the slot
                 for key, st in mine:
                     pieces += [summed[key]] if key in summed else [t.reshape(-1).float() for t in _packed(st)]
                 pieces.append(pad[: slot - sum(size(st) for _, st in mine)])
@@ -489,7 +537,9 @@ class RefreshSync:
             recv = torch.empty(slot, dtype=torch.float32, device=self.device)
             if n > 1:
                 _reduce_scatter(recv, send, group=group)
-                self.state.ledger.add("reduce_scatter", "fp32", (n - 1) * slot * 4)  # ring reduce-scatter: (R-1) slots out
+                self.state.ledger.add(
+                    "reduce_scatter", "fp32", (n - 1) * slot * 4
+                )  # ring reduce-scatter: (R-1) slots out
             else:
                 recv.copy_(send)
             pos = 0

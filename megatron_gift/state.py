@@ -41,12 +41,16 @@ class GiftParam:
     damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
     held_out: LowRankWhitening | None = None  # its owner only: the best T of the last build, checked on the next
     # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; checkpointed)
-    out_stats: KFACStatistics | None = None  # B = E[g gᵀ] over the layer's output gradients (d = weight rows); None: input side only
+    out_stats: KFACStatistics | None = (
+        None  # B = E[g gᵀ] over the layer's output gradients (d = weight rows); None: input side only
+    )
     out_stats_groups: list = field(default_factory=list)  # groups B's EMA is summed over at a refresh
     out_factor: LowRankFactor | None = None  # its owner only, like factor
     output_whitening: LowRankWhitening | None = None  # T_out in use; None: no output side
     out_damping: float | None = None  # relative damping of T_out in use (None: no output side)
-    out_held_out: LowRankWhitening | None = None  # its owner only: T_out of the last build's best pair (None: it had none)
+    out_held_out: LowRankWhitening | None = (
+        None  # its owner only: T_out of the last build's best pair (None: it had none)
+    )
 
 
 def _to(tree, device):
@@ -127,11 +131,15 @@ class GiftState:
             if gp.output_whitening is not None:
                 entry["output_whitening"] = _to(gp.output_whitening.tensors(), "cpu")
                 entry["out_damping"] = gp.out_damping
-            if gp.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
+            if (
+                gp.held_out is not None
+            ):  # the factor owner's held-out T (the cold-start rule), like the residual its own
                 entry["held_out"] = _to(gp.held_out.tensors(), "cpu")
                 if gp.out_held_out is not None:
                     entry["held_out"]["out"] = _to(gp.out_held_out.tensors(), "cpu")
-            if gp.factor is not None or gp.out_factor is not None:  # the factor owner's (an output factor alone: the input side skipped)
+            if (
+                gp.factor is not None or gp.out_factor is not None
+            ):  # the factor owner's (an output factor alone: the input side skipped)
                 entry["factor"] = _factor_state(gp.factor) if gp.factor is not None else {}
                 if gp.out_factor is not None:
                     entry["factor"]["out"] = _factor_state(gp.out_factor)
@@ -170,7 +178,9 @@ class GiftState:
         the input side only) leaves it fresh: no output side until the next refresh builds one."""
         if gp.stats is not None and local:
             saved = entry.get("stats")
-            if not _fits(gp.stats, saved) or (gp.out_stats is not None and "out" in saved and not _fits(gp.out_stats, saved["out"])):
+            if not _fits(gp.stats, saved) or (
+                gp.out_stats is not None and "out" in saved and not _fits(gp.out_stats, saved["out"])
+            ):
                 return False
             gp.stats.load_state_dict(saved)
             if gp.out_stats is not None and "out" in saved:
@@ -199,11 +209,21 @@ class GiftState:
 
 def _fits(stats: KFACStatistics, saved: dict | None) -> bool:
     """Whether ``saved`` (``KFACStatistics.state_dict()``) can be loaded into ``stats``."""
-    return saved is not None and "ema_tokens" in saved and all(saved["sums"][k].shape == t.shape for k, t in stats.sums.items())
+    return (
+        saved is not None
+        and "ema_tokens" in saved
+        and all(saved["sums"][k].shape == t.shape for k, t in stats.sums.items())
+    )
 
 
 def _factor_state(f: LowRankFactor) -> dict:
-    return {"d": _to(f.d, "cpu"), "v": _to(f.v, "cpu"), "lam": _to(f.lam, "cpu"), "trace_a": float(f.trace_a), "damping": float(f.damping)}
+    return {
+        "d": _to(f.d, "cpu"),
+        "v": _to(f.v, "cpu"),
+        "lam": _to(f.lam, "cpu"),
+        "trace_a": float(f.trace_a),
+        "damping": float(f.damping),
+    }
 
 
 def _factor(saved: dict | None, stats: KFACStatistics | None) -> LowRankFactor | None:

@@ -12,7 +12,8 @@ Schema of a line (keys may be missing on a line that does not have them)::
          "cos": float | null,
          "saturation": float,          # share of FP8 codes at ±max
          "underflow": float,           # share of non-zero entries decoded as zero
-         "top_r_share": float | null,  # gradient energy share in the factor's top-r subspace (the factor owner's gradient)
+         "top_r_share": float | null,  # gradient energy share in the factor's top-r subspace
+                                       # (the factor owner's gradient)
          "bytes": int | null,
          "profile": {ProfileSummary fields} | null}},
      "decisions": [{"param": str, "from": str, "to": str, "reason": str}]}
@@ -110,7 +111,7 @@ class TelemetryWriter:
         if self._file is not None:
             self._file.close()
 
-    def __enter__(self) -> "TelemetryWriter":
+    def __enter__(self) -> TelemetryWriter:
         return self
 
     def __exit__(self, *exc) -> None:

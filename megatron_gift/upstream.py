@@ -9,7 +9,7 @@ a few CUDA-only ones. A new Megatron-Core release can change any of them without
 Megatron is accepted by the sources the plugin depends on, not by its version string:
 :func:`check_upstream` fingerprints the installed functions at start-up and refuses, naming them,
 those that differ from every known-good row (override: ``--gift-allow-untested-megatron`` or
-``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``). ``tests/test_upstream_guard.py`` checks the installed
+``MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON=1``). ``tests/megatron/test_upstream_guard.py`` checks the installed
 version's row and that every name in :data:`NAMES` is still defined where it was (:func:`defines`).
 """
 
@@ -28,55 +28,69 @@ ALLOW_ENV = "MEGATRON_GIFT_ALLOW_UNTESTED_MEGATRON"
 
 # "module:qualified name" -> where the plugin depends on it.
 UPSTREAM = {
-    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync":
-        "re-implemented by megatron/bucket_group.py GiftBucketGroup.start_grad_sync",
-    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync":
-        "waits on the handle GiftBucketGroup.start_grad_sync sets; extended by "
-        "megatron/param_gather.py DeltaParamSync.finish_grad_sync",
-    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync":
-        "re-implemented (distributed-optimizer path) by megatron/param_gather.py "
-        "DeltaParamSync.start_param_sync",
-    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_param_sync":
-        "waits on the handle DeltaParamSync.start_param_sync sets (which decodes)",
-    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset":
-        "extended by DeltaParamSync.reset (the first full parameter gather)",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params":
-        "writes bf16(main) into each rank's own shard, the change the delta gather codes",
-    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads":
-        "called by megatron/bucket_group.py GiftBucketGroup._prepare_grads",
-    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer":
-        "extended by GiftDistributedDataParallel.zero_grad_buffer (opens a step)",
-    "megatron.training.models.dist_utils:_ddp_wrap":
-        "megatron/training.py rebinds the DistributedDataParallel it constructs",
-    "megatron.training.training:get_model":
-        "megatron/training.py rebinds the DDP it constructs",
-    "megatron.training.training:training_log":
-        "wrapped by megatron/training.py (logged loss to telemetry)",
-    "megatron.training.checkpointing:generate_state_dict":
-        "wrapped by megatron/checkpoint.py (GIFT ShardedObjects)",
-    "megatron.training.checkpointing:_load_base_checkpoint":
-        "wrapped by megatron/checkpoint.py (gift_meta, GIFT state)",
-    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add":
-        "replaced on CPU by testing/cpu_harness.py _rng_add",
-    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork":
-        "replaced on CPU by testing/cpu_harness.py _rng_fork",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict":
-        "wrapped on CPU by testing/cpu_harness.py",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict":
-        "wrapped on CPU by testing/cpu_harness.py",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values":
-        "called on CPU by testing/cpu_harness.py",
-    "megatron.core.datasets.utils:compile_helpers":
-        "replaced by megatron/training.py use_prebuilt_dataset_helpers",
-    "megatron.core.tensor_parallel.random:_get_cuda_rng_state":
-        "replaced on CPU by testing/cpu_harness.py (activation recomputation)",
-    "megatron.core.tensor_parallel.random:_set_cuda_rng_state":
-        "replaced on CPU by testing/cpu_harness.py (activation recomputation)",
-    "megatron.core.tensor_parallel.random:CheckpointFunction.backward":
-        "run with the CPU redirections by testing/cpu_harness.py (recomputation)",
-    "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute":
-        "run with the CPU redirections by testing/cpu_harness.py (recomputation)",
-}  # fmt: skip
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync": (
+        "re-implemented by megatron/bucket_group.py GiftBucketGroup.start_grad_sync"
+    ),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync": (
+        "waits on the handle GiftBucketGroup.start_grad_sync sets; extended by megatron/param_gather.py "
+        "DeltaParamSync.finish_grad_sync"
+    ),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync": (
+        "re-implemented (distributed-optimizer path) by megatron/param_gather.py DeltaParamSync.start_param_sync"
+    ),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_param_sync": (
+        "waits on the handle DeltaParamSync.start_param_sync sets (which decodes)"
+    ),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset": (
+        "extended by DeltaParamSync.reset (the first full parameter gather)"
+    ),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params": (
+        "writes bf16(main) into each rank's own shard, the change the delta gather codes"
+    ),
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads": (
+        "called by megatron/bucket_group.py GiftBucketGroup._prepare_grads"
+    ),
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer": (
+        "extended by GiftDistributedDataParallel.zero_grad_buffer (opens a step)"
+    ),
+    "megatron.training.models.dist_utils:_ddp_wrap": (
+        "megatron/training.py rebinds the DistributedDataParallel it constructs"
+    ),
+    "megatron.training.training:get_model": "megatron/training.py rebinds the DDP it constructs",
+    "megatron.training.training:training_log": "wrapped by megatron/training.py (logged loss to telemetry)",
+    "megatron.training.checkpointing:generate_state_dict": "wrapped by megatron/checkpoint.py (GIFT ShardedObjects)",
+    "megatron.training.checkpointing:_load_base_checkpoint": (
+        "wrapped by megatron/checkpoint.py (gift_meta, GIFT state)"
+    ),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add": (
+        "replaced on CPU by testing/cpu_harness.py _rng_add"
+    ),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork": (
+        "replaced on CPU by testing/cpu_harness.py _rng_fork"
+    ),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict": (
+        "wrapped on CPU by testing/cpu_harness.py"
+    ),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": (
+        "wrapped on CPU by testing/cpu_harness.py"
+    ),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values": (
+        "called on CPU by testing/cpu_harness.py"
+    ),
+    "megatron.core.datasets.utils:compile_helpers": "replaced by megatron/training.py use_prebuilt_dataset_helpers",
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": (
+        "replaced on CPU by testing/cpu_harness.py (activation recomputation)"
+    ),
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": (
+        "replaced on CPU by testing/cpu_harness.py (activation recomputation)"
+    ),
+    "megatron.core.tensor_parallel.random:CheckpointFunction.backward": (
+        "run with the CPU redirections by testing/cpu_harness.py (recomputation)"
+    ),
+    "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute": (
+        "run with the CPU redirections by testing/cpu_harness.py (recomputation)"
+    ),
+}
 
 # sha256 (first 16 hex digits, :func:`fingerprint`) of each UPSTREAM entry's source in the megatron-core 0.19
 # releases: 0.19.1 (Megatron-LM branch core_r0.19.0 at f8837c04) and 0.19.2 have the same source for every entry.
@@ -86,7 +100,9 @@ _CORE_R0_19 = {
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_param_sync": "4f819373090bd530",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_param_sync": "2a5efb9825ec2c62",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset": "0d99908af6e95b40",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params": "80e4f4d1fa99e747",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._copy_main_params_to_model_params": (
+        "80e4f4d1fa99e747"
+    ),
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads": "94e99add61f34256",
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer": "6bbd2a84649f6c87",
     "megatron.training.models.dist_utils:_ddp_wrap": "13b438c376603bcb",
@@ -98,16 +114,18 @@ _CORE_R0_19 = {
     "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork": "6821e1e397253d43",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict": "fe621ae6a622b587",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "7e5f988b86b48501",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values": "0338de756278b654",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values": (
+        "0338de756278b654"
+    ),
     "megatron.core.datasets.utils:compile_helpers": "84029a50ae8cfac1",
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state": "aa26caaa069c5c4f",
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": "b179c9d95438b61c",
     "megatron.core.tensor_parallel.random:CheckpointFunction.backward": "43b157a2ebec22ef",
     "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute": "1bc8c9c07aba7453",
-}  # fmt: skip
+}
 
 # megatron-core version -> the fingerprints its UPSTREAM sources had when the plugin was checked against it
-# (tests/test_upstream_guard.py checks the installed version's row).
+# (tests/megatron/test_upstream_guard.py checks the installed version's row).
 KNOWN_GOOD = {"0.19.1": _CORE_R0_19, "0.19.2": _CORE_R0_19}
 TESTED_VERSIONS = tuple(KNOWN_GOOD)
 
@@ -117,61 +135,137 @@ _PG = "megatron.core.distributed.param_and_grad_buffer"
 # the plugin uses on its objects (attributes, instance attributes set in its source, dataclass
 # fields, parameter tags it sets, module-level names the plugin looks up or rebinds), and where.
 NAMES = {
-    "megatron.core.distributed.data_parallel_base:_BaseDataParallel":
-        (("module",), "megatron/ddp.py: the wrapped model"),
-    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel":
-        (("bucket_groups", "expert_parallel_bucket_groups", "dp_cp_group", "intra_dp_cp_group", "expt_dp_group",
-          "intra_expt_dp_group", "tp_group", "zero_grad_buffer", "finish_grad_sync"),
-         "megatron/ddp.py (conversion, reduction and statistics groups), megatron/param_gather.py"),
-    f"{_PG}:_ParamAndGradBucketGroup":
-        (("buckets", "ddp_config", "is_first_batch", "grad_reduce_handle", "grad_reduce_finished", "param_gather_handle",
-          "param_gather_dispatched", "data_parallel_group", "intra_distributed_optimizer_instance_group",
-          "intra_distributed_optimizer_instance_size", "intra_distributed_optimizer_instance_rank",
-          "inter_distributed_optimizer_instance_group", "check_grads", "_copy_back_extra_main_grads",
-          "_post_param_sync", "start_grad_sync", "finish_grad_sync", "start_param_sync", "reset"),
-         "megatron/bucket_group.py GiftBucketGroup, megatron/param_gather.py DeltaParamSync (subclasses)"),
-    f"{_PG}:_ParamAndGradBucket":
-        (("params_list", "param_to_index", "param_data", "grad_data", "gradient_scaling_factor",
-          "params_with_extra_main_grads"), "megatron/ddp.py _convert, megatron/bucket_group.py, param_gather.py"),
-    f"{_PG}:_ParamAndGradBuffer":
-        (("main_grad", "main_grad_copy_in_grad_buffer"), "parameter tags read by GiftBucketGroup._prepare_grads"),
-    "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig":
-        (("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "num_distributed_optimizer_instances",
-          "average_in_collective", "check_for_nan_in_grad", "check_for_large_grads",
-          "reduce_scatter_with_fp32_accumulation", "fp8_param_gather", "fp4_param_gather",
-          "reuse_grad_buf_for_mxfp8_param_ag", "use_megatron_fsdp"),
-         "megatron/bucket_group.py, megatron/ddp.py refuse_unsupported, megatron/param_gather.py"),
-    "megatron.core.transformer.transformer_config:TransformerConfig":
-        (("enable_cuda_graph", "external_cuda_graph", "cuda_graph_impl"), "megatron/ddp.py refuse_unsupported"),
-    "megatron.core.tensor_parallel.layers:ColumnParallelLinear":
-        (("allreduce", "sequence_parallel", "tp_group"),
-         "megatron/ddp.py: expert tag of a weight, the statistics' tensor-parallel group"),
-    "megatron.core.tensor_parallel.layers:set_tensor_model_parallel_attributes":
-        (("tensor_model_parallel", "partition_dim"), "megatron/ddp.py: column-parallel weights"),
-    "megatron.core.parallel_state":
-        (("get_expert_tensor_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
-          "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank", "get_pipeline_model_parallel_world_size",
-          "get_pipeline_model_parallel_rank", "get_expert_model_parallel_world_size", "get_expert_model_parallel_rank",
-          "get_expert_tensor_parallel_world_size", "get_expert_tensor_parallel_rank", "get_expert_data_parallel_rank"),
-         "megatron/ddp.py (expert statistics group), megatron/checkpoint.py (shard keys)"),
-    "megatron.training.models.dist_utils":
-        (("DistributedDataParallel",), "rebound by megatron/training.py"),
-    "megatron.training.training":
-        (("DDP", "training_log"), "rebound by megatron/training.py"),
-    "megatron.training.checkpointing":
-        (("generate_state_dict", "_load_base_checkpoint"), "rebound by megatron/checkpoint.py"),
-    "megatron.training.global_vars":
-        (("get_tensorboard_writer", "get_wandb_writer"), "megatron/training.py telemetry_sink"),
-    "megatron.core.package_info":
-        (("__shortversion__",), "check_upstream"),
-    "megatron.training.arguments":
-        (("get_device_arch_version",), "replaced on CPU by testing/cpu_harness.py"),
-    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker":
-        (("seeds_", "states_", "_is_initialized"), "set by testing/cpu_harness.py _rng_add"),
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer":
-        (("optimizer", "buffers", "model_param_gbuf_map", "shard_fp32_from_float16_groups", "model_float16_groups",
-          "_get_model_param_range_map"), "testing/cpu_harness.py, testing/reference.py (the tests' stock gather)"),
-}  # fmt: skip
+    "megatron.core.distributed.data_parallel_base:_BaseDataParallel": (
+        ("module",),
+        "megatron/ddp.py: the wrapped model",
+    ),
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel": (
+        (
+            "bucket_groups",
+            "expert_parallel_bucket_groups",
+            "dp_cp_group",
+            "intra_dp_cp_group",
+            "expt_dp_group",
+            "intra_expt_dp_group",
+            "tp_group",
+            "zero_grad_buffer",
+            "finish_grad_sync",
+        ),
+        "megatron/ddp.py (conversion, reduction and statistics groups), megatron/param_gather.py",
+    ),
+    f"{_PG}:_ParamAndGradBucketGroup": (
+        (
+            "buckets",
+            "ddp_config",
+            "is_first_batch",
+            "grad_reduce_handle",
+            "grad_reduce_finished",
+            "param_gather_handle",
+            "param_gather_dispatched",
+            "data_parallel_group",
+            "intra_distributed_optimizer_instance_group",
+            "intra_distributed_optimizer_instance_size",
+            "intra_distributed_optimizer_instance_rank",
+            "inter_distributed_optimizer_instance_group",
+            "check_grads",
+            "_copy_back_extra_main_grads",
+            "_post_param_sync",
+            "start_grad_sync",
+            "finish_grad_sync",
+            "start_param_sync",
+            "reset",
+        ),
+        "megatron/bucket_group.py GiftBucketGroup, megatron/param_gather.py DeltaParamSync (subclasses)",
+    ),
+    f"{_PG}:_ParamAndGradBucket": (
+        (
+            "params_list",
+            "param_to_index",
+            "param_data",
+            "grad_data",
+            "gradient_scaling_factor",
+            "params_with_extra_main_grads",
+        ),
+        "megatron/ddp.py _convert, megatron/bucket_group.py, param_gather.py",
+    ),
+    f"{_PG}:_ParamAndGradBuffer": (
+        ("main_grad", "main_grad_copy_in_grad_buffer"),
+        "parameter tags read by GiftBucketGroup._prepare_grads",
+    ),
+    "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig": (
+        (
+            "use_distributed_optimizer",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "num_distributed_optimizer_instances",
+            "average_in_collective",
+            "check_for_nan_in_grad",
+            "check_for_large_grads",
+            "reduce_scatter_with_fp32_accumulation",
+            "fp8_param_gather",
+            "fp4_param_gather",
+            "reuse_grad_buf_for_mxfp8_param_ag",
+            "use_megatron_fsdp",
+        ),
+        "megatron/bucket_group.py, megatron/ddp.py refuse_unsupported, megatron/param_gather.py",
+    ),
+    "megatron.core.transformer.transformer_config:TransformerConfig": (
+        ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_impl"),
+        "megatron/ddp.py refuse_unsupported",
+    ),
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear": (
+        ("allreduce", "sequence_parallel", "tp_group"),
+        "megatron/ddp.py: expert tag of a weight, the statistics' tensor-parallel group",
+    ),
+    "megatron.core.tensor_parallel.layers:set_tensor_model_parallel_attributes": (
+        ("tensor_model_parallel", "partition_dim"),
+        "megatron/ddp.py: column-parallel weights",
+    ),
+    "megatron.core.parallel_state": (
+        (
+            "get_expert_tensor_parallel_group",
+            "get_data_parallel_world_size",
+            "get_data_parallel_rank",
+            "get_tensor_model_parallel_world_size",
+            "get_tensor_model_parallel_rank",
+            "get_pipeline_model_parallel_world_size",
+            "get_pipeline_model_parallel_rank",
+            "get_expert_model_parallel_world_size",
+            "get_expert_model_parallel_rank",
+            "get_expert_tensor_parallel_world_size",
+            "get_expert_tensor_parallel_rank",
+            "get_expert_data_parallel_rank",
+        ),
+        "megatron/ddp.py (expert statistics group), megatron/checkpoint.py (shard keys)",
+    ),
+    "megatron.training.models.dist_utils": (("DistributedDataParallel",), "rebound by megatron/training.py"),
+    "megatron.training.training": (("DDP", "training_log"), "rebound by megatron/training.py"),
+    "megatron.training.checkpointing": (
+        ("generate_state_dict", "_load_base_checkpoint"),
+        "rebound by megatron/checkpoint.py",
+    ),
+    "megatron.training.global_vars": (
+        ("get_tensorboard_writer", "get_wandb_writer"),
+        "megatron/training.py telemetry_sink",
+    ),
+    "megatron.core.package_info": (("__shortversion__",), "check_upstream"),
+    "megatron.training.arguments": (("get_device_arch_version",), "replaced on CPU by testing/cpu_harness.py"),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker": (
+        ("seeds_", "states_", "_is_initialized"),
+        "set by testing/cpu_harness.py _rng_add",
+    ),
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer": (
+        (
+            "optimizer",
+            "buffers",
+            "model_param_gbuf_map",
+            "shard_fp32_from_float16_groups",
+            "model_float16_groups",
+            "_get_model_param_range_map",
+        ),
+        "testing/cpu_harness.py, testing/reference.py (the tests' stock gather)",
+    ),
+}
 
 
 def defines(key: str, name: str) -> bool:
@@ -196,7 +290,8 @@ def installed_version() -> str:
 
 
 class UntestedMegatronError(RuntimeError):
-    """Megatron-Core functions the plugin depends on differ from every release it was checked against (a start-up error)."""
+    """Megatron-Core functions the plugin depends on differ from every release it was checked against (a start-up
+    error)."""
 
 
 def changed_upstream() -> list[str]:

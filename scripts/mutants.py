@@ -67,7 +67,9 @@ def parse(path: Path) -> list[Mutant]:
         if mid in seen:
             raise ValueError(f"{path.name}:{n}: id {mid!r} used twice")
         seen.add(mid)
-        out.append(Mutant(mid, n, fields[0].strip(), unescape(fields[1]), unescape(fields[2]), fields[3].split(), about))
+        out.append(
+            Mutant(mid, n, fields[0].strip(), unescape(fields[1]), unescape(fields[2]), fields[3].split(), about)
+        )
         comment = None
     return out
 
@@ -98,8 +100,13 @@ def stale(mutants: list[Mutant], tree: Path) -> list[str]:
 
 def copy_tree(dest: Path) -> None:
     """The working tree's tracked and untracked (not ignored) files, uncommitted edits included."""
-    files = subprocess.run(["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.decode().split("\0")  # fmt: skip
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         src = ROOT / name
         if src.is_file():
@@ -113,8 +120,13 @@ def pytest(python: str, tree: Path, args: list[str], log: Path) -> tuple[int, fl
     env = dict(os.environ, PYTHONPATH=str(tree), NO_VCS_VERSION="1", PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     with log.open("w") as out:
-        rc = subprocess.run([python, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=tree, env=env,
-                            stdout=out, stderr=subprocess.STDOUT).returncode  # fmt: skip
+        rc = subprocess.run(
+            [python, "-m", "pytest", "-p", "no:cacheprovider", *args],
+            cwd=tree,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        ).returncode
     return rc, time.monotonic() - start
 
 
@@ -127,10 +139,15 @@ def main() -> int:
     parser.add_argument("--list", type=Path, default=ROOT / "tests" / "mutants.txt", help="the mutant list")
     parser.add_argument("--only", nargs="+", metavar="ID", help="run these mutants only")
     parser.add_argument("--check", action="store_true", help="check the list against the tree (and the test ids) only")
-    parser.add_argument("--baseline", action="store_true",
-                        help="first run every named test on the unmutated copy (a test that fails there kills nothing)")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="first run every named test on the unmutated copy (a test that fails there kills nothing)",
+    )
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
-    parser.add_argument("--logs", type=Path, help="keep each mutant's pytest output here (default: shown for survivors only)")
+    parser.add_argument(
+        "--logs", type=Path, help="keep each mutant's pytest output here (default: shown for survivors only)"
+    )
     args = parser.parse_args()
     python = os.path.abspath(args.python) if os.sep in args.python else args.python  # pytest runs in the copy
 
@@ -155,7 +172,9 @@ def main() -> int:
         tests = sorted({t for m in mutants for t in m.tests})
         rc, _ = pytest(python, tree, ["-q", "--collect-only", *tests], logs / "collect.txt")
         if rc != 0:
-            problems.append(f"the named tests do not all collect (pytest exit {rc}):\n{(logs / 'collect.txt').read_text()[-3000:]}")
+            problems.append(
+                f"the named tests do not all collect (pytest exit {rc}):\n{(logs / 'collect.txt').read_text()[-3000:]}"
+            )
         if problems:
             print("mutants: the list does not fit the tree:\n  " + "\n  ".join(problems), file=sys.stderr)
             return 2
@@ -187,9 +206,11 @@ def main() -> int:
                 print("  " + (logs / f"{m.id}.txt").read_text()[-1500:].replace("\n", "\n  "), flush=True)
         survivors = [m for m, status, _ in results if status == "survived"]
         total = time.monotonic() - start
-        print(f"mutants: {len(results) - len(survivors)} killed, {len(survivors)} survived"
-              f"{' (' + ', '.join(m.id for m in survivors) + ')' if survivors else ''} of {len(results)} "
-              f"in {total / 60:.1f} min; {load()}")  # fmt: skip
+        print(
+            f"mutants: {len(results) - len(survivors)} killed, {len(survivors)} survived"
+            f"{' (' + ', '.join(m.id for m in survivors) + ')' if survivors else ''} of {len(results)} "
+            f"in {total / 60:.1f} min; {load()}"
+        )
         return 1 if survivors else 0
     finally:
         shutil.rmtree(tree, ignore_errors=True)

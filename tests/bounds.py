@@ -83,9 +83,15 @@ def fp8_format(dtype: torch.dtype) -> tuple[int, float, float]:
     return bits, info.smallest_normal * info.eps, float(info.max)
 
 
-def error_bound(local: torch.Tensor, roundings: list[Rounding], t: torch.Tensor | None = None,
-                t_inv: torch.Tensor | None = None, region: slice | None = None, buffer_u: float = 0.0,
-                t_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:  # fmt: skip
+def error_bound(
+    local: torch.Tensor,
+    roundings: list[Rounding],
+    t: torch.Tensor | None = None,
+    t_inv: torch.Tensor | None = None,
+    region: slice | None = None,
+    buffer_u: float = 0.0,
+    t_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> float:
     """Bound on ``‖got − Σ_r G_r‖`` over ``region`` of one tensor (module doc), unscaled.
 
     ``local [R, rows, cols]``: the ranks' gradients (FP64, residuals included); ``roundings``: the
@@ -119,8 +125,15 @@ def error_bound(local: torch.Tensor, roundings: list[Rounding], t: torch.Tensor 
     return math.sqrt(mean + TAIL_SDS * math.sqrt(var)) + fp32 + buffer_u * float(exact.norm())
 
 
-def two_sided_error_bound(local: torch.Tensor, roundings: list[Rounding], t: torch.Tensor | None, t_inv: torch.Tensor | None,
-                          t_out: tuple[torch.Tensor, torch.Tensor], region: slice | None = None, buffer_u: float = 0.0) -> float:  # fmt: skip
+def two_sided_error_bound(
+    local: torch.Tensor,
+    roundings: list[Rounding],
+    t: torch.Tensor | None,
+    t_inv: torch.Tensor | None,
+    t_out: tuple[torch.Tensor, torch.Tensor],
+    region: slice | None = None,
+    buffer_u: float = 0.0,
+) -> float:
     """:func:`error_bound` of a two-sided reduction, ``U_r = T_outᵀ G_r T`` sent, ``T_out⁻ᵀ (Σ_r Q(U_r)) T⁻¹``
     received (``numerics.two_sided``). A whitened rounding ``e`` reaches ``(a, j)`` as
     ``Σ_{b,i} T_out⁻ᵀ[a, b] e[b, i] T⁻¹[i, j]``, so (2) becomes
@@ -203,12 +216,18 @@ def _mode(ddp, p, name, sent):
     if sent is not None:
         mode = sent[name] if name in sent else "off"
         return mode.removesuffix("+out"), mode.endswith("+out"), g
-    out = g is not None and g.mode.value == "gift" and getattr(g, "output_whitening", None) is not None and g.output_whitening.rank > 0
+    out = (
+        g is not None
+        and g.mode.value == "gift"
+        and getattr(g, "output_whitening", None) is not None
+        and g.output_whitening.rank > 0
+    )
     return (g.mode.value if g is not None else "off"), out, g
 
 
-def _roundings(mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: torch.Tensor, bits: int,
-               path: ReductionPath) -> list[Rounding]:  # fmt: skip
+def _roundings(
+    mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: torch.Tensor, bits: int, path: ReductionPath
+) -> list[Rounding]:
     """The roundings of one tensor: ``coded [R, rows, cols]`` its FP8 messages' values, ``plain`` the
     gradients, ``spacing [R]`` each rank's ``σ s`` bound."""
     node = path.ranks_per_node
@@ -228,14 +247,26 @@ def _roundings(mode: str, coded: torch.Tensor, plain: torch.Tensor, spacing: tor
             out.append(Rounding(coded, bits, spacing))
         elif path.intra == "bf16":
             out.append(Rounding(plain, BF16_BITS, whitened=False))
-        out.append(Rounding(torch.stack([coded[k].sum(0) for k in nodes]), bits, torch.stack([spacing[k].sum() for k in nodes])))
+        out.append(
+            Rounding(
+                torch.stack([coded[k].sum(0) for k in nodes]), bits, torch.stack([spacing[k].sum() for k in nodes])
+            )
+        )
     if path.all_reduce:
         out.append(Rounding(coded.sum(0, keepdim=True), bits, spacing.sum()))
     return out
 
 
-def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = ReductionPath(), owned=None, residuals: dict | None = None,
-                     buffer_u: float = 0.0, sent: dict[str, str] | None = None) -> list[tuple[str, str, float, float]]:  # fmt: skip
+def reduction_errors(
+    ddp,
+    local: dict,
+    scale_of,
+    path: ReductionPath = ReductionPath(),
+    owned=None,
+    residuals: dict | None = None,
+    buffer_u: float = 0.0,
+    sent: dict[str, str] | None = None,
+) -> list[tuple[str, str, float, float]]:
     """``(parameter name, mode, ‖got − scale Σ_r (G_r + ε_r)‖, bound)`` over each parameter's part of
     its bucket that this rank holds after the reduction, the bound by the module doc for the mode:
     FP32 sums for ``off``, BF16 roundings for ``bf16``, FP8 of ``G_r T`` (``T`` the parameter's
@@ -258,7 +289,9 @@ def reduction_errors(ddp, local: dict, scale_of, path: ReductionPath = Reduction
     out = []
     for bg in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
         for bucket in bg.buckets:
-            region = slice(*(owned(bg, bucket) if owned is not None else slice(None)).indices(bucket.grad_data.numel())[:2])
+            region = slice(
+                *(owned(bg, bucket) if owned is not None else slice(None)).indices(bucket.grad_data.numel())[:2]
+            )
             entries = {}
             for p, (a, b) in bucket.param_to_index.items():
                 mode, with_out, g = _mode(ddp, p, re.sub(r"^(module\.)+", "", names[p]), sent)  # the DDP's names

@@ -41,7 +41,10 @@ def pytest_runtest_setup(item):
         return
 
     def unmarked():
-        pytest.fail(f"{item.nodeid} starts the CPU harness without @pytest.mark.cpu_harness (on a CUDA machine it would fail, not skip)")
+        pytest.fail(
+            f"{item.nodeid} starts the CPU harness without @pytest.mark.cpu_harness "
+            "(on a CUDA machine it would fail, not skip)"
+        )
 
     cpu_harness.check_host = unmarked
 

@@ -22,28 +22,70 @@ from pathlib import Path
 
 import psutil
 
-from megatron_gift_tools.bench.corpus import build_token_corpus
-from megatron_gift_tools.bench.indexed_data import megatron_data_args
 from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing.launch import ENV, ROOT, launcher_command, run_launcher
 from megatron_gift.testing.spawn import wall_limit
+from megatron_gift_tools.bench.corpus import build_token_corpus
+from megatron_gift_tools.bench.indexed_data import megatron_data_args
 
 ITERS, SAVE_EVERY, KILL_IN = 6, 2, 3
 FLAGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-    "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--use-distributed-optimizer", "--overlap-grad-reduce",
-    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--split", "98,2,0",
-    "--save-interval", str(SAVE_EVERY),
-]  # fmt: skip
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    str(ITERS),
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--bf16",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--split",
+    "98,2,0",
+    "--save-interval",
+    str(SAVE_EVERY),
+]
 GIFT = [
-    "--gift-mode", "gift", "--gift-rank", "8", "--gift-sketch", "16",
-    "--gift-refresh-interval", "2", "--gift-error-feedback", "--gift-log-interval", "1",
-    "--gift-param-gather", "delta", "--overlap-param-gather",  # the weights are the reconstructed ones
-]  # fmt: skip
+    "--gift-mode",
+    "gift",
+    "--gift-rank",
+    "8",
+    "--gift-sketch",
+    "16",
+    "--gift-refresh-interval",
+    "2",
+    "--gift-error-feedback",
+    "--gift-log-interval",
+    "1",
+    "--gift-param-gather",
+    "delta",
+    "--overlap-param-gather",  # the weights are the reconstructed ones
+]
 # flags --gift-mode off never reads: each must be warned about once
 IGNORED_BY_OFF = ["--gift-layers", "auto", "--gift-error-feedback", "--gift-rank", "8", "--gift-log-interval", "1"]
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+|nan|inf)")
@@ -52,7 +94,15 @@ KILL_AT = re.compile(rf"iteration\s+{KILL_IN}/")
 
 def _args(tmp: Path, name: str, *args: str) -> list[str]:
     data = megatron_data_args(build_token_corpus(vocab_size=2048))
-    return [*FLAGS, *data, "--data-cache-path", str(tmp / "index-cache"), "--gift-telemetry-dir", str(tmp / "telemetry" / name), *args]
+    return [
+        *FLAGS,
+        *data,
+        "--data-cache-path",
+        str(tmp / "index-cache"),
+        "--gift-telemetry-dir",
+        str(tmp / "telemetry" / name),
+        *args,
+    ]
 
 
 def checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:
@@ -68,13 +118,19 @@ def _run_and_kill(tmp: Path, *args: str) -> tuple[str, int]:
     """The launcher until it logs iteration ``KILL_IN``, then SIGKILL to one rank: its output and exit status."""
     cpu_harness.check_host()
     cmd = launcher_command(2, *_args(tmp, "killed", *args))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     out, killed = [], None
     try:
         for line in proc.stdout:
             out.append(line)
             if killed is None and KILL_AT.search(line):
-                ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "megatron_gift.pretrain_gpt" in " ".join(c.cmdline())]
+                ranks = [
+                    c
+                    for c in psutil.Process(proc.pid).children(recursive=True)
+                    if "megatron_gift.pretrain_gpt" in " ".join(c.cmdline())
+                ]
                 killed = max(ranks, key=lambda c: c.pid)
                 os.kill(killed.pid, signal.SIGKILL)
         proc.wait(timeout=wall_limit(900.0))
@@ -90,10 +146,16 @@ def run_family(tmp: Path) -> dict:
     logs = {"whole": run_launcher(2, *_args(tmp, "whole", *GIFT, "--save", str(tmp / "whole")))}
     logs["killed"], killed_rc = _run_and_kill(tmp, *GIFT, "--save", str(tmp / "killed"))
     latest = (tmp / "killed" / "latest_checkpointed_iteration.txt").read_text().strip()
-    logs["resumed"] = run_launcher(2, *_args(tmp, "resumed", *GIFT, "--load", str(tmp / "killed"), "--save", str(tmp / "killed")))
-    logs["one_rank"] = run_launcher(1, *_args(tmp, "one_rank", *GIFT, "--load", str(checkpoint_at(tmp / "whole", 4, tmp / "one-rank"))))
+    logs["resumed"] = run_launcher(
+        2, *_args(tmp, "resumed", *GIFT, "--load", str(tmp / "killed"), "--save", str(tmp / "killed"))
+    )
+    logs["one_rank"] = run_launcher(
+        1, *_args(tmp, "one_rank", *GIFT, "--load", str(checkpoint_at(tmp / "whole", 4, tmp / "one-rank")))
+    )
     logs["off"] = run_launcher(2, *_args(tmp, "off", "--gift-mode", "off", *IGNORED_BY_OFF, "--save", str(tmp / "off")))
-    logs["from_off"] = run_launcher(2, *_args(tmp, "from_off", *GIFT, "--load", str(checkpoint_at(tmp / "off", 4, tmp / "from-off"))))
+    logs["from_off"] = run_launcher(
+        2, *_args(tmp, "from_off", *GIFT, "--load", str(checkpoint_at(tmp / "off", 4, tmp / "from-off")))
+    )
     for name, log in logs.items():  # for a look after a failure
         (tmp / f"{name}.log").write_text(log)
     return dict(tmp=tmp, logs=logs, killed_rc=killed_rc, killed_latest=latest)

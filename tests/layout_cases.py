@@ -40,8 +40,9 @@ class Case:
 
 def build_mlp(case: Case) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Linear(a, b, bias=bias)
-                                 for a, b, bias in zip(case.widths, case.widths[1:], case.biases)))  # fmt: skip
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(a, b, bias=bias) for a, b, bias in zip(case.widths, case.widths[1:], case.biases))
+    )
 
 
 def reduce_case(case: Case, rank: int) -> dict:
@@ -57,12 +58,24 @@ def reduce_case(case: Case, rank: int) -> dict:
 
     model, ref = build_mlp(case), build_mlp(case)
     config = TransformerConfig(num_layers=1, hidden_size=case.widths[0], num_attention_heads=1)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=case.distributed_optimizer,
-                                               overlap_grad_reduce=True, bucket_size=case.bucket_size,
-                                               grad_reduce_in_fp32=True)  # fmt: skip
-    gift = GiftConfig(mode=Mode(case.mode), layers=(case.layers,), rank=4, sketch=0, damping=1.0, refresh_interval=1,
-                      schedule=case.schedule, ranks_per_node=case.ranks_per_node, intra_node=case.intra,
-                      exchange=Exchange.AUTO if case.ranks_per_node else Exchange.FLAT)  # fmt: skip
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=case.distributed_optimizer,
+        overlap_grad_reduce=True,
+        bucket_size=case.bucket_size,
+        grad_reduce_in_fp32=True,
+    )
+    gift = GiftConfig(
+        mode=Mode(case.mode),
+        layers=(case.layers,),
+        rank=4,
+        sketch=0,
+        damping=1.0,
+        refresh_interval=1,
+        schedule=case.schedule,
+        ranks_per_node=case.ranks_per_node,
+        intra_node=case.intra,
+        exchange=Exchange.AUTO if case.ranks_per_node else Exchange.FLAT,
+    )
     ddp = GiftDistributedDataParallel(config, ddp_config, model, gift_config=gift)
     dp = ps.get_data_parallel_group()
     x = torch.randn(6, case.widths[0], generator=torch.Generator().manual_seed(100 + dp.rank()))
@@ -85,12 +98,22 @@ def reduce_case(case: Case, rank: int) -> dict:
         r = bg.intra_distributed_optimizer_instance_rank
         return slice(r * size, (r + 1) * size)
 
-    path = ReductionPath(all_reduce=not case.distributed_optimizer, ranks_per_node=case.ranks_per_node, intra=case.intra)
-    errors = reduction_errors(ddp, local, lambda p: 1.0 / dp.size(), path,
-                              owned=owned if case.distributed_optimizer else None, sent=sent)  # fmt: skip
+    path = ReductionPath(
+        all_reduce=not case.distributed_optimizer, ranks_per_node=case.ranks_per_node, intra=case.intra
+    )
+    errors = reduction_errors(
+        ddp, local, lambda p: 1.0 / dp.size(), path, owned=owned if case.distributed_optimizer else None, sent=sent
+    )
     grads = torch.cat([p.main_grad.flatten() for p in model.parameters()])
-    return dict(errors=errors, grads=grads, converted=sum(1 for _ in ddp.gift_buckets()), sent=sent,
-                calls={n: wire.sent(n) for n in names}, stages=wire.stages(), ledger=dict(ddp.ledger.bytes))
+    return dict(
+        errors=errors,
+        grads=grads,
+        converted=sum(1 for _ in ddp.gift_buckets()),
+        sent=sent,
+        calls={n: wire.sent(n) for n in names},
+        stages=wire.stages(),
+        ledger=dict(ddp.ledger.bytes),
+    )
 
 
 def check_case(case: Case, results: list[dict]) -> None:
@@ -102,4 +125,3 @@ def check_case(case: Case, results: list[dict]) -> None:
     if not case.distributed_optimizer:
         for rank, res in enumerate(results):
             assert torch.equal(res["grads"], results[0]["grads"]), (case, rank)
-

@@ -10,8 +10,9 @@ import torch
 from tests.bounds import EPS32, lowrank_gamma, lowrank_magnitudes
 
 
-def fp8_scales(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, width: int | None = 128,
-               power_of_two: bool = False) -> torch.Tensor:  # fmt: skip
+def fp8_scales(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, width: int | None = 128, power_of_two: bool = False
+) -> torch.Tensor:
     """Per-element dequantization scale of ``x [rows, cols]``: ``s = max|group| / fp8_max`` in FP32
     over each group of ``width`` consecutive elements of a row (``None``: the whole tensor; the row
     width: one group per row), clamped to FP32's smallest normal, 1 for a group of zeros;
@@ -30,16 +31,18 @@ def fp8_scales(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, width:
     return out[0].reshape(x.shape) if width is None else torch.cat(out, dim=1)
 
 
-def fp8_roundtrip(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, width: int | None = 128,
-                  power_of_two: bool = False) -> torch.Tensor:  # fmt: skip
+def fp8_roundtrip(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, width: int | None = 128, power_of_two: bool = False
+) -> torch.Tensor:
     """``round(x / s) · s`` with :func:`fp8_scales`' ``s`` (saturating at ``fp8_max``)."""
     fmax = torch.finfo(dtype).max
     s = fp8_scales(x, dtype, width, power_of_two)
     return (x.float() / s).clamp(-fmax, fmax).to(dtype).float() * s
 
 
-def fp8_roundtrip_groups(x: torch.Tensor, lengths, dtype: torch.dtype = torch.float8_e4m3fn,
-                         power_of_two: bool = False) -> torch.Tensor:  # fmt: skip
+def fp8_roundtrip_groups(
+    x: torch.Tensor, lengths, dtype: torch.dtype = torch.float8_e4m3fn, power_of_two: bool = False
+) -> torch.Tensor:
     """:func:`fp8_roundtrip` of the flat ``x`` with one scale per run of ``lengths`` (a list of
     ints summing to ``x.numel()``): each run rounded on its own, as a one-row tensor-scaled matrix."""
     out, pos = [], 0
@@ -74,7 +77,9 @@ def scaling_groups(rows: int, cols: int, start: int, shard_size: int, scaling: s
     return [b - a for a, b in zip(firsts[:-1], firsts[1:])]
 
 
-def dense_whitening(a: torch.Tensor, rank: int, damping: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dense_whitening(
+    a: torch.Tensor, rank: int, damping: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(Â, T, T⁻¹)`` in FP64 from the factor ``A`` by numerics/whitening.py's definitions, densely:
     ``Â = D + V Λ Vᵀ`` (top-``rank`` eigenpairs of ``A``, ``D`` the residual diagonal clamped at 0 plus
     ``δ·mean(diag A)``); ``T = D^{-1/2} B^{-1/2}`` with ``B = D^{-1/2} Â D^{-1/2}`` (the documented
@@ -113,7 +118,9 @@ class CheckedWhitening:
         x = x.double()
         err = (got.double() - x @ exact).abs()
         bound = gamma * (x.abs() @ mags) + 1e-9 * (x.abs() @ exact.abs())
-        assert bool((err <= bound).all()), f"T departs from its dense definition: excess {(err - bound).max().item():.3e}"
+        assert bool((err <= bound).all()), (
+            f"T departs from its dense definition: excess {(err - bound).max().item():.3e}"
+        )
         self.checked += 1
 
     def apply(self, g):

@@ -31,11 +31,14 @@ from .layout import BucketLayout, Part, ShardPlan
 from .packing import Packing, Rows
 
 
-
 def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
     """``buf`` (uint8, a multiple of 4 bytes) viewed in each sequence's dtype (coded: the format's codes)."""
-    return {"coded": buf.view(layout.coded_dtype()), "groups": buf.view(layout.codec.scale_dtype()),
-            "off": buf.view(layout.plain_dtypes[0]), "bf16": buf.view(torch.bfloat16)}  # fmt: skip
+    return {
+        "coded": buf.view(layout.coded_dtype()),
+        "groups": buf.view(layout.codec.scale_dtype()),
+        "off": buf.view(layout.plain_dtypes[0]),
+        "bf16": buf.view(torch.bfloat16),
+    }
 
 
 # Elements per chunk of the PyTorch path, where temporaries grow with the chunk (the fused kernels
@@ -77,27 +80,51 @@ def _sends(flat: torch.Tensor, layout: BucketLayout, transforms, outputs: dict |
             yield i, k0, k1, (x.view(-1, s.cols) if rows else x.view(1, -1)), t, rows_of
 
 
-def encode_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                  use_kernels: bool, error_feedback: ErrorFeedback | None = None, outputs: dict | None = None) -> None:  # fmt: skip
+def encode_bucket(
+    buf: torch.Tensor,
+    pk: Packing,
+    flat: torch.Tensor,
+    layout: BucketLayout,
+    transforms,
+    use_kernels: bool,
+    error_feedback: ErrorFeedback | None = None,
+    outputs: dict | None = None,
+) -> None:
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``, two-sided where
     ``outputs``, segment index -> ``T_out``, has one; plus the residual with ``error_feedback``, whose
     next residual is staged) as codes of the format and scales into its message in ``buf`` (the
     module doc's sender); ``pk``'s source is the bucket, which is only read."""
     out, cfg = views(buf, layout), layout.codec
-    for i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
+    for _i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
         g0, g1 = layout.group_range(k0, k1)
         into = kernels.Placed(pk.place["coded"].at(out["coded"], k0), pk.place["groups"].at(out["groups"], g0))
         feedback = error_feedback.feedback(k0, k1 - k0) if error_feedback is not None else None
-        kernels.whiten_encode(x, t, cfg, lengths=layout.lengths(g0, g1, flat.device), fused=use_kernels, into=into,
-                              feedback=feedback, output=rows_of)  # fmt: skip
+        kernels.whiten_encode(
+            x,
+            t,
+            cfg,
+            lengths=layout.lengths(g0, g1, flat.device),
+            fused=use_kernels,
+            into=into,
+            feedback=feedback,
+            output=rows_of,
+        )
 
 
-def cast_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, transforms,
-                wire: torch.dtype, use_kernels: bool, outputs: dict | None = None) -> None:  # fmt: skip
+def cast_bucket(
+    buf: torch.Tensor,
+    pk: Packing,
+    flat: torch.Tensor,
+    layout: BucketLayout,
+    transforms,
+    wire: torch.dtype,
+    use_kernels: bool,
+    outputs: dict | None = None,
+) -> None:
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``, two-sided as in
     ``encode_bucket``) in the float ``wire`` dtype into its message in ``buf``."""
     out = buf.view(wire)
-    for i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
+    for _i, k0, _k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
         kernels.whiten_place(x, t, pk.place["coded"].at(out, k0), fused=use_kernels, output=rows_of)
 
 
@@ -115,23 +142,42 @@ def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Buc
                 kernels.whiten_place(x.view(1, -1), None, pk.place[name].at(out[name], at + k0), fused=use_kernels)
 
 
-def sum_plain(rows: Rows, layout: BucketLayout, c: int, k0: int, k1: int, average: bool, fused: bool,
-              out: torch.Tensor | kernels.Place | None = None) -> torch.Tensor | None:  # fmt: skip
+def sum_plain(
+    rows: Rows,
+    layout: BucketLayout,
+    c: int,
+    k0: int,
+    k1: int,
+    average: bool,
+    fused: bool,
+    out: torch.Tensor | kernels.Place | None = None,
+) -> torch.Tensor | None:
     """FP32 sum over the senders (rank order) of plain class ``c``'s values ``[k0, k1)`` of the
     message, ÷ R when averaging, into ``out`` (a tensor or a ``kernels.Place``; ``kernels.sum_rows``)."""
     return kernels.sum_rows(rows.plain(c, k0, k1, layout.plain_dtypes[c]), average, out, fused=fused)
 
 
-def reduce_coded(rows: Rows, layout: BucketLayout, plan: ShardPlan, k0: int, k1: int, shape: tuple[int, int],
-                 whitening, average: bool, fused: bool, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def reduce_coded(
+    rows: Rows,
+    layout: BucketLayout,
+    plan: ShardPlan,
+    k0: int,
+    k1: int,
+    shape: tuple[int, int],
+    whitening,
+    average: bool,
+    fused: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``(Σ_i dec(message_i) [÷ R]) T⁻¹`` (``T⁻¹`` where ``whitening`` is given) of coded values
     ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: ``shape``,
     into ``out`` when given (else FP32; the fused kernels where ``fused`` and they can run)."""
     g0, g1, lengths = layout.group_slice(k0, k1, rows.parts[0].device)
     payloads = rows.coded(k0 - plan.coded_lo, k1 - plan.coded_lo, layout.coded_dtype())
     scales = rows.scales(g0 - plan.group_lo, g1 - plan.group_lo, layout.codec.scale_dtype())
-    return kernels.decode_sum_unwhiten(payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths,
-                                       fused=fused, out=out)  # fmt: skip
+    return kernels.decode_sum_unwhiten(
+        payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths, fused=fused, out=out
+    )
 
 
 def part_chunks(layout: BucketLayout, part: Part, chunk: int | None, whitened: bool) -> list[tuple[int, int, int, int]]:

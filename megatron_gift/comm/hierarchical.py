@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels as _kernels
+from .._compat import all_gather as _all_gather
 from ..config import IntraNode
 from .codec import cast_bucket, encode_bucket, plain_bucket, spans, sum_plain, views
 from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
 from .packing import Rows, packing
-from .quantized import ShardReduction, Whitenings, _all_gather, decode_gathered, with_self
+from .quantized import ShardReduction, Whitenings, decode_gathered, with_self
 from .schedule import Step
 from .topology import TwoLevelGroups
 
@@ -60,13 +61,25 @@ class TwoLevelReduce(ShardReduction):
 
     divide_first = False
 
-    def __init__(self, flat: torch.Tensor, layout: BucketLayout, groups: TwoLevelGroups, transforms: Whitenings,
-                 intra: IntraNode = IntraNode.BF16, average: bool = False, all_reduce: bool = False, ledger: CommLedger | None = None,
-                 nonfinite: torch.Tensor | None = None, kernels: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        groups: TwoLevelGroups,
+        transforms: Whitenings,
+        intra: IntraNode = IntraNode.BF16,
+        average: bool = False,
+        all_reduce: bool = False,
+        ledger: CommLedger | None = None,
+        nonfinite: torch.Tensor | None = None,
+        kernels: bool | None = None,
+    ):
         topo = groups.topology
         if not topo.two_level or topo.world != layout.num_shards or groups.group.size() != topo.world:
-            raise ValueError(f"a two-level reduction needs >1 node of >1 ranks and one shard per rank, got {topo}, "
-                             f"{layout.num_shards} shards, {groups.group.size()} ranks")  # fmt: skip
+            raise ValueError(
+                f"a two-level reduction needs >1 node of >1 ranks and one shard per rank, got {topo}, "
+                f"{layout.num_shards} shards, {groups.group.size()} ranks"
+            )
         super().__init__(flat, layout, groups.group, transforms, average, all_reduce, ledger, nonfinite, topo, kernels)
         self.groups, self.topo = groups, topo
         self.local, self.node = topo.local(self.rank), topo.node(self.rank)
@@ -81,9 +94,9 @@ class TwoLevelReduce(ShardReduction):
     # -- 0: intra-node ----------------------------------------------------------------------------
     def _intra(self) -> Step:
         layout, topo, device = self.layout, self.topo, self.flat.device
-        g, l = topo.ranks_per_node, self.local
+        g, local = topo.ranks_per_node, self.local
         key = ("intra", self.rank, str(device), self.wire)
-        messages = [topo.inter_ranks(lp) for lp in range(g) if lp != l] + [self.held]
+        messages = [topo.inter_ranks(lp) for lp in range(g) if lp != local] + [self.held]
         self.pk1 = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
         buf = torch.empty(self.pk1.nbytes, dtype=torch.uint8, device=device)
         if self.wire is None:
@@ -95,8 +108,14 @@ class TwoLevelReduce(ShardReduction):
         recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk1.sent_bytes
         self.ledger.add("all_to_all", _NAMES.get(self.wire, self.coded_label), sent, {"intra": sent})
-        work = dist.all_to_all_single(recv, buf[:sent], with_self([own] * (g - 1), l), with_self(self.pk1.peer_bytes, l),
-                                      group=self.groups.intra, async_op=True)  # fmt: skip
+        work = dist.all_to_all_single(
+            recv,
+            buf[:sent],
+            with_self([own] * (g - 1), local),
+            with_self(self.pk1.peer_bytes, local),
+            group=self.groups.intra,
+            async_op=True,
+        )
         self.buf1, self.recv1 = buf, recv
         return Step([work], [buf, recv])
 
@@ -107,19 +126,34 @@ class TwoLevelReduce(ShardReduction):
         del self.buf1, self.recv1
         n, k = self.topo.nodes, self.node
         key = ("inter", self.rank, str(device))
-        self.pk2 = layout.cached(key, lambda: packing(
-            layout, self.held, [[j] for j in self.held if j != self.rank] + [[self.rank]], None, device))  # fmt: skip
+        self.pk2 = layout.cached(
+            key,
+            lambda: packing(
+                layout, self.held, [[j] for j in self.held if j != self.rank] + [[self.rank]], None, device
+            ),
+        )
         buf = torch.empty(self.pk2.nbytes, dtype=torch.uint8, device=device)
         out = views(buf, layout)
         chunks, counts = self._held(device)
         for (c0, c1), (g0, g1), lengths in chunks:
             coded = rows.coded(c0, c1, layout.coded_dtype(self.wire))
             if self.wire is None:
-                values = _kernels.decode_sum_unwhiten(coded, rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0, None, cfg,
-                                                      False, lengths=lengths, fused=self.kernels)  # fmt: skip
+                values = _kernels.decode_sum_unwhiten(
+                    coded,
+                    rows.scales(g0, g1, cfg.scale_dtype()),
+                    1,
+                    c1 - c0,
+                    None,
+                    cfg,
+                    False,
+                    lengths=lengths,
+                    fused=self.kernels,
+                )
             else:
                 values = _kernels.sum_rows(coded, False, fused=self.kernels)
-            into = _kernels.Placed(self.pk2.place["coded"].at(out["coded"], c0), self.pk2.place["groups"].at(out["groups"], g0))
+            into = _kernels.Placed(
+                self.pk2.place["coded"].at(out["coded"], c0), self.pk2.place["groups"].at(out["groups"], g0)
+            )
             _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, fused=self.kernels, into=into)
         for c, name in enumerate(("off", "bf16")):
             for a, b in spans(0, counts[c], self.chunk):
@@ -128,8 +162,14 @@ class TwoLevelReduce(ShardReduction):
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk2.sent_bytes
         self.ledger.add("all_to_all", self.coded_label, sent, {"inter": sent})
-        work = dist.all_to_all_single(self.recv, buf[:sent], with_self([own] * (n - 1), k), with_self(self.pk2.peer_bytes, k),
-                                      group=self.groups.inter, async_op=True)  # fmt: skip
+        work = dist.all_to_all_single(
+            self.recv,
+            buf[:sent],
+            with_self([own] * (n - 1), k),
+            with_self(self.pk2.peer_bytes, k),
+            group=self.groups.inter,
+            async_op=True,
+        )
         return Step([work], [buf, self.recv])
 
     def _held(self, device):

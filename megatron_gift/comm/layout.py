@@ -158,7 +158,9 @@ class Message:
 class BucketLayout:
     """The plan for one bucket; identical on every rank since it depends only on static shapes."""
 
-    def __init__(self, numel: int, num_shards: int, segments: list[Segment], codec: CodecConfig, raw_dtype: torch.dtype):
+    def __init__(
+        self, numel: int, num_shards: int, segments: list[Segment], codec: CodecConfig, raw_dtype: torch.dtype
+    ):
         segs = sorted(segments, key=lambda s: s.start)
         for a, b in zip(segs, segs[1:]):
             if a.end > b.start:
@@ -195,9 +197,11 @@ class BucketLayout:
         collective, whose shards must be Megatron's (``numel / num_shards`` elements each: it pads its
         buckets to a multiple of the group size)."""
         if reduce_scatter and self.numel % self.num_shards:
-            raise ValueError(f"megatron-gift: a bucket of {self.numel} elements does not split into {self.num_shards} "
-                             "equal shards, as the distributed optimizer's reduce-scatter needs (Megatron pads its "
-                             "buckets to a multiple of the data-parallel size)")  # fmt: skip
+            raise ValueError(
+                f"megatron-gift: a bucket of {self.numel} elements does not split into {self.num_shards} "
+                "equal shards, as the distributed optimizer's reduce-scatter needs (Megatron pads its "
+                "buckets to a multiple of the data-parallel size)"
+            )
 
     # -- the sequences ----------------------------------------------------------------------------
     def _class_offsets(self) -> list[int]:
@@ -241,7 +245,9 @@ class BucketLayout:
 
     def group_lengths_on(self, device) -> torch.Tensor:
         """``group_lengths`` as int32 on ``device``, copied there once."""
-        return self.cached(("group_lengths", str(device)), lambda: self.group_lengths.to(device=device, dtype=torch.int32))
+        return self.cached(
+            ("group_lengths", str(device)), lambda: self.group_lengths.to(device=device, dtype=torch.int32)
+        )
 
     def group_range(self, coded_lo: int, coded_hi: int) -> tuple[int, int]:
         """Groups ``[g0, g1)`` covering the coded range ``[coded_lo, coded_hi)`` (aligned to groups).
@@ -296,13 +302,22 @@ class BucketLayout:
         plain_lo = [self._class_start(parts, c, lo) for c, parts in enumerate(plain)]
         plain_n = [sum(p.hi - p.lo for p in parts) for parts in plain]
         return ShardPlan(
-            lo=lo, hi=hi, coded_lo=coded_lo, coded_hi=coded_hi, group_lo=group_lo, group_hi=group_hi,
-            plain_lo=plain_lo, plain_hi=[a + n for a, n in zip(plain_lo, plain_n)],
-            coded_parts=coded, plain_parts=plain, gift_rows=gift_rows, pieces=pieces,
+            lo=lo,
+            hi=hi,
+            coded_lo=coded_lo,
+            coded_hi=coded_hi,
+            group_lo=group_lo,
+            group_hi=group_hi,
+            plain_lo=plain_lo,
+            plain_hi=[a + n for a, n in zip(plain_lo, plain_n)],
+            coded_parts=coded,
+            plain_parts=plain,
+            gift_rows=gift_rows,
+            pieces=pieces,
             scale_bytes=_pad4((group_hi - group_lo) * self.codec.scale_dtype().itemsize),
             plain_bytes=[_pad4(self._plain_bytes(c, n)) for c, n in enumerate(plain_n)],
             payload_bytes=_pad4(self.coded_bytes(coded_hi - coded_lo)),
-        )  # fmt: skip
+        )
 
     def _plain_bytes(self, c: int, n: int) -> int:
         return values_bytes(self.plain_modes[c], n, self.codec, self.plain_dtypes[0].itemsize)
@@ -320,7 +335,9 @@ class BucketLayout:
         if parts:
             return parts[0].at
         members = self.coded_segments if cls == "coded" else self.plain_segments[cls]
-        return sum(min(self.segments[i].end, lo) - self.segments[i].start for i in members if self.segments[i].start < lo)
+        return sum(
+            min(self.segments[i].end, lo) - self.segments[i].start for i in members if self.segments[i].start < lo
+        )
 
     # -- messages ---------------------------------------------------------------------------------
     def message(self, shards, wire: torch.dtype | None = None) -> Message:
@@ -341,10 +358,15 @@ class BucketLayout:
         plain_at = (scale_bytes, scale_bytes + plain_bytes[0])
         coded_at = plain_at[1] + plain_bytes[1]
         return Message(
-            shards=tuple(shards), scales_at=0, plain_at=plain_at, coded_at=coded_at,
-            nbytes=coded_at + coded_bytes, shard_coded=starts(coded_n), shard_group=starts(groups),
+            shards=tuple(shards),
+            scales_at=0,
+            plain_at=plain_at,
+            coded_at=coded_at,
+            nbytes=coded_at + coded_bytes,
+            shard_coded=starts(coded_n),
+            shard_group=starts(groups),
             shard_plain=tuple(starts(n) for n in plain_n),
-        )  # fmt: skip
+        )
 
     @cached_property
     def max_message_bytes(self) -> int:
@@ -354,6 +376,7 @@ class BucketLayout:
         """Coded range ``[k0, k1)`` of segment ``seg`` (with ``whole_rows``, its ends row boundaries) in
         chunks (``group_chunks``) cut at group boundaries, which with ``whole_rows`` are row
         boundaries too (a transform needs whole rows)."""
+
         def build():
             s, at = self.segments[seg], self.seg_at[seg]
             g0, g1 = self.group_range(k0 + 1, k1)
@@ -363,6 +386,7 @@ class BucketLayout:
             return group_chunks(bounds, budget)
 
         return self.cached(("chunks", seg, k0, k1, budget, whole_rows), build)
+
 
 def group_chunks(bounds: torch.Tensor, budget: int) -> list[tuple[int, int]]:
     """Consecutive chunks between the sorted admissible boundaries ``bounds`` (first and last: the

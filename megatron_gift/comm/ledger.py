@@ -20,7 +20,8 @@ def ring_all_reduce_bytes(ranks: int, nbytes: int) -> int:
 
 class CommLedger:
     """Bytes this rank sent, by ``(collective, dtype)``: all-to-all counts what leaves the rank,
-    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that (``ring_all_reduce_bytes``).
+    ring all-gather ``(R-1)·chunk``, ring reduce-scatter ``(R-1)/R·buffer``, ring all-reduce twice that
+    (``ring_all_reduce_bytes``).
 
     ``links`` splits the quantized exchanges' bytes by ``(link, dtype)``, the link being the one
     they cross (``intra``: to a rank on the same node, ``inter``: through the NIC), as if each

@@ -25,8 +25,9 @@ nothing outside its shard). Each stage adds a fixed few ops per two-sided segmen
 bucket's element count and the group's size; no host synchronisation. Temporaries: ``Pre``
 (``4·r_out·d_in`` bytes per two-sided parameter) and on the fused path its per-program parts
 (``r_out/32`` bytes per element, ``kernels.fused.OUTPUT_ROWS``) during its encode only, the
-targets (FP32, the rank's elements of them) from stage 1 to the end, ``P`` (``4·Σ r_out·d_in`` bytes) from stage L. Error feedback needs nothing here:
-its residual is that of the encoded values, in ``U``'s coordinates.
+targets (FP32, the rank's elements of them) from stage 1 to the end, ``P`` (``4·Σ r_out·d_in``
+bytes) from stage L. Error feedback needs nothing here: its residual is that of the encoded
+values, in ``U``'s coordinates.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from .ledger import CommLedger, ring_all_reduce_bytes
 from .quantized import ShardReduction
 from .schedule import Step, Wrapping
 
-
 LEDGER_DTYPE = "fp32-out"  # the ledger's name of P's all-reduce (``all_reduce/fp32-out``)
 
 
@@ -56,8 +56,10 @@ class OutputSide(Wrapping):
             raise ValueError(f"{len(outputs)} output-side transforms for {len(layout.segments)} segments")
         for s, w in zip(layout.segments, outputs):
             if w is not None and (s.mode not in FP8_MODES or w.d_in != s.rows):
-                raise ValueError(f"megatron-gift: an output-side transform of {w.d_in} rows for parameter {s.name!r} "
-                                 f"({s.rows} x {s.cols}, mode {s.mode.value}): only FP8-coded parameters, d_out rows")  # fmt: skip
+                raise ValueError(
+                    f"megatron-gift: an output-side transform of {w.d_in} rows for parameter {s.name!r} "
+                    f"({s.rows} x {s.cols}, mode {s.mode.value}): only FP8-coded parameters, d_out rows"
+                )
         self.inner, self.outputs, self.ledger = inner, outputs, ledger
         count = len(inner.stages()) + 1
         if inner.nonfinite is not None and inner.nonfinite.numel() < count:
@@ -101,14 +103,15 @@ class OutputSide(Wrapping):
 
     def _p(self, proj: torch.Tensor, i: int) -> torch.Tensor:
         return proj[self.p_at[i] : self.p_at[i] + self.outputs[i].rank * self.inner.layout.segments[i].cols].view(
-            self.outputs[i].rank, -1)
+            self.outputs[i].rank, -1
+        )
 
     def _projections(self, step: Step) -> Step:
         """``P`` of every two-sided segment (module doc, stage L): the rank's partials, launched into
         their all-reduce with reduce-scatter; the whole ``P`` with all-reduce."""
         inner, layout = self.inner, self.inner.layout
         self.proj = torch.zeros(self.p_numel, device=inner.flat.device)
-        for i, (lo, hi) in self.owned.items():
+        for i, (lo, _hi) in self.owned.items():
             s = layout.segments[i]
             output_projection(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i))
         if inner.all_reduce or inner.world == 1 or self.p_numel == 0:  # the same answer on every rank
@@ -123,8 +126,15 @@ class OutputSide(Wrapping):
         inner, layout = self.inner, self.inner.layout
         for i, (lo, hi) in self.owned.items():
             s, dest = layout.segments[i], inner.flat[lo:hi]
-            _kernels.output_inverse(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i), dest,
-                                    fused=inner.kernels)  # fmt: skip
+            _kernels.output_inverse(
+                self.outputs[i],
+                inner.targets[i][0],
+                s.cols,
+                lo - s.start,
+                self._p(self.proj, i),
+                dest,
+                fused=inner.kernels,
+            )
             if inner.nonfinite is not None:  # this stage's own flag (``ShardReduction._reduced``)
                 inner.nonfinite[self.stage].logical_or_(torch.isfinite(dest).all().logical_not())
         inner.targets = {}

@@ -76,8 +76,14 @@ class Packing:
         return buf[self.own_at : self.own_at + self.own.nbytes].clone()
 
 
-def packing(layout: BucketLayout, source: list[int], messages: list[list[int]], wire: torch.dtype | None, device,
-            width: int | None = None) -> Packing:  # fmt: skip
+def packing(
+    layout: BucketLayout,
+    source: list[int],
+    messages: list[list[int]],
+    wire: torch.dtype | None,
+    device,
+    width: int | None = None,
+) -> Packing:
     """The packing of ``messages`` (each a list of shards; the last one the rank's own) filled from
     ``source`` (every shard of every message, in source order); ``wire``: the coded values' dtype
     (None: the format's codes and scales). ``width``: every message in a slot of that many bytes (an
@@ -88,8 +94,12 @@ def packing(layout: BucketLayout, source: list[int], messages: list[list[int]], 
     plans = [layout.shards[j] for j in source]
     scale_size = layout.codec.scale_dtype().itemsize
     coded_size = layout.coded_dtype(wire).itemsize
-    sizes = {"coded": [p.n_coded for p in plans], "groups": [p.n_groups for p in plans],
-             "off": [p.plain_hi[0] - p.plain_lo[0] for p in plans], "bf16": [p.plain_hi[1] - p.plain_lo[1] for p in plans]}  # fmt: skip
+    sizes = {
+        "coded": [p.n_coded for p in plans],
+        "groups": [p.n_groups for p in plans],
+        "off": [p.plain_hi[0] - p.plain_lo[0] for p in plans],
+        "bf16": [p.plain_hi[1] - p.plain_lo[1] for p in plans],
+    }
     buffer_starts = {name: [] for name in SEQUENCES}
     for j in source:
         m, k = where[j]

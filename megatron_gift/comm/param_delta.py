@@ -72,6 +72,7 @@ import torch.distributed as dist
 from torch.distributed import _coalescing_manager
 
 from .. import kernels
+from .._compat import all_gather as _all_gather
 from .schedule import StageStreams
 
 BLOCK = 32
@@ -79,7 +80,6 @@ CODE_MAX = 127
 _SCALE_MIN, _SCALE_MAX, SCALE_NONFINITE = 1, 254, 255  # FP32 exponent fields of the normals; 255: a NaN/Inf block
 CODED_DTYPES = (torch.bfloat16, torch.float16)
 CHUNK = 1 << 24  # elements of each FP32 temporary of the PyTorch path (64 MiB): longer inputs go in chunks of it
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.10
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored mantissa bits
 
@@ -105,7 +105,8 @@ def _kernel_module():
 
 
 def _fused(t: torch.Tensor, fused: bool):
-    """The kernel module where the fused codec runs on ``t`` (CUDA, or the CPU under Triton's interpreter), else None."""
+    """The kernel module where the fused codec runs on ``t`` (CUDA, or the CPU under Triton's interpreter), else
+    None."""
     return _kernel_module() if fused and t.numel() > 0 and kernels.available(t.device) else None
 
 
@@ -188,8 +189,9 @@ def _decoded(codes: torch.Tensor, scales: torch.Tensor, base: torch.Tensor, plus
     return base32.view(p, n, BLOCK).addcmul_(u, codes).view(p, -1)  # q u is exact: its rounding is the sum's
 
 
-def decode_into(messages: torch.Tensor, base: torch.Tensor, prev: torch.Tensor | None = None, rank: int = -1,
-                fused: bool = True) -> None:  # fmt: skip
+def decode_into(
+    messages: torch.Tensor, base: torch.Tensor, prev: torch.Tensor | None = None, rank: int = -1, fused: bool = True
+) -> None:
     """``base = dtype(base + decode(messages))`` for ``p`` shards at once: ``messages`` uint8
     ``[p, message_bytes(S)]``, ``base`` ``[p, S]`` of the parameter dtype (each shard's ``prev``).
     With ``prev [S]``, row ``rank``'s base is read from ``prev`` and its result written to both.

@@ -17,10 +17,12 @@ import torch.distributed as dist
 from .layout import BucketLayout, RowPiece
 from .ledger import CommLedger
 
+
 def _plan(layout: BucketLayout, rank: int):
     """``peers``: the ranks sharing a cut row with ``rank``, in order; ``sums[k]``: the
     ``(shard, piece index)`` partials of own piece ``k``'s row, in shard order; ``cut``: the
     segments with a cut row in any shard."""
+
     def build():
         rows = {}
         for j, plan in enumerate(layout.shards):
@@ -66,7 +68,9 @@ class PieceExchange:
         splits = [block if j in self.peers else 0 for j in range(world)]
         sent = 4 * block * len(self.peers)
         self.ledger.add("all_to_all", "fp32", sent, self.links([4 * s for s in splits]))
-        return dist.all_to_all_single(self.recv.view(-1), send.view(-1), splits, splits, group=self.group, async_op=True)
+        return dist.all_to_all_single(
+            self.recv.view(-1), send.view(-1), splits, splits, group=self.group, async_op=True
+        )
 
     def finish(self) -> list[torch.Tensor]:
         """Own pieces' columns of ``U T⁻¹`` (the values as they were where a row has no ``T``)."""

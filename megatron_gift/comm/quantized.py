@@ -21,8 +21,8 @@ wrapper (``comm.output_side``) change what is sent and where results land, per c
 and ``targets`` (FP32 tensors that receive the segment's results instead of the bucket;
 ``destination``). ``nonfinite`` (a bool tensor of one flag per stage, ``schedule.MAX_STAGES``;
 read with ``.any()``), when given, has the flag of the stage that wrote a NaN/Inf set on the
-device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links. ``kernels``: whether the fused
-kernels run (``GiftConfig.kernels``, see ``use_kernels``).
+device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
+``kernels``: whether the fused kernels run (``GiftConfig.kernels``, see ``use_kernels``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels as _kernels
+from .._compat import all_gather as _all_gather
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp8 import CodecConfig
-from ..numerics.wire import KERNELS
 from ..numerics.whitening import LowRankWhitening
+from ..numerics.wire import KERNELS
 from .codec import CHUNK, encode_bucket, part_chunks, plain_bucket, reduce_coded, spans, sum_plain, views
 from .layout import BucketLayout
 from .ledger import CommLedger, coded_label
@@ -45,8 +46,6 @@ from .topology import Topology
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
 
-# torch >= 2.10 renamed all_gather_into_tensor; NGC containers may carry either.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 def use_kernels(device: torch.device, use: bool | None, codec: CodecConfig) -> bool:
     """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.kernels``:
@@ -81,16 +80,28 @@ class ShardReduction(Reduction):
 
     divide_first = True
 
-    def __init__(self, flat: torch.Tensor, layout: BucketLayout, group, transforms: Whitenings, average: bool,
-                 all_reduce: bool, ledger: CommLedger | None, nonfinite: torch.Tensor | None,
-                 topology: Topology | None, kernels: bool | None):  # fmt: skip
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        group,
+        transforms: Whitenings,
+        average: bool,
+        all_reduce: bool,
+        ledger: CommLedger | None,
+        nonfinite: torch.Tensor | None,
+        topology: Topology | None,
+        kernels: bool | None,
+    ):
         self.flat, self.layout, self.group, self.transforms = flat, layout, group, transforms
         self.average, self.all_reduce = average, all_reduce
         self.ledger = ledger if ledger is not None else CommLedger()
         self.nonfinite, self.topology = nonfinite, topology
         self.world, self.rank = group.size(), group.rank()
         if nonfinite is not None and (nonfinite.dim() != 1 or nonfinite.numel() < len(self.stages())):
-            raise ValueError(f"nonfinite needs one flag per stage ({len(self.stages())}), got shape {tuple(nonfinite.shape)}")
+            raise ValueError(
+                f"nonfinite needs one flag per stage ({len(self.stages())}), got shape {tuple(nonfinite.shape)}"
+            )
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
         self.kernels = use_kernels(flat.device, kernels, layout.codec)
@@ -145,7 +156,9 @@ class ShardReduction(Reduction):
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
             for k0, k1, n_rows, cols in part_chunks(layout, part, self.chunk, t is not None):
-                dest = destination(flat, self.targets, part.seg, part.lo + k0 - part.at, part.lo + k1 - part.at).view(n_rows, cols)
+                dest = destination(flat, self.targets, part.seg, part.lo + k0 - part.at, part.lo + k1 - part.at).view(
+                    n_rows, cols
+                )
                 out = self._target(dest)
                 self._store(dest, reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels, out))
         values = []
@@ -154,7 +167,9 @@ class ShardReduction(Reduction):
                 values.append(None)
                 continue
             k0 = layout.seg_at[p.seg] + p.row * layout.segments[p.seg].cols + p.c0
-            values.append(reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first, self.kernels))
+            values.append(
+                reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first, self.kernels)
+            )
         self.exchange = PieceExchange(layout, self.rank, self.transforms, self.group, self.ledger, self._links)
         work = self.exchange.start(values, flat.device)
         handoff = [v for v in values if v is not None] + self.exchange.buffers
@@ -175,19 +190,25 @@ class ShardReduction(Reduction):
         averaging) encoded into one message of ``max_message_bytes``."""
         layout, r, device = self.layout, self.rank, self.flat.device
         plan = layout.shards[r]
-        own = layout.cached(("own", r, str(device)), lambda: packing(
-            layout, [r], [[r]], None, device, layout.max_message_bytes))  # fmt: skip
+        own = layout.cached(
+            ("own", r, str(device)), lambda: packing(layout, [r], [[r]], None, device, layout.max_message_bytes)
+        )
         msg = torch.zeros(layout.max_message_bytes, dtype=torch.uint8, device=device)
         out = views(msg, layout)
         first = self.average and self.divide_first
         for part in plan.coded_parts:
             for k0, k1, _, _ in part_chunks(layout, part, self.chunk, False):
-                values = self._reduced(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels))
+                values = self._reduced(
+                    reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels)
+                )
                 g0, g1 = layout.group_range(k0, k1)
-                into = _kernels.Placed(own.place["coded"].at(out["coded"], k0 - plan.coded_lo),
-                                       own.place["groups"].at(out["groups"], g0 - plan.group_lo))  # fmt: skip
-                _kernels.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels,
-                                       into=into)  # fmt: skip
+                into = _kernels.Placed(
+                    own.place["coded"].at(out["coded"], k0 - plan.coded_lo),
+                    own.place["groups"].at(out["groups"], g0 - plan.group_lo),
+                )
+                _kernels.whiten_encode(
+                    values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels, into=into
+                )
         for c, name in enumerate(("off", "bf16")):
             at = own.own.plain_at[c] // layout.plain_dtypes[c].itemsize  # the own shard's values, one after another
             for a, b in spans(0, plan.plain_hi[c] - plan.plain_lo[c], self.chunk):
@@ -199,10 +220,20 @@ class ShardReduction(Reduction):
 class QuantizedReduce(ShardReduction):
     """One bucket's flat quantized reduction (module doc); construction does no work."""
 
-    def __init__(self, flat: torch.Tensor, layout: BucketLayout, group, transforms: Whitenings,
-                 error_feedback: ErrorFeedback | None = None, average: bool = False, all_reduce: bool = False,
-                 ledger: CommLedger | None = None, nonfinite: torch.Tensor | None = None,
-                 topology: Topology | None = None, kernels: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        group,
+        transforms: Whitenings,
+        error_feedback: ErrorFeedback | None = None,
+        average: bool = False,
+        all_reduce: bool = False,
+        ledger: CommLedger | None = None,
+        nonfinite: torch.Tensor | None = None,
+        topology: Topology | None = None,
+        kernels: bool | None = None,
+    ):
         super().__init__(flat, layout, group, transforms, average, all_reduce, ledger, nonfinite, topology, kernels)
         self.error_feedback = error_feedback
 
@@ -213,10 +244,16 @@ class QuantizedReduce(ShardReduction):
 
     def _send(self) -> Step:
         layout, r, device = self.layout, self.rank, self.flat.device
-        self.pk = layout.cached(("flat", r, str(device)), lambda: packing(
-            layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device))  # fmt: skip
+        self.pk = layout.cached(
+            ("flat", r, str(device)),
+            lambda: packing(
+                layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device
+            ),
+        )
         self.buf = torch.empty(self.pk.nbytes, dtype=torch.uint8, device=device)
-        encode_bucket(self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback, self.outputs)
+        encode_bucket(
+            self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback, self.outputs
+        )
         plain_bucket(self.buf, self.pk, self.flat, layout, self.kernels)
         self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
         return Step(self._all_to_all(), [self.buf, self.recv])
@@ -228,7 +265,11 @@ class QuantizedReduce(ShardReduction):
         per_peer = with_self(pk.peer_bytes, r)
         self.ledger.add("all_to_all", self.coded_label, pk.sent_bytes, self._links(per_peer))
         recv_sizes = with_self([pk.own.nbytes] * (self.world - 1), r)
-        return [dist.all_to_all_single(self.recv, self.buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True)]
+        return [
+            dist.all_to_all_single(
+                self.recv, self.buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True
+            )
+        ]
 
     def _rows(self) -> Rows:
         rows = Rows(self.recv, self.pk.own_copy(self.buf), self.rank, self.pk.own, self.world)
@@ -246,13 +287,22 @@ class QuantizedReduce(ShardReduction):
         return Step([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
 
     def _decode_all(self) -> Step:
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels, self.targets)
+        decode_gathered(
+            self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels, self.targets
+        )
         del self.gathered
         return Step()
 
 
-def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Whitenings, flat: torch.Tensor,
-                    slots: list[int], fused: bool, targets: dict | None = None) -> None:  # fmt: skip
+def decode_gathered(
+    gathered: torch.Tensor,
+    layout: BucketLayout,
+    transforms: Whitenings,
+    flat: torch.Tensor,
+    slots: list[int],
+    fused: bool,
+    targets: dict | None = None,
+) -> None:
     """Every shard's reduced message (shard ``j`` in slot ``slots[j]`` of ``gathered``, slots of
     ``max_message_bytes``) decoded into ``flat``, ``T⁻¹`` applied to whole rows: the same bytes give
     the same bits on every rank. Per segment one placed decode (``kernels.decode_placed``: codes and
@@ -261,8 +311,10 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
     segment's ``targets`` (``destination``)."""
     width, device = layout.max_message_bytes, flat.device
     order = sorted(range(layout.num_shards), key=lambda j: slots[j])
-    gp = layout.cached(("gathered", tuple(slots), str(device)), lambda: packing(
-        layout, list(range(layout.num_shards)), [[j] for j in order], None, device, width))  # fmt: skip
+    gp = layout.cached(
+        ("gathered", tuple(slots), str(device)),
+        lambda: packing(layout, list(range(layout.num_shards)), [[j] for j in order], None, device, width),
+    )
     src = views(gathered, layout)
     chunk = None if fused else CHUNK
     for i in layout.coded_segments:
@@ -272,8 +324,15 @@ def decode_gathered(gathered: torch.Tensor, layout: BucketLayout, transforms: Wh
             g0, g1 = layout.group_range(k0, k1)
             shape = ((k1 - k0) // s.cols, s.cols) if t is not None else (1, k1 - k0)
             placed = _kernels.Placed(gp.place["coded"].at(src["coded"], k0), gp.place["groups"].at(src["groups"], g0))
-            _kernels.decode_placed(placed, *shape, t, layout.codec, lengths=layout.lengths(g0, g1, device),
-                                   out=destination(flat, targets or {}, i, s.start + k0 - at, s.start + k1 - at), fused=fused)  # fmt: skip
+            _kernels.decode_placed(
+                placed,
+                *shape,
+                t,
+                layout.codec,
+                lengths=layout.lengths(g0, g1, device),
+                out=destination(flat, targets or {}, i, s.start + k0 - at, s.start + k1 - at),
+                fused=fused,
+            )
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]

@@ -44,8 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import Schedule
 
-
-MAX_STAGES = 6  # the most stages a reduction has (the two-level all-reduce with the output side, comm.output_side): per-stage flags' length
+# the most stages a reduction has (the two-level all-reduce with the output side, comm.output_side):
+# per-stage flags' length
+MAX_STAGES = 6
 
 
 def default_schedule(device: torch.device) -> Schedule:
@@ -154,7 +155,7 @@ class ReductionQueue:
         self.probe = None  # benchmarks: a callable returning a context every stage runs in (e.g. an op counter)
         self.check = check  # tests: every collective's tensors must be in its stage's handoff (module doc)
 
-    def start(self, reduction: Reduction) -> "_InFlight":
+    def start(self, reduction: Reduction) -> _InFlight:
         """Enqueue ``reduction``'s first stage (all of them when eager); returns its handle for ``wait``."""
         flight = _InFlight(reduction)
         self.streams.wait_current(0)
@@ -170,7 +171,7 @@ class ReductionQueue:
             self._pending.append(flight)
         return flight
 
-    def wait(self, flight: "_InFlight") -> None:
+    def wait(self, flight: _InFlight) -> None:
         """Enqueue what is left of every reduction started up to ``flight``, in start order; the
         current stream then waits for ``flight``'s last stage (on the device)."""
         while not flight.done:
@@ -180,9 +181,9 @@ class ReductionQueue:
             self._pending.popleft()
         self.streams.wait_event(None, flight.event)
 
-    def _enqueue(self, flight: "_InFlight") -> None:
+    def _enqueue(self, flight: _InFlight) -> None:
         s = flight.next
-        with self.streams.context(s), (self.probe() if self.probe is not None else contextlib.nullcontext()):
+        with self.streams.context(s), self.probe() if self.probe is not None else contextlib.nullcontext():
             if s > 0:
                 self.streams.wait_event(s, flight.event)
             if self.check:
@@ -247,5 +248,7 @@ def _check_handoff(given: list, handoff: list, s: int) -> None:
     for op, ref, ptr in given:
         t = ref()
         if t is None or t.untyped_storage().data_ptr() != ptr or ptr not in held:
-            raise RuntimeError(f"stage {s} gave {op} a tensor its handoff does not hold: the caching allocator "
-                               "may reuse its block while the collective still reads or writes it")
+            raise RuntimeError(
+                f"stage {s} gave {op} a tensor its handoff does not hold: the caching allocator "
+                "may reuse its block while the collective still reads or writes it"
+            )

@@ -121,11 +121,17 @@ def _lengths(cfg: CodecConfig, lengths: torch.Tensor | None) -> torch.Tensor | N
     return None if lengths is not None and cfg.scaling is Scaling.TENSOR and lengths.numel() == 1 else lengths
 
 
-def _use_kernels(kernel: str, fused: bool, device: torch.device, numel: int, cfg: CodecConfig,
-                 lengths: torch.Tensor | None) -> bool:  # fmt: skip
+def _use_kernels(
+    kernel: str, fused: bool, device: torch.device, numel: int, cfg: CodecConfig, lengths: torch.Tensor | None
+) -> bool:
     """Whether ``kernel`` runs rather than the reference (module doc)."""
-    return (fused and numel > 0 and kernel in cfg.fmt.kernels and available(device)
-            and (lengths is None or cfg.scaling is not Scaling.TENSOR))  # fmt: skip
+    return (
+        fused
+        and numel > 0
+        and kernel in cfg.fmt.kernels
+        and available(device)
+        and (lengths is None or cfg.scaling is not Scaling.TENSOR)
+    )
 
 
 @dataclass(frozen=True)
@@ -149,10 +155,16 @@ class Placed:
 
 
 def whiten_encode(
-    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None, fused: bool = True, into: Placed | None = None,
-    feedback: tuple[torch.Tensor, torch.Tensor] | None = None, output: OutputRows | None = None,
-) -> Encoded | None:  # fmt: skip
+    g: torch.Tensor,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    fused: bool = True,
+    into: Placed | None = None,
+    feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    output: OutputRows | None = None,
+) -> Encoded | None:
     """``fp8.encode(G T)`` of ``g [rows, cols]`` (``T = I`` when ``whitening`` is None): payload
     ``[rows, cols]`` codes, scales ``cfg.groups(rows, cols)`` (flat, one per group, with
     ``lengths``: groups in memory order other than the matrix codec's, each inside one row unless
@@ -169,16 +181,24 @@ def whiten_encode(
     form it in the read of ``G`` that gives ``T``'s projection and ``T_outᵀ`` row by row in the pass:
     ``G`` is read twice, as with ``T`` alone; with it (rows of a parameter) the reference runs."""
     lengths = _lengths(cfg, lengths)
-    if (_use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths)
-            and (output is None or output.pre is None)):  # fmt: skip
-        return _fused().whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback,
-                                      output=output)  # fmt: skip
-    return reference_whiten_encode(g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback,
-                                   output=output)  # fmt: skip
+    if _use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths) and (
+        output is None or output.pre is None
+    ):
+        return _fused().whiten_encode(
+            g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback, output=output
+        )
+    return reference_whiten_encode(
+        g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback, output=output
+    )
 
 
-def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into: Place, fused: bool = True,
-                 output: OutputRows | None = None) -> None:  # fmt: skip
+def whiten_place(
+    x: torch.Tensor,
+    whitening: LowRankWhitening | None,
+    into: Place,
+    fused: bool = True,
+    output: OutputRows | None = None,
+) -> None:
     """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given, ``T_outᵀ G T`` with ``output``
     as in ``whiten_encode``) cast to ``into.out``'s dtype, element ``i`` (memory order) written at its
     position of ``into`` (``Place``): the float intra-node wire and the plain values. ``fused``: the
@@ -209,15 +229,29 @@ def decode_sum_unwhiten(
     returned as ``[rows, cols]``; a new FP32 tensor without it."""
     parts = [p for p in ([payloads] if isinstance(payloads, torch.Tensor) else payloads) if p.shape[0] > 0]
     lengths = _lengths(cfg, lengths)
-    if (parts and _use_kernels("decode_sum_unwhiten", fused, parts[0].device, rows * cols, cfg, lengths)
-            and len(parts) <= _fused().MAX_PARTS):  # fmt: skip
-        return _fused().decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out)
-    return reference_decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out)
+    if (
+        parts
+        and _use_kernels("decode_sum_unwhiten", fused, parts[0].device, rows * cols, cfg, lengths)
+        and len(parts) <= _fused().MAX_PARTS
+    ):
+        return _fused().decode_sum_unwhiten(
+            payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out
+        )
+    return reference_decode_sum_unwhiten(
+        payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out
+    )
 
 
-def decode_placed(src: Placed, rows: int, cols: int, whitening: LowRankWhitening | None, cfg: CodecConfig,
-                  lengths: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  fused: bool = True) -> torch.Tensor:  # fmt: skip
+def decode_placed(
+    src: Placed,
+    rows: int,
+    cols: int,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    fused: bool = True,
+) -> torch.Tensor:
     """``dec(c, s) T⁻¹`` as ``[rows, cols]`` (written into ``out`` as ``decode_sum_unwhiten`` does) of
     one message per shard in a buffer, read where ``src`` places them (``Placed``, as ``whiten_encode``
     writes): element ``i`` of the matrix is element ``i`` of ``src.codes``, and its group ``u`` (the
@@ -233,12 +267,23 @@ def _use_sum(fused: bool, parts: Sequence[torch.Tensor], out: torch.Tensor | Non
     """Whether ``receive._sum_kernel`` runs: float dtypes, at most three non-empty parts, values to sum."""
     parts = [p for p in parts if p.shape[0] > 0]
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    return (fused and parts and parts[0].shape[-1] > 0 and available(parts[0].device) and len(parts) <= 3
-            and all(p.dtype in floats for p in parts) and (out is None or out.dtype in floats))  # fmt: skip
+    return (
+        fused
+        and parts
+        and parts[0].shape[-1] > 0
+        and available(parts[0].device)
+        and len(parts) <= 3
+        and all(p.dtype in floats for p in parts)
+        and (out is None or out.dtype in floats)
+    )
 
 
-def sum_rows(parts: torch.Tensor | Sequence[torch.Tensor], average: bool, out: torch.Tensor | Place | None = None,
-             fused: bool = True) -> torch.Tensor | None:  # fmt: skip
+def sum_rows(
+    parts: torch.Tensor | Sequence[torch.Tensor],
+    average: bool,
+    out: torch.Tensor | Place | None = None,
+    fused: bool = True,
+) -> torch.Tensor | None:
     """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32/BF16/FP16, inner stride 1; the
     rows, part after part, the senders in order), FP32 in row order (``ordered_sum``'s bits), ``÷ R``
     when averaging; into ``out`` (``[n]``, the FP32 result rounded once to its dtype; a new FP32
@@ -258,8 +303,15 @@ def take(src: Place, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
     return reference_take(src, out)
 
 
-def output_inverse(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor,
-                   out: torch.Tensor, fused: bool = True) -> None:  # fmt: skip
+def output_inverse(
+    w: LowRankWhitening,
+    values: torch.Tensor,
+    cols: int,
+    e0: int,
+    proj: torch.Tensor,
+    out: torch.Tensor,
+    fused: bool = True,
+) -> None:
     """``out = T_out⁻ᵀ W`` on elements ``[e0, e0 + n)`` of a two-sided parameter ``[d_out, cols]``
     (``w``: ``T_out``; ``values [n]`` FP32; ``proj``: the whole ``P = Qᵀ W`` ``[r, cols]``), computed in
     FP32 and rounded once to ``out``'s dtype (``numerics.two_sided.output_inverse``, the reference):

@@ -86,8 +86,18 @@ def _encode_kernel(new_ptr, prev_ptr, codes_ptr, scales_ptr, numel, nblocks, BB:
 
 
 @triton.jit
-def _decode_kernel(msg_ptr, param_ptr, prev_ptr, numel, nblocks, msg_bytes, rank, programs_per_row,
-                   BB: tl.constexpr, MANT: tl.constexpr):  # fmt: skip
+def _decode_kernel(
+    msg_ptr,
+    param_ptr,
+    prev_ptr,
+    numel,
+    nblocks,
+    msg_bytes,
+    rank,
+    programs_per_row,
+    BB: tl.constexpr,
+    MANT: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // programs_per_row
     blk = (pid - row * programs_per_row) * BB + tl.arange(0, BB)
@@ -126,7 +136,14 @@ def encode(new: torch.Tensor, prev: torch.Tensor, out: torch.Tensor) -> None:
     numel = new.numel()
     nb = _blocks(numel)
     _encode_kernel[(triton.cdiv(nb, BB),)](
-        new, prev, out[: 32 * nb].view(torch.int8), out[32 * nb :], numel, nb, BB=BB, MANT=_MANTISSA_BITS[new.dtype],
+        new,
+        prev,
+        out[: 32 * nb].view(torch.int8),
+        out[32 * nb :],
+        numel,
+        nb,
+        BB=BB,
+        MANT=_MANTISSA_BITS[new.dtype],
         enable_fp_fusion=False,
     )
 
@@ -138,6 +155,15 @@ def decode(messages: torch.Tensor, param: torch.Tensor, prev: torch.Tensor, rank
     nb = _blocks(numel)
     per_row = triton.cdiv(nb, BB)
     _decode_kernel[(p * per_row,)](
-        messages, param, prev, numel, nb, messages.shape[1], rank, per_row, BB=BB, MANT=_MANTISSA_BITS[param.dtype],
+        messages,
+        param,
+        prev,
+        numel,
+        nb,
+        messages.shape[1],
+        rank,
+        per_row,
+        BB=BB,
+        MANT=_MANTISSA_BITS[param.dtype],
         enable_fp_fusion=False,
     )

@@ -167,9 +167,21 @@ def store_arg(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 @triton.jit
-def _units(ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-           UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
-           ONE_CHUNK: tl.constexpr):  # fmt: skip
+def _units(
+    ends_ptr,
+    n_units,
+    rows,
+    cols,
+    n_row_blocks,
+    units_per_row,
+    scale_row_stride,
+    scale_col_stride,
+    UNIT_W: tl.constexpr,
+    W: tl.constexpr,
+    BU: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+):
     """This program's units: ``(start [BU], length [BU, 1], row [BU], col0, mask [BU], unit [BU],
     scale index [BU], chunks)``; ``col0``, the first column, is one for all units with
     ``_ROW_BLOCKS``, else ``[BU, 1]``; ``unit`` numbers the units in memory order; ``chunks``
@@ -218,9 +230,29 @@ def _chunk(start, length, umask, ch, W: tl.constexpr):
 
 
 @triton.jit
-def _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask, ch,
-             cols, rank, rank_out, W: tl.constexpr, WHITEN: tl.constexpr, FEEDBACK: tl.constexpr,
-             OUTPUT: tl.constexpr):  # fmt: skip
+def _chunk_u(
+    g_ptr,
+    dinv_ptr,
+    p_ptr,
+    qt_ptr,
+    e_ptr,
+    dout_ptr,
+    qo_ptr,
+    pre_ptr,
+    start,
+    length,
+    row,
+    col0,
+    umask,
+    ch,
+    cols,
+    rank,
+    rank_out,
+    W: tl.constexpr,
+    WHITEN: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    OUTPUT: tl.constexpr,
+):
     """Chunk ``ch`` of the units: ``(U, flat offsets, mask)``, ``[BU, W]`` each; with ``OUTPUT``
     ``U = T_outᵀ G T`` (module doc: ``pre_ptr`` holds ``Pre T``); with ``FEEDBACK``
     ``Ũ = U + e`` (the residual ``e`` at the same offsets)."""
@@ -260,7 +292,9 @@ def _shard_of(ends_ptr, n_shards, steps, k, mask):
 @triton.jit
 def _shard_delta(ends_ptr, delta_ptr, n_shards, steps, k, mask):
     """``delta[j]`` of the shard ``j`` holding source index ``k`` (``_shard_of``)."""
-    return tl.load(delta_ptr + tl.minimum(_shard_of(ends_ptr, n_shards, steps, k, mask), n_shards - 1), mask=mask, other=0)
+    return tl.load(
+        delta_ptr + tl.minimum(_shard_of(ends_ptr, n_shards, steps, k, mask), n_shards - 1), mask=mask, other=0
+    )
 
 
 @triton.jit
@@ -270,9 +304,22 @@ def _finite_amax(u, mask):
 
 
 @triton.jit
-def _store_codes(u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U: tl.constexpr,
-                 FEEDBACK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
-                 NO_INF: tl.constexpr):  # fmt: skip
+def _store_codes(
+    u,
+    flat,
+    mask,
+    s,
+    code_ptr,
+    code_shift,
+    u_ptr,
+    e_new_ptr,
+    STORE_U: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
+    NO_INF: tl.constexpr,
+):
     """The codes of ``u / s`` at ``code_ptr + code_shift + flat``; ``U`` at ``u_ptr + flat`` with
     ``STORE_U``; with ``FEEDBACK`` the new residual ``U - fp8⁻¹(code)·s`` at ``e_new_ptr + flat``."""
     y = tl.math.div_rn(u, tl.broadcast_to(s[:, None], u.shape))
@@ -286,18 +333,72 @@ def _store_codes(u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE
 
 @triton.jit
 def _encode_kernel(
-    g_ptr, ends_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr,
-    n_units, rows, cols, rank, rank_out, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-    code_ends_ptr, code_delta_ptr, code_shards, code_steps, code_at,
-    scale_out_ptr, scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, scale_at, e_ptr, e_new_ptr,
-    UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    WHITEN: tl.constexpr, OUTPUT: tl.constexpr, STORE_U: tl.constexpr, PASS: tl.constexpr, PLACE: tl.constexpr,
-    FEEDBACK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
-):  # fmt: skip
+    g_ptr,
+    ends_ptr,
+    dinv_ptr,
+    p_ptr,
+    qt_ptr,
+    dout_ptr,
+    qo_ptr,
+    pre_ptr,
+    u_ptr,
+    code_ptr,
+    scale_ptr,
+    amax_ptr,
+    n_units,
+    rows,
+    cols,
+    rank,
+    rank_out,
+    n_row_blocks,
+    units_per_row,
+    scale_row_stride,
+    scale_col_stride,
+    code_ends_ptr,
+    code_delta_ptr,
+    code_shards,
+    code_steps,
+    code_at,
+    scale_out_ptr,
+    scale_ends_ptr,
+    scale_delta_ptr,
+    scale_shards,
+    scale_steps,
+    scale_at,
+    e_ptr,
+    e_new_ptr,
+    UNIT_W: tl.constexpr,
+    W: tl.constexpr,
+    BU: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    WHITEN: tl.constexpr,
+    OUTPUT: tl.constexpr,
+    STORE_U: tl.constexpr,
+    PASS: tl.constexpr,
+    PLACE: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
+    NO_INF: tl.constexpr,
+    E8M0: tl.constexpr,
+):
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
-        ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-        UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
-    )  # fmt: skip
+        ends_ptr,
+        n_units,
+        rows,
+        cols,
+        n_row_blocks,
+        units_per_row,
+        scale_row_stride,
+        scale_col_stride,
+        UNIT_W,
+        W,
+        BU,
+        LAYOUT,
+        ONE_CHUNK,
+    )
     # Where the codes and the scale of each unit go: one table lookup per unit (a unit never
     # crosses a shard of the table); in place (codes at the flat offsets, scales at their index) without PLACE.
     code_shift = tl.zeros([BU, 1], tl.int64)
@@ -307,16 +408,56 @@ def _encode_kernel(
         code_shift = (code_at + _shard_delta(code_ends_ptr, code_delta_ptr, code_shards, code_steps, k, umask))[:, None]
         k = scale_at + scale_index
         scale_dest = k + _shard_delta(scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, k, umask)
-    u, flat, mask = _chunk_u(g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row,
-                             col0, umask, 0, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT)  # fmt: skip
+    u, flat, mask = _chunk_u(
+        g_ptr,
+        dinv_ptr,
+        p_ptr,
+        qt_ptr,
+        e_ptr,
+        dout_ptr,
+        qo_ptr,
+        pre_ptr,
+        start,
+        length,
+        row,
+        col0,
+        umask,
+        0,
+        cols,
+        rank,
+        rank_out,
+        W,
+        WHITEN,
+        FEEDBACK,
+        OUTPUT,
+    )
     if PASS != _ENCODE:
         amax = _finite_amax(u, mask)
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
-                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask,
-                    ch, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT,
-                )  # fmt: skip
+                    g_ptr,
+                    dinv_ptr,
+                    p_ptr,
+                    qt_ptr,
+                    e_ptr,
+                    dout_ptr,
+                    qo_ptr,
+                    pre_ptr,
+                    start,
+                    length,
+                    row,
+                    col0,
+                    umask,
+                    ch,
+                    cols,
+                    rank,
+                    rank_out,
+                    W,
+                    WHITEN,
+                    FEEDBACK,
+                    OUTPUT,
+                )
                 amax = tl.maximum(amax, _finite_amax(uc, mc))
     if PASS == _AMAX:
         tl.store(amax_ptr + unit, amax, mask=umask)
@@ -330,21 +471,56 @@ def _encode_kernel(
             if PLACE:
                 tl.store(scale_out_ptr + scale_dest, stored, mask=umask)
             s = _scale_value(stored, E8M0)
-        _store_codes(u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS, FMAX,
-                     NO_INF)  # fmt: skip
+        _store_codes(
+            u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS, FMAX, NO_INF
+        )
         if not ONE_CHUNK:
             for ch in range(1, n_chunks):
                 uc, fc, mc = _chunk_u(
-                    g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask,
-                    ch, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT,
-                )  # fmt: skip
-                _store_codes(uc, fc, mc, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS,
-                             FMAX, NO_INF)  # fmt: skip
+                    g_ptr,
+                    dinv_ptr,
+                    p_ptr,
+                    qt_ptr,
+                    e_ptr,
+                    dout_ptr,
+                    qo_ptr,
+                    pre_ptr,
+                    start,
+                    length,
+                    row,
+                    col0,
+                    umask,
+                    ch,
+                    cols,
+                    rank,
+                    rank_out,
+                    W,
+                    WHITEN,
+                    FEEDBACK,
+                    OUTPUT,
+                )
+                _store_codes(
+                    uc, fc, mc, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS, FMAX, NO_INF
+                )
 
 
 @triton.jit
-def _add_rows(acc, code_ptr, scale_ptr, k, code_stride, scale_stride, flat, scale_index, mask, umask,
-              MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr):  # fmt: skip
+def _add_rows(
+    acc,
+    code_ptr,
+    scale_ptr,
+    k,
+    code_stride,
+    scale_stride,
+    flat,
+    scale_index,
+    mask,
+    umask,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NO_INF: tl.constexpr,
+    E8M0: tl.constexpr,
+):
     """``acc + x_0 + x_1 + ...`` (left to right) over the ``k`` rows of one part,
     ``x_i = fp8⁻¹(code_i) · s_i``."""
     codes = code_ptr + flat
@@ -359,39 +535,139 @@ def _add_rows(acc, code_ptr, scale_ptr, k, code_stride, scale_stride, flat, scal
 
 @triton.jit
 def _decode_sum_kernel(
-    out_ptr, ends_ptr,
-    code0_ptr, scale0_ptr, k0, code_stride0, scale_stride0,
-    code1_ptr, scale1_ptr, k1, code_stride1, scale_stride1,
-    code2_ptr, scale2_ptr, k2, code_stride2, scale_stride2,
-    world, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-    AVERAGE: tl.constexpr, UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr,
+    out_ptr,
+    ends_ptr,
+    code0_ptr,
+    scale0_ptr,
+    k0,
+    code_stride0,
+    scale_stride0,
+    code1_ptr,
+    scale1_ptr,
+    k1,
+    code_stride1,
+    scale_stride1,
+    code2_ptr,
+    scale2_ptr,
+    k2,
+    code_stride2,
+    scale_stride2,
+    world,
+    n_units,
+    rows,
+    cols,
+    n_row_blocks,
+    units_per_row,
+    scale_row_stride,
+    scale_col_stride,
+    AVERAGE: tl.constexpr,
+    UNIT_W: tl.constexpr,
+    W: tl.constexpr,
+    BU: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NO_INF: tl.constexpr,
+    E8M0: tl.constexpr,
     BF16: tl.constexpr,
-):  # fmt: skip
+):
     """``out = Σ_i dec(code_i, s_i) [÷ world]`` (module doc) in ``out``'s dtype. Bytes (essential):
     reads every rank's codes (1 per element) and scales once, writes ``out`` once."""
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
-        ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-        UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
-    )  # fmt: skip
+        ends_ptr,
+        n_units,
+        rows,
+        cols,
+        n_row_blocks,
+        units_per_row,
+        scale_row_stride,
+        scale_col_stride,
+        UNIT_W,
+        W,
+        BU,
+        LAYOUT,
+        ONE_CHUNK,
+    )
     for ch in range(n_chunks):
         _, flat, mask = _chunk(start, length, umask, ch, W)
         acc = tl.full([BU, W], -0.0, tl.float32)
-        acc = _add_rows(acc, code0_ptr, scale0_ptr, k0, code_stride0, scale_stride0, flat, scale_index, mask, umask,
-                        MANT, BIAS, NO_INF, E8M0)
-        acc = _add_rows(acc, code1_ptr, scale1_ptr, k1, code_stride1, scale_stride1, flat, scale_index, mask, umask,
-                        MANT, BIAS, NO_INF, E8M0)
-        acc = _add_rows(acc, code2_ptr, scale2_ptr, k2, code_stride2, scale_stride2, flat, scale_index, mask, umask,
-                        MANT, BIAS, NO_INF, E8M0)
+        acc = _add_rows(
+            acc,
+            code0_ptr,
+            scale0_ptr,
+            k0,
+            code_stride0,
+            scale_stride0,
+            flat,
+            scale_index,
+            mask,
+            umask,
+            MANT,
+            BIAS,
+            NO_INF,
+            E8M0,
+        )
+        acc = _add_rows(
+            acc,
+            code1_ptr,
+            scale1_ptr,
+            k1,
+            code_stride1,
+            scale_stride1,
+            flat,
+            scale_index,
+            mask,
+            umask,
+            MANT,
+            BIAS,
+            NO_INF,
+            E8M0,
+        )
+        acc = _add_rows(
+            acc,
+            code2_ptr,
+            scale2_ptr,
+            k2,
+            code_stride2,
+            scale_stride2,
+            flat,
+            scale_index,
+            mask,
+            umask,
+            MANT,
+            BIAS,
+            NO_INF,
+            E8M0,
+        )
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full(acc.shape, 1.0, tl.float32) * world)
         _store_as(out_ptr + flat, acc, mask, BF16)
 
 
 @triton.jit
-def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank, dout_ptr, qo_ptr, co_ptr, part_ptr,
-                    rank_out, SCALE_D: tl.constexpr, PROJECT: tl.constexpr, OUTPUT: tl.constexpr, BM: tl.constexpr,
-                    BK: tl.constexpr, BR: tl.constexpr, BO: tl.constexpr):  # fmt: skip
+def _project_kernel(
+    x_ptr,
+    d_ptr,
+    q_ptr,
+    coef_ptr,
+    out_ptr,
+    rows,
+    cols,
+    rank,
+    dout_ptr,
+    qo_ptr,
+    co_ptr,
+    part_ptr,
+    rank_out,
+    SCALE_D: tl.constexpr,
+    PROJECT: tl.constexpr,
+    OUTPUT: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+    BO: tl.constexpr,
+):
     """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``) where
     ``PROJECT``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the
     same read of ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
@@ -424,8 +700,9 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank, do
             x = x * tl.load(d_ptr + k, mask=kmask, other=0.0)[None, :]
         if OUTPUT:
             part = tl.dot(qot, x, input_precision="ieee")
-            tl.store(part_ptr + (pid * rank_out + o[:, None]) * cols + k[None, :], part,
-                     mask=omask[:, None] & kmask[None, :])  # fmt: skip
+            tl.store(
+                part_ptr + (pid * rank_out + o[:, None]) * cols + k[None, :], part, mask=omask[:, None] & kmask[None, :]
+            )
         if PROJECT:
             q = tl.load(q_ptr + k[:, None] * rank + j[None, :], mask=kmask[:, None] & jmask[None, :], other=0.0)
             acc = tl.dot(x, q, acc, input_precision="ieee")
@@ -437,8 +714,20 @@ def _project_kernel(x_ptr, d_ptr, q_ptr, coef_ptr, out_ptr, rows, cols, rank, do
 
 
 @triton.jit
-def _unwhiten_kernel(u_ptr, out_ptr, dsqrt_ptr, p_ptr, qt_ptr, rows, cols, rank, n_row_blocks,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+def _unwhiten_kernel(
+    u_ptr,
+    out_ptr,
+    dsqrt_ptr,
+    p_ptr,
+    qt_ptr,
+    rows,
+    cols,
+    rank,
+    n_row_blocks,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """``out = (S + P' Qᵀ) D^{1/2}`` of FP32 ``S`` (``u_ptr``), written in ``out``'s dtype (``out``
     may be ``S`` itself). Bytes: reads ``S`` (4 per element) and ``P'``, writes ``out``."""
     pid = tl.program_id(0)
@@ -474,7 +763,7 @@ class _Tiling:
     scale_strides: tuple[int, int]  # where unit (row, block) of the matrix codec finds its scale
 
     @classmethod
-    def of(cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False) -> "_Tiling":
+    def of(cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False) -> _Tiling:
         """``n_groups``: the number of ``lengths`` groups, None for the matrix codec's;
         ``row_blocks``: a program's units share their columns (for whitening's loads)."""
         per_group = cfg.scaling in (Scaling.BLOCK, Scaling.MX)
@@ -524,9 +813,27 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
     br = max(16, triton.next_power_of_2(rank))
     bk = max(16, min(64, 8192 // br))
     _project_kernel[(triton.cdiv(rows, 16),)](
-        x, d if d is not None else x, q, coef, out, rows, cols, rank, x, x, x, x, 0, SCALE_D=d is not None,
-        PROJECT=True, OUTPUT=False, BM=16, BK=bk, BR=br, BO=16,
-    )  # fmt: skip
+        x,
+        d if d is not None else x,
+        q,
+        coef,
+        out,
+        rows,
+        cols,
+        rank,
+        x,
+        x,
+        x,
+        x,
+        0,
+        SCALE_D=d is not None,
+        PROJECT=True,
+        OUTPUT=False,
+        BM=16,
+        BK=bk,
+        BR=br,
+        BO=16,
+    )
     return out
 
 
@@ -551,10 +858,27 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
     p = torch.empty(rows, rank, device=g.device) if project else g
     br = max(16, triton.next_power_of_2(rank))
     _project_kernel[(programs,)](
-        g, dinv, q, c, p, rows, cols, rank, output.d_inv_sqrt, output.q, output.c, part if r_out else g, r_out,
-        SCALE_D=whitening is not None, PROJECT=project, OUTPUT=True, BM=bm, BK=32, BR=br,
+        g,
+        dinv,
+        q,
+        c,
+        p,
+        rows,
+        cols,
+        rank,
+        output.d_inv_sqrt,
+        output.q,
+        output.c,
+        part if r_out else g,
+        r_out,
+        SCALE_D=whitening is not None,
+        PROJECT=project,
+        OUTPUT=True,
+        BM=bm,
+        BK=32,
+        BR=br,
         BO=max(16, triton.next_power_of_2(r_out)),
-    )  # fmt: skip
+    )
     pre = part.sum(0)
     if project and r_out:
         with ieee_fp32(g.device):
@@ -588,10 +912,15 @@ def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: 
 
 
 def whiten_encode(
-    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    g: torch.Tensor,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    into=None,
+    feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     output: OutputRows | None = None,
-) -> Encoded | None:  # fmt: skip
+) -> Encoded | None:
     """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR. Launches: ``G Q`` with
     whitening (with ``output``: ``sender_factors``' few), then one pass (BLOCK, ROW with ``lengths``)
     or two (the others, with a few small ops on the groups' maxima between them), whatever ``g``'s
@@ -616,18 +945,46 @@ def whiten_encode(
     def launch(pass_: tl.constexpr, scales: torch.Tensor, amax: torch.Tensor = g, fusion: bool = False) -> None:
         scales_table = _table(None if into is None else into.scales, scales)
         _encode_kernel[(tiling.programs,)](
-            g, ends, *transform[:3], *out_side[:3], u_out if out is not None else g, payload, scales, amax,
-            tiling.n_units, rows, cols, transform[3], out_side[3], *tiling.args(), *codes_table, *scales_table,
-            residual, new_residual, WHITEN=whitening is not None, OUTPUT=output is not None, STORE_U=out is not None,
-            PASS=pass_.value, PLACE=into is not None, FEEDBACK=feedback is not None, FMAX=cfg.fmt.max,
-            enable_fp_fusion=fusion and feedback is None, **tiling.constexprs(), **fmt_args,
-        )  # fmt: skip
+            g,
+            ends,
+            *transform[:3],
+            *out_side[:3],
+            u_out if out is not None else g,
+            payload,
+            scales,
+            amax,
+            tiling.n_units,
+            rows,
+            cols,
+            transform[3],
+            out_side[3],
+            *tiling.args(),
+            *codes_table,
+            *scales_table,
+            residual,
+            new_residual,
+            WHITEN=whitening is not None,
+            OUTPUT=output is not None,
+            STORE_U=out is not None,
+            PASS=pass_.value,
+            PLACE=into is not None,
+            FEEDBACK=feedback is not None,
+            FMAX=cfg.fmt.max,
+            enable_fp_fusion=fusion and feedback is None,
+            **tiling.constexprs(),
+            **fmt_args,
+        )
 
     # One pass where a unit's maximum is its group's and the scale FP32: BLOCK, or groups given by lengths.
     if cfg.scaling is Scaling.BLOCK or (n_groups is not None and cfg.scaling is not Scaling.MX):
         # Placed, the scales go straight to the buffer (the scales argument is then not read).
-        scales = into.scales.out if into is not None else torch.empty(tiling.n_units, dtype=cfg.scale_dtype(), device=g.device)
-        # FMA contraction only where U is computed once (and, with feedback, never: e' is rounded as the reference rounds it).
+        scales = (
+            into.scales.out
+            if into is not None
+            else torch.empty(tiling.n_units, dtype=cfg.scale_dtype(), device=g.device)
+        )
+        # FMA contraction only where U is computed once (and, with feedback, never: e' is
+        # rounded as the reference rounds it).
         launch(_ONE_PASS, scales, fusion=tiling.one_chunk)
     else:  # two passes, without FMA contraction so that both compute the same U bit for bit
         amax = torch.empty(tiling.n_units, device=g.device)
@@ -688,22 +1045,24 @@ def _encode_traffic(a: dict) -> tuple[int, int]:
     return read, written
 
 
-
 def _rows(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Parts as ``[k, m]`` tensors with inner stride 1 (rows strided); one tensor may be ``[k, ...]``."""
     parts = [t.reshape(t.shape[0], -1)] if isinstance(t, torch.Tensor) else list(t)
     return [p if p.stride(1) == 1 or p.numel() == 0 else p.contiguous() for p in parts]
 
 
-def outputs(rows: int, cols: int, whitening: LowRankWhitening | None, out: torch.Tensor | None,
-            device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def outputs(
+    rows: int, cols: int, whitening: LowRankWhitening | None, out: torch.Tensor | None, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum, out)`` of a decode: ``out`` (a new FP32 ``[rows, cols]`` when None; else a contiguous
     float tensor of ``rows·cols`` elements, viewed so) and where the FP32 sum goes: ``out`` itself,
     unless ``T⁻¹`` follows and ``out`` is narrower than FP32 (``P' = S Q`` needs ``S`` in FP32)."""
     if out is None:
         out = torch.empty(rows, cols, device=device)
     elif not out.is_contiguous() or out.numel() != rows * cols or out.dtype not in _READ_DTYPES:
-        raise ValueError(f"a decode writes a contiguous FP32/BF16/FP16 [{rows}, {cols}], got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"a decode writes a contiguous FP32/BF16/FP16 [{rows}, {cols}], got {out.dtype} {tuple(out.shape)}"
+        )
     out = out.view(rows, cols)
     narrow = whitening is not None and out.dtype != torch.float32
     return (torch.empty(rows, cols, device=device) if narrow else out), out
@@ -718,9 +1077,20 @@ def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | N
         n_rb = triton.cdiv(rows, block_r)
         dest, bf16 = store_arg(out)
         _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
-            s, dest, whitening.d_sqrt, p, whitening.q.T.contiguous(), rows, cols, whitening.rank, n_rb,
-            BLOCK_R=block_r, BLOCK_C=TILE, BF16=bf16, enable_fp_fusion=True,
-        )  # fmt: skip
+            s,
+            dest,
+            whitening.d_sqrt,
+            p,
+            whitening.q.T.contiguous(),
+            rows,
+            cols,
+            whitening.rank,
+            n_rb,
+            BLOCK_R=block_r,
+            BLOCK_C=TILE,
+            BF16=bf16,
+            enable_fp_fusion=True,
+        )
     return out
 
 
@@ -748,9 +1118,20 @@ def decode_sum_unwhiten(
     # No FMA contraction: each rank's value q·s is rounded before it is added, as in the reference.
     dest, bf16 = store_arg(acc)
     _decode_sum_kernel[(tiling.programs,)](
-        dest, _ends(lengths, acc), *part_args, world, tiling.n_units, rows, cols, *tiling.args(),
-        AVERAGE=average, BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
-    )  # fmt: skip
+        dest,
+        _ends(lengths, acc),
+        *part_args,
+        world,
+        tiling.n_units,
+        rows,
+        cols,
+        *tiling.args(),
+        AVERAGE=average,
+        BF16=bf16,
+        enable_fp_fusion=False,
+        **tiling.constexprs(),
+        **_fmt_args(cfg, "decode_sum_unwhiten"),
+    )
     return unwhiten(acc, out, whitening)
 
 
@@ -768,7 +1149,8 @@ def _unwhiten_traffic(a: dict) -> tuple[int, int]:
 
 
 def _project_traffic(a: dict) -> tuple[int, int]:
-    """``X`` once, ``Q`` (and ``D``) with ``PROJECT``, ``T_out``'s rows with ``OUTPUT``; ``P`` and the parts of ``Pre``."""
+    """``X`` once, ``Q`` (and ``D``) with ``PROJECT``, ``T_out``'s rows with ``OUTPUT``;
+    ``P`` and the parts of ``Pre``."""
     rows, cols, rank, r_out = a["rows"], a["cols"], a["rank"], a["rank_out"]
     read, written = rows * cols * a["x_ptr"].element_size() + (4 * cols if a["SCALE_D"] else 0), 0
     if a["PROJECT"]:

@@ -31,8 +31,25 @@ ROWS = 16  # rows of a program (sharing the loads of P's columns)
 
 
 @triton.jit
-def _output_inverse_kernel(w_ptr, out_ptr, dsqrt_ptr, q_ptr, cinv_ptr, p_ptr, n, e0, row0, col0, rows, cols, rank,
-                           n_row_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+def _output_inverse_kernel(
+    w_ptr,
+    out_ptr,
+    dsqrt_ptr,
+    q_ptr,
+    cinv_ptr,
+    p_ptr,
+    n,
+    e0,
+    row0,
+    col0,
+    rows,
+    cols,
+    rank,
+    n_row_blocks,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """A ``BLOCK_R x BLOCK_C`` tile of rows ``row0 + ...`` and columns ``col0 + ...`` of ``G`` (module
     doc), its elements inside ``[e0, e0 + n)`` read from ``W`` and written to ``out`` at ``e - e0``."""
     pid = tl.program_id(0)
@@ -49,8 +66,9 @@ def _output_inverse_kernel(w_ptr, out_ptr, dsqrt_ptr, q_ptr, cinv_ptr, p_ptr, n,
     _store_as(out_ptr + t, x * tl.load(dsqrt_ptr + i, mask=imask, other=0.0)[:, None], mask, BF16)
 
 
-def output_inverse(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor,
-                   out: torch.Tensor) -> None:  # fmt: skip
+def output_inverse(
+    w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor, out: torch.Tensor
+) -> None:
     """See ``kernels.output_inverse``: one launch (``values`` non-empty)."""
     n = values.numel()
     row0 = e0 // cols
@@ -60,9 +78,25 @@ def output_inverse(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int
     n_rb = triton.cdiv(rows, block_r)
     dest, bf16 = store_arg(out)
     _output_inverse_kernel[(n_rb * triton.cdiv(width, TILE),)](
-        values, dest, w.d_sqrt, w.q, w.c_inv, proj, n, e0, row0, col0, rows, cols, w.rank, n_rb, BLOCK_R=block_r,
-        BLOCK_C=TILE, BF16=bf16, enable_fp_fusion=True,
-    )  # fmt: skip
+        values,
+        dest,
+        w.d_sqrt,
+        w.q,
+        w.c_inv,
+        proj,
+        n,
+        e0,
+        row0,
+        col0,
+        rows,
+        cols,
+        w.rank,
+        n_rb,
+        BLOCK_R=block_r,
+        BLOCK_C=TILE,
+        BF16=bf16,
+        enable_fp_fusion=True,
+    )
 
 
 def _output_inverse_traffic(a: dict) -> tuple[int, int]:

@@ -3,12 +3,13 @@
 ``whiten_place`` writes ``X [rows, cols]`` (``G T`` where a whitening is given: ``U = X D^{-1/2} +
 P Qᵀ`` with ``P = X (D^{-1/2} Q) diag(c)`` from ``fused._project_kernel``; with an output side
 ``T_outᵀ X T = D_out^{-1/2} X D^{-1/2} + Q_out (Pre T) + P Qᵀ`` as ``fused``'s module doc has it, the
-small factors from ``fused.sender_factors``), cast to the buffer's dtype, straight into a buffer of messages: element ``k = at + i`` of the source goes to
-``k + delta[j]``, ``j`` the table's shard of ``k`` (``fused._shard_delta``, per element: a tile may
-cross a shard boundary anywhere). It serves the float intra-node wire of the two-level exchange
-(BF16/FP32 ``U``) and the plain values (``off``: a copy in the bucket's dtype, ``bf16``: a cast).
-The cast is the hardware's round-to-nearest-even, as torch's ``.to``; without whitening the values
-are read and cast as they are, so the result is bit for bit the reference's.
+small factors from ``fused.sender_factors``), cast to the buffer's dtype, straight into a buffer of
+messages: element ``k = at + i`` of the source goes to ``k + delta[j]``, ``j`` the table's shard of
+``k`` (``fused._shard_delta``, per element: a tile may cross a shard boundary anywhere). It serves
+the float intra-node wire of the two-level exchange (BF16/FP32 ``U``) and the plain values (``off``:
+a copy in the bucket's dtype, ``bf16``: a cast). The cast is the hardware's round-to-nearest-even, as
+torch's ``.to``; without whitening the values are read and cast as they are, so the result is bit for
+bit the reference's.
 """
 
 from __future__ import annotations
@@ -40,11 +41,33 @@ def _bf16(x):
 
 
 @triton.jit
-def _place_kernel(x_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, out_ptr, ends_ptr, delta_ptr, shards,
-                  steps, at, rows, cols, rank, rank_out, n_row_blocks, WHITEN: tl.constexpr, OUTPUT: tl.constexpr,
-                  CAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (``U`` with ``WHITEN``, ``T_outᵀ X T`` with ``OUTPUT``) at its placed positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or
-    in BF16 (``_bf16``)."""
+def _place_kernel(
+    x_ptr,
+    dinv_ptr,
+    p_ptr,
+    qt_ptr,
+    dout_ptr,
+    qo_ptr,
+    pre_ptr,
+    out_ptr,
+    ends_ptr,
+    delta_ptr,
+    shards,
+    steps,
+    at,
+    rows,
+    cols,
+    rank,
+    rank_out,
+    n_row_blocks,
+    WHITEN: tl.constexpr,
+    OUTPUT: tl.constexpr,
+    CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (``U`` with ``WHITEN``, ``T_outᵀ X T`` with ``OUTPUT``) at its placed
+    positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or in BF16 (``_bf16``)."""
     pid = tl.program_id(0)
     r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid // n_row_blocks).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -92,17 +115,50 @@ def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, outp
     cast = _cast(torch.float32 if mapped else x.dtype, into.out.dtype)
     if not mapped:
         _place_kernel[(triton.cdiv(x.numel(), FLAT_TILE),)](
-            x, x, x, x, x, x, x, *place, 1, x.numel(), 0, 0, 1, WHITEN=False, OUTPUT=False, CAST=cast, BLOCK_R=1,
+            x,
+            x,
+            x,
+            x,
+            x,
+            x,
+            x,
+            *place,
+            1,
+            x.numel(),
+            0,
+            0,
+            1,
+            WHITEN=False,
+            OUTPUT=False,
+            CAST=cast,
+            BLOCK_R=1,
             BLOCK_C=FLAT_TILE,
-        )  # fmt: skip
+        )
         return
     (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output)
     block_r = min(ROWS, triton.next_power_of_2(rows))
     n_rb = triton.cdiv(rows, block_r)
     _place_kernel[(n_rb * triton.cdiv(cols, TILE),)](
-        x, dinv, p, qt, dout, qo, pre, *place, rows, cols, rank, rank_out, n_rb, WHITEN=whitening is not None,
-        OUTPUT=output is not None, CAST=cast, BLOCK_R=block_r, BLOCK_C=TILE, enable_fp_fusion=True,
-    )  # fmt: skip
+        x,
+        dinv,
+        p,
+        qt,
+        dout,
+        qo,
+        pre,
+        *place,
+        rows,
+        cols,
+        rank,
+        rank_out,
+        n_rb,
+        WHITEN=whitening is not None,
+        OUTPUT=output is not None,
+        CAST=cast,
+        BLOCK_R=block_r,
+        BLOCK_C=TILE,
+        enable_fp_fusion=True,
+    )
 
 
 def _place_traffic(a: dict) -> tuple[int, int]:

@@ -28,8 +28,21 @@ import triton.language as tl
 from ..numerics.fp8 import CodecConfig
 from ..numerics.whitening import LowRankWhitening
 from .fused import (
-    _add_rows, _chunk, _ends, _fmt_args, _rows, _shard_delta, _shard_of, _store_as, _table, _Tiling, _units, outputs, store_arg, unwhiten,
-)  # fmt: skip
+    _add_rows,
+    _chunk,
+    _ends,
+    _fmt_args,
+    _rows,
+    _shard_delta,
+    _shard_of,
+    _store_as,
+    _table,
+    _Tiling,
+    _units,
+    outputs,
+    store_arg,
+    unwhiten,
+)
 
 BLOCK = 1024  # elements of a program of _sum_kernel
 # Where _sum_kernel's table applies: nowhere, to the reads (one message), to the writes.
@@ -38,27 +51,63 @@ _PLAIN, _READ, _WRITE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 @triton.jit
 def _decode_placed_kernel(
-    out_ptr, ends_ptr, code_ptr, scale_ptr, table_ptr, code_delta_ptr, scale_delta_ptr, n_table, steps,
-    seq_at, group_at, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-    UNIT_W: tl.constexpr, W: tl.constexpr, BU: tl.constexpr, LAYOUT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, NO_INF: tl.constexpr, E8M0: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    ends_ptr,
+    code_ptr,
+    scale_ptr,
+    table_ptr,
+    code_delta_ptr,
+    scale_delta_ptr,
+    n_table,
+    steps,
+    seq_at,
+    group_at,
+    n_units,
+    rows,
+    cols,
+    n_row_blocks,
+    units_per_row,
+    scale_row_stride,
+    scale_col_stride,
+    UNIT_W: tl.constexpr,
+    W: tl.constexpr,
+    BU: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NO_INF: tl.constexpr,
+    E8M0: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """``out = dec(codes, scales)`` of ``[rows, cols]`` whose element ``i`` is sequence element
     ``seq_at + i`` and whose group ``u`` is group ``group_at + u``, each read at its table position
     (the shard found once per unit). Bytes: reads the codes (1 per element) and the scales once,
     the table per unit (cached); writes ``out``."""
     start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
-        ends_ptr, n_units, rows, cols, n_row_blocks, units_per_row, scale_row_stride, scale_col_stride,
-        UNIT_W, W, BU, LAYOUT, ONE_CHUNK,
-    )  # fmt: skip
+        ends_ptr,
+        n_units,
+        rows,
+        cols,
+        n_row_blocks,
+        units_per_row,
+        scale_row_stride,
+        scale_col_stride,
+        UNIT_W,
+        W,
+        BU,
+        LAYOUT,
+        ONE_CHUNK,
+    )
     j = _shard_of(table_ptr, n_table, steps, seq_at + start, umask)
     code_shift = (seq_at + tl.load(code_delta_ptr + j, mask=umask, other=0))[:, None]
     scale_at = group_at + scale_index + tl.load(scale_delta_ptr + j, mask=umask, other=0)
     for ch in range(n_chunks):
         _, flat, mask = _chunk(start, length, umask, ch, W)
         acc = tl.full([BU, W], -0.0, tl.float32)
-        acc = _add_rows(acc, code_ptr, scale_ptr, 1, 0, 0, flat + code_shift, scale_at, mask, umask,
-                        MANT, BIAS, NO_INF, E8M0)  # fmt: skip
+        acc = _add_rows(
+            acc, code_ptr, scale_ptr, 1, 0, 0, flat + code_shift, scale_at, mask, umask, MANT, BIAS, NO_INF, E8M0
+        )
         _store_as(out_ptr + flat, acc, mask, BF16)
 
 
@@ -74,10 +123,28 @@ def _add_values(acc, x_ptr, k, stride, offs, mask):
 
 @triton.jit
 def _sum_kernel(
-    out_ptr, x0_ptr, k0, stride0, x1_ptr, k1, stride1, x2_ptr, k2, stride2,
-    table_ptr, delta_ptr, n_table, steps, seq_at, n, world,
-    AVERAGE: tl.constexpr, PLACE: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    x0_ptr,
+    k0,
+    stride0,
+    x1_ptr,
+    k1,
+    stride1,
+    x2_ptr,
+    k2,
+    stride2,
+    table_ptr,
+    delta_ptr,
+    n_table,
+    steps,
+    seq_at,
+    n,
+    world,
+    AVERAGE: tl.constexpr,
+    PLACE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """``out = Σ_i x_i`` (``÷ world`` when ``AVERAGE``) over the rows of three parts, FP32 in row
     order; with ``PLACE``, the reads (``_READ``: one row) or the writes (``_WRITE``) of element ``i``
     at the table position of sequence element ``seq_at + i``. Bytes: reads every row once (its
@@ -102,8 +169,15 @@ def _sum_kernel(
     _store_as(out_ptr + dst, acc, mask, BF16)
 
 
-def decode_placed(src, rows: int, cols: int, whitening: LowRankWhitening | None, cfg: CodecConfig,
-                  lengths: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def decode_placed(
+    src,
+    rows: int,
+    cols: int,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    lengths: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
     """See ``kernels.decode_placed``: one launch (+ a cumsum with ``lengths``, + two with whitening).
     The scales' table is read at the codes' shard (a group lies in one shard)."""
     tiling = _Tiling.of(cfg, rows, cols, None if lengths is None else lengths.numel())
@@ -111,10 +185,26 @@ def decode_placed(src, rows: int, cols: int, whitening: LowRankWhitening | None,
     acc, out = outputs(rows, cols, whitening, out, codes.device)
     dest, bf16 = store_arg(acc)
     _decode_placed_kernel[(tiling.programs,)](
-        dest, _ends(lengths, acc), codes, src.scales.out, ends, code_delta, src.scales.table.delta,
-        shards, steps, seq_at, src.scales.at, tiling.n_units, rows, cols, *tiling.args(),
-        BF16=bf16, enable_fp_fusion=False, **tiling.constexprs(), **_fmt_args(cfg, "decode_sum_unwhiten"),
-    )  # fmt: skip
+        dest,
+        _ends(lengths, acc),
+        codes,
+        src.scales.out,
+        ends,
+        code_delta,
+        src.scales.table.delta,
+        shards,
+        steps,
+        seq_at,
+        src.scales.at,
+        tiling.n_units,
+        rows,
+        cols,
+        *tiling.args(),
+        BF16=bf16,
+        enable_fp_fusion=False,
+        **tiling.constexprs(),
+        **_fmt_args(cfg, "decode_sum_unwhiten"),
+    )
     return unwhiten(acc, out, whitening)
 
 
@@ -145,15 +235,29 @@ def _launch_sum(out, parts, place, n, average, mode) -> None:
     world = sum(p.shape[0] for p in parts)
     dest, bf16 = store_arg(out)
     _sum_kernel[(triton.cdiv(n, BLOCK),)](
-        dest, *part_args, ends, delta, shards, steps, at, n, world, AVERAGE=average, PLACE=mode.value, BLOCK=BLOCK,
+        dest,
+        *part_args,
+        ends,
+        delta,
+        shards,
+        steps,
+        at,
+        n,
+        world,
+        AVERAGE=average,
+        PLACE=mode.value,
+        BLOCK=BLOCK,
         BF16=bf16,
-    )  # fmt: skip
+    )
 
 
 def _decode_placed_traffic(a: dict) -> tuple[int, int]:
     n, groups = a["rows"] * a["cols"], a["LAYOUT"] == 2
-    scales = a["n_units"] if groups else {(0, 0): 1, (1, 0): a["rows"]}.get(
-        (a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])  # fmt: skip
+    scales = (
+        a["n_units"]
+        if groups
+        else {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
+    )
     read = n * a["code_ptr"].element_size() + scales * a["scale_ptr"].element_size()
     read += (a["ends_ptr"].element_size() * a["n_units"] if groups else 0) + 16 * a["n_table"]
     return read, n * a["out_ptr"].element_size()

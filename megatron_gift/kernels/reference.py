@@ -32,7 +32,7 @@ def ordered_sum(parts: Parts) -> torch.Tensor:
     One op per part, whatever the number of rows (and the same ops whichever parts are empty): on
     the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
     ``cumsum`` along dim 0 runs a sequential loop per column in FP32 (ScanUtils.cuh,
-    ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/test_kernels.py`` holds
+    ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/unit/test_kernels.py`` holds
     both to a Python loop, bit for bit."""
     first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
     acc = parts[first][:1].clone()
@@ -73,10 +73,15 @@ def sender_values(g: torch.Tensor, whitening: LowRankWhitening | None, output: O
 
 
 def reference_whiten_encode(
-    g: torch.Tensor, whitening: LowRankWhitening | None, cfg: CodecConfig, out: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None, into=None, feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
+    g: torch.Tensor,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    into=None,
+    feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     output: OutputRows | None = None,
-) -> Encoded | None:  # fmt: skip
+) -> Encoded | None:
     """``fp8.encode(G T)`` (``G`` when ``whitening`` is None; ``T_outᵀ G T`` with ``output``:
     ``sender_values``) of ``g [rows, cols]``; ``out``, when
     given, receives the encoded values in FP32. ``lengths``: the scaling groups in memory order
@@ -98,12 +103,15 @@ def reference_whiten_encode(
         _write(into.codes, enc.payload)
         _write(into.scales, enc.scales)
         return None
-    return Encoded(payload=enc.payload.view(g.shape),
-                   scales=enc.scales if lengths is not None else enc.scales.view(cfg.groups(rows, cols)))  # fmt: skip
+    return Encoded(
+        payload=enc.payload.view(g.shape),
+        scales=enc.scales if lengths is not None else enc.scales.view(cfg.groups(rows, cols)),
+    )
 
 
-def reference_whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into,
-                           output: OutputRows | None = None) -> None:  # fmt: skip
+def reference_whiten_place(
+    x: torch.Tensor, whitening: LowRankWhitening | None, into, output: OutputRows | None = None
+) -> None:
     """``kernels.whiten_place``: ``x T`` (FP32, ``T_outᵀ x T`` with ``output``: ``sender_values``; ``x``
     where neither is given) in ``into.out``'s dtype, ``index_copy_`` at the table's positions of
     ``[at, at + numel)``."""
@@ -122,9 +130,10 @@ def reference_decode_sum_unwhiten(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(Σ_i dec(payloads[i], scales[i]) [÷ R]) T⁻¹`` as FP32 ``[rows, cols]`` from ``R`` ranks'
-    messages: ``payloads [R, rows·cols]`` codes (``cfg.fmt.code_dtype``), ``scales [R, groups]`` as ``fp8.encode`` made them
-    (or as ``lengths`` groups them), each possibly given as parts (module doc); the rank sum is
-    ``ordered_sum``'s. With ``out`` (``rows·cols`` elements, contiguous), cast into it and returned."""
+    messages: ``payloads [R, rows·cols]`` codes (``cfg.fmt.code_dtype``), ``scales [R, groups]`` as
+    ``fp8.encode`` made them (or as ``lengths`` groups them), each possibly given as parts (module
+    doc); the rank sum is ``ordered_sum``'s. With ``out`` (``rows·cols`` elements, contiguous), cast
+    into it and returned."""
     if lengths is None:
         lengths = group_lengths(rows, cols, cfg, device=_as_parts(payloads)[0].device)
     decoded = [decode_rows(p, s, lengths, cfg) for p, s in zip(_as_parts(payloads), _as_parts(scales))]
@@ -136,8 +145,15 @@ def reference_decode_sum_unwhiten(
     return acc if out is None else out.view(rows, cols).copy_(acc)
 
 
-def reference_decode_placed(src, rows: int, cols: int, whitening: LowRankWhitening | None, cfg: CodecConfig,
-                            lengths: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def reference_decode_placed(
+    src,
+    rows: int,
+    cols: int,
+    whitening: LowRankWhitening | None,
+    cfg: CodecConfig,
+    lengths: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``kernels.decode_placed`` by ``index_select`` at the tables' ``index`` (an int64 index per element)."""
     if lengths is None:
         lengths = group_lengths(rows, cols, cfg, device=src.codes.out.device)
@@ -160,4 +176,3 @@ def reference_sum_rows(parts: Parts, average: bool, out=None) -> torch.Tensor | 
 def reference_take(src, out: torch.Tensor) -> torch.Tensor:
     """``kernels.take`` by ``index_select`` at the table's ``index``."""
     return out.copy_(_read(src, out.numel()))
-

@@ -9,33 +9,34 @@ per bucket on the DDP's ``comm.schedule.ReductionQueue`` (``comm.QuantizedReduce
 ``comm.hierarchical.TwoLevelReduce`` where the data-parallel group spans several nodes with several
 ranks each) instead of NCCL's reduce-scatter / all-reduce, wrapped in ``comm.output_side.OutputSide``
 where a GIFT parameter has an output side (``--gift-side both`` / ``auto``: ``T_outᵀ G T_in`` sent):
-its stages run on the plugin's side streams, in bucket order. That one override serves the overlapped backward-hook path, the
-synchronous path and the first batch; ``finish_grad_sync`` waits on the returned
-``_BucketGroupReduction`` (a device-side wait). With several distributed-optimizer instances each
-bucket's reduction ends with the FP32 all-reduce of its shard across the instances
+its stages run on the plugin's side streams, in bucket order. That one override serves the overlapped
+backward-hook path, the synchronous path and the first batch; ``finish_grad_sync`` waits on the
+returned ``_BucketGroupReduction`` (a device-side wait). With several distributed-optimizer instances
+each bucket's reduction ends with the FP32 all-reduce of its shard across the instances
 (``comm.instances``), and ``finish_grad_sync`` keeps Megatron's contract for that case in every
 state of the group (``GiftBucketGroup.finish_grad_sync``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from ..comm.hierarchical import TwoLevelReduce
-from ..comm.layout import BucketLayout, Segment
 from ..comm.instances import AcrossInstances
+from ..comm.layout import BucketLayout, Segment
 from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
 from ..config import GiftConfig, Mode
-from ..numerics.error_feedback import ErrorFeedback
 from ..numerics import two_sided
+from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.whitening import LowRankWhitening
 from ..state import GiftParam, GiftState
 
@@ -98,9 +99,9 @@ class ReductionContext:
 
     config: GiftConfig
     state: GiftState
-    monitor: "Monitor"
+    monitor: Monitor
     queue: ReductionQueue
-    at_sync: Callable[["GiftBucketGroup"], None]
+    at_sync: Callable[[GiftBucketGroup], None]
 
 
 class GiftBucketGroup(_ParamAndGradBucketGroup):
@@ -120,11 +121,15 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         use_rs = self.ddp_config.use_distributed_optimizer and not force_all_reduce
         group = reduction_group(self)
         refs = ctx.monitor.before_reduce(self.gift_buckets, group, ctx.state.step)
-        flights = [ctx.queue.start(self._across_instances(self._reduction(b, all_reduce=not use_rs), b))
-                   for b in self.gift_buckets]  # fmt: skip
+        flights = [
+            ctx.queue.start(self._across_instances(self._reduction(b, all_reduce=not use_rs), b))
+            for b in self.gift_buckets
+        ]
         after = None
         if refs is not None:
-            after = lambda: ctx.monitor.after_reduce(self.gift_buckets, group, refs, self.ddp_config.average_in_collective)  # noqa: E731
+            after = lambda: ctx.monitor.after_reduce(
+                self.gift_buckets, group, refs, self.ddp_config.average_in_collective
+            )  # noqa: E731
         handle = _BucketGroupReduction(ctx.queue, flights, after)
         # a group started after this iteration's finish_grad_sync (several instances: Megatron's
         # returns before the group starts) has nothing left to wait for it: it completes now
@@ -140,13 +145,25 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         output side (``--gift-side both`` / ``auto``)."""
         transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
         ctx, groups = self.gift_context, self.gift_groups
-        common = dict(average=self.ddp_config.average_in_collective, all_reduce=all_reduce, ledger=ctx.state.ledger,
-                      nonfinite=ctx.state.nonfinite, kernels=ctx.config.kernels)  # fmt: skip
+        common = dict(
+            average=self.ddp_config.average_in_collective,
+            all_reduce=all_reduce,
+            ledger=ctx.state.ledger,
+            nonfinite=ctx.state.nonfinite,
+            kernels=ctx.config.kernels,
+        )
         if groups.intra is not None and b.error_feedback is None:
             inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.intra_node, **common)
         else:
-            inner = QuantizedReduce(b.grad, b.layout, groups.group, transforms, error_feedback=b.error_feedback,
-                                    topology=groups.topology, **common)  # fmt: skip
+            inner = QuantizedReduce(
+                b.grad,
+                b.layout,
+                groups.group,
+                transforms,
+                error_feedback=b.error_feedback,
+                topology=groups.topology,
+                **common,
+            )
         outputs = [output_side(p) if p is not None and p.mode is Mode.GIFT else None for p in b.params]
         if any(w is not None for w in outputs):
             return OutputSide(inner, outputs, ctx.state.ledger)
@@ -179,8 +196,13 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             return reduction
         size = b.grad.numel() // self.intra_distributed_optimizer_instance_size
         r = self.intra_distributed_optimizer_instance_rank
-        return AcrossInstances(reduction, b.grad[r * size : (r + 1) * size], self.inter_distributed_optimizer_instance_group,
-                               self.ddp_config.average_in_collective, self.gift_context.state.ledger)  # fmt: skip
+        return AcrossInstances(
+            reduction,
+            b.grad[r * size : (r + 1) * size],
+            self.inter_distributed_optimizer_instance_group,
+            self.ddp_config.average_in_collective,
+            self.gift_context.state.ledger,
+        )
 
     def _prepare_grads(self) -> None:
         """Megatron's pre-collective steps: extra main-grad copies, NaN check, gradient scaling."""

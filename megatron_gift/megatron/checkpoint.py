@@ -64,21 +64,27 @@ def layout() -> dict:
     }
 
 
-def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "local", "residuals"), state: dict | None = None) -> dict:
+def sharded_objects(
+    ddp, chunk: int, parts=("dense", "expert", "local", "residuals"), state: dict | None = None
+) -> dict:
     """``{key: ShardedObject}`` of one model chunk's GIFT state (``data=None`` to describe a load)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     where = {
-        "dense": ((pp, ps.get_tensor_model_parallel_world_size(), 1),
-                  (pp_rank, ps.get_tensor_model_parallel_rank(), 0),
-                  ps.get_data_parallel_rank(with_context_parallel=True)),
-        "expert": ((pp, ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_world_size()),
-                   (pp_rank, ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank()),
-                   ps.get_expert_data_parallel_rank()),
+        "dense": (
+            (pp, ps.get_tensor_model_parallel_world_size(), 1),
+            (pp_rank, ps.get_tensor_model_parallel_rank(), 0),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+        ),
+        "expert": (
+            (pp, ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_world_size()),
+            (pp_rank, ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank()),
+            ps.get_expert_data_parallel_rank(),
+        ),
         "residuals": ((dist.get_world_size(),), (dist.get_rank(),), 0),
-    }  # fmt: skip
+    }
     where["local"] = where["residuals"]
     data = split_state(ddp, state) if state is not None else {}
     out = {}
@@ -98,8 +104,12 @@ def sharded_objects(ddp, chunk: int, parts=("dense", "expert", "local", "residua
 def split_state(ddp, state: dict) -> dict:
     """``gift_state_dict()`` output split into the dense, expert and per-rank (statistics, residual) parts."""
     expert = {gp.name for gp in ddp.gift_params.values() if gp.expert}
-    parts = {"dense": {"step": state["step"], "params": {}}, "expert": {"step": state["step"], "params": {}}, "local": {},
-             "residuals": {}}  # fmt: skip
+    parts = {
+        "dense": {"step": state["step"], "params": {}},
+        "expert": {"step": state["step"], "params": {}},
+        "local": {},
+        "residuals": {},
+    }
     for part in ("dense", "expert"):  # decisions are keyed by parameter name: each part keeps all
         if "policy" in state:
             parts[part]["policy"] = state["policy"]
@@ -121,7 +131,9 @@ def merge_state(loaded: dict) -> dict:
     for part in ("dense", "expert"):
         if part in loaded:
             state["step"] = loaded[part]["step"]
-            state["params"].update({name: dict(entry) for name, entry in loaded[part]["params"].items()})  # not in place
+            state["params"].update(
+                {name: dict(entry) for name, entry in loaded[part]["params"].items()}
+            )  # not in place
             if "policy" in loaded[part]:
                 state["policy"] = loaded[part]["policy"]
     for key, part in (("residual", "residuals"), ("stats", "local")):
@@ -187,18 +199,29 @@ class _Hooks:
             return ()
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             version = meta.get("version") if isinstance(meta, dict) else meta
-            _log("the checkpoint's GIFT state has format version %r, this megatron-gift reads version %d: "
-                 "starting it fresh", version, VERSION)  # fmt: skip
+            _log(
+                "the checkpoint's GIFT state has format version %r, this megatron-gift reads version %d: "
+                "starting it fresh",
+                version,
+                VERSION,
+            )
             return ()
         changed = [k for k in ("tp", "pp", "ep", "etp") if meta.get(k) != now[k]]
         if changed:
-            _log("the checkpoint's GIFT state was written with another layout (%s); starting it fresh",
-                 ", ".join(f"{k} {meta.get(k)} -> {now[k]}" for k in changed))  # fmt: skip
+            _log(
+                "the checkpoint's GIFT state was written with another layout (%s); starting it fresh",
+                ", ".join(f"{k} {meta.get(k)} -> {now[k]}" for k in changed),
+            )
             return ()
         if meta["world"] != now["world"]:
-            _log("the checkpoint was written by %d ranks (data-parallel %d), this run has %d (data-parallel %d): "
-                 "GIFT transforms restored; K-FAC statistics and error-feedback residuals (per rank) start afresh",
-                 meta["world"], meta["dp"], now["world"], now["dp"])  # fmt: skip
+            _log(
+                "the checkpoint was written by %d ranks (data-parallel %d), this run has %d (data-parallel %d): "
+                "GIFT transforms restored; K-FAC statistics and error-feedback residuals (per rank) start afresh",
+                meta["world"],
+                meta["dp"],
+                now["world"],
+                now["dp"],
+            )
             return ("dense", "expert")
         return ("dense", "expert", "local", "residuals")
 
@@ -217,7 +240,11 @@ class _Hooks:
                 return result
             resume_local = self.meta is not None and self.meta["world"] == dist.get_world_size()
             for i, ddp in enumerate(chunks):
-                loaded = {key.rsplit(".", 1)[1]: state_dict.pop(key) for key in list(state_dict) if key.startswith(f"{STATE_KEY}.chunk{i}.")}
+                loaded = {
+                    key.rsplit(".", 1)[1]: state_dict.pop(key)
+                    for key in list(state_dict)
+                    if key.startswith(f"{STATE_KEY}.chunk{i}.")
+                }
                 if ddp is not None and loaded and restore(ddp, loaded, resume_local):
                     _log("GIFT state restored (step %d)", ddp.step)
             state_dict.pop(META_KEY, None)
@@ -233,8 +260,11 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
     fresh = ddp.gift_state_dict()
     reason = misfit(ddp, loaded, local)
     if reason is not None:
-        _log("the checkpoint's GIFT state does not fit this run (%s): statistics, transforms and error feedback "
-             "start fresh", reason)  # fmt: skip
+        _log(
+            "the checkpoint's GIFT state does not fit this run (%s): statistics, transforms and error feedback "
+            "start fresh",
+            reason,
+        )
         return False
     try:
         ddp.load_gift_state_dict(merge_state(loaded), local=local)
@@ -246,8 +276,12 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
                 gp.factor = gp.whitening = None
             if "output_whitening" not in entry:
                 gp.out_factor = gp.output_whitening = None
-        _log("the checkpoint's GIFT state does not fit this run (%s: %s): statistics, transforms and error "
-             "feedback start fresh", type(e).__name__, e)  # fmt: skip
+        _log(
+            "the checkpoint's GIFT state does not fit this run (%s: %s): statistics, transforms and error "
+            "feedback start fresh",
+            type(e).__name__,
+            e,
+        )
         return False
     return True
 
@@ -268,8 +302,10 @@ def misfit(ddp, loaded: dict, local: bool = True) -> str | None:
         # each side's statistics and transform (the output side's: --gift-side both / auto, B under "out")
         saved = entry.get("stats") if local else None
         out = saved.get("out") if isinstance(saved, dict) else None
-        for stats, saved_stats, w, size, d in ((gp.stats, saved, entry.get("whitening"), "input", gp.stats.d_in),
-                                               (gp.out_stats, out, entry.get("output_whitening"), "output", p.shape[0])):  # fmt: skip
+        for stats, saved_stats, w, size, d in (
+            (gp.stats, saved, entry.get("whitening"), "input", gp.stats.d_in),
+            (gp.out_stats, out, entry.get("output_whitening"), "output", p.shape[0]),
+        ):
             reason = _side_misfit(gp.name, stats, saved_stats, w, size, d)
             if reason is not None:
                 return reason
@@ -285,11 +321,15 @@ def _side_misfit(name: str, stats, saved_stats, saved_whitening, size: str, d: i
         if key == "ema_sums" and not saved:
             continue  # saved before the first fold
         if saved.keys() != stats.sums.keys():
-            return f"{name}: saved statistics {sorted(saved)}, this run keeps {sorted(stats.sums)} (another --gift-sketch)"
+            return (
+                f"{name}: saved statistics {sorted(saved)}, this run keeps {sorted(stats.sums)} (another --gift-sketch)"
+            )
         for k, t in stats.sums.items():
             if tuple(saved[k].shape) != tuple(t.shape):
-                return (f"{name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
-                        f"{tuple(t.shape)} (another layer width or --gift-sketch)")  # fmt: skip
+                return (
+                    f"{name}: saved statistics {k} of shape {tuple(saved[k].shape)}, this run's is "
+                    f"{tuple(t.shape)} (another layer width or --gift-sketch)"
+                )
     w = saved_whitening or {}
     if w and ("q" not in w or any(w[k].shape[0] != d for k in ("q", "d_sqrt", "d_inv_sqrt") if k in w)):
         return f"{name}: saved transform for {size} size {w['q'].shape[0] if 'q' in w else '?'}, the layer has {d}"

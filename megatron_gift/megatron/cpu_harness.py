@@ -199,8 +199,11 @@ def install():
         _patch(torch.cuda, "synchronize", lambda device=None: None)  # pipeline p2p after send/recv
         _patch(CudaRNGStatesTracker, "add", _replacing(CudaRNGStatesTracker.add, _rng_add))
         _patch(CudaRNGStatesTracker, "fork", _replacing(CudaRNGStatesTracker.fork, _rng_fork))
-        _patch(tp_random, "_get_cuda_rng_state",
-               _replacing(tp_random._get_cuda_rng_state, lambda *a, **k: torch.empty(0, dtype=torch.uint8)))  # fmt: skip
+        _patch(
+            tp_random,
+            "_get_cuda_rng_state",
+            _replacing(tp_random._get_cuda_rng_state, lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
+        )
         _patch(tp_random, "_set_cuda_rng_state", _replacing(tp_random._set_cuda_rng_state, lambda *a, **k: None))
         _patch(tp_random.CheckpointFunction, "backward", staticmethod(_in_mode(tp_random.CheckpointFunction.backward)))
         _patch(tp_random.CheckpointWithoutOutput, "_recompute", _in_mode(tp_random.CheckpointWithoutOutput._recompute))
@@ -277,7 +280,8 @@ def install_for_training():
 
 
 TRAINING_FLAGS = (
-    "--distributed-backend", "gloo",
+    "--distributed-backend",
+    "gloo",
     "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion",
     "--no-masked-softmax-fusion",
@@ -286,9 +290,11 @@ TRAINING_FLAGS = (
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
     "--no-persist-layer-norm",
-    "--transformer-impl", "local",
-    "--rerun-mode", "disabled",  # its state saving reads torch.cuda.get_rng_state()
-)  # fmt: skip
+    "--transformer-impl",
+    "local",
+    "--rerun-mode",
+    "disabled",  # its state saving reads torch.cuda.get_rng_state()
+)
 """Megatron flags a CPU training run puts in front of its command line (later flags win)."""
 
 

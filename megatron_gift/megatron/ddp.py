@@ -13,14 +13,15 @@ add the statistics of their gradients during the backward (every micro-batch's, 
 forwards' included, once), folded when the step closes (the next ``zero_grad_buffer``, or a
 checkpoint): a refresh at step t uses ``B`` up to step t-1. ``B`` carries the loss's scale (a loss
 scale, ``1/num_microbatches``), which relative damping cancels while it is constant; a dynamic FP16
-loss scale weights the EMA's steps by theirs until the EMA forgets a change (~1/(1-ema) steps). On refresh steps that first sync also sums the local EMAs over the
-data-parallel group (FP32; by linearity the EMA of the global statistics) and starts each
-layer's build on its owner rank (the layers spread over the reduction group by record size); each
-bucket group's sync keeps the owner's local gradient for the damping choice (``--gift-damping
-auto``); ``finish_grad_sync`` and the close of the step finish the builds (on the statistics'
-device), one all-gather per reduction group sends every factor and ``T`` with the choice, and the
-next step's first sync installs them: every rank holds the owner's bits by construction
-(``refresh_sync.RefreshSync``: the stages and their host synchronisations).
+loss scale weights the EMA's steps by theirs until the EMA forgets a change (~1/(1-ema) steps). On
+refresh steps that first sync also sums the local EMAs over the data-parallel group (FP32; by
+linearity the EMA of the global statistics) and starts each layer's build on its owner rank (the
+layers spread over the reduction group by record size); each bucket group's sync keeps the owner's
+local gradient for the damping choice (``--gift-damping auto``); ``finish_grad_sync`` and the
+close of the step finish the builds (on the statistics' device), one all-gather per reduction
+group sends every factor and ``T`` with the choice, and the next step's first sync installs them:
+every rank holds the owner's bits by construction (``refresh_sync.RefreshSync``: the stages and
+their host synchronisations).
 
 Each converted bucket group gets its ``GiftBucket`` records and one ``ReductionContext``
 (``bucket_group``); the DDP walks its converted groups' records, never a group's internals.
@@ -103,7 +104,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         modes = param_modes(named, self.gift_config)
         if not self.gift_config.loopback:  # a group of one sends nothing: keep Megatron's gradient, bit for bit
             modes = {n: modes[n] if self._reduction_size(p) > 1 else Mode.OFF for n, p in named}
-        self.monitor = Monitor(self.gift_config, self.set_mode, verbose=not dist.is_initialized() or dist.get_rank() == 0)
+        self.monitor = Monitor(
+            self.gift_config, self.set_mode, verbose=not dist.is_initialized() or dist.get_rank() == 0
+        )
         for i, (name, p) in enumerate(named):
             if modes[name] is not Mode.OFF:
                 candidate = modes[name] is Mode.GIFT
@@ -121,11 +124,18 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.param_gather_ledger = CommLedger()  # bytes of the delta parameter all-gather (not reset per step)
         if self.gift_config.param_gather is ParamGather.DELTA:
             cfg = self.gift_config
-            enable_delta_param_gather(self, cfg.param_gather_full_every, self.param_gather_ledger,
-                                      cfg.param_gather_check_every, cfg.kernels)  # fmt: skip
+            enable_delta_param_gather(
+                self, cfg.param_gather_full_every, self.param_gather_ledger, cfg.param_gather_check_every, cfg.kernels
+            )
         self.refresh.assign_owners(list(self._gift_layers()))
-        counts = {m.value: sum(1 for gp in self.gift_params.values() if gp.mode is m) for m in Mode if m is not Mode.OFF}
-        auto = f", {sum(gp.candidate for gp in self.gift_params.values())} chosen by measurement" if self.monitor.policy else ""
+        counts = {
+            m.value: sum(1 for gp in self.gift_params.values() if gp.mode is m) for m in Mode if m is not Mode.OFF
+        }
+        auto = (
+            f", {sum(gp.candidate for gp in self.gift_params.values())} chosen by measurement"
+            if self.monitor.policy
+            else ""
+        )
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
 
     # the state the training loop, the checkpoint hooks, tests and benchmarks read
@@ -205,16 +215,22 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange is Exchange.AUTO)):
             bg.gift_groups = placed
             if placed.intra is not None and cfg.error_feedback:
-                logger.info("megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)")
+                logger.info(
+                    "megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)"
+                )
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
         """The bucket's plan, checked once here (``BucketLayout.check``: the same refusal on every rank)."""
-        layout = BucketLayout(bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype)
+        layout = BucketLayout(
+            bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype
+        )
         layout.check(reduce_scatter=self.ddp_config.use_distributed_optimizer)
         return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
-        return ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
+        return (
+            ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
+        )
 
     def set_mode(self, gp: GiftParam, mode: Mode) -> None:
         """Send ``gp`` as ``mode`` from now on: re-plan its bucket; an error-feedback residual moves
@@ -226,7 +242,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         bucket_params = {id(p) for _, p in b.segments()}
         residuals = {id(p): view.clone() for view, p in self._residual_views() if id(p) in bucket_params}
         old, gp.mode = gp.mode, mode
-        segments = [dataclasses.replace(seg, mode=p.mode) if p is not None else seg for seg, p in zip(b.layout.segments, b.params)]
+        segments = [
+            dataclasses.replace(seg, mode=p.mode) if p is not None else seg
+            for seg, p in zip(b.layout.segments, b.params)
+        ]
         b.layout = self._layout(b.bucket, segments, b.layout.num_shards)
         b.error_feedback = self._error_feedback(b.layout, b.bucket)
         if ef is None:
@@ -265,7 +284,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             if weight_in is None:
                 continue
             gp.stats = KFACStatistics(
-                w.shape[1], ema=self.gift_config.ema, sketch=self.gift_config.sketch, seed=gp.sketch_seed, device=w.device
+                w.shape[1],
+                ema=self.gift_config.ema,
+                sketch=self.gift_config.sketch,
+                seed=gp.sketch_seed,
+                device=w.device,
             )
             gp.stats_groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
             column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
@@ -279,7 +302,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             if gp.candidate and gp.stats is None:
                 logger.warning(
                     "megatron-gift: %s is no linear layer's weight (whitening needs a floating-point input it "
-                    "multiplies, e.g. not an embedding's token ids); sending it Euclidean", gp.name
+                    "multiplies, e.g. not an embedding's token ids); sending it Euclidean",
+                    gp.name,
                 )
                 gp.mode, gp.candidate = Mode.EUCLIDEAN, False
         return hooks
@@ -303,7 +327,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         rank gets the same gradients. The sketch's seed is the input side's plus the number of
         parameters: distinct from every input seed, the same on every rank."""
         cfg = self.gift_config
-        gp.out_stats = KFACStatistics(w.shape[0], ema=cfg.ema, sketch=cfg.sketch, seed=n_params + gp.sketch_seed, device=w.device)
+        gp.out_stats = KFACStatistics(
+            w.shape[0], ema=cfg.ema, sketch=cfg.sketch, seed=n_params + gp.sketch_seed, device=w.device
+        )
         gp.out_stats_groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
         row_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 1
         scattered = getattr(mod, "sequence_parallel", False) and not getattr(mod, "explicit_expert_comm", False)
@@ -353,12 +379,19 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         return self.tp_group
 
     def _stat_hook(self, gp: GiftParam, weight_in):
-        """Adds ``weight_in(input)`` (``layer_inputs.weight_input``: what the weight multiplies) to ``gp``'s statistics."""
+        """Adds ``weight_in(input)`` (``layer_inputs.weight_input``: what the weight multiplies) to ``gp``'s
+        statistics."""
 
         def hook(module, args):
             # a forward inside a backward pass is activation recomputation: its micro-batch was counted
             recomputed = torch._C._current_graph_task_id() != -1
-            if self.gift_state.collect_statistics and module.training and not recomputed and args and isinstance(args[0], torch.Tensor):
+            if (
+                self.gift_state.collect_statistics
+                and module.training
+                and not recomputed
+                and args
+                and isinstance(args[0], torch.Tensor)
+            ):
                 with torch.no_grad():
                     gp.stats.accumulate(weight_in(args[0]))
 
@@ -464,7 +497,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.refresh.discard()
         missing = self.gift_state.load_state_dict(state, self._residual_views(), self._device(), local)
         if missing:
-            logger.warning("megatron-gift: no usable saved state for %d parameter(s), starting them fresh: %s", len(missing), missing)
+            logger.warning(
+                "megatron-gift: no usable saved state for %d parameter(s), starting them fresh: %s",
+                len(missing),
+                missing,
+            )
         return missing
 
     def _residual_views(self):

@@ -19,14 +19,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from .._compat import reduce_scatter as _reduce_scatter
 from ..comm.layout import wire_bytes
 from ..config import GiftConfig, Mode
 from ..numerics.profile import profile_gradient, summarize
 from ..policy import LayerPolicy
 from .bucket_group import output_side, sent_map
-
-# torch >= 2.10 renamed reduce_scatter_tensor; NGC containers may carry either.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Monitor:
@@ -69,7 +67,9 @@ class Monitor:
         vec = torch.stack(
             [
                 # the map the gradient is sent through; two-sided: no geometry (its model is input-side)
-                profile_gradient(x, self.cfg.codec, sent_map(gp), gp.factor if output_side(gp) is None else None, amax[k])
+                profile_gradient(
+                    x, self.cfg.codec, sent_map(gp), gp.factor if output_side(gp) is None else None, amax[k]
+                )
                 for k, (x, (_, _, gp)) in enumerate(zip(grads, entries))
             ]
         )
@@ -82,7 +82,15 @@ class Monitor:
                 d = self.policy.decide(gp.name, summary)
                 if d.changed:
                     change = f"iteration {step + 1}: {gp.name}: {d.previous.value} -> {d.mode.value} ({d.reason})"
-                    self.decisions.append({"step": step + 1, "param": gp.name, "from": d.previous.value, "to": d.mode.value, "reason": d.reason})
+                    self.decisions.append(
+                        {
+                            "step": step + 1,
+                            "param": gp.name,
+                            "from": d.previous.value,
+                            "to": d.mode.value,
+                            "reason": d.reason,
+                        }
+                    )
                     if self.verbose:
                         print(f"megatron-gift: {change}", flush=True)
                     self.set_mode(gp, d.mode)
@@ -121,7 +129,9 @@ class Monitor:
             return
         sums = torch.stack(rows)
         dist.all_reduce(sums, group=group)
-        for name, (err, ref_sq, dot, dec_sq) in zip(names, sums.tolist()):  # the logging step's host read of this bucket group
+        for name, (err, ref_sq, dot, dec_sq) in zip(
+            names, sums.tolist()
+        ):  # the logging step's host read of this bucket group
             rel = math.sqrt(err / ref_sq) if ref_sq > 0 else None
             cos = dot / math.sqrt(dec_sq * ref_sq) if dec_sq * ref_sq > 0 else None
             self.reduced[name] = (rel, cos)
@@ -151,7 +161,13 @@ class Monitor:
                     "profile": s,
                 }
             loss = None if self.loss is None else float(self.loss)
-            record = {"step": step + 1, "loss": loss, "bytes": dict(sent), "layers": layers, "decisions": self.decisions}
+            record = {
+                "step": step + 1,
+                "loss": loss,
+                "bytes": dict(sent),
+                "layers": layers,
+                "decisions": self.decisions,
+            }
             if self.sink is not None:
                 self.sink(step + 1, record)
         if record is not None or self.cfg.log_interval == 0:

@@ -50,13 +50,20 @@ def refuse_delta_param_gather(ddp_config) -> None:
     """``ValueError`` naming the flag when the DDP's configuration cannot take the delta gather."""
     flag = "--gift-param-gather delta"
     if not ddp_config.use_distributed_optimizer:
-        raise ValueError(f"{flag} codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer "
-                         "(use_distributed_optimizer=True) or use --gift-param-gather bf16")  # fmt: skip
-    for field, what in (("fp8_param_gather", "--fp8-param-gather"), ("fp4_param_gather", "--fp4-param-gather"),
-                        ("reuse_grad_buf_for_mxfp8_param_ag", "--reuse-grad-buf-for-mxfp8-param-ag"),
-                        ("use_megatron_fsdp", "--use-megatron-fsdp")):  # fmt: skip
+        raise ValueError(
+            f"{flag} codes the distributed optimizer's parameter all-gather: add --use-distributed-optimizer "
+            "(use_distributed_optimizer=True) or use --gift-param-gather bf16"
+        )
+    for field, what in (
+        ("fp8_param_gather", "--fp8-param-gather"),
+        ("fp4_param_gather", "--fp4-param-gather"),
+        ("reuse_grad_buf_for_mxfp8_param_ag", "--reuse-grad-buf-for-mxfp8-param-ag"),
+        ("use_megatron_fsdp", "--use-megatron-fsdp"),
+    ):
         if getattr(ddp_config, field, False):
-            raise ValueError(f"{flag} replaces the same parameter all-gather as {what} ({field}=True): drop one of them")
+            raise ValueError(
+                f"{flag} replaces the same parameter all-gather as {what} ({field}=True): drop one of them"
+            )
 
 
 class DeltaParamSync:
@@ -80,8 +87,11 @@ class DeltaParamSync:
         self.delta_update = step = self.delta_iteration()
         every = self.delta_check_every
         if every and step % every == 0 and self.delta.prev is not None and self.delta.replicas_differ():
-            logger.warning("megatron-gift: the parameter replicas of a bucket group differ (checksums over its "
-                           "data-parallel group, iteration %d): its next update is gathered in full", step)  # fmt: skip
+            logger.warning(
+                "megatron-gift: the parameter replicas of a bucket group differ (checksums over its "
+                "data-parallel group, iteration %d): its next update is gathered in full",
+                step,
+            )
             self.delta_force_full = True
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
@@ -100,7 +110,11 @@ class DeltaParamSync:
         assert self.param_gather_handle is None
         update, self.delta_update = self.delta_update, None
         every = self.delta_full_every
-        full = self.delta.prev is None or self.delta_force_full or bool(every and update is not None and update % every == 0)
+        full = (
+            self.delta.prev is None
+            or self.delta_force_full
+            or bool(every and update is not None and update % every == 0)
+        )
         self.delta_force_full = False
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         handle = self.delta.start(async_op, full=full)
@@ -121,7 +135,9 @@ def _delta_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def enable_delta_param_gather(ddp, full_every: int, ledger=None, check_every: int = 0, kernels: bool | None = None) -> int:
+def enable_delta_param_gather(
+    ddp, full_every: int, ledger=None, check_every: int = 0, kernels: bool | None = None
+) -> int:
     """Convert ``ddp``'s bucket groups (see the module doc); returns how many were converted.
 
     Groups of one rank send nothing (Megatron's gather is a copy there) and keep it, as do groups
@@ -140,11 +156,19 @@ def enable_delta_param_gather(ddp, full_every: int, ledger=None, check_every: in
         buffers = [b.param_data for b in bg.buckets]
         streams = streams or StageStreams(buffers[0].device)
         bg.delta = DeltaGather(buffers, group, ledger, streams, kernels)
-        bg.delta_full_every, bg.delta_update, bg.delta_check_every, bg.delta_force_full = full_every, None, check_every, False
+        bg.delta_full_every, bg.delta_update, bg.delta_check_every, bg.delta_force_full = (
+            full_every,
+            None,
+            check_every,
+            False,
+        )
         bg.delta_iteration = lambda: ddp.step
         bg.__class__ = _delta_class(type(bg))
         converted += 1
     if kept:
-        logger.info("megatron-gift: %d bucket group(s) keep Megatron's parameter all-gather (one rank, or no 16-bit "
-                    "parameters)", kept)  # fmt: skip
+        logger.info(
+            "megatron-gift: %d bucket group(s) keep Megatron's parameter all-gather (one rank, or no 16-bit "
+            "parameters)",
+            kept,
+        )
     return converted

@@ -1,17 +1,29 @@
-"""Numerics: the wire formats' table, FP8 codec, K-FAC statistics, whitening, geometry statistics, gradient profiles, error feedback.
+"""Numerics: the wire formats' table, FP8 codec, K-FAC statistics, whitening, geometry statistics, gradient profiles,
+error feedback.
 
 Pure tensor code: nothing here imports torch.distributed or Megatron.
 """
 
 from .error_feedback import ErrorFeedback
-from .fp8 import CodecConfig, CodecStats, Encoded, FP8Format, Scaling, decode, decode_flat, encode, encode_flat, roundtrip
+from .fp8 import (
+    CodecConfig,
+    CodecStats,
+    Encoded,
+    FP8Format,
+    Scaling,
+    decode,
+    decode_flat,
+    encode,
+    encode_flat,
+    roundtrip,
+)
 from .geometry import GeometryStats, geometry_stats, shares_ratio
 from .kfac import KFACStatistics
 from .profile import FIELDS as PROFILE_FIELDS
 from .profile import ProfileSummary, profile_gradient, summarize
 from .two_sided import TwoSidedWhitening
-from .wire import WireFormat
 from .whitening import LowRankFactor, LowRankWhitening, approximate_factor
+from .wire import WireFormat
 
 __all__ = [
     "CodecConfig",

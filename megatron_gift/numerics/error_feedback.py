@@ -23,7 +23,8 @@ class ErrorFeedback:
         return x.float() + self.residual[lo : lo + x.numel()].view_as(x)
 
     def stage(self, compensated: torch.Tensor, decoded: torch.Tensor, lo: int = 0) -> None:
-        """Remember ``compensated - decoded`` as the next residual of the elements from ``lo`` on, pending ``commit``."""
+        """Remember ``compensated - decoded`` as the next residual of the elements from ``lo`` on, pending
+        ``commit``."""
         if self._pending is None:
             self._pending = torch.empty_like(self.residual)
         self._pending[lo : lo + compensated.numel()] = compensated.float().reshape(-1) - decoded.float().reshape(-1)

@@ -101,7 +101,8 @@ class CodecConfig:
 
 @dataclass
 class Encoded:
-    """An encoded tensor: ``payload`` ``[rows, cols]`` codes (``fmt.code_dtype``); ``scales`` as ``CodecConfig.groups``."""
+    """An encoded tensor: ``payload`` ``[rows, cols]`` codes (``fmt.code_dtype``); ``scales`` as
+    ``CodecConfig.groups``."""
 
     payload: torch.Tensor
     scales: torch.Tensor
@@ -127,7 +128,7 @@ class CodecStats:
     at_min_subnormal: int = 0
     nonfinite: int = 0
 
-    def __iadd__(self, other: "CodecStats") -> "CodecStats":
+    def __iadd__(self, other: CodecStats) -> CodecStats:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         return self

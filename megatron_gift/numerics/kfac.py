@@ -51,8 +51,15 @@ class KFACStatistics:
 
     ``dtype``: of the sums and EMAs (FP32; FP64 for exactness checks)."""
 
-    def __init__(self, d_in: int, ema: float = 0.95, sketch: int = 0, seed: int = 0, device=None,
-                 dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        d_in: int,
+        ema: float = 0.95,
+        sketch: int = 0,
+        seed: int = 0,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+    ):
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         if sketch < 0:
@@ -63,7 +70,10 @@ class KFACStatistics:
         if self.omega is None:
             self.sums = {"xtx": torch.zeros(d_in, d_in, device=device, dtype=dtype)}
         else:
-            self.sums = {k: torch.zeros(shape, device=device, dtype=dtype) for k, shape in (("y", (d_in, sketch)), ("diag", (d_in,)))}
+            self.sums = {
+                k: torch.zeros(shape, device=device, dtype=dtype)
+                for k, shape in (("y", (d_in, sketch)), ("diag", (d_in,)))
+            }
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
         self.ema_sums = {k: torch.zeros_like(v) for k, v in self.sums.items()}
         self.ema_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -85,7 +95,7 @@ class KFACStatistics:
             self.sums["diag"].add_((x2 * x2).sum(0))
         self.tokens += x2.shape[0]
 
-    def fold(self, ema: float | None = None, step: "KFACStatistics | None" = None) -> None:
+    def fold(self, ema: float | None = None, step: KFACStatistics | None = None) -> None:
         """Fold this step's accumulators (or those of ``step``, left as they are) into the EMA
         (module doc), then reset ours. ``ema`` overrides the configured decay for this fold (0: replace)."""
         _fold([(self, step if step is not None else self)], self.ema if ema is None else ema)
@@ -93,7 +103,7 @@ class KFACStatistics:
         self.folds += 1
 
     @staticmethod
-    def fold_all(stats: list["KFACStatistics"]) -> None:
+    def fold_all(stats: list[KFACStatistics]) -> None:
         """``fold()`` of every one of ``stats`` at once: a fixed number of ``torch._foreach_*``
         launches per decay and dtype however many layers there are, no host synchronisation."""
         by_beta: dict[float, list] = {}
@@ -136,15 +146,21 @@ class KFACStatistics:
         return min(rank, self.d_in if self.omega is None else self.omega.shape[1])
 
     def low_rank_factor(self, rank: int, damping: float, ema=None) -> LowRankFactor:
-        """``Â = D + V Λ Vᵀ`` from the EMA statistics (or ``ema``, as in ``averages``): eigendecomposition or Nyström."""
+        """``Â = D + V Λ Vᵀ`` from the EMA statistics (or ``ema``, as in ``averages``): eigendecomposition or
+        Nyström."""
         avg = self.averages(ema)
         if self.omega is None:
             return approximate_factor(avg["xtx"], rank, damping)
         return factor_from_sketch(avg["y"], self.omega, avg["diag"], rank, damping)
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums, "tokens": self.tokens, "ema_sums": self.ema_sums, "ema_tokens": self.ema_tokens,
-                "folds": self.folds}  # fmt: skip
+        return {
+            "sums": self.sums,
+            "tokens": self.tokens,
+            "ema_sums": self.ema_sums,
+            "ema_tokens": self.ema_tokens,
+            "folds": self.folds,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for mine, saved in ((self.sums, state["sums"]), (self.ema_sums, state["ema_sums"])):

@@ -137,11 +137,15 @@ def profile_gradient(
         v["gift_at_max"], v["gift_flushed"] = stats.at_max, stats.flushed
 
     if factor is not None:
-        v["geometry_grad_sq"], v["top_r_energy"], v["model_sq"], v["trace_share"] = geometry_sums(g, factor, whitening).unbind()
+        v["geometry_grad_sq"], v["top_r_energy"], v["model_sq"], v["trace_share"] = geometry_sums(
+            g, factor, whitening
+        ).unbind()
         v["geometry_ranks"] = 1.0
         v["rank_fraction"] = factor.v.shape[1] / factor.d.shape[0]
     # Python numbers become device scalars by ``full`` (a fill, not a host-to-device copy)
-    as_t = lambda x: x.double() if isinstance(x, torch.Tensor) else torch.full((), x, dtype=torch.float64, device=g.device)  # noqa: E731
+    as_t = lambda x: (
+        x.double() if isinstance(x, torch.Tensor) else torch.full((), x, dtype=torch.float64, device=g.device)
+    )  # noqa: E731
     return torch.stack([as_t(v[k]) for k in FIELDS])
 
 

@@ -106,10 +106,18 @@ class RecordLayout:
 
     def _parts(self):
         """``(dtype, [(name, shape)])`` of the FP64 part, then the FP32 part."""
-        sides = [("", HEADER, self.d_in, self.rank)] + ([("out_", OUT_HEADER, self.d_out, self.out_rank)] if self.d_out else [])
+        sides = [("", HEADER, self.d_in, self.rank)] + (
+            [("out_", OUT_HEADER, self.d_out, self.out_rank)] if self.d_out else []
+        )
         yield torch.float64, [(p + "header", (len(head),)) for p, head, _, _ in sides]
-        yield torch.float32, [(p + name, shape) for p, _, d, r in sides
-                              for name, shape in (("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,)))]  # fmt: skip
+        yield (
+            torch.float32,
+            [
+                (p + name, shape)
+                for p, _, d, r in sides
+                for name, shape in (("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,)))
+            ],
+        )
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +142,11 @@ class HostCopy:
 
     def __init__(self, tensors: list[torch.Tensor], device: torch.device):
         self.shapes = [t.shape for t in tensors]
-        flat = torch.cat([t.reshape(-1).double() for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float64, device=device)
+        flat = (
+            torch.cat([t.reshape(-1).double() for t in tensors])
+            if tensors
+            else torch.zeros(0, dtype=torch.float64, device=device)
+        )
         self.event = None
         if flat.is_cuda:
             self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -206,12 +218,16 @@ class OwnedLayer:
     work: dict = field(default_factory=dict)  # the stages' intermediate tensors
     out: FactorSide | None = None
     out_held_out: LowRankWhitening | None = None
-    factor: tuple | None = None  # ``(d, V, λ)`` FP64 of the record's ``T`` (its built rank), set by ``finish``: the owner's alone
+    factor: tuple | None = (
+        None  # ``(d, V, λ)`` FP64 of the record's ``T`` (its built rank), set by ``finish``: the owner's alone
+    )
 
     @property
     def layout(self) -> RecordLayout:
         d_out = next(iter(self.out.sums.values())).shape[0] if self.out is not None else 0
-        return RecordLayout(next(iter(self.sums.values())).shape[0], self.rank, d_out, self.out.rank if self.out is not None else 0)
+        return RecordLayout(
+            next(iter(self.sums.values())).shape[0], self.rank, d_out, self.out.rank if self.out is not None else 0
+        )
 
     @property
     def building(self) -> bool:
@@ -228,11 +244,24 @@ class FactorBuild:
     ``kinds`` (``SIDE_KINDS``): the candidates of a layer with output statistics. With one configured
     damping and two candidates (``auto`` side: ``(δ, I)`` and ``(δ, δ)``), the better one is chosen."""
 
-    def __init__(self, layers: list[OwnedLayer], candidates: tuple[float, ...], auto: bool, codec: CodecConfig,
-                 max_shifts: int, kinds: tuple[str, ...] = ("input",)):  # fmt: skip
+    def __init__(
+        self,
+        layers: list[OwnedLayer],
+        candidates: tuple[float, ...],
+        auto: bool,
+        codec: CodecConfig,
+        max_shifts: int,
+        kinds: tuple[str, ...] = ("input",),
+    ):
         if not kinds or set(kinds) - {"input", "both"}:
             raise ValueError(f"candidate kinds must be 'input' and/or 'both', got {kinds!r}")
-        self.layers, self.candidates, self.auto, self.codec, self.max_shifts = layers, candidates, auto, codec, max_shifts
+        self.layers, self.candidates, self.auto, self.codec, self.max_shifts = (
+            layers,
+            candidates,
+            auto,
+            codec,
+            max_shifts,
+        )
         self.kinds = kinds
 
     def _each(self, stage: str, fn, parts=None) -> list[list[torch.Tensor]]:
@@ -293,7 +322,9 @@ class FactorBuild:
     # -- the stages, batched over the layers
     def grams(self) -> list[list[torch.Tensor]]:
         """Device stage 1: per layer, what its host cores need (the input side's, then the output side's)."""
-        return self._each("statistics", lambda layer: [self._grams(side) for side in (layer, layer.out) if side is not None])
+        return self._each(
+            "statistics", lambda layer: [self._grams(side) for side in (layer, layer.out) if side is not None]
+        )
 
     def cores(self, host: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Host stage 1: per layer ``[basis or V, λ]`` of each side still building."""
@@ -324,8 +355,9 @@ class FactorBuild:
         n = len(self.candidates)
         usable = layer.out is not None and layer.out.status is BuildStatus.OK and layer.out.rank > 0
         kinds = self.kinds if usable else ("input",)
-        host = ([(i, -1) for i in range(n)] if "input" in kinds else []) + \
-            ([(i, o) for i in range(n) for o in range(n)] if "both" in kinds else [])  # fmt: skip
+        host = ([(i, -1) for i in range(n)] if "input" in kinds else []) + (
+            [(i, o) for i in range(n) for o in range(n)] if "both" in kinds else []
+        )
         if "both" not in kinds:
             return host, None
         grid = torch.arange(n, device=dev)
@@ -365,8 +397,11 @@ class FactorBuild:
             pairs, idx = self._pairs(layer, dev_)
             t_in = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()})  # noqa: E731
             t_out = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand_out.items()})  # noqa: E731
-            whitenings = [t_in(i) if o < 0 else TwoSidedWhitening(t_in(i), t_out(o)) for i, o in pairs] \
-                if self.auto or len(pairs) > 1 else []  # fmt: skip
+            whitenings = (
+                [t_in(i) if o < 0 else TwoSidedWhitening(t_in(i), t_out(o)) for i, o in pairs]
+                if self.auto or len(pairs) > 1
+                else []
+            )
             held = layer.held_out
             if held is not None and layer.out_held_out is not None:
                 held = TwoSidedWhitening(held, layer.out_held_out)
@@ -378,7 +413,10 @@ class FactorBuild:
                 best = damping_choice(errs[: 1 + len(whitenings)])[1]
                 chosen = best + 1
             else:
-                chosen, best = torch.ones((), dtype=torch.long, device=dev_), torch.zeros((), dtype=torch.long, device=dev_)
+                chosen, best = (
+                    torch.ones((), dtype=torch.long, device=dev_),
+                    torch.zeros((), dtype=torch.long, device=dev_),
+                )
             chosen = held_out_gate(chosen, errs[0], errs[-1] if held_out else None)
             at = lambda t, i: t.index_select(0, i.view(1))[0]  # noqa: E731
             minus1 = torch.full((1,), -1.0, dtype=torch.float64, device=dev_)
@@ -392,17 +430,31 @@ class FactorBuild:
                     slot.fill_(value)
                 return []
             wo = layer.out.work
-            if idx is None:  # no output candidate (a rank-0 T_out): its factor for the profiles, nothing chosen or held out
+            if (
+                idx is None
+            ):  # no output candidate (a rank-0 T_out): its factor for the profiles, nothing chosen or held out
                 b_out = torch.zeros((), dtype=torch.long, device=dev_)
                 out_choice, has_out = minus1[0], torch.zeros((), dtype=torch.float64, device=dev_)
-            else:  # T_out of the best pair if it has one, else of the best pair that has one (its factor, for the profiles)
+            else:  # T_out of the best pair if it has one, else of the best pair that has one
+                # (its factor, for the profiles)
                 p_out = idx[1]
-                e = errs[1 : 1 + len(whitenings)] if whitenings else torch.zeros(len(pairs), dtype=errs.dtype, device=dev_)
+                e = (
+                    errs[1 : 1 + len(whitenings)]
+                    if whitenings
+                    else torch.zeros(len(pairs), dtype=errs.dtype, device=dev_)
+                )
                 e = torch.where(torch.isfinite(e) & (p_out >= 0), e, torch.inf)
                 has_out = at(p_out, best) >= 0
                 b_out = torch.where(has_out, at(p_out, best), at(p_out, e.argmin()).clamp_min(0))
-                out_choice = at(torch.cat([minus1, torch.where(p_out >= 0, wo["deltas"].index_select(0, p_out.clamp_min(0)), -1.0)]), chosen)
-            self._write(rec, "out_", layer.out, cand_out, b_out, [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out])
+                out_choice = at(
+                    torch.cat(
+                        [minus1, torch.where(p_out >= 0, wo["deltas"].index_select(0, p_out.clamp_min(0)), -1.0)]
+                    ),
+                    chosen,
+                )
+            self._write(
+                rec, "out_", layer.out, cand_out, b_out, [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out]
+            )
             return []
 
         for layer, rec in zip(self.layers, records):

@@ -103,7 +103,7 @@ class OutputRows:
     pre: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, w: LowRankWhitening) -> "OutputRows":
+    def of(cls, w: LowRankWhitening) -> OutputRows:
         """All rows of ``T_out = w``, ``Pre`` not yet known."""
         return cls(w.d_inv_sqrt, w.q, w.c)
 
@@ -111,11 +111,11 @@ class OutputRows:
     def rank(self) -> int:
         return self.q.shape[1]
 
-    def rows(self, r0: int, r1: int) -> "OutputRows":
+    def rows(self, r0: int, r1: int) -> OutputRows:
         """Rows ``[r0, r1)`` of these (``Pre`` known: it is the whole parameter's)."""
         return OutputRows(self.d_inv_sqrt[r0:r1], self.q[r0:r1], self.c, self.pre)
 
-    def with_pre(self, g: torch.Tensor) -> "OutputRows":
+    def with_pre(self, g: torch.Tensor) -> OutputRows:
         """These rows with ``Pre`` from ``g`` (all ``d_out`` rows of the parameter, any float dtype) where
         not known yet: ``((D^{-1/2} Q) c)ᵀ G``, one matmul over ``G`` (an FP32 copy of a narrower ``g``)."""
         if self.pre is not None:
@@ -168,8 +168,9 @@ def output_projection(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: 
             out[:, c0:c1].addmm_(w.q[i0 : i0 + n].T, _block(values, offset, n, c0, c1))
 
 
-def output_inverse(w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor,
-                   out: torch.Tensor) -> None:  # fmt: skip
+def output_inverse(
+    w: LowRankWhitening, values: torch.Tensor, cols: int, e0: int, proj: torch.Tensor, out: torch.Tensor
+) -> None:
     """``T_out⁻ᵀ W`` on ``W``'s elements ``[e0, e0 + n)`` (``values [n]`` FP32) from the whole ``P = Qᵀ W``
     (``proj [r, cols]``): ``G[i, j] = d_sqrt[i] (W[i, j] + Σ_k Q[i, k] c'_k P[k, j])``, computed in FP32
     and written once into ``out [n]`` (any float dtype: rounded once). Per ``row_blocks`` block an

@@ -79,7 +79,7 @@ class LowRankFactor:
     trace_a: float | torch.Tensor
     damping: float | torch.Tensor = 0.0
 
-    def with_damping(self, damping) -> "LowRankFactor":
+    def with_damping(self, damping) -> LowRankFactor:
         """The same factor with relative damping ``damping`` instead of ``self.damping``."""
         mean_diag = self.trace_a / self.d.shape[0]
         return replace(self, d=self.d + (damping - self.damping) * mean_diag, damping=damping)
@@ -174,8 +174,14 @@ def nystrom_basis(y64: torch.Tensor, om64: torch.Tensor, nu, basis: torch.Tensor
     return torch.add(y64, om64, alpha=nu) @ basis
 
 
-def factor_from_sketch(y: torch.Tensor, omega: torch.Tensor, diag: torch.Tensor, rank: int, damping: float = 1e-3,
-                       max_shifts: int = MAX_SHIFTS) -> LowRankFactor:  # fmt: skip
+def factor_from_sketch(
+    y: torch.Tensor,
+    omega: torch.Tensor,
+    diag: torch.Tensor,
+    rank: int,
+    damping: float = 1e-3,
+    max_shifts: int = MAX_SHIFTS,
+) -> LowRankFactor:
     """Like ``approximate_factor`` from ``Y = A Ω`` (``[d_in, k]``), ``Ω`` and ``diag(A)`` only
     (``nystrom_core``), on ``y``'s device. If the core is still not positive definite after
     ``max_shifts`` shifts (e.g. non-finite ``Y``) the factor falls back to the damped diagonal
@@ -183,8 +189,11 @@ def factor_from_sketch(y: torch.Tensor, omega: torch.Tensor, diag: torch.Tensor,
     y64, om64, d64 = (t.detach().double() for t in (y, omega.to(y.device), diag))
     core = nystrom_core(sketch_grams(y64, om64).cpu(), rank, max_shifts)
     if not core.ok:
-        logger.warning("megatron-gift: the Nyström core stayed indefinite after %d shifts (non-finite or "
-                       "corrupt statistics?): using the diagonal of A alone for this factor", max_shifts)  # fmt: skip
+        logger.warning(
+            "megatron-gift: the Nyström core stayed indefinite after %d shifts (non-finite or "
+            "corrupt statistics?): using the diagonal of A alone for this factor",
+            max_shifts,
+        )
     _check_trace(d64)
     v = nystrom_basis(y64, om64, core.nu, core.basis.to(y64.device))
     return residual_factor(d64, v, core.lam.to(y64.device), damping)
@@ -204,7 +213,8 @@ def residual_factor(diag: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, damp
 
 
 def whitening_gram(d: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W = D^{-1/2} V Λ^{1/2}`` (``[..., d_in, r]``) and its Gram ``Wᵀ W`` (``[..., r, r]``), batched over leading dims."""
+    """``W = D^{-1/2} V Λ^{1/2}`` (``[..., d_in, r]``) and its Gram ``Wᵀ W`` (``[..., r, r]``), batched over
+    leading dims."""
     w = v * lam.sqrt().unsqueeze(-2) * d.rsqrt().unsqueeze(-1)
     return w, w.mT @ w
 
@@ -219,7 +229,13 @@ def whitening_tensors(d: torch.Tensor, w: torch.Tensor, s: torch.Tensor, p: torc
     """``LowRankWhitening.tensors()`` from ``D``, ``W`` and the eigenpairs of ``Wᵀ W``: ``Q = W P
     diag(s)^{-1/2}`` (a column with ``s = 0`` is 0, and its ``c = c' = 0``), batched over leading dims."""
     q = (w @ p) * torch.where(s > 0, s.clamp_min(1e-300).rsqrt(), 0.0).unsqueeze(-2)
-    out = {"d_inv_sqrt": d.rsqrt(), "d_sqrt": d.sqrt(), "q": q, "c": (1.0 + s).rsqrt() - 1.0, "c_inv": (1.0 + s).sqrt() - 1.0}
+    out = {
+        "d_inv_sqrt": d.rsqrt(),
+        "d_sqrt": d.sqrt(),
+        "q": q,
+        "c": (1.0 + s).rsqrt() - 1.0,
+        "c_inv": (1.0 + s).sqrt() - 1.0,
+    }
     return {k: t.to(dtype).contiguous() for k, t in out.items()}
 
 
@@ -237,21 +253,28 @@ class LowRankWhitening:
         self.d_in, self.rank = q.shape
 
     @classmethod
-    def from_tensors(cls, tensors: dict) -> "LowRankWhitening":
+    def from_tensors(cls, tensors: dict) -> LowRankWhitening:
         """A transform holding ``tensors`` (``tensors()``'s keys) themselves, e.g. views of a received buffer."""
         w = cls.__new__(cls)
         w._set(**tensors)
         return w
 
     @classmethod
-    def empty(cls, d_in: int, rank: int, dtype: torch.dtype = torch.float32, device=None) -> "LowRankWhitening":
+    def empty(cls, d_in: int, rank: int, dtype: torch.dtype = torch.float32, device=None) -> LowRankWhitening:
         """Uninitialized tensors of the right shapes, to receive a saved transform."""
         vec = lambda n: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
-        return cls.from_tensors({"d_inv_sqrt": vec(d_in), "d_sqrt": vec(d_in), "q": torch.empty(d_in, rank, dtype=dtype, device=device),
-                                 "c": vec(rank), "c_inv": vec(rank)})  # fmt: skip
+        return cls.from_tensors(
+            {
+                "d_inv_sqrt": vec(d_in),
+                "d_sqrt": vec(d_in),
+                "q": torch.empty(d_in, rank, dtype=dtype, device=device),
+                "c": vec(rank),
+                "c_inv": vec(rank),
+            }
+        )
 
     @classmethod
-    def identity(cls, d_in: int, dtype: torch.dtype = torch.float32, device=None) -> "LowRankWhitening":
+    def identity(cls, d_in: int, dtype: torch.dtype = torch.float32, device=None) -> LowRankWhitening:
         """``T = I`` (rank 0, ``D = I``): the layer is sent as plain FP8, bit for bit."""
         w = cls.empty(d_in, 0, dtype=dtype, device=device)
         for t in (w.d_inv_sqrt, w.d_sqrt):
@@ -259,7 +282,7 @@ class LowRankWhitening:
         return w
 
     @classmethod
-    def from_statistics(cls, a: torch.Tensor, rank: int, damping: float = 1e-3, device=None) -> "LowRankWhitening":
+    def from_statistics(cls, a: torch.Tensor, rank: int, damping: float = 1e-3, device=None) -> LowRankWhitening:
         return cls(approximate_factor(a, rank, damping), device=device if device is not None else a.device)
 
     def _low_rank_update(self, x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -267,7 +290,9 @@ class LowRankWhitening:
         if self.rank == 0:
             return x
         with ieee_fp32(x.device):
-            return torch.addmm(x.reshape(-1, self.d_in), (x.reshape(-1, self.d_in) @ self.q) * coef, self.q.T).view_as(x)
+            return torch.addmm(x.reshape(-1, self.d_in), (x.reshape(-1, self.d_in) @ self.q) * coef, self.q.T).view_as(
+                x
+            )
 
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         """``G T`` for ``G [..., d_in]``."""
@@ -286,16 +311,6 @@ class LowRankWhitening:
         """Columns ``cols`` of ``U T⁻¹`` from those of ``U`` and the whole rows' ``U Q`` (``proj [k, r]``)."""
         with ieee_fp32(u.device):
             return torch.addmm(u, proj * self.c_inv, self.q[cols].T) * self.d_sqrt[cols]
-
-    def apply_projection(self, g: torch.Tensor, cols: slice) -> torch.Tensor:
-        """``G'[:, cols] Q[cols]`` (``[k, r]``, ``G' = G D^{-1/2}``): a row's ``G' Q`` is the sum of its pieces'."""
-        with ieee_fp32(g.device):
-            return (g * self.d_inv_sqrt[cols]) @ self.q[cols]
-
-    def apply_piece(self, g: torch.Tensor, proj: torch.Tensor, cols: slice) -> torch.Tensor:
-        """Columns ``cols`` of ``G T`` from those of ``G`` and the whole rows' ``G' Q`` (``proj [k, r]``)."""
-        with ieee_fp32(g.device):
-            return torch.addmm(g * self.d_inv_sqrt[cols], proj * self.c, self.q[cols].T)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``(T, T⁻¹)``, for tests and diagnostics only."""

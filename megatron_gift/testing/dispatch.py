@@ -115,8 +115,10 @@ _FACTORIES = (*_FROM_DATA, torch.zeros, torch.ones, torch.empty, torch.full, tor
 # hooks (the bucket groups' reductions) without the function modes of the ``backward()`` call (a mode
 # is popped while it handles a call), so there the wrappers judge the host reads and make the host
 # tensors themselves (what is computed from host tensors alone, this dispatch mode marks).
-_WRAPPED = [(torch.Tensor if f.__qualname__.startswith(("Tensor", "TensorBase")) else torch, f.__name__, f)
-            for f in (*_READS, _TO, *_FACTORIES)]
+_WRAPPED = [
+    (torch.Tensor if f.__qualname__.startswith(("Tensor", "TensorBase")) else torch, f.__name__, f)
+    for f in (*_READS, _TO, *_FACTORIES)
+]
 _JUDGED = frozenset(f for _, _, f in _WRAPPED)
 
 
@@ -283,11 +285,19 @@ class OpCounter(TorchDispatchMode):
 
 # Ops that allocate or alias: a dispatch each, no memory traffic.
 NO_TRAFFIC = {
-    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-    torch.ops.aten.new_empty_strided.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default,
-    torch.ops.aten.lift_fresh.default, torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.resize_.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten.set_.source_Storage_storage_offset,
+    torch.ops.aten.resize_.default,
     torch.ops.aten.record_stream.default,
-}  # fmt: skip
+}
 
 
 def launches(func) -> bool:

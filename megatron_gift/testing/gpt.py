@@ -18,16 +18,29 @@ def build_tiny_gpt(seed: int = 1234, vocab: int = VOCAB, seq: int = SEQ, **overr
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)  # weights are drawn inside the tracker's fork()
     kwargs = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float32,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
     )
     stage = {k: overrides.pop(k) for k in ("pre_process", "post_process", "vp_stage") if k in overrides}
     kwargs.update(overrides)
     spec = get_gpt_layer_local_spec(num_experts=kwargs.get("num_moe_experts"), normalization="RMSNorm")
-    return GPTModel(TransformerConfig(**kwargs), spec,
-                    vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope", **stage)
+    return GPTModel(
+        TransformerConfig(**kwargs),
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        position_embedding_type="rope",
+        **stage,
+    )
 
 
 def random_tokens(step: int, seed: int, batch: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> torch.Tensor:

@@ -44,8 +44,13 @@ def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> Non
     """Run ``test_file``'s tests in a fresh process with ``TRITON_INTERPRET=1`` (the interpreter must be on
     before the kernels are defined) and require every one to pass: none failed, skipped or deselected."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file], env=env,
-                          capture_output=True, text=True, timeout=wall_limit(limit))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=wall_limit(limit),
+    )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary

@@ -20,9 +20,17 @@ ENV = {"OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}
 def launcher_command(ranks: int, *args: str) -> list[str]:
     """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        "-m", "megatron_gift.pretrain_gpt", "--gift-cpu", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "megatron_gift.pretrain_gpt",
+        "--gift-cpu",
+        *args,
+    ]
 
 
 def run_launcher(ranks: int, *args: str, timeout: float = 900.0) -> str:
@@ -33,13 +41,19 @@ def run_launcher(ranks: int, *args: str, timeout: float = 900.0) -> str:
     limit, t0 = wall_limit(timeout), time.monotonic()
     try:
         res = subprocess.run(
-            launcher_command(ranks, *args), cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True,
+            launcher_command(ranks, *args),
+            cwd=ROOT,
+            env={**os.environ, **ENV},
+            capture_output=True,
+            text=True,
             timeout=limit,
-        )  # fmt: skip
+        )
     except subprocess.TimeoutExpired as e:
         tail = ((e.stdout or b"") + (e.stderr or b"")).decode(errors="replace")[-6000:]
-        raise RuntimeError(f"launcher ({ranks} ranks) killed after {limit:.0f} s; on a slow machine raise the "
-                           f"limit with {TIMEOUT_SCALE_ENV}=<factor>:\n{tail}") from None  # fmt: skip
+        raise RuntimeError(
+            f"launcher ({ranks} ranks) killed after {limit:.0f} s; on a slow machine raise the "
+            f"limit with {TIMEOUT_SCALE_ENV}=<factor>:\n{tail}"
+        ) from None
     elapsed = time.monotonic() - t0
     print(f"launcher: {ranks} ranks finished in {elapsed:.1f} s (limit {limit:.0f} s)", file=sys.stderr)
     out = res.stdout + res.stderr

@@ -22,8 +22,16 @@ import types
 import torch
 import torch.distributed as dist
 
-_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
-                "reduce_scatter_tensor", "broadcast", "all_gather", "_all_gather_base")  # fmt: skip
+_COLLECTIVES = (
+    "all_to_all_single",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_gather",
+    "_all_gather_base",
+)
 
 
 class FakeGroup:
@@ -45,9 +53,6 @@ class FakeWork:
     """A finished collective."""
 
     def wait(self, *args) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
         return True
 
 

@@ -59,14 +59,22 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
         _cpu_harness.check_host()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+        "NO_VCS_VERSION": "1",
+    }
     procs = []
     try:
         for rank in range(world_size):
-            proc = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
-                               args=(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout,
-                                     results))
+            proc = ctx.Process(
+                target=_child,
+                name=f"rank{rank}",
+                daemon=True,
+                args=(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout, results),
+            )
             # Children read the environment when their interpreter starts (before unpickling fn).
             with _environ(env, RANK=str(rank), LOCAL_RANK=str(rank)):
                 proc.start()
@@ -103,12 +111,13 @@ def _collect(procs, results, timeout):
             deadline = min(deadline, time.monotonic() + _GRACE_S)
     if failures:
         ordered = sorted(failures.items(), key=lambda item: item[1][0])
-        raise RankError("\n".join(f"rank {rank} of {len(procs)} failed:\n{text}"
-                                  for rank, (_, text) in ordered))
+        raise RankError("\n".join(f"rank {rank} of {len(procs)} failed:\n{text}" for rank, (_, text) in ordered))
     if len(values) < len(procs):
         hung = [rank for rank in range(len(procs)) if rank not in values]
-        raise RankError(f"ranks {hung} did not finish within {timeout:.0f} s; killed "
-                        f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)")
+        raise RankError(
+            f"ranks {hung} did not finish within {timeout:.0f} s; killed "
+            f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)"
+        )
     return [values[rank] for rank in range(len(procs))]
 
 
@@ -123,8 +132,7 @@ def _child(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout, re
             _cpu_harness.install()
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         # Plain pickle copies tensors by value; the default multiprocessing reducers would
         # hand over shared memory that disappears when this process exits.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))

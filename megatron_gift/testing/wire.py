@@ -85,7 +85,7 @@ class WireRecord:
         segment, target = _segment(owner, segment_of)
         self.entries.append(WireEntry(stage, op, segment, dtype, int(nbytes), whitened, output or target))
 
-    def __enter__(self) -> "WireRecord":
+    def __enter__(self) -> WireRecord:
         names = ("whiten_encode", "whiten_place", "decode_sum_unwhiten", "decode_placed")
         inner = self._saved = {name: getattr(kernels, name) for name in names}
 
@@ -98,8 +98,14 @@ class WireRecord:
         def whiten_place(x, whitening, into, *args, **kw):
             dtype, caller = into.out.dtype, sys._getframe(1).f_code.co_name
             op = "plain" if caller == "plain_bucket" else "cast"
-            self._add(op, x, _FLOATS.get(dtype, str(dtype)), x.numel() * dtype.itemsize, whitening is not None,
-                      kw.get("output") is not None)  # fmt: skip
+            self._add(
+                op,
+                x,
+                _FLOATS.get(dtype, str(dtype)),
+                x.numel() * dtype.itemsize,
+                whitening is not None,
+                kw.get("output") is not None,
+            )
             return inner["whiten_place"](x, whitening, into, *args, **kw)
 
         def decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, *args, out=None, **kw):
@@ -137,7 +143,9 @@ class WireRecord:
     def nbytes(self, segment: str, stage: str | None = None) -> int:
         """Bytes of ``segment``'s message sections written by its senders (``stage``'s alone when given;
         the own shard's included, though it never leaves the rank)."""
-        return sum(e.nbytes for e in self.entries if e.segment == segment and e.op != "decode" and stage in (None, e.stage))
+        return sum(
+            e.nbytes for e in self.entries if e.segment == segment and e.op != "decode" and stage in (None, e.stage)
+        )
 
     def mode(self, segment: str) -> str:
         """What the senders of ``segment`` did, as a plugin mode: ``gift`` (coded, every call given
@@ -156,7 +164,11 @@ class WireRecord:
         if not calls:
             return "none"
         if ops == {"plain"}:
-            return "bf16" if dtypes == {"bf16"} else ("off" if len(dtypes) == 1 and dtypes <= {"fp32", "fp16"} else "mixed")
+            return (
+                "bf16"
+                if dtypes == {"bf16"}
+                else ("off" if len(dtypes) == 1 and dtypes <= {"fp32", "fp16"} else "mixed")
+            )
         if "plain" in ops or len(whitened) > 1:
             return "mixed"
         return "gift" if whitened == {True} else "euclidean"

@@ -10,34 +10,10 @@ tokenizers for the text corpus). A command that needs part of it names the modul
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shlex
 import sys
 
-PLOTS, CORPUS = ("matplotlib",), ("tokenizers",)  # pyproject.toml's [project.optional-dependencies] bench
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # a finder that refuses it, or a broken installation
-        return False
-
-
-def require_bench_extra(command: str, modules: tuple[str, ...]) -> None:
-    """Stop with the install line when one of ``modules`` (of the ``bench`` extra) is missing."""
-    missing = [m for m in modules if not _importable(m)]
-    if missing:
-        raise SystemExit(
-            f"{command} needs {', '.join(missing)} (a dependency of the tools): pip install -e tools  (in the megatron-gift checkout)"
-        )
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+from megatron_gift_tools.commands import CORPUS, PLOTS, positive_int, require_bench_extra
 
 
 def _bench_fidelity(args: argparse.Namespace) -> int:
@@ -54,8 +30,13 @@ def _bench_comm(args: argparse.Namespace) -> int:
     from megatron_gift_tools.bench import comm
 
     nodes = args.nodes if args.nodes is not None else (["2x2"] if args.quick else ["2x2", "2x4"])
-    comm.run(quick=args.quick, json_path=args.json, ranks=tuple(args.ranks), nodes=tuple(_node_layout(v) for v in nodes),
-             command=args.command_line)  # fmt: skip
+    comm.run(
+        quick=args.quick,
+        json_path=args.json,
+        ranks=tuple(args.ranks),
+        nodes=tuple(_node_layout(v) for v in nodes),
+        command=args.command_line,
+    )
     return 0
 
 
@@ -66,8 +47,13 @@ def _bench_pretrained(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    pretrained_steps.run(quick=args.quick, json_path=args.json, models=tuple(args.models) if args.models else None,
-                         command=args.command_line, steps=args.steps)  # fmt: skip
+    pretrained_steps.run(
+        quick=args.quick,
+        json_path=args.json,
+        models=tuple(args.models) if args.models else None,
+        command=args.command_line,
+        steps=args.steps,
+    )
     return 0
 
 
@@ -106,15 +92,22 @@ def _bench_memory(args: argparse.Namespace) -> int:
 def _bench_param_gather(args: argparse.Namespace) -> int:
     from megatron_gift_tools.bench import param_gather
 
-    param_gather.run(quick=args.quick, json_path=args.json, ranks=args.ranks, steps=args.steps, command=args.command_line)
+    param_gather.run(
+        quick=args.quick, json_path=args.json, ranks=args.ranks, steps=args.steps, command=args.command_line
+    )
     return 0
 
 
 def _bench_launches(args: argparse.Namespace) -> int:
     from megatron_gift_tools.bench import launches
 
-    launches.run(quick=args.quick, json_path=args.json, command=args.command_line, launcher=not args.no_launcher,
-                 resume=args.resume)  # fmt: skip
+    launches.run(
+        quick=args.quick,
+        json_path=args.json,
+        command=args.command_line,
+        launcher=not args.no_launcher,
+        resume=args.resume,
+    )
     return 0
 
 
@@ -129,9 +122,15 @@ def _add_bench(subparsers) -> None:
     )
     fid.add_argument("--quick", action="store_true", help="small preset (under 3 minutes on 2 CPU cores)")
     fid.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    fid.add_argument("--ranks", type=positive_int, default=8, metavar="N", help="simulated data-parallel ranks (default 8)")
     fid.add_argument(
-        "--threads", type=int, default=1, metavar="N", help="torch intra-op threads (default 1; 0 keeps torch's default)"
+        "--ranks", type=positive_int, default=8, metavar="N", help="simulated data-parallel ranks (default 8)"
+    )
+    fid.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads (default 1; 0 keeps torch's default)",
     )
     fid.set_defaults(func=_bench_fidelity, needs=CORPUS)
     com = commands.add_parser(
@@ -143,10 +142,17 @@ def _add_bench(subparsers) -> None:
     )
     com.add_argument("--quick", action="store_true", help="smaller model and fewer steps")
     com.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    com.add_argument("--ranks", type=positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)")
-    com.add_argument("--nodes", nargs="*", default=None, metavar="NxG",
-                     help="simulated nodes x ranks per node of the link ledger, flat vs two-level exchange "
-                     "(default: 2x2 with --quick, else 2x2 2x4; none: skip)")  # fmt: skip
+    com.add_argument(
+        "--ranks", type=positive_int, nargs="+", default=[2, 4], metavar="N", help="rank counts (default 2 4)"
+    )
+    com.add_argument(
+        "--nodes",
+        nargs="*",
+        default=None,
+        metavar="NxG",
+        help="simulated nodes x ranks per node of the link ledger, flat vs two-level exchange "
+        "(default: 2x2 with --quick, else 2x2 2x4; none: skip)",
+    )
     com.set_defaults(func=_bench_comm, needs=CORPUS)
     pre = commands.add_parser(
         "pretrained",
@@ -156,23 +162,40 @@ def _add_bench(subparsers) -> None:
         "RelL2 of FP8 gradient sums: Euclidean, GIFT input-side, and what the plugin sends (cold-start rule) at "
         "--gift-side input, both (two-sided) and auto.",
     )
-    pre.add_argument("--quick", action="store_true", help="fewer ranks, steps and measured blocks (under 15 minutes on 2 cores)")
+    pre.add_argument(
+        "--quick", action="store_true", help="fewer ranks, steps and measured blocks (under 15 minutes on 2 cores)"
+    )
     pre.add_argument("--json", metavar="PATH", help="write the records and summary as JSON")
-    pre.add_argument("--models", nargs="+", choices=("smollm2-135m", "all-minilm-l6-v2"), help="models to run (default: both)")
-    pre.add_argument("--threads", type=int, default=1, metavar="N",
-                     help="torch intra-op threads of the models' passes (default 1; 0 keeps torch's default); the "
-                     "measurement always runs on 1: on a shared 2-core machine a second thread's hand-offs cost 2-3x")  # fmt: skip
-    pre.add_argument("--steps", type=int, default=None, metavar="N",
-                     help="steps per model instead of the preset's (--quick: 4 and 5), to see past the first refreshes")
+    pre.add_argument(
+        "--models", nargs="+", choices=("smollm2-135m", "all-minilm-l6-v2"), help="models to run (default: both)"
+    )
+    pre.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads of the models' passes (default 1; 0 keeps torch's default); the "
+        "measurement always runs on 1: on a shared 2-core machine a second thread's hand-offs cost 2-3x",
+    )
+    pre.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps per model instead of the preset's (--quick: 4 and 5), to see past the first refreshes",
+    )
     pre.set_defaults(func=_bench_pretrained, needs=CORPUS)
     ovh = commands.add_parser(
         "overhead",
-        help="per-layer time of the GIFT transform, the FP8 codec and the dense-Cholesky transform vs the layer's fwd+bwd",
+        help="per-layer time of the GIFT transform, the FP8 codec and the dense-Cholesky transform "
+        "vs the layer's fwd+bwd",
         description="Time the plugin's per-layer work (low-rank T and T^-1, FP8 encode+decode, whiten+encode, "
         "decode+sum+unwhiten, the paper's dense-Cholesky T) on the Llama-300M/600M and demo linear-layer shapes, "
         "next to each layer's forward+backward matmuls for one micro-batch.",
     )
-    ovh.add_argument("--quick", action="store_true", help="Llama-600M and demo shapes, 1024 tokens (under 2 minutes on a CPU)")
+    ovh.add_argument(
+        "--quick", action="store_true", help="Llama-600M and demo shapes, 1024 tokens (under 2 minutes on a CPU)"
+    )
     ovh.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ovh.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ovh.set_defaults(func=_bench_overhead)
@@ -180,8 +203,8 @@ def _add_bench(subparsers) -> None:
         "telemetry",
         help="per-step cost of telemetry and --gift-layers auto, logging off vs on (2 CPU ranks)",
         description="Train a small Megatron GPTModel on 2 CPU ranks (gloo) through GiftDistributedDataParallel in "
-        "several configurations at once (round-robin) and time the steps: logging off, a logging interval the run never "
-        "reaches, a policy that never profiles, logging / profiling every step; median, IQR and ratios.",
+        "several configurations at once (round-robin) and time the steps: logging off, a logging interval the run "
+        "never reaches, a policy that never profiles, logging / profiling every step; median, IQR and ratios.",
     )
     tel.add_argument("--quick", action="store_true", help="tiny model, 4 timed steps (a smoke test, not a measurement)")
     tel.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -195,22 +218,30 @@ def _add_bench(subparsers) -> None:
     )
     mem.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, 4 configurations, 1 step")
     mem.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    mem.add_argument("--ranks", type=positive_int, nargs="+", default=None, metavar="N",
-                     help="data-parallel sizes (default 2 4 8; --quick: 2)")  # fmt: skip
+    mem.add_argument(
+        "--ranks",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="data-parallel sizes (default 2 4 8; --quick: 2)",
+    )
     mem.set_defaults(func=_bench_memory)
     pg = commands.add_parser(
         "param-gather",
         help="the distributed optimizer's parameter all-gather as coded changes: codecs, bit-identical weights, bytes",
-        description="Train a small Megatron GPTModel (BF16 parameters, distributed optimizer) on the text corpus on CPU "
-        "ranks (gloo) with Megatron's BF16 gather and with --gift-param-gather delta; on the real changes of the stock "
-        "run compare the delta codecs (int8 in steps of the weight, plain MXINT8-like int8, E4M3 with FP32 1x128 "
+        description="Train a small Megatron GPTModel (BF16 parameters, distributed optimizer) on the text corpus on "
+        "CPU ranks (gloo) with Megatron's BF16 gather and with --gift-param-gather delta; on the real changes of the "
+        "stock run compare the delta codecs (int8 in steps of the weight, plain MXINT8-like int8, E4M3 with FP32 1x128 "
         "scales): weights bit-identical to bf16(main), largest difference against the bound, bytes; and the delta "
         "run's replicas, bytes and loss against stock from the same and another seed.",
     )
     pg.add_argument("--quick", action="store_true", help="20 steps at one learning rate (a smoke test)")
     pg.add_argument("--json", metavar="PATH", help="write the results as JSON")
     pg.add_argument("--ranks", type=positive_int, default=2, metavar="N", help="data-parallel size (default 2)")
-    pg.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps per run (default 200; --quick 20)")
+    pg.add_argument(
+        "--steps", type=positive_int, default=None, metavar="N", help="steps per run (default 200; --quick 20)"
+    )
     pg.set_defaults(func=_bench_param_gather, needs=CORPUS)
     lau = commands.add_parser(
         "launches",
@@ -221,11 +252,14 @@ def _add_bench(subparsers) -> None:
         "refresh: ops, launches, bytes read and written, essential bytes, host time; and the plugin's ops in a "
         "steady step of the real launcher on 2 CPU ranks.",
     )
-    lau.add_argument("--quick", action="store_true", help="a subset: 1M and 10M elements, DP 2 and 64 (under 5 minutes)")
+    lau.add_argument(
+        "--quick", action="store_true", help="a subset: 1M and 10M elements, DP 2 and 64 (under 5 minutes)"
+    )
     lau.add_argument("--json", metavar="PATH", help="write the records as JSON")
     lau.add_argument("--no-launcher", action="store_true", help="skip the real launcher's steady-step count")
-    lau.add_argument("--resume", action="store_true",
-                     help="keep the records already in --json (same sources), measure the rest")
+    lau.add_argument(
+        "--resume", action="store_true", help="keep the records already in --json (same sources), measure the rest"
+    )
     lau.set_defaults(func=_bench_launches)
 
 
@@ -267,7 +301,9 @@ def _add_report(subparsers) -> None:
         description="Read RUN_DIR/gift_telemetry.jsonl (or the file given) and write per-layer RelL2 heat map, "
         "mode timeline with the policy's switches, loss curve and report.md.",
     )
-    rep.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding gift_telemetry.jsonl, or the file itself")
+    rep.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run directory holding gift_telemetry.jsonl, or the file itself"
+    )
     rep.add_argument("--out", default=None, metavar="DIR", help="output directory (default: the file's directory)")
     rep.set_defaults(func=_report, needs=PLOTS)
 

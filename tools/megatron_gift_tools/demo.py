@@ -49,9 +49,12 @@ MODES = {
     "gift-auto": ["--gift-mode", "gift", "--gift-layers", "auto", "--gift-euclidean-layers", ".*"],
 }
 LABELS = {
-    "fp32": "FP32", "bf16": "BF16", "euclidean-e4m3": "Euclidean-E4M3", "gift-e4m3": "GIFT-E4M3",
+    "fp32": "FP32",
+    "bf16": "BF16",
+    "euclidean-e4m3": "Euclidean-E4M3",
+    "gift-e4m3": "GIFT-E4M3",
     "gift-auto": "auto (GIFT/Euclidean/BF16 per layer)",
-}  # fmt: skip
+}
 FIXED = ("bf16", "euclidean-e4m3", "gift-e4m3")  # the fixed choices gift-auto is compared with, per layer
 
 PRESETS = {
@@ -71,27 +74,64 @@ BUCKET_RE = re.compile(r"Params for bucket (\d+) \((\d+) elements, (\d+) padded 
 def model_args(p: dict, seed: int) -> list[str]:
     """Megatron flags of the model and schedule shared by every mode."""
     return [
-        "--num-layers", str(p["layers"]), "--hidden-size", str(p["hidden"]),
-        "--num-attention-heads", str(p["heads"]), "--ffn-hidden-size", str(p["ffn"]),
-        "--seq-length", str(p["seq"]), "--max-position-embeddings", str(p["seq"]),
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--micro-batch-size", str(p["micro_batch"]), "--global-batch-size", str(p["global_batch"]),
-        "--train-iters", str(p["iters"]), "--lr", str(p["lr"]), "--min-lr", str(p["lr"] / 10),
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, p["iters"] // 10)),
-        "--use-distributed-optimizer", "--overlap-grad-reduce",
-        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000", "--split", "98,2,0",
-        "--seed", str(seed),
-    ]  # fmt: skip
+        "--num-layers",
+        str(p["layers"]),
+        "--hidden-size",
+        str(p["hidden"]),
+        "--num-attention-heads",
+        str(p["heads"]),
+        "--ffn-hidden-size",
+        str(p["ffn"]),
+        "--seq-length",
+        str(p["seq"]),
+        "--max-position-embeddings",
+        str(p["seq"]),
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--micro-batch-size",
+        str(p["micro_batch"]),
+        "--global-batch-size",
+        str(p["global_batch"]),
+        "--train-iters",
+        str(p["iters"]),
+        "--lr",
+        str(p["lr"]),
+        "--min-lr",
+        str(p["lr"] / 10),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        str(max(1, p["iters"] // 10)),
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "100000",
+        "--split",
+        "98,2,0",
+        "--seed",
+        str(seed),
+    ]
 
 
-def launcher_command(p: dict, mode: str, data_args: list[str], cache: Path, seed: int,
-                     telemetry: Path | None = None) -> list[str]:  # fmt: skip
+def launcher_command(
+    p: dict, mode: str, data_args: list[str], cache: Path, seed: int, telemetry: Path | None = None
+) -> list[str]:
     """The launcher command of one mode. With ``telemetry`` (the demo) the plugin prints its bytes and writes
     telemetry to that directory every iteration (``--gift-log-interval 1``); without it (step timing, as
     :func:`megatron_gift_tools.planner.validation.validate_cpu`) it does neither."""
     logging = ["--gift-log-interval", "1", "--gift-telemetry-dir", str(telemetry)] if telemetry else []
-    return launch.launcher_command(RANKS, *model_args(p, seed), *data_args, "--data-cache-path", str(cache), *logging, *MODES[mode])
+    return launch.launcher_command(
+        RANKS, *model_args(p, seed), *data_args, "--data-cache-path", str(cache), *logging, *MODES[mode]
+    )
 
 
 def per_layer_rel_l2(lines: list[dict], skip: int) -> dict[str, float]:
@@ -122,7 +162,8 @@ def parse_log(text: str) -> dict:
 
 
 def ring_reduce_scatter_bytes(padded_elements: list[int], ranks: int = RANKS, element_size: int = 4) -> int:
-    """Bytes one rank sends in Megatron's ring reduce-scatter of every bucket (as ``bench.comm.megatron_ring_bytes``)."""
+    """Bytes one rank sends in Megatron's ring reduce-scatter of every bucket (as
+    ``bench.comm.megatron_ring_bytes``)."""
     return sum((ranks - 1) * n * element_size // ranks for n in padded_elements)
 
 
@@ -204,8 +245,14 @@ def train_mode(mode: str, p: dict, data_args: list[str], out: Path, seed: int, t
     return record, command
 
 
-def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict | None = None, seed: int = 1234,
-        command: str | None = None, timeout: float = 1800) -> dict:
+def run(
+    quick: bool = False,
+    out: str | os.PathLike = "runs/demo",
+    preset: dict | None = None,
+    seed: int = 1234,
+    command: str | None = None,
+    timeout: float = 1800,
+) -> dict:
     """Train every mode, write the metrics, report and plots to ``out``; return the metrics document."""
     from megatron_gift_tools.bench.corpus import build_token_corpus
     from megatron_gift_tools.bench.indexed_data import megatron_data_args
@@ -253,7 +300,9 @@ def run(quick: bool = False, out: str | os.PathLike = "runs/demo", preset: dict 
         wall_seconds=round(time.time() - t_start, 1),
         modes=modes,
     )
-    doc["auto_report"] = {k: str(v.relative_to(out)) for k, v in render(out / "telemetry" / "gift-auto", out / "auto").items()}
+    doc["auto_report"] = {
+        k: str(v.relative_to(out)) for k, v in render(out / "telemetry" / "gift-auto", out / "auto").items()
+    }
     (out / "metrics.json").write_text(json.dumps(doc, indent=1) + "\n")
     write_plots(doc, out)
     (out / "report.md").write_text(format_report(doc))
@@ -270,8 +319,13 @@ def auto_summary(modes: dict) -> dict:
             continue
         fixed = {m: modes[m]["per_layer_rel_l2"].get(name) for m in FIXED}
         best = min((m for m in FIXED if m != "bf16" and fixed[m] is not None), key=lambda m: fixed[m])
-        layers[name] = dict(auto=auto[name], **fixed, best_fp8=best, ratio_to_best_fp8=auto[name] / fixed[best],
-                            auto_mode=modes["gift-auto"]["final_layer_modes"][name])  # fmt: skip
+        layers[name] = dict(
+            auto=auto[name],
+            **fixed,
+            best_fp8=best,
+            ratio_to_best_fp8=auto[name] / fixed[best],
+            auto_mode=modes["gift-auto"]["final_layer_modes"][name],
+        )
     within = sum(v["ratio_to_best_fp8"] <= 1.05 for v in layers.values())
     return dict(layers=layers, within_5_percent=within, candidates=len(layers))
 
@@ -284,17 +338,28 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
 
     modes = doc["modes"]
     p = doc["preset"]
-    colors = {"fp32": "black", "bf16": "tab:blue", "euclidean-e4m3": "tab:orange", "gift-e4m3": "tab:green", "gift-auto": "tab:red"}
+    colors = {
+        "fp32": "black",
+        "bf16": "tab:blue",
+        "euclidean-e4m3": "tab:orange",
+        "gift-e4m3": "tab:green",
+        "gift-auto": "tab:red",
+    }
     styles = {"fp32": "-", "bf16": "--", "euclidean-e4m3": "-.", "gift-e4m3": ":", "gift-auto": (0, (1, 1))}
     paths = []
 
-    fig, (ax, dx) = plt.subplots(
-        2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw=dict(height_ratios=[3, 1.4])
-    )
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw=dict(height_ratios=[3, 1.4]))
     base = modes["fp32"]["loss_curve"]
     for name, m in modes.items():
         its = range(1, len(m["loss_curve"]) + 1)
-        ax.plot(its, m["loss_curve"], linestyle=styles[name], color=colors[name], lw=1.6, label=f"{m['label']} ({m['final_loss']:.3f})")
+        ax.plot(
+            its,
+            m["loss_curve"],
+            linestyle=styles[name],
+            color=colors[name],
+            lw=1.6,
+            label=f"{m['label']} ({m['final_loss']:.3f})",
+        )
         dx.plot(its, [a - b for a, b in zip(m["loss_curve"], base)], linestyle=styles[name], color=colors[name], lw=1.4)
     ax.set_ylabel("training loss (lm loss)")
     ax.set_title(
@@ -340,8 +405,16 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
     height = 0.8 / len(shown)
     for k, m in enumerate(shown):
         values = [layers[n]["auto" if m == "gift-auto" else m] for n in names]
-        ax.barh([i + (k - 1.5) * height for i in range(len(names))], values, height, color=colors[m], label=modes[m]["label"])
-    ax.set_yticks(range(len(names)), [n.replace("decoder.layers.", "").replace(".weight", "") for n in names], fontsize=8)
+        ax.barh(
+            [i + (k - 1.5) * height for i in range(len(names))],
+            values,
+            height,
+            color=colors[m],
+            label=modes[m]["label"],
+        )
+    ax.set_yticks(
+        range(len(names)), [n.replace("decoder.layers.", "").replace(".weight", "") for n in names], fontsize=8
+    )
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("reduced-gradient RelL2 vs FP32 sum (mean over the second half)")
@@ -414,10 +487,7 @@ def format_report(doc: dict) -> str:
         "",
         "Last iteration's byte breakdown per mode:",
         "",
-        *[
-            f"- {m['label']}: {m['bytes_detail_last'] or m['bytes_source']}"
-            for m in doc["modes"].values()
-        ],
+        *[f"- {m['label']}: {m['bytes_detail_last'] or m['bytes_source']}" for m in doc["modes"].values()],
         "",
         "![loss curves](loss_curves.png)",
         "",

@@ -25,9 +25,9 @@ Inside a stage:
 ``Meter(stub=True)`` records the launches without running them (for ``meta`` tensors, and to time
 the plugin's host work without kernel time); ``stub=False`` runs them after recording.
 ``Meter(count_ops=False)`` times instead: each stage's wall and thread CPU time and the part of
-the latter spent inside ATen dispatch (on ``meta`` tensors an op's shape function alone costs 0.1-4 ms of Python, far more
-than a CUDA launch's host side, so the plugin's own host time is what is left: ``python_s``; it
-still holds the ~µs per op of entering the dispatch probe).
+the latter spent inside ATen dispatch (on ``meta`` tensors an op's shape function alone
+costs 0.1-4 ms of Python, far more than a CUDA launch's host side, so the plugin's own host time
+is what is left: ``python_s``; it still holds the ~µs per op of entering the dispatch probe).
 No state outside the ``Meter`` object: the launcher patch lives only inside ``with meter:``.
 """
 
@@ -43,15 +43,20 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from megatron_gift.testing.dispatch import NO_TRAFFIC as _NO_TRAFFIC
 from megatron_gift.testing.dispatch import launches
 
 aten = torch.ops.aten
 
 _NOT_READ = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_, aten.random_, aten.bernoulli_}
 # written argument -> the argument whose elements say how many of it are written
-_INDEXED_WRITE = {aten.index_copy_: "source", aten.index_add_: "source", aten.index_put_: "values",
-                  aten.scatter_: "src", aten.scatter_add_: "src", aten.masked_scatter_: "source"}  # fmt: skip
+_INDEXED_WRITE = {
+    aten.index_copy_: "source",
+    aten.index_add_: "source",
+    aten.index_put_: "values",
+    aten.scatter_: "src",
+    aten.scatter_add_: "src",
+    aten.masked_scatter_: "source",
+}
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -151,13 +156,21 @@ class StageCount:
 
     def as_dict(self) -> dict:
         kernels = collections.Counter(k.kernel for k in self.launches)
-        return dict(stage=self.name, aten_ops=self.aten_ops, no_traffic_ops=self.no_traffic_ops,
-                    triton_launches=self.triton_launches, launches=self.gpu_launches,
-                    aten_bytes_read=self.aten_read, aten_bytes_written=self.aten_written,
-                    triton_bytes_read=sum(k.read for k in self.launches),
-                    triton_bytes_written=sum(k.written for k in self.launches),
-                    bytes_read=self.read, bytes_written=self.written, kernels=dict(kernels),
-                    top_ops=dict(self.by_op.most_common(8)))  # fmt: skip
+        return dict(
+            stage=self.name,
+            aten_ops=self.aten_ops,
+            no_traffic_ops=self.no_traffic_ops,
+            triton_launches=self.triton_launches,
+            launches=self.gpu_launches,
+            aten_bytes_read=self.aten_read,
+            aten_bytes_written=self.aten_written,
+            triton_bytes_read=sum(k.read for k in self.launches),
+            triton_bytes_written=sum(k.written for k in self.launches),
+            bytes_read=self.read,
+            bytes_written=self.written,
+            kernels=dict(kernels),
+            top_ops=dict(self.by_op.most_common(8)),
+        )
 
 
 class _OpTraffic(TorchDispatchMode):
@@ -220,8 +233,9 @@ def kernel_traffic(fn, bound: dict) -> tuple[int, int]:
     given = {id(t): nbytes(t) for t in bound.values() if isinstance(t, torch.Tensor)}
     limit = sum(given.values())
     if not (0 <= read <= limit and 0 <= written <= limit):
-        raise AssertionError(f"TRAFFIC[{name!r}] gives {read} B read, {written} B written: more than the "
-                             f"{limit} B its tensors address")  # fmt: skip
+        raise AssertionError(
+            f"TRAFFIC[{name!r}] gives {read} B read, {written} B written: more than the {limit} B its tensors address"
+        )
     return int(read), int(written)
 
 
@@ -249,7 +263,7 @@ class Meter:
         self.names: list[str] | None = None  # stage names for ``probe``, in order (else "stage k")
 
     # -- the Triton launcher -------------------------------------------------------------------
-    def __enter__(self) -> "Meter":
+    def __enter__(self) -> Meter:
         meter = self
         for cls in _launchers():
             real = cls.run

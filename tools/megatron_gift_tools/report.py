@@ -23,6 +23,7 @@ import numpy as np
 
 from megatron_gift.telemetry import MODE_CODES as MODES
 from megatron_gift.telemetry import TELEMETRY_FILE
+
 MODE_COLORS = ("lightgray", "tab:blue", "tab:orange", "tab:green")
 
 
@@ -121,8 +122,13 @@ def render(run: str | os.PathLike, out: str | os.PathLike | None = None) -> dict
     if positive.any():
         fig, ax = _layer_axes(plt, names)
         lo, hi = rel[positive].min(), rel[positive].max()
-        mesh = ax.pcolormesh(edges, y_edges, np.ma.masked_where(~positive, rel), cmap="viridis",
-                             norm=LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 1.01))
+        mesh = ax.pcolormesh(
+            edges,
+            y_edges,
+            np.ma.masked_where(~positive, rel),
+            cmap="viridis",
+            norm=LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 1.01),
+        )
         fig.colorbar(mesh, ax=ax, label="RelL2 vs FP32 sum")
         ax.set_title("Reduced-gradient RelL2 per layer (blank: not measured)", fontsize=10)
         fig.tight_layout()
@@ -132,17 +138,33 @@ def render(run: str | os.PathLike, out: str | os.PathLike | None = None) -> dict
 
     if (mode >= 0).any():
         fig, ax = _layer_axes(plt, names)
-        ax.pcolormesh(edges, y_edges, np.ma.masked_where(mode < 0, mode), cmap=ListedColormap(MODE_COLORS),
-                      norm=BoundaryNorm(np.arange(len(MODES) + 1) - 0.5, len(MODES)))
+        ax.pcolormesh(
+            edges,
+            y_edges,
+            np.ma.masked_where(mode < 0, mode),
+            cmap=ListedColormap(MODE_COLORS),
+            norm=BoundaryNorm(np.arange(len(MODES) + 1) - 0.5, len(MODES)),
+        )
         row = {name: i for i, name in enumerate(names)}
         marked = [d for d in decisions if d.get("param") in row]
         if marked:
-            ax.scatter([d["step"] for d in marked], [row[d["param"]] for d in marked], marker="v", s=36,
-                       color="black", zorder=3, label="switch")
+            ax.scatter(
+                [d["step"] for d in marked],
+                [row[d["param"]] for d in marked],
+                marker="v",
+                s=36,
+                color="black",
+                zorder=3,
+                label="switch",
+            )
         present = sorted(set(mode[mode >= 0].tolist()))
         handles = [Patch(color=MODE_COLORS[m], label=MODES[m]) for m in present]
-        ax.legend(handles=handles + ax.get_legend_handles_labels()[0], loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        ax.legend(
+            handles=handles + ax.get_legend_handles_labels()[0],
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize=8,
+        )
         ax.set_title("Communication mode per layer (▼: policy switch)", fontsize=10)
         fig.tight_layout()
         written["mode_timeline"] = out / "mode_timeline.png"
@@ -188,11 +210,15 @@ def format_report(path: Path, lines, names, rel, mode, decisions, written) -> st
         modes = mode[i][mode[i] >= 0]
         final_mode = MODES[modes[-1]] if len(modes) else "-"
         n_switch = sum(1 for d in decisions if d.get("param") == name)
-        md.append(f"| `{name}` | {final_mode} | {_g(seen[-1]) if len(seen) else '-'} | "
-                  f"{_g(seen.mean()) if len(seen) else '-'} | {n_switch} |")
+        md.append(
+            f"| `{name}` | {final_mode} | {_g(seen[-1]) if len(seen) else '-'} | "
+            f"{_g(seen.mean()) if len(seen) else '-'} | {n_switch} |"
+        )
     md += ["", "## Decisions", ""]
-    md += [f"- step {d['step']}: `{d.get('param')}` {d.get('from')} → {d.get('to')}: {d.get('reason', '')}"
-           for d in decisions] or ["No switches."]
+    md += [
+        f"- step {d['step']}: `{d.get('param')}` {d.get('from')} → {d.get('to')}: {d.get('reason', '')}"
+        for d in decisions
+    ] or ["No switches."]
     byte_keys = list(dict.fromkeys(k for line in lines for k in line.get("bytes") or {}))
     if byte_keys:
         md += ["", "## Bytes per step (mean over the lines that report them)", ""]

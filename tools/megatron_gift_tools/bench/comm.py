@@ -36,7 +36,11 @@ from megatron_gift.numerics.fp8 import CodecConfig
 MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
 LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
 REFRESH_INTERVAL = GiftConfig().refresh_interval
-REFRESH_COLLECTIVES = ("all_reduce/fp32", "reduce_scatter/fp32", "all_gather/factors")  # statistics (FP32 EMAs), records
+REFRESH_COLLECTIVES = (
+    "all_reduce/fp32",
+    "reduce_scatter/fp32",
+    "all_gather/factors",
+)  # statistics (FP32 EMAs), records
 
 
 def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:
@@ -114,7 +118,9 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                 lm_loss(ddp, tokens).backward()
                 ddp.finish_grad_sync()
                 if cfg is None:
-                    sent = {"ring/" + ("reduce_scatter" if dist_opt else "all_reduce"): megatron_ring_bytes(ddp, dist_opt)}
+                    sent = {
+                        "ring/" + ("reduce_scatter" if dist_opt else "all_reduce"): megatron_ring_bytes(ddp, dist_opt)
+                    }
                 else:
                     sent = ddp.ledger.as_dict()
                 expected = hand_average(ref, model, tokens)
@@ -123,8 +129,16 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                     num += float((got - want).pow(2).sum())
                     den += float(want.pow(2).sum())
                     shards.append(got.float())
-                steps.append(dict(bytes=sent, err2=num, ref2=den, grads=shards, ops_per_bucket=ops(),
-                                  layers=_layer_errors(ddp, model, expected, rank, world, dist_opt)))  # fmt: skip
+                steps.append(
+                    dict(
+                        bytes=sent,
+                        err2=num,
+                        ref2=den,
+                        grads=shards,
+                        ops_per_bucket=ops(),
+                        layers=_layer_errors(ddp, model, expected, rank, world, dist_opt),
+                    )
+                )
                 opt.step()
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
             out.append(dict(mode=mode, distributed_optimizer=dist_opt, steps=steps, params=params))
@@ -132,7 +146,9 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     return out
 
 
-def _layer_errors(ddp, model, expected: dict, rank: int, world: int, dist_opt: bool) -> dict[str, tuple[list[float], float]]:
+def _layer_errors(
+    ddp, model, expected: dict, rank: int, world: int, dist_opt: bool
+) -> dict[str, tuple[list[float], float]]:
     """Per linear weight (``LINEAR``): the squared error of this rank's reduced region of it in
     ``CHUNKS`` chunks, and its reference's squared norm (``pretrained_steps.noisy_rel_l2`` sums them over ranks)."""
     from megatron_gift_tools.bench.fidelity import chunk_errors
@@ -153,8 +169,13 @@ def _layer_errors(ddp, model, expected: dict, rank: int, world: int, dist_opt: b
     return out
 
 
-def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...] = (2, 4),
-        nodes: tuple[tuple[int, int], ...] = (), command: str | None = None) -> dict:  # fmt: skip
+def run(
+    quick: bool = True,
+    json_path: str | None = None,
+    ranks: tuple[int, ...] = (2, 4),
+    nodes: tuple[tuple[int, int], ...] = (),
+    command: str | None = None,
+) -> dict:
     """Run every configuration, print a table, write JSON; returns the JSON document. ``nodes``:
     ``(n, g)`` simulated-node layouts of the link ledger (``links``)."""
     from megatron_gift.testing import run_on_ranks
@@ -195,7 +216,8 @@ def run(quick: bool = True, json_path: str | None = None, ranks: tuple[int, ...]
         results=results,
         gift_vs_euclidean=gift_vs_euclidean(results),
         noise="per (step, layer): the standard error of each RelL2 from 16 chunks of every rank's reduced region "
-        "(pretrained_steps.noisy_rel_l2); GIFT loses where its RelL2 exceeds Euclidean's by more than 2 combined standard errors",
+        "(pretrained_steps.noisy_rel_l2); GIFT loses where its RelL2 exceeds Euclidean's by more than 2 combined "
+        "standard errors",
         links=links,
         links_model=LINKS_MODEL,
     )
@@ -226,7 +248,10 @@ def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
         identical = all(torch.equal(r["params"], runs[0]["params"]) for r in runs)
         if not dist_opt:  # all-reduce: every rank holds the same reduced gradients
             identical &= all(
-                torch.equal(a, b) for r in runs for s, s0 in zip(r["steps"], runs[0]["steps"]) for a, b in zip(s["grads"], s0["grads"])
+                torch.equal(a, b)
+                for r in runs
+                for s, s0 in zip(r["steps"], runs[0]["steps"])
+                for a, b in zip(s["grads"], s0["grads"])
             )
         rows.append(
             dict(
@@ -239,8 +264,10 @@ def _summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                 refresh_interval=REFRESH_INTERVAL,
                 bytes_ratio_vs_fp32=round(bytes_per_step / fp32_bytes[dist_opt], 4),
                 rel_l2_vs_fp32=(err2 / ref2) ** 0.5,
-                rel_l2_per_step=[(sum(r["steps"][t]["err2"] for r in runs) / sum(r["steps"][t]["ref2"] for r in runs)) ** 0.5
-                                 for t in range(n)],  # fmt: skip
+                rel_l2_per_step=[
+                    (sum(r["steps"][t]["err2"] for r in runs) / sum(r["steps"][t]["ref2"] for r in runs)) ** 0.5
+                    for t in range(n)
+                ],
                 ranks_bitwise_identical=bool(identical),
                 ops_per_bucket=_ops(runs),
                 rel_l2_per_layer_step=_per_layer(runs if dist_opt else runs[:1]),
@@ -256,8 +283,13 @@ def _per_layer(runs: list[dict]) -> dict[str, list[tuple[float, float]]]:
 
     names = sorted({n for r in runs for n in r["steps"][0]["layers"]})  # a rank's shard may hold none of a layer
     parts = lambda name, t: [r["steps"][t]["layers"][name] for r in runs if name in r["steps"][t]["layers"]]  # noqa: E731
-    return {name: [noisy_rel_l2([e for errs, _ in parts(name, t) for e in errs], sum(ref2 for _, ref2 in parts(name, t)))
-                   for t in range(len(runs[0]["steps"]))] for name in names}  # fmt: skip
+    return {
+        name: [
+            noisy_rel_l2([e for errs, _ in parts(name, t) for e in errs], sum(ref2 for _, ref2 in parts(name, t)))
+            for t in range(len(runs[0]["steps"]))
+        ]
+        for name in names
+    }
 
 
 def gift_vs_euclidean(rows: list[dict]) -> list[dict]:
@@ -274,19 +306,35 @@ def gift_vs_euclidean(rows: list[dict]) -> list[dict]:
         for name, steps in g["rel_l2_per_layer_step"].items():
             for t, ((gr, gs), (er, es)) in enumerate(zip(steps, e["rel_l2_per_layer_step"][name])):
                 noise = 2 * math.hypot(gs, es)
-                recs.append(dict(step=t, layer=name, gift=gr, euclidean=er, ratio=gr / er, noise=noise, loses=gr - er > noise))
-        out.append(dict(ranks=world, distributed_optimizer=dist_opt, records=recs, losses_beyond_noise=sum(r["loses"] for r in recs),
-                        worst_ratio=max(r["ratio"] for r in recs),
-                        worst_ratio_per_step=[max(r["ratio"] for r in recs if r["step"] == t) for t in range(len(steps))]))  # fmt: skip
+                recs.append(
+                    dict(step=t, layer=name, gift=gr, euclidean=er, ratio=gr / er, noise=noise, loses=gr - er > noise)
+                )
+        out.append(
+            dict(
+                ranks=world,
+                distributed_optimizer=dist_opt,
+                records=recs,
+                losses_beyond_noise=sum(r["loses"] for r in recs),
+                worst_ratio=max(r["ratio"] for r in recs),
+                worst_ratio_per_step=[max(r["ratio"] for r in recs if r["step"] == t) for t in range(len(steps))],
+            )
+        )
     return out
 
 
 def format_comparison(cmp: list[dict]) -> str:
-    lines = ["| ranks | dist. opt. | (step, layer) records | GIFT above Euclidean beyond noise | worst GIFT/Euclidean per step |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        (
+            "| ranks | dist. opt. | (step, layer) records | GIFT above Euclidean beyond noise | "
+            "worst GIFT/Euclidean per step |"
+        ),
+        "|---|---|---|---|---|",
+    ]
     for c in cmp:
-        lines.append(f"| {c['ranks']} | {'on' if c['distributed_optimizer'] else 'off'} | {len(c['records'])} | {c['losses_beyond_noise']} | "
-                     + ", ".join(f"{x:.3f}" for x in c["worst_ratio_per_step"]) + " |")  # fmt: skip
+        lines.append(
+            f"| {c['ranks']} | {'on' if c['distributed_optimizer'] else 'off'} | {len(c['records'])} | "
+            f"{c['losses_beyond_noise']} | " + ", ".join(f"{x:.3f}" for x in c["worst_ratio_per_step"]) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -297,11 +345,14 @@ def _ops(runs: list[dict]) -> float | None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| ranks | dist. opt. | mode | bytes/step/rank | vs FP32 | RelL2 vs FP32 | ranks identical | ops/bucket |\n"
-            "|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = (
+        "| ranks | dist. opt. | mode | bytes/step/rank | vs FP32 | RelL2 vs FP32 | ranks identical | ops/bucket |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     lines = [
         f"| {r['ranks']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['bytes_per_step']:,} | "
-        f"{r['bytes_ratio_vs_fp32']:.3f} | {r['rel_l2_vs_fp32']:.2e} | {'yes' if r['ranks_bitwise_identical'] else 'NO'} | "
+        f"{r['bytes_ratio_vs_fp32']:.3f} | {r['rel_l2_vs_fp32']:.2e} | "
+        f"{'yes' if r['ranks_bitwise_identical'] else 'NO'} | "
         f"{'-' if r['ops_per_bucket'] is None else round(r['ops_per_bucket'])} |"
         for r in rows
     ]
@@ -312,7 +363,8 @@ LINKS_MODEL = (
     "per rank, bytes sent to ranks on the same simulated node (intra) and on other nodes (inter) as if each peer's "
     "bytes went to it directly (plugin ledger, gradient exchanges only); NCCL rings over the same links, one ring per "
     "NIC: reduce-scatter inter = (p-1)/p * B/g, intra = (p-1)/p * B - inter, all-reduce twice that (B: bucket bytes); "
-    "target = (n-1)/n * S_fp8/g (S_fp8: the buckets' FP8 messages, payload + scales + plain sections), twice for all-reduce"
+    "target = (n-1)/n * S_fp8/g (S_fp8: the buckets' FP8 messages, payload + scales + plain sections), "
+    "twice for all-reduce"
 )
 EXCHANGES = (("flat", "bf16"), ("auto", "bf16"), ("auto", "fp32"), ("auto", "fp8"))
 
@@ -333,8 +385,12 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
     out = []
     for dist_opt, mode, (exchange, intra) in itertools.product((True, False), MODES[2:], EXCHANGES):
         model, ref = build_tiny_gpt(**model_args), build_tiny_gpt(**model_args)
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=spec["bucket_size"])
-        cfg = dataclasses.replace(gift_config(mode, codec), exchange=exchange, intra_node=intra, ranks_per_node=ranks_per_node)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=spec["bucket_size"]
+        )
+        cfg = dataclasses.replace(
+            gift_config(mode, codec), exchange=exchange, intra_node=intra, ranks_per_node=ranks_per_node
+        )
         ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=cfg)
         batches = corpus.batches(spec["seq"], spec["batch"], seed=rank)
         inputs, targets = next(batches)
@@ -352,9 +408,20 @@ def _links_rank_main(rank: int, world: int, spec: dict, ranks_per_node: int, qui
         buckets = [(gb.bucket, gb.layout) for gb in ddp.gift_buckets()]
         bucket_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b, _ in buckets)
         fp8_bytes = sum(p.message_bytes for _, lay in buckets for p in lay.shards)
-        out.append(dict(mode=mode, distributed_optimizer=dist_opt, exchange=exchange if exchange == "flat" else "two-level",
-                        intra_node=intra if exchange != "flat" else None, links=links, err2=err2, ref2=ref2,
-                        bucket_bytes=bucket_bytes, fp8_bytes=fp8_bytes, ops_per_bucket=ops()))  # fmt: skip
+        out.append(
+            dict(
+                mode=mode,
+                distributed_optimizer=dist_opt,
+                exchange=exchange if exchange == "flat" else "two-level",
+                intra_node=intra if exchange != "flat" else None,
+                links=links,
+                err2=err2,
+                ref2=ref2,
+                bucket_bytes=bucket_bytes,
+                fp8_bytes=fp8_bytes,
+                ops_per_bucket=ops(),
+            )
+        )
     parallel_state.destroy_model_parallel()
     return out
 
@@ -371,39 +438,54 @@ def _summarize_links(per_rank: list[list[dict]], n: int, g: int) -> list[dict]:
     p = n * g
     for k, rec in enumerate(per_rank[0]):
         runs = [r[k] for r in per_rank]
-        by_rank = [{link: sum(v for key, v in r["links"].items() if key.startswith(link + "/")) for link in ("intra", "inter")} for r in runs]
+        by_rank = [
+            {link: sum(v for key, v in r["links"].items() if key.startswith(link + "/")) for link in ("intra", "inter")}
+            for r in runs
+        ]
         node_inter = [sum(b["inter"] for b in by_rank[m * g : (m + 1) * g]) for m in range(n)]
         all_reduce = not rec["distributed_optimizer"]
         fp32 = _ring_links(rec["bucket_bytes"], p, g, all_reduce)
         bf16 = _ring_links(rec["bucket_bytes"] // 2, p, g, all_reduce)
         target = (2 if all_reduce else 1) * (n - 1) / n * rec["fp8_bytes"] / g
         inter_fp8 = max(r["links"].get("inter/fp8+scales", 0) for r in runs)
-        rows.append(dict(
-            nodes=n, ranks_per_node=g, mode=rec["mode"], distributed_optimizer=rec["distributed_optimizer"],
-            exchange=rec["exchange"], intra_node=rec["intra_node"],
-            intra_per_rank=max(b["intra"] for b in by_rank), inter_per_rank=max(b["inter"] for b in by_rank),
-            inter_per_node=max(node_inter), inter_fp8_per_rank=inter_fp8,
-            target_inter_fp8_per_rank=round(target, 1), inter_fp8_vs_target=round(inter_fp8 / target, 4),
-            fp32_ring=fp32, bf16_ring=bf16, inter_vs_bf16_ring=round(max(b["inter"] for b in by_rank) / bf16["inter"], 4),
-            rel_l2_vs_fp32=(sum(r["err2"] for r in runs) / sum(r["ref2"] for r in runs)) ** 0.5,
-            ops_per_bucket=max(r["ops_per_bucket"] for r in runs),
-            links_by_rank=[r["links"] for r in runs],
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                nodes=n,
+                ranks_per_node=g,
+                mode=rec["mode"],
+                distributed_optimizer=rec["distributed_optimizer"],
+                exchange=rec["exchange"],
+                intra_node=rec["intra_node"],
+                intra_per_rank=max(b["intra"] for b in by_rank),
+                inter_per_rank=max(b["inter"] for b in by_rank),
+                inter_per_node=max(node_inter),
+                inter_fp8_per_rank=inter_fp8,
+                target_inter_fp8_per_rank=round(target, 1),
+                inter_fp8_vs_target=round(inter_fp8 / target, 4),
+                fp32_ring=fp32,
+                bf16_ring=bf16,
+                inter_vs_bf16_ring=round(max(b["inter"] for b in by_rank) / bf16["inter"], 4),
+                rel_l2_vs_fp32=(sum(r["err2"] for r in runs) / sum(r["ref2"] for r in runs)) ** 0.5,
+                ops_per_bucket=max(r["ops_per_bucket"] for r in runs),
+                links_by_rank=[r["links"] for r in runs],
+            )
+        )
     return rows
 
 
 def format_links(rows: list[dict]) -> str:
     head = (
         "| nodes x ranks | dist. opt. | mode | exchange | intra dtype | intra B/rank | inter B/rank | inter B/node | "
-        "FP8 inter / target | FP32 ring intra / inter per rank | BF16 ring intra / inter per rank | inter vs BF16 ring | RelL2 | "
-        "ops/bucket |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "FP8 inter / target | FP32 ring intra / inter per rank | BF16 ring intra / inter per rank | "
+        "inter vs BF16 ring | RelL2 | ops/bucket |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [
-        f"| {r['nodes']}x{r['ranks_per_node']} | {'on' if r['distributed_optimizer'] else 'off'} | {r['mode']} | {r['exchange']} | "
+        f"| {r['nodes']}x{r['ranks_per_node']} | {'on' if r['distributed_optimizer'] else 'off'} | "
+        f"{r['mode']} | {r['exchange']} | "
         f"{r['intra_node'] or '-'} | {r['intra_per_rank']:,} | {r['inter_per_rank']:,} | {r['inter_per_node']:,} | "
         f"{r['inter_fp8_vs_target']:.3f} | {r['fp32_ring']['intra']:,.0f} / {r['fp32_ring']['inter']:,.0f} | "
-        f"{r['bf16_ring']['intra']:,.0f} / {r['bf16_ring']['inter']:,.0f} | {r['inter_vs_bf16_ring']:.3f} | {r['rel_l2_vs_fp32']:.2e} | "
-        f"{round(r['ops_per_bucket'])} |"
+        f"{r['bf16_ring']['intra']:,.0f} / {r['bf16_ring']['inter']:,.0f} | {r['inter_vs_bf16_ring']:.3f} | "
+        f"{r['rel_l2_vs_fp32']:.2e} | {round(r['ops_per_bucket'])} |"
         for r in rows
     ]
     return "\n".join([head, *lines])

@@ -63,6 +63,17 @@ from pathlib import Path
 
 import torch
 
+from megatron_gift.config import GiftConfig
+from megatron_gift.numerics import (
+    CodecConfig,
+    FP8Format,
+    KFACStatistics,
+    LowRankWhitening,
+    Scaling,
+    geometry_stats,
+    roundtrip,
+)
+from megatron_gift.numerics.profile import choose_damping
 from megatron_gift_tools.bench.corpus import TokenCorpus, build_token_corpus
 from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
 from megatron_gift_tools.bench.llama import (
@@ -76,29 +87,18 @@ from megatron_gift_tools.bench.llama import (
     per_shard_grads,
 )
 from megatron_gift_tools.bench.plugin_sim import GiftLayer
-from megatron_gift.config import GiftConfig
-from megatron_gift.numerics import (
-    CodecConfig,
-    FP8Format,
-    KFACStatistics,
-    LowRankWhitening,
-    Scaling,
-    geometry_stats,
-    roundtrip,
-)
-from megatron_gift.numerics.profile import choose_damping
 
 LAYER_TYPES = ("qkv", "proj", "fc1", "fc2")
 
 SCHEMA = {
     "results": "one record per (step, layer, tokens_per_rank, scheme): step, layer, layer_type, scheme, "
-    "tokens_per_rank, rel_l2, rel_l2_se, cos; gift schemes add ratio_vs_euclid (rel_l2 / rel_l2 of euclid with the same "
-    "codec), ratio_vs_best_euclid (rel_l2 / min(euclid-e4m3-block, euclid-e4m3-row)), noise_vs_best_euclid, best_euclid, "
-    "damping (the damping used, 'euclidean' where the choice was T = I; the plugin's schemes: a candidate, a pair "
-    "'δ_in/δ_out', 'euclidean' or 'none' before any refresh) and (not the plugin's) factor_age; steps in cold_points "
-    "hold only bf16, euclid and the plugin's schemes (gift-chosen, gift-both, gift-auto)",
-    "schemes": "scheme name -> family (bf16|euclid|gift|gift-paper|gift-paper-dense), codec (fmt-scaling[-shared]), fmt, "
-    "scaling, shared, gift_rank, settings (the GIFT scheme's statistics, refresh and damping)",
+    "tokens_per_rank, rel_l2, rel_l2_se, cos; gift schemes add ratio_vs_euclid (rel_l2 / rel_l2 of euclid with the "
+    "same codec), ratio_vs_best_euclid (rel_l2 / min(euclid-e4m3-block, euclid-e4m3-row)), noise_vs_best_euclid, "
+    "best_euclid, damping (the damping used, 'euclidean' where the choice was T = I; the plugin's schemes: a "
+    "candidate, a pair 'δ_in/δ_out', 'euclidean' or 'none' before any refresh) and (not the plugin's) factor_age; "
+    "steps in cold_points hold only bf16, euclid and the plugin's schemes (gift-chosen, gift-both, gift-auto)",
+    "schemes": "scheme name -> family (bf16|euclid|gift|gift-paper|gift-paper-dense), codec (fmt-scaling[-shared]), "
+    "fmt, scaling, shared, gift_rank, settings (the GIFT scheme's statistics, refresh and damping)",
     "geometry": "one record per (step, layer, tokens_per_rank, gift scheme family gift|gift-paper): d_in, "
     "trace_share_top_r (p), grad_energy_share_top_r (q over the per-rank gradients), grad_energy_share_top_r_sum "
     "(q of Σ_r G_r), predicted_ratio_shares, predicted_ratio_model, measured_ratio {codec: gift/euclid rel_l2}",
@@ -131,7 +131,7 @@ class GiftScheme:
     per_refresh: bool = False
 
     @classmethod
-    def from_config(cls, cfg: GiftConfig) -> "GiftScheme":
+    def from_config(cls, cfg: GiftConfig) -> GiftScheme:
         return cls(cfg.rank, cfg.sketch, cfg.ema, cfg.refresh_interval, cfg.damping, cfg.damping_candidates)
 
     def is_refresh(self, step: int) -> bool:
@@ -170,7 +170,9 @@ class FidelityConfig:
 
 # points in the middle of the default refresh interval (factors 4-5 steps old), late enough to be past the warm-up
 QUICK = FidelityConfig(model=LlamaConfig(hidden=128, layers=2, heads=2, ffn_hidden=344, seq_len=64), points=(45, 125))
-FULL = FidelityConfig(model=LlamaConfig(hidden=256, layers=3, heads=4, ffn_hidden=688, seq_len=64), points=(55, 205, 405))
+FULL = FidelityConfig(
+    model=LlamaConfig(hidden=256, layers=3, heads=4, ffn_hidden=688, seq_len=64), points=(55, 205, 405)
+)
 
 
 @dataclass(frozen=True)
@@ -189,12 +191,17 @@ class Scheme:
     def name(self) -> str:
         return "bf16" if self.family == "bf16" else f"{self.family}-{self.codec_name}"
 
-    def describe(self, cfg: "FidelityConfig") -> dict:
+    def describe(self, cfg: FidelityConfig) -> dict:
         """The scheme's parts, for the JSON ``schemes`` table."""
         if self.codec is None:
             return {"family": self.family}
-        out = {"family": self.family, "codec": self.codec_name, "fmt": self.codec.fmt.name,
-               "scaling": self.codec.scaling.value, "shared": self.shared}  # fmt: skip
+        out = {
+            "family": self.family,
+            "codec": self.codec_name,
+            "fmt": self.codec.fmt.name,
+            "scaling": self.codec.scaling.value,
+            "shared": self.shared,
+        }
         gift = {"gift": cfg.gift, "gift-paper": cfg.paper, "gift-paper-dense": cfg.paper}.get(self.family)
         if self.family in PLUGIN:
             gift = cfg.gift
@@ -216,8 +223,11 @@ BEST_EUCLID = ("euclid-e4m3-block", "euclid-e4m3-row")  # the strongest plain FP
 
 def schemes(cfg: FidelityConfig | None = None) -> list[Scheme]:
     """Every scheme measured, in table order."""
-    return ([Scheme("bf16")] + [Scheme(family, c, s) for family in ("euclid", *GIFT_FAMILIES) for c, s in CODECS]
-            + [Scheme(family, GiftConfig().codec) for family in PLUGIN])  # fmt: skip
+    return (
+        [Scheme("bf16")]
+        + [Scheme(family, c, s) for family in ("euclid", *GIFT_FAMILIES) for c, s in CODECS]
+        + [Scheme(family, GiftConfig().codec) for family in PLUGIN]
+    )
 
 
 # --------------------------------------------------------------------------- measurement
@@ -268,10 +278,14 @@ def rel_l2_noise(approx: torch.Tensor, truth: torch.Tensor) -> tuple[float, floa
 
 
 def errors(approx: torch.Tensor, truth: torch.Tensor) -> dict:
-    """``rel_l2``, its standard error ``rel_l2_se`` (``rel_l2_noise``) and ``cos`` of ``approx`` against ``truth``, in FP64."""
+    """``rel_l2``, its standard error ``rel_l2_se`` (``rel_l2_noise``) and ``cos`` of ``approx`` against ``truth``, in
+    FP64."""
     a, t = approx.double().flatten(), truth.double().flatten()
-    return {"rel_l2": float((a - t).norm() / t.norm()), "rel_l2_se": rel_l2_noise(approx, truth)[1],
-            "cos": float(a @ t / (a.norm() * t.norm()))}
+    return {
+        "rel_l2": float((a - t).norm() / t.norm()),
+        "rel_l2_se": rel_l2_noise(approx, truth)[1],
+        "cos": float(a @ t / (a.norm() * t.norm())),
+    }
 
 
 def _geometry(stack: torch.Tensor, truth: torch.Tensor, factor, whitening) -> dict:
@@ -289,7 +303,9 @@ def _gift_sum(stack: torch.Tensor, codec: CodecConfig, shared: bool, whitening) 
     return whitening.inverse(quantized_sum(whitening.apply(stack), codec, shared))
 
 
-def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig, plugin=None) -> tuple[list[dict], list[dict]]:
+def measure_layer(
+    stack: torch.Tensor, factors: dict, cfg: FidelityConfig, plugin=None
+) -> tuple[list[dict], list[dict]]:
     """Result records of every scheme and geometry records of each GIFT scheme for one layer's
     per-rank gradients ``stack [R, d_out, d_in]``; ``factors``: ``{"gift" | "gift-paper": (undamped
     LowRankFactor of the scheme's last refresh, its age in steps)}`` (empty: those schemes left out);
@@ -315,21 +331,35 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig, plugi
         codec = GiftConfig().codec
         for family, side in PLUGIN.items():
             t, label = plugin.sent.get((side, True), (None, "none"))
-            rec = {"scheme": Scheme(family, codec).name, **errors(_gift_sum(stack, codec, False, t), truth), "damping": label}
+            rec = {
+                "scheme": Scheme(family, codec).name,
+                **errors(_gift_sum(stack, codec, False, t), truth),
+                "damping": label,
+            }
             results.append(compared(rec, codec.name))
     geometry = []
     for family, (factor, age) in factors.items():
         gift = cfg.gift if family == "gift" else cfg.paper
-        variants = [(family, LowRankWhitening)] + ([("gift-paper-dense", DenseCholeskyWhitening)] if family == "gift-paper" else [])
+        variants = [(family, LowRankWhitening)] + (
+            [("gift-paper-dense", DenseCholeskyWhitening)] if family == "gift-paper" else []
+        )
         measured, shipped = {}, None
         for codec, shared in CODECS:
             # auto: the owner's choice on its own gradient (rank 0's), for this codec; None: Euclidean (T = I)
-            damping = gift.damping if gift.damping is not None else choose_damping(stack[0], factor, gift.candidates, codec)[0]
+            damping = (
+                gift.damping
+                if gift.damping is not None
+                else choose_damping(stack[0], factor, gift.candidates, codec)[0]
+            )
             for fam, transform in variants:
                 scheme = Scheme(fam, codec, shared)
                 whitening = None if damping is None else transform(factor.with_damping(damping))
-                rec = {"scheme": scheme.name, **errors(_gift_sum(stack, codec, shared, whitening), truth),
-                       "damping": "euclidean" if damping is None else damping, "factor_age": age}  # fmt: skip
+                rec = {
+                    "scheme": scheme.name,
+                    **errors(_gift_sum(stack, codec, shared, whitening), truth),
+                    "damping": "euclidean" if damping is None else damping,
+                    "factor_age": age,
+                }
                 results.append(compared(rec, scheme.codec_name))
                 if fam == family:
                     measured[scheme.codec_name] = rec["ratio_vs_euclid"]
@@ -337,7 +367,15 @@ def measure_layer(stack: torch.Tensor, factors: dict, cfg: FidelityConfig, plugi
                         shipped = (factor.with_damping(damping), whitening)
         if shipped is not None:  # the factor and T of the configured codec's damping (nothing to predict where T = I)
             geo = _geometry(stack, truth, *shipped)
-            geometry.append({"family": family, "gift_rank": factor.v.shape[1], "d_in": stack.shape[-1], **geo, "measured_ratio": measured})
+            geometry.append(
+                {
+                    "family": family,
+                    "gift_rank": factor.v.shape[1],
+                    "d_in": stack.shape[-1],
+                    **geo,
+                    "measured_ratio": measured,
+                }
+            )
     return results, geometry
 
 
@@ -350,7 +388,10 @@ class _SchemeFactors:
 
     def __init__(self, gift: GiftScheme, layers: dict):
         self.gift = gift
-        self.stats = {n: KFACStatistics(m.in_features, ema=gift.ema, sketch=gift.sketch, seed=i) for i, (n, m) in enumerate(layers.items())}
+        self.stats = {
+            n: KFACStatistics(m.in_features, ema=gift.ema, sketch=gift.sketch, seed=i)
+            for i, (n, m) in enumerate(layers.items())
+        }
         self.factors: dict[str, tuple] = {}
 
     def after_step(self, step: int, acts: dict) -> None:
@@ -370,9 +411,14 @@ class _PluginLayers:
 
     def __init__(self, gift: GiftScheme, layers: dict):
         self.gift, n = gift, len(layers)
-        self.layers = {name: GiftLayer(KFACStatistics(m.in_features, gift.ema, gift.sketch, seed=i), gift.rank,
-                                       KFACStatistics(m.out_features, gift.ema, gift.sketch, seed=n + i))
-                       for i, (name, m) in enumerate(layers.items())}  # fmt: skip
+        self.layers = {
+            name: GiftLayer(
+                KFACStatistics(m.in_features, gift.ema, gift.sketch, seed=i),
+                gift.rank,
+                KFACStatistics(m.out_features, gift.ema, gift.sketch, seed=n + i),
+            )
+            for i, (name, m) in enumerate(layers.items())
+        }
 
     def install(self) -> None:
         """The last refresh's ``T``, a step late (what the next step sends)."""
@@ -390,7 +436,9 @@ class _PluginLayers:
                 layer.refresh(grads[name], dampings)
 
 
-def _heldout_batches(corpus: TokenCorpus, cfg: FidelityConfig, ranks: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _heldout_batches(
+    corpus: TokenCorpus, cfg: FidelityConfig, ranks: int
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Fixed held-out batches, by tokens per rank: ``seqs_per_rank`` and ``accumulation``× that per rank."""
     seq = cfg.model.seq_len
     out = {}
@@ -400,7 +448,9 @@ def _heldout_batches(corpus: TokenCorpus, cfg: FidelityConfig, ranks: int) -> di
     return out
 
 
-def _measure_point(model, trackers: dict, plugin: _PluginLayers, batches, ranks, cfg, step) -> tuple[list[dict], list[dict], float]:
+def _measure_point(
+    model, trackers: dict, plugin: _PluginLayers, batches, ranks, cfg, step
+) -> tuple[list[dict], list[dict], float]:
     """Records of every layer at every held-out batch size, and the held-out loss of the first batch
     (at a cold point: only plain FP8 and the plugin's schemes)."""
     results, geometry, heldout_loss = [], [], float("nan")
@@ -412,7 +462,11 @@ def _measure_point(model, trackers: dict, plugin: _PluginLayers, batches, ranks,
             heldout_loss = statistics.fmean(s.loss for s in shards)
         for name in plugin.layers:
             stack = torch.stack([s.grads[name] for s in shards])
-            factors = {} if cold else {family: (t.factors[name][0], step - 1 - t.factors[name][1]) for family, t in trackers.items()}
+            factors = (
+                {}
+                if cold
+                else {family: (t.factors[name][0], step - 1 - t.factors[name][1]) for family, t in trackers.items()}
+            )
             res, geo = measure_layer(stack, factors, cfg, plugin.layers[name])
             key = {"step": step, "layer": name, "layer_type": layer_type(name), "tokens_per_rank": tokens}
             results += [{**key, **r} for r in res]
@@ -490,8 +544,17 @@ def _gift_vs_best_euclid(results: list[dict]) -> list[dict]:
             for t in (r["tokens_per_rank"], "all"):
                 for lt in (r["layer_type"], "all"):
                     groups[(t, family, lt)].append(r["ratio_vs_best_euclid"])
-    return [{"tokens_per_rank": t, "family": f, "layer_type": lt, "ratio_geomean": _geomean(v), "worst": max(v), "n": len(v)}
-            for (t, f, lt), v in groups.items()]  # fmt: skip
+    return [
+        {
+            "tokens_per_rank": t,
+            "family": f,
+            "layer_type": lt,
+            "ratio_geomean": _geomean(v),
+            "worst": max(v),
+            "n": len(v),
+        }
+        for (t, f, lt), v in groups.items()
+    ]
 
 
 def _damping_choices(results: list[dict]) -> dict:
@@ -512,9 +575,17 @@ def _plugin_per_step(results: list[dict]) -> list[dict]:
     for r in results:
         if r["scheme"] in names:
             groups[(r["step"], names[r["scheme"]])].append(r)
-    return [{"step": t, "family": f, "ratio_geomean": _geomean(r["ratio_vs_best_euclid"] for r in rs),
-             "worst": max(r["ratio_vs_best_euclid"] for r in rs), "whitened": sum(r["damping"] not in ("euclidean", "none") for r in rs),
-             "n": len(rs)} for (t, f), rs in sorted(groups.items())]  # fmt: skip
+    return [
+        {
+            "step": t,
+            "family": f,
+            "ratio_geomean": _geomean(r["ratio_vs_best_euclid"] for r in rs),
+            "worst": max(r["ratio_vs_best_euclid"] for r in rs),
+            "whitened": sum(r["damping"] not in ("euclidean", "none") for r in rs),
+            "n": len(rs),
+        }
+        for (t, f), rs in sorted(groups.items())
+    ]
 
 
 def summarize(results: list[dict], geometry: list[dict], cold_points: tuple[int, ...] = ()) -> dict:
@@ -536,8 +607,14 @@ def _losses(results: list[dict]) -> list[dict]:
     """Records of the default scheme and the plugin's (configured codec) whose RelL2 exceeds the best
     Euclidean's by more than ``noise_vs_best_euclid`` (twice the combined standard error)."""
     names = {Scheme(f, GiftConfig().codec).name for f in ("gift", *PLUGIN)}
-    return [{k: r[k] for k in ("step", "layer", "scheme", "tokens_per_rank", "rel_l2", "best_euclid", "noise_vs_best_euclid")}
-            for r in results if r["scheme"] in names and r["rel_l2"] - r["best_euclid"] > r["noise_vs_best_euclid"]]  # fmt: skip
+    return [
+        {
+            k: r[k]
+            for k in ("step", "layer", "scheme", "tokens_per_rank", "rel_l2", "best_euclid", "noise_vs_best_euclid")
+        }
+        for r in results
+        if r["scheme"] in names and r["rel_l2"] - r["best_euclid"] > r["noise_vs_best_euclid"]
+    ]
 
 
 # --------------------------------------------------------------------------- tables
@@ -567,11 +644,20 @@ def _best_euclid_table(summary: dict) -> str:
     cols = [*LAYER_TYPES, "all"]
     cell = {(r["tokens_per_rank"], r["family"], r["layer_type"]): r for r in summary["gift_vs_best_euclid"]}
     tokens = sorted({t for t, _, _ in cell if t != "all"}) + ["all"]
-    rows = [[family, t, *(cell[(t, family, c)]["ratio_geomean"] if (t, family, c) in cell else None for c in cols),
-             cell[(t, family, "all")]["worst"] if (t, family, "all") in cell else None]
-            for family in (*GIFT_FAMILIES, *PLUGIN) for t in tokens]  # fmt: skip
-    title = (f"GIFT / best Euclidean ({' or '.join(BEST_EUCLID)}) RelL2, {GiftConfig().codec.name}, geometric mean "
-             "over layers and steps")  # fmt: skip
+    rows = [
+        [
+            family,
+            t,
+            *(cell[(t, family, c)]["ratio_geomean"] if (t, family, c) in cell else None for c in cols),
+            cell[(t, family, "all")]["worst"] if (t, family, "all") in cell else None,
+        ]
+        for family in (*GIFT_FAMILIES, *PLUGIN)
+        for t in tokens
+    ]
+    title = (
+        f"GIFT / best Euclidean ({' or '.join(BEST_EUCLID)}) RelL2, {GiftConfig().codec.name}, geometric mean "
+        "over layers and steps"
+    )
     return f"{title}\n\n" + _md_table(["scheme", "tokens/rank", *cols, "worst record"], rows)
 
 
@@ -597,9 +683,14 @@ def _fit_table(summary: dict) -> str:
 
 
 def _plugin_table(summary: dict) -> str:
-    rows = [[r["step"], r["family"], r["ratio_geomean"], r["worst"], f"{r['whitened']}/{r['n']}"] for r in summary["plugin_per_step"]]
-    title = ("The plugin's schemes per step, cold start included: scheme / best Euclidean RelL2 (geometric mean and "
-             "worst over layers and batch sizes), records sent whitened")  # fmt: skip
+    rows = [
+        [r["step"], r["family"], r["ratio_geomean"], r["worst"], f"{r['whitened']}/{r['n']}"]
+        for r in summary["plugin_per_step"]
+    ]
+    title = (
+        "The plugin's schemes per step, cold start included: scheme / best Euclidean RelL2 (geometric mean and "
+        "worst over layers and batch sizes), records sent whitened"
+    )
     return f"{title}\n\n" + _md_table(["step", "scheme", "geomean", "worst", "whitened"], rows)
 
 
@@ -608,12 +699,20 @@ def format_tables(report: dict) -> str:
     layer type, the default scheme's damping choices, predicted vs measured GIFT/Euclidean ratios per
     layer type, and how well the prediction fits."""
     summary = report["summary"]
-    choices = "\n".join(f"- {lt}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) for lt, c in sorted(summary["damping_choices"].items()))
-    parts = [_best_euclid_table(summary), *_rel_l2_tables(summary, list(report["schemes"])),
-             "Damping chosen by the default scheme (records per layer type)\n\n" + choices, _ratio_table(summary), _fit_table(summary),
-             _plugin_table(summary),
-             f"Records of gift-{GiftConfig().codec.name} and the plugin's schemes above the best Euclidean by more than "
-             f"twice the combined standard error of the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}"]  # fmt: skip
+    choices = "\n".join(
+        f"- {lt}: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items()))
+        for lt, c in sorted(summary["damping_choices"].items())
+    )
+    parts = [
+        _best_euclid_table(summary),
+        *_rel_l2_tables(summary, list(report["schemes"])),
+        "Damping chosen by the default scheme (records per layer type)\n\n" + choices,
+        _ratio_table(summary),
+        _fit_table(summary),
+        _plugin_table(summary),
+        f"Records of gift-{GiftConfig().codec.name} and the plugin's schemes above the best Euclidean by more than "
+        f"twice the combined standard error of the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}",
+    ]
     return "\n\n".join(parts) + "\n"
 
 
@@ -704,7 +803,9 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
         res, geo, heldout_loss = _measure_point(model, trackers, plugin, batches, ranks, cfg, step)
         results += res
         geometry += geo
-        points.append({"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss, "seconds": time.perf_counter() - t})
+        points.append(
+            {"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss, "seconds": time.perf_counter() - t}
+        )
     report = {
         "benchmark": "fidelity",
         "schema": SCHEMA,

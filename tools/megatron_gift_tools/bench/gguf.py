@@ -51,7 +51,9 @@ def _dequantize(kind: int, raw: np.ndarray, n: int) -> np.ndarray:
     d = b[:, :2].copy().view("<f2").astype(np.float32)
     if kind == 3:  # Q4_1: d, m (FP16), 16 bytes; value j = d·(low nibble of byte j) + m, value j+16: the high nibble
         qs = b[:, 4:]
-        x = d * np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32) + b[:, 2:4].copy().view("<f2").astype(np.float32)
+        x = d * np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32) + b[:, 2:4].copy().view("<f2").astype(
+            np.float32
+        )
     else:  # Q8_0: d (FP16), 32 int8; value = d·q
         x = d * b[:, 2:].view(np.int8).astype(np.float32)
     return x.reshape(-1)[:n]

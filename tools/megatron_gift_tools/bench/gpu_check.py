@@ -49,8 +49,12 @@ def _version(dist: str) -> str | None:
 def _driver() -> str | None:
     """The NVIDIA driver's version from ``nvidia-smi`` (None where it does not answer)."""
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else None
@@ -58,13 +62,28 @@ def _driver() -> str | None:
 
 def machine(device: torch.device) -> dict:
     """GPU, driver, CUDA, torch, triton and megatron-core versions, host and Python."""
-    info = dict(device=str(device), platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-                triton=_version("triton"), megatron_core=_version("megatron-core"), gpu=None, driver=None)  # fmt: skip
+    info = dict(
+        device=str(device),
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        triton=_version("triton"),
+        megatron_core=_version("megatron-core"),
+        gpu=None,
+        driver=None,
+    )
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, driver=_driver(), gpu_memory_bytes=props.total_memory,
-                    multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")  # fmt: skip
+        info.update(
+            gpu=props.name,
+            driver=_driver(),
+            gpu_memory_bytes=props.total_memory,
+            multiprocessors=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+        )
     return info
 
 
@@ -80,8 +99,12 @@ def kernel_tests(path: str | None) -> dict | None:
 
 
 def _overhead(model_name: str, model: dict, device: torch.device, mach: dict) -> dict:
-    doc = overhead.run(models={model_name: model}, device=str(device), layer_dtype=torch.bfloat16,
-                       command="bench/gpu_check.sh (megatron_gift_tools.bench.gpu_check)")  # fmt: skip
+    doc = overhead.run(
+        models={model_name: model},
+        device=str(device),
+        layer_dtype=torch.bfloat16,
+        command="bench/gpu_check.sh (megatron_gift_tools.bench.gpu_check)",
+    )
     doc["machine"].update(mach)
     return doc
 
@@ -93,7 +116,9 @@ def plugin_over_linear_gemms(ovh: dict | None, step: dict | None) -> dict | None
     if ovh is None or step is None:
         return None
     layers = next(iter(ovh["config"]["models"].values()))["layers"]
-    gemm_s = layers * step["summary"]["tokens_per_step"] * sum(s["layer_fwd_bwd_s"] / s["tokens"] for s in ovh["summary"])
+    gemm_s = (
+        layers * step["summary"]["tokens_per_step"] * sum(s["layer_fwd_bwd_s"] / s["tokens"] for s in ovh["summary"])
+    )
     modes = {m: r["plugin_s"] / gemm_s for m, r in step["summary"]["modes"].items() if not m.startswith("off")}
     return dict(linear_gemms_s=gemm_s, plugin_over_linear_gemms=modes)
 
@@ -133,29 +158,44 @@ def run(out: Path, dry_run: bool, kernel_xml: str | None = None) -> int:
     status: dict = {}
     t0 = time.time()
     ovh = _part("overhead", lambda: _overhead(model_name, model, device, mach), out, mach, kind, status)
-    codec = _part("codec", lambda: gpu_codec.run(model, device, gpu_codec.LARGE_COPY_BYTES[kind]), out, mach, kind, status)
+    codec = _part(
+        "codec", lambda: gpu_codec.run(model, device, gpu_codec.LARGE_COPY_BYTES[kind]), out, mach, kind, status
+    )
     step = _part("step", lambda: gpu_step.run(gpu_step.SPECS[kind], device), out, mach, kind, status)
     for doc, fmt in ((codec, gpu_codec.format_table), (step, gpu_step.format_table)):
         if doc is not None:
             print(fmt(doc), flush=True)
     summary = dict(
-        benchmark="gpu-check", kind=kind, machine=mach, wall_seconds=round(time.time() - t0, 1), parts=status,
+        benchmark="gpu-check",
+        kind=kind,
+        machine=mach,
+        wall_seconds=round(time.time() - t0, 1),
+        parts=status,
         kernel_tests=kernel_tests(kernel_xml),
-        targets=dict(overhead=ovh and ovh["targets"], codec=codec and codec["targets"], step=step and step["targets"],
-                     strict=plugin_over_linear_gemms(ovh, step), delta_codec=codec and delta_over_copy(codec["delta"]),
-                     codec_overlap=step and {m: r["codec_overlap_share"] for m, r in step["summary"]["modes"].items()
-                                             if not m.startswith("off")}),  # fmt: skip
-    )  # fmt: skip
+        targets=dict(
+            overhead=ovh and ovh["targets"],
+            codec=codec and codec["targets"],
+            step=step and step["targets"],
+            strict=plugin_over_linear_gemms(ovh, step),
+            delta_codec=codec and delta_over_copy(codec["delta"]),
+            codec_overlap=step
+            and {m: r["codec_overlap_share"] for m, r in step["summary"]["modes"].items() if not m.startswith("off")},
+        ),
+    )
     (out / FILES["check"]).write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["targets"], indent=1), flush=True)
     return 1 if any("error" in s for s in status.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_gift_tools.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_gift_tools.bench.gpu_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", required=True, type=Path, help="folder for the JSON files")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (gloo, CPU harness)")
-    parser.add_argument("--kernel-tests", metavar="XML", help="JUnit XML of the kernel tests, counted in gpu-check.json")
+    parser.add_argument(
+        "--kernel-tests", metavar="XML", help="JUnit XML of the kernel tests, counted in gpu-check.json"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is false); use --dry-run", file=sys.stderr)

@@ -5,15 +5,18 @@ For each linear layer's weight gradient ``G [d_out, d_in]`` (``planner.workloads
 implementation (``fused``: the Triton kernels, where ``overhead.fused_timed``; ``reference``: the
 PyTorch path they replace):
 
-===========================  ==============================================================  =============================================
-path                         what runs                                                       bytes counted (fewest a pass can move)
-===========================  ==============================================================  =============================================
-``encode``                   ``whiten_encode(G, None)``: FP8 codes + 1x128 block scales       ``4 n + n + scales`` (``n = d_out·d_in``)
-``whiten_encode``            ``whiten_encode(G, T)``: ``G T`` (rank 32) and FP8 in one pass   the same (``T``'s factors are ``O(d_in·r)``)
-``decode_sum``               ``decode_sum_unwhiten(.., None)``: 8 peers' messages of this     ``8 (m + scales_m) + 4 m``
-                             rank's shard (``m = d_out/8 · d_in``), FP32 sum in rank order
-``decode_sum_unwhiten``      the same, then ``T⁻¹``                                           the same
-===========================  ==============================================================  =============================================
+===========================  =================================================  ========================================
+path                         what runs                                          bytes counted (fewest a pass can move)
+===========================  =================================================  ========================================
+``encode``                   ``whiten_encode(G, None)``: FP8 codes + 1x128      ``4 n + n + scales``
+                             block scales                                       (``n = d_out·d_in``)
+``whiten_encode``            ``whiten_encode(G, T)``: ``G T`` (rank 32) and     the same (``T``'s factors are
+                             FP8 in one pass                                    ``O(d_in·r)``)
+``decode_sum``               ``decode_sum_unwhiten(.., None)``: 8 peers'        ``8 (m + scales_m) + 4 m``
+                             messages of this rank's shard
+                             (``m = d_out/8 · d_in``), FP32 sum in rank order
+``decode_sum_unwhiten``      the same, then ``T⁻¹``                             the same
+===========================  =================================================  ========================================
 
 The delta parameter gather's codec (``DELTA_MODULE``), where it is installed, adds
 ``delta_encode`` (a shard of ``n = d_out·d_in`` BF16 elements against its ``prev``: read ``2n + 2n``,
@@ -38,8 +41,8 @@ import torch
 from megatron_gift import kernels
 from megatron_gift.numerics.fp8 import CodecConfig, encode
 from megatron_gift.numerics.whitening import LowRankWhitening
-from megatron_gift_tools.planner.workloads import layer_shapes
 from megatron_gift_tools.bench.overhead import RANK, RANKS, fused_timed, synthetic_factor, time_call
+from megatron_gift_tools.planner.workloads import layer_shapes
 
 PATHS = ("encode", "whiten_encode", "decode_sum", "decode_sum_unwhiten")
 TARGET_OVER_COPY = 0.7  # target: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
@@ -68,7 +71,9 @@ def bench_seconds(fn, device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3, "triton.testing.do_bench median, L2 flushed"
+        return do_bench(
+            fn, warmup=25, rep=100, return_mode="median"
+        ) / 1e3, "triton.testing.do_bench median, L2 flushed"
     return time_call(fn, device)[0], "overhead.time_call fastest sample"
 
 
@@ -91,8 +96,10 @@ def layer_paths(shape: tuple[int, int], device: torch.device, cfg: CodecConfig, 
     peers = [encode(low.apply(torch.randn(rows, d_in, generator=gen).to(device)), cfg) for _ in range(RANKS)]
     payloads = torch.stack([p.payload.reshape(-1) for p in peers])
     scales = torch.stack([p.scales.reshape(-1) for p in peers])
-    we, dsu = {"fused": (kernels.whiten_encode, kernels.decode_sum_unwhiten),
-               "reference": (kernels.reference_whiten_encode, kernels.reference_decode_sum_unwhiten)}[impl]  # fmt: skip
+    we, dsu = {
+        "fused": (kernels.whiten_encode, kernels.decode_sum_unwhiten),
+        "reference": (kernels.reference_whiten_encode, kernels.reference_decode_sum_unwhiten),
+    }[impl]
     n, m = d_out * d_in, rows * d_in
     enc_bytes = 5 * n + cfg.scale_bytes(d_out, d_in)
     dec_bytes = RANKS * (m + cfg.scale_bytes(rows, d_in)) + 4 * m
@@ -114,10 +121,24 @@ def measure(model: dict, device: torch.device, cfg: CodecConfig, large_copy: dic
                 seconds, method = bench_seconds(fn, device)
                 copy = copy_record(nbytes, device)
                 bw = nbytes / seconds
-                records.append(dict(layer=layer, shape=list(shape), path=path, impl=impl, rows=rows, cols=cols, peers=RANKS,
-                                    bytes=nbytes, seconds=seconds, bytes_per_s=bw, copy_bytes_per_s=copy["bytes_per_s"],
-                                    over_copy=bw / copy["bytes_per_s"], over_copy_large=bw / large_copy["bytes_per_s"],
-                                    method=method))  # fmt: skip
+                records.append(
+                    dict(
+                        layer=layer,
+                        shape=list(shape),
+                        path=path,
+                        impl=impl,
+                        rows=rows,
+                        cols=cols,
+                        peers=RANKS,
+                        bytes=nbytes,
+                        seconds=seconds,
+                        bytes_per_s=bw,
+                        copy_bytes_per_s=copy["bytes_per_s"],
+                        over_copy=bw / copy["bytes_per_s"],
+                        over_copy_large=bw / large_copy["bytes_per_s"],
+                        method=method,
+                    )
+                )
     return records
 
 
@@ -131,9 +152,14 @@ def delta_paths(codec, shape: tuple[int, int], device: torch.device) -> dict:
     shard = n // RANKS
     messages = torch.zeros(RANKS, codec.message_bytes(shard), dtype=torch.uint8, device=device)
     base = prev[: RANKS * shard].view(RANKS, shard).clone()
-    return {"delta_encode": (lambda: codec.encode(new, prev, out), n, 4 * n + codec.message_bytes(n)),
-            "delta_decode": (lambda: codec.decode_into(messages, base), RANKS * shard,
-                             RANKS * codec.message_bytes(shard) + 4 * RANKS * shard)}  # fmt: skip
+    return {
+        "delta_encode": (lambda: codec.encode(new, prev, out), n, 4 * n + codec.message_bytes(n)),
+        "delta_decode": (
+            lambda: codec.decode_into(messages, base),
+            RANKS * shard,
+            RANKS * codec.message_bytes(shard) + 4 * RANKS * shard,
+        ),
+    }
 
 
 def measure_delta(model: dict, device: torch.device, large_copy: dict) -> dict:
@@ -147,11 +173,27 @@ def measure_delta(model: dict, device: torch.device, large_copy: dict) -> dict:
         for path, (fn, elements, nbytes) in delta_paths(codec, shape, device).items():
             seconds, method = bench_seconds(fn, device)
             copy = copy_record(nbytes, device)
-            records.append(dict(layer=layer, shape=list(shape), path=path, impl="torch", rows=1, cols=elements, peers=RANKS,
-                                bytes=nbytes, seconds=seconds, bytes_per_s=nbytes / seconds,
-                                copy_bytes_per_s=copy["bytes_per_s"], over_copy=nbytes / seconds / copy["bytes_per_s"],
-                                over_copy_large=nbytes / seconds / large_copy["bytes_per_s"], method=method))  # fmt: skip
-    return dict(available=True, module=DELTA_MODULE, results=records, summary=summarize(records, large_copy, DELTA_PATHS))
+            records.append(
+                dict(
+                    layer=layer,
+                    shape=list(shape),
+                    path=path,
+                    impl="torch",
+                    rows=1,
+                    cols=elements,
+                    peers=RANKS,
+                    bytes=nbytes,
+                    seconds=seconds,
+                    bytes_per_s=nbytes / seconds,
+                    copy_bytes_per_s=copy["bytes_per_s"],
+                    over_copy=nbytes / seconds / copy["bytes_per_s"],
+                    over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
+                    method=method,
+                )
+            )
+    return dict(
+        available=True, module=DELTA_MODULE, results=records, summary=summarize(records, large_copy, DELTA_PATHS)
+    )
 
 
 def summarize(records: list[dict], large_copy: dict, paths: tuple[str, ...] = PATHS) -> list[dict]:
@@ -163,9 +205,18 @@ def summarize(records: list[dict], large_copy: dict, paths: tuple[str, ...] = PA
             nbytes, seconds = sum(r["bytes"] for r in rows), sum(r["seconds"] for r in rows)
             copy_s = sum(r["bytes"] / r["copy_bytes_per_s"] for r in rows)
             elements = sum(r["rows"] * r["cols"] for r in rows)
-            out.append(dict(path=path, impl=impl, bytes=nbytes, seconds=seconds, bytes_per_s=nbytes / seconds,
-                            over_copy=copy_s / seconds, over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
-                            s_per_element=seconds / elements))  # fmt: skip
+            out.append(
+                dict(
+                    path=path,
+                    impl=impl,
+                    bytes=nbytes,
+                    seconds=seconds,
+                    bytes_per_s=nbytes / seconds,
+                    over_copy=copy_s / seconds,
+                    over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
+                    s_per_element=seconds / elements,
+                )
+            )
     return out
 
 
@@ -174,8 +225,12 @@ def targets(summary: list[dict]) -> dict:
     fused = {s["path"]: s["over_copy"] for s in summary if s["impl"] == "fused"}
     if not fused:
         return {"fused_timed": False, "note": "no fused kernels on this device: nothing to hold against the target"}
-    return dict(fused_timed=True, over_copy=fused, target_over_copy=TARGET_OVER_COPY,
-                met=all(v >= TARGET_OVER_COPY for v in fused.values()))  # fmt: skip
+    return dict(
+        fused_timed=True,
+        over_copy=fused,
+        target_over_copy=TARGET_OVER_COPY,
+        met=all(v >= TARGET_OVER_COPY for v in fused.values()),
+    )
 
 
 def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
@@ -184,8 +239,18 @@ def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
     large = copy_record(large_copy_bytes, device)
     records = measure(model, device, cfg, large)
     summary = summarize(records, large)
-    return dict(schema=SCHEMA, codec=cfg.name, block=cfg.block, rank=RANK, peers=RANKS, copy_large=large,
-                results=records, summary=summary, targets=targets(summary), delta=measure_delta(model, device, large))  # fmt: skip
+    return dict(
+        schema=SCHEMA,
+        codec=cfg.name,
+        block=cfg.block,
+        rank=RANK,
+        peers=RANKS,
+        copy_large=large,
+        results=records,
+        summary=summary,
+        targets=targets(summary),
+        delta=measure_delta(model, device, large),
+    )
 
 
 def format_table(doc: dict) -> str:
@@ -196,5 +261,7 @@ def format_table(doc: dict) -> str:
         lines.append(f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} |")
     if not doc["delta"]["available"]:
         lines.append(f"\ndelta codec: {doc['delta']['note']}")
-    lines.append(f"\nlarge copy: {doc['copy_large']['bytes_per_s'] / 1e9:.1f} GB/s ({doc['copy_large']['bytes']} bytes moved)")
+    lines.append(
+        f"\nlarge copy: {doc['copy_large']['bytes_per_s'] / 1e9:.1f} GB/s ({doc['copy_large']['bytes']} bytes moved)"
+    )
     return "\n".join(lines) + "\n"

@@ -43,12 +43,35 @@ TARGET_PLUGIN_OVER_STEP = 0.02  # target: the plugin's on-GPU work <= 2% of a BF
 _600M = MODELS["llama-600m"]
 SPECS = {
     # 8 sequences of 2048 tokens per step: the paper's 64-GPU share of a 512-sequence global batch
-    "gpu": dict(model="llama-600m", layers=_600M["layers"], hidden=_600M["hidden"], heads=_600M["heads"],
-                ffn=_600M["ffn"], seq=_600M["seq"], vocab=50304, micro_batch=1, microbatches=8, steps=16, warmup=3,
-                bucket_size=None),
-    "dry-run": dict(model="tiny", layers=2, hidden=64, heads=4, ffn=128, seq=32, vocab=256, micro_batch=2,
-                    microbatches=2, steps=4, warmup=2, bucket_size=6000),
-}  # fmt: skip
+    "gpu": dict(
+        model="llama-600m",
+        layers=_600M["layers"],
+        hidden=_600M["hidden"],
+        heads=_600M["heads"],
+        ffn=_600M["ffn"],
+        seq=_600M["seq"],
+        vocab=50304,
+        micro_batch=1,
+        microbatches=8,
+        steps=16,
+        warmup=3,
+        bucket_size=None,
+    ),
+    "dry-run": dict(
+        model="tiny",
+        layers=2,
+        hidden=64,
+        heads=4,
+        ffn=128,
+        seq=32,
+        vocab=256,
+        micro_batch=2,
+        microbatches=2,
+        steps=4,
+        warmup=2,
+        bucket_size=6000,
+    ),
+}
 
 
 def gift_config(mode: str) -> GiftConfig | None:
@@ -72,9 +95,16 @@ def _build(mode: str, spec: dict):
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
     from megatron_gift.testing.gpt import build_tiny_gpt
 
-    gpt = build_tiny_gpt(vocab=spec["vocab"], seq=spec["seq"], num_layers=spec["layers"], hidden_size=spec["hidden"],
-                         num_attention_heads=spec["heads"], ffn_hidden_size=spec["ffn"], bf16=True,
-                         params_dtype=torch.bfloat16)  # fmt: skip
+    gpt = build_tiny_gpt(
+        vocab=spec["vocab"],
+        seq=spec["seq"],
+        num_layers=spec["layers"],
+        hidden_size=spec["hidden"],
+        num_attention_heads=spec["heads"],
+        ffn_hidden_size=spec["ffn"],
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
     model = Float16Module(gpt.config, gpt)
     kwargs = {} if spec["bucket_size"] is None else {"bucket_size": spec["bucket_size"]}
     ddp_config = DistributedDataParallelConfig(
@@ -85,8 +115,9 @@ def _build(mode: str, spec: dict):
         ddp = DistributedDataParallel(gpt.config, ddp_config, model)
     else:
         ddp = GiftDistributedDataParallel(gpt.config, ddp_config, model, gift_config=cfg)
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, params_dtype=torch.bfloat16,
-                                 use_distributed_optimizer=True)  # fmt: skip
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=1e-4, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True
+    )
     return ddp, get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
 
 
@@ -133,8 +164,10 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
     gift = getattr(ddp, "gift_params", {})
     coded = sum(p.numel() for p, g in gift.items() if g.mode is not Mode.OFF)
     times, refresh, losses = [], [], []
-    batches_of = lambda step: [random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"])  # noqa: E731
-                               .to(device) for i in range(spec["microbatches"])]  # fmt: skip
+    batches_of = lambda step: [
+        random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"]).to(device)  # noqa: E731
+        for i in range(spec["microbatches"])
+    ]
     for step in range(spec["warmup"] + spec["steps"]):
         batches = batches_of(step)
         _sync(device)
@@ -146,12 +179,19 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
             (refresh if was_refresh else times).append(elapsed)
         losses.append(float(loss) * spec["microbatches"])
     cuda = device.type == "cuda"
-    out = dict(mode=mode, gift_config=None if gift_config(mode) is None else str(gift_config(mode)),
-               coded_elements=coded, step_s=statistics.median(times), step_times_s=times,
-               refresh_step_s=statistics.median(refresh) if refresh else None, refresh_step_times_s=refresh,
-               losses=losses, static_memory_bytes=static,
-               peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
-               peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else None)  # fmt: skip
+    out = dict(
+        mode=mode,
+        gift_config=None if gift_config(mode) is None else str(gift_config(mode)),
+        coded_elements=coded,
+        step_s=statistics.median(times),
+        step_times_s=times,
+        refresh_step_s=statistics.median(refresh) if refresh else None,
+        refresh_step_times_s=refresh,
+        losses=losses,
+        static_memory_bytes=static,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else None,
+    )
     if mode in CLOSE_LOOKS:  # after the peaks above: these reset them
         out.update(steady_looks(ddp, opt, batches_of, spec["warmup"] + spec["steps"], device))
     del ddp, opt
@@ -181,8 +221,12 @@ def steady_looks(ddp, opt, batches_of, step: int, device: torch.device) -> dict:
 
     syncs = gpu_trace.sync_probe(steady, device)
     trace = gpu_trace.profiled(steady, device)
-    return dict(steady_syncs=syncs, steady_step_peak_extra_bytes=peak.get("bytes"), overlap=trace,
-                sync_error=gpu_trace.sync_error(steady, device))
+    return dict(
+        steady_syncs=syncs,
+        steady_step_peak_extra_bytes=peak.get("bytes"),
+        overlap=trace,
+        sync_error=gpu_trace.sync_error(steady, device),
+    )
 
 
 @contextlib.contextmanager
@@ -199,7 +243,9 @@ def one_rank_group(device: torch.device):
     else:
         torch.cuda.set_device(device)
     with harness:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
         try:
             parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
             yield
@@ -217,17 +263,29 @@ def summarize(results: list[dict], spec: dict) -> dict:
     for mode, r in by_mode.items():
         plugin = r["step_s"] - off
         syncs, trace = r.get("steady_syncs"), r.get("overlap")
-        modes[mode] = dict(step_s=r["step_s"], over_off=r["step_s"] / off, plugin_s=plugin, plugin_over_step=plugin / off,
-                           plugin_s_per_element=plugin / r["coded_elements"] if r["coded_elements"] else None,
-                           refresh_step_s=r["refresh_step_s"], peak_memory_bytes=r["peak_memory_bytes"],
-                           peak_memory_over_off=(r["peak_memory_bytes"] / by_mode["off"]["peak_memory_bytes"]
-                                                 if r["peak_memory_bytes"] else None),
-                           steady_step_peak_extra_bytes=r.get("steady_step_peak_extra_bytes"),
-                           plugin_syncs=sum(syncs["plugin"].values()) if syncs else None,
-                           sync_error_raised=(r.get("sync_error") or {}).get("raised"),
-                           codec_overlap_share=trace["share_overlapping_backward"] if trace else None)  # fmt: skip
-    return dict(tokens_per_step=tokens, off_step_s=off, compute_s_per_token=off / tokens,
-                resolution=by_mode["off-again"]["step_s"] / by_mode["off"]["step_s"] - 1, modes=modes)  # fmt: skip
+        modes[mode] = dict(
+            step_s=r["step_s"],
+            over_off=r["step_s"] / off,
+            plugin_s=plugin,
+            plugin_over_step=plugin / off,
+            plugin_s_per_element=plugin / r["coded_elements"] if r["coded_elements"] else None,
+            refresh_step_s=r["refresh_step_s"],
+            peak_memory_bytes=r["peak_memory_bytes"],
+            peak_memory_over_off=(
+                r["peak_memory_bytes"] / by_mode["off"]["peak_memory_bytes"] if r["peak_memory_bytes"] else None
+            ),
+            steady_step_peak_extra_bytes=r.get("steady_step_peak_extra_bytes"),
+            plugin_syncs=sum(syncs["plugin"].values()) if syncs else None,
+            sync_error_raised=(r.get("sync_error") or {}).get("raised"),
+            codec_overlap_share=trace["share_overlapping_backward"] if trace else None,
+        )
+    return dict(
+        tokens_per_step=tokens,
+        off_step_s=off,
+        compute_s_per_token=off / tokens,
+        resolution=by_mode["off-again"]["step_s"] / by_mode["off"]["step_s"] - 1,
+        modes=modes,
+    )
 
 
 def targets(summary: dict) -> dict:
@@ -235,19 +293,24 @@ def targets(summary: dict) -> dict:
     zero host synchronisations of the plugin in a steady step (every plugin mode)."""
     over = {m: summary["modes"][m]["plugin_over_step"] for m in (Mode.EUCLIDEAN.value, Mode.GIFT.value)}
     syncs = {m: summary["modes"][m]["plugin_syncs"] for m in CLOSE_LOOKS if not m.startswith("off")}
-    return dict(plugin_over_step=over, target=TARGET_PLUGIN_OVER_STEP, met=all(v <= TARGET_PLUGIN_OVER_STEP for v in over.values()),
-                steady_plugin_syncs=syncs, syncs_met=all(v == 0 for v in syncs.values()))  # fmt: skip
+    return dict(
+        plugin_over_step=over,
+        target=TARGET_PLUGIN_OVER_STEP,
+        met=all(v <= TARGET_PLUGIN_OVER_STEP for v in over.values()),
+        steady_plugin_syncs=syncs,
+        syncs_met=all(v == 0 for v in syncs.values()),
+    )
 
 
 SCHEMA = {
     "results": "one record per mode: mode, gift_config, coded_elements (gradient elements the plugin quantizes), "
     "step_s (median steady step), step_times_s, refresh_step_s / refresh_step_times_s (GIFT refresh steps), "
-    "losses (every step's last micro-batch), static_memory_bytes (after building), peak_memory_bytes, peak_reserved_bytes; "
-    "modes but off-again add three steady steps after the timed ones: steady_syncs (gpu_trace.sync_probe: the plugin's "
-    "host synchronisations by file:line, others' count) with steady_step_peak_extra_bytes (that step's peak over what was "
-    "allocated before it), overlap (gpu_trace.overlap of a profiled step: codec kernels, their seconds, the share "
-    "overlapping the last backward's compute-stream kernels and its window), sync_error (set_sync_debug_mode('error'): "
-    "raised, error, plugin_frame; None on the CPU)",
+    "losses (every step's last micro-batch), static_memory_bytes (after building), peak_memory_bytes, "
+    "peak_reserved_bytes; modes but off-again add three steady steps after the timed ones: steady_syncs "
+    "(gpu_trace.sync_probe: the plugin's host synchronisations by file:line, others' count) with "
+    "steady_step_peak_extra_bytes (that step's peak over what was allocated before it), overlap (gpu_trace.overlap of "
+    "a profiled step: codec kernels, their seconds, the share overlapping the last backward's compute-stream kernels "
+    "and its window), sync_error (set_sync_debug_mode('error'): raised, error, plugin_frame; None on the CPU)",
     "summary": "tokens_per_step, off_step_s (median over both off runs), compute_s_per_token (off_step_s / tokens), "
     "resolution (off-again / off - 1), modes: {mode: step_s, over_off, plugin_s (step_s - off_step_s), "
     "plugin_over_step, plugin_s_per_element (plugin_s / coded_elements), refresh_step_s, peak_memory_bytes, "
@@ -266,15 +329,21 @@ def run(spec: dict, device: torch.device) -> dict:
 def format_table(doc: dict) -> str:
     """Markdown: step time, the plugin's share and peak memory per mode."""
     s = doc["summary"]
-    lines = [f"{s['tokens_per_step']} tokens per step; resolution (off-again vs off): {100 * s['resolution']:+.2f}%", "",
-             "| mode | step ms | plugin ms | plugin / off step | refresh step ms | peak GiB | steady step peak GiB | "
-             "plugin syncs | codec overlapping backward |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"{s['tokens_per_step']} tokens per step; resolution (off-again vs off): {100 * s['resolution']:+.2f}%",
+        "",
+        "| mode | step ms | plugin ms | plugin / off step | refresh step ms | peak GiB | steady step peak GiB | "
+        "plugin syncs | codec overlapping backward |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     gib = lambda b: f"{b / 2**30:.2f}" if b else "-"  # noqa: E731
     for mode, m in s["modes"].items():
         refresh = f"{1e3 * m['refresh_step_s']:.1f}" if m["refresh_step_s"] else "-"
         share = f"{100 * m['plugin_over_step']:.2f}%"
         overlap = "-" if m["codec_overlap_share"] is None else f"{100 * m['codec_overlap_share']:.0f}%"
         syncs = "-" if m["plugin_syncs"] is None else str(m["plugin_syncs"])
-        lines.append(f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | "
-                     f"{gib(m['peak_memory_bytes'])} | {gib(m['steady_step_peak_extra_bytes'])} | {syncs} | {overlap} |")  # fmt: skip
+        lines.append(
+            f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | "
+            f"{gib(m['peak_memory_bytes'])} | {gib(m['steady_step_peak_extra_bytes'])} | {syncs} | {overlap} |"
+        )
     return "\n".join(lines) + "\n"

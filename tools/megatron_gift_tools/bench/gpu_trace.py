@@ -32,7 +32,9 @@ _TESTING = os.path.join(_PACKAGE, "testing")
 
 
 def _plugin_file(path: str) -> bool:
-    return path.startswith(_PACKAGE) and not path.startswith(_TESTING) and not path.startswith(os.path.dirname(__file__))
+    return (
+        path.startswith(_PACKAGE) and not path.startswith(_TESTING) and not path.startswith(os.path.dirname(__file__))
+    )
 
 
 @contextlib.contextmanager
@@ -58,9 +60,14 @@ def sync_probe(step, device: torch.device) -> dict:
         warnings.simplefilter("always")
         step(lambda: _debug_mode("warn"))
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    plugin = collections.Counter(f"{os.path.relpath(w.filename, os.path.dirname(_PACKAGE))}:{w.lineno}"
-                                 for w in syncs if _plugin_file(w.filename))  # fmt: skip
-    return dict(method='torch.cuda.set_sync_debug_mode("warn")', plugin=dict(plugin), others=len(syncs) - sum(plugin.values()))
+    plugin = collections.Counter(
+        f"{os.path.relpath(w.filename, os.path.dirname(_PACKAGE))}:{w.lineno}"
+        for w in syncs
+        if _plugin_file(w.filename)
+    )
+    return dict(
+        method='torch.cuda.set_sync_debug_mode("warn")', plugin=dict(plugin), others=len(syncs) - sum(plugin.values())
+    )
 
 
 def sync_error(step, device: torch.device) -> dict | None:
@@ -71,7 +78,9 @@ def sync_error(step, device: torch.device) -> dict | None:
         step(lambda: _debug_mode("error"))
     except RuntimeError as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if _plugin_file(f.filename)]
-        where = f"{os.path.relpath(frames[-1].filename, os.path.dirname(_PACKAGE))}:{frames[-1].lineno}" if frames else None
+        where = (
+            f"{os.path.relpath(frames[-1].filename, os.path.dirname(_PACKAGE))}:{frames[-1].lineno}" if frames else None
+        )
         return dict(raised=True, error=str(e).splitlines()[0], plugin_frame=where)
     return dict(raised=False, error=None, plugin_frame=None)
 
@@ -112,21 +121,42 @@ def overlap(trace: dict) -> dict:
     marks = [e for e in events if e.get("name") == BACKWARD and e.get("cat") == "user_annotation"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if not marks or not kernels:
-        return dict(kernels=len(kernels), codec_kernels=0, codec_s=0.0, share_overlapping_backward=None,
-                    share_in_backward_window=None, note="no GPU kernels in the trace" if marks else "no backward mark")  # fmt: skip
+        return dict(
+            kernels=len(kernels),
+            codec_kernels=0,
+            codec_s=0.0,
+            share_overlapping_backward=None,
+            share_in_backward_window=None,
+            note="no GPU kernels in the trace" if marks else "no backward mark",
+        )
     t0, t1 = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
-    launched = {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
-                and "correlation" in e.get("args", {}) and t0 <= e["ts"] <= t1}  # fmt: skip
+    launched = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "correlation" in e.get("args", {})
+        and t0 <= e["ts"] <= t1
+    }
     inside = [k for k in kernels if k.get("args", {}).get("correlation") in launched]
     streams = collections.Counter(k["args"].get("stream") for k in inside)
     compute_stream = streams.most_common(1)[0][0] if streams else None
     compute = [(k["ts"], k["ts"] + k["dur"]) for k in inside if k["args"].get("stream") == compute_stream]
-    codec = [(k["ts"], k["ts"] + k["dur"]) for k in kernels
-             if k.get("args", {}).get("stream") != compute_stream and "nccl" not in k.get("name", "").lower()]  # fmt: skip
+    codec = [
+        (k["ts"], k["ts"] + k["dur"])
+        for k in kernels
+        if k.get("args", {}).get("stream") != compute_stream and "nccl" not in k.get("name", "").lower()
+    ]
     busy = _union(compute)
     window = [(busy[0][0], busy[-1][1])] if busy else []
     total = sum(b - a for a, b in codec)
-    share = (lambda spans: sum(_covered(a, b, spans) for a, b in codec) / total if total else None)  # noqa: E731
-    return dict(kernels=len(kernels), compute_stream=compute_stream, backward_kernels=len(compute),
-                backward_window_s=(window[0][1] - window[0][0]) * 1e-6 if window else None, codec_kernels=len(codec),
-                codec_s=total * 1e-6, share_overlapping_backward=share(busy), share_in_backward_window=share(window))  # fmt: skip
+    share = lambda spans: sum(_covered(a, b, spans) for a, b in codec) / total if total else None  # noqa: E731
+    return dict(
+        kernels=len(kernels),
+        compute_stream=compute_stream,
+        backward_kernels=len(compute),
+        backward_window_s=(window[0][1] - window[0][0]) * 1e-6 if window else None,
+        codec_kernels=len(codec),
+        codec_s=total * 1e-6,
+        share_overlapping_backward=share(busy),
+        share_in_backward_window=share(window),
+    )

@@ -27,6 +27,7 @@ import numpy as np
 
 from megatron_gift_tools.bench.corpus import TokenCorpus, build_token_corpus
 
+
 def indexed_prefix(corpus: TokenCorpus) -> Path:
     """Path prefix of ``corpus``'s indexed dataset: ``<cache>/indexed-<corpus key>``, next to its tokenizer."""
     stem = corpus.tokenizer_path.stem  # bpe-<corpus format>-<sha16>-<vocab>
@@ -72,11 +73,15 @@ def megatron_data_args(corpus: TokenCorpus, prefix: str | None = None) -> list[s
     """Megatron flags that train on ``corpus``'s indexed dataset (built if missing) with ``NullTokenizer``."""
     prefix = write_indexed_dataset(corpus) if prefix is None else prefix
     return [
-        "--data-path", prefix,
-        "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(corpus.vocab_size),
-        "--null-tokenizer-eod-id", str(corpus.eot_id),
-    ]  # fmt: skip
+        "--data-path",
+        prefix,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(corpus.vocab_size),
+        "--null-tokenizer-eod-id",
+        str(corpus.eot_id),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

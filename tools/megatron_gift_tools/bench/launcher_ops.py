@@ -35,19 +35,72 @@ BUCKET_RE = re.compile(r"Params for bucket (\d+) \((\d+) elements")
 
 def _command(out_dir: str, hidden: int, layers: int, ffn: int) -> list[str]:
     model = [
-        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
-        "--ffn-hidden-size", str(ffn), "--seq-length", "64", "--max-position-embeddings", "64",
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(max(STEPS) + 1),
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-        "--use-distributed-optimizer", "--overlap-grad-reduce",
-        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000", "--split", "98,2,0",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "2048",
-        "--gift-mode", "gift", "--gift-euclidean-layers", ".*",
-    ]  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "megatron_gift_tools.launch_ops", out_dir, ",".join(map(str, STEPS)), "--", "--gift-cpu", *model]  # fmt: skip
+        "--num-layers",
+        str(layers),
+        "--hidden-size",
+        str(hidden),
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        str(ffn),
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        str(max(STEPS) + 1),
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "100000",
+        "--split",
+        "98,2,0",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "2048",
+        "--gift-mode",
+        "gift",
+        "--gift-euclidean-layers",
+        ".*",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_gift_tools.launch_ops",
+        out_dir,
+        ",".join(map(str, STEPS)),
+        "--",
+        "--gift-cpu",
+        *model,
+    ]
 
 
 def count(name: str, timeout: float = 900.0) -> dict:
@@ -55,18 +108,36 @@ def count(name: str, timeout: float = 900.0) -> dict:
     hidden, layers, ffn = MODELS[name]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
-        res = subprocess.run(_command(tmp, hidden, layers, ffn), cwd=ROOT, env={**os.environ, **ENV},
-                             capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        res = subprocess.run(
+            _command(tmp, hidden, layers, ffn),
+            cwd=ROOT,
+            env={**os.environ, **ENV},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         log = res.stdout + res.stderr
         if res.returncode != 0:
             raise RuntimeError(f"launcher failed ({res.returncode}):\n{log[-4000:]}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     params = sum(int(n) for _, n in dict(BUCKET_RE.findall(log)).items())
     per = {f"rank{r}/step{s}": v["plugin_ops"] for r, res_r in enumerate(ranks) for s, v in res_r.items()}
-    return dict(kind="launcher", path="launcher", model=name, hidden=hidden, layers=layers, ffn=ffn, parameters=params,
-                dp=2, mode="gift", plugin_ops=max(per.values()), per_rank_step=per,
-                all_ops=max(v["all_ops"] for r in ranks for v in r.values()),
-                top_ops=ranks[0][str(STEPS[0])]["by_op"], seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+    return dict(
+        kind="launcher",
+        path="launcher",
+        model=name,
+        hidden=hidden,
+        layers=layers,
+        ffn=ffn,
+        parameters=params,
+        dp=2,
+        mode="gift",
+        plugin_ops=max(per.values()),
+        per_rank_step=per,
+        all_ops=max(v["all_ops"] for r in ranks for v in r.values()),
+        top_ops=ranks[0][str(STEPS[0])]["by_op"],
+        seconds=round(time.monotonic() - t0, 1),
+    )
 
 
 def launcher_records(quick: bool) -> list[dict]:

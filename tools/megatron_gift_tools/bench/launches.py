@@ -29,12 +29,13 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 Essential bytes (``b``: the bucket's bytes per element; messages in the wire format,
 ``comm.layout``; a GIFT parameter's input is read twice, once for its projection ``G Q`` or
 ``S Q`` and once for the pass, and so is a two-sided parameter's at the send (``Pre = c ⊙ Q_outᵀ
-D_out^{-1/2} G``, a sum over all rows, from the read that gives ``G Q``), or, where that is less, the receiver's FP32 sum is read twice and
-rewritten instead of its senders' messages read again): send / intra-node stage: read the bucket, write every message;
-node sums: read the node's messages of the held shards, write their FP8 messages; reduce: read
-every sender's message of the own shard, write the shard (``b`` per element); cut rows: their
-values read and written; all-reduce gather: read the senders' messages, write one; decode of
-all: read every shard's message, write the bucket; an all-gather's own stage moves nothing.
+D_out^{-1/2} G``, a sum over all rows, from the read that gives ``G Q``), or, where that is less,
+the receiver's FP32 sum is read twice and rewritten instead of its senders' messages read again):
+send / intra-node stage: read the bucket, write every message; node sums: read the node's messages
+of the held shards, write their FP8 messages; reduce: read every sender's message of the own shard,
+write the shard (``b`` per element); cut rows: their values read and written; all-reduce gather:
+read the senders' messages, write one; decode of all: read every shard's message, write the
+bucket; an all-gather's own stage moves nothing.
 Error feedback adds the residual read and written (FP32). The output side's stage reads its FP32
 ``W`` and writes the rank's elements (``b`` per element; ``P`` aside); its other work (``W``
 through FP32 targets, ``P``'s partials) is not counted as essential: a fused pass would fold it
@@ -49,7 +50,7 @@ a bucket of any number of parameters: ``planner.metered``).
 
 The JSON records ``date`` (UTC) and ``sources``: the SHA-256 of the files metered (``SOURCES``:
 the kernels, the reduction and gather code, the numerics they call, this meter). A test
-(``tests/test_planner_meter.py``) fails when the committed JSON's hash is not the checkout's:
+(``tests/tools/test_planner_meter.py``) fails when the committed JSON's hash is not the checkout's:
 regenerate it with ``REGENERATE`` (about two minutes on two cores).
 """
 
@@ -79,8 +80,8 @@ from megatron_gift.config import IntraNode, Mode, Schedule
 from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig
 from megatron_gift.numerics.whitening import LowRankWhitening
-from megatron_gift_tools.meter import Meter, probe_overhead
 from megatron_gift.testing.simulate import FakeGroup, kernels_on, recorded_collectives
+from megatron_gift_tools.meter import Meter, probe_overhead
 
 SIZES = {"1M": 1 << 20, "10M": 10 << 20, "40M": 40 << 20, "200M": 200 << 20}
 DPS = (2, 8, 64, 512)
@@ -98,10 +99,18 @@ SEGMENT_SCAN = ("10M", (64, 512))
 """size and group sizes of the ``*/8`` buckets (launches per segment)."""
 RANKS_PER_NODE = 8  # two-level: min(8, p/2) ranks per node
 ROOT = Path(__file__).resolve().parents[3]
-SOURCES = ("megatron_gift/kernels/*.py", "megatron_gift/comm/*.py", "megatron_gift/numerics/fp8.py",
-           "megatron_gift/numerics/wire.py", "megatron_gift/numerics/whitening.py", "megatron_gift/numerics/two_sided.py",
-           "megatron_gift/numerics/error_feedback.py", "megatron_gift/testing/simulate.py",
-           "tools/megatron_gift_tools/meter.py", "tools/megatron_gift_tools/bench/launches.py")
+SOURCES = (
+    "megatron_gift/kernels/*.py",
+    "megatron_gift/comm/*.py",
+    "megatron_gift/numerics/fp8.py",
+    "megatron_gift/numerics/wire.py",
+    "megatron_gift/numerics/whitening.py",
+    "megatron_gift/numerics/two_sided.py",
+    "megatron_gift/numerics/error_feedback.py",
+    "megatron_gift/testing/simulate.py",
+    "tools/megatron_gift_tools/meter.py",
+    "tools/megatron_gift_tools/bench/launches.py",
+)
 """the files whose launches and bytes the JSON records (globs under the repository root)."""
 REGENERATE = "megatron-gift bench launches --json bench/results/launches-cpu.json"
 """the command that rewrites the committed JSON (the full scan)."""
@@ -124,7 +133,8 @@ def segments(numel: int, modes) -> list[Segment]:
 
 
 def _whitenings(segs, device, output: bool = False):
-    """A rank-``RANK`` whitening per GIFT parameter (input side: ``cols``; ``output``: ``rows``), random finite values."""
+    """A rank-``RANK`` whitening per GIFT parameter (input side: ``cols``; ``output``:
+    ``rows``), random finite values."""
     out = []
     for s in segs:
         if s.mode is not Mode.GIFT:
@@ -148,8 +158,17 @@ def _two_level_groups(p: int, rank: int) -> TwoLevelGroups:
 class Case:
     """One bucket reduction to meter: its layout and how to build the reduction."""
 
-    def __init__(self, path: str, bucket: str, numel: int, p: int, kernels: str, device: str = "meta", rank: int = 0,
-                 layout: BucketLayout | None = None):  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        bucket: str,
+        numel: int,
+        p: int,
+        kernels: str,
+        device: str = "meta",
+        rank: int = 0,
+        layout: BucketLayout | None = None,
+    ):
         self.path, self.bucket, self.numel, self.p, self.kernels = path, bucket, numel, p, kernels
         self.device, self.rank = torch.device(device), rank
         self.layout = layout or BucketLayout(numel, p, segments(numel, BUCKETS[bucket]), CodecConfig(), torch.float32)
@@ -175,12 +194,27 @@ class Case:
     def reduction(self):
         fused = self.kernels == "fused"
         if self.two_level:
-            inner = TwoLevelReduce(self.flat, self.layout, _two_level_groups(self.p, self.rank), self.transforms,
-                                   intra=self.intra, average=True, all_reduce=self.all_reduce, kernels=fused)  # fmt: skip
+            inner = TwoLevelReduce(
+                self.flat,
+                self.layout,
+                _two_level_groups(self.p, self.rank),
+                self.transforms,
+                intra=self.intra,
+                average=True,
+                all_reduce=self.all_reduce,
+                kernels=fused,
+            )
         else:
-            inner = QuantizedReduce(self.flat, self.layout, FakeGroup(self.p, self.rank), self.transforms,
-                                    error_feedback=self.error_feedback, average=True, all_reduce=self.all_reduce,
-                                    kernels=fused)  # fmt: skip
+            inner = QuantizedReduce(
+                self.flat,
+                self.layout,
+                FakeGroup(self.p, self.rank),
+                self.transforms,
+                error_feedback=self.error_feedback,
+                average=True,
+                all_reduce=self.all_reduce,
+                kernels=fused,
+            )
         return inner if self.outputs is None else OutputSide(inner, self.outputs, CommLedger())
 
     def run(self, meter: Meter) -> None:
@@ -210,7 +244,9 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
         return plan.n_coded + sum(h - lo for lo, h in zip(plan.plain_lo, plan.plain_hi))
 
     two_sided = case.outputs or [None] * len(segs)
-    bucket_read = sum(s.rows * s.cols * b * (2 if s.mode is Mode.GIFT or w is not None else 1) for s, w in zip(segs, two_sided))
+    bucket_read = sum(
+        s.rows * s.cols * b * (2 if s.mode is Mode.GIFT or w is not None else 1) for s, w in zip(segs, two_sided)
+    )
     ef = 8 * layout.n_coded if case.error_feedback is not None else 0
     p = layout.num_shards
     if case.two_level:
@@ -288,10 +324,21 @@ def measure(case: Case, timing_reps: int = 2) -> dict:
         s["host_ms"] = round(1e3 * t, 3)
     _with_essentials(stages, [essential(case, s["stage"]) for s in stages])
     segs = case.layout.segments
-    return dict(kind="reduction", path=case.path, kernels=case.kernels, bucket=case.bucket, elements=case.numel,
-                parameter_elements=sum(s.rows * s.cols for s in segs), segments=len(segs), dp=case.p, rank=case.rank,
-                stages=stages, launches=sum(s["launches"] for s in stages), host_ms=round(sum(s["host_ms"] for s in stages), 3),
-                collectives=[list(c) for c in collectives])  # fmt: skip
+    return dict(
+        kind="reduction",
+        path=case.path,
+        kernels=case.kernels,
+        bucket=case.bucket,
+        elements=case.numel,
+        parameter_elements=sum(s.rows * s.cols for s in segs),
+        segments=len(segs),
+        dp=case.p,
+        rank=case.rank,
+        stages=stages,
+        launches=sum(s["launches"] for s in stages),
+        host_ms=round(sum(s["host_ms"] for s in stages), 3),
+        collectives=[list(c) for c in collectives],
+    )
 
 
 def scan(quick: bool) -> list[tuple]:
@@ -303,7 +350,9 @@ def scan(quick: bool) -> list[tuple]:
     paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs", "two-level/bf16-ar", "two-level/fp8-ar"]
     if quick:
         paths = ["flat-rs", "two-level/bf16-rs"]  # Megatron's distributed optimizer, flat and the default two-level
-    for bucket in ("euclidean", "gift", "plain", "euclidean+ef", "gift+out") + (() if quick else ("euclidean/8", "gift/8")):
+    for bucket in ("euclidean", "gift", "plain", "euclidean+ef", "gift+out") + (
+        () if quick else ("euclidean/8", "gift/8")
+    ):
         for size in sizes:
             for dp in dps:
                 for path in paths:
@@ -318,7 +367,7 @@ def scan(quick: bool) -> list[tuple]:
                     out.append((path, bucket, size, dp, "fused"))
     for bucket in ("euclidean", "gift"):
         for size in torch_sizes:
-            for dp in ((2, 8) if quick else (2, 512)):
+            for dp in (2, 8) if quick else (2, 512):
                 out.append(("flat-rs", bucket, size, dp, "pytorch"))
     # the quick cases first (on meta tensors each op costs ~0.1-4 ms of shape functions: the BF16
     # intra-node cast, error feedback and the PyTorch path dispatch the most), each from the smallest bucket up
@@ -347,17 +396,25 @@ def delta_gather(numel: int, p: int, kernels: str = "fused") -> dict:
     s = numel // p
     ess = [(2 * 2 * s, message_bytes(s)), (p * message_bytes(s) + 2 * numel, 2 * numel + 2 * s)]
     stages = _with_essentials([st.as_dict() for st in meter.stages], ess)
-    return dict(kind="delta-gather", path="param-gather", kernels=kernels, elements=numel, dp=p, stages=stages,
-                launches=sum(x["launches"] for x in stages), collectives=[list(c) for c in calls[-1:]])  # fmt: skip
+    return dict(
+        kind="delta-gather",
+        path="param-gather",
+        kernels=kernels,
+        elements=numel,
+        dp=p,
+        stages=stages,
+        launches=sum(x["launches"] for x in stages),
+        collectives=[list(c) for c in calls[-1:]],
+    )
 
 
 def refresh(dp: int) -> dict:
     """One GIFT refresh of the demo model's linear layers as rank 0 of ``dp`` (``bench.refresh``'s
     four calls), metered on real CPU tensors; no essential bytes (its work is small matrices)."""
-    from megatron_gift_tools.bench import refresh as bench_refresh
     from megatron_gift.config import GiftConfig
     from megatron_gift.refresh_sync import RefreshSync
     from megatron_gift.state import GiftState
+    from megatron_gift_tools.bench import refresh as bench_refresh
 
     cfg = GiftConfig(mode=Mode.GIFT)
     device = torch.device("cpu")
@@ -366,11 +423,18 @@ def refresh(dp: int) -> dict:
     st.state.open_step()
     remap = lambda g, old, new: None  # noqa: E731
     steps = (
-        ("start", lambda: st.at_sync(lambda: ((g, grp) for g, grp, _ in layers), [(g, grp, gr) for g, grp, gr in layers if gr is not None], remap)),
+        (
+            "start",
+            lambda: st.at_sync(
+                lambda: ((g, grp) for g, grp, _ in layers),
+                [(g, grp, gr) for g, grp, gr in layers if gr is not None],
+                remap,
+            ),
+        ),
         ("cores", st.after_reductions),
         ("send", lambda: st.close_step([])),
         ("install", lambda: (st.state.open_step(), st.at_sync(lambda: iter(()), [], remap))),
-    )  # fmt: skip
+    )
     calls: list = []
     meter = Meter(stub=False)
     with bench_refresh._counted_collectives(calls), meter:
@@ -381,8 +445,15 @@ def refresh(dp: int) -> dict:
     for s, m in zip(stages, meter.stages):
         s["host_ms"] = round(1e3 * m.host_s, 3)  # with the probe: an upper bound
         s["essential_read"] = s["essential_written"] = s["ratio"] = None
-    return dict(kind="refresh", path="refresh", model="demo", gift_layers=len(layers), dp=dp, stages=stages,
-                launches=sum(x["launches"] for x in stages))  # fmt: skip
+    return dict(
+        kind="refresh",
+        path="refresh",
+        model="demo",
+        gift_layers=len(layers),
+        dp=dp,
+        stages=stages,
+        launches=sum(x["launches"] for x in stages),
+    )
 
 
 def machine() -> dict:
@@ -392,30 +463,51 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return dict(cpu=cpu, cpus=os.cpu_count(), platform=platform.platform(), torch=torch.__version__,
-                load_average=os.getloadavg()[0])  # fmt: skip
+    return dict(
+        cpu=cpu,
+        cpus=os.cpu_count(),
+        platform=platform.platform(),
+        torch=torch.__version__,
+        load_average=os.getloadavg()[0],
+    )
 
 
-def run(quick: bool, json_path: str | None, command: str | None = None, launcher: bool = True,
-        budget_s: float | None = None, resume: bool = False) -> dict:  # fmt: skip
+def run(
+    quick: bool,
+    json_path: str | None,
+    command: str | None = None,
+    launcher: bool = True,
+    budget_s: float | None = None,
+    resume: bool = False,
+) -> dict:
     """The scan (``--quick``: its subset): the launcher, delta-gather and refresh records first,
     then the reductions (``scan``'s order), the JSON rewritten after each record; past ``budget_s``
     seconds the remaining reductions are listed as ``skipped``. ``resume``: the records already in
     ``json_path`` are kept and not measured again (their essential bytes recomputed)."""
     t0 = time.time()
     threads = torch.get_num_threads()
-    doc = dict(benchmark="launches", command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), sources=source_hash(),
-               machine=dict(machine(), probe_overhead_us=round(1e6 * probe_overhead(), 2)), wall_seconds=0.0,
-               budget_s=budget_s, schema=__doc__, records=[], skipped=[])  # fmt: skip
+    doc = dict(
+        benchmark="launches",
+        command=command or "megatron-gift bench launches" + (" --quick" if quick else ""),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        sources=source_hash(),
+        machine=dict(machine(), probe_overhead_us=round(1e6 * probe_overhead(), 2)),
+        wall_seconds=0.0,
+        budget_s=budget_s,
+        schema=__doc__,
+        records=[],
+        skipped=[],
+    )
     records = doc["records"]
     done = set()
     if resume and json_path and os.path.exists(json_path):
         with open(json_path) as f:
             old = json.load(f)
         if old.get("sources", {}).get("sha256") != doc["sources"]["sha256"]:
-            raise SystemExit(f"bench launches --resume: {json_path} metered other sources than the checkout's; "
-                             "run the scan without --resume")  # fmt: skip
+            raise SystemExit(
+                f"bench launches --resume: {json_path} metered other sources than the checkout's; "
+                "run the scan without --resume"
+            )
         doc["date"] = old["date"]  # the first part's
         records += old["records"]
         doc["wall_seconds_before_resume"] = old["wall_seconds"] + old.get("wall_seconds_before_resume", 0)
@@ -487,31 +579,47 @@ def format_table(doc: dict) -> str:
     for r in doc["records"]:
         if r["kind"] == "reduction":
             groups.setdefault((r["path"], r["kernels"], r["bucket"]), []).append(r)
-    lines = ["| path | kernels | bucket | stage | launches (small) | launches (large) | ATen ops / Triton (large) | "
-             "ratio (small, large) | host ms (small, large) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| path | kernels | bucket | stage | launches (small) | launches (large) | ATen ops / Triton (large) | "
+        "ratio (small, large) | host ms (small, large) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for (path, kernels, bucket), recs in groups.items():
         small, large = _corners(recs)
         tag = lambda r: f"{r['size']}/DP{r['dp']}"  # noqa: E731
         for s0, s1 in zip(small["stages"], large["stages"]):
-            lines.append(f"| {path} | {kernels} | {bucket} | {s0['stage']} | {s0['launches']} ({tag(small)}) | "
-                         f"{s1['launches']} ({tag(large)}) | {s1['aten_ops']} / {s1['triton_launches']} | "
-                         f"{s0['ratio'] or '-'}, {s1['ratio'] or '-'} | {s0['host_ms']:.2f}, {s1['host_ms']:.2f} |")  # fmt: skip
-    lines += ["", "| record | DP | stage | launches | ATen ops / Triton | MB moved | ratio |", "|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {path} | {kernels} | {bucket} | {s0['stage']} | {s0['launches']} ({tag(small)}) | "
+                f"{s1['launches']} ({tag(large)}) | {s1['aten_ops']} / {s1['triton_launches']} | "
+                f"{s0['ratio'] or '-'}, {s1['ratio'] or '-'} | {s0['host_ms']:.2f}, {s1['host_ms']:.2f} |"
+            )
+    lines += [
+        "",
+        "| record | DP | stage | launches | ATen ops / Triton | MB moved | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in doc["records"]:
         if r["kind"] in ("delta-gather", "refresh"):
             what = f"{r['kind']} {r.get('size', r.get('model', ''))} {r.get('kernels', '')}".rstrip()
             for s in r["stages"]:
-                lines.append(f"| {what} | {r['dp']} | {s['stage']} | {s['launches']} | {s['aten_ops']} / {s['triton_launches']} | "
-                             f"{(s['bytes_read'] + s['bytes_written']) / 1e6:.1f} | {s['ratio'] or '-'} |")  # fmt: skip
+                lines.append(
+                    f"| {what} | {r['dp']} | {s['stage']} | {s['launches']} | "
+                    f"{s['aten_ops']} / {s['triton_launches']} | "
+                    f"{(s['bytes_read'] + s['bytes_written']) / 1e6:.1f} | {s['ratio'] or '-'} |"
+                )
     for r in doc["records"]:
         if r["kind"] == "launcher":
-            lines.append(f"| launcher {r['parameters'] / 1e6:.2f}M params ({r['mode']}) | 2 | steady step | - | "
-                         f"{r['plugin_ops']} plugin ops | - | {r.get('ratio_to_smaller', '-')} |")  # fmt: skip
+            lines.append(
+                f"| launcher {r['parameters'] / 1e6:.2f}M params ({r['mode']}) | 2 | steady step | - | "
+                f"{r['plugin_ops']} plugin ops | - | {r.get('ratio_to_smaller', '-')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_gift_tools.bench.launches", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_gift_tools.bench.launches", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--no-launcher", action="store_true")
@@ -519,8 +627,14 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep the records already in --json, measure the rest")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    run(args.quick, args.json, "python -m megatron_gift_tools.bench.launches " + " ".join(argv), not args.no_launcher, args.budget,
-        args.resume)
+    run(
+        args.quick,
+        args.json,
+        "python -m megatron_gift_tools.bench.launches " + " ".join(argv),
+        not args.no_launcher,
+        args.budget,
+        args.resume,
+    )
     return 0
 
 

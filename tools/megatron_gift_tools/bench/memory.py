@@ -112,10 +112,11 @@ def _measure(name: str, spec: dict) -> dict:
         else:
             gift = GiftConfig(**CONFIGS[name])
             ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
+
         def step(i: int) -> None:
-            ddp.zero_grad_buffer()  # (closes the step before: error feedback committed, telemetry written)
-            lm_loss(ddp, random_tokens(i, parallel_state.get_data_parallel_rank())).backward()
-            ddp.finish_grad_sync()
+            ddp.zero_grad_buffer()  # noqa: F821  (closes the step before: error feedback committed, telemetry written)
+            lm_loss(ddp, random_tokens(i, parallel_state.get_data_parallel_rank())).backward()  # noqa: F821
+            ddp.finish_grad_sync()  # noqa: F821
 
         for i in range(spec["steps"]):
             step(i)
@@ -152,14 +153,20 @@ def summarize(per_rank: list[dict], world: int) -> list[dict]:
     """Rows of the table for one data-parallel size: per configuration, bytes per parameter over ``stock``."""
     rows = []
     for name in per_rank[0]:
+
         def extra(key):
             return max((r[name][key] - r["stock"][key]) / r[name]["params"] for r in per_rank)
 
         peak, held = extra("peak"), extra("held")
-        row = dict(ranks=world, config=name, params=per_rank[0][name]["params"],
-                   peak_extra_B_per_param=round(peak, 3), held_extra_B_per_param=round(held, 3),
-                   transient_extra_B_per_param=round(peak - held, 3),
-                   peak_bytes_per_rank=[r[name]["peak"] for r in per_rank])  # fmt: skip
+        row = dict(
+            ranks=world,
+            config=name,
+            params=per_rank[0][name]["params"],
+            peak_extra_B_per_param=round(peak, 3),
+            held_extra_B_per_param=round(held, 3),
+            transient_extra_B_per_param=round(peak - held, 3),
+            peak_bytes_per_rank=[r[name]["peak"] for r in per_rank],
+        )
         if "steady" in per_rank[0][name]:
             row["steady_transient_extra_B_per_param"] = round(extra("steady"), 3)
             if "steady_step" in per_rank[0][name]:
@@ -184,12 +191,15 @@ def run(quick: bool = False, json_path: str | None = None, ranks=None, command: 
         benchmark="memory",
         command=command or "megatron-gift bench memory" + (" --quick" if quick else ""),
         machine=machine(),
-        spec=dict(spec, configs={n: CONFIGS[n] and {k: getattr(v, "value", v) for k, v in CONFIGS[n].items()} for n in names},
-                  ddp="distributed optimizer, overlap_grad_reduce, default bucket size (one bucket), FP32 gradients"),
+        spec=dict(
+            spec,
+            configs={n: CONFIGS[n] and {k: getattr(v, "value", v) for k, v in CONFIGS[n].items()} for n in names},
+            ddp="distributed optimizer, overlap_grad_reduce, default bucket size (one bucket), FP32 gradients",
+        ),
         definition=__doc__.split("\n\n")[1].replace("\n", " "),
         wall_seconds=round(time.time() - t0, 1),
         results=rows,
-    )  # fmt: skip
+    )
     print(format_table(rows))
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -211,8 +221,14 @@ def format_table(rows: list[dict]) -> str:
         cells = []
         for n in sizes:
             r = by.get((name, n))
-            cell = "" if r is None else (f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f} + "
-                                         f"{r['transient_extra_B_per_param']:.2f})")  # fmt: skip
+            cell = (
+                ""
+                if r is None
+                else (
+                    f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f} + "
+                    f"{r['transient_extra_B_per_param']:.2f})"
+                )
+            )
             if r is not None and "steady_transient_extra_B_per_param" in r:
                 cell += f", {r['steady_transient_extra_B_per_param']:.2f}"
             cells.append(cell)

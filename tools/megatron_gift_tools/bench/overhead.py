@@ -8,7 +8,8 @@ For each linear layer of Llama-300M, Llama-600M (the paper's shapes) and the CPU
 ==============================  ====================================================================
 path                            what is timed
 ==============================  ====================================================================
-``layer_fwd_bwd``               ``Y = X Wᵀ``, ``dX = dY W``, ``dW = dYᵀ X`` for one micro-batch's tokens (FP32, or ``layer_dtype``)
+``layer_fwd_bwd``               ``Y = X Wᵀ``, ``dX = dY W``, ``dW = dYᵀ X`` for one micro-batch's tokens (FP32, or
+                                ``layer_dtype``)
 ``lowrank_apply`` / ``_inverse`` ``LowRankWhitening.apply`` (``G T``) / ``inverse`` (``U T⁻¹``), rank 32
 ``dense_apply`` / ``_inverse``  ``DenseCholeskyWhitening`` (the paper's ``T = L⁻ᵀ``: triangular solve / ``U Lᵀ``)
 ``fp8_encode_decode``           ``numerics.fp8.encode`` + ``decode``, default codec (E4M3, 1x128 blocks)
@@ -18,9 +19,9 @@ path                            what is timed
 ``factor_build``                a refresh's ``T`` from the summed Nyström sketch (``factor_from_sketch`` +
                                 ``LowRankWhitening``, FP64, one layer, timed on the CPU; the plugin's batched build on
                                 the statistics' device, per refresh and stage: ``bench.refresh``)
-``statistics``                  a step's K-FAC statistics: ``KFACStatistics.accumulate`` on the micro-batch's layer input
-                                ``X [tokens, d_in]`` (sketch 64, GiftConfig's default) plus one ``fold`` into the EMA
-                                (local compute only, every step; a step of m micro-batches accumulates m times)
+``statistics``                  a step's K-FAC statistics: ``KFACStatistics.accumulate`` on the micro-batch's layer
+                                input ``X [tokens, d_in]`` (sketch 64, GiftConfig's default) plus one ``fold`` into
+                                the EMA (local compute only, every step; a step of m micro-batches accumulates m times)
 ==============================  ====================================================================
 
 Codec and copy records carry ``bytes_per_s`` (bytes read + written: copy 8 B/element; encode+decode
@@ -44,14 +45,15 @@ import time
 
 import torch
 
-from megatron_gift_tools.demo import PRESETS
-from megatron_gift.numerics.fp8 import CodecConfig, decode, encode
 from megatron_gift import kernels
 from megatron_gift.config import GiftConfig
+from megatron_gift.numerics.fp8 import CodecConfig, decode, encode
 from megatron_gift.numerics.kfac import KFACStatistics, sketch_matrix
 from megatron_gift.numerics.whitening import LowRankFactor, LowRankWhitening, factor_from_sketch
 from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
-from megatron_gift_tools.planner.workloads import PRESETS as LLAMA, layer_shapes
+from megatron_gift_tools.demo import PRESETS
+from megatron_gift_tools.planner.workloads import PRESETS as LLAMA
+from megatron_gift_tools.planner.workloads import layer_shapes
 
 RANK = GiftConfig().rank
 SKETCH = GiftConfig().sketch
@@ -66,10 +68,10 @@ QUICK_TOKENS = 1024  # tokens per micro-batch in --quick (instead of seq x micro
 QUICK_MODELS = ("llama-600m", "demo")
 
 SCHEMA = {
-    "results": "one record per (model, layer, path): model, layer, shape [d_out, d_in], tokens and dtype (layer_fwd_bwd), "
-    "path, device, seconds (fastest sample), samples; layer_fwd_bwd and statistics add tokens; statistics adds sketch "
-    "(accumulate on one micro-batch's layer input + one fold); codec/copy paths add bytes_per_s; dense_* paths add dense_over_lowrank "
-    "(seconds / seconds of the matching lowrank_* path)",
+    "results": "one record per (model, layer, path): model, layer, shape [d_out, d_in], tokens and dtype "
+    "(layer_fwd_bwd), path, device, seconds (fastest sample), samples; layer_fwd_bwd and statistics add tokens; "
+    "statistics adds sketch (accumulate on one micro-batch's layer input + one fold); codec/copy paths add "
+    "bytes_per_s; dense_* paths add dense_over_lowrank (seconds / seconds of the matching lowrank_* path)",
     "summary": "per (model, layer): layer_fwd_bwd_s, transform_s (lowrank apply+inverse), codec_s (fp8 encode+decode), "
     "transform_codec_over_layer (transform_s+codec_s)/layer_fwd_bwd_s, factor_build_s (CPU, once per refresh), "
     "pipeline_s (whiten_encode + "
@@ -116,8 +118,14 @@ def fused_timed(device: torch.device) -> bool:
     return kernels.available(device) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.device, cfg: CodecConfig,
-                  layer_dtype: torch.dtype = torch.float32) -> list[dict]:
+def measure_layer(
+    name: str,
+    shape: tuple[int, int],
+    tokens: int,
+    device: torch.device,
+    cfg: CodecConfig,
+    layer_dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     """Time every path of one layer (its fwd+bwd in ``layer_dtype``); returns its result records."""
     d_out, d_in = shape
     gen = torch.Generator().manual_seed(0)
@@ -147,7 +155,10 @@ def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.
         variants["fused"] = (kernels.whiten_encode, kernels.decode_sum_unwhiten)
     for kind, (we, dsu) in variants.items():
         paths[f"whiten_encode_{kind}"] = (lambda we=we: we(g, low, cfg), None)
-        paths[f"decode_sum_unwhiten_{kind}"] = (lambda dsu=dsu: dsu(payloads, scales, rows, d_in, low, cfg, average=True), None)
+        paths[f"decode_sum_unwhiten_{kind}"] = (
+            lambda dsu=dsu: dsu(payloads, scales, rows, d_in, low, cfg, average=True),
+            None,
+        )
     omega = sketch_matrix(d_in, SKETCH, seed=0)
     a = factor.dense()
     y, diag = (a @ omega.double()).float(), a.diagonal().float()
@@ -158,8 +169,15 @@ def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.
     for path, (fn, nbytes) in paths.items():
         on = torch.device("cpu") if path == "factor_build" else device
         seconds, samples = time_call(fn, on)
-        rec = dict(model=name[0], layer=name[1], shape=[d_out, d_in], path=path, device=str(on),
-                   seconds=seconds, samples=samples)  # fmt: skip
+        rec = dict(
+            model=name[0],
+            layer=name[1],
+            shape=[d_out, d_in],
+            path=path,
+            device=str(on),
+            seconds=seconds,
+            samples=samples,
+        )
         if path in ("layer_fwd_bwd", "statistics"):
             rec["tokens"], rec["dtype"] = tokens, str(layer_dtype).removeprefix("torch.")
         if path == "statistics":
@@ -169,7 +187,9 @@ def measure_layer(name: str, shape: tuple[int, int], tokens: int, device: torch.
         records.append(rec)
     by_path = {r["path"]: r for r in records}
     for op in ("apply", "inverse"):
-        by_path[f"dense_{op}"]["dense_over_lowrank"] = by_path[f"dense_{op}"]["seconds"] / by_path[f"lowrank_{op}"]["seconds"]
+        by_path[f"dense_{op}"]["dense_over_lowrank"] = (
+            by_path[f"dense_{op}"]["seconds"] / by_path[f"lowrank_{op}"]["seconds"]
+        )
     return records
 
 
@@ -182,11 +202,18 @@ def summarize(records: list[dict]) -> list[dict]:
     for (model, layer), p in groups.items():
         s = {k: v["seconds"] for k, v in p.items()}
         kind = "fused" if "whiten_encode_fused" in s else "reference"
-        row = dict(model=model, layer=layer, shape=p["copy"]["shape"], tokens=p["layer_fwd_bwd"]["tokens"],
-                   layer_fwd_bwd_s=s["layer_fwd_bwd"], transform_s=s["lowrank_apply"] + s["lowrank_inverse"],
-                   codec_s=s["fp8_encode_decode"], factor_build_s=s["factor_build"],
-                   dense_over_lowrank=(s["dense_apply"] + s["dense_inverse"]) / (s["lowrank_apply"] + s["lowrank_inverse"]),
-                   codec_over_copy_bandwidth=p["fp8_encode_decode"]["bytes_per_s"] / p["copy"]["bytes_per_s"])  # fmt: skip
+        row = dict(
+            model=model,
+            layer=layer,
+            shape=p["copy"]["shape"],
+            tokens=p["layer_fwd_bwd"]["tokens"],
+            layer_fwd_bwd_s=s["layer_fwd_bwd"],
+            transform_s=s["lowrank_apply"] + s["lowrank_inverse"],
+            codec_s=s["fp8_encode_decode"],
+            factor_build_s=s["factor_build"],
+            dense_over_lowrank=(s["dense_apply"] + s["dense_inverse"]) / (s["lowrank_apply"] + s["lowrank_inverse"]),
+            codec_over_copy_bandwidth=p["fp8_encode_decode"]["bytes_per_s"] / p["copy"]["bytes_per_s"],
+        )
         row["transform_codec_over_layer"] = (row["transform_s"] + row["codec_s"]) / row["layer_fwd_bwd_s"]
         row["statistics_s"] = s["statistics"]
         row["statistics_over_layer"] = s["statistics"] / s["layer_fwd_bwd"]
@@ -198,8 +225,15 @@ def summarize(records: list[dict]) -> list[dict]:
     return out
 
 
-def run(quick: bool = False, json_path: str | None = None, device: str | None = None, command: str | None = None,
-        models: dict | None = None, tokens: int | None = None, layer_dtype: torch.dtype = torch.float32) -> dict:
+def run(
+    quick: bool = False,
+    json_path: str | None = None,
+    device: str | None = None,
+    command: str | None = None,
+    models: dict | None = None,
+    tokens: int | None = None,
+    layer_dtype: torch.dtype = torch.float32,
+) -> dict:
     """Time every path for every layer, print the table, write JSON; returns the document.
 
     ``models``/``tokens`` override the shapes and tokens per micro-batch (tests use tiny ones);
@@ -219,7 +253,11 @@ def run(quick: bool = False, json_path: str | None = None, device: str | None = 
         for name, m in models.items():
             n_tok = tokens or m["seq"] * m["micro_batch"]
             for layer, shape in layer_shapes(m).items():
-                print(f"[bench overhead] {name} {layer} {shape[0]}x{shape[1]}, {n_tok} tokens ...", file=sys.stderr, flush=True)
+                print(
+                    f"[bench overhead] {name} {layer} {shape[0]}x{shape[1]}, {n_tok} tokens ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 records.extend(measure_layer((name, layer), shape, n_tok, dev, cfg, layer_dtype))
         used_threads = torch.get_num_threads()
     finally:
@@ -227,13 +265,26 @@ def run(quick: bool = False, json_path: str | None = None, device: str | None = 
     doc = dict(
         benchmark="overhead",
         command=command or ("megatron-gift bench overhead" + (" --quick" if quick else "")),
-        machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                     cpus=os.cpu_count(), load_average_before_after=[load, os.getloadavg()[0]],
-                     torch=torch.__version__, threads=used_threads,
-                     gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None),  # fmt: skip
-        config=dict(codec=cfg.name, block=cfg.block, rank=RANK, sketch=SKETCH, ranks=RANKS, models=models,
-                    tokens_per_micro_batch=tokens or "seq x micro_batch", layer_dtype=str(layer_dtype).removeprefix("torch."),
-                    kernels="fused+reference" if fused_timed(dev) else "reference"),  # fmt: skip
+        machine=dict(
+            platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
+            cpus=os.cpu_count(),
+            load_average_before_after=[load, os.getloadavg()[0]],
+            torch=torch.__version__,
+            threads=used_threads,
+            gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        ),
+        config=dict(
+            codec=cfg.name,
+            block=cfg.block,
+            rank=RANK,
+            sketch=SKETCH,
+            ranks=RANKS,
+            models=models,
+            tokens_per_micro_batch=tokens or "seq x micro_batch",
+            layer_dtype=str(layer_dtype).removeprefix("torch."),
+            kernels="fused+reference" if fused_timed(dev) else "reference",
+        ),
         schema=SCHEMA,
         wall_seconds=round(time.time() - t0, 1),
         results=records,
@@ -265,24 +316,27 @@ def targets(doc: dict) -> dict:
 
 def format_table(doc: dict) -> str:
     """Markdown table: milliseconds per path and per layer, and the ratios of the summary."""
-    head = ("| model | layer | d_out x d_in | tokens | fwd+bwd ms | T+T⁻¹ ms | FP8 enc+dec ms | (T+codec)/layer | "
-            "whiten-enc + dec-sum-unwhiten ms | dense/low-rank | codec/copy B/s | stats ms | stats/layer |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = (
+        "| model | layer | d_out x d_in | tokens | fwd+bwd ms | T+T⁻¹ ms | FP8 enc+dec ms | (T+codec)/layer | "
+        "whiten-enc + dec-sum-unwhiten ms | dense/low-rank | codec/copy B/s | stats ms | stats/layer |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for s in doc["summary"]:
         pipe = f"{1e3 * s['pipeline_s']:.3g} ({s['pipeline']})" if "pipeline_s" in s else "n/a"
         lines.append(
-            f"| {s['model']} | {s['layer']} | {s['shape'][0]}x{s['shape'][1]} | {s['tokens']} | {1e3 * s['layer_fwd_bwd_s']:.4g} | "
-            f"{1e3 * s['transform_s']:.3g} | {1e3 * s['codec_s']:.3g} | {100 * s['transform_codec_over_layer']:.2f}% | {pipe} | "
-            f"{s['dense_over_lowrank']:.1f}x | {s['codec_over_copy_bandwidth']:.3g} | {1e3 * s['statistics_s']:.3g} | "
+            f"| {s['model']} | {s['layer']} | {s['shape'][0]}x{s['shape'][1]} | {s['tokens']} | "
+            f"{1e3 * s['layer_fwd_bwd_s']:.4g} | {1e3 * s['transform_s']:.3g} | {1e3 * s['codec_s']:.3g} | "
+            f"{100 * s['transform_codec_over_layer']:.2f}% | {pipe} | {s['dense_over_lowrank']:.1f}x | "
+            f"{s['codec_over_copy_bandwidth']:.3g} | {1e3 * s['statistics_s']:.3g} | "
             f"{100 * s['statistics_over_layer']:.2f}% |"
         )
     t = doc["targets"]
     if "transform_codec_over_layer_fwd_bwd_600m" in t:
         lines.append("")
         lines.append(
-            f"Llama-600M on {t['device']}: transform+codec = {100 * t['transform_codec_over_layer_fwd_bwd_600m']:.2f}% of the "
-            f"linear layers' fwd+bwd (target <= 2% on GPU); dense/low-rank at d_in=3456: "
+            f"Llama-600M on {t['device']}: transform+codec = {100 * t['transform_codec_over_layer_fwd_bwd_600m']:.2f}% "
+            f"of the linear layers' fwd+bwd (target <= 2% on GPU); dense/low-rank at d_in=3456: "
             f"{t.get('dense_over_lowrank_d_in_3456', float('nan')):.1f}x (target >= 15x)"
         )
     return "\n".join(lines) + "\n"

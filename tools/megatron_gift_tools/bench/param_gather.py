@@ -84,15 +84,22 @@ def _stats(got: torch.Tensor, want: torch.Tensor, h: torch.Tensor, prev: torch.T
     max |got - want| / h, squared error and squared change ``want - prev``."""
     diff = got.double() - want.double()
     same = (got.view(torch.int16) == want.view(torch.int16)) | ((got == 0) & (want == 0))
-    return dict(numel=want.numel(), identical=int(same.sum()),
-                max_over_h=float((diff.abs() / h.double()).max()), err2=float(diff.square().sum()),
-                change2=float((want.double() - prev.double()).square().sum()))  # fmt: skip
+    return dict(
+        numel=want.numel(),
+        identical=int(same.sum()),
+        max_over_h=float((diff.abs() / h.double()).max()),
+        err2=float(diff.square().sum()),
+        change2=float((want.double() - prev.double()).square().sum()),
+    )
 
 
 def _merge(parts: list[dict]) -> dict:
     n, same = sum(p["numel"] for p in parts), sum(p["identical"] for p in parts)
-    return dict(identical_fraction=same / n, max_over_h=max(p["max_over_h"] for p in parts),
-                err_vs_change=(sum(p["err2"] for p in parts) / sum(p["change2"] for p in parts)) ** 0.5)  # fmt: skip
+    return dict(
+        identical_fraction=same / n,
+        max_over_h=max(p["max_over_h"] for p in parts),
+        err_vs_change=(sum(p["err2"] for p in parts) / sum(p["change2"] for p in parts)) ** 0.5,
+    )
 
 
 def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
@@ -112,13 +119,26 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
     for lr in spec["lrs"]:
         for name, seed_offset, gather in RUNS:
             seed = spec["seed"] + seed_offset
-            model = build_tiny_gpt(seed=seed, vocab=corpus.vocab_size, seq=spec["seq"], bf16=True,
-                                   params_dtype=torch.bfloat16, **spec["model"])  # fmt: skip
-            ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                                       bucket_size=spec["bucket_size"])  # fmt: skip
-            ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=GiftConfig(param_gather=ParamGather(gather)))
-            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, bf16=True, clip_grad=1.0,
-                                                         use_distributed_optimizer=True), [ddp])  # fmt: skip
+            model = build_tiny_gpt(
+                seed=seed,
+                vocab=corpus.vocab_size,
+                seq=spec["seq"],
+                bf16=True,
+                params_dtype=torch.bfloat16,
+                **spec["model"],
+            )
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=spec["bucket_size"]
+            )
+            ddp = GiftDistributedDataParallel(
+                model.config, ddp_config, model, gift_config=GiftConfig(param_gather=ParamGather(gather))
+            )
+            opt = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=lr, weight_decay=0.1, bf16=True, clip_grad=1.0, use_distributed_optimizer=True
+                ),
+                [ddp],
+            )
             batches = corpus.batches(spec["seq"], spec["batch"], seed=1000 * seed + rank)
             buckets = [b for bg in ddp.bucket_groups for b in bg.buckets if b.param_data.dtype == torch.bfloat16]
             sim = None
@@ -157,8 +177,17 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                 steps.append(record)
             sent = ddp.param_gather_ledger.as_dict()
             ring_bf16 = (world - 1) * sum(b.param_data.numel() // world * 2 for b in buckets)
-            out.append(dict(lr=lr, run=name, steps=steps, bytes=sent, ring_bf16_per_step=ring_bf16,
-                            buckets=len(buckets), numel=sum(b.param_data.numel() for b in buckets)))  # fmt: skip
+            out.append(
+                dict(
+                    lr=lr,
+                    run=name,
+                    steps=steps,
+                    bytes=sent,
+                    ring_bf16_per_step=ring_bf16,
+                    buckets=len(buckets),
+                    numel=sum(b.param_data.numel() for b in buckets),
+                )
+            )
     parallel_state.destroy_model_parallel()
     return out
 
@@ -186,7 +215,10 @@ def kernel_rows(cases=KERNEL_CASES) -> list[dict]:
             param_delta.encode(new[0], prev[0], msgs[0], fused=True)
             param_delta.decode_into(msgs, prev.clone(), prev[0].clone(), 0, fused=True)
         e, nb, n = 2, param_delta.blocks(numel), p * numel
-        essential = {"_encode_kernel": (2 * e * numel, 33 * nb), "_decode_kernel": (p * (m + e * numel), (p + 1) * e * numel)}
+        essential = {
+            "_encode_kernel": (2 * e * numel, 33 * nb),
+            "_decode_kernel": (p * (m + e * numel), (p + 1) * e * numel),
+        }
         with OpCounter() as enc:
             param_delta.encode(new[0], prev[0], msgs[0], fused=False)
         with OpCounter() as dec:
@@ -209,40 +241,67 @@ def _kernel_report() -> dict:
     """``kernel_rows`` here on CUDA, else in a subprocess with Triton's interpreter on."""
     if torch.cuda.is_available():
         return dict(device=torch.cuda.get_device_name(), rows=kernel_rows())
-    code = "import json; from megatron_gift_tools.bench.param_gather import kernel_rows; print(json.dumps(kernel_rows()))"
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=1800, check=True)  # fmt: skip
+    code = (
+        "import json; from megatron_gift_tools.bench.param_gather import kernel_rows; print(json.dumps(kernel_rows()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
     return dict(device="cpu (Triton interpreter)", rows=json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def format_kernels(report: dict) -> str:
-    lines = [f"delta codec per bucket ({report['device']}): launches, bytes / essential, bytes per bucket element; "
-             "PyTorch path ops (encode / decode)",
-             "| shard | ranks | encode: launches, bytes/essential, B/elem | decode: launches, bytes/essential, B/elem | torch ops |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"delta codec per bucket ({report['device']}): launches, bytes / essential, bytes per bucket element; "
+        "PyTorch path ops (encode / decode)",
+        "| shard | ranks | encode: launches, bytes/essential, B/elem | decode: launches, bytes/essential, B/elem | "
+        "torch ops |",
+        "|---|---|---|---|---|",
+    ]
     for r in report["rows"]:
         cells = []
         for name in ("_encode_kernel", "_decode_kernel"):
             k = r["kernels"][name]
             cells.append(f"{k['launches']}, {k['vs_essential']:.3f}, {k['bytes_per_bucket_element']:.3f}")
-        lines.append(f"| {r['shard']} | {r['ranks']} | {cells[0]} | {cells[1]} | {r['torch_ops']['encode']} / {r['torch_ops']['decode']} |")
+        lines.append(
+            f"| {r['shard']} | {r['ranks']} | {cells[0]} | {cells[1]} | {r['torch_ops']['encode']} / "
+            f"{r['torch_ops']['decode']} |"
+        )
     return "\n".join(lines)
 
 
-def run(quick: bool = False, json_path: str | None = None, ranks: int = 2, steps: int | None = None,
-        lrs: tuple[float, ...] | None = None, command: str | None = None) -> dict:  # fmt: skip
+def run(
+    quick: bool = False,
+    json_path: str | None = None,
+    ranks: int = 2,
+    steps: int | None = None,
+    lrs: tuple[float, ...] | None = None,
+    command: str | None = None,
+) -> dict:
     """Train, measure, print a table, write JSON; returns the JSON document."""
     from megatron_gift.testing import run_on_ranks
     from megatron_gift_tools.bench.corpus import build_token_corpus
 
     spec = dict(
-        vocab=2048, seq=64, batch=2, seed=1234, bucket_size=40000,
-        steps=steps or (20 if quick else 200), lrs=list(lrs or ((1e-3,) if quick else (1e-3, 3e-4))),
+        vocab=2048,
+        seq=64,
+        batch=2,
+        seed=1234,
+        bucket_size=40000,
+        steps=steps or (20 if quick else 200),
+        lrs=list(lrs or ((1e-3,) if quick else (1e-3, 3e-4))),
         model=dict(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352),
-    )  # fmt: skip
+    )
     t0 = time.time()
     build_token_corpus(vocab_size=spec["vocab"])  # once, before the ranks read the cache
-    print(f"[bench param-gather] {ranks} ranks, {spec['steps']} steps, lr {spec['lrs']} ...", file=sys.stderr, flush=True)
+    print(
+        f"[bench param-gather] {ranks} ranks, {spec['steps']} steps, lr {spec['lrs']} ...", file=sys.stderr, flush=True
+    )
     kernel_report = _kernel_report()
     print(format_kernels(kernel_report))
     per_rank = run_on_ranks(_rank_main, ranks, spec, cpu_harness=True, timeout=3600)
@@ -251,8 +310,12 @@ def run(quick: bool = False, json_path: str | None = None, ranks: int = 2, steps
         benchmark="param-gather",
         command=command or "megatron-gift bench param-gather" + (" --quick" if quick else ""),
         machine=dict(platform=platform.platform(), processor=platform.processor(), torch=torch.__version__),
-        spec=spec, ranks=ranks, wall_seconds=round(time.time() - t0, 1), results=results, kernels=kernel_report,
-    )  # fmt: skip
+        spec=spec,
+        ranks=ranks,
+        wall_seconds=round(time.time() - t0, 1),
+        results=results,
+        kernels=kernel_report,
+    )
     print(format_table(results))
     if json_path:
         with open(json_path, "w") as f:
@@ -280,35 +343,51 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
             bytes_vs_bf16_ring=sent / n / delta[0]["ring_bf16_per_step"],
             replicas_bit_identical=all(r["steps"][t]["replicas_identical"] for r in delta for t in range(n)),
             ledger=delta[0]["bytes"],
-        )  # fmt: skip
+        )
         loss = {name: [sum(r["steps"][t]["loss"] for r in rs) / world for t in range(n)] for name, rs in runs.items()}
         tail = slice(n // 2, n)
         gap = lambda a, b: sum(abs(x - y) for x, y in zip(a[tail], b[tail])) / len(a[tail])  # noqa: E731
-        row["loss"] = dict(curves=loss, delta_vs_stock_mean_abs=gap(loss["delta"], loss["stock"]),
-                           seed2_vs_stock_mean_abs=gap(loss["stock-seed2"], loss["stock"]), window=[tail.start + 1, n])  # fmt: skip
+        row["loss"] = dict(
+            curves=loss,
+            delta_vs_stock_mean_abs=gap(loss["delta"], loss["stock"]),
+            seed2_vs_stock_mean_abs=gap(loss["stock-seed2"], loss["stock"]),
+            window=[tail.start + 1, n],
+        )
         rows.append(row)
     return rows
 
 
 def _series(per_step: list[dict], **extra) -> dict:
     fractions = [s["identical_fraction"] for s in per_step]
-    return dict(identical_fraction_min=min(fractions), identical_fraction_mean=sum(fractions) / len(fractions),
-                max_over_h=max(s["max_over_h"] for s in per_step),
-                err_vs_change_max=max(s["err_vs_change"] for s in per_step), per_step=per_step, **extra)  # fmt: skip
+    return dict(
+        identical_fraction_min=min(fractions),
+        identical_fraction_mean=sum(fractions) / len(fractions),
+        max_over_h=max(s["max_over_h"] for s in per_step),
+        err_vs_change_max=max(s["err_vs_change"] for s in per_step),
+        per_step=per_step,
+        **extra,
+    )
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| lr | codec | bytes/element | bit-identical to bf16(main): min / mean over steps | max diff / h | "
-             "error / change (max over steps) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| lr | codec | bytes/element | bit-identical to bf16(main): min / mean over steps | max diff / h | "
+        "error / change (max over steps) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for name, c in [*r["codecs"].items(), ("runtime (closed loop)", r["runtime"])]:
             size = f"{c['bytes_per_element']:.4f}" if "bytes_per_element" in c else f"{2 * c['bytes_vs_bf16_ring']:.4f}"
-            lines.append(f"| {r['lr']:g} | {name} | {size} | {c['identical_fraction_min']:.4%} / {c['identical_fraction_mean']:.4%} | "
-                         f"{c['max_over_h']:.3f} | {c['err_vs_change_max']:.2e} |")  # fmt: skip
+            lines.append(
+                f"| {r['lr']:g} | {name} | {size} | {c['identical_fraction_min']:.4%} / "
+                f"{c['identical_fraction_mean']:.4%} | {c['max_over_h']:.3f} | {c['err_vs_change_max']:.2e} |"
+            )
     for r in rows:
-        lines.append(f"lr {r['lr']:g}: runtime bytes {r['runtime']['bytes_vs_bf16_ring']:.4f}x BF16's ring all-gather, replicas "
-                     f"bit-identical: {r['runtime']['replicas_bit_identical']}; loss |delta - stock| {r['loss']['delta_vs_stock_mean_abs']:.4f} "
-                     f"vs seed-to-seed |stock2 - stock| {r['loss']['seed2_vs_stock_mean_abs']:.4f} (mean over steps "
-                     f"{r['loss']['window'][0]}-{r['loss']['window'][1]})")  # fmt: skip
+        lines.append(
+            f"lr {r['lr']:g}: runtime bytes {r['runtime']['bytes_vs_bf16_ring']:.4f}x BF16's ring all-gather, replicas "
+            f"bit-identical: {r['runtime']['replicas_bit_identical']}; loss |delta - stock| "
+            f"{r['loss']['delta_vs_stock_mean_abs']:.4f} vs seed-to-seed |stock2 - stock| "
+            f"{r['loss']['seed2_vs_stock_mean_abs']:.4f} (mean over steps "
+            f"{r['loss']['window'][0]}-{r['loss']['window'][1]})"
+        )
     return "\n".join(lines)

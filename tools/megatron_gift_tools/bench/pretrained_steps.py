@@ -125,10 +125,14 @@ class ModelSpec:
         return self.rows_per_rank * self.seq_len * (2 if self.kind == "encoder" else 1)
 
 
-QUICK = (ModelSpec("smollm2-135m", "causal", 2, 4, 256, 4, (0, 7, 14, 22, 29)),
-         ModelSpec("all-minilm-l6-v2", "encoder", 4, 8, 64, 5, None))  # fmt: skip
-FULL = (ModelSpec("smollm2-135m", "causal", 8, 4, 256, 11, None),
-        ModelSpec("all-minilm-l6-v2", "encoder", 8, 8, 64, 11, None))  # fmt: skip
+QUICK = (
+    ModelSpec("smollm2-135m", "causal", 2, 4, 256, 4, (0, 7, 14, 22, 29)),
+    ModelSpec("all-minilm-l6-v2", "encoder", 4, 8, 64, 5, None),
+)
+FULL = (
+    ModelSpec("smollm2-135m", "causal", 8, 4, 256, 11, None),
+    ModelSpec("all-minilm-l6-v2", "encoder", 8, 8, 64, 11, None),
+)
 
 
 def _load(spec: ModelSpec, docs: list[str]):
@@ -155,7 +159,8 @@ def _load(spec: ModelSpec, docs: list[str]):
 
 
 def _shards(model, layers: dict, inputs, targets, ranks: int):
-    """Per rank: ``(grads {name: G_r}, inputs {name: X_r}, output gradients {name: dY_r})`` of the measured ``layers``."""
+    """Per rank: ``(grads {name: G_r}, inputs {name: X_r}, output gradients {name: dY_r})`` of
+    the measured ``layers``."""
     from megatron_gift_tools.bench.llama import capture_inputs, capture_output_grads
 
     names = list(layers)
@@ -184,9 +189,20 @@ def two_sided_bytes(dims: dict, cfg: GiftConfig = DEFAULTS) -> list[dict]:
     for (model, lt), (d_in, d_out) in sorted(dims.items()):
         inp, outp = refresh_bytes(d_in, cfg.rank, cfg.sketch), refresh_bytes(d_out, cfg.rank, cfg.sketch)
         both = sum(inp.values()) + sum(outp.values())
-        out.append(dict(model=model, layer_type=lt, d_in=d_in, d_out=d_out, input=inp, output=outp, both=both,
-                        fp8_gradient_bytes=d_in * d_out, input_share=sum(inp.values()) / (cfg.refresh_interval * d_in * d_out),
-                        both_share=both / (cfg.refresh_interval * d_in * d_out)))  # fmt: skip
+        out.append(
+            dict(
+                model=model,
+                layer_type=lt,
+                d_in=d_in,
+                d_out=d_out,
+                input=inp,
+                output=outp,
+                both=both,
+                fp8_gradient_bytes=d_in * d_out,
+                input_share=sum(inp.values()) / (cfg.refresh_interval * d_in * d_out),
+                both_share=both / (cfg.refresh_interval * d_in * d_out),
+            )
+        )
     return out
 
 
@@ -196,7 +212,9 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
         p.requires_grad_(False)
     from megatron_gift_tools.bench.llama import linear_layers
 
-    layers = {n: m for n, m in linear_layers(model).items() if spec.blocks is None or int(n.split(".")[1]) in spec.blocks}
+    layers = {
+        n: m for n, m in linear_layers(model).items() if spec.blocks is None or int(n.split(".")[1]) in spec.blocks
+    }
     for m in layers.values():
         m.weight.requires_grad_(True)
     gift = {}
@@ -229,8 +247,16 @@ def _measure_step(step: int, spec: ModelSpec, shards: list, gift: dict, refresh:
             v.install()  # the refresh of step-1, a step late
         stack = torch.stack([s[0][name] for s in shards])
         truth = stack.sum(0)
-        key = dict(step=step, model=spec.name, layer=name, layer_type=layer_type(name), d_in=stack.shape[2],
-                   d_out=stack.shape[1], tokens_per_rank=spec.tokens_per_rank, ranks=spec.ranks)  # fmt: skip
+        key = dict(
+            step=step,
+            model=spec.name,
+            layer=name,
+            layer_type=layer_type(name),
+            d_in=stack.shape[2],
+            d_out=stack.shape[1],
+            tokens_per_rank=spec.tokens_per_rank,
+            ranks=spec.ranks,
+        )
         out, measured = [], {}  # (codec, id(T)) -> (rel_l2, se): schemes sending the same map share it
         for scheme, fn in SCHEMES.items():
             if (sent := fn(gift[name])) is None:
@@ -269,17 +295,39 @@ def summarize(records: list[dict], cold_steps: int = 2) -> dict:
     by = defaultdict(list)
     for r in records:
         by[(r["model"], r["layer_type"], r["scheme"], r["step"] >= cold_steps)].append(r["ratio"])
-    per_type = [dict(model=m, layer_type=lt, scheme=s, after_cold_start=after, ratio=_geomean(v), records=len(v))
-                for (m, lt, s, after), v in sorted(by.items())]  # fmt: skip
+    per_type = [
+        dict(model=m, layer_type=lt, scheme=s, after_cold_start=after, ratio=_geomean(v), records=len(v))
+        for (m, lt, s, after), v in sorted(by.items())
+    ]
     steps = defaultdict(list)
     for r in records:
         steps[(r["model"], r["step"], r["scheme"])].append(r)
-    per_step = [dict(model=m, step=t, scheme=s, ratio=_geomean(r["ratio"] for r in v), worst=max(r["ratio"] for r in v),
-                     whitened=sum(_whitened(r["damping"]) for r in v), layers=len(v)) for (m, t, s), v in sorted(steps.items())]  # fmt: skip
+    per_step = [
+        dict(
+            model=m,
+            step=t,
+            scheme=s,
+            ratio=_geomean(r["ratio"] for r in v),
+            worst=max(r["ratio"] for r in v),
+            whitened=sum(_whitened(r["damping"]) for r in v),
+            layers=len(v),
+        )
+        for (m, t, s), v in sorted(steps.items())
+    ]
     gated = [r for r in records if r["scheme"] in GATED]
-    losses = [dict(model=r["model"], scheme=r["scheme"], step=r["step"], layer=r["layer"], ratio=r["ratio"],
-                   margin=r["rel_l2"] - r["rel_l2"] / r["ratio"], noise=2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"]))
-              for r in gated if r["rel_l2"] - r["rel_l2"] / r["ratio"] > 2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"])]  # fmt: skip
+    losses = [
+        dict(
+            model=r["model"],
+            scheme=r["scheme"],
+            step=r["step"],
+            layer=r["layer"],
+            ratio=r["ratio"],
+            margin=r["rel_l2"] - r["rel_l2"] / r["ratio"],
+            noise=2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"]),
+        )
+        for r in gated
+        if r["rel_l2"] - r["rel_l2"] / r["ratio"] > 2 * math.hypot(r["rel_l2_se"], r["best_euclid_se"])
+    ]
     worst = defaultdict(dict)
     for r in gated:
         worst[r["scheme"]][r["model"]] = max(worst[r["scheme"]].get(r["model"], 0.0), r["ratio"])
@@ -293,10 +341,23 @@ def rank_axis(records: list[dict], dims: dict) -> list[dict]:
     for (model, lt), (d_in, _) in sorted(dims.items()):
         if lt not in RANK_AXIS:
             continue
-        sel = lambda s: [r["ratio"] for r in records if r["model"] == model and r["layer_type"] == lt and r["scheme"] == s and r["step"] >= 2]  # noqa: E731
+        sel = lambda s: [
+            r["ratio"]
+            for r in records
+            if r["model"] == model and r["layer_type"] == lt and r["scheme"] == s and r["step"] >= 2
+        ]  # noqa: E731
         r2 = RANK_AXIS[lt]
-        out.append(dict(model=model, layer_type=lt, d_in=d_in, ratio_r32=_geomean(sel("gift-input")), ratio_r64=_geomean(sel("gift-input-r64")),
-                        bytes_r32=refresh_bytes(d_in, DEFAULTS.rank, DEFAULTS.sketch), bytes_r64=refresh_bytes(d_in, r2, 2 * r2)))  # fmt: skip
+        out.append(
+            dict(
+                model=model,
+                layer_type=lt,
+                d_in=d_in,
+                ratio_r32=_geomean(sel("gift-input")),
+                ratio_r64=_geomean(sel("gift-input-r64")),
+                bytes_r32=refresh_bytes(d_in, DEFAULTS.rank, DEFAULTS.sketch),
+                bytes_r64=refresh_bytes(d_in, r2, 2 * r2),
+            )
+        )
     return out
 
 
@@ -310,30 +371,90 @@ def format_tables(doc: dict) -> str:
         for r in s["per_type"]:
             if r["after_cold_start"] is after:
                 rows[(r["model"], r["scheme"])][r["layer_type"]] = r["ratio"]
-        out.append(("after the cold start (steps >= 2)" if after else "cold start (steps 0-1)") + ": scheme / best Euclidean, geometric mean")
-        out.append(_md_table(["model", "scheme", "qkv", "proj", "fc1", "fc2"],
-                             [[m, sc, *(f"{v[lt]:.3g}" if lt in v else "-" for lt in ("qkv", "proj", "fc1", "fc2"))]
-                              for (m, sc), v in sorted(rows.items())]))  # fmt: skip
+        out.append(
+            ("after the cold start (steps >= 2)" if after else "cold start (steps 0-1)")
+            + ": scheme / best Euclidean, geometric mean"
+        )
+        out.append(
+            _md_table(
+                ["model", "scheme", "qkv", "proj", "fc1", "fc2"],
+                [
+                    [m, sc, *(f"{v[lt]:.3g}" if lt in v else "-" for lt in ("qkv", "proj", "fc1", "fc2"))]
+                    for (m, sc), v in sorted(rows.items())
+                ],
+            )
+        )
     out.append("per step: scheme / best Euclidean (geometric mean, worst layer, layers sent whitened)")
-    out.append(_md_table(["model", "step", "scheme", "geomean", "worst", "whitened"],
-                         [[r["model"], r["step"], r["scheme"], f"{r['ratio']:.3g}", f"{r['worst']:.3g}", f"{r['whitened']}/{r['layers']}"]
-                          for r in s["per_step"]]))  # fmt: skip
+    out.append(
+        _md_table(
+            ["model", "step", "scheme", "geomean", "worst", "whitened"],
+            [
+                [
+                    r["model"],
+                    r["step"],
+                    r["scheme"],
+                    f"{r['ratio']:.3g}",
+                    f"{r['worst']:.3g}",
+                    f"{r['whitened']}/{r['layers']}",
+                ]
+                for r in s["per_step"]
+            ],
+        )
+    )
     out.append("rank axis (gift-input, after the cold start) and refresh bytes per layer (statistics + record)")
-    out.append(_md_table(["model", "type", "d_in", "r32", "r64", "bytes r32", "bytes r64"],
-                         [[r["model"], r["layer_type"], r["d_in"], f"{r['ratio_r32']:.3g}", f"{r['ratio_r64']:.3g}",
-                           sum(r["bytes_r32"].values()), sum(r["bytes_r64"].values())] for r in doc["rank_axis"]]))  # fmt: skip
-    out.append("refresh bytes per layer, input side and two-sided (statistics + record of each side), and against the "
-               "layer's FP8 gradient bytes of the refresh interval's steps")
-    out.append(_md_table(["model", "type", "d_in", "d_out", "bytes input", "bytes both", "input share", "both share"],
-                         [[r["model"], r["layer_type"], r["d_in"], r["d_out"], sum(r["input"].values()), r["both"],
-                           f"{r['input_share']:.2%}", f"{r['both_share']:.2%}"] for r in doc["refresh_bytes"]]))  # fmt: skip
-    out.append(f"gated records ({', '.join(GATED)}) above the best Euclidean by more than 2 standard errors: "
-               f"{len(s['losses_beyond_noise'])}; worst ratio per scheme and model: {s['worst_ratio']}")  # fmt: skip
+    out.append(
+        _md_table(
+            ["model", "type", "d_in", "r32", "r64", "bytes r32", "bytes r64"],
+            [
+                [
+                    r["model"],
+                    r["layer_type"],
+                    r["d_in"],
+                    f"{r['ratio_r32']:.3g}",
+                    f"{r['ratio_r64']:.3g}",
+                    sum(r["bytes_r32"].values()),
+                    sum(r["bytes_r64"].values()),
+                ]
+                for r in doc["rank_axis"]
+            ],
+        )
+    )
+    out.append(
+        "refresh bytes per layer, input side and two-sided (statistics + record of each side), and against the "
+        "layer's FP8 gradient bytes of the refresh interval's steps"
+    )
+    out.append(
+        _md_table(
+            ["model", "type", "d_in", "d_out", "bytes input", "bytes both", "input share", "both share"],
+            [
+                [
+                    r["model"],
+                    r["layer_type"],
+                    r["d_in"],
+                    r["d_out"],
+                    sum(r["input"].values()),
+                    r["both"],
+                    f"{r['input_share']:.2%}",
+                    f"{r['both_share']:.2%}",
+                ]
+                for r in doc["refresh_bytes"]
+            ],
+        )
+    )
+    out.append(
+        f"gated records ({', '.join(GATED)}) above the best Euclidean by more than 2 standard errors: "
+        f"{len(s['losses_beyond_noise'])}; worst ratio per scheme and model: {s['worst_ratio']}"
+    )
     return "\n\n".join(out) + "\n"
 
 
-def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...] | None = None, command: str | None = None,
-        steps: int | None = None) -> dict:
+def run(
+    quick: bool = True,
+    json_path: str | None = None,
+    models: tuple[str, ...] | None = None,
+    command: str | None = None,
+    steps: int | None = None,
+) -> dict:
     """The benchmark of the module doc on the ``quick`` or full presets (``models`` of them), ``steps``
     per model instead of the preset's where given; prints the tables, writes ``json_path``."""
     import json
@@ -353,14 +474,26 @@ def run(quick: bool = True, json_path: str | None = None, models: tuple[str, ...
         _log(f"{spec.name}: {spec.ranks} ranks x {spec.tokens_per_rank} tokens, {spec.steps} steps")
         records += run_model(spec, docs)
     dims = {(r["model"], r["layer_type"]): (r["d_in"], r["d_out"]) for r in records}
-    doc = dict(benchmark="pretrained", command=command or "megatron-gift bench pretrained" + (" --quick" if quick else ""),
-               machine=machine(), corpus=manifest.get("origin"), wall_seconds=round(time.time() - t0, 1),
-               load_average=dict(start=load, end=os.getloadavg()),
-               settings=dict(rank=DEFAULTS.rank, sketch=DEFAULTS.sketch, ema=DEFAULTS.ema, refresh_interval=DEFAULTS.refresh_interval,
-                             damping_candidates=list(DEFAULTS.damping_candidates), lag=1, noise_chunks=CHUNKS,
-                             threads=dict(model=torch.get_num_threads(), measurement=MEASURE_THREADS)),
-               specs=[s.__dict__ | {"tokens_per_rank": s.tokens_per_rank} for s in specs],
-               records=records)  # fmt: skip
+    doc = dict(
+        benchmark="pretrained",
+        command=command or "megatron-gift bench pretrained" + (" --quick" if quick else ""),
+        machine=machine(),
+        corpus=manifest.get("origin"),
+        wall_seconds=round(time.time() - t0, 1),
+        load_average=dict(start=load, end=os.getloadavg()),
+        settings=dict(
+            rank=DEFAULTS.rank,
+            sketch=DEFAULTS.sketch,
+            ema=DEFAULTS.ema,
+            refresh_interval=DEFAULTS.refresh_interval,
+            damping_candidates=list(DEFAULTS.damping_candidates),
+            lag=1,
+            noise_chunks=CHUNKS,
+            threads=dict(model=torch.get_num_threads(), measurement=MEASURE_THREADS),
+        ),
+        specs=[s.__dict__ | {"tokens_per_rank": s.tokens_per_rank} for s in specs],
+        records=records,
+    )
     doc["summary"] = summarize(records)
     doc["rank_axis"] = rank_axis(records, dims)
     doc["refresh_bytes"] = two_sided_bytes(dims)

@@ -34,8 +34,8 @@ from megatron_gift.numerics.refresh import RecordLayout
 from megatron_gift.refresh_sync import RefreshSync
 from megatron_gift.state import GiftParam, GiftState
 from megatron_gift.testing.dispatch import OpCounter
-from megatron_gift_tools.planner.workloads import layer_shapes
 from megatron_gift_tools.bench.overhead import MODELS
+from megatron_gift_tools.planner.workloads import layer_shapes
 
 STAGES = ("start (first sync)", "cores (finish_grad_sync)", "send (close of the step)", "install (next first sync)")
 
@@ -98,7 +98,10 @@ def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
             g.stats_groups = [group]
             params.append((g, d_out))
     RefreshSync(GiftState(cfg, device)).assign_owners([(g, group) for g, _ in params])
-    return [(g, group, torch.randn(d_out, g.stats.d_in, generator=gen).to(device) if g.owner == 0 else None) for g, d_out in params]
+    return [
+        (g, group, torch.randn(d_out, g.stats.d_in, generator=gen).to(device) if g.owner == 0 else None)
+        for g, d_out in params
+    ]
 
 
 def _refresh(layers, cfg: GiftConfig, device: torch.device, count_ops: bool) -> tuple[RefreshSync, list[dict]]:
@@ -110,7 +113,9 @@ def _refresh(layers, cfg: GiftConfig, device: torch.device, count_ops: bool) -> 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     remap = lambda g, old, new: None  # noqa: E731 - no error feedback here
     steps = (
-        lambda: st.at_sync(lambda: ((g, grp) for g, grp, _ in layers), [(g, grp, gr) for g, grp, gr in layers if gr is not None], remap),
+        lambda: st.at_sync(
+            lambda: ((g, grp) for g, grp, _ in layers), [(g, grp, gr) for g, grp, gr in layers if gr is not None], remap
+        ),
         st.after_reductions,
         lambda: st.close_step([]),
         lambda: (st.state.open_step(), st.at_sync(lambda: iter(()), [], remap)),
@@ -141,11 +146,22 @@ def measure(model_name: str, dp: int, device: torch.device) -> dict:
     records = [RecordLayout(g.stats.d_in, g.stats.factor_rank(cfg.rank)).nbytes for g, _, _ in layers]
     slot = max(sum(b for (g, _, _), b in zip(layers, records) if g.owner == r) for r in range(dp))
     assert st.state.last_step_bytes.get("all_gather/factors", 0) == (dp - 1) * slot  # the ledger counts what is sent
-    return dict(model=model_name, dp=dp, device=str(device), gift_layers=len(layers), owned_layers=len(owned),
-                built_layers=sum(g.whitening is not None for g in owned), record_bytes_total=sum(records), slot_bytes=slot,
-                stats_reduce_scatter_bytes=st.state.last_step_bytes.get("reduce_scatter/fp32", 0),
-                allgather_bytes_sent=st.state.last_step_bytes.get("all_gather/factors", 0), host_waits=st.host_waits, stages=stages,
-                host_s=sum(s["host_s"] for s in stages), done_s=sum(s["done_s"] for s in stages))  # fmt: skip
+    return dict(
+        model=model_name,
+        dp=dp,
+        device=str(device),
+        gift_layers=len(layers),
+        owned_layers=len(owned),
+        built_layers=sum(g.whitening is not None for g in owned),
+        record_bytes_total=sum(records),
+        slot_bytes=slot,
+        stats_reduce_scatter_bytes=st.state.last_step_bytes.get("reduce_scatter/fp32", 0),
+        allgather_bytes_sent=st.state.last_step_bytes.get("all_gather/factors", 0),
+        host_waits=st.host_waits,
+        stages=stages,
+        host_s=sum(s["host_s"] for s in stages),
+        done_s=sum(s["done_s"] for s in stages),
+    )
 
 
 def run(quick: bool, json_path: str | None, device: str | None = None, command: str | None = None) -> dict:
@@ -162,13 +178,28 @@ def run(quick: bool, json_path: str | None, device: str | None = None, command: 
             results.append(measure(name, dp, dev))
     finally:
         torch.set_num_threads(threads)
-    doc = dict(benchmark="refresh", command=command or ("python -m megatron_gift_tools.bench.refresh" + (" --quick" if quick else "")),
-               machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-                            load_average_before_after=[load, os.getloadavg()[0]], torch=torch.__version__,
-                            threads=1 if dev.type == "cpu" else threads,
-                            gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None),
-               config=dict(rank=GiftConfig().rank, sketch=GiftConfig().sketch, damping="auto", candidates=GiftConfig().damping_candidates),
-               schema=__doc__.split("\n\n")[2], wall_seconds=round(time.time() - t0, 1), results=results)  # fmt: skip
+    doc = dict(
+        benchmark="refresh",
+        command=command or ("python -m megatron_gift_tools.bench.refresh" + (" --quick" if quick else "")),
+        machine=dict(
+            platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
+            cpus=os.cpu_count(),
+            load_average_before_after=[load, os.getloadavg()[0]],
+            torch=torch.__version__,
+            threads=1 if dev.type == "cpu" else threads,
+            gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        ),
+        config=dict(
+            rank=GiftConfig().rank,
+            sketch=GiftConfig().sketch,
+            damping="auto",
+            candidates=GiftConfig().damping_candidates,
+        ),
+        schema=__doc__.split("\n\n")[2],
+        wall_seconds=round(time.time() - t0, 1),
+        results=results,
+    )
     print(format_table(doc), end="")
     if json_path:
         with open(json_path, "w") as f:
@@ -177,26 +208,39 @@ def run(quick: bool, json_path: str | None, device: str | None = None, command: 
 
 
 def format_table(doc: dict) -> str:
-    lines = ["| model | R | layers built | stage | host ms | done ms | host waits | ATen ops | collectives (bytes) |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | R | layers built | stage | host ms | done ms | host waits | ATen ops | collectives (bytes) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["results"]:
         for s in r["stages"]:
             coll = ", ".join(f"{c} {b}" for c, b in s["collectives"]) or "-"
-            lines.append(f"| {r['model']} | {r['dp']} | {r['built_layers']}/{r['gift_layers']} | {s['stage']} | {1e3 * s['host_s']:.1f} | "
-                         f"{1e3 * s['done_s']:.1f} | {s['host_waits']} | {s['aten_ops']} | {coll} |")  # fmt: skip
-        lines.append(f"| {r['model']} | {r['dp']} | | **refresh** | {1e3 * r['host_s']:.1f} | {1e3 * r['done_s']:.1f} | {r['host_waits']} | "
-                     f"| stats reduce-scatter {r['stats_reduce_scatter_bytes']} B out, factor all-gather {r['allgather_bytes_sent']} B out "
-                     f"(slot {r['slot_bytes']} B, records {r['record_bytes_total']} B) |")  # fmt: skip
+            lines.append(
+                f"| {r['model']} | {r['dp']} | {r['built_layers']}/{r['gift_layers']} | {s['stage']} | "
+                f"{1e3 * s['host_s']:.1f} | {1e3 * s['done_s']:.1f} | {s['host_waits']} | {s['aten_ops']} | {coll} |"
+            )
+        lines.append(
+            f"| {r['model']} | {r['dp']} | | **refresh** | {1e3 * r['host_s']:.1f} | {1e3 * r['done_s']:.1f} | "
+            f"{r['host_waits']} | | stats reduce-scatter {r['stats_reduce_scatter_bytes']} B out, factor all-gather "
+            f"{r['allgather_bytes_sent']} B out (slot {r['slot_bytes']} B, records {r['record_bytes_total']} B) |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_gift_tools.bench.refresh", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_gift_tools.bench.refresh", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--quick", action="store_true", help="Llama-600M at 64 ranks only")
     ap.add_argument("--json")
     ap.add_argument("--device")
     args = ap.parse_args(argv)
-    run(args.quick, args.json, args.device, "python -m megatron_gift_tools.bench.refresh " + " ".join(argv if argv is not None else sys.argv[1:]))
+    run(
+        args.quick,
+        args.json,
+        args.device,
+        "python -m megatron_gift_tools.bench.refresh " + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     return 0
 
 

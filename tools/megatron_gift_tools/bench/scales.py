@@ -116,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results), end="")
     if a.json:
         doc = dict(
-            command="python -m megatron_gift_tools.bench.scales " + " ".join(argv if argv is not None else sys.argv[1:]),
-            machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                         torch=torch.__version__),  # fmt: skip
+            command="python -m megatron_gift_tools.bench.scales "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            machine=dict(
+                platform=platform.platform(),
+                processor=platform.processor() or platform.machine(),
+                torch=torch.__version__,
+            ),
             spec=dict(rows=a.rows, cols=a.cols, seed=a.seed, codec=CFG.name, block=CFG.block),
             results=results,
         )

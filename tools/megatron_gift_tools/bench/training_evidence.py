@@ -35,17 +35,32 @@ def aggregate(docs: list[dict]) -> dict:
         finals = [d["modes"][m]["final_loss"] for d in docs]
         tails = [statistics.fmean(d["modes"][m]["loss_curve"][-10:]) for d in docs]
         gaps = [t - statistics.fmean(d["modes"]["fp32"]["loss_curve"][-10:]) for t, d in zip(tails, docs)]
-        loss[m] = dict(final_mean=statistics.fmean(finals), final_sd=_sd(finals), last10_mean=statistics.fmean(tails),
-                       last10_gap_to_fp32=statistics.fmean(gaps), last10_gap_sd=_sd(gaps),
-                       bytes_per_step=statistics.fmean(d["modes"][m]["bytes_per_step"] for d in docs))  # fmt: skip
+        loss[m] = dict(
+            final_mean=statistics.fmean(finals),
+            final_sd=_sd(finals),
+            last10_mean=statistics.fmean(tails),
+            last10_gap_to_fp32=statistics.fmean(gaps),
+            last10_gap_sd=_sd(gaps),
+            bytes_per_step=statistics.fmean(d["modes"][m]["bytes_per_step"] for d in docs),
+        )
     names = sorted(n for n in docs[0]["modes"]["gift-e4m3"]["per_layer_rel_l2"] if any(k in n for k in LINEAR))
     layers = []
     for n in names:
-        rel = {m: statistics.fmean(d["modes"][m]["per_layer_rel_l2"][n] for d in docs) for m in ("bf16", "euclidean-e4m3", "gift-e4m3", "gift-auto")}
+        rel = {
+            m: statistics.fmean(d["modes"][m]["per_layer_rel_l2"][n] for d in docs)
+            for m in ("bf16", "euclidean-e4m3", "gift-e4m3", "gift-auto")
+        }
         best = min(rel["euclidean-e4m3"], rel["gift-e4m3"])
         auto_modes = sorted({d["modes"]["gift-auto"]["final_layer_modes"][n] for d in docs})
-        layers.append(dict(layer=n, **rel, gift_over_euclid=rel["gift-e4m3"] / rel["euclidean-e4m3"],
-                           auto_over_best_fixed=rel["gift-auto"] / best, auto_final_modes=auto_modes))  # fmt: skip
+        layers.append(
+            dict(
+                layer=n,
+                **rel,
+                gift_over_euclid=rel["gift-e4m3"] / rel["euclidean-e4m3"],
+                auto_over_best_fixed=rel["gift-auto"] / best,
+                auto_final_modes=auto_modes,
+            )
+        )
     return dict(
         seeds=[d["seed"] for d in docs],
         iters=len(docs[0]["modes"]["fp32"]["loss_curve"]),
@@ -58,21 +73,46 @@ def aggregate(docs: list[dict]) -> dict:
 
 
 def format_tables(agg: dict) -> str:
-    rows = [[demo.LABELS[m], v["final_mean"], v["final_sd"], v["last10_mean"], v["last10_gap_to_fp32"], v["last10_gap_sd"],
-             round(v["bytes_per_step"])] for m, v in agg["loss"].items()]  # fmt: skip
+    rows = [
+        [
+            demo.LABELS[m],
+            v["final_mean"],
+            v["final_sd"],
+            v["last10_mean"],
+            v["last10_gap_to_fp32"],
+            v["last10_gap_sd"],
+            round(v["bytes_per_step"]),
+        ]
+        for m, v in agg["loss"].items()
+    ]
     head = ["mode", "final loss (mean)", "sd", "last-10 mean", "gap to FP32", "gap sd", "bytes/step/rank"]
     out = [f"Loss over seeds {agg['seeds']} ({agg['iters']} iterations)\n\n" + _md_table(head, rows)]
-    rows = [[r["layer"].removeprefix("decoder.layers.").removesuffix(".weight"), r["bf16"], r["euclidean-e4m3"], r["gift-e4m3"],
-             r["gift-auto"], r["gift_over_euclid"], r["auto_over_best_fixed"], "/".join(r["auto_final_modes"])] for r in agg["layers"]]  # fmt: skip
+    rows = [
+        [
+            r["layer"].removeprefix("decoder.layers.").removesuffix(".weight"),
+            r["bf16"],
+            r["euclidean-e4m3"],
+            r["gift-e4m3"],
+            r["gift-auto"],
+            r["gift_over_euclid"],
+            r["auto_over_best_fixed"],
+            "/".join(r["auto_final_modes"]),
+        ]
+        for r in agg["layers"]
+    ]
     head = ["layer", "BF16", "Euclidean", "GIFT", "auto", "GIFT / Eucl.", "auto / best fixed FP8", "auto's final mode"]
-    out.append(f"Per-layer reduced-gradient RelL2, second half, mean over seeds: GIFT <= 0.8x Euclidean on "
-               f"{agg['gift_le_0p8_euclid']} of {agg['n_layers']} layers, auto within 5% of the better fixed FP8 choice on "
-               f"{agg['auto_within_5pct']} of {agg['n_layers']}\n\n" + _md_table(head, rows))  # fmt: skip
+    out.append(
+        f"Per-layer reduced-gradient RelL2, second half, mean over seeds: GIFT <= 0.8x Euclidean on "
+        f"{agg['gift_le_0p8_euclid']} of {agg['n_layers']} layers, auto within 5% of the better fixed FP8 choice on "
+        f"{agg['auto_within_5pct']} of {agg['n_layers']}\n\n" + _md_table(head, rows)
+    )
     return "\n\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_gift_tools.bench.training_evidence", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_gift_tools.bench.training_evidence", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     ap.add_argument("--out", default="runs/training-evidence")
     ap.add_argument("--json", required=True)
@@ -87,9 +127,16 @@ def main(argv=None) -> int:
             demo.run(out=path, seed=seed, preset=preset)
         docs.append(json.loads((path / "metrics.json").read_text()))
     agg = aggregate(docs)
-    cmd = "python -m megatron_gift_tools.bench.training_evidence " + " ".join(argv if argv is not None else sys.argv[1:])
-    doc = {"benchmark": "training-evidence", "command": cmd, "machine": machine(), **agg,
-           "loss_curves": {m: [d["modes"][m]["loss_curve"] for d in docs] for m in docs[0]["modes"]}}  # fmt: skip
+    cmd = "python -m megatron_gift_tools.bench.training_evidence " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    doc = {
+        "benchmark": "training-evidence",
+        "command": cmd,
+        "machine": machine(),
+        **agg,
+        "loss_curves": {m: [d["modes"][m]["loss_curve"] for d in docs] for m in docs[0]["modes"]},
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
     print(format_tables(agg), end="")

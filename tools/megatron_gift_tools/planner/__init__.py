@@ -13,6 +13,6 @@ buckets and bytes; torch), ``stages`` (each bucket's stage streams as tasks), ``
 eager and lagged schedules), ``model`` (step time, plan, break-even, sensitivity), ``output``
 (Markdown), ``checks`` (bytes against ``bench comm``'s JSON), ``validation`` (step times against
 CPU gloo runs), ``cli`` (the command). The training path imports nothing here
-(``tests/test_runtime_imports.py``); only ``validation`` imports the demo and its corpus, inside
+(``tests/docs/test_runtime_imports.py``); only ``validation`` imports the demo and its corpus, inside
 the function that trains.
 """

@@ -47,8 +47,15 @@ def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: 
 
 
 @functools.lru_cache(maxsize=256)
-def buckets(w: Workload, scheme: Scheme, dp: int, fp8_params: FP8Params = FP8Params.ALL, bucket_size: int | None = None,
-            gift_layers: tuple[str, ...] = ("fc2",), codec: CodecConfig = CodecConfig()) -> tuple[Bucket, ...]:  # fmt: skip
+def buckets(
+    w: Workload,
+    scheme: Scheme,
+    dp: int,
+    fp8_params: FP8Params = FP8Params.ALL,
+    bucket_size: int | None = None,
+    gift_layers: tuple[str, ...] = ("fc2",),
+    codec: CodecConfig = CodecConfig(),
+) -> tuple[Bucket, ...]:
     """Megatron's gradient buckets (backward order: parameters reversed, a bucket closes once it holds
     ``bucket_size`` elements, default ``max(40M, 1M·dp)`` as ``DistributedDataParallel``'s) with the bytes
     (coded in ``codec``). Cached (the planner prices one layout many times): do not modify the buckets returned."""

@@ -47,20 +47,32 @@ class KernelCosts:
 
     def summary(self) -> dict:
         """What the JSON records: the bandwidths, the launch cost, the sources."""
-        return dict(codec_bw=self.codec_bw, transform_bw=self.transform_bw, launch_s=self.launch_s,
-                    factor_build_s=self.factor_build_s, source=self.source,
-                    meter=None if self.meter is None else dict(source=self.meter.source, date=self.meter.date,
-                                                               sources_sha256=self.meter.sha256))  # fmt: skip
+        return dict(
+            codec_bw=self.codec_bw,
+            transform_bw=self.transform_bw,
+            launch_s=self.launch_s,
+            factor_build_s=self.factor_build_s,
+            source=self.source,
+            meter=None
+            if self.meter is None
+            else dict(source=self.meter.source, date=self.meter.date, sources_sha256=self.meter.sha256),
+        )
 
     @classmethod
-    def from_hbm(cls, c: Cluster, meter: Meter | None = None) -> "KernelCosts":
+    def from_hbm(cls, c: Cluster, meter: Meter | None = None) -> KernelCosts:
         bw = c.hbm_bw * c.codec_hbm_efficiency
-        return cls(codec_bw=bw, transform_bw=bw, launch_s=c.launch_s, factor_build_s=c.factor_build_s,
-                   source=f"HBM bytes / ({c.codec_hbm_efficiency:g} x {c.hbm_bw / 1e12:g} TB/s) + "
-                   f"{c.launch_s * 1e6:g} us per launch", meter=meter)  # fmt: skip
+        return cls(
+            codec_bw=bw,
+            transform_bw=bw,
+            launch_s=c.launch_s,
+            factor_build_s=c.factor_build_s,
+            source=f"HBM bytes / ({c.codec_hbm_efficiency:g} x {c.hbm_bw / 1e12:g} TB/s) + "
+            f"{c.launch_s * 1e6:g} us per launch",
+            meter=meter,
+        )
 
     @classmethod
-    def from_json(cls, path: str, c: Cluster, model: str | None = None, meter: Meter | None = None) -> "KernelCosts":
+    def from_json(cls, path: str, c: Cluster, model: str | None = None, meter: Meter | None = None) -> KernelCosts:
         """Bandwidths from a ``bench overhead`` JSON, summed over the layers of ``model`` (all if absent): the
         codec's from its encode+decode time, the transform's from GIFT's layers (fc2), the build likewise."""
         doc = json.load(open(path))
@@ -69,8 +81,12 @@ class KernelCosts:
         codec_bytes = sum(FP32_PASS_BYTES * r * k + 2 * encoded(r, k) for r, k in (s["shape"] for s in rows))
         fc2 = [s for s in rows if s["layer"] == "fc2"] or rows
         transform_bytes = sum(TRANSFORM_PASS_BYTES * s["shape"][0] * s["shape"][1] for s in fc2)
-        return cls(codec_bw=codec_bytes / sum(s["codec_s"] for s in rows),
-                   transform_bw=transform_bytes / sum(s["transform_s"] for s in fc2), launch_s=c.launch_s,
-                   factor_build_s=statistics.mean(s["factor_build_s"] for s in fc2),
-                   source=f"bandwidths measured: {path} ({rows[0]['model']}, {doc['results'][0]['device']}) + "
-                   f"{c.launch_s * 1e6:g} us per launch", meter=meter)  # fmt: skip
+        return cls(
+            codec_bw=codec_bytes / sum(s["codec_s"] for s in rows),
+            transform_bw=transform_bytes / sum(s["transform_s"] for s in fc2),
+            launch_s=c.launch_s,
+            factor_build_s=statistics.mean(s["factor_build_s"] for s in fc2),
+            source=f"bandwidths measured: {path} ({rows[0]['model']}, {doc['results'][0]['device']}) + "
+            f"{c.launch_s * 1e6:g} us per launch",
+            meter=meter,
+        )

@@ -20,7 +20,9 @@ class DeltaCodec:
     place the planner reads its bytes per element from."""
 
     payload_bytes: float = sourced(1.0, "an int8 code per element (comm/param_delta.py)")
-    scale_bytes: float = sourced(1.0, "one power-of-two scale code (1 B) per block, as OCP's MXINT8 (comm/param_delta.py)")
+    scale_bytes: float = sourced(
+        1.0, "one power-of-two scale code (1 B) per block, as OCP's MXINT8 (comm/param_delta.py)"
+    )
     block: int = sourced(32, "elements per scale: comm/param_delta.py's BLOCK (OCP MX's 32)")
 
     @property
@@ -43,15 +45,24 @@ class DeltaKernels:
     one fused pass each (``kernels.delta``), and the decode's stream; the meter's JSON gives their launches and
     moved over essential bytes (``metered.Meter.delta``)."""
 
-    stream: DecodeStream = sourced(DecodeStream.SIDE, """bucket k's decode is enqueued on a stream of its own
+    stream: DecodeStream = sourced(
+        DecodeStream.SIDE,
+        """bucket k's decode is enqueued on a stream of its own
         (``comm.param_delta.DeltaGather``); Megatron's forward pre-hook waits on its event, and the next bucket's
-        gather is dispatched right after it (megatron/param_gather.py).""")
-    decode_bytes: float = sourced(5.03, """per element of the bucket: the fused decode (``kernels.delta``'s
+        gather is dispatched right after it (megatron/param_gather.py).""",
+    )
+    decode_bytes: float = sourced(
+        5.03,
+        """per element of the bucket: the fused decode (``kernels.delta``'s
         ``TRAFFIC``) reads every rank's codes and scales (1 + 1/32) and each row's BF16 base (2), and writes the
-        BF16 parameters (2).""")
+        BF16 parameters (2).""",
+    )
     prev_bytes: float = sourced(2.0, "per shard element: the decode also writes the own shard's new base ``prev`` (2)")
-    encode_bytes: float = sourced(5.03, """per shard element: the fused encode reads the new BF16 shard and its
-        base ``prev`` (2 + 2) and writes the codes and scales (1 + 1/32) (``kernels.delta``'s ``TRAFFIC``).""")
+    encode_bytes: float = sourced(
+        5.03,
+        """per shard element: the fused encode reads the new BF16 shard and its
+        base ``prev`` (2 + 2) and writes the codes and scales (1 + 1/32) (``kernels.delta``'s ``TRAFFIC``).""",
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "stream", DecodeStream(self.stream))

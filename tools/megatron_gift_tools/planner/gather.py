@@ -33,10 +33,16 @@ def gather_chain(elements: int, x: Context) -> list[Task]:
     on_compute = k.stream is DecodeStream.COMPUTE
     m = x.costs.meter
     enc, dec = [ONE_PASS if m is None else m.delta(stage, x.p, elements) for stage in ("encode", "decode")]
-    encode = x.gpu("delta encode", 1, k.encode_bytes * shard, stream=COMPUTE if on_compute else "delta-encode",
-                   count=enc)  # fmt: skip
-    decode = x.gpu("delta decode", 2, k.decode_bytes * elements + k.prev_bytes * shard,
-                   stream=COMPUTE if on_compute else "delta-decode", count=dec)  # fmt: skip
+    encode = x.gpu(
+        "delta encode", 1, k.encode_bytes * shard, stream=COMPUTE if on_compute else "delta-encode", count=enc
+    )
+    decode = x.gpu(
+        "delta decode",
+        2,
+        k.decode_bytes * elements + k.prev_bytes * shard,
+        stream=COMPUTE if on_compute else "delta-decode",
+        count=dec,
+    )
     return [encode, x.ring("delta all-gather", "all_gather", bpe * elements, "param-gather", 1), decode]
 
 

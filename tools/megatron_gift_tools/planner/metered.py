@@ -98,16 +98,20 @@ class Meter:
         need = (("flat-rs", "euclidean"), ("flat-rs", "gift"), ("flat-rs", "euclidean/8"))
         missing = [k for k in need if k not in self._red]
         if missing or not self._delta:
-            raise ValueError(f"{source} lacks the fused records the planner prices from ({missing or 'delta-gather'}); "
-                             f"regenerate it: {REGENERATE}")
+            raise ValueError(
+                f"{source} lacks the fused records the planner prices from ({missing or 'delta-gather'}); "
+                f"regenerate it: {REGENERATE}"
+            )
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "Meter":
+    def load(cls, path: str | Path | None = None) -> Meter:
         """The meter JSON at ``path`` (None: the checkout's ``LAUNCHES_JSON``); ValueError if absent or unusable."""
         path = Path(path or LAUNCHES_JSON)
         if not path.exists():
-            raise ValueError(f"the planner prices each GPU stage from the launch meter's JSON, and {path} does not "
-                             f"exist: run from a checkout, pass --launches-json PATH, or write it with {REGENERATE}")
+            raise ValueError(
+                f"the planner prices each GPU stage from the launch meter's JSON, and {path} does not "
+                f"exist: run from a checkout, pass --launches-json PATH, or write it with {REGENERATE}"
+            )
         with open(path) as f:
             doc = json.load(f)
         try:
@@ -136,8 +140,16 @@ class Meter:
         per = (rec8[stage]["launches"] - four[stage]["launches"]) / SCAN_PARAMETERS
         return rec[stage]["launches"] - SCAN_PARAMETERS * per, per
 
-    def reduction(self, path: str, stage: str, p: int, elements: float, parameters: int,
-                  gift_parameters: int, two_sided: bool = False) -> StageCount:  # fmt: skip
+    def reduction(
+        self,
+        path: str,
+        stage: str,
+        p: int,
+        elements: float,
+        parameters: int,
+        gift_parameters: int,
+        two_sided: bool = False,
+    ) -> StageCount:
         """``stage`` of a bucket of ``elements`` with ``parameters`` (``gift_parameters`` of them GIFT's) at ``p``
         ranks on the meter's ``path`` (``flat-rs``, ``two-level/bf16-ar`` ...); ``two_sided``: its GIFT
         parameters have an output side (module doc)."""
@@ -154,8 +166,9 @@ class Meter:
         gift_ratio = _ratio(self._pick(self._red[(path, "gift")], p, elements)[2][stage])
         return StageCount(launches, ratio, gift_ratio)
 
-    def _two_sided(self, path: str, stage: str, p: int, elements: float, parameters: int,
-                   gift_parameters: int) -> StageCount:  # fmt: skip
+    def _two_sided(
+        self, path: str, stage: str, p: int, elements: float, parameters: int, gift_parameters: int
+    ) -> StageCount:
         """``reduction`` of a bucket whose GIFT parameters are two-sided: the GIFT count plus the output
         side's launches, the ``gift+out`` records' ratio (module doc)."""
         dp, size, out = self._pick(self._red[(path, "gift+out")], p, elements)

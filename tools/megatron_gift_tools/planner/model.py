@@ -41,8 +41,9 @@ def data_parallel(w: Workload, gpus: int) -> tuple[int, int]:
         raise ValueError(f"{gpus} GPUs are not a multiple of tp x pp = {w.tp * w.pp}")
     dp = gpus // (w.tp * w.pp)
     if w.global_batch % (w.micro_batch * dp):
-        raise ValueError(f"global batch {w.global_batch} is not a multiple of micro-batch {w.micro_batch} x {dp} "
-                         "data-parallel ranks")  # fmt: skip
+        raise ValueError(
+            f"global batch {w.global_batch} is not a multiple of micro-batch {w.micro_batch} x {dp} data-parallel ranks"
+        )
     return dp, w.global_batch // (w.micro_batch * dp)
 
 
@@ -58,8 +59,15 @@ def _grad_phase(scheme: Scheme, bwd: list[float], chains: list, opts: Options, c
     return end - sum(bwd)
 
 
-def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelCosts | None = None,
-              opts: Options = Options(), compute_seconds: float | None = None) -> dict:  # fmt: skip
+def step_time(
+    w: Workload,
+    c: Cluster,
+    scheme: Scheme,
+    gpus: int,
+    costs: KernelCosts | None = None,
+    opts: Options = Options(),
+    compute_seconds: float | None = None,
+) -> dict:
     """Predicted seconds of one training step on ``gpus`` GPUs, its parts, and the bytes one rank sends per
     step (``compute_seconds``: a measured micro-batch fwd+bwd instead of the FLOP model)."""
     scheme, costs = Scheme(scheme), costs or KernelCosts.from_hbm(c)
@@ -78,7 +86,9 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
     shapes = [s for name, s, _ in w.parameters() if is_kind(name, opts.gift_layers)] if scheme.mode is Mode.GIFT else []
     refresh = refresh_chain(shapes, x)
     gather_exposed = forward_phase(fwd[::-1], gathers, [], c.codec_compute_overlap)
-    per_refresh = forward_phase(fwd[::-1], gathers, refresh, c.codec_compute_overlap) - gather_exposed if refresh else 0.0
+    per_refresh = (
+        forward_phase(fwd[::-1], gathers, refresh, c.codec_compute_overlap) - gather_exposed if refresh else 0.0
+    )
     sides = [d for s in shapes for d in statistics_sides(s, opts)]
     stats = sum(4.0 * tokens * d * min(opts.sketch, d) for d in sides) * micro * per_flop if dp > 1 else 0.0
     grad = [t for chain in chains for t in chain]
@@ -86,23 +96,42 @@ def step_time(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelC
     grad_exposed = _grad_phase(scheme, bwd, chains, opts, c)
     compute = (micro + w.pp - 1) * (sum(fwd) + sum(bwd))
     refresh_s = stats + per_refresh / opts.refresh_interval
-    return dict(mode=scheme.value, gpus=gpus, dp=dp, ranks_per_node=g, nodes=n, micro_batches=micro,
-                schedule=opts.schedule.value, gift_schedule=opts.gift_schedule.value, param_gather=opts.param_gather.value,
-                intra_dtype=opts.intra_dtype if scheme.two_level else None,
-                gift_side=opts.side if scheme.mode is Mode.GIFT else None,
-                step_s=compute + grad_exposed + gather_exposed + refresh_s, compute_s=compute,
-                grad_comm_s=sum(t.seconds for t in grad if t.kind is Kind.COMM), grad_exposed_s=grad_exposed,
-                param_gather_s=sum(t.seconds for t in pg if t.kind is Kind.COMM), param_gather_exposed_s=gather_exposed,
-                plugin_s=sum(t.seconds for t in grad + pg if t.kind is Kind.GPU), refresh_s=refresh_s,
-                nvlink_bytes_per_rank=sum(t.nvlink_bytes for t in grad), nic_bytes_per_rank=sum(t.nic_bytes for t in grad),
-                grad_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in grad),
-                param_gather_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in pg),
-                refresh_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in refresh) / opts.refresh_interval,
-                refresh_statistics_bytes=sum(t.nvlink_bytes + t.nic_bytes for t in refresh[:1]),
-                buckets=len(bks), first_bucket_gpu_stages=_gpu_stages(chains[:1] + gathers[-1:]))  # fmt: skip
+    return dict(
+        mode=scheme.value,
+        gpus=gpus,
+        dp=dp,
+        ranks_per_node=g,
+        nodes=n,
+        micro_batches=micro,
+        schedule=opts.schedule.value,
+        gift_schedule=opts.gift_schedule.value,
+        param_gather=opts.param_gather.value,
+        intra_dtype=opts.intra_dtype if scheme.two_level else None,
+        gift_side=opts.side if scheme.mode is Mode.GIFT else None,
+        step_s=compute + grad_exposed + gather_exposed + refresh_s,
+        compute_s=compute,
+        grad_comm_s=sum(t.seconds for t in grad if t.kind is Kind.COMM),
+        grad_exposed_s=grad_exposed,
+        param_gather_s=sum(t.seconds for t in pg if t.kind is Kind.COMM),
+        param_gather_exposed_s=gather_exposed,
+        plugin_s=sum(t.seconds for t in grad + pg if t.kind is Kind.GPU),
+        refresh_s=refresh_s,
+        nvlink_bytes_per_rank=sum(t.nvlink_bytes for t in grad),
+        nic_bytes_per_rank=sum(t.nic_bytes for t in grad),
+        grad_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in grad),
+        param_gather_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in pg),
+        refresh_bytes_per_rank=sum(t.nvlink_bytes + t.nic_bytes for t in refresh) / opts.refresh_interval,
+        refresh_statistics_bytes=sum(t.nvlink_bytes + t.nic_bytes for t in refresh[:1]),
+        buckets=len(bks),
+        first_bucket_gpu_stages=_gpu_stages(chains[:1] + gathers[-1:]),
+    )
 
 
 def _gpu_stages(chains: list[list[Task]]) -> list[dict]:
     """The GPU stages of these chains as the JSON records them: launches, HBM bytes moved, milliseconds."""
-    return [dict(stage=t.label, launches=t.launches, hbm_mb=round(t.hbm_bytes / 1e6, 3), ms=round(1e3 * t.seconds, 4))
-            for chain in chains for t in chain if t.kind is Kind.GPU]  # fmt: skip
+    return [
+        dict(stage=t.label, launches=t.launches, hbm_mb=round(t.hbm_bytes / 1e6, 3), ms=round(1e3 * t.seconds, 4))
+        for chain in chains
+        for t in chain
+        if t.kind is Kind.GPU
+    ]

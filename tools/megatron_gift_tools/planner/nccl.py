@@ -36,9 +36,11 @@ LL, LL128, SIMPLE = Proto.LL, Proto.LL128, Proto.SIMPLE
 BASE_US = {"ring": {LL: 6.6, LL128: 14.0, SIMPLE: 8.4}, "tree": {LL: 6.8, LL128: 14.0, SIMPLE: 8.4}}
 """``baseLatencies`` per algorithm and protocol (us)."""
 HW_US = {
-    ("nvlink", "ring"): {LL: 0.6, LL128: 1.9, SIMPLE: 3.4}, ("nvlink", "tree"): {LL: 0.6, LL128: 1.25, SIMPLE: 4.0},
-    ("net", "ring"): {LL: 2.7, LL128: 4.0, SIMPLE: 14.0}, ("net", "tree"): {LL: 5.0, LL128: 8.5, SIMPLE: 14.0},
-}  # fmt: skip
+    ("nvlink", "ring"): {LL: 0.6, LL128: 1.9, SIMPLE: 3.4},
+    ("nvlink", "tree"): {LL: 0.6, LL128: 1.25, SIMPLE: 4.0},
+    ("net", "ring"): {LL: 2.7, LL128: 4.0, SIMPLE: 14.0},
+    ("net", "tree"): {LL: 5.0, LL128: 8.5, SIMPLE: 14.0},
+}
 """``hwLatencies`` per link, algorithm and protocol (us): one step of a ring or tree level."""
 NET_OVERHEAD_US = 1.0
 """``getNetOverhead``: per-step host cost of a network ring, 1 us on Intel and non-x86 CPUs (Grace), 2 on AMD;
@@ -48,10 +50,82 @@ LL_MAX_GBPS = (141.0, 39.0, 20.4)
 P2P_LL_THRESHOLD = 16384
 """``NCCL_P2P_LL_THRESHOLD``: a point-to-point message up to this many bytes (per channel) goes LL."""
 TREE_CORRECTION = {
-    LL: (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0),
-    LL128: (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0),
-    SIMPLE: (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9),
-}  # fmt: skip
+    LL: (
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        0.9,
+        0.8,
+        0.7,
+        0.7,
+        0.7,
+        0.7,
+        0.6,
+        0.5,
+        0.4,
+        0.4,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.9,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+    ),
+    LL128: (
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        0.9,
+        0.8,
+        0.8,
+        0.8,
+        0.7,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.6,
+        0.8,
+        0.9,
+        0.9,
+        0.9,
+        0.9,
+        1.0,
+        1.0,
+    ),
+    SIMPLE: (
+        0.9,
+        0.9,
+        0.9,
+        0.9,
+        0.9,
+        0.9,
+        0.9,
+        0.8,
+        0.7,
+        0.6,
+        0.6,
+        0.5,
+        0.5,
+        0.5,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.7,
+        0.7,
+        0.8,
+        0.9,
+        0.9,
+    ),
+}
 """``treeCorrectionFactor``: tree all-reduce bandwidth factor by ``log2(bytes / 64)`` (0-22)."""
 RING_AR_PLATEAU = 1.4
 """``ncclTopoGetAlgoTime``: a multi-node ring all-reduce in Simple pays 1.4x its latency (compute capability
@@ -116,8 +190,9 @@ def tree_all_reduce_time(nbytes: float, p: int, g: int, c: Cluster) -> float:
     log_size = int(math.log2(max(nbytes / 64, 1)))
     best = math.inf
     for proto in Proto:
-        lat = BASE_US["tree"][proto] + 2 * ((p // nodes - 1) * HW_US["nvlink", "tree"][proto]
-                                            + int(math.log2(nodes)) * HW_US["net", "tree"][proto])  # fmt: skip
+        lat = BASE_US["tree"][proto] + 2 * (
+            (p // nodes - 1) * HW_US["nvlink", "tree"][proto] + int(math.log2(nodes)) * HW_US["net", "tree"][proto]
+        )
         if proto is LL:
             proto_bus = min(bus / 3.8, LL_MAX_GBPS[min(nodes, 3) - 1] * 1e9)
         else:

@@ -42,8 +42,12 @@ class Options:
     cpu_waits: bool = False
 
     def __post_init__(self):
-        for name, kind in (("schedule", MegatronSchedule), ("gift_schedule", Schedule), ("param_gather", ParamGather),
-                           ("fp8_params", FP8Params)):  # fmt: skip
+        for name, kind in (
+            ("schedule", MegatronSchedule),
+            ("gift_schedule", Schedule),
+            ("param_gather", ParamGather),
+            ("fp8_params", FP8Params),
+        ):
             object.__setattr__(self, name, kind(getattr(self, name)))
         if self.intra_dtype not in INTRA_NODE_DTYPES:
             raise ValueError(f"intra_dtype must be one of {INTRA_NODE_DTYPES}, got {self.intra_dtype!r}")

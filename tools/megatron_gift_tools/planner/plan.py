@@ -30,8 +30,9 @@ def uses_nic_all_to_all(row: dict) -> bool:
     return Scheme(row["mode"]).mode is not Mode.OFF and row["nodes"] > 1
 
 
-def break_even(w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelCosts, opts: Options,
-               target_s: float) -> float | None:  # fmt: skip
+def break_even(
+    w: Workload, c: Cluster, scheme: Scheme, gpus: int, costs: KernelCosts, opts: Options, target_s: float
+) -> float | None:
     """The all-to-all NIC ratio (``Cluster.a2a_nic_ratio``) at which ``scheme``'s step equals ``target_s``:
     bisection on a log scale; ``BREAK_EVEN_RANGE[0]`` if it is faster at any ratio, None if at none."""
     lo, hi = BREAK_EVEN_RANGE
@@ -56,9 +57,14 @@ def bf16_baselines(w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts:
     default = step_time(w, c, Scheme.BF16, gpus, costs, stock)["step_s"]
     tuned = {b: step_time(w, c, Scheme.BF16, gpus, costs, replace(stock, bucket_size=b))["step_s"] for b in BUCKET_GRID}
     best = min(tuned, key=tuned.get)
-    return dict(bf16_default_step_s=default, bf16_bucket_size=opts.bucket_size, bf16_tuned_step_s=tuned[best],
-                bf16_tuned_bucket_size=best, baseline_s=min(default, tuned[best]),
-                baseline_bucket_size=opts.bucket_size if default <= tuned[best] else best)  # fmt: skip
+    return dict(
+        bf16_default_step_s=default,
+        bf16_bucket_size=opts.bucket_size,
+        bf16_tuned_step_s=tuned[best],
+        bf16_tuned_bucket_size=best,
+        baseline_s=min(default, tuned[best]),
+        baseline_bucket_size=opts.bucket_size if default <= tuned[best] else best,
+    )
 
 
 def _recommend(rows: list[dict], base: dict) -> dict:
@@ -70,14 +76,23 @@ def _recommend(rows: list[dict], base: dict) -> dict:
     fp8 = min((by[s.value] for s in PLUGIN), key=lambda r: r["step_s"])  # the first of equals
     keep = 1 - MIN_GAIN_PCT / 100
     if fp8["step_s"] <= keep * bf16_best:
-        return dict(recommended=fp8["mode"], recommended_param_gather=fp8["param_gather"],
-                    recommended_bucket_size=fp8["bucket_size"])  # fmt: skip
+        return dict(
+            recommended=fp8["mode"],
+            recommended_param_gather=fp8["param_gather"],
+            recommended_bucket_size=fp8["bucket_size"],
+        )
     if by["bf16"]["param_gather"] == "delta" and by["bf16"]["step_s"] <= keep * base["baseline_s"]:
-        return dict(recommended="bf16", recommended_param_gather="delta", recommended_bucket_size=by["bf16"]["bucket_size"])
-    return dict(recommended="bf16", recommended_param_gather="bf16", recommended_bucket_size=base["baseline_bucket_size"])
+        return dict(
+            recommended="bf16", recommended_param_gather="delta", recommended_bucket_size=by["bf16"]["bucket_size"]
+        )
+    return dict(
+        recommended="bf16", recommended_param_gather="bf16", recommended_bucket_size=base["baseline_bucket_size"]
+    )
 
 
-def _tuned_row(w: Workload, c: Cluster, s: Scheme, gpus: int, costs: KernelCosts, opts: Options) -> tuple[dict, Options]:
+def _tuned_row(
+    w: Workload, c: Cluster, s: Scheme, gpus: int, costs: KernelCosts, opts: Options
+) -> tuple[dict, Options]:
     """``s``'s step at its best bucket size (``opts.bucket_size``, None: Megatron's default, or one of
     ``BUCKET_GRID``; the first of equals), with the options that gave it."""
     best = None
@@ -89,8 +104,9 @@ def _tuned_row(w: Workload, c: Cluster, s: Scheme, gpus: int, costs: KernelCosts
     return best
 
 
-def plan(w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options = Options(),
-         with_break_even: bool = True) -> dict:  # fmt: skip
+def plan(
+    w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options = Options(), with_break_even: bool = True
+) -> dict:
     """Every scheme's step at its best bucket size (under ``opts``, and under the other plugin schedule), its change
     against the BF16 baseline (``bf16_baselines``) and FP32; for the plugin's rows the change against the best
     BF16 alternative and the all-to-all ratio at which they meet it; the recommendation (``_recommend``)."""
@@ -110,18 +126,37 @@ def plan(w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options =
         r["other_schedule_vs_bf16_pct"] = 100 * (lag / base["baseline_s"] - 1)
         if with_break_even and uses_nic_all_to_all(r):
             r["break_even_a2a_nic_ratio"] = break_even(w, c, s, gpus, costs, o, bf16_best)
-    return dict(model=w.name, cluster=c.name, gpus=gpus, tp=w.tp, pp=w.pp, a2a_nic_ratio=c.a2a_nic_ratio,
-                **base, best_bf16_step_s=bf16_best, other_schedule=other.value, rows=rows, **_recommend(rows, base))  # fmt: skip
+    return dict(
+        model=w.name,
+        cluster=c.name,
+        gpus=gpus,
+        tp=w.tp,
+        pp=w.pp,
+        a2a_nic_ratio=c.a2a_nic_ratio,
+        **base,
+        best_bf16_step_s=bf16_best,
+        other_schedule=other.value,
+        rows=rows,
+        **_recommend(rows, base),
+    )
 
 
-SENSITIVITY = (("a2a_nic_ratio", (0.35, 0.75, 1.0)), ("a2a_nvlink_ratio", (0.5,)), ("efficiency", (0.6, 0.95)),
-               ("mfu", (0.25, 0.55)), ("inter_bw", (0.5, 2.0)), ("latency_factor", (0.5, 2.0)),
-               ("codec_hbm_efficiency", (0.3, 0.9)), ("codec_compute_overlap", (0.5, 1.0)))  # fmt: skip
+SENSITIVITY = (
+    ("a2a_nic_ratio", (0.35, 0.75, 1.0)),
+    ("a2a_nvlink_ratio", (0.5,)),
+    ("efficiency", (0.6, 0.95)),
+    ("mfu", (0.25, 0.55)),
+    ("inter_bw", (0.5, 2.0)),
+    ("latency_factor", (0.5, 2.0)),
+    ("codec_hbm_efficiency", (0.3, 0.9)),
+    ("codec_compute_overlap", (0.5, 1.0)),
+)
 """fields moved one at a time: absolute values, except ``inter_bw`` (a factor)."""
 
 
-def sensitivity(w: Workload, c: Cluster, gpus: int, costs: KernelCosts | None, opts: Options = Options(),
-                meter: Meter | None = None) -> list[dict]:  # fmt: skip
+def sensitivity(
+    w: Workload, c: Cluster, gpus: int, costs: KernelCosts | None, opts: Options = Options(), meter: Meter | None = None
+) -> list[dict]:
     """Each scheme's change against the BF16 baseline at ``gpus`` GPUs when one cluster field moves (``costs``:
     None re-estimates the kernel costs from each moved cluster's HBM, with ``meter``'s stage counts)."""
     rows = []
@@ -130,7 +165,14 @@ def sensitivity(w: Workload, c: Cluster, gpus: int, costs: KernelCosts | None, o
             value = v if v is None or name != "inter_bw" else v * c.inter_bw
             moved = c if v is None else replace(c, **{name: value})
             p = plan(w, moved, gpus, costs or KernelCosts.from_hbm(moved, meter), opts, with_break_even=False)
-            rows.append(dict(field=name, value=value, bf16_step_s=p["baseline_s"], recommended=p["recommended"],
-                             recommended_param_gather=p["recommended_param_gather"],
-                             **{f"{r['mode']}_vs_bf16_pct": r["vs_bf16_pct"] for r in p["rows"]}))  # fmt: skip
+            rows.append(
+                dict(
+                    field=name,
+                    value=value,
+                    bf16_step_s=p["baseline_s"],
+                    recommended=p["recommended"],
+                    recommended_param_gather=p["recommended_param_gather"],
+                    **{f"{r['mode']}_vs_bf16_pct": r["vs_bf16_pct"] for r in p["rows"]},
+                )
+            )
     return rows

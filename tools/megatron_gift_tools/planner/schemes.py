@@ -40,6 +40,8 @@ class Scheme(enum.Enum):
         return f"{name} FP8 {'two-level' if self.two_level else 'flat'}"
 
 
-_MODES = {s: {"euclidean": Mode.EUCLIDEAN, "gift": Mode.GIFT}.get(s.value.removesuffix("-2level"), Mode.OFF) for s in Scheme}
+_MODES = {
+    s: {"euclidean": Mode.EUCLIDEAN, "gift": Mode.GIFT}.get(s.value.removesuffix("-2level"), Mode.OFF) for s in Scheme
+}
 PLUGIN = (Scheme.EUCLIDEAN_2LEVEL, Scheme.GIFT_2LEVEL, Scheme.EUCLIDEAN, Scheme.GIFT)
 """the plugin's schemes, in the order of preference on ties (one rank per node: two-level is flat)."""

@@ -47,8 +47,9 @@ def _flatten(chains: list[list[Task]]) -> tuple[list[Task], list[int], list[int]
     return tasks, chain_of, pred, stream_pred, link_pred
 
 
-def simulate(chunks: list[float], chains: list[list[Task]], release: list[int | None], waits: list[int | None],
-             overlap: float) -> tuple[float, float]:  # fmt: skip
+def simulate(
+    chunks: list[float], chains: list[list[Task]], release: list[int | None], waits: list[int | None], overlap: float
+) -> tuple[float, float]:
     """Eager: ``release[k]``: chain k starts after compute chunk ``release[k]`` (None: at 0); ``waits[i]``: chunk i
     starts after chain ``waits[i]`` has ended (None: no wait). Returns (compute end, end of everything)."""
     tasks, chain_of, pred, stream_pred, link_pred = _flatten(chains)
@@ -99,7 +100,9 @@ def simulate(chunks: list[float], chains: list[list[Task]], release: list[int | 
             chunk_end[ci], ci = t, ci + 1
             rem = chunks[ci] if ci < len(chunks) else 0.0
     if any(math.isnan(s) for s in start) or ci < len(chunks):
-        raise RuntimeError("schedule deadlock: a task or chunk never started")  # a bug in the chains, not a model result
+        raise RuntimeError(
+            "schedule deadlock: a task or chunk never started"
+        )  # a bug in the chains, not a model result
     compute_end = chunk_end[-1] if chunks else 0.0
     return compute_end, max([compute_end] + end)
 

@@ -101,24 +101,51 @@ class Context:
     def count(self, b: Bucket, path: str, stage: str) -> StageCount:
         """The meter's launches and ratios of ``stage`` for bucket ``b`` (without a meter: one fused pass)."""
         m = self.costs.meter
-        return ONE_PASS if m is None else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters,
-                                                      self.two_sided)  # fmt: skip
+        return (
+            ONE_PASS
+            if m is None
+            else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters, self.two_sided)
+        )
 
-    def gpu(self, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0, stream: str = "",
-            count: StageCount = ONE_PASS, gift_share: float = 0.0) -> Task:  # fmt: skip
+    def gpu(
+        self,
+        label: str,
+        stage: int,
+        codec_bytes: float,
+        transform_bytes: float = 0.0,
+        stream: str = "",
+        count: StageCount = ONE_PASS,
+        gift_share: float = 0.0,
+    ) -> Task:
         """A GPU stage of ``count.launches`` moving these essential HBM bytes times the meter's ratios (the GIFT
         ratio for the ``gift_share`` of the elementwise bytes and for the whitening's), on stage ``stage``'s
         stream unless ``stream`` is given."""
         codec = codec_bytes * (count.ratio * (1 - gift_share) + count.gift_ratio * gift_share)
         seconds = self.costs.seconds(count.launches, codec, count.gift_ratio * transform_bytes)
-        return Task(label, Kind.GPU, seconds, stream or f"stage{stage}", ("gpu",), stage, launches=count.launches,
-                    hbm_bytes=codec + count.gift_ratio * transform_bytes)  # fmt: skip
+        return Task(
+            label,
+            Kind.GPU,
+            seconds,
+            stream or f"stage{stage}",
+            ("gpu",),
+            stage,
+            launches=count.launches,
+            hbm_bytes=codec + count.gift_ratio * transform_bytes,
+        )
 
-    def metered(self, b: Bucket, path: str, name: str, label: str, stage: int, codec_bytes: float,
-                transform_bytes: float = 0.0) -> Task:  # fmt: skip
-        """The code's GPU stage ``name`` (the meter's, on its ``path``) of bucket ``b``: ``gpu`` at the meter's count."""
-        return self.gpu(label, stage, codec_bytes, transform_bytes, count=self.count(b, path, name),
-                        gift_share=b.gift_elements / b.elements)  # fmt: skip
+    def metered(
+        self, b: Bucket, path: str, name: str, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0
+    ) -> Task:
+        """The code's GPU stage ``name`` (the meter's, on its ``path``) of bucket ``b``: ``gpu`` at the meter's
+        count."""
+        return self.gpu(
+            label,
+            stage,
+            codec_bytes,
+            transform_bytes,
+            count=self.count(b, path, name),
+            gift_share=b.gift_elements / b.elements,
+        )
 
     def links(self, p: int, g: int) -> tuple[str, ...]:
         return ("nvlink", "nic") if p > g else ("nvlink",)
@@ -126,7 +153,11 @@ class Context:
     def ring(self, label: str, kind: str, nbytes: float, stream: str, stage: int) -> Task:
         """A ring collective over the whole group (NCCL's tuner: ring or, for all-reduce, tree)."""
         p, g = self.p, self.g
-        t = nccl.all_reduce_time(nbytes, p, g, self.c) if kind == "all_reduce" else nccl.ring_time(kind, nbytes, p, g, self.c)
+        t = (
+            nccl.all_reduce_time(nbytes, p, g, self.c)
+            if kind == "all_reduce"
+            else nccl.ring_time(kind, nbytes, p, g, self.c)
+        )
         total = (2 if kind == "all_reduce" else 1) * (p - 1) / p * nbytes
         nic = total / g if p > g else 0.0
         return Task(label, Kind.COMM, t, stream, self.links(p, g), stage, total - nic, nic)
@@ -181,16 +212,26 @@ def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """One all-to-all over the group (one node, one rank per node, or ``--gift-exchange flat``)."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
     path = "flat-rs" if dist_opt else "flat-ar"
-    a2a = Task("all-to-all", Kind.COMM, nccl.all_to_all_time(F, p, g, x.c), "dp", x.links(p, g), 1,
-               (g - 1) / p * F, (p - g) / p * F)  # fmt: skip
+    a2a = Task(
+        "all-to-all",
+        Kind.COMM,
+        nccl.all_to_all_time(F, p, g, x.c),
+        "dp",
+        x.links(p, g),
+        1,
+        (g - 1) / p * F,
+        (p - g) / p * F,
+    )
     tasks = [x.metered(b, path, "send", "encode", 1, 4 * N + F, 4 * Ng), a2a]
     if dist_opt:
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 2, F + 4 * N / p, 8 * Ng / p))
         return tasks + _finish(b, x, path, 2, n > 1) + _output_side(b, x, path, 2, True)
-    return tasks + [x.metered(b, path, "gather", "decode-sum + re-encode shard", 2, F + F / p),
-                    x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
-                    x.metered(b, path, "decode_all", "decode bucket", 4, F + 4 * N, 8 * Ng),
-                    *_output_side(b, x, path, 4, False)]  # fmt: skip
+    return tasks + [
+        x.metered(b, path, "gather", "decode-sum + re-encode shard", 2, F + F / p),
+        x.ring("FP8 all-gather", "all_gather", F, "gather", 3),
+        x.metered(b, path, "decode_all", "decode bucket", 4, F + 4 * N, 8 * Ng),
+        *_output_side(b, x, path, 4, False),
+    ]
 
 
 def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
@@ -201,22 +242,59 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
     # GIFT whitens at the sender, in every intra dtype: stage 1 casts or encodes G T, whole rows
-    tasks = [x.metered(b, path, "intra", "encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng),
-             Task("intra all-to-all", Kind.COMM, nccl.all_to_all_time(intra, g, g, x.c), "intra", ("nvlink",), 1,
-                  (g - 1) / g * intra),
-             x.metered(b, path, "node_sums", "node sums + encode slice", 2, intra + F / g),
-             Task("inter all-to-all", Kind.COMM, nccl.all_to_all_time(F / g, n, 1, x.c), "inter", ("nic",), 2, 0.0,
-                  (n - 1) / n * F / g)]  # fmt: skip
+    tasks = [
+        x.metered(b, path, "intra", "encode" if fp8 else "cast", 1, 4 * N + intra, 4 * Ng),
+        Task(
+            "intra all-to-all",
+            Kind.COMM,
+            nccl.all_to_all_time(intra, g, g, x.c),
+            "intra",
+            ("nvlink",),
+            1,
+            (g - 1) / g * intra,
+        ),
+        x.metered(b, path, "node_sums", "node sums + encode slice", 2, intra + F / g),
+        Task(
+            "inter all-to-all",
+            Kind.COMM,
+            nccl.all_to_all_time(F / g, n, 1, x.c),
+            "inter",
+            ("nic",),
+            2,
+            0.0,
+            (n - 1) / n * F / g,
+        ),
+    ]
     if dist_opt:
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
         return tasks + _finish(b, x, path, 3, True) + _output_side(b, x, path, 3, True)
-    gather = [Task("FP8 all-gather (inter)", Kind.COMM, nccl.ring_time("all_gather", F / g, n, 1, x.c), "inter", ("nic",),
-                   4, 0.0, (n - 1) / n * F / g),
-              Task("FP8 all-gather (intra)", Kind.COMM, nccl.ring_time("all_gather", F, g, g, x.c), "intra", ("nvlink",),
-                   4, (g - 1) / g * F)]  # fmt: skip
-    return tasks + [x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p), *gather,
-                    x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng),
-                    *_output_side(b, x, path, 5, False)]  # fmt: skip
+    gather = [
+        Task(
+            "FP8 all-gather (inter)",
+            Kind.COMM,
+            nccl.ring_time("all_gather", F / g, n, 1, x.c),
+            "inter",
+            ("nic",),
+            4,
+            0.0,
+            (n - 1) / n * F / g,
+        ),
+        Task(
+            "FP8 all-gather (intra)",
+            Kind.COMM,
+            nccl.ring_time("all_gather", F, g, g, x.c),
+            "intra",
+            ("nvlink",),
+            4,
+            (g - 1) / g * F,
+        ),
+    ]
+    return tasks + [
+        x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p),
+        *gather,
+        x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng),
+        *_output_side(b, x, path, 5, False),
+    ]
 
 
 def statistics_sides(shape: tuple[int, int], opts: Options) -> list[int]:
@@ -266,10 +344,16 @@ def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
     slot = max(sum(sizes[i] for i in mine) for mine in owned)
     stats_slot = max(sum(stats[i] for i in mine) for mine in owned)
     builds = max(sum(len(statistics_sides(shapes[i], x.opts)) for i in mine) for mine in owned) * x.costs.factor_build_s
-    # the runtime's choice (``RefreshSync.sum_statistics``): equal slots, or a ring all-reduce where they would send more
+    # the runtime's choice (``RefreshSync.sum_statistics``): equal slots, or a ring all-reduce where they would
+    # send more
     scatter = x.p * stats_slot <= 2 * sum(stats)
-    summed = x.ring("statistics reduce-scatter", "reduce_scatter", x.p * stats_slot, "refresh", 1) if scatter else \
-        x.ring("statistics all-reduce", "all_reduce", sum(stats), "refresh", 1)
-    return [summed,
-            Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
-            x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1)]  # fmt: skip
+    summed = (
+        x.ring("statistics reduce-scatter", "reduce_scatter", x.p * stats_slot, "refresh", 1)
+        if scatter
+        else x.ring("statistics all-reduce", "all_reduce", sum(stats), "refresh", 1)
+    )
+    return [
+        summed,
+        Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
+        x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1),
+    ]

@@ -71,8 +71,14 @@ def measured_step_seconds(log_text: str, skip: int = 3) -> float:
     return statistics.quantiles(times, n=4)[0]
 
 
-def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-validation", seed: int = 1234,
-                 timeout: float = 1800, measured_json: str | None = None) -> dict:  # fmt: skip
+def validate_cpu(
+    overhead_json: str,
+    iters: int = 30,
+    out: str = "runs/model-validation",
+    seed: int = 1234,
+    timeout: float = 1800,
+    measured_json: str | None = None,
+) -> dict:
     """Train the demo model (``demo.PRESETS['default']``, ``iters`` iterations, 2 gloo ranks) once per mode
     through the demo's launcher command without telemetry, logs in ``out/logs/<mode>.log``; measure gloo's
     latency and bandwidth; compare with the model (``predict_validation``). ``measured_json``: take the step
@@ -80,8 +86,10 @@ def validate_cpu(overhead_json: str, iters: int = 30, out: str = "runs/model-val
     if measured_json:
         old = json.load(open(measured_json))["cpu_validation"]
         measured = {key: r["measured_s"] for (_, key), r in zip(VALIDATION_MODES, old["rows"])}
-        return dict(predict_validation(old["preset"], measured, old["gloo"], overhead_json),
-                    measured_in=f"reused from {measured_json}")  # fmt: skip
+        return dict(
+            predict_validation(old["preset"], measured, old["gloo"], overhead_json),
+            measured_in=f"reused from {measured_json}",
+        )
     from megatron_gift_tools.bench.corpus import build_token_corpus
     from megatron_gift_tools.bench.indexed_data import megatron_data_args
     from megatron_gift_tools.demo import PRESETS, launcher_command, run_mode
@@ -103,11 +111,27 @@ def predict_validation(p: dict, measured: dict, gloo: dict, overhead_json: str) 
     plugin's kernel costs from ``overhead_json``, its waits blocking the host as they do on a CPU)."""
     ring, a2a = gloo["fits"]["ring"], gloo["fits"]["all_to_all"]
     ratio = a2a["bandwidth"] / ring["bandwidth"]
-    cpu = Cluster(name="cpu-gloo", gpus_per_node=2, intra_bw=ring["bandwidth"], latency_s=ring["alpha_s"],
-                  a2a_peer_latency=max(0.0, a2a["alpha_s"] - ring["alpha_s"]), efficiency=1.0, a2a_nic_ratio=ratio,
-                  a2a_nvlink_ratio=ratio)  # fmt: skip
-    w = Workload(name="demo", layers=p["layers"], hidden=p["hidden"], heads=p["heads"], ffn=p["ffn"], seq=p["seq"],
-                 micro_batch=p["micro_batch"], global_batch=p["global_batch"], vocab=p["vocab"])  # fmt: skip
+    cpu = Cluster(
+        name="cpu-gloo",
+        gpus_per_node=2,
+        intra_bw=ring["bandwidth"],
+        latency_s=ring["alpha_s"],
+        a2a_peer_latency=max(0.0, a2a["alpha_s"] - ring["alpha_s"]),
+        efficiency=1.0,
+        a2a_nic_ratio=ratio,
+        a2a_nvlink_ratio=ratio,
+    )
+    w = Workload(
+        name="demo",
+        layers=p["layers"],
+        hidden=p["hidden"],
+        heads=p["heads"],
+        ffn=p["ffn"],
+        seq=p["seq"],
+        micro_batch=p["micro_batch"],
+        global_batch=p["global_batch"],
+        vocab=p["vocab"],
+    )
     costs = KernelCosts.from_json(overhead_json, cpu, "demo")
     opts = Options(gift_layers=LINEAR_KINDS, cpu_waits=True)
     compute = measured["fp32"]
@@ -117,11 +141,25 @@ def predict_validation(p: dict, measured: dict, gloo: dict, overhead_json: str) 
     rows = []
     for mode, key in VALIDATION_MODES:
         pred = step_time(w, cpu, Scheme(mode), 2, costs, opts, compute_seconds=compute)
-        rows.append(dict(mode=mode, measured_s=measured[key], predicted_s=pred["step_s"],
-                         error_pct=100 * (pred["step_s"] / measured[key] - 1), prediction=pred))  # fmt: skip
-    return dict(preset=p, gloo=gloo, cluster=asdict(cpu), costs=asdict(costs), compute_s_calibrated=compute, rows=rows,
-                note="every mode measured without telemetry (--gift-log-interval 0); compute calibrated on the FP32 "
-                "run, so its prediction equals the measurement by construction; the demo's BF16 mode is the "
-                "plugin's (all-to-all of BF16), modeled as a 2-byte ring reduce-scatter (the same bytes on 2 ranks); "
-                "the plugin modes are the flat exchange with the CPU's host-blocking waits; the reused measurements "
-                "predate the stage-stream execution model")  # fmt: skip
+        rows.append(
+            dict(
+                mode=mode,
+                measured_s=measured[key],
+                predicted_s=pred["step_s"],
+                error_pct=100 * (pred["step_s"] / measured[key] - 1),
+                prediction=pred,
+            )
+        )
+    return dict(
+        preset=p,
+        gloo=gloo,
+        cluster=asdict(cpu),
+        costs=asdict(costs),
+        compute_s_calibrated=compute,
+        rows=rows,
+        note="every mode measured without telemetry (--gift-log-interval 0); compute calibrated on the FP32 "
+        "run, so its prediction equals the measurement by construction; the demo's BF16 mode is the "
+        "plugin's (all-to-all of BF16), modeled as a 2-byte ring reduce-scatter (the same bytes on 2 ranks); "
+        "the plugin modes are the flat exchange with the CPU's host-blocking waits; the reused measurements "
+        "predate the stage-stream execution model",
+    )

@@ -55,15 +55,28 @@ class Workload:
     def __post_init__(self):
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
-        for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "micro_batch", "global_batch", "vocab", "tp", "pp"):
+        for k in (
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "ffn",
+            "seq",
+            "micro_batch",
+            "global_batch",
+            "vocab",
+            "tp",
+            "pp",
+        ):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         for k in ("heads", "kv_heads", "ffn", "vocab"):
             if getattr(self, k) % self.tp:
                 raise ValueError(f"tensor parallelism {self.tp} must divide {k} ({getattr(self, k)})")
         if self.heads % self.kv_heads or self.hidden % self.heads:
-            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}), heads the hidden size "
-                             f"({self.hidden})")  # fmt: skip
+            raise ValueError(
+                f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}), heads the hidden size ({self.hidden})"
+            )
         if self.layers % self.pp:
             raise ValueError(f"pipeline parallelism {self.pp} must divide layers ({self.layers})")
 
