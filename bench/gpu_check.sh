@@ -25,7 +25,7 @@ mkdir -p "$out"
 
 main() {
   py=${PYTHON:-python3}
-  export NO_VCS_VERSION=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export NO_VCS_VERSION=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tools${PYTHONPATH:+:$PYTHONPATH}"
   # one process, one rank: NCCL (and gloo in the dry run) bootstrap over loopback; no network there
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
   echo "== gpu_check: results to $out"
@@ -48,7 +48,7 @@ main() {
   if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
   step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels.py --junitxml "$out/kernel-tests.xml"
   step "$py" -m megatron_gift_tools.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
-  step "$py" -m megatron_gift model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
+  step "$py" -m megatron_gift_tools model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
   echo "== gpu_check: done (status $status); files in $out"
   return "$status"
 }

@@ -308,6 +308,23 @@ def _add_report(subparsers) -> None:
     rep.set_defaults(func=_report, needs=PLOTS)
 
 
+def _docs(args: argparse.Namespace) -> int:
+    from megatron_gift_tools import render_docs
+
+    return render_docs.main(["--check"] if args.check else [])
+
+
+def _add_docs(subparsers) -> None:
+    docs = subparsers.add_parser(
+        "docs",
+        help="render the measured numbers of README.md and docs/*.md from bench/results/*.json",
+        description="Rewrite every '<!-- rendered: NAME -->' block of README.md and docs/*.md from the JSONs in "
+        "bench/results (megatron_gift_tools.render_docs); --check lists the stale files instead.",
+    )
+    docs.add_argument("--check", action="store_true", help="list the files whose rendered blocks are stale; exit 1")
+    docs.set_defaults(func=_docs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_gift_tools.planner import cli as planner_cli  # torch-free: the model is imported by its handler
 
@@ -317,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subparsers)
     planner_cli.add_parser(subparsers)
     _add_report(subparsers)
+    _add_docs(subparsers)
     return parser
 
 

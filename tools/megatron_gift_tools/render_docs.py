@@ -1,0 +1,162 @@
+"""``megatron-gift docs``: the measured numbers of README.md and docs/*.md, rendered from bench/results/*.json.
+
+A rendered block in a markdown file is::
+
+    <!-- rendered: NAME -->
+    ...text this module writes...
+    <!-- end rendered -->
+
+``NAME`` is a key of ``RENDERERS`` (a function of the results folder returning markdown). ``megatron-gift
+docs`` rewrites every block in place; ``--check`` only reports the blocks whose text is not what the
+JSONs give (a test runs it, so a number copied by hand or left behind by a new JSON fails the suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+FILES = ("README.md", "docs/*.md")
+BLOCK = re.compile(r"(<!-- rendered: ([\w-]+) -->\n)(.*?)(<!-- end rendered -->)", re.S)
+
+CLUSTERS = {  # planner JSON prefix -> the cluster as a user knows it
+    "model-gh200": "4-GPU GH200 nodes, 200 Gb/s per GPU",
+    "model-h100-600m": "8-GPU H100 nodes, 400 Gb/s per GPU",
+    "model-h100-100g-600m": "8-GPU nodes, 100 Gb/s per GPU",
+}
+
+
+def _load(results: Path, name: str) -> dict:
+    with open(results / name) as f:
+        return json.load(f)
+
+
+def flags_for(mode: str, param_gather: str) -> str:
+    """The flags that turn on what the planner's ``mode`` and ``param_gather`` name (``none`` where that is
+    stock Megatron's BF16 reduction and gather)."""
+    flags = {
+        "bf16": [],
+        "euclidean-2level": ["--gift-mode euclidean"],
+        "gift-2level": ["--gift-mode gift"],
+        "euclidean": ["--gift-mode euclidean", "--gift-exchange flat"],
+        "gift": ["--gift-mode gift", "--gift-exchange flat"],
+    }[mode]
+    if param_gather == "delta":
+        flags = ["--use-distributed-optimizer", *flags, "--gift-param-gather delta"]
+    return " ".join(f"`{f}`" for f in flags) if flags else "none: keep stock Megatron"
+
+
+def _best(plan: dict, min_gain_pct: float) -> tuple[str, float]:
+    """The plan's fastest row among what a user can turn on (not FP32), as (flags, % against BF16); stock
+    Megatron where that gains less than the planner's ``min_gain_pct``."""
+    rows = [r for r in plan["rows"] if r["mode"] != "fp32" and r["gift_schedule"] == plan["rows"][0]["gift_schedule"]]
+    best = min(rows, key=lambda r: r["step_s"])
+    if (best["mode"] == "bf16" and best["param_gather"] == "bf16") or best["vs_bf16_pct"] > -min_gain_pct:
+        return flags_for("bf16", "bf16"), 0.0
+    return flags_for(best["mode"], best["param_gather"]), best["vs_bf16_pct"]
+
+
+def _fastest(results: Path) -> dict[str, list[tuple[int, float, str, float]]]:
+    """Per cluster label: ``(gpus, BF16 step s, flags, % vs BF16)`` of the fastest choice at each GPU count,
+    with Megatron's parameter gather or the delta gather."""
+    out = {}
+    for prefix, label in CLUSTERS.items():
+        plain, delta = _load(results, f"{prefix}.json"), _load(results, f"{prefix}-delta.json")
+        gain = plain.get("min_gain_pct", 1.0)
+        for p, d in zip(plain["plans"], delta["plans"]):
+            flags, pct = min(_best(p, gain), _best(d, gain), key=lambda c: c[1])
+            out.setdefault(label, []).append((p["gpus"], p["baseline_s"], flags, pct))
+    return out
+
+
+def decision(results: Path) -> str:
+    """One line per cluster: the flags to add and what they give (Llama-600M, 64-512 GPUs)."""
+    lines = []
+    for label, rows in _fastest(results).items():
+        by_flags = {}
+        for gpus, _, flags, pct in rows:
+            by_flags.setdefault(flags, []).append((gpus, pct))
+        parts = []
+        for flags, cells in by_flags.items():
+            where = ", ".join(str(g) for g, _ in cells)
+            if flags.startswith("none"):
+                parts.append(f"keep stock Megatron at {where} GPUs (nothing here is faster)")
+            else:
+                gains = ", ".join(f"{p:+.1f}%" for _, p in cells)
+                parts.append(f"{flags} at {where} GPUs ({gains} step time)")
+        lines.append(f"- **{label}**: " + "; ".join(parts) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def planner_600m(results: Path) -> str:
+    """Per cluster and GPU count (Llama-600M): the fastest configuration the planner finds, with or without
+    the delta parameter gather, as flags, against Megatron's BF16 at its better bucket size."""
+    lines = [
+        "| cluster | GPUs | BF16 step (ms) | fastest: add these flags | step time vs BF16 |",
+        "|---|---|---|---|---|",
+    ]
+    for label, rows in _fastest(results).items():
+        for gpus, baseline_s, flags, pct in rows:
+            shown = "0 (stock)" if flags.startswith("none") else f"{pct:+.1f}%"
+            lines.append(f"| {label} | {gpus} | {1e3 * baseline_s:.1f} | {flags} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def fidelity_pretrained(results: Path) -> str:
+    """What GIFT sends (``gift-chosen``, after the cold start) per pretrained model and layer type: its
+    gradient error over the best plain FP8's (geometric mean over layers and steps)."""
+    doc = _load(results, "pretrained-quick-cpu.json")
+    rows = {}
+    for r in doc["summary"]["per_type"]:
+        if r["scheme"] == "gift-chosen" and r["after_cold_start"]:
+            rows.setdefault(r["model"], {})[r["layer_type"]] = r["ratio"]
+    types = ("qkv", "proj", "fc1", "fc2")
+    lines = ["| model | " + " | ".join(types) + " |", "|---" * (len(types) + 1) + "|"]
+    for model, ratios in sorted(rows.items()):
+        lines.append(f"| {model} | " + " | ".join(f"{ratios[t]:.2f}" for t in types) + " |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"decision": decision, "planner-600m": planner_600m, "fidelity-pretrained": fidelity_pretrained}
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every rendered block rewritten; an unknown block name is an error."""
+
+    def one(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in RENDERERS:
+            raise ValueError(f"unknown rendered block {name!r} (known: {', '.join(RENDERERS)})")
+        return m.group(1) + RENDERERS[name](results) + m.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def files(root: Path = ROOT) -> list[Path]:
+    return sorted({p for pattern in FILES for p in root.glob(pattern)})
+
+
+def stale(root: Path = ROOT, results: Path = RESULTS) -> list[str]:
+    """The files whose rendered blocks differ from what the JSONs give."""
+    return [str(p.relative_to(root)) for p in files(root) if render(p.read_text(), results) != p.read_text()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-gift docs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only list the files whose rendered blocks are stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        out = stale()
+        print("\n".join(out) if out else "every rendered block is current")
+        return 1 if out else 0
+    for p in files():
+        text = p.read_text()
+        new = render(text)
+        if new != text:
+            p.write_text(new)
+            print(f"rendered {p.relative_to(ROOT)}")
+    return 0
