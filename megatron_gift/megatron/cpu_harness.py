@@ -257,8 +257,6 @@ def install_for_training():
     import importlib
     import os
 
-    from megatron_gift.testing import sync_probe
-
     installed_harness = install()
     training = importlib.import_module("megatron.training.training")
     if not getattr(training.initialize_megatron, "_cpu_harness", False):
@@ -274,8 +272,6 @@ def install_for_training():
         _patch(distrib, "state_dict", _state_dict_with_optimizer_state(distrib.state_dict))
         _patch(distrib, "load_state_dict", _load_state_dict_with_steps(distrib.load_state_dict))
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        if os.environ.get(sync_probe.ENV):
-            sync_probe.install(os.environ[sync_probe.ENV])
     return installed_harness
 
 

@@ -18,7 +18,11 @@ ENV = {"OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}
 
 
 def launcher_command(ranks: int, *args: str) -> list[str]:
-    """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``."""
+    """``megatron_gift.pretrain_gpt --gift-cpu`` on ``ranks`` local gloo ranks with Megatron / ``--gift-*`` ``args``
+    (through ``testing.sync_probe`` where its directory variable is set)."""
+    from megatron_gift.testing import sync_probe
+
+    module = "megatron_gift.testing.sync_probe" if os.environ.get(sync_probe.ENV) else "megatron_gift.pretrain_gpt"
     return [
         sys.executable,
         "-m",
@@ -27,7 +31,7 @@ def launcher_command(ranks: int, *args: str) -> list[str]:
         "--nproc-per-node",
         str(ranks),
         "-m",
-        "megatron_gift.pretrain_gpt",
+        module,
         "--gift-cpu",
         *args,
     ]

@@ -1,6 +1,8 @@
 """Every iteration of a real launcher run under ``dispatch.SyncSanitizer``, for tests (CPU runs only).
 
-With ``GIFT_SYNC_PROBE_DIR`` set, the ``--gift-cpu`` launcher calls :func:`install`: an iteration
+With ``GIFT_SYNC_PROBE_DIR`` set, ``testing.launch`` runs the launcher through this module
+(``python -m megatron_gift.testing.sync_probe <launcher flags>``), which calls :func:`install` first (the
+runtime never imports test support): an iteration
 is everything from one ``train_step`` call of Megatron's training loop to the next (forward,
 backward, ``finish_grad_sync``, optimizer step, the parameter gather started there and waited on in
 the next forward, ``training_log``, the plugin's step close), each under a fresh sanitizer. At exit
@@ -65,3 +67,17 @@ def install(directory: str) -> None:
 
     training.train_step = train_step
     atexit.register(probe.write)
+
+
+def main() -> None:
+    """The launcher (``megatron_gift.pretrain_gpt``) with every iteration probed into ``$GIFT_SYNC_PROBE_DIR``."""
+    from megatron_gift import pretrain_gpt
+    from megatron_gift.megatron import training
+
+    training.shim_typing_override()  # megatron.training imports typing.override (Python 3.12)
+    install(os.environ[ENV])
+    pretrain_gpt.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -139,3 +139,36 @@ def test_cycle_finder_sees_a_cycle():
     """A finder that returned nothing would pass the test above on any graph."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def layers(doc: Path = ROOT / "docs" / "how-it-works.md") -> list[tuple[str, ...]]:
+    """The module prefixes of each layer, top first, from the fenced block after ``<!-- import layers -->``."""
+    block = doc.read_text().split("<!-- import layers -->\n```\n", 1)[1].split("```", 1)[0]
+    return [tuple(line.split(":", 1)[0].split()) for line in block.strip().splitlines()]
+
+
+def _layer_of(module: str, table: list[tuple[str, ...]]) -> int:
+    """Index of the layer whose longest prefix names ``module`` (a prefix matches itself and its submodules)."""
+    best = (-1, None)
+    for i, prefixes in enumerate(table):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best[0]:
+                best = (len(p), i)
+    assert best[1] is not None, f"{module} is in no layer of docs/how-it-works.md"
+    return best[1]
+
+
+def upward_imports(graph: dict[str, set[str]], table: list[tuple[str, ...]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if _layer_of(b, table) < _layer_of(a, table))
+
+
+def test_imports_only_go_down_the_documented_layers():
+    """docs/how-it-works.md's layer list is the layering a maintainer reads; an import running up it (the
+    CPU harness importing test support, a kernel importing the reduction) makes the doc false."""
+    assert upward_imports(import_graph(_modules()), layers()) == []
+
+
+def test_layer_check_sees_an_upward_import():
+    """A check that never flagged anything would keep the test above green whatever the code did."""
+    table = [("a",), ("b", "c"), ("d",)]
+    assert upward_imports({"a.x": {"b.y"}, "b.y": {"c", "d.z"}, "d.z": {"a.x"}}, table) == ["d.z -> a.x"]
