@@ -117,7 +117,12 @@ def copy_tree(dest: Path) -> None:
 def pytest(python: str, tree: Path, args: list[str], log: Path) -> tuple[int, float]:
     """Run pytest in ``tree`` (the copy first on the path; no bytecode written, so an edit never meets a
     stale cache); its output to ``log``. Returns the exit status and the seconds it took."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "tools")]), NO_VCS_VERSION="1", PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree), str(tree / "tools")]),
+        NO_VCS_VERSION="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     start = time.monotonic()
     with log.open("w") as out:
         rc = subprocess.run(
