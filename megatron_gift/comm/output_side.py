@@ -114,12 +114,14 @@ class OutputSide(Wrapping):
         for i, (lo, _hi) in self.owned.items():
             s = layout.segments[i]
             output_projection(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i))
+        # P, allocated on this stage's stream, is read by the next one: in the handoff, collective or not
+        handoff = [*step.handoff, self.proj]
         if inner.all_reduce or inner.world == 1 or self.p_numel == 0:  # the same answer on every rank
-            return step
+            return Step(step.works, handoff)
         # its own ledger dtype: apart from the refresh's and the instances' FP32 all-reduces
         self.ledger.add("all_reduce", LEDGER_DTYPE, ring_all_reduce_bytes(inner.world, 4 * self.p_numel))
         work = dist.all_reduce(self.proj, group=inner.group, async_op=True)
-        return Step([*step.works, work], [*step.handoff, self.proj])
+        return Step([*step.works, work], handoff)
 
     def _output(self) -> Step:
         """``T_out⁻ᵀ W`` on the rank's elements, into the bucket (module doc, stage L+1)."""

@@ -28,19 +28,19 @@ Every tensor a stage gives to a collective must be in its ``handoff`` (a view of
 ``record_stream`` acts on the whole block): since PyTorch 2.7 ProcessGroupNCCL keeps a collective's
 tensors only until ``work.wait()``, which runs on the *next* stage's stream, so a tensor allocated
 on this stage's stream and held by nothing else goes back to that stream's pool while NCCL may
-still read it. ``ReductionQueue(check=True)`` (tests) asserts this at every wait, on a CPU too.
+still read it. More generally, every tensor a stage creates and a later stage reads must be in the
+handoff of every stage in between (it is recorded on each of their streams): the tests' lifetime
+check (``testing.dispatch.Lifetimes``, a queue's ``watch``) asserts both, on a CPU too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import Schedule
 
@@ -139,7 +139,6 @@ class _InFlight:
         self.count, self.next = len(self.stages), 0
         self.step = Step()
         self.event = None  # recorded after the last enqueued stage
-        self.given: list = []  # check mode: what the last enqueued stage gave its collectives
 
     @property
     def done(self) -> bool:
@@ -149,11 +148,13 @@ class _InFlight:
 class ReductionQueue:
     """Enqueues the stages of started reductions by ``schedule`` (module doc) on ``streams``."""
 
-    def __init__(self, streams: StageStreams, schedule: Schedule, check: bool = False):
+    def __init__(self, streams: StageStreams, schedule: Schedule, watch=None):
         self.streams, self.schedule = streams, schedule
         self._pending: deque[_InFlight] = deque()
         self.probe = None  # benchmarks: a callable returning a context every stage runs in (e.g. an op counter)
-        self.check = check  # tests: every collective's tensors must be in its stage's handoff (module doc)
+        # tests: ``watch.stage(flight, s)``, a context stage ``s`` of ``flight`` runs in, and
+        # ``watch.handed(flight, s, step)`` after it (``testing.dispatch.Lifetimes``: the module doc's rule)
+        self.watch = watch
 
     def start(self, reduction: Reduction) -> _InFlight:
         """Enqueue ``reduction``'s first stage (all of them when eager); returns its handle for ``wait``."""
@@ -186,15 +187,13 @@ class ReductionQueue:
         with self.streams.context(s), self.probe() if self.probe is not None else contextlib.nullcontext():
             if s > 0:
                 self.streams.wait_event(s, flight.event)
-            if self.check:
-                _check_handoff(flight.given, flight.step.handoff, s - 1)
             for work in flight.step.works:
                 work.wait()
             flight.reduction.stage = s
-            recorder = _Collectives() if self.check else contextlib.nullcontext()
-            with recorder:
+            with self.watch.stage(flight, s) if self.watch is not None else contextlib.nullcontext():
                 step = flight.stages[s]() or Step()
-            flight.given = recorder.given if self.check else []
+            if self.watch is not None:
+                self.watch.handed(flight, s, step)
         if s == flight.count - 1 and step.works:
             raise RuntimeError("a reduction's last stage must not leave collectives in flight")
         if self.streams.cuda:
@@ -206,49 +205,8 @@ class ReductionQueue:
             flight.stages, flight.reduction = [], None  # the reduction (and its buffers) go
 
 
-def reduce_now(reduction: Reduction, device, check: bool = False) -> None:
+def reduce_now(reduction: Reduction, device, watch=None) -> None:
     """Run ``reduction`` to the end, its stages on fresh stage streams of ``device``, the current
-    stream waiting for it (tests, benchmarks; ``check``: ``ReductionQueue``'s)."""
-    queue = ReductionQueue(StageStreams(device), Schedule.EAGER, check)
+    stream waiting for it (tests, benchmarks; ``watch``: ``ReductionQueue``'s)."""
+    queue = ReductionQueue(StageStreams(device), Schedule.EAGER, watch)
     queue.wait(queue.start(reduction))
-
-
-class _Collectives(TorchDispatchMode):
-    """Check mode: records the tensors given to every collective (``c10d`` op) while a stage runs,
-    as ``(op, weak reference, storage address)``: the records themselves keep nothing alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.given: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            for t in _tensors([args, kwargs or {}]):
-                if t.numel():
-                    self.given.append((func.name(), weakref.ref(t), t.untyped_storage().data_ptr()))
-        return func(*args, **(kwargs or {}))
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
-
-
-def _check_handoff(given: list, handoff: list, s: int) -> None:
-    """Before the waits on stage ``s``'s collectives: every tensor they were given is alive and
-    shares its block with a tensor of the stage's handoff (recorded on the waiting stream), not
-    merely held by the collective's ``Work``."""
-    held = {t.untyped_storage().data_ptr() for t in handoff if t.numel()}
-    for op, ref, ptr in given:
-        t = ref()
-        if t is None or t.untyped_storage().data_ptr() != ptr or ptr not in held:
-            raise RuntimeError(
-                f"stage {s} gave {op} a tensor its handoff does not hold: the caching allocator "
-                "may reuse its block while the collective still reads or writes it"
-            )

@@ -28,11 +28,16 @@ functions in ``STOCK`` that the plugin's overrides call as Megatron does.
 
 ``OpCounter`` counts every ATen op dispatched while active (views included: each one is a host
 dispatch), to check that a bucket's work does not grow with the data-parallel size.
+
+``Lifetimes`` (a ``comm.schedule.ReductionQueue``'s ``watch``) checks the stage protocol's lifetime
+rule: every tensor a stage gives a collective, or creates for a later stage, is in the handoff of
+every stage until that one (on CUDA, recorded on their streams).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 
@@ -304,3 +309,118 @@ def launches(func) -> bool:
     """Whether a dispatched ATen op is a device launch on a GPU: it touches memory (not a view, not an
     allocation)."""
     return not (func.is_view or func in NO_TRAFFIC)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s block (0: no memory), what the caching allocator's reuse is about."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else 0
+
+
+class Lifetimes(TorchDispatchMode):
+    """The stage protocol's lifetime rule (``comm.schedule``'s module doc) checked on a CPU, as a
+    ``ReductionQueue``'s ``watch``: while a stage runs it records the blocks the stage's ops create and
+    the tensors it gives to collectives (``c10d`` ops), and raises ``RuntimeError`` where
+
+    * a stage gives a collective a tensor its handoff does not hold (``ProcessGroupNCCL`` drops it at
+      the wait, on the next stage's stream: the block returns to its pool while NCCL uses it);
+    * a stage reads a block an earlier stage of the same reduction created that a stage in between did
+      not hand on (recorded on none of those streams, the block may be taken by the creating stream's
+      next allocation while the later stream still reads it).
+
+    What ``BucketLayout.cached`` builds belongs to the layout (kept with it), not to a stage. Records are
+    keyed by the block's address and dropped once the block is freed (``StorageWeakRef``), so a reused
+    address is a new block. ``stages`` counts the stages watched."""
+
+    def __init__(self):
+        super().__init__()
+        self._created: dict[int, tuple] = {}  # block address -> (flight, stage, StorageWeakRef)
+        self._handed: dict[int, dict[int, set]] = {}  # flight -> stage -> block addresses of its handoff
+        self._running: tuple | None = None  # (flight, stage) while a stage runs
+        self._given: list = []  # (op, tensor) of the running stage's collectives
+        self._quiet = 0  # > 0 while a layout cache is built
+        self.stages = 0
+
+    @contextlib.contextmanager
+    def stage(self, flight, s: int):
+        """The context stage ``s`` of ``flight`` (a key: the queue's ``_InFlight``) runs in."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        from ..comm.layout import BucketLayout
+
+        self._weak = StorageWeakRef
+        cached = BucketLayout.cached
+
+        def layout_owned(layout, key, build):
+            def quiet():
+                self._quiet += 1
+                try:
+                    return build()
+                finally:
+                    self._quiet -= 1
+
+            return cached(layout, key, quiet)
+
+        self._running, self._given = (id(flight), s), []
+        BucketLayout.cached = layout_owned
+        try:
+            with self:
+                yield
+        finally:
+            BucketLayout.cached = cached
+            self._running = None
+        self.stages += 1
+
+    def handed(self, flight, s: int, step) -> None:
+        """Stage ``s`` of ``flight`` returned ``step`` (its ``works`` and ``handoff``); ``flight.count``
+        stages in all (its records go after the last)."""
+        key, held = id(flight), {_ptr(t) for t in step.handoff} - {0}
+        given, self._given = self._given, []
+        for op, t in given:
+            if _ptr(t) not in held:
+                raise RuntimeError(
+                    f"stage {s} gave {op} a tensor its handoff does not hold: the caching allocator "
+                    "may reuse its block while the collective still reads or writes it"
+                )
+        self._handed.setdefault(key, {})[s] = held
+        if s == flight.count - 1:
+            self._handed.pop(key, None)
+            self._created = {p: r for p, r in self._created.items() if r[0] != key}
+
+    def _read(self, t: torch.Tensor, func) -> None:
+        p = _ptr(t)
+        record = self._created.get(p)
+        if record is None:
+            return
+        key, s0, ref = record
+        if ref.expired():
+            del self._created[p]
+            return
+        key_now, s = self._running
+        if key != key_now or s0 >= s:
+            return
+        handed = self._handed.get(key, {})
+        missing = [k for k in range(s0, s) if p not in handed.get(k, ())]
+        if missing:
+            raise RuntimeError(
+                f"stage {s} reads ({func}) a tensor stage {s0} created that the handoff of stage(s) {missing} "
+                "does not hold: the creating stream may reuse its block while this stage reads it"
+            )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._quiet or self._running is None:
+            return out
+        inputs = _tensors((args, kwargs))
+        for t in inputs:
+            self._read(t, func)
+        if func.namespace == "c10d":
+            self._given += [(func.name(), t) for t in inputs if _ptr(t)]
+        elif not func.is_view:
+            known = {_ptr(t) for t in inputs}
+            for t in _tensors(out):
+                p = _ptr(t)
+                if p and p not in known:
+                    self._created[p] = (self._running[0], self._running[1], self._weak(t.untyped_storage()))
+        return out

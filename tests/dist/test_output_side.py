@@ -26,6 +26,7 @@ from megatron_gift.numerics.two_sided import (
     row_blocks,
 )
 from megatron_gift.testing import run_on_ranks
+from megatron_gift.testing.dispatch import Lifetimes
 from tests.dist import test_two_level
 from tests.dist.test_comm import _bucket_grads, checked_transforms
 from tests.reference import dense_whitening
@@ -174,7 +175,9 @@ def _reduction_worker(rank, world):
                 inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, **common)
             else:
                 inner = TwoLevelReduce(flat, layout, placed, ts, intra=path.rsplit("-", 1)[1], **common)
-            reduce_now(OutputSide(inner, [o[0] if o is not None else None for o in outputs], ledger), "cpu", check=True)
+            reduce_now(
+                OutputSide(inner, [o[0] if o is not None else None for o in outputs], ledger), "cpu", watch=Lifetimes()
+            )
             runs.append(flat)
         want, exact = _reference(grads, outputs, checked, path, average, all_reduce, dtype)
         lo, hi = (0, NUMEL) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)

@@ -17,6 +17,7 @@ from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import Schedule
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
+from megatron_gift.testing.dispatch import Lifetimes
 from tests.dist.test_comm import LAYOUTS as FLAT_LAYOUTS
 from tests.dist.test_comm import _bucket_grads, _transforms
 from tests.dist.test_two_level import LAYOUTS as TWO_LEVEL_LAYOUTS
@@ -72,12 +73,12 @@ def _layouts(world):
 def _handoff_worker(rank, world):
     (placed,) = build_groups([dist.group.WORLD], 2)
     out = {
-        "toy_dropped": _raises(lambda: reduce_now(_Toy(keep=False), "cpu", check=True)),
-        "toy_kept": _raises(lambda: reduce_now(_Toy(keep=True), "cpu", check=True)),
-        "toy_view_kept": _raises(lambda: reduce_now(_Toy(keep=True, view=True), "cpu", check=True)),
+        "toy_dropped": _raises(lambda: reduce_now(_Toy(keep=False), "cpu", watch=Lifetimes())),
+        "toy_kept": _raises(lambda: reduce_now(_Toy(keep=True), "cpu", watch=Lifetimes())),
+        "toy_view_kept": _raises(lambda: reduce_now(_Toy(keep=True, view=True), "cpu", watch=Lifetimes())),
         "toy_unchecked": _raises(lambda: reduce_now(_Toy(keep=False), "cpu")),
     }
-    queue, lagged = ReductionQueue(StageStreams("cpu"), Schedule.LAGGED, check=True), []
+    queue, lagged = ReductionQueue(StageStreams("cpu"), Schedule.LAGGED, watch=Lifetimes()), []
     for name, kind, layout, ts in _layouts(world):
         for all_reduce in (False, True):
             grads = _bucket_grads(layout.numel, layout.segments, rank)
@@ -88,7 +89,7 @@ def _handoff_worker(rank, world):
                 return TwoLevelReduce(flat, layout, placed, ts, all_reduce=all_reduce)
 
             checked, plain, again = grads.clone(), grads.clone(), grads.clone()
-            out[(name, all_reduce)] = _raises(lambda: reduce_now(make(checked), "cpu", check=True))
+            out[(name, all_reduce)] = _raises(lambda: reduce_now(make(checked), "cpu", watch=Lifetimes()))
             reduce_now(make(plain), "cpu")
             out[(name, all_reduce, "same")] = torch.equal(checked, plain)
             lagged.append(((name, all_reduce, "lagged"), again, plain, queue.start(make(again))))
