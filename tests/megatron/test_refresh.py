@@ -149,13 +149,13 @@ def test_owners_balance_the_record_bytes():
     layer shapes at 64 ranks (catches an assignment that leaves the all-gather mostly padding)."""
     from megatron_gift.refresh_sync import RefreshSync
     from megatron_gift.state import GiftParam, GiftState
-    from megatron_gift_tools.bench.overhead import MODELS, layer_shapes
+    from megatron_gift.testing.shapes import PRESETS, layer_shapes
 
     class Group:
         def size(self):
             return 64
 
-    m, group = MODELS["llama-600m"], Group()
+    m, group = PRESETS["600m"], Group()
     layers = []
     for i in range(m["layers"] * 4):
         g = GiftParam(str(i), Mode.GIFT, candidate=True)

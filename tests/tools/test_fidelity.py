@@ -16,9 +16,9 @@ import torch
 
 from megatron_gift.config import GiftConfig
 from megatron_gift.numerics import LowRankWhitening, TwoSidedWhitening, approximate_factor
+from megatron_gift.testing.dense import DenseCholeskyWhitening
 from megatron_gift_tools import cli
 from megatron_gift_tools.bench import fidelity
-from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
 from megatron_gift_tools.bench.llama import LlamaConfig
 from tests.reference import fp8_roundtrip
 

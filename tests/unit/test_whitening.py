@@ -19,7 +19,7 @@ from megatron_gift.numerics import (
 )
 from megatron_gift.numerics.fp8 import decode
 from megatron_gift.numerics.whitening import factor_from_sketch
-from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
+from megatron_gift.testing.dense import DenseCholeskyWhitening
 from tests.bounds import lowrank_gamma, lowrank_magnitudes
 
 

@@ -74,8 +74,8 @@ from megatron_gift.numerics import (
     roundtrip,
 )
 from megatron_gift.numerics.profile import choose_damping
+from megatron_gift.testing.dense import DenseCholeskyWhitening
 from megatron_gift_tools.bench.corpus import TokenCorpus, build_token_corpus
-from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
 from megatron_gift_tools.bench.llama import (
     LlamaConfig,
     LlamaModel,

@@ -50,7 +50,7 @@ from megatron_gift.config import GiftConfig
 from megatron_gift.numerics.fp8 import CodecConfig, decode, encode
 from megatron_gift.numerics.kfac import KFACStatistics, sketch_matrix
 from megatron_gift.numerics.whitening import LowRankFactor, LowRankWhitening, factor_from_sketch
-from megatron_gift_tools.bench.dense import DenseCholeskyWhitening
+from megatron_gift.testing.dense import DenseCholeskyWhitening
 from megatron_gift_tools.demo import PRESETS
 from megatron_gift_tools.planner.workloads import PRESETS as LLAMA
 from megatron_gift_tools.planner.workloads import layer_shapes

@@ -1,36 +1,20 @@
 """Workloads: a Llama-style model, its batch and its TP/PP layout, and the presets.
 
-Presets: ``300m``/``600m`` are the paper's Llama-300M/600M (arXiv 2607.07494; GPT-2 tokenizer,
-50257 padded to 50304); ``1.3b`` a Llama-shaped 1.35B (24 x 2048, SwiGLU 5504, Llama's 32000
-vocabulary); ``7b`` Llama-2-7B (Touvron et al. 2023: 32 x 4096, FFN 11008, 32 heads, vocabulary
-32000, context 4096). ``bench overhead`` and the GPU check time their layers at these shapes.
+The presets and each layer's linear shapes are ``megatron_gift.testing.shapes``' (the runtime's tests use
+them too): the paper's Llama-300M/600M, a Llama-shaped 1.35B, Llama-2-7B and Llama-3-8B.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from megatron_gift.testing.shapes import PRESETS, layer_shapes
+
 LINEAR_KINDS = ("qkv", "proj", "fc1", "fc2")
 ROW_PARALLEL = ("proj", "fc2")  # TP shards their inputs (columns); qkv and fc1 shard their outputs (rows)
 GIFT_KINDS = ("fc2",)  # the paper's and the recipes' selection: the MLP down projections
 DIMS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab")
 OPTIONAL_DIMS = ("kv_heads",)  # grouped-query attention; absent: one key-value head per query head
-PRESETS = {
-    "300m": dict(layers=24, hidden=1024, heads=16, ffn=2736, seq=4096, vocab=50304),
-    "600m": dict(layers=32, hidden=1280, heads=20, ffn=3456, seq=2048, vocab=50304),
-    "1.3b": dict(layers=24, hidden=2048, heads=16, ffn=5504, seq=2048, vocab=32000),
-    "7b": dict(layers=32, hidden=4096, heads=32, ffn=11008, seq=4096, vocab=32000),
-    "8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=8192, vocab=128256),
-}
-
-
-def layer_shapes(m: dict) -> dict[str, tuple[int, int]]:
-    """Weight-gradient shapes ``[d_out, d_in]`` of one transformer layer's linear layers (SwiGLU; ``qkv``:
-    the queries plus ``kv_heads`` keys and values of ``hidden / heads`` each, Megatron's query groups;
-    without ``kv_heads`` (or 0), one per query head)."""
-    h, f = m["hidden"], m["ffn"]
-    kv = 2 * m["kv_heads"] * (h // m["heads"]) if m.get("kv_heads") else 2 * h
-    return {"qkv": (h + kv, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The paper's dense whitening, the benchmarks' reference for ``numerics.whitening.LowRankWhitening``
-(``bench overhead`` times both, ``bench fidelity`` compares their errors); no training path uses it."""
+"""The paper's dense whitening, the reference for ``numerics.whitening.LowRankWhitening`` in the runtime's
+tests and the tools (``bench overhead`` times both, ``bench fidelity`` compares their errors); no training
+path uses it."""
 
 from __future__ import annotations
 
