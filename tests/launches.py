@@ -1,7 +1,7 @@
 """The launcher runs that test_launcher, test_checkpoint and test_faults share (2 gloo ranks through
 ``torch.distributed.run``, ``--gift-cpu``; each launch costs tens of seconds, so one family serves
 all three files): one configuration, 6 iterations, checkpoints every 2 iterations, telemetry every
-iteration.
+iteration, on ``testing.indexed_data``'s synthetic corpus.
 
 * ``whole``: GIFT with error feedback and the delta parameter gather, uninterrupted.
 * ``killed``: the same, rank 1 SIGKILLed during iteration 3; ``resumed`` restarts it from its
@@ -23,10 +23,9 @@ from pathlib import Path
 import psutil
 
 from megatron_gift.megatron import cpu_harness
+from megatron_gift.testing.indexed_data import synthetic_data_args
 from megatron_gift.testing.launch import ENV, ROOT, launcher_command, run_launcher
 from megatron_gift.testing.spawn import wall_limit
-from megatron_gift_tools.bench.corpus import build_token_corpus
-from megatron_gift_tools.bench.indexed_data import megatron_data_args
 
 ITERS, SAVE_EVERY, KILL_IN = 6, 2, 3
 FLAGS = [
@@ -93,7 +92,7 @@ KILL_AT = re.compile(rf"iteration\s+{KILL_IN}/")
 
 
 def _args(tmp: Path, name: str, *args: str) -> list[str]:
-    data = megatron_data_args(build_token_corpus(vocab_size=2048))
+    data = synthetic_data_args(tmp / "data")  # written by the first run, read by the others
     return [
         *FLAGS,
         *data,

@@ -1,7 +1,7 @@
 """``python -m megatron_gift.pretrain_gpt``: Megatron's own training loop with GIFT's DDP swapped in.
 
 The slow test reads the real thing, run by tests/launches.py with ``torch.distributed.run`` (2 gloo
-ranks, ``--gift-cpu``) on the benchmark corpus written as a Megatron indexed dataset, once with
+ranks, ``--gift-cpu``) on ``testing.indexed_data``'s synthetic corpus (a Megatron indexed dataset), once with
 ``--gift-mode gift`` and once with ``--gift-mode off``: the wrapper class each run used, GIFT's
 per-iteration byte counts, the losses, the telemetry, the warnings about flags ``off`` ignores.
 Start-up errors (a refused flag: one message from rank 0, exit status 2) run the launcher's
@@ -16,20 +16,23 @@ import math
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from megatron_gift import pretrain_gpt
 from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import cpu_harness
 from megatron_gift.megatron import training as gift_training
 from megatron_gift.testing import launch
+from megatron_gift.testing.indexed_data import (
+    SYNTHETIC_EOT,
+    SYNTHETIC_VOCAB,
+    document_lengths,
+    synthetic_data_args,
+    synthetic_tokens,
+)
 from megatron_gift.testing.spawn import wall_limit
-from megatron_gift_tools.bench.corpus import TokenCorpus
-from megatron_gift_tools.bench.indexed_data import document_lengths, megatron_data_args, write_indexed_dataset
 from tests.launches import ITERS, losses
 
 WRAPPED_RE = re.compile(r"megatron-gift: model wrapped in (\S+) \((a GiftDistributedDataParallel|not GIFT)\)")
@@ -39,44 +42,24 @@ BYTES_RE = re.compile(r"megatron-gift: iteration (\d+): gradient reduction sent 
 # --------------------------------------------------------------------------- indexed dataset
 
 
-def _synthetic_corpus(tmp_path: Path) -> TokenCorpus:
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 300, size=n).astype(np.int32) for n in (5, 1, 17, 3)]
-    tokens = np.concatenate([np.append(d, 0) for d in docs]).astype(np.int32)
-    return TokenCorpus(
-        tokens=torch.from_numpy(tokens),
-        vocab_size=300,
-        tokenizer_path=tmp_path / "bpe-v1-0123456789abcdef-300.json",
-        manifest={},
-        eot_id=0,
-    )
-
-
-def test_indexed_dataset_one_document_per_eot(tmp_path):
+def test_synthetic_dataset_one_document_per_eot(tmp_path):
+    """The corpus the launcher tests train on reads back through Megatron's own ``IndexedDataset`` as the
+    stream written: one document per EOT, each ending with it, ``uint16`` ids, written once. Catches a
+    writer that splits or merges documents, drops the EOT, or rewrites a present dataset."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    corpus = _synthetic_corpus(tmp_path)
-    prefix = write_indexed_dataset(corpus)
-    assert prefix == str(tmp_path / "indexed-v1-0123456789abcdef-300")
+    args = synthetic_data_args(tmp_path)
+    prefix = args[args.index("--data-path") + 1]
+    tokens = synthetic_tokens()
     ds = IndexedDataset(prefix)
-    assert len(ds) == 4 and list(ds.document_indices) == [0, 1, 2, 3, 4]
-    assert [len(ds[i]) for i in range(4)] == [6, 2, 18, 4]
-    assert all(ds[i][-1] == 0 and (ds[i][:-1] != 0).all() for i in range(4))
-    assert np.array_equal(np.concatenate([ds[i] for i in range(4)]), corpus.tokens.numpy())
-    assert ds.index.dtype == np.uint16  # Megatron's choice for a vocabulary this small
-
+    ends = np.flatnonzero(tokens == SYNTHETIC_EOT)
+    assert len(ds) == ends.size == 1000 and list(ds.document_indices) == list(range(1001))
+    assert all(ds[i][-1] == SYNTHETIC_EOT and (ds[i][:-1] != SYNTHETIC_EOT).all() for i in range(len(ds)))
+    assert np.array_equal(np.concatenate([ds[i] for i in range(len(ds))]), tokens)
+    assert ds.index.dtype == np.uint16 and tokens.max() < SYNTHETIC_VOCAB
     mtime = os.stat(prefix + ".bin").st_mtime_ns
-    assert write_indexed_dataset(corpus) == prefix and os.stat(prefix + ".bin").st_mtime_ns == mtime  # cached
-    assert megatron_data_args(corpus, prefix) == [
-        "--data-path",
-        prefix,
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "300",
-        "--null-tokenizer-eod-id",
-        "0",
-    ]
+    assert synthetic_data_args(tmp_path) == args and os.stat(prefix + ".bin").st_mtime_ns == mtime  # cached
+    assert args[2:] == ["--tokenizer-type", "NullTokenizer", "--vocab-size", "2048", "--null-tokenizer-eod-id", "0"]
     assert not list(tmp_path.glob("*.tmp*"))
 
 

@@ -8,10 +8,9 @@ import os
 
 import pytest
 
+from megatron_gift.testing.indexed_data import synthetic_data_args
 from megatron_gift.testing.launch import run_launcher
 from megatron_gift.testing.sync_probe import ENV
-from megatron_gift_tools.bench.corpus import build_token_corpus
-from megatron_gift_tools.bench.indexed_data import megatron_data_args
 from tests.launches import FLAGS
 
 ITERS, INTERVAL = 8, 4  # refresh and telemetry interval
@@ -83,7 +82,7 @@ def test_launcher_iterations_make_only_their_stated_host_syncs(tmp_path, monkeyp
     may also build layouts' plans on their first use (host tensors made before the probe started,
     read once; the refresh installs GIFT's transforms at the second)."""
     monkeypatch.setenv(ENV, str(tmp_path / "probe"))
-    data = megatron_data_args(build_token_corpus(vocab_size=2048))
+    data = synthetic_data_args(tmp_path / "data")
     flags = _flags(**{"--train-iters": ITERS, "--log-interval": INTERVAL})
     run_launcher(
         2,
