@@ -1,8 +1,9 @@
 """Two-sided whitening in the reduction (``comm/output_side.py``, ``numerics/two_sided.py``'s row-block
 maps): ``Σ_i T_out⁻ᵀ dec(q(T_outᵀ G_i T_in)) T_in⁻¹`` on gloo ranks, flat and two-level, reduce-scatter
 and all-reduce, against a hand reference built from dense FP64 ``T`` matrices and tests/reference.py's
-FP8 round trips; the row-block maps against the dense FP64 ``TwoSidedWhitening``; error feedback; the
-launches and host synchronisations of a steady step."""
+FP8 round trips; the row-block maps against the dense FP64 ``TwoSidedWhitening``; error feedback. The
+launches and host synchronisations of a steady step (under the tools' launch meter) are
+tests/tools/test_output_side_launches.py's."""
 
 import itertools
 
@@ -350,56 +351,6 @@ def test_two_sided_with_kernels(monkeypatch):
             assert torch.equal(a[~mask], b[~mask]), (rank, path)
             diff = ((a[mask].float() - b[mask].float()).norm() / a[mask].float().norm()).item()
             assert diff < 2**-4, (rank, path, diff)
-
-
-# -- a steady step: no host synchronisation, launches independent of the sizes ---------------------
-@pytest.mark.parametrize("path", ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-ar"])
-def test_steady_step_never_synchronises_the_host(path):
-    """A steady two-sided reduction (rank 0 of a simulated group of 4, real CPU tensors, the PyTorch
-    path) dispatches none of the ops that would stop the host on a GPU (``SyncSanitizer``). Bug
-    caught: a ``.item()``/``.tolist()`` or a data-dependent shape in the output side's maps."""
-    from megatron_gift.testing.dispatch import SyncSanitizer
-    from megatron_gift.testing.simulate import recorded_collectives
-    from megatron_gift_tools.bench import launches
-
-    case = launches.Case(path, "gift+out", 4 * launches.COLS * 8 + 96, 4, "pytorch", device="cpu")
-    with recorded_collectives() as calls:
-        reduce_now(case.reduction(), "cpu")  # first: the layout's plans are built
-        with SyncSanitizer() as sync:
-            reduce_now(case.reduction(), "cpu")
-    assert not sync.events, sync.counts()
-    assert ("all_reduce" in [c[0] for c in calls]) == path.endswith("-rs")
-
-
-@pytest.mark.parametrize("path", ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-ar"])
-def test_launches_per_stage_do_not_grow(path):
-    """On the fused path (kernels stubbed on meta tensors, ``bench launches``' ``gift+out`` bucket:
-    four two-sided parameters) every stage issues the same launches at 1M and 10M elements and at 8
-    and 64 ranks (up to 2: the segment parts a shard holds move with the sizes), the output side adds
-    at most 4 launches per segment to the send and a few to the last inner stage, and its own stage
-    is one fused launch per segment at most (``kernels.output_inverse``: its head piece, whole rows
-    and tail piece together). A loop over rows, chunks or peers in the output side fails, and so does
-    an output stage that leaves the fused path or splits a segment's pieces into launches."""
-    from megatron_gift_tools.bench import launches
-
-    def counts(bucket, n, dp):
-        stages, _ = launches.counted(launches.Case(path, bucket, n, dp, "fused"))
-        return {s.name: s.gpu_launches for s in stages}
-
-    cases = [(n, dp) for n in (1 << 20, 10 << 20) for dp in (8, 64)]
-    two_sided = {c: counts("gift+out", *c) for c in cases}
-    for stage in two_sided[cases[0]]:
-        per_case = [two_sided[c][stage] for c in cases]
-        assert max(per_case) - min(per_case) <= 2, (stage, two_sided)
-    segments = len(launches.BUCKETS["gift+out"])
-    for c in cases:
-        base = counts("gift", *c)
-        got = two_sided[c]
-        first, *middle, last = list(base)
-        assert got[first] - base[first] <= 4 * segments, (c, got, base)
-        assert all(got[s] == base[s] for s in middle), (c, got, base)
-        assert got[last] - base[last] <= 4 + 3 * segments, (c, got, base)
-        assert got["output"] <= segments, (c, got)
 
 
 def test_output_side_refuses_what_it_cannot_whiten():

@@ -1,7 +1,7 @@
 """The wire-format table (``numerics.wire``): a format defined here, 16 bits per element, needs only its
 entry; the codec, the bucket layouts, message packing, the ledger, the telemetry's and the planner's byte
-counts follow it, the kernel gate refuses it, and a 2-rank gloo ``QuantizedReduce`` with it lands within
-its error bound of an FP32 reduction computed by hand.
+counts (tests/tools/test_wire_format_planner.py) follow it, the kernel gate refuses it, and a 2-rank gloo
+``QuantizedReduce`` with it lands within its error bound of an FP32 reduction computed by hand.
 
 The toy is IEEE half precision (E5M10) as a wire format: its codes are torch's float16 bits, so its codec
 is the table's cast codec. 16 bits rather than 4 packed two per byte: messages address coded values element
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gift import kernels
-from megatron_gift.comm.layout import BucketLayout, Segment, wire_bytes
+from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.packing import packing
 from megatron_gift.comm.quantized import QuantizedReduce, use_kernels
@@ -23,10 +23,6 @@ from megatron_gift.numerics import fp8
 from megatron_gift.numerics.fp8 import CodecConfig, Scaling
 from megatron_gift.numerics.wire import WireFormat
 from megatron_gift.testing import run_on_ranks
-from megatron_gift_tools.planner.buckets import buckets, param_bytes
-from megatron_gift_tools.planner.choices import FP8Params
-from megatron_gift_tools.planner.schemes import Scheme
-from megatron_gift_tools.planner.workloads import workload
 from tests.reference import fp8_roundtrip
 
 TOY = WireFormat(
@@ -93,20 +89,6 @@ def test_layout_and_packing_bytes():
     pk = packing(layout, [0, 1], [[1], [0]], None, "cpu")
     assert (pk.starts, pk.nbytes, pk.sent_bytes) == ((0, 620), 1232, 620)
     assert pk.place["coded"].index(259, 261).tolist() == [356 + 259, 14]
-
-
-def test_telemetry_and_planner_bytes():
-    """The one per-mode count (``comm.layout.wire_bytes``) and the planner's follow the format: a
-    [3, 300] gradient is 1800 code bytes + 9 FP32 block scales; a workload's buckets cost one byte more
-    per element than with E4M3 (catches a planner that keeps one byte per element)."""
-    assert wire_bytes(Mode.EUCLIDEAN, 3, 300, CODEC, 4) == 1800 + 36
-    assert wire_bytes(Mode.GIFT, 3, 300, CodecConfig("e4m3"), 4) == 900 + 36
-    assert (wire_bytes(Mode.BF16, 3, 300, CODEC, 4), wire_bytes(Mode.OFF, 3, 300, CODEC, 4)) == (1800, 3600)
-    assert param_bytes(Scheme.EUCLIDEAN, "layers.0.fc2", (3, 300), FP8Params.ALL, CODEC) == 1836
-    w = workload("600m")
-    toy, e4m3 = buckets(w, Scheme.EUCLIDEAN, 64, codec=CODEC), buckets(w, Scheme.EUCLIDEAN, 64)
-    assert sum(b.wire_bytes for b in toy) - sum(b.wire_bytes for b in e4m3) == sum(b.elements for b in e4m3)
-    assert sum(b.intra_bytes["fp8"] for b in toy) == sum(b.wire_bytes for b in toy)
 
 
 def test_kernel_gate_refuses_the_format(monkeypatch):

@@ -1,4 +1,5 @@
-"""Gradient profiles (additive over ranks), the per-layer policy, telemetry lines and the report."""
+"""Gradient profiles (additive over ranks), the per-layer policy and telemetry lines (the report on them:
+tests/tools/test_report.py)."""
 
 import dataclasses
 import json
@@ -24,8 +25,6 @@ from megatron_gift.numerics.profile import choose_damping
 from megatron_gift.policy import Decision, LayerPolicy, PolicyConfig
 from megatron_gift.telemetry import TelemetryWriter
 from megatron_gift.testing import run_on_ranks
-from megatron_gift_tools.cli import main as cli_main
-from megatron_gift_tools.report import read_telemetry, render
 from tests.reference import fp8_roundtrip
 from tests.unit.test_whitening import fp32_bound, sample_rows, spectrum_factor
 
@@ -427,25 +426,6 @@ def test_telemetry_lines_and_scalars(tmp_path, setup):
     assert "gift/norm/rel_l2" not in tags and ("gift/fc2/rel_l2", 0.02, 2) in tb.calls
     assert [s for _, s in wb.calls] == list(range(6)) and wb.calls[0][0]["gift/fc2/mode"] == 2.0
     assert "gift/loss" not in wb.calls[3][0]
-
-
-def test_report_renders_plots_and_decisions(tmp_path):
-    run = tmp_path / "run"
-    _synthetic_run(run / "gift_telemetry.jsonl")
-    with (run / "gift_telemetry.jsonl").open("a") as f:
-        f.write('{"step": 99, "layers": {"fc')  # a run killed mid-line
-    assert len(read_telemetry(run / "gift_telemetry.jsonl")) == 24
-    written = render(run, out=tmp_path / "report")
-    assert set(written) == {"report", "rel_l2_heatmap", "mode_timeline", "loss"}
-    for key in ("rel_l2_heatmap", "mode_timeline", "loss"):
-        data = written[key].read_bytes()
-        assert data.startswith(b"\x89PNG") and len(data) > 10_000, key
-    md = written["report"].read_text()
-    assert "gift 0.012 < euclidean 0.019 × 0.95 for 2 profiles" in md and "step 16: `proj` euclidean → bf16" in md
-    assert "| `fc2` | gift | 0.012 |" in md and "![mode per layer and step](mode_timeline.png)" in md
-    assert "| all_to_all/fp8+scales | 1,012 |" in md
-    assert cli_main(["report", str(run / "gift_telemetry.jsonl")]) == 0
-    assert (run / "mode_timeline.png").exists() and (run / "report.md").exists()
 
 
 # -- damping chosen per layer ---------------------------------------------------------------------
