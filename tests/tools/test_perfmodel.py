@@ -17,7 +17,7 @@ import pytest
 from megatron_gift.config import Mode, ParamGather, Schedule
 from megatron_gift.testing.spawn import wall_limit
 from megatron_gift_tools.cli import main
-from megatron_gift_tools.planner import checks, model, nccl, output, plan, stages, validation
+from megatron_gift_tools.planner import checks, model, nccl, output, plan, refresh, validation
 from megatron_gift_tools.planner.buckets import Bucket, buckets
 from megatron_gift_tools.planner.choices import FP8Params, MegatronSchedule
 from megatron_gift_tools.planner.cluster import CLUSTERS, GH200, Cluster, sources
@@ -417,8 +417,8 @@ def test_refresh_owners_balance_record_bytes():
     """As the refresh assigns them: largest record first to the rank owning the fewest bytes, lowest rank on
     ties (by hand: 5 -> rank 0, 3 -> rank 1, 3 -> rank 1 (3 < 5), 2 -> rank 0 (5 < 6)); the all-gather's slot
     is the busiest rank's bytes."""
-    assert stages.owners([5, 3, 3, 2], 2) == [[0, 3], [1, 2]]
-    assert stages.owners([4, 4], 4) == [[0], [1], [], []]
+    assert refresh.owners([5, 3, 3, 2], 2) == [[0, 3], [1, 2]]
+    assert refresh.owners([4, 4], 4) == [[0], [1], [], []]
 
 
 def test_break_even_is_where_the_scheme_meets_bf16():
