@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 from megatron_gift.config import Mode, ParamGather, Schedule
+from megatron_gift_tools.planner import memory
 from megatron_gift_tools.planner.cluster import Cluster
 from megatron_gift_tools.planner.costs import KernelCosts
 from megatron_gift_tools.planner.metered import Meter
@@ -138,6 +139,7 @@ def plan(
         other_schedule=other.value,
         rows=rows,
         **_recommend(rows, base),
+        memory=memory.fit(w.numel(), rows[0]["dp"], c.gpu_memory),
     )
 
 
