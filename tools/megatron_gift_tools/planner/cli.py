@@ -13,6 +13,7 @@ from megatron_gift_tools.planner import handler
 from megatron_gift_tools.planner.choices import FP8Params, MegatronSchedule
 from megatron_gift_tools.planner.cluster import CLUSTERS
 from megatron_gift_tools.planner.delta import DecodeStream, DeltaKernels
+from megatron_gift_tools.planner.fp4 import FORMATS as FP4_FORMATS
 from megatron_gift_tools.planner.workloads import DIMS, PRESETS
 
 DIM_HELP = {"kv_heads": "key-value heads (grouped-query attention; default: the preset's, else --heads)"}
@@ -184,6 +185,13 @@ def add_parser(subparsers) -> None:
         metavar="BYTES",
         help="HBM bytes per element of the delta decode, before the meter's moved/essential ratio "
         "(default: %(default)s, the fused kernel's essential bytes; the unfused decode it replaced: 49.16)",
+    )
+    mod.add_argument(
+        "--inter-node-format",
+        default=None,
+        choices=list(FP4_FORMATS),
+        help="also price the two-level rows with this FP4 format on the inter-node stage (rows gift-2level-nvfp4 "
+        "...; not in the runtime yet: never recommended; GPU stages: the meter's FP8 ones at the FP4 bytes)",
     )
     mod.add_argument(
         "--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)"

@@ -114,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
         command=args.command_line,
         a2a_source=a2a,
         meter=meter,
+        inter_format=args.inter_node_format,
     )
     return 0
 
@@ -134,15 +135,17 @@ def run(
     command: str | None = None,
     a2a_source: str = "assumed",
     meter=None,
+    inter_format: str | None = None,
 ) -> dict:
     """The parameter count, per GPU count a table with verdicts, a summary row each (several counts), optionally
     the sensitivity at the largest count; the byte check against ``comm_json`` where it exists (printed with
-    ``show_checks``) and optionally the CPU validation. Prints, writes JSON, returns the document."""
-    from megatron_gift_tools.planner import checks, output, plan, validation
+    ``show_checks``) and optionally the CPU validation; ``inter_format``: also FP4 inter-node rows (``fp4``).
+    Prints, writes JSON, returns the document."""
+    from megatron_gift_tools.planner import checks, fp4, output, plan, validation
 
     costs = _costs(w, c, overhead_json, meter)
-    doc = _document(w, c, gpus, opts, costs, command, a2a_source)
-    head = output.format_model(w) + output.format_costs(costs, opts)
+    doc = _document(w, c, gpus, opts, costs, command, a2a_source, inter_format)
+    head = output.format_model(w) + output.format_costs(costs, opts) + (fp4.note(inter_format) if inter_format else "")
     out = [head, *(output.format_plan(p, w, a2a_source) for p in doc["plans"])]
     if len(gpus) > 1:
         out.append(output.format_summary(doc["plans"]))
@@ -178,10 +181,11 @@ def _costs(w, c: Cluster, overhead_json: str | None, meter):
     )
 
 
-def _document(w, c: Cluster, gpus: tuple[int, ...], opts, costs, command: str | None, a2a_source: str) -> dict:
-    """The JSON document's inputs and plans (the run adds its checks)."""
+def _document(w, c: Cluster, gpus: tuple[int, ...], opts, costs, command, a2a_source: str, inter_format) -> dict:
+    """The JSON document's inputs and plans (the run adds its checks); ``inter_node_format`` only where given."""
     from megatron_gift_tools.planner import nccl, plan
 
+    fmt = {} if inter_format is None else dict(inter_node_format=inter_format)
     return dict(
         model="planner",
         command=command or "megatron-gift model",
@@ -195,5 +199,6 @@ def _document(w, c: Cluster, gpus: tuple[int, ...], opts, costs, command: str | 
         costs=costs.summary(),
         nccl=nccl.SOURCE,
         min_gain_pct=plan.MIN_GAIN_PCT,
-        plans=[plan.plan(w, c, n, costs, opts) for n in gpus],
+        **fmt,
+        plans=[plan.plan(w, c, n, costs, opts, inter_format=inter_format) for n in gpus],
     )

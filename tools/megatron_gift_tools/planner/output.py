@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_gift_tools.planner import memory
 from megatron_gift_tools.planner.plan import BREAK_EVEN_RANGE, MIN_GAIN_PCT
-from megatron_gift_tools.planner.schemes import Scheme
+from megatron_gift_tools.planner.schemes import BASE, Scheme
 from megatron_gift_tools.planner.workloads import Workload
 
 
@@ -50,7 +50,8 @@ def verdict(r: dict, p: dict | None = None, source: str = "assumed") -> str:
     line = f"{label(r)}: {pct:+.1f}% step time vs BF16"
     if gain != pct:
         line += f" ({gain:+.1f}% vs BF16 ring + delta gather)"
-    line += f": {advice(pct, gain)}"
+    fp4 = Scheme(r["mode"]).inter_format and gain <= -MIN_GAIN_PCT
+    line += ": a gain once the runtime sends FP4 (not yet)" if fp4 else f": {advice(pct, gain)}"
     if p is not None and "other_schedule_vs_bf16_pct" in r:
         line += f" ({p['other_schedule']}: {r['other_schedule_vs_bf16_pct']:+.1f}%"
         line += break_even_text(r, p["a2a_nic_ratio"], source) + ")"
@@ -194,7 +195,7 @@ def recommended_line(p: dict) -> str:
 def format_summary(plans: list[dict]) -> str:
     """One row per configuration: each scheme against stock BF16 and the recommendation (never slower)."""
     delta = any(r["param_gather"] == "delta" for r in plans[0]["rows"])
-    names = [s for s in Scheme if s is not Scheme.BF16 or delta]  # BF16 with the delta gather is a row of its own
+    names = [Scheme(r["mode"]) for r in plans[0]["rows"] if r["mode"] != "bf16" or delta]  # BF16 + delta: a row
     lines = [
         "| model | GPUs | TP | DP per node x nodes | BF16 ms (default bucket) | BF16 ms (best bucket) | "
         + " | ".join(s.label + (" + delta" if delta else "") for s in names)
@@ -216,7 +217,7 @@ def format_summary(plans: list[dict]) -> str:
 
 def format_sensitivity(rows: list[dict], gpus: int) -> str:
     delta = any(r["bf16_vs_bf16_pct"] for r in rows)  # BF16 with the delta gather is a row of its own
-    names = [s for s in Scheme if s is not Scheme.BF16 or delta]
+    names = [s for s in BASE if s is not Scheme.BF16 or delta]
     lines = [
         f"Sensitivity at {gpus} GPUs (change vs the BF16 baseline; one parameter moved from the defaults)\n",
         "| parameter | BF16 step ms | " + " | ".join(s.label for s in names) + " | recommended |",

@@ -115,8 +115,10 @@ def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
 
 def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """Intra-node all-to-all in the intra dtype, node sums and encode of the 1/g slice, FP8 all-to-all among
-    the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``)."""
-    p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``). An FP4 scheme's inter-node
+    messages are ``b.inter_bytes`` (``fp4``), its stages the meter's FP8 ones at those bytes."""
+    F = b.wire_bytes if b.inter_bytes is None else b.inter_bytes  # the inter-node messages' bytes
+    p, g, n, N, Ng = x.p, x.g, x.n, b.elements, b.gift_elements
     path = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}"
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
@@ -154,6 +156,9 @@ def _two_level_all_gather(b: Bucket, x: Context, path: str) -> list[Task]:
     """The two-level all-reduce's second half (no distributed optimizer): each shard's decode-sum and re-encode, its
     FP8 all-gather among the nodes then within the node, and the decode of the whole bucket."""
     p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    Fi = (
+        F if b.inter_bytes is None else b.inter_bytes
+    )  # the inter-node all-to-all's messages (FP4 rows: smaller than F; the gathers stay FP8)
     gather = [
         Task(
             "FP8 all-gather (inter)",
@@ -176,7 +181,7 @@ def _two_level_all_gather(b: Bucket, x: Context, path: str) -> list[Task]:
         ),
     ]
     return [
-        x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p),
+        x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, Fi / g + F / p),
         *gather,
         x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng),
         *_output_side(b, x, path, 5, False),
