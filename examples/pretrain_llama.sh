@@ -30,6 +30,7 @@
 #
 # Environment (defaults in brackets):
 #   NNODES [1]  GPUS_PER_NODE [8]  NODE_RANK [0]  MASTER_ADDR [localhost]  MASTER_PORT [6000]
+#   CLUSTER [gh200 with 4 GPUs per node, else h100]  the planner's machine preset (megatron-gift model --cluster)
 #   TP [1]  PP [1]              tensor / pipeline parallel sizes (DP = NNODES*GPUS_PER_NODE/(TP*PP))
 #   GLOBAL_BATCH [512]  MICRO_BATCH [4, or the largest of 2, 1 with GLOBAL_BATCH a multiple of it x DP]
 #   TRANSFORMER_IMPL [local]    --transformer-impl: local (Megatron's own layers, what the plugin is
@@ -137,8 +138,10 @@ cmd=(
 )
 
 case $VARIANT in euclidean) plan=euclidean-2level ;; gift | auto) plan=gift-2level ;; *) plan=$VARIANT ;; esac
+cluster=${CLUSTER:-$([[ $GPUS_PER_NODE == 4 ]] && echo gh200 || echo h100)}
 echo "pretrain_llama.sh: this run in the planner (row $plan): megatron-gift model --model $MODEL --gpus $world" \
-    "--gpus-per-node $GPUS_PER_NODE --tp $TP --pp $PP --micro-batch $MICRO_BATCH --global-batch $GLOBAL_BATCH" \
+    "--cluster $cluster --gpus-per-node $GPUS_PER_NODE --tp $TP --pp $PP --micro-batch $MICRO_BATCH" \
+    "--global-batch $GLOBAL_BATCH" \
     "--fp8-params linear --gift-schedule lagged" >&2
 if [[ $dry_run == 1 ]]; then
     printf '%q ' "${cmd[@]}"

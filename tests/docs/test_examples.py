@@ -168,6 +168,7 @@ def test_recipe_at_scale_and_its_planner_command():
     assert _value(cmd, "--micro-batch-size") == "2" and _value(cmd, "--nnodes") == "32"
     plan = res.stderr.split("megatron-gift model ", 1)[1].split()
     assert plan[plan.index("--micro-batch") + 1] == "2" and plan[plan.index("--gpus") + 1] == "256"
+    assert plan[plan.index("--cluster") + 1] == "h100"  # dropped, the planner priced 8-GPU nodes as gh200's
     from megatron_gift_tools.cli import main
 
     assert main(["model", *plan]) == 0
@@ -186,6 +187,8 @@ def test_recipe_at_scale_and_its_planner_command():
     # an appended --micro-batch-size wins over MICRO_BATCH=4, which alone would not fit DP 256
     res = _dry_run("pretrain_llama.sh", "--micro-batch-size", "1", NNODES="32", GPUS_PER_NODE="8", MICRO_BATCH="4")
     assert res.returncode == 0 and "--micro-batch 1" in res.stderr, res.stderr
+    res = _dry_run("pretrain_llama.sh", NNODES="2", GPUS_PER_NODE="4", MODEL="600m")
+    assert res.returncode == 0 and "--cluster gh200 --gpus-per-node 4" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize(

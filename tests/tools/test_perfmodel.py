@@ -17,7 +17,7 @@ import pytest
 from megatron_gift.config import Mode, ParamGather, Schedule
 from megatron_gift.testing.spawn import wall_limit
 from megatron_gift_tools.cli import main
-from megatron_gift_tools.planner import checks, model, nccl, output, plan, stages, validation
+from megatron_gift_tools.planner import checks, model, nccl, output, plan, refresh, validation
 from megatron_gift_tools.planner.buckets import Bucket, buckets
 from megatron_gift_tools.planner.choices import FP8Params, MegatronSchedule
 from megatron_gift_tools.planner.cluster import CLUSTERS, GH200, Cluster, sources
@@ -26,7 +26,7 @@ from megatron_gift_tools.planner.delta import DeltaCodec, DeltaKernels
 from megatron_gift_tools.planner.gather import gather_chain
 from megatron_gift_tools.planner.metered import LAUNCHES_JSON, Meter
 from megatron_gift_tools.planner.options import Options
-from megatron_gift_tools.planner.schemes import PLUGIN, Scheme
+from megatron_gift_tools.planner.schemes import BASE, PLUGIN, Scheme
 from megatron_gift_tools.planner.simulate import simulate, simulate_lagged
 from megatron_gift_tools.planner.stages import Context, Kind, Task, reduction_chain
 from megatron_gift_tools.planner.workloads import workload
@@ -83,7 +83,8 @@ def test_placement():
 
 def test_schemes_use_the_runtime_modes():
     """The planner's schemes are the runtime's ``Mode`` over an exchange (a second list of modes would drift)."""
-    assert [s.mode for s in Scheme] == [Mode.OFF, Mode.OFF, Mode.EUCLIDEAN, Mode.GIFT, Mode.EUCLIDEAN, Mode.GIFT]
+    assert [s.mode for s in BASE] == [Mode.OFF, Mode.OFF, Mode.EUCLIDEAN, Mode.GIFT, Mode.EUCLIDEAN, Mode.GIFT]
+    assert [(s.mode, s.two_level) for s in Scheme if s not in BASE] == [(Mode.EUCLIDEAN, True), (Mode.GIFT, True)] * 2
     assert [s.two_level for s in PLUGIN] == [True, True, False, False]
     assert Scheme.GIFT_2LEVEL.label == "GIFT FP8 two-level" and Scheme.BF16.label == "BF16 ring"
 
@@ -417,8 +418,8 @@ def test_refresh_owners_balance_record_bytes():
     """As the refresh assigns them: largest record first to the rank owning the fewest bytes, lowest rank on
     ties (by hand: 5 -> rank 0, 3 -> rank 1, 3 -> rank 1 (3 < 5), 2 -> rank 0 (5 < 6)); the all-gather's slot
     is the busiest rank's bytes."""
-    assert stages.owners([5, 3, 3, 2], 2) == [[0, 3], [1, 2]]
-    assert stages.owners([4, 4], 4) == [[0], [1], [], []]
+    assert refresh.owners([5, 3, 3, 2], 2) == [[0, 3], [1, 2]]
+    assert refresh.owners([4, 4], 4) == [[0], [1], [], []]
 
 
 def test_break_even_is_where_the_scheme_meets_bf16():
@@ -450,7 +451,10 @@ def test_verdicts_and_recommendation():
     )
     assert output.verdict(
         {"mode": "gift", "intra_dtype": None, "param_gather": "delta", "vs_bf16_pct": -9.5, "vs_best_bf16_pct": 0.4}
-    ).endswith("+ delta gather: -9.5% step time vs BF16 (+0.4% vs BF16 ring + delta gather): no gain here: keep BF16")
+    ).endswith(
+        "+ delta gather: -9.5% step time vs BF16 (+0.4% vs BF16 ring + delta gather): its gain is the delta gather's "
+        "alone: use BF16 ring + delta gather"
+    )
     meter = Meter.load()  # the stage counts the planner runs with
     for name, cluster in CLUSTERS.items():
         costs = KernelCosts.from_hbm(cluster, meter)
@@ -581,13 +585,13 @@ def test_cli_planner(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| Euclidean FP8 two-level (intra bf16) + delta gather |" in out and "recommended:" in out
-    assert out.count("step time vs BF16") == len(Scheme)  # a verdict per row (BF16 with the delta gather too)
+    assert out.count("step time vs BF16") == len(BASE)  # a verdict per row (BF16 with the delta gather too)
     assert out.count("(eager: ") == len(PLUGIN)  # the other schedule beside the plugin's rows
     doc = json.loads(path.read_text())
     assert doc["cluster"]["inter_bw"] == 25e9 and doc["cluster"]["mfu"] == 0.5 and doc["cluster"]["gpus_per_node"] == 4
     assert doc["options"]["param_gather"] == "delta" and doc["options"]["gift_schedule"] == "lagged"
     (p,) = doc["plans"]
-    assert p["gpus"] == 512 and [r["mode"] for r in p["rows"]] == [s.value for s in Scheme]
+    assert p["gpus"] == 512 and [r["mode"] for r in p["rows"]] == [s.value for s in BASE]  # FP4 rows only on request
     assert all(math.isfinite(r["step_s"]) and r["step_s"] > 0 for r in p["rows"])
     assert all(doc["cluster_sources"][k] for k in ("inter_bw", "intra_bw", "a2a_nic_ratio", "efficiency", "mfu"))
     assert len(doc["bytes_check"]["rows"]) == 16
@@ -696,7 +700,7 @@ p = plan.plan(workloads.workload("600m"), GH200, 64, KernelCosts.from_hbm(GH200)
 print(json.dumps(dict(torch_after_cli=torch_after_cli, rows=len(p["rows"]))))
 """)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == dict(torch_after_cli=False, rows=len(Scheme))
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == dict(torch_after_cli=False, rows=len(BASE))
 
 
 def test_the_planner_stays_a_package_of_small_files():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from megatron_gift.comm.layout import wire_bytes
 from megatron_gift.config import INTRA_NODE_DTYPES, Mode
 from megatron_gift.numerics.fp8 import CodecConfig
+from megatron_gift_tools.planner import fp4
 from megatron_gift_tools.planner.choices import FP8Params
 from megatron_gift_tools.planner.schemes import Scheme
 from megatron_gift_tools.planner.workloads import LINEAR_KINDS, Workload, is_kind
@@ -28,6 +29,7 @@ class Bucket:
     parameters: int = 0
     gift_parameters: int = 0
     gift_shapes: list = field(default_factory=list)
+    inter_bytes: float | None = None  # the two-level exchange's inter-node messages (None: wire_bytes; FP4: ``fp4``)
 
 
 def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: FP8Params, codec: CodecConfig) -> float:
@@ -44,6 +46,15 @@ def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: 
     if dtype == "fp8":
         return param_bytes(scheme, name, shape, fp8_params, codec)
     return param_bytes(Scheme(dtype), name, shape, fp8_params, codec)
+
+
+def inter_param_bytes(scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig) -> float:
+    """Bytes of one parameter in the two-level exchange's inter-node stage: ``scheme``'s FP4 format for the
+    parameters it sends as FP8 elsewhere, else ``param_bytes``."""
+    fp8 = fp8_params is FP8Params.ALL or is_kind(name, LINEAR_KINDS)
+    if scheme.inter_format and fp8:
+        return fp4.FORMATS[scheme.inter_format].param_bytes(*shape)
+    return param_bytes(scheme, name, shape, fp8_params, codec)
 
 
 @functools.lru_cache(maxsize=256)
@@ -67,6 +78,7 @@ def buckets(
         b.parameters += 1
         b.flops_per_token += flops
         b.wire_bytes += param_bytes(scheme, name, shape, fp8_params, codec)
+        b.inter_bytes = (b.inter_bytes or 0.0) + inter_param_bytes(scheme, name, shape, fp8_params, codec)
         for dtype in INTRA_NODE_DTYPES:
             b.intra_bytes[dtype] += intra_param_bytes(dtype, scheme, name, shape, fp8_params, codec)
         if scheme.mode is Mode.GIFT and is_kind(name, gift_layers):

@@ -1,4 +1,4 @@
-"""``megatron-gift model``: the argument table, the handler and the run (tables, checks, JSON).
+"""``megatron-gift model``: the argument table (the handler and the run: ``handler``).
 
 Module level imports only torch-free modules, so that building the command line stays fast; the
 model itself (torch: the wire format) is imported by the handler. ``megatron_gift_tools.cli`` imports this
@@ -7,27 +7,16 @@ module when it builds its parser."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-from pathlib import Path
 
-from megatron_gift_tools.commands import CORPUS, positive_int, require_bench_extra
+from megatron_gift_tools.commands import positive_int
+from megatron_gift_tools.planner import handler
 from megatron_gift_tools.planner.choices import FP8Params, MegatronSchedule
-from megatron_gift_tools.planner.cluster import CLUSTERS, PRESET_SOURCES, Cluster, sources
+from megatron_gift_tools.planner.cluster import CLUSTERS
 from megatron_gift_tools.planner.delta import DecodeStream, DeltaKernels
-from megatron_gift_tools.planner.metered import Meter
+from megatron_gift_tools.planner.fp4 import FORMATS as FP4_FORMATS
 from megatron_gift_tools.planner.workloads import DIMS, PRESETS
 
 DIM_HELP = {"kv_heads": "key-value heads (grouped-query attention; default: the preset's, else --heads)"}
-
-
-def _shown(path) -> str:
-    """``path`` as the JSON records it: relative to the checkout where it lies inside it."""
-    from megatron_gift_tools.planner.checks import COMM_JSON
-
-    root = COMM_JSON.parents[2]
-    path = Path(path).resolve()
-    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def positive_float(text: str) -> float:
@@ -198,6 +187,13 @@ def add_parser(subparsers) -> None:
         "(default: %(default)s, the fused kernel's essential bytes; the unfused decode it replaced: 49.16)",
     )
     mod.add_argument(
+        "--inter-node-format",
+        default=None,
+        choices=list(FP4_FORMATS),
+        help="also price the two-level rows with this FP4 format on the inter-node stage (rows gift-2level-nvfp4 "
+        "...; not in the runtime yet: never recommended; GPU stages: the meter's FP8 ones at the FP4 bytes)",
+    )
+    mod.add_argument(
         "--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)"
     )
     mod.add_argument(
@@ -247,159 +243,4 @@ def add_parser(subparsers) -> None:
         help="override a machine parameter, e.g. --set a2a_nic_ratio=0.5 --set mfu=0.5",
     )
     mod.add_argument("--json", metavar="PATH", help="write the plans and checks as JSON")
-    mod.set_defaults(func=main)
-
-
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """The preset with the command line's overrides (ValueError on a bad one)."""
-    c = CLUSTERS[args.cluster]
-    for name, value in (
-        ("gpus_per_node", args.gpus_per_node),
-        ("inter_bw", args.nic_gbps and args.nic_gbps * 1e9 / 8),
-        ("intra_bw", args.nvlink_gbps and args.nvlink_gbps * 1e9 / 8),
-        ("a2a_nic_ratio", args.a2a_efficiency),
-    ):
-        if value is not None:
-            c = dataclasses.replace(c, **{name: value})
-    fields = {f.name: f for f in dataclasses.fields(Cluster)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields or key == "name" or not value:
-            raise ValueError(f"--set wants FIELD=VALUE, FIELD one of {', '.join(list(fields)[1:])}; got {item!r}")
-        kind = float if key == "latency_s" else type(getattr(c, key))
-        try:
-            c = dataclasses.replace(c, **{key: kind(value)})
-        except ValueError as e:
-            raise ValueError(f"--set {item}: {e}") from None
-    return c
-
-
-def main(args: argparse.Namespace) -> int:
-    """The handler: everything is checked before anything is printed."""
-    from megatron_gift_tools.planner import model
-    from megatron_gift_tools.planner.checks import COMM_JSON
-    from megatron_gift_tools.planner.options import Options
-    from megatron_gift_tools.planner.workloads import workload
-
-    if args.validate_cpu:  # trains on the text corpus
-        require_bench_extra(args.command_line, CORPUS)
-    if args.measured and not args.validate_cpu:
-        raise SystemExit("megatron-gift model: --measured needs --validate-cpu OVERHEAD_JSON")
-    try:
-        c = cluster_from_args(args)
-        w = workload(
-            args.model,
-            micro_batch=args.micro_batch,
-            global_batch=args.global_batch,
-            tp=args.tp,
-            pp=args.pp,
-            **{k: getattr(args, k) for k in DIMS},
-        )
-        kernels = DeltaKernels(stream=args.delta_decode_stream, decode_bytes=args.delta_decode_bytes)
-        opts = Options(
-            schedule=args.schedule,
-            gift_schedule=args.gift_schedule,
-            param_gather=args.param_gather,
-            fp8_params=args.fp8_params,
-            bucket_size=args.bucket_size,
-            intra_dtype=args.intra_node,
-            delta_kernels=kernels,
-            side=args.gift_side.value,
-        )
-        for gpus in args.gpus:
-            model.placement(model.data_parallel(w, gpus)[0], w.tp, c)
-        meter = Meter.load(args.launches_json)
-    except ValueError as e:
-        raise SystemExit(f"megatron-gift model: {e}") from None
-    comm_json = args.comm_json or str(COMM_JSON)
-    if args.checks and not Path(comm_json).exists():
-        raise SystemExit(
-            f"megatron-gift model: --checks needs a bench comm JSON; {comm_json} does not exist (--comm-json)"
-        )
-    a2a = "yours, --a2a-efficiency" if args.a2a_efficiency else "assumed from published measurements"
-    run(
-        w,
-        c,
-        tuple(args.gpus),
-        opts,
-        overhead_json=args.overhead_json,
-        json_path=args.json,
-        comm_json=comm_json,
-        show_checks=args.checks,
-        validate_overhead_json=args.validate_cpu,
-        validate_iters=args.iters,
-        measured_json=args.measured,
-        show_sensitivity=args.sensitivity,
-        command=args.command_line,
-        a2a_source=a2a,
-        meter=meter,
-    )
-    return 0
-
-
-def run(
-    w,
-    c: Cluster,
-    gpus: tuple[int, ...],
-    opts,
-    overhead_json: str | None = None,
-    json_path: str | None = None,
-    comm_json: str | None = None,
-    show_checks: bool = False,
-    validate_overhead_json: str | None = None,
-    validate_iters: int = 30,
-    measured_json: str | None = None,
-    show_sensitivity: bool = False,
-    command: str | None = None,
-    a2a_source: str = "assumed",
-    meter=None,
-) -> dict:
-    """The parameter count, per GPU count a table with verdicts, a summary row each (several counts), optionally
-    the sensitivity at the largest count; the byte check against ``comm_json`` where it exists (printed with
-    ``show_checks``) and optionally the CPU validation. Prints, writes JSON, returns the document."""
-    from megatron_gift_tools.planner import checks, nccl, output, plan, validation
-    from megatron_gift_tools.planner.costs import KernelCosts
-
-    costs = (
-        KernelCosts.from_json(overhead_json, c, f"llama-{w.name}", meter)
-        if overhead_json
-        else KernelCosts.from_hbm(c, meter)
-    )
-    doc = dict(
-        model="planner",
-        command=command or "megatron-gift model",
-        workload=dataclasses.asdict(w),
-        parameters=w.total_parameters(),
-        options=dataclasses.asdict(opts),
-        cluster=dataclasses.asdict(c),
-        cluster_sources=sources(),
-        preset_source=PRESET_SOURCES.get(c.name, "custom"),
-        a2a_source=a2a_source,
-        costs=costs.summary(),
-        nccl=nccl.SOURCE,
-        min_gain_pct=plan.MIN_GAIN_PCT,
-        plans=[plan.plan(w, c, n, costs, opts) for n in gpus],
-    )
-    head = output.format_model(w) + output.format_costs(costs, opts)
-    out = [head, *(output.format_plan(p, w, a2a_source) for p in doc["plans"])]
-    if len(gpus) > 1:
-        out.append(output.format_summary(doc["plans"]))
-    if show_sensitivity:
-        doc["sensitivity"] = plan.sensitivity(w, c, max(gpus), costs if overhead_json else None, opts, meter)
-        out.append(output.format_sensitivity(doc["sensitivity"], max(gpus)))
-    if comm_json and Path(comm_json).exists():
-        doc["bytes_check"] = dict(
-            source=_shown(comm_json), rows=checks.comm_bytes_check(comm_json), links=checks.comm_links_check(comm_json)
-        )
-        if show_checks:
-            out.append(output.format_bytes_check(doc["bytes_check"]["rows"], doc["bytes_check"]["links"]))
-    if validate_overhead_json:
-        doc["cpu_validation"] = validation.validate_cpu(
-            validate_overhead_json, iters=validate_iters, measured_json=measured_json
-        )
-        out.append(output.format_validation(doc["cpu_validation"]))
-    print("\n".join(out), end="")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=1, default=lambda o: o.value)  # enums
-    return doc
+    mod.set_defaults(func=handler.main)

@@ -72,6 +72,7 @@ class Cluster:
     peak_flops: float = sourced(989e12, "dense BF16 tensor-core peak of the H100/GH200 GPU (NVIDIA datasheet).")
     mfu: float = sourced(0.4, "model-FLOP utilization: assumed, typical of Megatron on H100 for ~1B-parameter models.")
     hbm_bw: float = sourced(4.0e12, "HBM3 bandwidth of the 96 GB GH200 (NVIDIA datasheet).")
+    gpu_memory: float = sourced(96e9, "HBM3 of the GH200 on Alps and JUPITER: 96 GB (NVIDIA datasheet).")
     codec_hbm_efficiency: float = sourced(
         0.6,
         """fraction of ``hbm_bw`` the plugin's memory-bound kernels (cast,
@@ -113,6 +114,7 @@ class Cluster:
             "peak_flops",
             "mfu",
             "hbm_bw",
+            "gpu_memory",
             "codec_hbm_efficiency",
         )
         for name in positive:
@@ -134,13 +136,13 @@ def sources() -> dict[str, str]:
 GH200 = Cluster()
 CLUSTERS = {
     "gh200": GH200,
-    "h100": replace(GH200, name="h100", gpus_per_node=8, inter_bw=50e9, hbm_bw=3.35e12),
-    "h100-100g": replace(GH200, name="h100-100g", gpus_per_node=8, inter_bw=12.5e9, hbm_bw=3.35e12),
+    "h100": replace(GH200, name="h100", gpus_per_node=8, inter_bw=50e9, hbm_bw=3.35e12, gpu_memory=80e9),
+    "h100-100g": replace(GH200, name="h100-100g", gpus_per_node=8, inter_bw=12.5e9, hbm_bw=3.35e12, gpu_memory=80e9),
 }
 PRESET_SOURCES = {
     "gh200": "the Cluster defaults (field sources)",
     "h100": "DGX H100 / HGX H100 8-GPU (NVIDIA DGX H100 datasheet): NVSwitch, 450 GB/s NVLink per GPU and direction, "
-    "8 ConnectX-7 400 Gb/s NICs (50 GB/s per GPU), H100 SXM 3.35 TB/s HBM3; the rest as gh200",
+    "8 ConnectX-7 400 Gb/s NICs (50 GB/s per GPU), H100 SXM 3.35 TB/s HBM3, 80 GB; the rest as gh200",
     "h100-100g": "8 H100 SXM per node with one 100 Gb/s NIC per GPU (12.5 GB/s, e.g. HDR100/100GbE rails): a "
     "hypothetical slower fabric, the rest as h100",
 }

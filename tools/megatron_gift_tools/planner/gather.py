@@ -16,7 +16,7 @@ from megatron_gift.config import ParamGather
 from megatron_gift_tools.planner.delta import DecodeStream
 from megatron_gift_tools.planner.metered import ONE_PASS
 from megatron_gift_tools.planner.simulate import simulate
-from megatron_gift_tools.planner.stages import Context, Task
+from megatron_gift_tools.planner.tasks import Context, Task
 
 COMPUTE = "compute"
 """the stream name of work that runs on the compute stream, in program order with the forward."""

@@ -18,9 +18,11 @@ from megatron_gift_tools.planner.cluster import Cluster
 from megatron_gift_tools.planner.costs import KernelCosts
 from megatron_gift_tools.planner.gather import forward_phase, gather_chain
 from megatron_gift_tools.planner.options import Options
+from megatron_gift_tools.planner.refresh import refresh_chain, statistics_sides
 from megatron_gift_tools.planner.schemes import Scheme
 from megatron_gift_tools.planner.simulate import simulate, simulate_lagged
-from megatron_gift_tools.planner.stages import Context, Kind, Task, reduction_chain, refresh_chain, statistics_sides
+from megatron_gift_tools.planner.stages import reduction_chain
+from megatron_gift_tools.planner.tasks import Context, Kind, Task
 from megatron_gift_tools.planner.workloads import Workload, is_kind
 
 
@@ -83,19 +85,12 @@ def step_time(
     chains = [reduction_chain(b, scheme, x) for b in bks]
     overlap = opts.schedule is MegatronSchedule.OVERLAP
     gathers = [gather_chain(b.elements, x) for b in reversed(bks)] if overlap else []
-    shapes = [s for name, s, _ in w.parameters() if is_kind(name, opts.gift_layers)] if scheme.mode is Mode.GIFT else []
-    refresh = refresh_chain(shapes, x)
     gather_exposed = forward_phase(fwd[::-1], gathers, [], c.codec_compute_overlap)
-    per_refresh = (
-        forward_phase(fwd[::-1], gathers, refresh, c.codec_compute_overlap) - gather_exposed if refresh else 0.0
-    )
-    sides = [d for s in shapes for d in statistics_sides(s, opts)]
-    stats = sum(4.0 * tokens * d * min(opts.sketch, d) for d in sides) * micro * per_flop if dp > 1 else 0.0
+    refresh, refresh_s = _refresh(w, scheme, x, fwd, gathers, gather_exposed, (tokens, micro, per_flop))
     grad = [t for chain in chains for t in chain]
     pg = [t for chain in gathers for t in chain]
     grad_exposed = _grad_phase(scheme, bwd, chains, opts, c)
     compute = (micro + w.pp - 1) * (sum(fwd) + sum(bwd))
-    refresh_s = stats + per_refresh / opts.refresh_interval
     return dict(
         mode=scheme.value,
         gpus=gpus,
@@ -125,6 +120,24 @@ def step_time(
         buckets=len(bks),
         first_bucket_gpu_stages=_gpu_stages(chains[:1] + gathers[-1:]),
     )
+
+
+def _refresh(
+    w: Workload, scheme: Scheme, x: Context, fwd: list[float], gathers: list, gather_exposed: float, per: tuple
+) -> tuple[list[Task], float]:
+    """A GIFT refresh's chain and its seconds per step: the statistics' FLOPs (``per``: tokens per micro-batch,
+    micro-batches, seconds per FLOP) and the refresh's exposure in the forward, once every ``refresh_interval``
+    steps."""
+    tokens, micro, per_flop = per
+    opts, c = x.opts, x.c
+    shapes = [s for name, s, _ in w.parameters() if is_kind(name, opts.gift_layers)] if scheme.mode is Mode.GIFT else []
+    refresh = refresh_chain(shapes, x)
+    per_refresh = (
+        forward_phase(fwd[::-1], gathers, refresh, c.codec_compute_overlap) - gather_exposed if refresh else 0.0
+    )
+    sides = [d for s in shapes for d in statistics_sides(s, opts)]
+    stats = sum(4.0 * tokens * d * min(opts.sketch, d) for d in sides) * micro * per_flop if x.p > 1 else 0.0
+    return refresh, stats + per_refresh / opts.refresh_interval
 
 
 def _gpu_stages(chains: list[list[Task]]) -> list[dict]:

@@ -3,8 +3,9 @@ summary row per configuration, the sensitivity, the byte check and the CPU valid
 
 from __future__ import annotations
 
+from megatron_gift_tools.planner import memory
 from megatron_gift_tools.planner.plan import BREAK_EVEN_RANGE, MIN_GAIN_PCT
-from megatron_gift_tools.planner.schemes import Scheme
+from megatron_gift_tools.planner.schemes import BASE, Scheme
 from megatron_gift_tools.planner.workloads import Workload
 
 
@@ -28,16 +29,29 @@ def break_even_text(r: dict, assumed: float, source: str = "assumed") -> str:
     return f"; breaks even at an all-to-all NIC efficiency of {v:.2f}x the ring's ({source}: {assumed:.2f}x)"
 
 
+def advice(pct: float, gain: float) -> str:
+    """The advice for a plugin row ``pct``% against stock BF16 and ``gain``% against the best BF16 option, in words
+    that agree with both numbers (a faster row under the threshold is not called "no gain")."""
+    if gain <= -MIN_GAIN_PCT:
+        return "use it"
+    if gain < 0:
+        threshold = f"under the {MIN_GAIN_PCT:g}% threshold: keep the best BF16 option"
+        return f"{-gain:.1f}% faster than the best BF16 option, {threshold}"
+    if pct < 0:
+        return "its gain is the delta gather's alone: use BF16 ring + delta gather"
+    return "slower than BF16: keep BF16"
+
+
 def verdict(r: dict, p: dict | None = None, source: str = "assumed") -> str:
     """One line per row: its change against the BF16 baseline, the other plugin schedule's, the break-even and
     the advice; an FP8 row is advised only if it beats the best BF16 option (with this run's gather too)."""
     pct = r["vs_bf16_pct"]
     gain = r.get("vs_best_bf16_pct", pct)
-    advice = "use it" if gain <= -MIN_GAIN_PCT else "no gain here: keep BF16"
     line = f"{label(r)}: {pct:+.1f}% step time vs BF16"
     if gain != pct:
         line += f" ({gain:+.1f}% vs BF16 ring + delta gather)"
-    line += f": {advice}"
+    fp4 = Scheme(r["mode"]).inter_format and gain <= -MIN_GAIN_PCT
+    line += ": a gain once the runtime sends FP4 (not yet)" if fp4 else f": {advice(pct, gain)}"
     if p is not None and "other_schedule_vs_bf16_pct" in r:
         line += f" ({p['other_schedule']}: {r['other_schedule_vs_bf16_pct']:+.1f}%"
         line += break_even_text(r, p["a2a_nic_ratio"], source) + ")"
@@ -120,8 +134,14 @@ def format_plan(p: dict, w: Workload, source: str = "assumed") -> str:
             f"{1e3 * r['param_gather_exposed_s']:.1f} | {1e3 * r['plugin_s']:.1f} | {1e3 * r['refresh_s']:.1f} | "
             f"{r['nvlink_bytes_per_rank'] / 1e6:.0f} | {r['nic_bytes_per_rank'] / 1e6:.0f} |"
         )
-    rec = recommended(p) + ("" if recommended_row(p) is None else recommended_flags(p))
-    lines += ["", *(verdict(r, p, source) for r in p["rows"] if not _is_reference(r)), f"recommended: {rec}", ""]
+    warn = memory.warning(p["memory"], p["rows"][0]["schedule"] == "overlap") if "memory" in p else None
+    lines += [
+        "",
+        *(verdict(r, p, source) for r in p["rows"] if not _is_reference(r)),
+        f"recommended: {recommended_line(p)}",
+        *([warn] if warn else []),
+        "",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -140,19 +160,45 @@ def recommended(p: dict) -> str:
     return "BF16 ring (Megatron as it is" + ("" if size is None else f", --ddp-bucket-size {size}") + ")"
 
 
-def recommended_flags(p: dict) -> str:
-    """The recommended row's bucket size as Megatron's flag (empty: its default)."""
-    size = p["recommended_bucket_size"]
-    return "" if size is None else f" with --ddp-bucket-size {size}"
+def launcher_flags(p: dict) -> list[str]:
+    """The flags that turn stock Megatron (BF16 ring, BF16 gather, its default bucket size) into the recommended
+    row: Megatron's (distributed optimizer and overlap for the overlap schedule, BF16 gradient reduction, bucket
+    size) and the plugin's (``megatron_gift.arguments``); empty: nothing to change."""
+    r, size = recommended_row(p), p["recommended_bucket_size"]
+    bucket = [] if size is None else ["--ddp-bucket-size", str(size)]
+    if r is None:
+        return bucket
+    flags = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    flags = flags if r["schedule"] == "overlap" else []
+    scheme = Scheme(r["mode"])
+    if scheme is Scheme.BF16:
+        flags.append("--grad-reduce-in-bf16")
+    else:
+        flags += ["--gift-mode", scheme.mode.value, "--gift-exchange", "auto" if scheme.two_level else "flat"]
+        flags += ["--gift-intra-node", r["intra_dtype"]] if r["intra_dtype"] not in (None, "bf16") else []
+        flags += ["--gift-side", r["gift_side"]] if r.get("gift_side") not in (None, "input") else []
+        flags += ["--gift-schedule", r["gift_schedule"]]
+    if r["param_gather"] == "delta":
+        flags += ["--gift-param-gather", "delta"]
+    return flags + bucket
+
+
+def recommended_line(p: dict) -> str:
+    """The ``recommended:`` line: the row, its change against stock BF16 and the flags to add."""
+    flags = " ".join(launcher_flags(p))
+    r = recommended_row(p)
+    if r is None:
+        return "none: keep stock Megatron" + (f" with {flags}" if flags else "")
+    return f"{label(r)} ({r['vs_bf16_pct']:+.1f}%): add {flags}"
 
 
 def format_summary(plans: list[dict]) -> str:
     """One row per configuration: each scheme against stock BF16 and the recommendation (never slower)."""
     delta = any(r["param_gather"] == "delta" for r in plans[0]["rows"])
-    names = [s for s in Scheme if s is not Scheme.BF16 or delta]  # BF16 with the delta gather is a row of its own
+    names = [Scheme(r["mode"]) for r in plans[0]["rows"] if r["mode"] != "bf16" or delta]  # BF16 + delta: a row
     lines = [
         "| model | GPUs | TP | DP per node x nodes | BF16 ms (default bucket) | BF16 ms (best bucket) | "
-        + " | ".join(s.label for s in names)
+        + " | ".join(s.label + (" + delta" if delta else "") for s in names)
         + " | recommended |",
         "|---|---|---|---|---|---|" + "---|" * (len(names) + 1),
     ]
@@ -171,7 +217,7 @@ def format_summary(plans: list[dict]) -> str:
 
 def format_sensitivity(rows: list[dict], gpus: int) -> str:
     delta = any(r["bf16_vs_bf16_pct"] for r in rows)  # BF16 with the delta gather is a row of its own
-    names = [s for s in Scheme if s is not Scheme.BF16 or delta]
+    names = [s for s in BASE if s is not Scheme.BF16 or delta]
     lines = [
         f"Sensitivity at {gpus} GPUs (change vs the BF16 baseline; one parameter moved from the defaults)\n",
         "| parameter | BF16 step ms | " + " | ".join(s.label for s in names) + " | recommended |",

@@ -8,12 +8,13 @@ import math
 from dataclasses import replace
 
 from megatron_gift.config import Mode, ParamGather, Schedule
+from megatron_gift_tools.planner import memory
 from megatron_gift_tools.planner.cluster import Cluster
 from megatron_gift_tools.planner.costs import KernelCosts
 from megatron_gift_tools.planner.metered import Meter
 from megatron_gift_tools.planner.model import step_time
 from megatron_gift_tools.planner.options import Options
-from megatron_gift_tools.planner.schemes import PLUGIN, Scheme
+from megatron_gift_tools.planner.schemes import PLUGIN, Scheme, schemes
 from megatron_gift_tools.planner.workloads import Workload
 
 MIN_GAIN_PCT = 1.0
@@ -105,18 +106,26 @@ def _tuned_row(
 
 
 def plan(
-    w: Workload, c: Cluster, gpus: int, costs: KernelCosts, opts: Options = Options(), with_break_even: bool = True
+    w: Workload,
+    c: Cluster,
+    gpus: int,
+    costs: KernelCosts,
+    opts: Options = Options(),
+    with_break_even: bool = True,
+    inter_format: str | None = None,
 ) -> dict:
     """Every scheme's step at its best bucket size (under ``opts``, and under the other plugin schedule), its change
     against the BF16 baseline (``bf16_baselines``) and FP32; for the plugin's rows the change against the best
-    BF16 alternative and the all-to-all ratio at which they meet it; the recommendation (``_recommend``)."""
+    BF16 alternative and the all-to-all ratio at which they meet it; the recommendation (``_recommend``, among
+    the runtime's schemes). ``inter_format``: also the two-level schemes with FP4 inter-node messages (``fp4``)."""
+    priced = schemes(inter_format)
     base = bf16_baselines(w, c, gpus, costs, opts)
     fp32 = step_time(w, c, Scheme.FP32, gpus, costs, replace(opts, param_gather=ParamGather.BF16))["step_s"]
     other = Schedule.LAGGED if opts.gift_schedule is Schedule.EAGER else Schedule.EAGER
-    tuned = [_tuned_row(w, c, s, gpus, costs, opts) for s in Scheme]
+    tuned = [_tuned_row(w, c, s, gpus, costs, opts) for s in priced]
     rows = [r for r, _ in tuned]
-    bf16_best = min(base["baseline_s"], rows[list(Scheme).index(Scheme.BF16)]["step_s"])
-    for s, (r, o) in zip(Scheme, tuned):
+    bf16_best = min(base["baseline_s"], rows[priced.index(Scheme.BF16)]["step_s"])
+    for s, (r, o) in zip(priced, tuned):
         r["vs_bf16_pct"] = 100 * (r["step_s"] / base["baseline_s"] - 1)
         r["vs_fp32_pct"] = 100 * (r["step_s"] / fp32 - 1)
         if s.mode is Mode.OFF:
@@ -138,6 +147,7 @@ def plan(
         other_schedule=other.value,
         rows=rows,
         **_recommend(rows, base),
+        memory=memory.fit(w.numel(), rows[0]["dp"], c.gpu_memory),
     )
 
 

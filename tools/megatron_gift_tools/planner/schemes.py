@@ -1,5 +1,6 @@
 """The gradient-reduction schemes the planner prices: Megatron's rings and the plugin's modes
-(``config.Mode``) over the flat or the two-level exchange."""
+(``config.Mode``) over the flat or the two-level exchange; and, priced only on request
+(``--inter-node-format``, issue 36), two-level exchanges whose inter-node stage is FP4 (``fp4``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ class Scheme(enum.Enum):
     GIFT = "gift"
     EUCLIDEAN_2LEVEL = "euclidean-2level"
     GIFT_2LEVEL = "gift-2level"
+    EUCLIDEAN_2LEVEL_NVFP4 = "euclidean-2level-nvfp4"
+    GIFT_2LEVEL_NVFP4 = "gift-2level-nvfp4"
+    EUCLIDEAN_2LEVEL_MXFP4 = "euclidean-2level-mxfp4"
+    GIFT_2LEVEL_MXFP4 = "gift-2level-mxfp4"
 
     @property
     def mode(self) -> Mode:
@@ -25,7 +30,12 @@ class Scheme(enum.Enum):
 
     @property
     def two_level(self) -> bool:
-        return self.value.endswith("-2level")
+        return "-2level" in self.value
+
+    @property
+    def inter_format(self) -> str | None:
+        """The inter-node stage's FP4 format (``fp4.FORMATS``); None: FP8, as the runtime sends it."""
+        return self.value.partition("-2level-")[2] or None
 
     @property
     def ring_bytes(self) -> float:
@@ -37,11 +47,22 @@ class Scheme(enum.Enum):
         if self.mode is Mode.OFF:
             return f"{self.value.upper()} ring"
         name = {Mode.EUCLIDEAN: "Euclidean", Mode.GIFT: "GIFT"}[self.mode]
+        if self.inter_format:
+            return f"{name} two-level {self.inter_format.upper()} inter-node"
         return f"{name} FP8 {'two-level' if self.two_level else 'flat'}"
 
 
 _MODES = {
-    s: {"euclidean": Mode.EUCLIDEAN, "gift": Mode.GIFT}.get(s.value.removesuffix("-2level"), Mode.OFF) for s in Scheme
+    s: {"euclidean": Mode.EUCLIDEAN, "gift": Mode.GIFT}.get(s.value.partition("-2level")[0], Mode.OFF) for s in Scheme
 }
+BASE = tuple(s for s in Scheme if s.inter_format is None)
+"""the schemes every plan prices (the runtime's); the FP4 ones only with an inter-node format (``schemes``)."""
+
+
+def schemes(inter_format: str | None = None) -> tuple[Scheme, ...]:
+    """The schemes a plan prices: ``BASE``, then the two-level ones in ``inter_format`` (FP4) if given."""
+    return BASE + tuple(s for s in Scheme if inter_format and s.inter_format == inter_format)
+
+
 PLUGIN = (Scheme.EUCLIDEAN_2LEVEL, Scheme.GIFT_2LEVEL, Scheme.EUCLIDEAN, Scheme.GIFT)
 """the plugin's schemes, in the order of preference on ties (one rank per node: two-level is flat)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from megatron_gift_tools.planner.stages import Kind, Task
+from megatron_gift_tools.planner.tasks import Kind, Task
 
 EPS = 1e-15
 

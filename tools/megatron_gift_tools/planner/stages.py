@@ -42,129 +42,14 @@ stage has no essential bytes; without it they run in the decode of the bucket, w
 
 from __future__ import annotations
 
-import enum
-import heapq
-from dataclasses import dataclass
-
 from megatron_gift.config import Mode
-from megatron_gift.numerics.kfac import KFACStatistics
-from megatron_gift.numerics.refresh import RecordLayout
 from megatron_gift_tools.planner import nccl
 from megatron_gift_tools.planner.buckets import Bucket
-from megatron_gift_tools.planner.cluster import Cluster
-from megatron_gift_tools.planner.costs import KernelCosts
-from megatron_gift_tools.planner.metered import ONE_PASS, StageCount
-from megatron_gift_tools.planner.options import Options
+from megatron_gift_tools.planner.refresh import factor_rank
 from megatron_gift_tools.planner.schemes import Scheme
+from megatron_gift_tools.planner.tasks import Context, Kind, Task
 
-
-class Kind(enum.Enum):
-    GPU = "gpu"  # kernels that occupy the GPU (shared with the model's compute)
-    COMM = "comm"  # a collective: occupies its links, not the GPU queue
-
-
-@dataclass(frozen=True)
-class Task:
-    """One step of a bucket's chain: runs after the previous task of its chain and of its ``stream``."""
-
-    label: str
-    kind: Kind
-    seconds: float
-    stream: str
-    resources: tuple[str, ...]
-    stage: int
-    nvlink_bytes: float = 0.0
-    nic_bytes: float = 0.0
-    launches: float = 0.0  # a GPU stage's kernel launches and HBM bytes moved (the meter's)
-    hbm_bytes: float = 0.0
-
-
-@dataclass(frozen=True)
-class Context:
-    """Where a bucket is reduced: ``g`` ranks per node on ``n`` nodes."""
-
-    g: int
-    n: int
-    c: Cluster
-    costs: KernelCosts
-    opts: Options
-
-    @property
-    def p(self) -> int:
-        return self.g * self.n
-
-    @property
-    def two_sided(self) -> bool:
-        """Whether GIFT parameters have an output side (``Options.side`` both, or auto priced as both)."""
-        return self.opts.side != "input"
-
-    def count(self, b: Bucket, path: str, stage: str) -> StageCount:
-        """The meter's launches and ratios of ``stage`` for bucket ``b`` (without a meter: one fused pass)."""
-        m = self.costs.meter
-        return (
-            ONE_PASS
-            if m is None
-            else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters, self.two_sided)
-        )
-
-    def gpu(
-        self,
-        label: str,
-        stage: int,
-        codec_bytes: float,
-        transform_bytes: float = 0.0,
-        stream: str = "",
-        count: StageCount = ONE_PASS,
-        gift_share: float = 0.0,
-    ) -> Task:
-        """A GPU stage of ``count.launches`` moving these essential HBM bytes times the meter's ratios (the GIFT
-        ratio for the ``gift_share`` of the elementwise bytes and for the whitening's), on stage ``stage``'s
-        stream unless ``stream`` is given."""
-        codec = codec_bytes * (count.ratio * (1 - gift_share) + count.gift_ratio * gift_share)
-        seconds = self.costs.seconds(count.launches, codec, count.gift_ratio * transform_bytes)
-        return Task(
-            label,
-            Kind.GPU,
-            seconds,
-            stream or f"stage{stage}",
-            ("gpu",),
-            stage,
-            launches=count.launches,
-            hbm_bytes=codec + count.gift_ratio * transform_bytes,
-        )
-
-    def metered(
-        self, b: Bucket, path: str, name: str, label: str, stage: int, codec_bytes: float, transform_bytes: float = 0.0
-    ) -> Task:
-        """The code's GPU stage ``name`` (the meter's, on its ``path``) of bucket ``b``: ``gpu`` at the meter's
-        count."""
-        return self.gpu(
-            label,
-            stage,
-            codec_bytes,
-            transform_bytes,
-            count=self.count(b, path, name),
-            gift_share=b.gift_elements / b.elements,
-        )
-
-    def links(self, p: int, g: int) -> tuple[str, ...]:
-        return ("nvlink", "nic") if p > g else ("nvlink",)
-
-    def ring(self, label: str, kind: str, nbytes: float, stream: str, stage: int) -> Task:
-        """A ring collective over the whole group (NCCL's tuner: ring or, for all-reduce, tree)."""
-        p, g = self.p, self.g
-        t = (
-            nccl.all_reduce_time(nbytes, p, g, self.c)
-            if kind == "all_reduce"
-            else nccl.ring_time(kind, nbytes, p, g, self.c)
-        )
-        total = (2 if kind == "all_reduce" else 1) * (p - 1) / p * nbytes
-        nic = total / g if p > g else 0.0
-        return Task(label, Kind.COMM, t, stream, self.links(p, g), stage, total - nic, nic)
-
-    def cut_rows(self, stage: int, across_nodes: bool) -> Task:
-        """The cut rows' neighbour exchange, on the data-parallel group's communicator (``dp``)."""
-        return Task("cut rows", Kind.COMM, nccl.neighbour_exchange_time(across_nodes, self.c), "dp", (), stage)
+__all__ = ["Context", "Kind", "Task", "reduction_chain"]  # the tasks' types, where the chains' users take them
 
 
 def reduction_chain(b: Bucket, scheme: Scheme, x: Context) -> list[Task]:
@@ -187,12 +72,6 @@ def _finish(b: Bucket, x: Context, path: str, stage: int, across_nodes: bool) ->
     count = x.count(b, path, "finish")
     sums = [x.gpu("cut-row sums", stage, 0.0, count=count)] if count.launches else []
     return [x.cut_rows(stage, across_nodes), *sums]
-
-
-def factor_rank(d: int, opts: Options) -> int:
-    """The rank of one side's factor of size ``d`` (``KFACStatistics.factor_rank``): the configured rank, at most
-    ``d`` or the sketch."""
-    return min(opts.rank, d if not 0 < opts.sketch < d else opts.sketch)
 
 
 def _output_side(b: Bucket, x: Context, path: str, stage: int, dist_opt: bool) -> list[Task]:
@@ -236,8 +115,10 @@ def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
 
 def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     """Intra-node all-to-all in the intra dtype, node sums and encode of the 1/g slice, FP8 all-to-all among
-    the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``)."""
-    p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``). An FP4 scheme's inter-node
+    messages are ``b.inter_bytes`` (``fp4``), its stages the meter's FP8 ones at those bytes."""
+    F = b.wire_bytes if b.inter_bytes is None else b.inter_bytes  # the inter-node messages' bytes
+    p, g, n, N, Ng = x.p, x.g, x.n, b.elements, b.gift_elements
     path = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}"
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
@@ -268,6 +149,16 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     if dist_opt:
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
         return tasks + _finish(b, x, path, 3, True) + _output_side(b, x, path, 3, True)
+    return tasks + _two_level_all_gather(b, x, path)
+
+
+def _two_level_all_gather(b: Bucket, x: Context, path: str) -> list[Task]:
+    """The two-level all-reduce's second half (no distributed optimizer): each shard's decode-sum and re-encode, its
+    FP8 all-gather among the nodes then within the node, and the decode of the whole bucket."""
+    p, g, n, N, F, Ng = x.p, x.g, x.n, b.elements, b.wire_bytes, b.gift_elements
+    Fi = (
+        F if b.inter_bytes is None else b.inter_bytes
+    )  # the inter-node all-to-all's messages (FP4 rows: smaller than F; the gathers stay FP8)
     gather = [
         Task(
             "FP8 all-gather (inter)",
@@ -289,71 +180,9 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
             (g - 1) / g * F,
         ),
     ]
-    return tasks + [
-        x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, F / g + F / p),
+    return [
+        x.metered(b, path, "gather_inter", "decode-sum + re-encode shard", 3, Fi / g + F / p),
         *gather,
         x.metered(b, path, "decode_all", "decode bucket", 5, F + 4 * N, 8 * Ng),
         *_output_side(b, x, path, 5, False),
-    ]
-
-
-def statistics_sides(shape: tuple[int, int], opts: Options) -> list[int]:
-    """The statistics sizes of one GIFT layer ``(rows, cols)``: its input side's ``cols``, and with output
-    statistics (``Options.side`` both or auto) its output side's ``rows``."""
-    rows, cols = shape
-    return [cols] + ([rows] if opts.side != "input" else [])
-
-
-def record_bytes(shape: tuple[int, int], x: Context) -> int:
-    """One layer's refresh record: ``numerics.refresh.RecordLayout`` at each side's ``factor_rank``."""
-    sides = statistics_sides(shape, x.opts)
-    d_out = sides[1] if len(sides) > 1 else 0
-    r_out = factor_rank(d_out, x.opts) if d_out else 0
-    return RecordLayout(sides[0], factor_rank(sides[0], x.opts), d_out, r_out).nbytes
-
-
-def statistics_bytes(shape: tuple[int, int], x: Context) -> int:
-    """One layer's FP32 statistics a refresh sums (EMA sums and token count, each side)."""
-    return sum(4 * KFACStatistics.summed_numel(d, x.opts.sketch) for d in statistics_sides(shape, x.opts))
-
-
-def owners(sizes: list[int], p: int) -> list[list[int]]:
-    """The refresh's owners (``RefreshSync.assign_owners``): largest record first, to the rank that owns the fewest
-    bytes so far, lowest rank on ties; the layers each of the ``p`` ranks builds."""
-    heap, owned = [(0, r) for r in range(p)], [[] for _ in range(p)]
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: layer order on ties
-        load, r = heapq.heappop(heap)
-        owned[r].append(i)
-        heapq.heappush(heap, (load + sizes[i], r))
-    return owned
-
-
-def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
-    """A GIFT refresh of the layers ``(rows, cols)`` (``RefreshSync``): the statistics (each side's EMA sums
-    and token count, FP32) reduce-scattered onto each layer's owner (``owners``) in one call, the layers
-    packed by owner into equal slots (the most statistics bytes any rank owns; all-reduced instead where
-    the slots would hold more than twice the statistics), the factors built on their
-    owners, then one all-gather of a fixed-size record slot per rank (the most record bytes any rank
-    owns). The busiest rank's builds (one per side) set the time. Only the data-parallel group is priced:
-    a sequence-parallel layer's TP sum (an all-reduce over TP before the reduce-scatter) is not."""
-    if x.p == 1 or not shapes:
-        return []
-    sizes = [record_bytes(s, x) for s in shapes]
-    stats = [statistics_bytes(s, x) for s in shapes]
-    owned = owners(sizes, x.p)
-    slot = max(sum(sizes[i] for i in mine) for mine in owned)
-    stats_slot = max(sum(stats[i] for i in mine) for mine in owned)
-    builds = max(sum(len(statistics_sides(shapes[i], x.opts)) for i in mine) for mine in owned) * x.costs.factor_build_s
-    # the runtime's choice (``RefreshSync.sum_statistics``): equal slots, or a ring all-reduce where they would
-    # send more
-    scatter = x.p * stats_slot <= 2 * sum(stats)
-    summed = (
-        x.ring("statistics reduce-scatter", "reduce_scatter", x.p * stats_slot, "refresh", 1)
-        if scatter
-        else x.ring("statistics all-reduce", "all_reduce", sum(stats), "refresh", 1)
-    )
-    return [
-        summed,
-        Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
-        x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1),
     ]

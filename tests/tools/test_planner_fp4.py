@@ -1,0 +1,67 @@
+"""FP4 inter-node formats in the planner (issue 36 item 6 groundwork): their bytes against a hand count, the
+two-level stage that carries them, and today's default plans unchanged without ``--inter-node-format``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_gift_tools.planner import fp4, model, output, plan
+from megatron_gift_tools.planner.buckets import buckets
+from megatron_gift_tools.planner.cluster import CLUSTERS
+from megatron_gift_tools.planner.costs import KernelCosts
+from megatron_gift_tools.planner.schemes import BASE, Scheme
+from megatron_gift_tools.planner.workloads import workload
+
+
+def test_fp4_bytes_against_a_hand_count():
+    """A 4096 x 4096 gradient: nvfp4 = 8,388,608 B of codes + 1,048,576 E4M3 block scales (16 per block) + one
+    4 B FP32 segment scale; mxfp4 = the codes + 524,288 E8M0 scales (32 per block). A partial last block has a
+    scale too (1 x 17: 8.5 + 2 + 4). Catches a scale per 32 for nvfp4, a missing segment scale or block."""
+    assert fp4.FORMATS["nvfp4"].param_bytes(4096, 4096) == 8_388_608 + 1_048_576 + 4
+    assert fp4.FORMATS["mxfp4"].param_bytes(4096, 4096) == 8_388_608 + 524_288
+    assert fp4.FORMATS["nvfp4"].param_bytes(1, 17) == 14.5
+
+
+def test_fp4_buckets_carry_fp4_inter_node_bytes():
+    """600M's buckets: the nvfp4 scheme's inter-node bytes are the hand count per parameter (every gradient FP8
+    elsewhere, ``fp8_params`` all), its FP8 bytes (intra stage, gathers) unchanged; an FP8 scheme's inter-node
+    bytes are its wire bytes (the runtime's two-level exchange, unchanged)."""
+    w = workload("600m")
+    hand = sum(r * c / 2 + math.ceil(r * c / 16) + 4 for _, (r, c), _ in w.parameters())
+    nv, fp8 = buckets(w, Scheme.GIFT_2LEVEL_NVFP4, 128), buckets(w, Scheme.GIFT_2LEVEL, 128)
+    assert sum(b.inter_bytes for b in nv) == pytest.approx(hand, rel=1e-12)
+    assert [b.wire_bytes for b in nv] == [b.wire_bytes for b in fp8]
+    assert all(b.inter_bytes == b.wire_bytes for b in fp8)
+
+
+@pytest.mark.parametrize("fmt, per_element", [("nvfp4", 0.5 + 1 / 16), ("mxfp4", 0.5 + 1 / 32)])
+def test_fp4_row_sends_fp4_bytes_through_the_nic(fmt, per_element):
+    """512 GH200 (4 per node): the two-level row's NIC bytes scale from FP8's (1 B + a 4 B scale per 128) to
+    FP4's bytes per element; its NVLink bytes (the BF16 intra stage) do not move. Catches the FP4 bytes on the
+    wrong stage or not at all."""
+    w, c = workload("600m"), CLUSTERS["gh200"]
+    fp8 = model.step_time(w, c, Scheme.GIFT_2LEVEL, 512)
+    low = model.step_time(w, c, Scheme(f"gift-2level-{fmt}"), 512)
+    assert low["nic_bytes_per_rank"] / fp8["nic_bytes_per_rank"] == pytest.approx(per_element / (1 + 4 / 128), 1e-3)
+    assert low["nvlink_bytes_per_rank"] == fp8["nvlink_bytes_per_rank"]
+    assert low["step_s"] < fp8["step_s"]
+
+
+def test_fp4_rows_only_on_request_and_never_recommended():
+    """Without an inter-node format a plan's rows are today's schemes (its JSON unchanged); with nvfp4 the two
+    two-level FP4 rows follow, named with the format, and the recommendation stays among the runtime's schemes
+    (FP4 is not in it yet) while their verdict says so."""
+    w, c = workload("600m"), CLUSTERS["gh200"]
+    costs = KernelCosts.from_hbm(c)
+    plain = plan.plan(w, c, 512, costs, with_break_even=False)
+    assert [r["mode"] for r in plain["rows"]] == [s.value for s in BASE]
+    p = plan.plan(w, c, 512, costs, with_break_even=False, inter_format="nvfp4")
+    modes = [r["mode"] for r in p["rows"]]
+    assert modes == [s.value for s in BASE] + ["euclidean-2level-nvfp4", "gift-2level-nvfp4"]
+    assert Scheme(p["recommended"]).inter_format is None
+    rows = {r["mode"]: r for r in p["rows"]}
+    assert rows["gift-2level-nvfp4"]["step_s"] < rows["gift-2level"]["step_s"]
+    line = output.verdict(rows["gift-2level-nvfp4"], p)
+    assert line.startswith("GIFT two-level NVFP4 inter-node") and "use it" not in line
