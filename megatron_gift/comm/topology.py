@@ -25,6 +25,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,22 @@ def _subgroup(ranks: tuple[int, ...]):
     return _SUBGROUPS[key][1]
 
 
+_WARM: dict[int, object] = {}  # id -> subgroup warmed (held: an id is never reused for another)
+
+
+def _warm(subgroups: list) -> None:
+    """One 1-element all-reduce on each of this rank's new ``subgroups``, in the order every process
+    created them (the same on every rank: no deadlock), so that a lazily initialised communicator
+    (NCCL's) is set up here at construction, not inside the first backward's hooks (issue 35 item 5)."""
+    for sub in subgroups:
+        if id(sub) in _WARM:
+            continue
+        cuda = dist.get_backend(sub) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=sub)
+        _WARM[id(sub)] = sub
+
+
 def build_groups(
     groups: list, ranks_per_node: int | Sequence[int] | None, two_level: bool = True
 ) -> list[TwoLevelGroups]:
@@ -204,15 +221,16 @@ def build_groups(
     own_groups = [tuple(dist.get_process_group_ranks(g)) for g in groups]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, own_groups)
-    split = {}
+    split, created = {}, []
     for ranks in sorted({r for lists in everyone for r in lists}):
         topo = topology_of(list(ranks), ranks_per_node)
         if not (two_level and topo.two_level):
             continue
         for members in (topo.intra_ranks, topo.inter_ranks):
             for key in sorted({tuple(ranks[j] for j in members(i)) for i in range(topo.world)}):
-                _subgroup(key)
+                created.append((key, _subgroup(key)))
         split[ranks] = topo
+    _warm([sub for key, sub in created if dist.get_rank() in key])
     out = []
     for g, ranks in zip(groups, own_groups):
         topo = split.get(ranks) or topology_of(list(ranks), ranks_per_node)

@@ -48,7 +48,11 @@ def _on_ranks(rank, world):
     topology.host_name = lambda: f"host{rank // 2}"  # the hook: 2 hosts x 2 ranks
     nodes = nodes_of_ranks(None)  # srun-like: no flag, no LOCAL_WORLD_SIZE
     out["nodes"] = nodes
+    reduced, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda t, group=None, **kw: reduced.append(group) or all_reduce(t, group=group, **kw)
     (placed,) = build_groups([dist.group.WORLD], nodes)
+    dist.all_reduce = all_reduce
+    out["warmed"] = reduced == [placed.intra, placed.inter] or reduced == [placed.inter, placed.intra]
     out["topology"] = placed.topology
     x = torch.tensor([float(1 << rank)])
     dist.all_reduce(x, group=placed.intra)  # the intra group is this rank's host
@@ -67,11 +71,13 @@ def _on_ranks(rank, world):
 
 def test_four_ranks_on_two_hosts():
     """Catches nodes not gathered from the hosts (the two-level exchange would run flat or across
-    hosts) and a disagreeing flag or LOCAL_WORLD_SIZE taken silently."""
+    hosts), a disagreeing flag or LOCAL_WORLD_SIZE taken silently, and subgroups not warmed at
+    construction (NCCL would set up their communicators inside the first backward)."""
     results = run_on_ranks(_on_ranks, 4, timeout=120)
     for rank, out in enumerate(results):
         assert out["nodes"] == [0, 0, 1, 1]
         assert out["topology"] == Topology(2, 2)
+        assert out["warmed"]  # each subgroup's communicator set up at construction, once
         node = rank // 2
         assert out["intra_sum"] == float((1 << 2 * node) + (1 << 2 * node + 1))
         assert "--gift-ranks-per-node=4" in out["refused-4-None"]
