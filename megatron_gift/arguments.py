@@ -293,7 +293,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="Processes per node, grouped by global rank (default: LOCAL_WORLD_SIZE from the launcher, "
-        "else all on one node); e.g. to simulate nodes on one machine.",
+        "else the ranks' hosts); e.g. to simulate nodes on one machine.",
     )
     flags.add_argument(
         "--gift-schedule",

@@ -22,7 +22,10 @@ device (on CUDA on a stream of its own), and is installed one step later:
 * ``close_step`` (the start of step t+1, or a checkpoint) waits for them (host wait 2), solves
   the r x r cores, enqueues the damping choice and the records, and sends every record of a
   reduction group in ONE all-gather of fixed-size slots (a slot per rank, sized from the layouts
-  alone, so every rank sends and receives the same byte counts whatever a build did);
+  alone, so every rank sends and receives the same byte counts whatever a build did); where those
+  slots would hold over ``GATHER_BOUND`` (2) times the records' bytes (more ranks than layers), each
+  owning rank broadcasts its share alone instead, packed back to back: every rank then receives the
+  records once (issue 35 item 3), the same bits;
 * the first sync of step t+1 reads the received headers (host wait 3), installs every layer's
   ``T`` (copied out of the received buffer: every rank holds the owner's bits; the FP64 factor it
   was built from only on the owner, which kept it) and carries the error-feedback residuals over;
@@ -72,6 +75,10 @@ from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
 from .state import GiftParam, GiftState
 
 logger = logging.getLogger(__name__)
+
+# The record all-gather's equal slots (the largest owner's share) are kept while the group's slots hold
+# at most this many times the records' bytes; above it, each owner broadcasts its share alone.
+GATHER_BOUND = 2
 
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
@@ -127,6 +134,7 @@ class _GroupRefresh:
     offsets: list[int]  # byte offset of each record in the gathered buffer: owner · slot + place in the slot
     slot: int  # bytes of every rank's slot: the most any rank owns
     build: FactorBuild  # of this rank's layers, in ``layers`` order
+    shares: list[int] | None = None  # bytes each rank owns, packed back to back (broadcasts); None: equal slots
     recv: torch.Tensor | None = None
     received: list[dict] | None = None  # every record's typed views of ``recv``
 
@@ -279,7 +287,10 @@ class RefreshSync:
                 for gp, layout in zip(members, layouts):
                     places.append(used[gp.owner])
                     used[gp.owner] += layout.nbytes
-                slot = max(used)
+                slot, shares = max(used), None
+                if group.size() * slot > GATHER_BOUND * sum(used):  # equal slots: mostly padding (more ranks
+                    # than layers): each owner's share broadcast from it, packed back to back (issue 35 item 3)
+                    shares = used
                 mine = [
                     OwnedLayer(
                         gp.name,
@@ -297,11 +308,9 @@ class RefreshSync:
                 ]
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
                 build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS, SIDE_KINDS[self.side])
-                groups.append(
-                    _GroupRefresh(
-                        group, members, layouts, [gp.owner * slot + p for gp, p in zip(members, places)], slot, build
-                    )
-                )
+                starts = [sum(shares[:o]) if shares else o * slot for o in range(group.size())]
+                offsets = [starts[gp.owner] + p for gp, p in zip(members, places)]
+                groups.append(_GroupRefresh(group, members, layouts, offsets, slot, build, shares))
             parts = [gr.build.grams() for gr in groups]
             self.pending = _Refresh(
                 layers, sides, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts
@@ -340,12 +349,16 @@ class RefreshSync:
             self._cores()
         out = [gr.build.whitening_cores(p) for gr, p in zip(r.groups, _unflat_groups(self._wait(), r.parts))]
         for gr in r.groups:  # long-lived (the installed transforms are views of it): on the compute stream
-            gr.recv = torch.empty(gr.slot * gr.group.size(), dtype=torch.uint8, device=self.device)
+            n = sum(gr.shares) if gr.shares else gr.slot * gr.group.size()
+            gr.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
         with self._side():
             dev = _unflat_groups(to_device(_flat(_flat(out)), self.device), out)
             works = []
             for gr, parts in zip(r.groups, dev):
                 me = gr.group.rank()
+                if gr.shares:
+                    works += self._broadcast_records(gr, parts)
+                    continue
                 send = torch.zeros(gr.slot, dtype=torch.uint8, device=self.device)
                 mine = [i for i, gp in enumerate(gr.layers) if gp.owner == me]
                 gr.build.finish(parts, [gr.views(i, send, me * gr.slot) for i in mine])
@@ -369,6 +382,35 @@ class RefreshSync:
                 gr.received = [gr.views(i, gr.recv) for i in range(len(gr.layers))]
             headers = [rec[k] for gr in r.groups for rec in gr.received for k in ("header", "out_header") if k in rec]
             r.copy, r.stage, r.parts = HostCopy(headers, self.device), 3, None
+
+    def _broadcast_records(self, gr: _GroupRefresh, parts) -> list:
+        """``gr``'s records where equal slots would be mostly padding: this rank's share built into its
+        place in ``gr.recv`` (zeroed first, as a slot is), then one broadcast per owning rank, in rank
+        order, of its share alone: each rank receives the records' bytes once (the same bits as the
+        all-gather's records)."""
+        me, at = gr.group.rank(), 0
+        starts = []
+        for share in gr.shares:
+            starts.append(at)
+            at += share
+        own = gr.recv[starts[me] : starts[me] + gr.shares[me]]
+        own.zero_()
+        mine = [i for i, gp in enumerate(gr.layers) if gp.owner == me]
+        gr.build.finish(parts, [gr.views(i, gr.recv) for i in mine])
+        for layer in gr.build.layers:
+            if layer.grad is not None and self._stream is not None:
+                layer.grad.record_stream(self._stream)
+            layer.grad = None
+        if self._stream is not None:
+            gr.recv.record_stream(self._stream)
+        works = []
+        for owner, (start, share) in enumerate(zip(starts, gr.shares)):
+            if share:
+                src = dist.get_global_rank(gr.group, owner)
+                works.append(dist.broadcast(gr.recv[start : start + share], src, group=gr.group, async_op=True))
+                if owner == me:
+                    self.state.ledger.add("broadcast", "factors", share)
+        return works
 
     def install(self, remap) -> None:
         """Host wait 3: every rank reads the received headers and installs each built layer's factor

@@ -1,9 +1,12 @@
 """Where a data-parallel group's ranks sit: nodes, local indices, and the subgroups of the
 two-level exchange.
 
-Processes are grouped as nodes by global rank index, ``ranks_per_node`` consecutive global
-ranks to a node (how torchrun places them; ``LOCAL_WORLD_SIZE`` tells it, ``--gift-ranks-per-node``
-overrides it, e.g. to simulate nodes on one machine). A data-parallel group of ``p`` ranks holds
+The node of each global rank comes from its host (``nodes_of_ranks``: one ``all_gather_object`` of
+the host names at DDP construction; under ``srun``, which sets no ``LOCAL_WORLD_SIZE``, this is what
+finds the nodes). ``--gift-ranks-per-node``, else ``LOCAL_WORLD_SIZE``, groups ``ranks_per_node``
+consecutive global ranks to a node instead (torchrun's placement; the flag also simulates nodes on
+one machine): a node of the flag's that spans two hosts is refused, one that only splits a host is a
+layout choice (a warning where there are several hosts). A data-parallel group of ``p`` ranks holds
 ``g`` of them on each of ``n`` nodes (``p = n·g``; ``g`` is 1 when tensor parallelism fills a
 node): its rank ``i`` is local index ``l = i mod g`` on node ``k = i div g``. Unequal counts per
 node, or a node's ranks not consecutive in the group, are refused with a message.
@@ -16,10 +19,16 @@ byte stays inside; one rank per node: every byte must cross a NIC anyway).
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,29 +87,84 @@ def ranks_per_node_from_env(override: int | None = None) -> int | None:
     return int(value) if value else None
 
 
-def topology_of(global_ranks: list[int], ranks_per_node: int | None) -> Topology:
+def host_name() -> str:
+    """This process's host; a hook (tests replace it to simulate several hosts on one machine)."""
+    return socket.gethostname()
+
+
+def nodes_from_hosts(hosts: Sequence[str], override: int | None = None) -> list[int]:
+    """The node index of each global rank from ``hosts[r]``, the host of global rank ``r``
+    (nodes numbered by first appearance); with ``override`` (``--gift-ranks-per-node``) or else
+    ``LOCAL_WORLD_SIZE``, ``r // ranks_per_node``, refused where one such node spans two hosts."""
+    index = {h: k for k, h in enumerate(dict.fromkeys(hosts))}
+    by_host = [index[h] for h in hosts]
+    per_node = ranks_per_node_from_env(override)
+    if per_node is None:
+        return by_host
+    source = "--gift-ranks-per-node" if override is not None else "LOCAL_WORLD_SIZE"
+    claimed = [r // per_node for r in range(len(hosts))]
+    spans = {k: sorted({hosts[r] for r in range(len(hosts)) if claimed[r] == k}) for k in set(claimed)}
+    crossing = next(((k, h) for k, h in sorted(spans.items()) if len(h) > 1), None)
+    if crossing is not None:
+        raise ValueError(
+            f"megatron-gift: {source}={per_node} puts global ranks {per_node * crossing[0]}.. on one node, but they "
+            f"run on hosts {crossing[1]}: fix {source} (or drop it: the nodes are then taken from the hosts)"
+        )
+    if len(index) > 1 and len(set(claimed)) > len(index):
+        logger.warning(
+            "megatron-gift: %s=%d splits each of the %d hosts into several nodes (a layout choice: the intra-node "
+            "stage stays inside each part)",
+            source,
+            per_node,
+            len(index),
+        )
+    return claimed
+
+
+def nodes_of_ranks(override: int | None = None) -> list[int] | int | None:
+    """The node of every global rank (``nodes_from_hosts``), from one ``all_gather_object`` of the
+    host names over the default group: call at construction, never in a step. Without a process
+    group of several ranks, ``ranks_per_node_from_env(override)``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ranks_per_node_from_env(override)
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_name())
+    return nodes_from_hosts(hosts, override)
+
+
+def topology_of(global_ranks: list[int], ranks_per_node: int | Sequence[int] | None) -> Topology:
     """The topology of a group whose rank ``i`` is global rank ``global_ranks[i]``, with
-    ``ranks_per_node`` processes per node (None: one node)."""
+    ``ranks_per_node`` processes per node (None: one node), or given the node of every global
+    rank (a sequence, ``nodes_of_ranks``)."""
     p = len(global_ranks)
     if ranks_per_node is None:
         return Topology(1, p)
-    if ranks_per_node < 1:
+    if isinstance(ranks_per_node, int) and ranks_per_node < 1:
         raise ValueError(f"ranks per node must be >= 1, got {ranks_per_node}")
-    nodes = [r // ranks_per_node for r in global_ranks]
+    if isinstance(ranks_per_node, int):
+        nodes = [r // ranks_per_node for r in global_ranks]
+    else:
+        nodes = [ranks_per_node[r] for r in global_ranks]
     counts = {k: nodes.count(k) for k in nodes}
     if len(set(counts.values())) != 1:
         raise ValueError(
             f"megatron-gift: the data-parallel group {global_ranks} has unequal ranks per node "
-            f"({counts} with {ranks_per_node} processes per node); the two-level exchange needs the same "
+            f"({counts}, nodes {_describe(ranks_per_node)}); the two-level exchange needs the same "
             "number on every node: fix --gift-ranks-per-node / LOCAL_WORLD_SIZE or the parallel layout"
         )
     g = p // len(counts)
     if any(nodes[i] != nodes[i - i % g] for i in range(p)):
         raise ValueError(
             f"megatron-gift: the data-parallel group {global_ranks} does not list each node's ranks "
-            f"consecutively ({ranks_per_node} processes per node); the two-level exchange cannot order its shards"
+            f"consecutively (nodes {_describe(ranks_per_node)}); the two-level exchange cannot order its shards"
         )
     return Topology(len(counts), g)
+
+
+def _describe(ranks_per_node: int | Sequence[int]) -> str:
+    if isinstance(ranks_per_node, int):
+        return f"of {ranks_per_node} processes"
+    return f"from the hosts: {list(ranks_per_node)}"
 
 
 @dataclass(frozen=True)
@@ -130,7 +194,25 @@ def _subgroup(ranks: tuple[int, ...]):
     return _SUBGROUPS[key][1]
 
 
-def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = True) -> list[TwoLevelGroups]:
+_WARM: dict[int, object] = {}  # id -> subgroup warmed (held: an id is never reused for another)
+
+
+def _warm(subgroups: list) -> None:
+    """One 1-element all-reduce on each of this rank's new ``subgroups``, in the order every process
+    created them (the same on every rank: no deadlock), so that a lazily initialised communicator
+    (NCCL's) is set up here at construction, not inside the first backward's hooks (issue 35 item 5)."""
+    for sub in subgroups:
+        if id(sub) in _WARM:
+            continue
+        cuda = dist.get_backend(sub) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=sub)
+        _WARM[id(sub)] = sub
+
+
+def build_groups(
+    groups: list, ranks_per_node: int | Sequence[int] | None, two_level: bool = True
+) -> list[TwoLevelGroups]:
     """``TwoLevelGroups`` of each of this rank's reduction ``groups`` (no subgroups unless ``two_level``).
 
     Collective over the default group (``new_group`` must be called by every process for every
@@ -139,15 +221,16 @@ def build_groups(groups: list, ranks_per_node: int | None, two_level: bool = Tru
     own_groups = [tuple(dist.get_process_group_ranks(g)) for g in groups]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, own_groups)
-    split = {}
+    split, created = {}, []
     for ranks in sorted({r for lists in everyone for r in lists}):
         topo = topology_of(list(ranks), ranks_per_node)
         if not (two_level and topo.two_level):
             continue
         for members in (topo.intra_ranks, topo.inter_ranks):
             for key in sorted({tuple(ranks[j] for j in members(i)) for i in range(topo.world)}):
-                _subgroup(key)
+                created.append((key, _subgroup(key)))
         split[ranks] = topo
+    _warm([sub for key, sub in created if dist.get_rank() in key])
     out = []
     for g, ranks in zip(groups, own_groups):
         topo = split.get(ranks) or topology_of(list(ranks), ranks_per_node)

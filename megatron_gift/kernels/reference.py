@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, encode_flat, group_lengths, scale_values
+from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, divisor, encode_flat, group_lengths, scale_values
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
 
@@ -139,7 +139,7 @@ def reference_decode_sum_unwhiten(
     decoded = [decode_rows(p, s, lengths, cfg) for p, s in zip(_as_parts(payloads), _as_parts(scales))]
     acc = ordered_sum(decoded)
     if average:
-        acc /= sum(d.shape[0] for d in decoded)
+        acc /= divisor(sum(d.shape[0] for d in decoded), acc.device)
     acc = acc.view(rows, cols)
     acc = whitening.inverse(acc) if whitening is not None else acc
     return acc if out is None else out.view(rows, cols).copy_(acc)
@@ -167,7 +167,7 @@ def reference_sum_rows(parts: Parts, average: bool, out=None) -> torch.Tensor | 
     parts = _as_parts(parts)
     acc = ordered_sum([p.float() for p in parts])
     if average:
-        acc.div_(sum(p.shape[0] for p in parts))
+        acc.div_(divisor(sum(p.shape[0] for p in parts), acc.device))
     if out is not None and not isinstance(out, torch.Tensor):
         return _write(out, acc)
     return acc if out is None else out.copy_(acc)

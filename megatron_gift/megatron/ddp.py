@@ -41,7 +41,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
-from ..comm.topology import build_groups, ranks_per_node_from_env
+from ..comm.topology import build_groups, nodes_of_ranks
 from ..config import Exchange, GiftConfig, Mode, ParamGather, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
@@ -211,7 +211,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         converted = self._converted()
         groups = [reduction_group(bg) for bg in converted]
         cfg = self.gift_config
-        rpn = ranks_per_node_from_env(cfg.ranks_per_node)
+        rpn = nodes_of_ranks(cfg.ranks_per_node)  # the hosts, gathered once here (issue 35 item 4)
         for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange is Exchange.AUTO)):
             bg.gift_groups = placed
             if placed.intra is not None and cfg.error_feedback:

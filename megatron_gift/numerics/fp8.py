@@ -35,7 +35,7 @@ reduction still fires.
 from __future__ import annotations
 
 import enum
-import math
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,16 @@ from .wire import FP8Format, WireFormat
 
 MX_BLOCK = 32
 _E8M0_BIAS = 127
+
+
+@functools.lru_cache(maxsize=256)
+def divisor(value: float, device: torch.device | str | None) -> torch.Tensor:
+    """``value`` as a cached FP32 0-dim tensor on ``device``, to divide by: on CUDA ``t / python_scalar``
+    is ``t * (1/s)``, not the IEEE division the kernels do (issue 35 item 6). Filled on the device (no
+    copy, no sync); shared, so never written."""
+    if float(torch.tensor(value, dtype=torch.float32)) != value:  # checked on the host: FP32 must hold it
+        raise ValueError(f"divisor {value!r} is not exact in FP32")
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 class Scaling(enum.Enum):
@@ -84,7 +94,7 @@ class CodecConfig:
             return (1, 1)
         if self.scaling is Scaling.ROW:
             return (rows, 1)
-        return (rows, math.ceil(cols / self.block))
+        return (rows, -(-cols // self.block))
 
     def scale_dtype(self) -> torch.dtype:
         """MX scales travel as E8M0 bytes, all others as FP32 (see the module docstring for why)."""
@@ -164,7 +174,11 @@ def segment_amax(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def scales_from_amax(amax: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """Dequantization scales ``s = amax / fp8_max`` (1 where amax is 0) in the wire format."""
     # Clamped to FP32's smallest normal so that a group of tiny values never divides by zero.
-    s = torch.where(amax > 0, (amax / cfg.fmt.max).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    s = torch.where(
+        amax > 0,
+        (amax / divisor(cfg.fmt.max, amax.device)).clamp_min(torch.finfo(torch.float32).tiny),
+        torch.ones_like(amax),
+    )
     if cfg.scaling is Scaling.MX:
         # OCP MX: a power of two, rounded up so that amax / s <= fp8_max (the maximum never clips).
         e = torch.ceil(torch.log2(s)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
@@ -211,7 +225,7 @@ def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) 
     return CodecStats(
         numel=x.numel(),
         flushed=((x != 0) & fin & (mag == 0)).sum(),
-        clipped=(fin & (y.abs() >= cfg.fmt.max + cfg.fmt.ulp_at_max / 2)).sum(),
+        clipped=(fin & (y.abs() >= cfg.fmt.max + cfg.fmt.ulp_at_max * 0.5)).sum(),
         at_max=(fin & (mag == cfg.fmt.max_code)).sum(),
         at_min_subnormal=(fin & (mag == 1)).sum(),
         nonfinite=(~fin).sum(),

@@ -80,6 +80,13 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
         return slice(r * n, (r + 1) * n)
 
     errors, grads, links, sent = [], [], {}, {}
+    new_groups, new_group = [], torch.distributed.new_group  # counted from here on: none in a step
+
+    def counting(*args, **kwargs):
+        new_groups.append(args)
+        return new_group(*args, **kwargs)
+
+    torch.distributed.new_group = counting
     with WireRecord() as wire:
         for step in range(steps):
             wire.clear()  # this step's
@@ -100,6 +107,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
             grads += [bucket.grad_data[owned(bg, bucket)].clone() for bg in ddp.bucket_groups for bucket in bg.buckets]
             ok, _, _ = opt.step()
             assert ok
+    torch.distributed.new_group = new_group
     intra_calls = {(e.op, e.dtype) for e in wire.entries if e.stage == "_intra" and e.op != "plain"}  # coded values
     ddp.zero_grad_buffer()  # closes the last step: its bytes move to last_step_bytes
     sent = dict(ddp.last_step_bytes)
@@ -119,6 +127,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
         stages=wire.stages(),
         intra_calls=intra_calls,
         intra=intra,
+        new_groups=len(new_groups),
     )
 
 
@@ -180,13 +189,15 @@ def results():
 @pytest.mark.slow
 def test_two_level_in_megatron_training(results):
     """Bugs caught: a node partial sum missing a rank or counted twice, a GIFT row whitened from a
-    piece, the wrong shard written, BF16 or FP8 where FP32 was asked, TP ranks exchanging across."""
+    piece, the wrong shard written, BF16 or FP8 where FP32 was asked, TP ranks exchanging across, a
+    process group created inside a step (lazily, in the first backward's hooks: issue 35 item 5)."""
     for key in [k for k in results[0] if isinstance(k[0], int)]:
         tp, mode, dist_opt, overlap = key
         per_rank = [r[key] for r in results]
         for res in per_rank:
             over = [e for e in res["errors"] if not e[2] <= e[3]]
             assert res["errors"] and not over, (key, over)
+            assert res["new_groups"] == 0, key
             # TP 2: the data-parallel group has one rank per node, the flat exchange, all inter-node
             assert res["expect_two_level"] == (tp == 1) and _two_level(res) == (tp == 1), (key, res["links"])
             assert res["links"].get("inter", 0) > 0 and (res["links"].get("intra", 0) > 0) == (tp == 1), (
