@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
+from .. import kernels as _kernels
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
@@ -137,6 +138,20 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             else ""
         )
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
+        self._warn_fp4_kernels()
+
+    def _warn_fp4_kernels(self) -> None:
+        """Where the fused kernels would run, say once at start-up that a four-bit exchange does not
+        use them (they implement FP8 only): its encode and decode take the PyTorch path."""
+        cfg, device = self.gift_config, self._device()
+        if cfg.inter_node_format.block is None or cfg.kernels is False:
+            return
+        if (cfg.kernels or device.type == "cuda") and _kernels.available(device):
+            logger.warning(
+                "megatron-gift: --gift-inter-node-format %s uses the PyTorch path: the fused Triton kernels "
+                "implement FP8 only",
+                cfg.inter_node_format.value,
+            )
 
     # the state the training loop, the checkpoint hooks, tests and benchmarks read
     @property
@@ -225,6 +240,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype
         )
         layout.check(reduce_scatter=self.ddp_config.use_distributed_optimizer)
+        fmt = self.gift_config.inter_node_format
+        if fmt.block is not None:  # four bits between nodes: every boundary on a whole block
+            layout.check_blocks(fmt.block, f"--gift-inter-node-format {fmt.value}")
         return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
