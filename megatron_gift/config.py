@@ -207,6 +207,11 @@ class GiftConfig:
                 f"error_feedback works with FP8 only (its residual is staged by the FP8 encode), got "
                 f"inter_node_format {self.inter_node_format.value}"
             )
+        if self.side is not Side.INPUT and self.inter_node_format is not InterNodeFormat.FP8:
+            raise ValueError(
+                f"the four-bit exchange whitens the input side alone: inter_node_format "
+                f"{self.inter_node_format.value} needs side=input (--gift-side input), got {self.side.value}"
+            )
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if self.sketch and self.sketch < self.rank:

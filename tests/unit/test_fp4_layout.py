@@ -120,3 +120,15 @@ def test_shard_boundary_inside_a_block_is_refused(fmt):
     assert "'w'" in msg and "264" in msg and f"--gift-inter-node-format {fmt}" in msg and "\n" not in msg
     plain = layout([Segment(0, 8, 64, Mode.OFF, "w")], numel, 2)
     plain.check_blocks(block, "x")  # nothing coded: nothing to align
+
+
+@pytest.mark.parametrize("side", ["both", "auto"])
+def test_output_side_with_fp4_is_refused(side):
+    """Bug caught: ``--gift-side both`` accepted with a four-bit exchange, which never applies the
+    output side's ``T_out`` (the gradient would come back un-whitened on one side only)."""
+    with pytest.raises(ValueError) as exc:
+        gift_config_from_args(
+            parse("--gift-mode", "gift", "--gift-side", side, "--gift-inter-node-format", "mxfp4", "--gift-rank", "8")
+        )
+    msg = str(exc.value)
+    assert "--gift-side input" in msg and "--gift-inter-node-format mxfp4" in msg and "\n" not in msg
