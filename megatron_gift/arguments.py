@@ -29,6 +29,7 @@ from .config import (
     Mode,
     ParamGather,
     PolicyConfig,
+    Rotation,
     Schedule,
     Side,
     param_modes,
@@ -50,6 +51,7 @@ _FIELD_FLAGS = {
     "block size": "--gift-block-size",
     "inter_node_format": "--gift-inter-node-format",
     "error_feedback": "--gift-error-feedback",
+    "rotation": "--gift-rotation",
     "margin": "--gift-policy-margin",
     "hysteresis": "--gift-policy-hysteresis",
     "bf16_bound": "--gift-bf16-bound",
@@ -310,6 +312,14 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "PyTorch path, not the fused kernels (default: %(default)s).",
     )
     flags.add_argument(
+        "--gift-rotation",
+        choices=tuple(r.value for r in Rotation),
+        default=_DEFAULT.rotation.value,
+        help="With --gift-inter-node-format nvfp4 or mxfp4: hadamard sends each whitened GIFT layer's G T H, "
+        "H a randomized Hadamard transform of 64-column blocks with signs from --seed (no communication), "
+        "undone on the sum at the receiver (default: %(default)s).",
+    )
+    flags.add_argument(
         "--gift-ranks-per-node",
         type=int,
         default=None,
@@ -403,6 +413,8 @@ def gift_config_from_args(args) -> GiftConfig | None:
             exchange=Exchange(args.gift_exchange),
             intra_node=IntraNode(args.gift_intra_node),
             inter_node_format=InterNodeFormat(args.gift_inter_node_format),
+            rotation=Rotation(args.gift_rotation),
+            rotation_seed=getattr(args, "seed", 0) if args.gift_rotation != Rotation.NONE.value else 0,
             schedule=None if args.gift_schedule == "auto" else Schedule(args.gift_schedule),
             ranks_per_node=args.gift_ranks_per_node,
             param_gather=ParamGather(args.gift_param_gather),
@@ -567,7 +579,15 @@ def _flag_defaults() -> dict:
     return vars(add_gift_args(argparse.ArgumentParser()).parse_args([]))
 
 
-_GIFT_ONLY = ("gift_rank", "gift_sketch", "gift_refresh_interval", "gift_ema", "gift_damping", "gift_side")
+_GIFT_ONLY = (
+    "gift_rotation",
+    "gift_rank",
+    "gift_sketch",
+    "gift_refresh_interval",
+    "gift_ema",
+    "gift_damping",
+    "gift_side",
+)
 _FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback", "gift_inter_node_format")
 _AUTO_ONLY = (
     "gift_profile_steps",

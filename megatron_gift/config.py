@@ -48,6 +48,14 @@ class InterNodeFormat(enum.Enum):
         return {"nvfp4": 16, "mxfp4": 32}.get(self.value)
 
 
+class Rotation(enum.Enum):
+    """A rotation composed after GIFT's whitening in the four-bit exchange (``numerics.rotation``):
+    none, or a randomized block Hadamard transform of 64 columns (``U = G T H``)."""
+
+    NONE = "none"
+    HADAMARD = "hadamard"
+
+
 class Schedule(enum.Enum):
     """When a bucket's later reduction stages are enqueued (``comm.schedule``): all at the bucket's
     hook, or one further stage per later bucket (for one hardware queue and for CPUs)."""
@@ -144,7 +152,9 @@ class GiftConfig:
     ``exchange``: ``auto`` (two-level where the data-parallel group spans several nodes with
     several ranks each) or ``flat`` (one all-to-all over the group); ``intra_node``: the two-level
     exchange's intra-node dtype; ``inter_node_format``: the coded values' format between nodes (the
-    inter-node stage, and the flat exchange): ``fp8`` (``codec``), ``nvfp4`` or ``mxfp4``;
+    inter-node stage, and the flat exchange): ``fp8`` (``codec``), ``nvfp4`` or ``mxfp4``; ``rotation``:
+    with those, ``hadamard`` sends GIFT layers' ``G T H`` (``numerics.rotation.BlockHadamard(64,
+    rotation_seed)``, the same signs on every rank from the seed, ``--seed``);
     ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
     ``kernels``: whether the reduction uses the fused Triton kernels (None: on CUDA where they are
     available; True: wherever available, the CPU too under Triton's interpreter; False: never).
@@ -178,6 +188,8 @@ class GiftConfig:
     exchange: Exchange = Exchange.AUTO
     intra_node: IntraNode = IntraNode.BF16
     inter_node_format: InterNodeFormat = InterNodeFormat.FP8
+    rotation: Rotation = Rotation.NONE
+    rotation_seed: int = 0
     ranks_per_node: int | None = None
     kernels: bool | None = None
     schedule: Schedule | None = None
@@ -194,6 +206,7 @@ class GiftConfig:
             ("exchange", Exchange),
             ("intra_node", IntraNode),
             ("inter_node_format", InterNodeFormat),
+            ("rotation", Rotation),
         )
         for name, kind in enums:
             if not isinstance(getattr(self, name), kind):  # a spelling: the enum's member, or its ValueError
@@ -211,6 +224,11 @@ class GiftConfig:
             raise ValueError(
                 f"the four-bit exchange whitens the input side alone: inter_node_format "
                 f"{self.inter_node_format.value} needs side=input (--gift-side input), got {self.side.value}"
+            )
+        if self.rotation is not Rotation.NONE and self.inter_node_format is InterNodeFormat.FP8:
+            raise ValueError(
+                f"rotation {self.rotation.value} is applied by the four-bit exchange only: it needs "
+                "inter_node_format nvfp4 or mxfp4"
             )
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")

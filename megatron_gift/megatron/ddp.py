@@ -39,11 +39,12 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from .. import kernels as _kernels
+from ..comm.fp4_reduce import ROTATION_BLOCK
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, ranks_per_node_from_env
-from ..config import Exchange, GiftConfig, Mode, ParamGather, Side, param_modes
+from ..config import Exchange, GiftConfig, Mode, ParamGather, Rotation, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
@@ -243,6 +244,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         fmt = self.gift_config.inter_node_format
         if fmt.block is not None:  # four bits between nodes: every boundary on a whole block
             layout.check_blocks(fmt.block, f"--gift-inter-node-format {fmt.value}")
+            if self.gift_config.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
+                layout.check_blocks(ROTATION_BLOCK, "--gift-rotation hadamard")
         return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
