@@ -61,3 +61,24 @@ def test_nvfp4_between_nodes_trains():
         assert not any(dtype.startswith("fp8") and link == "inter" for link, dtype in res["links"]), res["links"]
         assert res["whitened"] > 0
     assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
+
+
+@pytest.mark.parametrize("kernels, available, warned", [(None, True, False), (True, True, True), (True, False, False)])
+def test_fp4_warns_once_where_the_kernels_would_run(monkeypatch, caplog, kernels, available, warned):
+    """Bug caught: a run that asked for the fused kernels (``kernels=True``, or CUDA by default) not told
+    that the four-bit exchange takes the PyTorch path; or told where the kernels would not run anyway
+    (a CPU with ``kernels`` unset, or no Triton)."""
+    from types import SimpleNamespace
+
+    from megatron_gift import kernels as runtime_kernels
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+
+    monkeypatch.setattr(runtime_kernels, "available", lambda device: available)
+    fake = SimpleNamespace(
+        gift_config=GiftConfig(mode=Mode.GIFT, inter_node_format="mxfp4", kernels=kernels),
+        _device=lambda: torch.device("cpu"),
+    )
+    with caplog.at_level("WARNING"):
+        GiftDistributedDataParallel._warn_fp4_kernels(fake)
+    lines = [r.getMessage() for r in caplog.records if "PyTorch path" in r.getMessage()]
+    assert len(lines) == int(warned) and all("--gift-inter-node-format mxfp4" in line for line in lines)
