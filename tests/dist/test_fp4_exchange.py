@@ -1,6 +1,6 @@
 """Four-bit gradient exchange (``--gift-inter-node-format nvfp4|mxfp4``, ``comm.fp4_reduce``) on 4 gloo
-ranks simulated as 2 nodes x 2: the flat and the two-level reduction, reduce-scatter and all-reduce,
-Euclidean and GIFT parameters, against an FP32 reduction computed here by hand from independently
+ranks simulated as 2 nodes x 2: the flat and the two-level reduction (the intra-node stage in FP32 or
+FP8), reduce-scatter and all-reduce, Euclidean and GIFT parameters, ``--gift-rotation hadamard``, against an FP32 reduction computed here by hand from independently
 quantized values (each sender's values through ``numerics.fp4.roundtrip_fp4``, whose own tests pin
 its numerics; summed in FP32 in rank order by tests/reference.py; untransformed), every rank
 bit-identical, and the ledger's inter-node bytes against a hand count."""
@@ -20,6 +20,7 @@ from megatron_gift.numerics.fp4 import FP4_FORMATS, roundtrip_fp4
 from megatron_gift.numerics.rotation import BlockHadamard
 from megatron_gift.testing import run_on_ranks
 from tests.dist.test_comm import _bucket_grads, _transforms
+from tests.dist.test_two_level import _roundtrip
 from tests.reference import ordered_sum
 
 WORLD, PER_NODE = 4, 2
@@ -41,8 +42,13 @@ ROT_SEGMENTS = [
     Segment(1664, 8, 64, Mode.EUCLIDEAN, "b"),
     Segment(2176, 5, 128, Mode.GIFT, "c"),
 ]
-CASES = [(fmt, two, ar, False) for fmt in FP4_FORMATS for two in (False, True) for ar in (False, True)]
-CASES += [("nvfp4", False, False, True), ("mxfp4", True, False, True), ("nvfp4", True, True, True)]
+CASES = [(fmt, two, ar, False, "fp32") for fmt in FP4_FORMATS for two in (False, True) for ar in (False, True)]
+CASES += [
+    ("nvfp4", False, False, True, "fp32"),
+    ("mxfp4", True, False, True, "fp32"),
+    ("nvfp4", True, True, True, "fp32"),
+]
+CASES += [("nvfp4", True, False, False, "fp8"), ("mxfp4", True, False, True, "fp8")]  # FP8 inside the node
 
 
 def _bucket(rotation):
@@ -58,18 +64,18 @@ def _worker(rank, world):
     (placed,) = build_groups([dist.group.WORLD], PER_NODE)
     assert placed.topology == Topology(2, 2)
     out = {}
-    for fmt, two_level, all_reduce, rotation in CASES:
+    for fmt, two_level, all_reduce, rotation, intra in CASES:
         (numel, segments), layout = _bucket(rotation), _layout(rotation)
         layout.check_blocks(64 if rotation else FP4_FORMATS[fmt].block, "test")
         ts = _transforms(segments)
         flat, ledger = _bucket_grads(numel, segments, rank), CommLedger()
         common = dict(average=True, all_reduce=all_reduce, ledger=ledger, rotation=ROTATION if rotation else None)
         if two_level:
-            red = FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], IntraNode.FP32, **common)
+            red = FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], IntraNode(intra), **common)
         else:
             red = FP4Reduce(flat, layout, dist.group.WORLD, ts, FP4_FORMATS[fmt], topology=placed.topology, **common)
         reduce_now(red, "cpu")
-        out[(fmt, two_level, all_reduce, rotation)] = (flat, dict(ledger.links))
+        out[(fmt, two_level, all_reduce, rotation, intra)] = (flat, dict(ledger.links))
     return out
 
 
@@ -78,17 +84,29 @@ def results():
     return run_on_ranks(_worker, WORLD)
 
 
-def _sent(x, segments, ts, rotation):
-    """The bucket's coded sequence as a sender encodes it: ``G T`` (``G T H`` with ``rotation``) for
-    GIFT parameters, ``G`` else."""
+def _sent(x, segments, ts):
+    """The bucket's coded sequence as a sender whitens it: ``G T`` for GIFT parameters, ``G`` else."""
     out = []
     for s, t in zip(segments, ts):
         if s.mode is Mode.OFF:
             continue
         g = x[s.start : s.end].view(s.rows, s.cols)
-        u = g if t is None else (ROTATION.apply(t.apply(g)) if rotation else t.apply(g))
+        u = g if t is None else t.apply(g)
         out.append(u.reshape(-1))
     return torch.cat(out)
+
+
+def _rotated(u, segments, ts):
+    """``U H`` for the whitened parameters of a coded sequence ``u``, the rest as it is."""
+    out, at = u.clone(), 0
+    for s, t in zip(segments, ts):
+        if s.mode is Mode.OFF:
+            continue
+        n = s.rows * s.cols
+        if t is not None:
+            out[at : at + n] = ROTATION.apply(u[at : at + n].view(s.rows, s.cols)).reshape(-1)
+        at += n
+    return out
 
 
 def _quantized(u, layout, fmt):
@@ -100,16 +118,26 @@ def _quantized(u, layout, fmt):
     return torch.cat(pieces)
 
 
-def expected(fmt, two_level, rotation):
+def _fp8_shards(u, layout):
+    """A sender's coded sequence through the intra-node stage's FP8, shard by shard in the shards'
+    scaling groups (tests/dist/test_two_level.py's ``_roundtrip``: tests/reference.py's FP8)."""
+    return torch.cat([_roundtrip(u[p.coded_lo : p.coded_hi], layout, j) for j, p in enumerate(layout.shards)])
+
+
+def expected(fmt, two_level, rotation, intra="fp32"):
     """The averaged reduction by hand: each sender's (two-level: each node's FP32 sum's) coded values
-    quantized, summed in FP32 in rank order, ÷ 4, untransformed (``Hᵀ`` then ``T⁻¹``); plain values
-    summed in FP32."""
+    quantized (``intra`` fp8: each sender's values through FP8 first), summed in FP32 in rank order,
+    ÷ 4, untransformed (``Hᵀ`` then ``T⁻¹``); plain values summed in FP32."""
     (numel, segments), layout = _bucket(rotation), _layout(rotation)
     ts = _transforms(segments)
     grads = [_bucket_grads(numel, segments, r) for r in range(WORLD)]
-    sent = [_sent(g, segments, ts, rotation) for g in grads]
+    sent = [_sent(g, segments, ts) for g in grads]  # G T: H comes after the intra-node stage
+    if intra == "fp8":
+        sent = [_fp8_shards(u, layout) for u in sent]
     if two_level:
         sent = [ordered_sum(sent[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
+    if rotation:  # H on each sender's (node sum's) whitened rows: H is linear
+        sent = [_rotated(u, segments, ts) for u in sent]
     total = ordered_sum([_quantized(u, layout, fmt) for u in sent]) / WORLD
     want, at = torch.zeros(numel), 0
     for s, t in zip(segments, ts):
@@ -127,8 +155,8 @@ def expected(fmt, two_level, rotation):
     return want
 
 
-@pytest.mark.parametrize("fmt, two_level, all_reduce, rotation", CASES)
-def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_reduce, rotation):
+@pytest.mark.parametrize("fmt, two_level, all_reduce, rotation, intra", CASES)
+def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_reduce, rotation, intra):
     """Bug caught: FP4 codes, block or segment scales misplaced in the messages, a sender's message
     decoded with another's scales, a sum out of rank order or outside FP32, the average or ``T⁻¹``
     applied twice or not at all, the cut rows' finish wrong; all-reduce: a rank holding other bits.
@@ -136,8 +164,8 @@ def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_red
     runtime finishes cut rows from partial projections). Rotation: ``H`` missing, applied twice, not
     undone before ``T⁻¹``, or with other signs on some rank; a cut row rotated across the cut."""
     (numel, segments), layout = _bucket(rotation), _layout(rotation)
-    want = expected(fmt, two_level, rotation)
-    got = [r[(fmt, two_level, all_reduce, rotation)][0] for r in results]
+    want = expected(fmt, two_level, rotation, intra)
+    got = [r[(fmt, two_level, all_reduce, rotation, intra)][0] for r in results]
     for j, plan in enumerate(layout.shards):
         holders = range(WORLD) if all_reduce else [j]
         for r in holders:
@@ -176,4 +204,4 @@ def test_inter_node_bytes_are_the_hand_count(results, fmt, two_level):
         node, local = divmod(r, PER_NODE)
         other = [j for j in range(WORLD) if j // PER_NODE != node]
         want = message((1 - node) * PER_NODE + local) if two_level else sum(message(j) for j in other)
-        assert res[(fmt, two_level, False, False)][1][("inter", f"{fmt}+scales")] == want
+        assert res[(fmt, two_level, False, False, "fp32")][1][("inter", f"{fmt}+scales")] == want
