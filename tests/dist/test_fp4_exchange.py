@@ -1,9 +1,10 @@
 """Four-bit gradient exchange (``--gift-inter-node-format nvfp4|mxfp4``, ``comm.fp4_reduce``) on 4 gloo
 ranks simulated as 2 nodes x 2: the flat and the two-level reduction (the intra-node stage in FP32 or
-FP8), reduce-scatter and all-reduce, Euclidean and GIFT parameters, ``--gift-rotation hadamard``, against an FP32 reduction computed here by hand from independently
-quantized values (each sender's values through ``numerics.fp4.roundtrip_fp4``, whose own tests pin
-its numerics; summed in FP32 in rank order by tests/reference.py; untransformed), every rank
-bit-identical, and the ledger's inter-node bytes against a hand count."""
+FP8), reduce-scatter and all-reduce, Euclidean and GIFT parameters, ``--gift-rotation hadamard``,
+against an FP32 reduction computed here by hand from independently quantized values (each sender's
+values through ``numerics.fp4.roundtrip_fp4``, whose own tests pin its numerics; summed in FP32 in
+rank order by tests/reference.py; untransformed), every rank bit-identical, and the ledger's
+inter-node bytes against a hand count."""
 
 import pytest
 import torch
