@@ -159,7 +159,13 @@ class BucketLayout:
     """The plan for one bucket; identical on every rank since it depends only on static shapes."""
 
     def __init__(
-        self, numel: int, num_shards: int, segments: list[Segment], codec: CodecConfig, raw_dtype: torch.dtype
+        self,
+        numel: int,
+        num_shards: int,
+        segments: list[Segment],
+        codec: CodecConfig,
+        raw_dtype: torch.dtype,
+        align: int = 1,
     ):
         segs = sorted(segments, key=lambda s: s.start)
         for a, b in zip(segs, segs[1:]):
@@ -169,7 +175,10 @@ class BucketLayout:
             raise ValueError(f"parameter {segs[-1].name!r} ends beyond the bucket")
         self.numel = numel
         self.num_shards = num_shards
-        self.shard_size = -(-numel // num_shards)
+        # ``align``: shards of a multiple of it (an all-reduce's shards are the plugin's own: with four bits
+        # on the wire, whole blocks); the reduce-scatter's are Megatron's, ``align`` 1
+        base = -(-numel // num_shards)
+        self.shard_size = -(-base // align) * align
         self.segments = segs
         self.codec = codec
         self.plain_dtypes = [raw_dtype, torch.bfloat16]

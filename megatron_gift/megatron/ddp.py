@@ -236,15 +236,24 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 )
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
-        """The bucket's plan, checked once here (``BucketLayout.check``: the same refusal on every rank)."""
+        """The bucket's plan, checked once here (``BucketLayout.check``: the same refusal on every rank).
+        With four bits between nodes and no distributed optimizer, the all-reduce's shards (the plugin's
+        own) are whole blocks (64 columns with the rotation); the reduce-scatter's are Megatron's."""
+        cfg, dist_opt = self.gift_config, self.ddp_config.use_distributed_optimizer
+        fmt = cfg.inter_node_format
+        block = None if fmt.block is None else ROTATION_BLOCK if cfg.rotation is Rotation.HADAMARD else fmt.block
         layout = BucketLayout(
-            bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype
+            bucket.grad_data.numel(),
+            shards,
+            segments,
+            cfg.codec,
+            bucket.grad_data.dtype,
+            align=block if block is not None and not dist_opt else 1,
         )
-        layout.check(reduce_scatter=self.ddp_config.use_distributed_optimizer)
-        fmt = self.gift_config.inter_node_format
+        layout.check(reduce_scatter=dist_opt)
         if fmt.block is not None:  # four bits between nodes: every boundary on a whole block
             layout.check_blocks(fmt.block, f"--gift-inter-node-format {fmt.value}")
-            if self.gift_config.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
+            if cfg.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
                 layout.check_blocks(ROTATION_BLOCK, "--gift-rotation hadamard")
         return layout
 

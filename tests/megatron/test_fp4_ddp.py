@@ -1,6 +1,7 @@
-"""GiftDistributedDataParallel with ``--gift-inter-node-format nvfp4`` inside real Megatron-Core
-training (CPU/gloo, 4 ranks as 2 simulated nodes x 2, the distributed optimizer, overlap): a few
-steps train with finite losses, the replicas stay bit-identical, and the inter-node bytes are FP4's."""
+"""GiftDistributedDataParallel with four bits between nodes inside real Megatron-Core training
+(CPU/gloo, 4 ranks as 2 simulated nodes x 2): NVFP4 with the distributed optimizer and overlap, MXFP4
+with the Hadamard rotation and Megatron's all-reduce; a few steps train with finite losses, the
+replicas stay bit-identical, and the inter-node bytes are FP4's."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.cpu_harness
 STEPS = 3
 
 
-def _worker(rank, world):
+def _train(dist_opt, fmt, rotation):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -22,17 +23,19 @@ def _worker(rank, world):
 
     parallel_state.initialize_model_parallel(1, 1)
     model = build_tiny_gpt()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=dist_opt)
     gift = GiftConfig(
         mode=Mode.GIFT,
         rank=8,
         refresh_interval=1,
         euclidean_layers=(r"embedding",),
         ranks_per_node=2,
-        inter_node_format="nvfp4",
+        inter_node_format=fmt,
+        rotation=rotation,
+        rotation_seed=1234,
     )
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=dist_opt), [ddp])
     dp_rank = parallel_state.get_data_parallel_group().rank()
     losses, links = [], {}
     for step in range(STEPS):
@@ -51,16 +54,33 @@ def _worker(rank, world):
     return dict(losses=losses, params=params, links=links, whitened=whitened)
 
 
-def test_nvfp4_between_nodes_trains():
+# (distributed optimizer, format, rotation): the reduce-scatter with NVFP4; the all-reduce (the plugin's
+# own shards, aligned to whole 64-column blocks) with MXFP4 and the Hadamard rotation
+RUNS = [(True, "nvfp4", "none"), (False, "mxfp4", "hadamard")]
+
+
+def _worker(rank, world):
+    return [_train(*run) for run in RUNS]
+
+
+@pytest.mark.parametrize("run", range(len(RUNS)))
+def test_fp4_between_nodes_trains(results, run):
     """Bug caught: the FP4 exchange wired into the DDP wrongly (a NaN or Inf gradient, a rank whose
-    weights drift from the others', FP8 sent where NVFP4 was asked, no GIFT layer ever whitened)."""
-    results = run_on_ranks(_worker, 4, cpu_harness=True, timeout=600)
-    for res in results:
+    weights drift from the others', FP8 sent where FP4 was asked, no GIFT layer ever whitened); the
+    all-reduce's layout refused for want of aligned shards."""
+    per_rank = [r[run] for r in results]
+    fmt = RUNS[run][1]
+    for res in per_rank:
         assert all(torch.isfinite(torch.tensor(res["losses"]))), res["losses"]
-        assert res["links"].get(("inter", "nvfp4+scales"), 0) > 0, res["links"]
+        assert res["links"].get(("inter", f"{fmt}+scales"), 0) > 0, res["links"]
         assert not any(dtype.startswith("fp8") and link == "inter" for link, dtype in res["links"]), res["links"]
         assert res["whitened"] > 0
-    assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
+    assert all(torch.equal(r["params"], per_rank[0]["params"]) for r in per_rank)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_worker, 4, cpu_harness=True, timeout=600)
 
 
 @pytest.mark.parametrize("kernels, available, warned", [(None, True, False), (True, True, True), (True, False, False)])

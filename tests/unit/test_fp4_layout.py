@@ -146,3 +146,16 @@ def test_rotation_flag_reaches_the_config_with_the_seed():
     with pytest.raises(ValueError) as exc:
         gift_config_from_args(parse("--gift-mode", "gift", "--gift-rotation", "hadamard"))
     assert "--gift-rotation hadamard" in str(exc.value) and "--gift-inter-node-format" in str(exc.value)
+
+
+def test_all_reduce_shards_can_be_aligned_to_whole_blocks():
+    """Bug caught: an all-reduce layout (no distributed optimizer: Megatron neither pads parameters
+    nor buckets) whose shard boundaries fall inside blocks, refused though its shards are the plugin's
+    own choice: with ``align`` they are whole blocks and the same layout passes the block rule."""
+    segs = [Segment(0, 10, 64, Mode.GIFT, "w"), Segment(640, 1, 360, Mode.OFF, "rest")]
+    plain = layout(segs, 1000, 4)  # shards of 250: a cut 58 columns into a row of "w"
+    with pytest.raises(ValueError):
+        plain.check_blocks(32, "x")
+    aligned = BucketLayout(1000, 4, segs, CodecConfig(), torch.float32, align=64)
+    assert aligned.shard_size == 256 and [p.hi for p in aligned.shards] == [256, 512, 768, 1000]
+    aligned.check_blocks(64, "x")
