@@ -103,6 +103,13 @@ class _FP4Stages:
         layout = self.layout
         self.msgs = layout.cached(("fp4", fmt.name), lambda: [fp4_message(layout, j, fmt) for j in range(self.world)])
 
+    def _lengths(self, j: int, device) -> torch.Tensor:
+        """Shard ``j``'s segment lengths (its coded parts) on ``device``, copied there once per layout."""
+        m = self.msgs[j]
+        return self.layout.cached(
+            ("fp4-lengths", j, str(device)), lambda: torch.tensor(m.lengths, dtype=torch.int64).to(device)
+        )
+
     def _rotate(self, x: torch.Tensor, seg: int, col0: int, inverse: bool = False) -> torch.Tensor:
         """``x`` (flat FP32 values of GIFT segment ``seg`` from column ``col0`` of a row on, whole
         64-blocks: the layout's check) times ``H`` (``inverse``: ``Hᵀ``) where the segment is whitened
@@ -137,7 +144,7 @@ class _FP4Stages:
         coded sequence) encoded, its plain values ``plain[c]`` (the shard's range of class ``c``) cast."""
         m = self.msgs[j]
         if coded.numel():
-            enc = encode_fp4(coded, self.fmt, torch.tensor(m.lengths, dtype=torch.int64))
+            enc = encode_fp4(coded, self.fmt, self._lengths(j, coded.device))
             buf[m.codes_at : m.codes_at + enc.codes.numel()].copy_(enc.codes)
             buf[m.scales_at : m.scales_at + enc.block_scales.numel()].copy_(enc.block_scales)
             if self.fmt.segment_scale:
@@ -195,7 +202,7 @@ class _FP4Stages:
         """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order."""
         if n == 0:
             return None
-        lengths = torch.tensor(m.lengths, dtype=torch.int64)
+        lengths = self._lengths(self.rank, msgs.device)
         decoded = []
         for row in msgs:
             segments = (
