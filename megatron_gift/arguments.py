@@ -21,7 +21,19 @@ import os
 import re
 import sys
 
-from .config import Exchange, GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig, Schedule, Side, param_modes
+from .config import (
+    Exchange,
+    GiftConfig,
+    InterNodeFormat,
+    IntraNode,
+    Mode,
+    ParamGather,
+    PolicyConfig,
+    Rotation,
+    Schedule,
+    Side,
+    param_modes,
+)
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
 from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_upstream
 
@@ -37,6 +49,9 @@ _FIELD_FLAGS = {
     "ema": "--gift-ema",
     "refresh_interval": "--gift-refresh-interval",
     "block size": "--gift-block-size",
+    "inter_node_format": "--gift-inter-node-format",
+    "error_feedback": "--gift-error-feedback",
+    "rotation": "--gift-rotation",
     "margin": "--gift-policy-margin",
     "hysteresis": "--gift-policy-hysteresis",
     "bf16_bound": "--gift-bf16-bound",
@@ -288,6 +303,23 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice).",
     )
     flags.add_argument(
+        "--gift-inter-node-format",
+        choices=tuple(f.value for f in InterNodeFormat),
+        default=_DEFAULT.inter_node_format.value,
+        help="Format of the coded values between nodes (the two-level exchange's inter-node stage, and the "
+        "flat exchange): fp8 (--gift-fp8-format), or E2M1 four-bit codes with nvfp4's 16-element blocks "
+        "(E4M3 block scales, an FP32 scale per segment) or mxfp4's 32-element blocks (E8M0 scales); the "
+        "PyTorch path, not the fused kernels (default: %(default)s).",
+    )
+    flags.add_argument(
+        "--gift-rotation",
+        choices=tuple(r.value for r in Rotation),
+        default=_DEFAULT.rotation.value,
+        help="With --gift-inter-node-format nvfp4 or mxfp4: hadamard sends each whitened GIFT layer's G T H, "
+        "H a randomized Hadamard transform of 64-column blocks with signs from --seed (no communication), "
+        "undone on the sum at the receiver (default: %(default)s).",
+    )
+    flags.add_argument(
         "--gift-ranks-per-node",
         type=int,
         default=None,
@@ -380,6 +412,9 @@ def gift_config_from_args(args) -> GiftConfig | None:
             loopback=args.gift_loopback,
             exchange=Exchange(args.gift_exchange),
             intra_node=IntraNode(args.gift_intra_node),
+            inter_node_format=InterNodeFormat(args.gift_inter_node_format),
+            rotation=Rotation(args.gift_rotation),
+            rotation_seed=getattr(args, "seed", 0) if args.gift_rotation != Rotation.NONE.value else 0,
             schedule=None if args.gift_schedule == "auto" else Schedule(args.gift_schedule),
             ranks_per_node=args.gift_ranks_per_node,
             param_gather=ParamGather(args.gift_param_gather),
@@ -544,8 +579,16 @@ def _flag_defaults() -> dict:
     return vars(add_gift_args(argparse.ArgumentParser()).parse_args([]))
 
 
-_GIFT_ONLY = ("gift_rank", "gift_sketch", "gift_refresh_interval", "gift_ema", "gift_damping", "gift_side")
-_FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback")
+_GIFT_ONLY = (
+    "gift_rotation",
+    "gift_rank",
+    "gift_sketch",
+    "gift_refresh_interval",
+    "gift_ema",
+    "gift_damping",
+    "gift_side",
+)
+_FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback", "gift_inter_node_format")
 _AUTO_ONLY = (
     "gift_profile_steps",
     "gift_profile_interval",

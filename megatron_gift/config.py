@@ -33,6 +33,29 @@ INTRA_NODE_DTYPES = tuple(d.value for d in IntraNode)
 """The spellings of ``IntraNode`` (flags, the planner's tables)."""
 
 
+class InterNodeFormat(enum.Enum):
+    """Wire format of the coded values between nodes (the two-level exchange's inter-node stage, and
+    the flat exchange): FP8 (``--gift-fp8-format``), or four-bit E2M1 with NVFP4's 16-element blocks
+    (E4M3 block scales, an FP32 scale per segment) or MXFP4's 32-element blocks (E8M0 scales)."""
+
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+    MXFP4 = "mxfp4"
+
+    @property
+    def block(self) -> int | None:
+        """Elements per FP4 block (every boundary of the coded sequence falls on one); None for FP8."""
+        return {"nvfp4": 16, "mxfp4": 32}.get(self.value)
+
+
+class Rotation(enum.Enum):
+    """A rotation composed after GIFT's whitening in the four-bit exchange (``numerics.rotation``):
+    none, or a randomized block Hadamard transform of 64 columns (``U = G T H``)."""
+
+    NONE = "none"
+    HADAMARD = "hadamard"
+
+
 class Schedule(enum.Enum):
     """When a bucket's later reduction stages are enqueued (``comm.schedule``): all at the bucket's
     hook, or one further stage per later bucket (for one hardware queue and for CPUs)."""
@@ -128,7 +151,11 @@ class GiftConfig:
     cost; without it such a group keeps Megatron's reduction and its gradient bit for bit.
     ``exchange``: ``auto`` (two-level where the data-parallel group spans several nodes with
     several ranks each) or ``flat`` (one all-to-all over the group); ``intra_node``: the two-level
-    exchange's intra-node dtype; ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
+    exchange's intra-node dtype; ``inter_node_format``: the coded values' format between nodes (the
+    inter-node stage, and the flat exchange): ``fp8`` (``codec``), ``nvfp4`` or ``mxfp4``; ``rotation``:
+    with those, ``hadamard`` sends GIFT layers' ``G T H`` (``numerics.rotation.BlockHadamard(64,
+    rotation_seed)``, the same signs on every rank from the seed, ``--seed``);
+    ``ranks_per_node``: processes per node (None: ``LOCAL_WORLD_SIZE``).
     ``kernels``: whether the reduction uses the fused Triton kernels (None: on CUDA where they are
     available; True: wherever available, the CPU too under Triton's interpreter; False: never).
     ``schedule``: when a bucket's later stages are enqueued (None: ``comm.schedule.default_schedule``,
@@ -160,6 +187,9 @@ class GiftConfig:
     loopback: bool = False
     exchange: Exchange = Exchange.AUTO
     intra_node: IntraNode = IntraNode.BF16
+    inter_node_format: InterNodeFormat = InterNodeFormat.FP8
+    rotation: Rotation = Rotation.NONE
+    rotation_seed: int = 0
     ranks_per_node: int | None = None
     kernels: bool | None = None
     schedule: Schedule | None = None
@@ -175,6 +205,8 @@ class GiftConfig:
             ("param_gather", ParamGather),
             ("exchange", Exchange),
             ("intra_node", IntraNode),
+            ("inter_node_format", InterNodeFormat),
+            ("rotation", Rotation),
         )
         for name, kind in enums:
             if not isinstance(getattr(self, name), kind):  # a spelling: the enum's member, or its ValueError
@@ -183,6 +215,21 @@ class GiftConfig:
             every = getattr(self, name)
             if isinstance(every, bool) or not isinstance(every, int) or every < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: never), got {every!r}")
+        if self.error_feedback and self.inter_node_format is not InterNodeFormat.FP8:
+            raise ValueError(
+                f"error_feedback works with FP8 only (its residual is staged by the FP8 encode), got "
+                f"inter_node_format {self.inter_node_format.value}"
+            )
+        if self.side is not Side.INPUT and self.inter_node_format is not InterNodeFormat.FP8:
+            raise ValueError(
+                f"the four-bit exchange whitens the input side alone: inter_node_format "
+                f"{self.inter_node_format.value} needs side=input (--gift-side input), got {self.side.value}"
+            )
+        if self.rotation is not Rotation.NONE and self.inter_node_format is InterNodeFormat.FP8:
+            raise ValueError(
+                f"rotation {self.rotation.value} is applied by the four-bit exchange only: it needs "
+                "inter_node_format nvfp4 or mxfp4"
+            )
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if self.sketch and self.sketch < self.rank:

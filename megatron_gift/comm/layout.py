@@ -159,7 +159,13 @@ class BucketLayout:
     """The plan for one bucket; identical on every rank since it depends only on static shapes."""
 
     def __init__(
-        self, numel: int, num_shards: int, segments: list[Segment], codec: CodecConfig, raw_dtype: torch.dtype
+        self,
+        numel: int,
+        num_shards: int,
+        segments: list[Segment],
+        codec: CodecConfig,
+        raw_dtype: torch.dtype,
+        align: int = 1,
     ):
         segs = sorted(segments, key=lambda s: s.start)
         for a, b in zip(segs, segs[1:]):
@@ -169,7 +175,10 @@ class BucketLayout:
             raise ValueError(f"parameter {segs[-1].name!r} ends beyond the bucket")
         self.numel = numel
         self.num_shards = num_shards
-        self.shard_size = -(-numel // num_shards)
+        # ``align``: shards of a multiple of it (an all-reduce's shards are the plugin's own: with four bits
+        # on the wire, whole blocks); the reduce-scatter's are Megatron's, ``align`` 1
+        base = -(-numel // num_shards)
+        self.shard_size = -(-base // align) * align
         self.segments = segs
         self.codec = codec
         self.plain_dtypes = [raw_dtype, torch.bfloat16]
@@ -202,6 +211,35 @@ class BucketLayout:
                 "equal shards, as the distributed optimizer's reduce-scatter needs (Megatron pads its "
                 "buckets to a multiple of the data-parallel size)"
             )
+
+    def check_blocks(self, block: int, flag: str) -> None:
+        """``ValueError`` (at plan time, the same on every rank) unless every boundary of the coded
+        sequence falls on a whole ``block``-element block of a four-bit format (``flag`` names it, e.g.
+        ``--gift-inter-node-format nvfp4``): two codes share a byte and a block shares a scale, so a
+        block straddling a shard (hence a message) or a row would be split between two owners.
+        Checked: each coded parameter's rows are whole blocks (so are its segment ends and, with
+        whitening, its row-aligned chunks) and each shard boundary inside one is. The FP8 groups of
+        ``block`` scaling (1x128 by default) are 8 NVFP4 or 4 MXFP4 blocks, so the chunks cut at them
+        stay aligned; Megatron pads parameter starts and buckets to multiples of 64 and 128 elements."""
+        for i in self.coded_segments:
+            s = self.segments[i]
+            if s.cols % block:
+                raise ValueError(
+                    f"megatron-gift: {flag} needs every coded parameter's rows to be whole {block}-element "
+                    f"blocks, but {s.name or f'parameter {i}'!r} is [{s.rows}, {s.cols}] ({s.cols} % {block} = "
+                    f"{s.cols % block}): leave it out of --gift-layers/--gift-euclidean-layers or use "
+                    "--gift-inter-node-format fp8"
+                )
+            first = -(-(s.start + 1) // self.shard_size) * self.shard_size
+            for cut in range(first, s.end, self.shard_size):
+                if (cut - s.start) % block:
+                    raise ValueError(
+                        f"megatron-gift: {flag} needs every shard boundary on a whole {block}-element block, but "
+                        f"the boundary at bucket element {cut} (shards of {self.shard_size}) falls "
+                        f"{(cut - s.start) % block} elements into a block of {s.name or f'parameter {i}'!r} "
+                        f"(starting at {s.start}): pad the buckets and parameter starts to multiples of {block} "
+                        "times the data-parallel size, or use --gift-inter-node-format fp8"
+                    )
 
     # -- the sequences ----------------------------------------------------------------------------
     def _class_offsets(self) -> list[int]:

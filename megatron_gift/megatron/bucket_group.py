@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
+from ..comm.fp4_reduce import ROTATION_BLOCK, FP4Reduce, FP4TwoLevelReduce
 from ..comm.hierarchical import TwoLevelReduce
 from ..comm.instances import AcrossInstances
 from ..comm.layout import BucketLayout, Segment
@@ -34,9 +35,11 @@ from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
-from ..config import GiftConfig, Mode
+from ..config import GiftConfig, Mode, Rotation
 from ..numerics import two_sided
 from ..numerics.error_feedback import ErrorFeedback
+from ..numerics.fp4 import FP4_FORMATS
+from ..numerics.rotation import BlockHadamard
 from ..numerics.whitening import LowRankWhitening
 from ..state import GiftParam, GiftState
 
@@ -141,7 +144,8 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
     def _reduction(self, b: GiftBucket, all_reduce: bool):
         """The two-level reduction where the group has its subgroups (several nodes of several
         ranks) and there is no error feedback (its residual belongs to one rank's whole bucket),
-        else the flat one; wrapped in ``comm.output_side.OutputSide`` where a parameter has an
+        else the flat one (their FP4 variants with four bits between nodes: ``comm.fp4_reduce``); wrapped in
+        ``comm.output_side.OutputSide`` where a parameter has an
         output side (``--gift-side both`` / ``auto``)."""
         transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
         ctx, groups = self.gift_context, self.gift_groups
@@ -152,6 +156,15 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             nonfinite=ctx.state.nonfinite,
             kernels=ctx.config.kernels,
         )
+        fp4 = ctx.config.inter_node_format
+        if fp4.block is not None:  # four bits between nodes (input side only, no error feedback)
+            common.pop("kernels")  # the PyTorch path
+            fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
+            if cfg.rotation is Rotation.HADAMARD:  # the same signs on every rank, from the seed
+                common["rotation"] = BlockHadamard(ROTATION_BLOCK, cfg.rotation_seed)
+            if groups.intra is not None:
+                return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.intra_node, **common)
+            return FP4Reduce(b.grad, b.layout, groups.group, transforms, fmt, topology=groups.topology, **common)
         if groups.intra is not None and b.error_feedback is None:
             inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.intra_node, **common)
         else:

@@ -38,11 +38,13 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
+from .. import kernels as _kernels
+from ..comm.fp4_reduce import ROTATION_BLOCK
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, nodes_of_ranks
-from ..config import Exchange, GiftConfig, Mode, ParamGather, Side, param_modes
+from ..config import Exchange, GiftConfig, Mode, ParamGather, Rotation, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
@@ -137,6 +139,20 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             else ""
         )
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
+        self._warn_fp4_kernels()
+
+    def _warn_fp4_kernels(self) -> None:
+        """Where the fused kernels would run, say once at start-up that a four-bit exchange does not
+        use them (they implement FP8 only): its encode and decode take the PyTorch path."""
+        cfg, device = self.gift_config, self._device()
+        if cfg.inter_node_format.block is None or cfg.kernels is False:
+            return
+        if (cfg.kernels or device.type == "cuda") and _kernels.available(device):
+            logger.warning(
+                "megatron-gift: --gift-inter-node-format %s uses the PyTorch path: the fused Triton kernels "
+                "implement FP8 only",
+                cfg.inter_node_format.value,
+            )
 
     # the state the training loop, the checkpoint hooks, tests and benchmarks read
     @property
@@ -220,11 +236,25 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 )
 
     def _layout(self, bucket, segments: list[Segment], shards: int) -> BucketLayout:
-        """The bucket's plan, checked once here (``BucketLayout.check``: the same refusal on every rank)."""
+        """The bucket's plan, checked once here (``BucketLayout.check``: the same refusal on every rank).
+        With four bits between nodes and no distributed optimizer, the all-reduce's shards (the plugin's
+        own) are whole blocks (64 columns with the rotation); the reduce-scatter's are Megatron's."""
+        cfg, dist_opt = self.gift_config, self.ddp_config.use_distributed_optimizer
+        fmt = cfg.inter_node_format
+        block = None if fmt.block is None else ROTATION_BLOCK if cfg.rotation is Rotation.HADAMARD else fmt.block
         layout = BucketLayout(
-            bucket.grad_data.numel(), shards, segments, self.gift_config.codec, bucket.grad_data.dtype
+            bucket.grad_data.numel(),
+            shards,
+            segments,
+            cfg.codec,
+            bucket.grad_data.dtype,
+            align=block if block is not None and not dist_opt else 1,
         )
-        layout.check(reduce_scatter=self.ddp_config.use_distributed_optimizer)
+        layout.check(reduce_scatter=dist_opt)
+        if fmt.block is not None:  # four bits between nodes: every boundary on a whole block
+            layout.check_blocks(fmt.block, f"--gift-inter-node-format {fmt.value}")
+            if cfg.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
+                layout.check_blocks(ROTATION_BLOCK, "--gift-rotation hadamard")
         return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:

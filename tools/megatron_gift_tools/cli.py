@@ -41,7 +41,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
 
 
 def _bench_pretrained(args: argparse.Namespace) -> int:
-    from megatron_gift_tools.bench import pretrained_steps
+    from megatron_gift_tools.bench import fp4_schemes, pretrained_steps
 
     if args.threads:
         import torch
@@ -53,6 +53,8 @@ def _bench_pretrained(args: argparse.Namespace) -> int:
         models=tuple(args.models) if args.models else None,
         command=args.command_line,
         steps=args.steps,
+        formats=fp4_schemes.parse_formats(args.formats),
+        blocks=tuple(args.hadamard_blocks or ()),
     )
     return 0
 
@@ -183,6 +185,21 @@ def _add_bench(subparsers) -> None:
         default=None,
         metavar="N",
         help="steps per model instead of the preset's (--quick: 4 and 5), to see past the first refreshes",
+    )
+    pre.add_argument(
+        "--formats",
+        default="fp8",
+        metavar="LIST",
+        help="wire formats, comma-separated among fp8, nvfp4, mxfp4 (default fp8): each FP4 format adds the "
+        "schemes euclidean, hadamard, gift and gift+hadamard (records with format and scheme)",
+    )
+    pre.add_argument(
+        "--hadamard-blocks",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="also measure FP4 gift+hadamard at these Hadamard blocks (powers of two), e.g. 16 32 64 128",
     )
     pre.set_defaults(func=_bench_pretrained, needs=CORPUS)
     ovh = commands.add_parser(

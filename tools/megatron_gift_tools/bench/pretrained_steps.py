@@ -55,7 +55,7 @@ from megatron_gift.config import GiftConfig
 from megatron_gift.numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling, TwoSidedWhitening
 from megatron_gift.numerics.refresh import RecordLayout
 from megatron_gift.state import GiftState
-from megatron_gift_tools.bench import fp8_sim
+from megatron_gift_tools.bench import fp4_schemes, fp8_sim
 from megatron_gift_tools.bench.fidelity import CHUNKS, rel_l2_noise, torch_threads
 from megatron_gift_tools.bench.llama import layer_type, lm_loss
 from megatron_gift_tools.bench.plugin_sim import BLOCK, GiftLayer
@@ -206,7 +206,9 @@ def two_sided_bytes(dims: dict, cfg: GiftConfig = DEFAULTS) -> list[dict]:
     return out
 
 
-def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> list[dict]:
+def run_model(
+    spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS, formats=("fp8",), blocks: tuple[int, ...] = ()
+) -> list[dict]:
     model, batches = _load(spec, docs)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -233,14 +235,17 @@ def run_model(spec: ModelSpec, docs: list[str], cfg: GiftConfig = DEFAULTS) -> l
         inputs, targets = next(batches)
         shards = _shards(model, layers, inputs, targets, spec.ranks)
         with torch_threads(MEASURE_THREADS):
-            records += _measure_step(step, spec, shards, gift, schedule.is_refresh_step(step), cfg)
+            records += _measure_step(step, spec, shards, gift, schedule.is_refresh_step(step), cfg, formats, blocks)
         _log(f"{spec.name} step {step}: {len(layers)} layers, {time.time() - t0:.0f} s")
     return records
 
 
-def _measure_step(step: int, spec: ModelSpec, shards: list, gift: dict, refresh: bool, cfg: GiftConfig) -> list[dict]:
-    """Step ``step``'s records of every measured layer (``gift``'s) and scheme; then each layer's
-    statistics observed and, at a ``refresh`` step, its ``T`` built (installed at the next step)."""
+def _measure_step(
+    step: int, spec: ModelSpec, shards: list, gift: dict, refresh: bool, cfg: GiftConfig, formats=("fp8",), blocks=()
+) -> list[dict]:
+    """Step ``step``'s records of every measured layer (``gift``'s) and scheme (FP8; the FP4 ``formats``'
+    schemes of ``fp4_schemes``); then each layer's statistics observed and, at a ``refresh`` step, its
+    ``T`` built (installed at the next step)."""
     records = []
     for name in gift:
         for v in gift[name].values():
@@ -265,12 +270,15 @@ def _measure_step(step: int, spec: ModelSpec, shards: list, gift: dict, refresh:
             if (codec, id(t)) not in measured:
                 measured[(codec, id(t))] = rel_l2_noise(_sum(stack, codec, t), truth)
             rel, se = measured[(codec, id(t))]
-            out.append({**key, "scheme": scheme, "rel_l2": rel, "rel_l2_se": se, "damping": label})
+            out.append({**key, "format": "fp8", "scheme": scheme, "rel_l2": rel, "rel_l2_se": se, "damping": label})
         best = min((r for r in out if r["scheme"] in EUCLID), key=lambda r: r["rel_l2"])
         for r in out:
             r["ratio"] = r["rel_l2"] / best["rel_l2"]
             r["best_euclid_se"] = best["rel_l2_se"]
         records += out
+        _, t_sent, label = SCHEMES["gift-chosen"](gift[name])
+        fp4 = fp4_schemes.measure(stack, truth, t_sent, formats, key, rel_l2_noise, blocks)
+        records += [r | {"damping": label if "gift" in r["scheme"] else None} for r in fp4]
         for v in gift[name].values():
             v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
             if refresh:
@@ -287,6 +295,11 @@ def _whitened(label) -> bool:
     return label not in (None, "none", "euclidean")
 
 
+def _scheme(r: dict) -> str:
+    """The scheme's name in the summary: FP8's as recorded, FP4's prefixed by the format ("nvfp4 gift")."""
+    return r["scheme"] if r.get("format", "fp8") == "fp8" else f"{r['format']} {r['scheme']}"
+
+
 def summarize(records: list[dict], cold_steps: int = 2) -> dict:
     """Per model and layer type: geometric-mean ``ratio`` of each scheme over the steps after the
     cold start (``step >= cold_steps``) and before; per step (with the layers sent whitened); the
@@ -294,14 +307,14 @@ def summarize(records: list[dict], cold_steps: int = 2) -> dict:
     errors) and each one's worst ratio per model."""
     by = defaultdict(list)
     for r in records:
-        by[(r["model"], r["layer_type"], r["scheme"], r["step"] >= cold_steps)].append(r["ratio"])
+        by[(r["model"], r["layer_type"], _scheme(r), r["step"] >= cold_steps)].append(r["ratio"])
     per_type = [
         dict(model=m, layer_type=lt, scheme=s, after_cold_start=after, ratio=_geomean(v), records=len(v))
         for (m, lt, s, after), v in sorted(by.items())
     ]
     steps = defaultdict(list)
     for r in records:
-        steps[(r["model"], r["step"], r["scheme"])].append(r)
+        steps[(r["model"], r["step"], _scheme(r))].append(r)
     per_step = [
         dict(
             model=m,
@@ -454,6 +467,8 @@ def run(
     models: tuple[str, ...] | None = None,
     command: str | None = None,
     steps: int | None = None,
+    formats: tuple[str, ...] = ("fp8",),
+    blocks: tuple[int, ...] = (),
 ) -> dict:
     """The benchmark of the module doc on the ``quick`` or full presets (``models`` of them), ``steps``
     per model instead of the preset's where given; prints the tables, writes ``json_path``."""
@@ -472,7 +487,7 @@ def run(
     t0, records, load = time.time(), [], os.getloadavg()
     for spec in specs:
         _log(f"{spec.name}: {spec.ranks} ranks x {spec.tokens_per_rank} tokens, {spec.steps} steps")
-        records += run_model(spec, docs)
+        records += run_model(spec, docs, formats=formats, blocks=blocks)
     dims = {(r["model"], r["layer_type"]): (r["d_in"], r["d_out"]) for r in records}
     doc = dict(
         benchmark="pretrained",
@@ -490,6 +505,9 @@ def run(
             lag=1,
             noise_chunks=CHUNKS,
             threads=dict(model=torch.get_num_threads(), measurement=MEASURE_THREADS),
+            formats=list(formats),
+            hadamard_block=fp4_schemes.HADAMARD_BLOCK,
+            hadamard_blocks_measured=list(blocks),
         ),
         specs=[s.__dict__ | {"tokens_per_rank": s.tokens_per_rank} for s in specs],
         records=records,

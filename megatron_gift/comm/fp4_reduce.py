@@ -1,0 +1,407 @@
+"""Quantized reductions with four-bit codes between nodes (``--gift-inter-node-format nvfp4|mxfp4``),
+on the PyTorch path (the fused kernels implement FP8 only): the flat one (``FP4Reduce``, one
+all-to-all over the group) and the two-level one (``FP4TwoLevelReduce``: ``comm.hierarchical``'s
+intra-node stage, then the node sums of the held shards in FP4 among the nodes).
+
+The flat one on rank ``r`` of ``p``, for one bucket whose layout passed ``BucketLayout.check_blocks``:
+
+0. *send*: ``U = G T`` (GIFT, whole parameters; ``G`` elsewhere) into the bucket's coded sequence in
+   FP32; shard ``j``'s range of it encoded with ``numerics.fp4.encode_fp4``, one *segment* (an NVFP4
+   FP32 segment scale) per coded parameter part of the shard, into message ``j``::
+
+       [segment scales (FP32) | off values | bf16 values | block scales | packed codes]
+
+   each section padded to 4 bytes (``fp4_message``); every sender's message to ``j`` has the same
+   size. One all-to-all of the ``p - 1`` others' messages.
+1. *reduce*: every sender's message decoded (``decode_fp4``), summed in FP32 in rank order
+   (``kernels.reference.ordered_sum``), ÷ p when averaging, ``T⁻¹`` of whole rows written into the
+   bucket; the cut rows' partial projections go to the neighbours (``pieces.PieceExchange``).
+2. *finish*: the cut rows' ``T⁻¹``. All-reduce: then every rank's shard, as the bucket holds it,
+   all-gathered in the bucket's dtype (each shard is reduced once, by its owner: the same bits on
+   every rank).
+
+Every block lies inside one part (the layout's block rule), so codes and block scales never
+straddle a message. With a rotation (``--gift-rotation hadamard``, ``numerics.rotation``) the senders
+send ``G T H`` of whitened parameters (two-level: ``H`` on the node sums, ``H`` being linear) and the
+owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on 64-column blocks of a row, so a
+row cut by a shard is rotated piece by piece (the layout's check puts cuts on 64-column blocks).
+Error feedback and the output side are refused at start-up with FP4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._compat import all_gather as _all_gather
+from ..config import IntraNode
+from ..kernels.reference import ordered_sum, reference_decode_sum_unwhiten, reference_sum_rows, sender_values
+from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
+from ..numerics.rotation import BlockHadamard, fwht
+from .codec import sum_plain
+from .hierarchical import TwoLevelReduce
+from .layout import BucketLayout, _pad4
+from .ledger import CommLedger
+from .packing import Rows
+from .pieces import PieceExchange
+from .quantized import ShardReduction, Whitenings, destination, with_self
+from .schedule import Step
+from .topology import Topology, TwoLevelGroups
+
+ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the ledger's
+
+
+@dataclass(frozen=True)
+class FP4Message:
+    """Byte layout of the message every sender sends for one shard (module doc): section offsets
+    and each coded part's length (the segments of ``encode_fp4``)."""
+
+    seg_at: int
+    plain_at: tuple[int, int]
+    scales_at: int
+    codes_at: int
+    nbytes: int
+    lengths: tuple[int, ...]
+
+
+def fp4_message(layout: BucketLayout, j: int, fmt: FP4Format) -> FP4Message:
+    """The message of shard ``j`` in format ``fmt`` (module doc)."""
+    plan = layout.shards[j]
+    lengths = tuple(p.hi - p.lo for p in plan.coded_parts)
+    n = plan.n_coded
+    plain = [(plan.plain_hi[c] - plan.plain_lo[c]) * layout.plain_dtypes[c].itemsize for c in range(2)]
+    seg_bytes = _pad4(4 * len(lengths)) if fmt.segment_scale else 0
+    plain_at = (seg_bytes, seg_bytes + _pad4(plain[0]))
+    scales_at = plain_at[1] + _pad4(plain[1])
+    codes_at = scales_at + _pad4(n // fmt.block)
+    return FP4Message(0, plain_at, scales_at, codes_at, codes_at + _pad4(fmt.payload_bytes(n)), lengths)
+
+
+def fp4_wire_bytes(layout: BucketLayout, j: int, fmt: FP4Format) -> int:
+    """Bytes of shard ``j``'s coded values in one message, padding aside: the packed codes
+    (``0.5`` byte per element), one block scale per block and, NVFP4, a segment scale per part."""
+    plan = layout.shards[j]
+    return fmt.payload_bytes(plan.n_coded) + fmt.scale_bytes(plan.n_coded, len(plan.coded_parts))
+
+
+def _plain(flat: torch.Tensor, parts) -> torch.Tensor:
+    """A shard's values of one plain class, one part after another (the class sequence's range)."""
+    return torch.cat([flat[p.lo : p.hi] for p in parts]) if parts else flat[:0]
+
+
+class _FP4Stages:
+    """What the flat and two-level FP4 reductions share: the messages' encode, the own shard's
+    decode and sum, the all-reduce's gather. ``_messages()``: every sender's message for the own
+    shard, ``[senders, nbytes]`` in rank (node) order."""
+
+    def _fp4(self, fmt: FP4Format, rotation: BlockHadamard | None) -> None:
+        self.fmt, self.rotation = fmt, rotation
+        self.fp4_label = f"{fmt.label}+scales"  # the ledger's name of the FP4 messages
+        layout = self.layout
+        self.msgs = layout.cached(("fp4", fmt.name), lambda: [fp4_message(layout, j, fmt) for j in range(self.world)])
+
+    def _lengths(self, j: int, device) -> torch.Tensor:
+        """Shard ``j``'s segment lengths (its coded parts) on ``device``, copied there once per layout."""
+        m = self.msgs[j]
+        return self.layout.cached(
+            ("fp4-lengths", j, str(device)), lambda: torch.tensor(m.lengths, dtype=torch.int64).to(device)
+        )
+
+    def _rotate(self, x: torch.Tensor, seg: int, col0: int, inverse: bool = False) -> torch.Tensor:
+        """``x`` (flat FP32 values of GIFT segment ``seg`` from column ``col0`` of a row on, whole
+        64-blocks: the layout's check) times ``H`` (``inverse``: ``Hᵀ``) where the segment is whitened
+        and a rotation is on; else ``x``. ``H`` is block-diagonal along each row: a piece of a row
+        is rotated by itself, with its columns' signs."""
+        if self.rotation is None or self.transforms[seg] is None or x.numel() == 0:
+            return x
+        cols = self.layout.segments[seg].cols
+        signs = self.rotation.signs(cols, x.device)
+        s = signs[(col0 + torch.arange(x.numel(), device=x.device)) % cols]
+        block = self.rotation.block
+        if inverse:
+            return (fwht(x.view(1, -1), block) * s).view(-1)
+        return fwht((x * s).view(1, -1), block).view(-1)
+
+    def _rotate_parts(self, x: torch.Tensor, j: int, inverse: bool = False) -> torch.Tensor:
+        """Shard ``j``'s coded values ``x`` (FP32) with each whitened part rotated (``_rotate``)."""
+        if self.rotation is None:
+            return x
+        plan, layout = self.layout.shards[j], self.layout
+        out = x.clone()
+        for part in plan.coded_parts:
+            s, at = layout.segments[part.seg], layout.seg_at[part.seg]
+            k = part.at - plan.coded_lo
+            out[k : k + part.hi - part.lo] = self._rotate(
+                x[k : k + part.hi - part.lo], part.seg, (part.at - at) % s.cols, inverse
+            )
+        return out
+
+    def _encode_into(self, buf: torch.Tensor, j: int, coded: torch.Tensor, plain: list[torch.Tensor]) -> None:
+        """Message ``buf`` of shard ``j``: its coded values ``coded`` (FP32, the shard's range of the
+        coded sequence) encoded, its plain values ``plain[c]`` (the shard's range of class ``c``) cast."""
+        m = self.msgs[j]
+        if coded.numel():
+            enc = encode_fp4(coded, self.fmt, self._lengths(j, coded.device))
+            buf[m.codes_at : m.codes_at + enc.codes.numel()].copy_(enc.codes)
+            buf[m.scales_at : m.scales_at + enc.block_scales.numel()].copy_(enc.block_scales)
+            if self.fmt.segment_scale:
+                buf[: 4 * len(m.lengths)].view(torch.float32).copy_(enc.segment_scales)
+        for c, values in enumerate(plain):
+            dt, at = self.layout.plain_dtypes[c], m.plain_at[c]
+            buf[at : at + values.numel() * dt.itemsize].view(dt).copy_(values)
+
+    # -- the own shard ----------------------------------------------------------------------------------
+    def _reduce(self) -> Step:
+        layout, r, flat = self.layout, self.rank, self.flat
+        plan, m = layout.shards[r], self.msgs[r]
+        msgs = self._messages()
+        first = self.average and self.divide_first
+        for c, parts in enumerate(plan.plain_parts):
+            dt = layout.plain_dtypes[c]
+            for part in parts:
+                k = m.plain_at[c] + (part.at - plan.plain_lo[c]) * dt.itemsize
+                n = (part.hi - part.lo) * dt.itemsize
+                values = msgs[:, k : k + n].contiguous().view(dt)
+                dest = flat[part.lo : part.hi]
+                self._store(dest, reference_sum_rows([values], first, out=self._target(dest)))
+        total = self._decoded_sum(msgs, plan.n_coded, m)
+        if total is not None:
+            total = self._rotate_parts(total, r, inverse=True)  # Hᵀ on the sum (H is linear)
+        if first and total is not None:
+            total /= self.world
+        values = []
+        for part in plan.coded_parts:
+            s, at, t = layout.segments[part.seg], layout.seg_at[part.seg], self.transforms[part.seg]
+            x = total[part.at - plan.coded_lo : part.at - plan.coded_lo + part.hi - part.lo]
+            if t is None:
+                dest = destination(flat, self.targets, part.seg, part.lo, part.hi)
+                self._store(dest, x.clone())
+                continue
+            r0, r1 = -(-(part.at - at) // s.cols), (part.at + part.hi - part.lo - at) // s.cols
+            if r1 > r0:  # whole rows: T⁻¹ here
+                k0 = at + r0 * s.cols - part.at
+                rows = x[k0 : k0 + (r1 - r0) * s.cols].view(r1 - r0, s.cols)
+                lo = s.start + r0 * s.cols
+                dest = destination(flat, self.targets, part.seg, lo, lo + (r1 - r0) * s.cols)
+                self._store(dest, t.inverse(rows).reshape(-1))
+        for p in plan.pieces:
+            if self.transforms[p.seg] is None:
+                values.append(None)
+                continue
+            k0 = layout.seg_at[p.seg] + p.row * layout.segments[p.seg].cols + p.c0 - plan.coded_lo
+            values.append(total[k0 : k0 + p.c1 - p.c0].view(1, -1).clone())
+        self.exchange = PieceExchange(layout, r, self.transforms, self.group, self.ledger, self._links)
+        work = self.exchange.start(values, flat.device)
+        handoff = [v for v in values if v is not None] + self.exchange.buffers
+        return Step([work] if work is not None else [], handoff)
+
+    def _decoded_sum(self, msgs: torch.Tensor, n: int, m: FP4Message) -> torch.Tensor | None:
+        """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order."""
+        if n == 0:
+            return None
+        lengths = self._lengths(self.rank, msgs.device)
+        decoded = []
+        for row in msgs:
+            segments = (
+                row[: 4 * len(m.lengths)].clone().view(torch.float32)
+                if self.fmt.segment_scale
+                else torch.ones(len(m.lengths), dtype=torch.float32, device=row.device)
+            )
+            enc = FP4Encoded(
+                codes=row[m.codes_at : m.codes_at + n // 2],
+                block_scales=row[m.scales_at : m.scales_at + n // self.fmt.block],
+                segment_scales=segments,
+            )
+            decoded.append(decode_fp4(enc, self.fmt, lengths))
+        return ordered_sum([torch.stack(decoded)])
+
+    # -- 2-3: all-reduce --------------------------------------------------------------------------------
+    def _finish_gather(self) -> Step:
+        """The cut rows' ``T⁻¹``, then every rank's shard of the bucket all-gathered (bucket dtype)."""
+        self._finish()
+        layout, flat = self.layout, self.flat
+        size = layout.shard_size
+        lo, hi = layout.shards[self.rank].lo, layout.shards[self.rank].hi
+        mine = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        mine[: hi - lo].copy_(flat[lo:hi])
+        self.gathered = torch.empty(self.world * size, dtype=flat.dtype, device=flat.device)
+        nbytes = size * flat.element_size()
+        self.ledger.add(
+            "all_gather",
+            _DTYPE_NAMES.get(flat.dtype, str(flat.dtype).removeprefix("torch.")),
+            (self.world - 1) * nbytes,
+            self._links([nbytes] * self.world),
+        )
+        work = _all_gather(self.gathered, mine, group=self.group, async_op=True)
+        return Step([work], [self.gathered, mine])
+
+    def _land(self) -> Step:
+        """Every other shard's reduced values written into the bucket (only where parameters are)."""
+        layout, flat = self.layout, self.flat
+        for j, plan in enumerate(layout.shards):
+            if j == self.rank:
+                continue
+            base = j * layout.shard_size
+            for parts in [plan.coded_parts, *plan.plain_parts]:
+                for part in parts:
+                    src = self.gathered[base + part.lo - plan.lo : base + part.hi - plan.lo]
+                    destination(flat, self.targets, part.seg, part.lo, part.hi).copy_(src)
+        del self.gathered
+        return Step()
+
+
+class FP4Reduce(_FP4Stages, ShardReduction):
+    """One bucket's flat reduction in FP4 (module doc); construction does no work."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        group,
+        transforms: Whitenings,
+        fmt: FP4Format,
+        average: bool = False,
+        all_reduce: bool = False,
+        ledger: CommLedger | None = None,
+        nonfinite: torch.Tensor | None = None,
+        topology: Topology | None = None,
+        rotation: BlockHadamard | None = None,
+    ):
+        super().__init__(flat, layout, group, transforms, average, all_reduce, ledger, nonfinite, topology, False)
+        self._fp4(fmt, rotation)
+
+    def stages(self) -> list:
+        if self.all_reduce:
+            return [self._send, self._reduce, self._finish_gather, self._land]
+        return [self._send, self._reduce, self._finish]
+
+    # -- 0: send --------------------------------------------------------------------------------------
+    def _coded_values(self) -> torch.Tensor:
+        """The bucket's coded sequence as sent, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere."""
+        layout, flat = self.layout, self.flat
+        u = torch.empty(layout.n_coded, dtype=torch.float32, device=flat.device)
+        for i in layout.coded_segments:
+            s, at = layout.segments[i], layout.seg_at[i]
+            g = flat[s.start : s.end].view(s.rows, s.cols)
+            x = sender_values(g, self.transforms[i], None).reshape(-1)
+            u[at : at + s.rows * s.cols].copy_(self._rotate(x, i, 0))
+        return u
+
+    def _send(self) -> Step:
+        device, r = self.flat.device, self.rank
+        u = self._coded_values()
+        order = [j for j in range(self.world) if j != r] + [r]  # the peers' messages, then the own one
+        sizes = [self.msgs[j].nbytes for j in order]
+        self.buf = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        at = 0
+        for j, size in zip(order, sizes):
+            plan = self.layout.shards[j]
+            plain = [_plain(self.flat, parts) for parts in plan.plain_parts]
+            self._encode_into(self.buf[at : at + size], j, u[plan.coded_lo : plan.coded_hi], plain)
+            at += size
+        own = self.msgs[r].nbytes
+        self.recv = torch.empty((self.world - 1) * own, dtype=torch.uint8, device=device)
+        if self.world == 1:
+            return Step([], [self.buf, self.recv])
+        per_peer = [self.msgs[j].nbytes if j != r else 0 for j in range(self.world)]
+        sent = sum(per_peer)
+        self.ledger.add("all_to_all", self.fp4_label, sent, self._links(per_peer))
+        work = dist.all_to_all_single(
+            self.recv,
+            self.buf[:sent],
+            with_self([own] * (self.world - 1), r),
+            per_peer,
+            group=self.group,
+            async_op=True,
+        )
+        return Step([work], [self.buf, self.recv])
+
+    def _messages(self) -> torch.Tensor:
+        """Every sender's message for the own shard, ``[p, nbytes]`` in rank order."""
+        r, own = self.rank, self.msgs[self.rank].nbytes
+        peers = self.recv.view(self.world - 1, own)
+        mine = self.buf[self.buf.numel() - own :].view(1, own)
+        rows = torch.cat([peers[:r], mine, peers[r:]])
+        del self.buf, self.recv
+        return rows
+
+
+class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
+    """The two-level reduction with FP4 between nodes: the intra-node stage as ``TwoLevelReduce``'s
+    (``--gift-intra-node``), the node sums of the held shards encoded in FP4 (one message per held
+    shard, as the flat FP4 exchange's) for the all-to-all among the ranks with the same local index,
+    then the own shard decoded and summed, nodes in order (``_FP4Stages``)."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        groups: TwoLevelGroups,
+        transforms: Whitenings,
+        fmt: FP4Format,
+        intra: IntraNode = IntraNode.BF16,
+        average: bool = False,
+        all_reduce: bool = False,
+        ledger: CommLedger | None = None,
+        nonfinite: torch.Tensor | None = None,
+        rotation: BlockHadamard | None = None,
+    ):
+        super().__init__(flat, layout, groups, transforms, intra, average, all_reduce, ledger, nonfinite, False)
+        self._fp4(fmt, rotation)
+
+    def stages(self) -> list:
+        if self.all_reduce:
+            return [self._intra, self._node_sums, self._reduce, self._finish_gather, self._land]
+        return [self._intra, self._node_sums, self._reduce, self._finish]
+
+    def _node_sums(self) -> Step:
+        """``P_{k,j}`` for the held shards ``j`` (FP32 sums of the node's messages, local ranks in
+        order), each encoded into its FP4 message; the all-to-all among the nodes."""
+        layout, device, cfg = self.layout, self.flat.device, self.layout.codec
+        rows = Rows(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own, self.topo.ranks_per_node)
+        del self.buf1, self.recv1
+        chunks, counts = self._held(device)
+        plans = [layout.shards[j] for j in self.held]
+        sums = torch.zeros(sum(p.n_coded for p in plans), dtype=torch.float32, device=device)
+        for (c0, c1), (g0, g1), lengths in chunks:
+            coded = rows.coded(c0, c1, layout.coded_dtype(self.wire))
+            if self.wire is None:
+                scales = rows.scales(g0, g1, cfg.scale_dtype())
+                values = reference_decode_sum_unwhiten(coded, scales, 1, c1 - c0, None, cfg, False, lengths=lengths)
+            else:
+                values = reference_sum_rows(coded, False)
+            sums[c0:c1].copy_(values.reshape(-1))
+        plain = [sum_plain(rows, layout, c, 0, counts[c], False, False) for c in range(2)]
+        n, k = self.topo.nodes, self.node
+        order = [m for m in range(n) if m != k] + [k]  # the other nodes' messages, then the own one
+        sizes = [self.msgs[self.held[m]].nbytes for m in order]
+        at_coded = [sum(p.n_coded for p in plans[:m]) for m in range(n)]
+        at_plain = [[sum(p.plain_hi[c] - p.plain_lo[c] for p in plans[:m]) for m in range(n)] for c in range(2)]
+        buf = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        at = 0
+        for m, size in zip(order, sizes):
+            p = plans[m]
+            mine = [plain[c][at_plain[c][m] : at_plain[c][m] + p.plain_hi[c] - p.plain_lo[c]] for c in range(2)]
+            coded = self._rotate_parts(sums[at_coded[m] : at_coded[m] + p.n_coded], self.held[m])
+            self._encode_into(buf[at : at + size], self.held[m], coded, mine)
+            at += size
+        own = self.msgs[self.rank].nbytes
+        self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
+        sent = sum(sizes[:-1])
+        self.ledger.add("all_to_all", self.fp4_label, sent, {"inter": sent})
+        per_peer = [self.msgs[self.held[m]].nbytes if m != k else 0 for m in range(n)]
+        work = dist.all_to_all_single(
+            self.recv, buf[:sent], with_self([own] * (n - 1), k), per_peer, group=self.groups.inter, async_op=True
+        )
+        return Step([work], [buf, self.recv])
+
+    def _messages(self) -> torch.Tensor:
+        """Every node's message for the own shard, ``[n, nbytes]`` in node order."""
+        k, own, n = self.node, self.msgs[self.rank].nbytes, self.topo.nodes
+        peers = self.recv.view(n - 1, own)
+        rows = torch.cat([peers[:k], self.buf[self.buf.numel() - own :].view(1, own), peers[k:]])
+        del self.buf, self.recv
+        return rows

@@ -1,0 +1,208 @@
+"""Four-bit gradient exchange (``--gift-inter-node-format nvfp4|mxfp4``, ``comm.fp4_reduce``) on 4 gloo
+ranks simulated as 2 nodes x 2: the flat and the two-level reduction (the intra-node stage in FP32 or
+FP8), reduce-scatter and all-reduce, Euclidean and GIFT parameters, ``--gift-rotation hadamard``,
+against an FP32 reduction computed here by hand from independently quantized values (each sender's
+values through ``numerics.fp4.roundtrip_fp4``, whose own tests pin its numerics; summed in FP32 in
+rank order by tests/reference.py; untransformed), every rank bit-identical, and the ledger's
+inter-node bytes against a hand count."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
+from megatron_gift.comm.layout import BucketLayout, Segment
+from megatron_gift.comm.ledger import CommLedger
+from megatron_gift.comm.schedule import reduce_now
+from megatron_gift.comm.topology import Topology, build_groups
+from megatron_gift.config import IntraNode, Mode
+from megatron_gift.numerics import CodecConfig
+from megatron_gift.numerics.fp4 import FP4_FORMATS, roundtrip_fp4
+from megatron_gift.numerics.rotation import BlockHadamard
+from megatron_gift.testing import run_on_ranks
+from tests.dist.test_comm import _bucket_grads, _transforms
+from tests.dist.test_two_level import _roundtrip
+from tests.reference import ordered_sum
+
+WORLD, PER_NODE = 4, 2
+ROTATION = BlockHadamard(64, seed=7)
+# shards of 640: the first cuts a row of "a" 64 columns in (a whole MXFP4 block), the others fall on
+# row or parameter boundaries; "norm" is sent in the bucket's dtype in the same messages.
+NUMEL = 2560
+SEGMENTS = [
+    Segment(0, 12, 96, Mode.GIFT, "a"),
+    Segment(1152, 4, 32, Mode.OFF, "norm"),
+    Segment(1280, 8, 64, Mode.EUCLIDEAN, "b"),
+    Segment(1792, 6, 128, Mode.GIFT, "c"),
+]
+# --gift-rotation hadamard: GIFT rows of whole 64-column blocks, a shard boundary 64 columns into a row
+ROT_NUMEL = 2816
+ROT_SEGMENTS = [
+    Segment(0, 12, 128, Mode.GIFT, "a"),
+    Segment(1536, 4, 32, Mode.OFF, "norm"),
+    Segment(1664, 8, 64, Mode.EUCLIDEAN, "b"),
+    Segment(2176, 5, 128, Mode.GIFT, "c"),
+]
+CASES = [(fmt, two, ar, False, "fp32") for fmt in FP4_FORMATS for two in (False, True) for ar in (False, True)]
+CASES += [
+    ("nvfp4", False, False, True, "fp32"),
+    ("mxfp4", True, False, True, "fp32"),
+    ("nvfp4", True, True, True, "fp32"),
+]
+CASES += [("nvfp4", True, False, False, "fp8"), ("mxfp4", True, False, True, "fp8")]  # FP8 inside the node
+
+
+def _bucket(rotation):
+    return (ROT_NUMEL, ROT_SEGMENTS) if rotation else (NUMEL, SEGMENTS)
+
+
+def _layout(rotation=False):
+    numel, segments = _bucket(rotation)
+    return BucketLayout(numel, WORLD, segments, CodecConfig(), torch.float32)
+
+
+def _worker(rank, world):
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    assert placed.topology == Topology(2, 2)
+    out = {}
+    for fmt, two_level, all_reduce, rotation, intra in CASES:
+        (numel, segments), layout = _bucket(rotation), _layout(rotation)
+        layout.check_blocks(64 if rotation else FP4_FORMATS[fmt].block, "test")
+        ts = _transforms(segments)
+        flat, ledger = _bucket_grads(numel, segments, rank), CommLedger()
+        common = dict(average=True, all_reduce=all_reduce, ledger=ledger, rotation=ROTATION if rotation else None)
+        if two_level:
+            red = FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], IntraNode(intra), **common)
+        else:
+            red = FP4Reduce(flat, layout, dist.group.WORLD, ts, FP4_FORMATS[fmt], topology=placed.topology, **common)
+        reduce_now(red, "cpu")
+        out[(fmt, two_level, all_reduce, rotation, intra)] = (flat, dict(ledger.links))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_worker, WORLD)
+
+
+def _sent(x, segments, ts):
+    """The bucket's coded sequence as a sender whitens it: ``G T`` for GIFT parameters, ``G`` else."""
+    out = []
+    for s, t in zip(segments, ts):
+        if s.mode is Mode.OFF:
+            continue
+        g = x[s.start : s.end].view(s.rows, s.cols)
+        u = g if t is None else t.apply(g)
+        out.append(u.reshape(-1))
+    return torch.cat(out)
+
+
+def _rotated(u, segments, ts):
+    """``U H`` for the whitened parameters of a coded sequence ``u``, the rest as it is."""
+    out, at = u.clone(), 0
+    for s, t in zip(segments, ts):
+        if s.mode is Mode.OFF:
+            continue
+        n = s.rows * s.cols
+        if t is not None:
+            out[at : at + n] = ROTATION.apply(u[at : at + n].view(s.rows, s.cols)).reshape(-1)
+        at += n
+    return out
+
+
+def _quantized(u, layout, fmt):
+    """``u`` (a coded sequence) through FP4 shard by shard, one segment per parameter part of a shard."""
+    pieces = []
+    for plan in layout.shards:
+        lengths = torch.tensor([p.hi - p.lo for p in plan.coded_parts], dtype=torch.int64)
+        pieces.append(roundtrip_fp4(u[plan.coded_lo : plan.coded_hi], FP4_FORMATS[fmt], lengths))
+    return torch.cat(pieces)
+
+
+def _fp8_shards(u, layout):
+    """A sender's coded sequence through the intra-node stage's FP8, shard by shard in the shards'
+    scaling groups (tests/dist/test_two_level.py's ``_roundtrip``: tests/reference.py's FP8)."""
+    return torch.cat([_roundtrip(u[p.coded_lo : p.coded_hi], layout, j) for j, p in enumerate(layout.shards)])
+
+
+def expected(fmt, two_level, rotation, intra="fp32"):
+    """The averaged reduction by hand: each sender's (two-level: each node's FP32 sum's) coded values
+    quantized (``intra`` fp8: each sender's values through FP8 first), summed in FP32 in rank order,
+    ÷ 4, untransformed (``Hᵀ`` then ``T⁻¹``); plain values summed in FP32."""
+    (numel, segments), layout = _bucket(rotation), _layout(rotation)
+    ts = _transforms(segments)
+    grads = [_bucket_grads(numel, segments, r) for r in range(WORLD)]
+    sent = [_sent(g, segments, ts) for g in grads]  # G T: H comes after the intra-node stage
+    if intra == "fp8":
+        sent = [_fp8_shards(u, layout) for u in sent]
+    if two_level:
+        sent = [ordered_sum(sent[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
+    if rotation:  # H on each sender's (node sum's) whitened rows: H is linear
+        sent = [_rotated(u, segments, ts) for u in sent]
+    total = ordered_sum([_quantized(u, layout, fmt) for u in sent]) / WORLD
+    want, at = torch.zeros(numel), 0
+    for s, t in zip(segments, ts):
+        if s.mode is Mode.OFF:
+            plain = [g[s.start : s.end] for g in grads]
+            if two_level:  # each node's sum, then the nodes' in order
+                plain = [ordered_sum(plain[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
+            want[s.start : s.end] = ordered_sum(plain) / WORLD
+            continue
+        x = total[at : at + s.rows * s.cols].view(s.rows, s.cols)
+        if t is not None:
+            x = t.inverse(ROTATION.inverse(x) if rotation else x)
+        want[s.start : s.end] = x.reshape(-1)
+        at += s.rows * s.cols
+    return want
+
+
+@pytest.mark.parametrize("fmt, two_level, all_reduce, rotation, intra", CASES)
+def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_reduce, rotation, intra):
+    """Bug caught: FP4 codes, block or segment scales misplaced in the messages, a sender's message
+    decoded with another's scales, a sum out of rank order or outside FP32, the average or ``T⁻¹``
+    applied twice or not at all, the cut rows' finish wrong; all-reduce: a rank holding other bits.
+    Euclidean and plain values bit for bit; GIFT's within FP32 roundings of the hand ``T⁻¹`` (the
+    runtime finishes cut rows from partial projections). Rotation: ``H`` missing, applied twice, not
+    undone before ``T⁻¹``, or with other signs on some rank; a cut row rotated across the cut."""
+    (numel, segments), layout = _bucket(rotation), _layout(rotation)
+    want = expected(fmt, two_level, rotation, intra)
+    got = [r[(fmt, two_level, all_reduce, rotation, intra)][0] for r in results]
+    for j, plan in enumerate(layout.shards):
+        holders = range(WORLD) if all_reduce else [j]
+        for r in holders:
+            assert torch.equal(got[r][plan.lo : plan.hi], got[j][plan.lo : plan.hi])  # bit-identical
+        for s in segments:
+            lo, hi = max(s.start, plan.lo), min(s.end, plan.hi)
+            if lo >= hi:
+                continue
+            have, ref = got[j][lo:hi], want[lo:hi]
+            if s.mode is Mode.GIFT:
+                tol = 1e-5 * float(ref.abs().max())
+                assert torch.allclose(have, ref, rtol=1e-5, atol=tol), (s.name, j, (have - ref).abs().max())
+            else:
+                assert torch.equal(have, ref), (s.name, j, (have - ref).abs().max())
+    # the quantization did happen: FP4 is far from the exact FP32 average
+    exact = torch.stack([_bucket_grads(numel, segments, r) for r in range(WORLD)]).sum(0) / WORLD
+    b = segments[2]
+    assert not torch.equal(want[b.start : b.end], exact[b.start : b.end])
+
+
+@pytest.mark.parametrize("fmt, two_level", [(f, t) for f in FP4_FORMATS for t in (False, True)])
+def test_inter_node_bytes_are_the_hand_count(results, fmt, two_level):
+    """Bug caught: the ledger counting FP4 messages as FP8 (1 byte per element) or leaving out the
+    block or segment scales: inter-node bytes of rank r are, per message to the other node, 0.5 byte
+    per coded element plus a block scale per 16 (NVFP4) or 32 (MXFP4) elements plus (NVFP4) a 4-byte
+    segment scale per parameter part, plus the plain values (4 bytes each); this layout needs no padding."""
+    layout, block = _layout(), {"nvfp4": 16, "mxfp4": 32}[fmt]
+
+    def message(j):
+        plan = layout.shards[j]
+        n = plan.n_coded
+        segs = 4 * len(plan.coded_parts) if fmt == "nvfp4" else 0
+        return n // 2 + n // block + segs + 4 * sum(p.hi - p.lo for p in plan.plain_parts[0])
+
+    for r, res in enumerate(results):
+        node, local = divmod(r, PER_NODE)
+        other = [j for j in range(WORLD) if j // PER_NODE != node]
+        want = message((1 - node) * PER_NODE + local) if two_level else sum(message(j) for j in other)
+        assert res[(fmt, two_level, False, False, "fp32")][1][("inter", f"{fmt}+scales")] == want

@@ -1,0 +1,68 @@
+"""FP4 schemes of ``bench pretrained`` (issue 36): each layer's gradients sent in NVFP4 or MXFP4, plain
+(``euclidean``), rotated (``hadamard``: ``U = G R``), whitened (``gift``: ``U = G T``) or both
+(``gift+hadamard``: ``U = (G T) R``); the receiver forms ``(Σ_r dec(enc(U_r))) Rᵀ T⁻¹`` in FP32.
+
+``T`` is the input-side map the plugin sends at ``--gift-side input`` (``gift-chosen``'s: the damping
+chosen on FP8 errors, gated by the cold-start rule); ``R`` the seeded block Hadamard (``numerics.rotation``,
+block ``HADAMARD_BLOCK``). Each rank's gradient is one segment (one FP32 tensor scale for NVFP4). With
+``blocks``, ``gift+hadamard@b`` measures the rotation at other block sizes on the same gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_gift.numerics.fp4 import FP4_FORMATS, FP4Format, roundtrip_fp4
+from megatron_gift.numerics.rotation import BlockHadamard
+
+SCHEMES = ("euclidean", "hadamard", "gift", "gift+hadamard")
+HADAMARD_BLOCK = 64
+FORMATS = ("fp8", *FP4_FORMATS)
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"fp8,nvfp4"`` -> ("fp8", "nvfp4"); fp8 is always measured (its records come first)."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in FORMATS]
+    if bad:
+        raise ValueError(f"--formats: unknown {bad}, choose among {list(FORMATS)}")
+    return ("fp8", *[v for v in FP4_FORMATS if v in names])
+
+
+def fp4_sum(stack: torch.Tensor, fmt: FP4Format, t, rot: BlockHadamard | None) -> torch.Tensor:
+    """``(Σ_r dec(enc(G_r T R))) Rᵀ T⁻¹`` (FP32; ``t``/``rot`` None: left out) of ``stack [ranks, d_out, d_in]``."""
+    total = torch.zeros_like(stack[0])
+    for g in stack:
+        u = g if t is None else t.apply(g)
+        u = u if rot is None else rot.apply(u)
+        total += roundtrip_fp4(u.reshape(-1), fmt).view_as(u)
+    total = total if rot is None else rot.inverse(total)
+    return total if t is None else t.inverse(total)
+
+
+def measure(stack, truth, t, formats, key: dict, noise, blocks: tuple[int, ...] = ()) -> list[dict]:
+    """Records of every FP4 format in ``formats`` and scheme (``key``'s fields, ``format``, ``scheme``,
+    ``rel_l2``, ``rel_l2_se``, ``ratio`` and ``euclid_se`` against the same format's ``euclidean``);
+    ``noise(approx, truth) -> (rel_l2, se)``. A rotation whose block does not divide ``d_in`` is skipped."""
+    d_in = stack.shape[2]
+    out = []
+    for name in formats:
+        if name not in FP4_FORMATS:
+            continue
+        fmt = FP4_FORMATS[name]
+        if d_in % fmt.block:
+            continue
+        rows = []
+        variants = [(s, t if "gift" in s else None, HADAMARD_BLOCK if "hadamard" in s else None) for s in SCHEMES]
+        variants += [(f"gift+hadamard@{b}", t, b) for b in blocks]
+        for scheme, tt, b in variants:
+            if b is not None and d_in % b:
+                continue
+            rel, se = noise(fp4_sum(stack, fmt, tt, BlockHadamard(b) if b else None), truth)
+            rows.append({**key, "format": name, "scheme": scheme, "rel_l2": rel, "rel_l2_se": se})
+        base = rows[0]
+        for r in rows:
+            r["ratio"] = r["rel_l2"] / base["rel_l2"]
+            r["euclid_se"] = base["rel_l2_se"]
+        out += rows
+    return out
