@@ -93,3 +93,19 @@ def test_fp4_records_leave_fp8_records_bit_for_bit(monkeypatch):
     assert {r["scheme"] for r in fp4 if r["layer"].endswith("fc2")} == {"euclidean", "gift", "gift+hadamard@16"}
     names = {r["scheme"] for r in pretrained_steps.summarize(both)["per_type"]}
     assert {"nvfp4 euclidean", "nvfp4 gift+hadamard", "gift-chosen"} <= names
+
+
+def test_block_choice_takes_the_geometric_mean_over_common_layers():
+    """Catches an arithmetic mean, cold-start steps counted, or layers missing a block skewing the choice."""
+    recs = []
+    for step, layer, ratios in [
+        (2, "a", {16: 0.5, 64: 0.8}),
+        (3, "a", {16: 2.0, 64: 0.8}),
+        (0, "a", {16: 9.0}),
+        (2, "b", {64: 0.01}),
+    ]:
+        for b, v in ratios.items():
+            recs.append(dict(format="nvfp4", model="m", step=step, layer=layer, scheme=f"gift+hadamard@{b}", ratio=v))
+    (got,) = fp4_schemes.block_choice(recs)
+    assert got["records"] == 2 and got["best"] == 64
+    assert got["ratio"][16] == pytest.approx(1.0) and got["ratio"][64] == pytest.approx(0.8)

@@ -66,3 +66,26 @@ def measure(stack, truth, t, formats, key: dict, noise, blocks: tuple[int, ...] 
             r["euclid_se"] = base["rel_l2_se"]
         out += rows
     return out
+
+
+def block_choice(records: list[dict], cold_steps: int = 2) -> list[dict]:
+    """Per FP4 format and model: the geometric-mean ratio (to the format's Euclidean, steps >= ``cold_steps``)
+    of ``gift+hadamard`` at each measured block, over the layers where every block was measured, and the best."""
+    import math
+    from collections import defaultdict
+
+    by = defaultdict(dict)  # (format, model) -> (step, layer) -> {block: ratio}
+    for r in records:
+        if r.get("format", "fp8") != "fp8" and r["step"] >= cold_steps and r["scheme"].startswith("gift+hadamard@"):
+            by[(r["format"], r["model"])].setdefault((r["step"], r["layer"]), {})[int(r["scheme"].split("@")[1])] = r[
+                "ratio"
+            ]
+    out = []
+    for (fmt, model), cells in sorted(by.items()):
+        blocks = sorted({b for c in cells.values() for b in c})
+        full = [c for c in cells.values() if len(c) == len(blocks)]
+        if not full:
+            continue
+        ratio = {b: math.exp(sum(math.log(c[b]) for c in full) / len(full)) for b in blocks}
+        out.append(dict(format=fmt, model=model, records=len(full), ratio=ratio, best=min(ratio, key=ratio.get)))
+    return out

@@ -515,6 +515,8 @@ def run(
     doc["summary"] = summarize(records)
     doc["rank_axis"] = rank_axis(records, dims)
     doc["refresh_bytes"] = two_sided_bytes(dims)
+    if blocks:
+        doc["hadamard_blocks"] = fp4_schemes.block_choice(records)
     print(format_tables(doc), end="")
     if json_path:
         with open(json_path, "w") as f:
