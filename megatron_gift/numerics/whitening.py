@@ -17,7 +17,7 @@ Whitening (``LowRankWhitening``): with ``W = D^{-1/2} V Λ^{1/2}`` and its thin 
 so ``Tᵀ Â T = I`` and ``T T⁻¹ = I`` exactly (``(1+c)²(1+s) = 1``, ``(1+c)(1+c') = 1``).
 ``G T = G' + ((G' Q) ⊙ c) Qᵀ`` with ``G' = G D^{-1/2}``: O(d_out·d_in·r) time and
 O(d_in·r) memory, no d_in x d_in matrix. The paper's dense variant (``T = L⁻ᵀ`` with ``Â = L Lᵀ``,
-O(d_out·d_in²)) is the benchmarks' reference, ``bench.dense.DenseCholeskyWhitening``.
+O(d_out·d_in²)) is the tests' and benchmarks' reference, ``testing.dense.DenseCholeskyWhitening``.
 
 Where the work runs: everything of size d_in (the sketch ``Y``, ``V``, ``D``, ``W``, ``Q``) stays on
 the statistics' device, in FP64; only the small symmetric cores go to the host, where LAPACK

@@ -682,13 +682,16 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
 
 
 def test_planner_needs_no_benchmark_and_the_command_line_no_torch():
-    """The planner's workloads live with it: it plans with the benchmarks, the demo and the CPU harness refused;
+    """The planner plans with the benchmarks, the demo and the CPU harness (``megatron_gift.megatron``, and
+    ``testing.spawn``, which loads it) refused: it shares only ``testing.shapes`` with the runtime's tests;
     building the command line imports no torch (the model is imported by the handler)."""
     res = _fresh("""
 import importlib.abc, json, sys
 class _Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.startswith(("megatron_gift_tools.bench", "megatron_gift_tools.demo", "megatron_gift.testing")):
+        refused = ("megatron_gift_tools.bench", "megatron_gift_tools.demo",
+                   "megatron_gift.megatron", "megatron_gift.testing.spawn")
+        if name.startswith(refused):
             raise ImportError("blocked by the test: " + name)
 sys.meta_path.insert(0, _Blocker())
 import megatron_gift_tools.cli
