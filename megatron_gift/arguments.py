@@ -35,6 +35,7 @@ from .config import (
     param_modes,
 )
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
+from .startup import exit_after_rank0
 from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_upstream
 
 _DEFAULT = GiftConfig()
@@ -98,7 +99,7 @@ def startup_errors():
     except (ValueError, UntestedMegatronError) as e:
         text = str(e)
         print_once(text if text.startswith("megatron-gift") else f"megatron-gift: {text}")
-        raise SystemExit(STARTUP_EXIT) from None
+        exit_after_rank0(STARTUP_EXIT, global_rank())  # no rank leaves before rank 0 has printed
 
 
 def _errors_once(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -108,7 +109,7 @@ def _errors_once(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     def error(message: str):
         print_once(f"{parser.prog}: error: {message} (--help lists the flags)")
-        parser.exit(STARTUP_EXIT)
+        exit_after_rank0(STARTUP_EXIT, global_rank())
 
     parser.error = error
     return parser
