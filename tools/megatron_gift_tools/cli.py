@@ -342,10 +342,24 @@ def _add_docs(subparsers) -> None:
     docs.set_defaults(func=_docs)
 
 
+def _version() -> str:
+    """The installed runtime's version and the tools' (one line a bug report can quote)."""
+    from importlib import metadata
+
+    import megatron_gift
+
+    try:
+        tools = metadata.version("megatron-gift-tools")
+    except metadata.PackageNotFoundError:
+        tools = "not installed"
+    return f"{megatron_gift.__version__} (tools {tools})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_gift_tools.planner import cli as planner_cli  # torch-free: the model is imported by its handler
 
     parser = argparse.ArgumentParser(prog="megatron-gift", description="FP8 gradient communication with GIFT whitening")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
     _add_demo(subparsers)
