@@ -12,7 +12,7 @@ from megatron_gift.config import GiftConfig
 from megatron_gift.megatron import training
 from megatron_gift.megatron.monitor import Monitor
 from megatron_gift.numerics import CodecConfig, LowRankWhitening, profile_gradient
-from megatron_gift.numerics.fp8 import Scaling
+from megatron_gift.numerics.fp8 import Scaling, divisor
 from megatron_gift.numerics.profile import damping_errors
 from megatron_gift.testing.dispatch import SyncSanitizer
 from tests.unit.test_whitening import sample_rows, spectrum_factor
@@ -77,7 +77,8 @@ def test_refresh_and_profile_steps_copy_no_host_constants(scaling):
     g = sample_rows(basis, evals, 2, n=24, seed=1).float()
     a = ((basis * evals) @ basis.T).float()
     whitenings = [LowRankWhitening.from_statistics(a, rank=8, damping=d) for d in (1e-3, 1e-2)]
-    inputs = [g, *(t for w in whitenings for t in _tensors_of(w))]
+    # the codec's divisor (fp8.divisor) is a device constant, filled on the device once and cached: not a host copy
+    inputs = [g, *(t for w in whitenings for t in _tensors_of(w)), divisor(cfg.fmt.max, g.device)]
     for run in (lambda: damping_errors(g, whitenings, cfg), lambda: profile_gradient(g, cfg, whitening=whitenings[0])):
         run()  # a cache filled on the first call would be read on the next
         with _Foreign(inputs) as foreign, SyncSanitizer() as sanitizer:
