@@ -434,6 +434,19 @@ def telemetry_dir(args) -> str | None:
     return args.gift_telemetry_dir or args.save or args.tensorboard_dir
 
 
+def _check_writable_dir(path: str) -> None:
+    """Refuse a telemetry directory that cannot be written (or created) now, at start-up: it failed on
+    rank 0 after the model was built, and the other ranks then saw only gloo's "connection closed"."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):  # the nearest existing ancestor: the directory is made under it
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"the telemetry directory {path} cannot be written ({probe} is not a writable directory): "
+            "give a writable --gift-telemetry-dir (else --save or --tensorboard-dir is used)"
+        )
+
+
 def _policy_from_args(args) -> PolicyConfig | None:
     if AUTO not in args.gift_layers:
         return None
@@ -499,6 +512,8 @@ def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
             "--gift-log-interval writes gift_telemetry.jsonl: give --gift-telemetry-dir (or --save, or "
             "--tensorboard-dir)"
         )
+    if args.gift_log_interval:
+        _check_writable_dir(telemetry_dir(args))
     for flag, pats in patterns.items():
         for pat in pats:
             try:

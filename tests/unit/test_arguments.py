@@ -557,3 +557,19 @@ def test_full_every_needs_the_delta_gather(parse):
         ValueError, match="--gift-param-gather-full-every has no effect without --gift-param-gather delta"
     ):
         validate_gift_args(parse("--gift-param-gather-full-every", "5"))
+
+
+def test_unwritable_telemetry_dir_refused_at_startup(parse, tmp_path):
+    """Issue 37 item 2: a telemetry directory that cannot be written failed on rank 0 only after the model
+    was built (FileNotFoundError there, gloo's "connection closed" on the others). The flag check refuses
+    it with one line naming the flag (here the path runs through a file, which no user, root included, can
+    make a directory under); a directory still to be made under a writable one passes."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    target = blocker / "telemetry"
+    args = parse("--gift-mode", "gift", "--gift-log-interval", "5", "--gift-telemetry-dir", str(target))
+    with pytest.raises(ValueError) as exc:
+        validate_gift_args(args)
+    assert "--gift-telemetry-dir" in str(exc.value) and str(target) in str(exc.value)
+    fine = parse("--gift-mode", "gift", "--gift-log-interval", "5", "--gift-telemetry-dir", str(tmp_path / "a" / "b"))
+    validate_gift_args(fine)
