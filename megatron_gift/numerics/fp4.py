@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp8 import divisor
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 _E4M3_NAN = 0x7F
@@ -32,7 +34,6 @@ _E8M0_NAN = 0xFF
 _E8M0_BIAS = 127
 # Midpoints between consecutive magnitudes; a tie goes up only when the upper code is even.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,13 @@ def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """FP32 values of E2M1 codes."""
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    """FP32 values of E2M1 codes: magnitude ``m/2`` for ``m < 2`` (0, 0.5), else ``2^(e-1) (1 + man/2)``
+    with ``e = m >> 1``, ``man = m & 1``; computed on the device (no table copied from host memory)."""
+    c = codes.to(torch.int32)
+    mag, e = c & 7, (c & 7) >> 1
+    frac = 1.0 + (mag & 1).to(torch.float32) * 0.5
+    v = torch.where(e == 0, (mag & 1).to(torch.float32) * 0.5, torch.ldexp(frac, e - 1))
+    return torch.where((c & 8) != 0, -v, v)
 
 
 def _e4m3_round_up(v: torch.Tensor) -> torch.Tensor:
@@ -113,7 +118,10 @@ def _segment_ids(lengths: torch.Tensor | None, n: int, block: int, device) -> tu
     if lengths is None:
         return torch.zeros(n // block, dtype=torch.long, device=device), 1
     lengths = lengths.to(device=device, dtype=torch.long)
-    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths // block)
+    # output_size given: on CUDA repeat_interleave would otherwise read the total back to the host
+    ids = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=device), lengths // block, output_size=n // block
+    )
     return ids, lengths.numel()
 
 
@@ -130,7 +138,7 @@ def encode_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = N
     if fmt.segment_scale:
         seg_amax = torch.zeros(nseg, dtype=torch.float32, device=x.device)
         seg_amax = seg_amax.scatter_reduce(0, ids, amax, reduce="amax")
-        s = torch.where(seg_amax > 0, seg_amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(seg_amax))
+        s = torch.where(seg_amax > 0, seg_amax / divisor(E2M1_MAX * E4M3_MAX, x.device), torch.ones_like(seg_amax))
         s = s.clamp(min=torch.finfo(torch.float32).tiny)
         s_blk = s[ids]
         bits = _e4m3_round_up(amax / (E2M1_MAX * s_blk))

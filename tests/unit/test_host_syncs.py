@@ -85,3 +85,22 @@ def test_refresh_and_profile_steps_copy_no_host_constants(scaling):
             run()
         assert not foreign.foreign, foreign.foreign
         assert not sanitizer.events, sanitizer.events
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_fp4_round_trip_copies_no_host_constants(name):
+    """The FP4 codec decoded through a value table built from Python data on every call (on a GPU a
+    pageable host-to-device copy per message). The round trip now touches only its inputs and what it
+    makes, and nothing synchronises (``repeat_interleave``'s output size, a readback on CUDA only, is
+    given in the code; a CPU cannot see that one)."""
+    from megatron_gift.numerics.fp4 import FP4_FORMATS, roundtrip_fp4
+
+    fmt = FP4_FORMATS[name]
+    x = torch.randn(4 * 128, generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([128, 256, 128], dtype=torch.int64)
+    roundtrip_fp4(x, fmt, lengths)  # a cache filled on the first call would be read on the next
+    known = [x, lengths, divisor(6.0 * 448.0, x.device)]  # the NVFP4 segment scale's divisor: a device constant
+    with _Foreign(known) as foreign, SyncSanitizer() as sanitizer:
+        roundtrip_fp4(x, fmt, lengths)
+    assert not foreign.foreign, foreign.foreign
+    assert not sanitizer.events, sanitizer.events
