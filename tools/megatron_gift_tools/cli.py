@@ -59,6 +59,21 @@ def _bench_pretrained(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_training(args: argparse.Namespace) -> int:
+    from megatron_gift_tools.bench import training
+
+    training.run(
+        quick=args.quick,
+        json_path=args.json,
+        out=args.out,
+        seeds=args.seeds,
+        iters=args.iters,
+        modes=args.modes,
+        command=args.command_line,
+    )
+    return 0
+
+
 def _node_layout(text: str) -> tuple[int, int]:
     """``"2x4"`` -> (2, 4): nodes x ranks per node."""
     try:
@@ -278,6 +293,20 @@ def _add_bench(subparsers) -> None:
         "--resume", action="store_true", help="keep the records already in --json (same sources), measure the rest"
     )
     lau.set_defaults(func=_bench_launches)
+    tra = commands.add_parser(
+        "training",
+        help="does FP4 between nodes train like BF16? validation loss over seeds, 4 CPU ranks as 2 nodes x 2",
+        description="Train the demo's small Llama through the launcher on 4 gloo ranks as 2 simulated nodes x 2 "
+        "for each mode (Megatron's BF16, Euclidean and GIFT FP8, Euclidean, GIFT and GIFT + Hadamard NVFP4) and "
+        "seed; report the final held-out validation loss, its gap to BF16 with the seed spread, and the bytes.",
+    )
+    tra.add_argument("--quick", action="store_true", help="10 iterations, one seed (a smoke test)")
+    tra.add_argument("--json", metavar="PATH", help="write the results as JSON (and the plot as PATH.png)")
+    tra.add_argument("--out", default="runs/training", metavar="DIR", help="logs and per-run records (reused)")
+    tra.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S", help="default 1234 1 2")
+    tra.add_argument("--iters", type=positive_int, default=None, metavar="N", help="default 1000; --quick 10")
+    tra.add_argument("--modes", nargs="+", default=None, metavar="MODE", help="a subset (bf16 always runs)")
+    tra.set_defaults(func=_bench_training, needs=PLOTS + CORPUS)
 
 
 def _demo(args: argparse.Namespace) -> int:
