@@ -237,8 +237,9 @@ class BucketLayout:
                         f"megatron-gift: {flag} needs every shard boundary on a whole {block}-element block, but "
                         f"the boundary at bucket element {cut} (shards of {self.shard_size}) falls "
                         f"{(cut - s.start) % block} elements into a block of {s.name or f'parameter {i}'!r} "
-                        f"(starting at {s.start}): pad the buckets and parameter starts to multiples of {block} "
-                        "times the data-parallel size, or use --gift-inter-node-format fp8"
+                        f"(starting at {s.start}): add Megatron's --ddp-pad-buckets-for-high-nccl-busbw (buckets "
+                        f"padded to multiples of 65536 elements: shards of whole blocks up to {65536 // block} "
+                        "data-parallel ranks), or use --gift-inter-node-format fp8"
                     )
 
     # -- the sequences ----------------------------------------------------------------------------

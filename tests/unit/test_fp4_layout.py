@@ -109,8 +109,9 @@ def test_rows_that_are_not_whole_blocks_are_refused(fmt):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_shard_boundary_inside_a_block_is_refused(fmt):
     """Bug caught: a shard boundary falling inside a block planned anyway (the block's codes and scale
-    would be split between two ranks' messages); the message names the parameter, the boundary and
-    the flag. Plain parameters cut anywhere are no reason to refuse."""
+    would be split between two ranks' messages); the message names the parameter, the boundary, the
+    flag and Megatron's padding flag that fixes it (the bare advice to "pad the buckets" left a user with
+    no flag to add). Plain parameters cut anywhere are no reason to refuse."""
     block = BLOCKS[fmt]
     numel = 2 * (256 + 8)  # shards of 264: the cut is 8 elements into a block of "w"
     lay = layout([Segment(0, 8, 64, Mode.EUCLIDEAN, "w")], numel, 2)
@@ -118,6 +119,7 @@ def test_shard_boundary_inside_a_block_is_refused(fmt):
         lay.check_blocks(block, f"--gift-inter-node-format {fmt}")
     msg = str(exc.value)
     assert "'w'" in msg and "264" in msg and f"--gift-inter-node-format {fmt}" in msg and "\n" not in msg
+    assert "--ddp-pad-buckets-for-high-nccl-busbw" in msg  # the Megatron flag that aligns the shards
     plain = layout([Segment(0, 8, 64, Mode.OFF, "w")], numel, 2)
     plain.check_blocks(block, "x")  # nothing coded: nothing to align
 
