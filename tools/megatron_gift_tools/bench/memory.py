@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.config import GiftConfig, InterNodeFormat, Mode
 from megatron_gift_tools.bench.fidelity import machine
 
 MODEL = dict(hidden_size=128, ffn_hidden_size=512, num_attention_heads=4, num_layers=2)
@@ -56,7 +56,12 @@ CONFIGS = {
     "gift (statistics, transforms)": dict(mode=Mode.GIFT, error_feedback=False),
     "gift+error-feedback": dict(mode=Mode.GIFT, error_feedback=True),
     "gift+error-feedback+telemetry": dict(mode=Mode.GIFT, error_feedback=True, log_interval=1),
+    # the two-level exchange (nodes of 2 ranks; from 4 ranks): BF16 intra-node stage, coded inter-node stage
+    "euclidean two-level": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2),
+    "gift two-level": dict(mode=Mode.GIFT, ranks_per_node=2),
+    "gift two-level nvfp4": dict(mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4),
 }
+TWO_LEVEL = tuple(n for n, c in CONFIGS.items() if c and c.get("ranks_per_node"))
 QUICK_CONFIGS = ("stock", "off", "euclidean", "gift+error-feedback")
 
 
@@ -144,7 +149,7 @@ def _rank_main(rank: int, world: int, spec: dict, names: tuple) -> dict:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
-    out = {name: _measure(name, spec) for name in names}
+    out = {name: _measure(name, spec) for name in names if world >= 4 or name not in TWO_LEVEL}
     parallel_state.destroy_model_parallel()
     return out
 
@@ -154,7 +159,7 @@ def summarize(per_rank: list[dict], world: int) -> list[dict]:
     rows = []
     for name in per_rank[0]:
 
-        def extra(key):
+        def extra(key, name=name):
             return max((r[name][key] - r["stock"][key]) / r[name]["params"] for r in per_rank)
 
         peak, held = extra("peak"), extra("held")
