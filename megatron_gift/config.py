@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .numerics.fp8 import CodecConfig
+from .numerics.fp8 import CodecConfig, Scaling
 
 
 class Exchange(enum.Enum):
@@ -224,6 +224,11 @@ class GiftConfig:
             raise ValueError(
                 f"the four-bit exchange whitens the input side alone: inter_node_format "
                 f"{self.inter_node_format.value} needs side=input (--gift-side input), got {self.side.value}"
+            )
+        if self.inter_node_format is not InterNodeFormat.FP8 and self.codec.scaling is Scaling.TENSOR:
+            raise ValueError(
+                f"inter_node_format {self.inter_node_format.value} cuts the coded values at whole FP8 scaling "
+                "groups, which tensor scaling does not have: use --gift-scaling block, row or mx"
             )
         if self.rotation is not Rotation.NONE and self.inter_node_format is InterNodeFormat.FP8:
             raise ValueError(

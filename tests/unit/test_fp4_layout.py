@@ -161,3 +161,18 @@ def test_all_reduce_shards_can_be_aligned_to_whole_blocks():
     aligned = BucketLayout(1000, 4, segs, CodecConfig(), torch.float32, align=64)
     assert aligned.shard_size == 256 and [p.hi for p in aligned.shards] == [256, 512, 768, 1000]
     aligned.check_blocks(64, "x")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_with_tensor_scaling_is_refused_naming_both_flags(fmt):
+    """Bug caught: ``--gift-scaling tensor`` accepted with a four-bit exchange, whose chunks are cut at
+    whole FP8 scaling groups (under tensor scaling one group is a whole segment); refused at start-up
+    naming both flags. Block scaling, the default, passes."""
+    with pytest.raises(ValueError) as exc:
+        gift_config_from_args(parse("--gift-mode", "gift", "--gift-scaling", "tensor", "--gift-inter-node-format", fmt))
+    msg = str(exc.value)
+    assert msg.startswith("megatron-gift: ") and "\n" not in msg
+    assert "--gift-scaling" in msg and f"--gift-inter-node-format {fmt}" in msg
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-inter-node-format", fmt)).codec.scaling.value == (
+        "block"
+    )
