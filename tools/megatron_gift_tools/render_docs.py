@@ -121,7 +121,38 @@ def fidelity_pretrained(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"decision": decision, "planner-600m": planner_600m, "fidelity-pretrained": fidelity_pretrained}
+def training_fp4(results: Path) -> str:
+    """``bench training``: per mode the final held-out validation loss, its paired gap to Megatron's BF16
+    with the seed spread, and the bytes; then whether each gap is within two seed sd of zero."""
+    doc = _load(results, "training-cpu.json")
+    bf16 = doc["modes"]["bf16"]
+    lines = [
+        f"{doc['iters']} iterations, seeds {', '.join(map(str, doc['seeds']))}, {doc['ranks']} gloo ranks as "
+        f"{doc['ranks'] // doc['ranks_per_node']} nodes x {doc['ranks_per_node']} ({doc['machine']['cpu_model']}, "
+        f"{doc['machine']['cpu_count']} cores)",
+        "",
+        "| mode | final validation loss (mean ± sd) | gap to BF16 (mean ± sd, paired by seed) | within 2 sd of 0 "
+        "| bytes per step per rank | between nodes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, v in doc["modes"].items():
+        within = doc["targets"].get(m, {}).get("within_2sd_of_zero")
+        gap = "-" if m == "bf16" else f"{v['gap_to_bf16']:+.4f} ± {v['gap_sd']:.4f}"
+        coded = f"{v['coded_bytes_per_step']:,.0f}" if v["coded_bytes_per_step"] else "(one flat ring)"
+        lines.append(
+            f"| {m} | {v['final_val_mean']:.4f} ± {v['final_val_sd']:.4f} | {gap} | "
+            f"{'-' if within is None else ('yes' if within else '**no**')} | "
+            f"{v['bytes_per_step']:,.0f} ({v['bytes_per_step'] / bf16['bytes_per_step']:.2f}x BF16) | {coded} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {
+    "decision": decision,
+    "planner-600m": planner_600m,
+    "fidelity-pretrained": fidelity_pretrained,
+    "training-fp4": training_fp4,
+}
 
 
 def render(text: str, results: Path = RESULTS) -> str:
