@@ -31,6 +31,7 @@ TINY = fidelity.FidelityConfig(
     accumulation=2,
     gift=dataclasses.replace(fidelity.DEFAULT, rank=4, sketch=8, refresh_interval=2),
     paper=dataclasses.replace(fidelity.PAPER, rank=4, refresh_interval=4),
+    formats=("fp8", "nvfp4"),
 )
 RANKS = 4
 
@@ -332,8 +333,42 @@ def test_cli_runs_fidelity_and_prints_tables(report, monkeypatch, capsys):
             quick=True,
             json_path="x.json",
             ranks=4,
+            config=fidelity.QUICK,
             command="megatron-gift bench fidelity --quick --json x.json --ranks 4",
             threads=1,
         )
     ]
+    calls.clear()
+    assert cli.main(["bench", "fidelity", "--formats", "nvfp4,mxfp4"]) == 0
+    assert calls[0]["config"] == dataclasses.replace(fidelity.FULL, formats=("fp8", "nvfp4", "mxfp4"))
+    calls.clear()
+    assert cli.main(["bench", "fidelity", "--quick", "--ffn-hidden", "384"]) == 0
+    assert calls[0]["config"].model == dataclasses.replace(fidelity.QUICK.model, ffn_hidden=384)
     assert "| bf16 |" in capsys.readouterr().out
+
+
+def test_fp4_records_and_their_summary(report):
+    """``--formats nvfp4``: every measured layer and step gets the FP4 schemes with the names readers
+    rely on (model, format, scheme, layer_type, rel_l2), Euclidean as each cell's reference (ratio 1), and
+    the summary's per-type geomean and worst recomputed from the records (bug caught: records dropped,
+    a scheme measured against another cell's Euclidean, or a summary not of its records)."""
+    out, doc = report
+    recs = out["fp4"]
+    assert len(doc["fp4"]) == len(recs)  # written to the JSON too
+    cells = defaultdict(dict)
+    for r in recs:
+        assert {"model", "format", "scheme", "layer_type", "rel_l2", "rel_l2_se", "ratio"} <= set(r)
+        cells[(r["step"], r["layer"], r["tokens_per_rank"])][r["scheme"]] = r
+    measured = {(r["step"], r["layer"], r["tokens_per_rank"]) for r in out["results"] if r["step"] in TINY.points}
+    assert set(cells) == measured and all(r["format"] == "nvfp4" for r in recs)
+    for cell in cells.values():
+        # the 64-element Hadamard block divides none of the tiny model's inputs (32 and 48 wide): skipped
+        assert set(cell) == {"euclidean", "gift"}
+        assert cell["euclidean"]["ratio"] == 1.0
+        for r in cell.values():
+            assert r["ratio"] == pytest.approx(r["rel_l2"] / cell["euclidean"]["rel_l2"], rel=1e-5)
+    for row in out["summary"]["fp4"]:
+        ratios = [r["ratio"] for r in recs if (r["scheme"], r["layer_type"]) == (row["scheme"], row["layer_type"])]
+        assert row["n"] == len(ratios) and row["worst"] == max(ratios)
+        assert row["ratio"] == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)))
+    assert "Four-bit schemes" in fidelity.format_tables(out)

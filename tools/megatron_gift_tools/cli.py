@@ -10,6 +10,7 @@ tokenizers for the text corpus). A command that needs part of it names the modul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 
@@ -18,9 +19,19 @@ from megatron_gift_tools.commands import CORPUS, PLOTS, positive_int, require_be
 
 def _bench_fidelity(args: argparse.Namespace) -> int:
     from megatron_gift_tools.bench import fidelity
+    from megatron_gift_tools.bench.fp4_schemes import parse_formats
 
+    preset = fidelity.QUICK if args.quick else fidelity.FULL
+    config = dataclasses.replace(preset, formats=parse_formats(args.formats))
+    if args.ffn_hidden:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, ffn_hidden=args.ffn_hidden))
     report = fidelity.run(
-        quick=args.quick, json_path=args.json, ranks=args.ranks, command=args.command_line, threads=args.threads or None
+        quick=args.quick,
+        json_path=args.json,
+        ranks=args.ranks,
+        config=config,
+        command=args.command_line,
+        threads=args.threads or None,
     )
     print(fidelity.format_tables(report), end="")
     return 0
@@ -148,6 +159,21 @@ def _add_bench(subparsers) -> None:
         default=1,
         metavar="N",
         help="torch intra-op threads (default 1; 0 keeps torch's default)",
+    )
+    fid.add_argument(
+        "--formats",
+        default="fp8",
+        metavar="F,...",
+        help="also measure these four-bit formats' schemes (euclidean, hadamard, gift, gift+hadamard) per layer: "
+        "fp8 (always), nvfp4, mxfp4 (default: %(default)s)",
+    )
+    fid.add_argument(
+        "--ffn-hidden",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the model's FFN width instead of the preset's (e.g. 384, so fc2's inputs are whole 64-element "
+        "Hadamard blocks and 16/32-element FP4 blocks; the presets' 344 and 688 are not)",
     )
     fid.set_defaults(func=_bench_fidelity, needs=CORPUS)
     com = commands.add_parser(

@@ -75,6 +75,7 @@ from megatron_gift.numerics import (
 )
 from megatron_gift.numerics.profile import choose_damping
 from megatron_gift.testing.dense import DenseCholeskyWhitening
+from megatron_gift_tools.bench import fp4_schemes
 from megatron_gift_tools.bench.corpus import TokenCorpus, build_token_corpus
 from megatron_gift_tools.bench.llama import (
     LlamaConfig,
@@ -161,6 +162,7 @@ class FidelityConfig:
     paper: GiftScheme = PAPER
     seed: int = 0
     cold_points: tuple[int, ...] = (1, 2)  # the plugin's cold start: measured before ``points``, plugin schemes only
+    formats: tuple[str, ...] = ("fp8",)  # with "nvfp4"/"mxfp4": also each layer's FP4 schemes (``fp4_schemes``)
 
     def __post_init__(self):
         steps = (0, *self.cold_points, *self.points)
@@ -450,10 +452,10 @@ def _heldout_batches(
 
 def _measure_point(
     model, trackers: dict, plugin: _PluginLayers, batches, ranks, cfg, step
-) -> tuple[list[dict], list[dict], float]:
-    """Records of every layer at every held-out batch size, and the held-out loss of the first batch
-    (at a cold point: only plain FP8 and the plugin's schemes)."""
-    results, geometry, heldout_loss = [], [], float("nan")
+) -> tuple[list[dict], list[dict], list[dict], float]:
+    """Records of every layer at every held-out batch size (FP8, geometry, FP4 with ``cfg.formats``), and
+    the held-out loss of the first batch (at a cold point: only plain FP8 and the plugin's schemes)."""
+    results, geometry, fp4, heldout_loss = [], [], [], float("nan")
     plugin.install()
     cold = step in cfg.cold_points
     for tokens, (x, y) in batches.items():
@@ -471,8 +473,12 @@ def _measure_point(
             key = {"step": step, "layer": name, "layer_type": layer_type(name), "tokens_per_rank": tokens}
             results += [{**key, **r} for r in res]
             geometry += [{**key, **g} for g in geo]
+            if not cold and len(cfg.formats) > 1:  # T: what the plugin sends at --gift-side input (None: Euclidean)
+                t = plugin.layers[name].sent.get(("input", True), (None, "none"))[0]
+                model_key = {"model": f"llama-h{cfg.model.hidden}-l{cfg.model.layers}", **key}
+                fp4 += fp4_schemes.measure(stack, stack.sum(0), t, cfg.formats, model_key, rel_l2_noise)
         _log(f"step {step}: measured {len(plugin.layers)} layers at {tokens} tokens/rank")
-    return results, geometry, heldout_loss
+    return results, geometry, fp4, heldout_loss
 
 
 # --------------------------------------------------------------------------- summary
@@ -623,6 +629,24 @@ RATIO_CODECS = ("e5m2-tensor-shared", "e4m3-tensor", "e4m3-row", "e4m3-block", "
 """Codecs whose measured GIFT/Euclidean ratio is printed (the JSON holds all of them)."""
 
 
+def fp4_summary(records: list[dict]) -> list[dict]:
+    """Per FP4 format, scheme and layer type: the geometric-mean ratio to the format's Euclidean over layers,
+    steps and batch sizes, with the standard error of that mean (from the log ratios' spread), and the
+    worst record's ratio."""
+    groups: dict[tuple, list[float]] = {}
+    for r in records:
+        groups.setdefault((r["format"], r["scheme"], r["layer_type"]), []).append(r["ratio"])
+    out = []
+    for (fmt, scheme, kind), ratios in groups.items():
+        logs = [math.log(x) for x in ratios]
+        mean = statistics.fmean(logs)
+        se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+        ratio = math.exp(mean)
+        rec = dict(format=fmt, scheme=scheme, layer_type=kind, n=len(ratios), ratio=ratio, ratio_se=ratio * se)
+        out.append({**rec, "worst": max(ratios)})
+    return out
+
+
 def _md_table(header: list[str], rows: list[list]) -> str:
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else "–" if v is None else str(v)  # noqa: E731
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -713,6 +737,13 @@ def format_tables(report: dict) -> str:
         f"Records of gift-{GiftConfig().codec.name} and the plugin's schemes above the best Euclidean by more than "
         f"twice the combined standard error of the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}",
     ]
+    if summary.get("fp4"):
+        rows = [
+            [r["format"], r["scheme"], r["layer_type"], r["n"], r["ratio"], r["ratio_se"], r["worst"]]
+            for r in sorted(summary["fp4"], key=lambda r: (r["format"], r["layer_type"], r["scheme"]))
+        ]
+        head = ["format", "scheme", "layer type", "records", "RelL2 / Euclidean (geomean)", "se", "worst record"]
+        parts.append("Four-bit schemes against the same format's Euclidean\n\n" + _md_table(head, rows))
     return "\n\n".join(parts) + "\n"
 
 
@@ -789,7 +820,7 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
     trackers = {"gift": _SchemeFactors(cfg.gift, layers), "gift-paper": _SchemeFactors(cfg.paper, layers)}
     plugin = _PluginLayers(cfg.gift, layers)
     batches = _heldout_batches(corpus, cfg, ranks)
-    results, geometry, points = [], [], []
+    results, geometry, fp4, points = [], [], [], []
     for step in (*cfg.cold_points, *cfg.points):
         t, losses = time.perf_counter(), []
         while trainer.step < step:
@@ -800,9 +831,10 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
             plugin.after_step(trainer.step - 1, acts, dys, {n: m.weight.grad for n, m in layers.items()})
         train_loss = statistics.fmean(losses[-8:])
         _log(f"step {step}: train loss {train_loss:.3f} ({time.perf_counter() - t:.1f}s)")
-        res, geo, heldout_loss = _measure_point(model, trackers, plugin, batches, ranks, cfg, step)
+        res, geo, four, heldout_loss = _measure_point(model, trackers, plugin, batches, ranks, cfg, step)
         results += res
         geometry += geo
+        fp4 += four
         points.append(
             {"step": step, "train_loss": train_loss, "heldout_loss": heldout_loss, "seconds": time.perf_counter() - t}
         )
@@ -820,6 +852,9 @@ def _run(quick: bool, json_path, ranks: int, cfg: FidelityConfig, command: str |
         "summary": summarize(results, geometry, cfg.cold_points),
         "wall_seconds": time.perf_counter() - t0,
     }
+    if fp4:
+        report["fp4"] = fp4
+        report["summary"]["fp4"] = fp4_summary(fp4)
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(_rounded(report), separators=(",", ":")) + "\n")
