@@ -147,7 +147,32 @@ def training_fp4(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fp4_schemes(results: Path) -> str:
+    """Per model, FP4 format and scheme: the gradient error over the same format's Euclidean per layer type
+    (geometric means; ``bench pretrained`` after the cold start, ``bench fidelity`` on the scratch Llama)."""
+    rows = {}  # (model, format, scheme) -> {layer type: ratio}
+    for r in _load(results, "pretrained-quick-fp4-cpu.json")["summary"]["per_type"]:
+        fmt, _, scheme = r["scheme"].partition(" ")
+        if r["after_cold_start"] and fmt in ("nvfp4", "mxfp4") and "@" not in scheme:
+            rows.setdefault((r["model"], fmt, scheme), {})[r["layer_type"]] = r["ratio"]
+    fid = _load(results, "fidelity-quick-fp4-cpu.json")
+    model = f"scratch llama (hidden {fid['config']['model']['hidden']})"
+    for r in fid["summary"]["fp4"]:
+        rows.setdefault((model, r["format"], r["scheme"]), {})[r["layer_type"]] = r["ratio"]
+    types = ("qkv", "proj", "fc1", "fc2")
+    order = ("hadamard", "gift", "gift+hadamard")
+    lines = ["| model | format | scheme | " + " | ".join(types) + " |", "|---" * (len(types) + 3) + "|"]
+    for (m, fmt, scheme), ratios in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], kv[0][1], order.index(kv[0][2]) if kv[0][2] in order else -1)
+    ):
+        if scheme in order:
+            cells = " | ".join(f"{ratios[t]:.2f}" if t in ratios else "-" for t in types)
+            lines.append(f"| {m} | {fmt} | {scheme} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS = {
+    "fp4-schemes": fp4_schemes,
     "decision": decision,
     "planner-600m": planner_600m,
     "fidelity-pretrained": fidelity_pretrained,
