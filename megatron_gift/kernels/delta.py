@@ -81,7 +81,7 @@ def _encode_kernel(new_ptr, prev_ptr, codes_ptr, scales_ptr, numel, nblocks, BB:
     q = (q + 12582912.0) - 12582912.0  # round half to even: |q| <= 127
     q = tl.where(nonfinite[:, None], 0.0, q)
     bmask = blk < nblocks
-    tl.store(codes_ptr + offs, q.to(tl.int8), mask=offs < nblocks * 32)
+    tl.store(codes_ptr + offs, q.to(tl.int8), mask=offs < nblocks.to(tl.int64) * 32)  # 64-bit: a shard of 2^31
     tl.store(scales_ptr + blk, code.to(tl.uint8), mask=bmask)
 
 
@@ -106,8 +106,9 @@ def _decode_kernel(
     mask = offs < numel
     own = (tl.zeros([BB, 32], tl.int64) + row) == rank  # a tensor: the interpreter takes no scalar masks
     msg = msg_ptr + row * msg_bytes
-    q = tl.load(msg + offs, mask=offs < nblocks * 32, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    code = tl.load(msg + nblocks * 32 + blk, mask=bmask, other=1).to(tl.int32)
+    codes_end = nblocks.to(tl.int64) * 32  # the scales' offset: 64-bit, a shard may hold 2^31 elements
+    q = tl.load(msg + offs, mask=offs < codes_end, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    code = tl.load(msg + codes_end + blk, mask=bmask, other=1).to(tl.int32)
     dst = param_ptr + row * numel + offs
     theirs = tl.load(dst, mask=mask & ~own, other=0.0).to(tl.float32)
     mine = tl.load(prev_ptr + offs, mask=mask & own, other=0.0).to(tl.float32)

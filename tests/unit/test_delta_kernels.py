@@ -9,6 +9,7 @@ again in a fresh process with ``TRITON_INTERPRET=1``; without it they run on CUD
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -122,7 +123,9 @@ if not INTERPRET:  # the outer run only
     )
     def test_kernels_compile_for_sm90(name, dtype):
         """Without a GPU: each kernel compiles to an sm_90 cubin, never flushes subnormals (FP16's
-        and BF16's small weights), and the encode divides with IEEE rounding."""
+        and BF16's small weights), the encode divides with IEEE rounding, and no offset is multiplied
+        in 32 bits (issue 35 item 8: ``nblocks * 32`` in i32 wrapped for a shard of 2^31 - 31 elements
+        or more, so the encode wrote no codes and the decode read scales ~2 GB before its message)."""
         from triton import compile as triton_compile
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -147,6 +150,8 @@ if not INTERPRET:  # the outer run only
         asm = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm
         assert asm["cubin"] and ".ftz" not in asm["ptx"]
         assert ("div.rn.f32" in asm["ptx"]) == (name == "_encode_kernel") and "div.approx" not in asm["ptx"]
+        muls = [line for line in asm["ttir"].splitlines() if "arith.muli" in line]
+        assert muls and not [m for m in muls if re.search(r"[: x]i32\b", m)], muls  # every product 64-bit
 
     def test_reference_chunks_are_bitwise_one_pass_and_ops_do_not_grow(monkeypatch):
         """Catches a chunk boundary that shifts codes, scales or weights (chunks of 2 blocks against
