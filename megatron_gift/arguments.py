@@ -21,6 +21,7 @@ import os
 import re
 import sys
 
+from . import preflight
 from .config import (
     Exchange,
     GiftConfig,
@@ -560,7 +561,9 @@ def checked_gift_config(args) -> GiftConfig | None:
     a refused flag ends every rank with one message from rank 0 (:func:`startup_errors`)."""
     with startup_errors():
         validate_gift_args(args, warn=False)
-        return gift_config_from_args(args)
+        cfg = gift_config_from_args(args)
+        preflight.check(args, cfg)  # what Megatron would find only after the model build
+        return cfg
 
 
 def _check_local_world_size() -> None:

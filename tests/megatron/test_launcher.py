@@ -139,14 +139,19 @@ STARTUP_ARGV = [
 def _startup_exit(monkeypatch, capsys, rank: int, *flags: str) -> str:
     """``megatron_gift.pretrain_gpt.main`` in this process as global rank ``rank``: it must stop with
     exit status 2 before training; returns what it wrote to stderr (Megatron's global state reset)."""
+    monkeypatch.setenv("RANK", str(rank))
+    return _startup_exit_argv(monkeypatch, capsys, [*STARTUP_ARGV, *flags])
+
+
+def _startup_exit_argv(monkeypatch, capsys, argv: list[str]) -> str:
+    """:func:`_startup_exit` with the whole command line ``argv``."""
     gift_training.shim_typing_override()
     from megatron.training import global_vars
 
-    monkeypatch.setenv("RANK", str(rank))
     capsys.readouterr()
     try:
         with pytest.raises(SystemExit) as exc:
-            pretrain_gpt.main([*STARTUP_ARGV, *flags])
+            pretrain_gpt.main(argv)
     finally:
         global_vars.unset_global_variables()
     assert exc.value.code == 2, exc.value.code
@@ -368,3 +373,50 @@ def test_launcher_trains_with_gift_ddp_and_stock_ddp(launcher_runs):
         assert all(v["rel_l2"] > 0 and v["profile"]["ranks"] == 2 and v["bytes"] > 0 for v in r["layers"].values()), r[
             "layers"
         ]
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no-data", "no training data: give --data-path"),
+        ("transformer-engine", "--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine"),
+        ("psutil", "needs psutil, which is not installed"),
+        (
+            "rank",
+            "--gift-rank 80 exceeds the input size of GIFT layer(s) self_attention.linear_qkv.weight (input size 64)",
+        ),
+    ],
+)
+def test_late_errors_are_refused_before_the_model(monkeypatch, capsys, tmp_path, case, message):
+    """Issue 37 item 2: what Megatron found only after building the model (its data assertion on every
+    rank, TE's TypeError, psutil at the first save, a 528-character --gift-rank line) is one line of ours
+    from the start-up checks, exit status 2. Megatron's model configuration raises here, so a check that
+    runs late (or not at all) fails the test instead of exiting."""
+    gift_training.shim_typing_override()  # Megatron's training package needs typing.override (Python 3.12)
+    import megatron.training.argument_utils as argument_utils
+
+    from megatron_gift import preflight
+
+    def configured(*a, **k):
+        raise AssertionError("the model was configured before the start-up checks refused")
+
+    monkeypatch.setattr(argument_utils, "gpt_config_from_args", configured)
+    argv, flags = list(STARTUP_ARGV), ["--gift-mode", "euclidean"]
+    if case == "no-data":
+        argv = _without(argv, "--data-path")
+    elif case == "transformer-engine":
+        if preflight._importable("transformer_engine"):
+            pytest.skip("Transformer Engine imports here")
+        flags += ["--transformer-impl", "transformer_engine"]
+    elif case == "psutil":
+        monkeypatch.setattr(preflight, "_importable", lambda module: module != "psutil")
+        flags += ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    else:
+        flags = ["--gift-mode", "gift", "--gift-rank", "80", "--gift-sketch", "160", "--transformer-impl", "local"]
+    err = _startup_exit_argv(monkeypatch, capsys, [*argv, *flags])
+    assert "Traceback" not in err and len(_ours(err)) == 1 and message in _ours(err)[0], err[-2000:]
