@@ -38,7 +38,7 @@ from ..numerics.whitening import LowRankWhitening
 from ..numerics.wire import KERNELS
 from .codec import CHUNK, encode_bucket, part_chunks, plain_bucket, reduce_coded, spans, sum_plain, views
 from .layout import BucketLayout
-from .ledger import CommLedger, coded_label
+from .ledger import CommLedger, message_label
 from .packing import Rows, packing
 from .pieces import PieceExchange
 from .schedule import Reduction, Step
@@ -106,7 +106,7 @@ class ShardReduction(Reduction):
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
         self.kernels = use_kernels(flat.device, kernels, layout.codec)
         self.chunk = None if self.kernels else CHUNK
-        self.coded_label = coded_label(layout.codec.fmt)  # the ledger's name of the coded messages
+        self.coded_label = message_label(layout)  # the ledger's name of the bucket's messages
         # hooks (module doc): segment -> T_out the sender applies (T_outᵀ G T); segment -> (FP32 tensor,
         # bucket position of its first element) written instead of the bucket
         self.outputs: dict[int, LowRankWhitening] = {}

@@ -352,9 +352,11 @@ def test_decisions_follow_the_profiles(results):
         assert {(s, t) for s, _, _, t in got(bf16)} == {(2, "bf16")} and len(got(bf16)) == len(bf16["modes"])
         assert set(bf16["modes"].values()) == {"bf16"}
         assert all(v["mode"] == "bf16" for r in bf16["raw"][1:] for v in r["layers"].values())
-        assert all(
-            "all_to_all/fp8+scales" in json.loads(r)["bytes"] for r in bf16["records"]
-        )  # BF16 travels in the same messages
+        # BF16 travels in the same messages, named by what they carry: FP8 codes before the switch, BF16
+        # after it (issue 37 item 5: logged and reported as fp8+scales throughout)
+        records = [json.loads(r) for r in bf16["records"]]
+        assert all(("all_to_all/fp8+scales" in r["bytes"]) != ("all_to_all/bf16" in r["bytes"]) for r in records)
+        assert "all_to_all/bf16" in records[-1]["bytes"] and "all_to_all/fp8+scales" in records[0]["bytes"]
         # the policy's state through a checkpoint: modes and layouts restored, then the switch back to FP8
         assert res["restored_modes"] == bf16["modes"] and all(res["restored_layouts"])
         replay = _replay(restored["raw"], RESTORED, res["restored_policy"])
