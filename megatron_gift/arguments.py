@@ -372,7 +372,14 @@ def print_help_if_asked(extra_args_provider) -> None:
     """With ``-h`` / ``--help`` on the command line: print Megatron's help with ``extra_args_provider``'s
     flags (:func:`add_gift_args` escapes its stray ``%``) and exit. Megatron-LM's ``pretrain_gpt.py``
     (patched) calls it first: its in-process-restart wrapper parses the command line with Megatron's
-    parser alone, whose ``--help`` raises ``ValueError`` on a bare ``%``."""
+    parser alone, whose ``--help`` raises ``ValueError`` on a bare ``%``. A ``--gift-cpu`` there (the
+    launcher's flag) is refused in one line naming the script's CPU route, ``megatron.cpu_run``."""
+    if "--gift-cpu" in sys.argv[1:]:  # the launcher's flag: the script's CPU route is a module around it
+        with startup_errors():
+            raise ValueError(
+                "--gift-cpu is megatron_gift.pretrain_gpt's flag; run this script on CPU with torchrun "
+                f"--nproc-per-node N -m megatron_gift.megatron.cpu_run {sys.argv[0]} <flags> (docs/integration.md)"
+            )
     if {"-h", "--help"} & set(sys.argv[1:]):
         from megatron.training.arguments import parse_args
 

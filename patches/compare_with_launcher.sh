@@ -6,7 +6,7 @@
 # MEGATRON_LM_DIR: a Megatron-LM checkout on core_r0.19.0 (patched here with apply.sh if it is
 # not yet). Both programs run on CPU (gloo, 2 ranks, a 2-layer model, mock data, 3 iterations)
 # with the same flags and the same `megatron` package (the checkout's, via PYTHONPATH); the
-# patched script runs under the CPU harness the launcher's --gift-cpu installs. The script
+# patched script runs under the CPU harness through python -m megatron_gift.megatron.cpu_run. The script
 # prints both runs' "iteration N | ... lm loss" values and exits 1 unless they are identical
 # and both runs report a GiftDistributedDataParallel wrapper (the patched script does not print
 # the launcher's "model wrapped in" line, so the GIFT byte-count log lines are compared instead).
@@ -31,18 +31,6 @@ bash "$here/apply.sh" "$mlm"
 work=$(mktemp -d)
 [[ ${KEEP_LOGS:-0} == 1 ]] && echo "logs in $work" || trap 'rm -rf "$work"' EXIT
 
-# The patched script under the launcher's CPU harness (what --gift-cpu does for the launcher).
-cat >"$work/run_patched.py" <<EOF
-import runpy, sys
-from megatron_gift.megatron import training as gift_training
-from megatron_gift.megatron import cpu_harness
-
-cpu_harness.install_for_training()
-gift_training.use_prebuilt_dataset_helpers()
-script = "$mlm/pretrain_gpt.py"
-sys.argv = [script, *cpu_harness.TRAINING_FLAGS, *sys.argv[1:]]
-runpy.run_path(script, run_name="__main__")
-EOF
 
 flags=(
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 176
@@ -83,7 +71,7 @@ run() {  # run NAME ARGS...: torchrun on this machine, output in $work/NAME.log
     fi
 }
 run launcher -m megatron_gift.pretrain_gpt --gift-cpu
-run patched "$work/run_patched.py"
+run patched -m megatron_gift.megatron.cpu_run "$mlm/pretrain_gpt.py"  # the script's CPU route
 
 losses() { sed -n 's/.*iteration *\([0-9]*\)\/ *[0-9]* |.*lm loss: \([-+0-9.eE]*\).*/\1 \2/p' "$1"; }
 losses "$work/launcher.log" >"$work/launcher.loss"

@@ -185,6 +185,8 @@ MAIN_BLOCK_START = (
     "    gift_args = chain_args_providers(add_modelopt_args, add_gift_args) if has_nvidia_modelopt else add_gift_args"
 )
 MEGATRON_ARGV = [
+    "--transformer-impl",  # Megatron's default needs Transformer Engine, refused at start-up where it is missing
+    "local",
     "--num-layers",
     "2",
     "--hidden-size",
