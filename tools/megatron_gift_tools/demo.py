@@ -35,6 +35,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -380,7 +381,10 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     names = list(modes)
     kib = [modes[n]["bytes_per_step"] / 1024 for n in names]
-    bars = ax.bar([modes[n]["label"] for n in names], kib, color=[colors[n] for n in names])
+    # wrapped labels: the long ones ("auto (GIFT/Euclidean/BF16 per layer)") overlapped their neighbours
+    labels = [textwrap.fill(modes[n]["label"], 16, break_long_words=False) for n in names]
+    bars = ax.bar(labels, kib, color=[colors[n] for n in names])
+    ax.tick_params(axis="x", labelsize=8)
     for bar, n in zip(bars, names):
         ax.annotate(
             f"{kib[names.index(n)]:,.0f} KiB\n{modes[n]['bytes_ratio_to_fp32']:.3f}x",
@@ -417,10 +421,14 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
     )
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("reduced-gradient RelL2 vs FP32 sum (mean over the second half)")
+    # a decade below the smallest value: on a log axis bars start at the left limit, and BF16's (an order
+    # of magnitude under FP8's) looked like zero against it
+    smallest = min(layers[n]["auto" if m == "gift-auto" else m] for n in names for m in shown)
+    ax.set_xlim(left=smallest / 10)
+    ax.set_xlabel("reduced-gradient RelL2 vs FP32 sum (mean over the second half; log scale)")
     ax.set_title("Per-layer fidelity of the gradient reduction", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside: it hid bars
     fig.tight_layout()
     paths.append(out / "per_layer_rel_l2.png")
     fig.savefig(paths[-1])
