@@ -299,6 +299,12 @@ def test_last_iteration_is_logged_without_a_checkpoint(tmp_path):
     records = [json.loads(line) for line in (telemetry / "gift_telemetry.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] is not None for r in records)  # the last one's loss too (logged before the close)
+    # each record holds its own iteration's loss (issue 37 item 5 saw step 2 differ from Megatron's line):
+    # Megatron does not reset its loss sums after the first iteration's line, so its iteration-2 line is
+    # the mean of iterations 1 and 2; from iteration 3 each line is its own iteration's
+    logged = [float(v) for v in re.findall(r"iteration\s+\d+/\s*\d+ \|.*?lm loss: ([-+0-9.eE]+)", log)]
+    own = [logged[0], 2 * logged[1] - logged[0], logged[2]]
+    assert [r["loss"] for r in records] == pytest.approx(own, rel=1e-5), (logged, records)
 
 
 def _bytes_lines(log: str) -> dict[int, str]:
