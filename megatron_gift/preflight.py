@@ -50,7 +50,8 @@ def _check_data(args) -> None:
 def _check_packages(args) -> None:
     """Packages Megatron imports only when it first needs them: Transformer Engine's layers, psutil's
     memory query at the first checkpoint save (found after training has run)."""
-    if getattr(args, "transformer_impl", None) == "transformer_engine" and not _importable("transformer_engine"):
+    te = getattr(args, "transformer_impl", None) == "transformer_engine" and not getattr(args, "spec", None)
+    if te and not _importable("transformer_engine"):  # a --spec of its own may need no TE
         raise ValueError(
             "--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which does "
             "not import here: install it or pass --transformer-impl local"
