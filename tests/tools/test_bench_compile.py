@@ -1,0 +1,22 @@
+"""The offline sm_90a compile report (tools ``bench/compile.py``) over a subset of its cases."""
+
+import pytest
+
+from megatron_gift_tools.bench import compile as report
+
+SUBSET = [c for c in report.CASES if c[0] in ("delta", "place")] + [
+    next(c for c in report.CASES if c[1] == "_decode_sum_kernel")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SUBSET, ids=lambda c: f"{c[0]}.{c[1]}")
+def test_kernels_compile_for_sm90a_without_spills(case):
+    """Catches a kernel that no longer compiles for sm_90a, one that spills registers to local
+    memory (``ptxas -v``'s spill bytes, issue 35 item 8) and, with sizes typed i64 (a shard above
+    2^31), a 32-bit multiply left in the PTX (an offset that would wrap)."""
+    row = report.compile_case(*case, "i64")
+    assert row["compiled"], row.get("error")
+    assert row["arch"] == "sm_90a"
+    assert 0 < row["n_regs"] <= 255 and row["n_spills"] == 0 and row["spill_loads"] == 0, row
+    assert row["mul_lo_s32"] == 0 and row["mul_wide_s32"] == 0, row

@@ -1,0 +1,195 @@
+"""Offline sm_90a compile report of the Triton kernels (issue 35 item 8), no GPU needed.
+
+Each case (kernel, constexprs as the launchers and kernel tests use them) is compiled with
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton names that ``sm_90a``), with its
+integer arguments typed i32 and again i64 (a size above 2^31), and reported with registers,
+spills, shared memory and the 32-bit multiplies (``mul.lo.s32``/``mul.wide.s32``) in the PTX.
+Run: ``python -m megatron_gift_tools.bench.compile --out bench/results/compile-sm90-cpu.json``.
+"""
+
+import argparse
+import json
+import platform
+import re
+import time
+
+E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
+E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
+ROW_BLOCKS, GROUPS, ORDERED = (
+    dict(LAYOUT=1, ONE_CHUNK=True),
+    dict(LAYOUT=2, ONE_CHUNK=False),
+    dict(LAYOUT=0, ONE_CHUNK=True),
+)
+UNPLACED = dict(PLACE=False, FEEDBACK=False, OUTPUT=False)
+TILE = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
+
+# (module, kernel, constexprs, FMA contraction as the launcher sets it)
+CASES = [
+    (
+        "fused",
+        "_encode_kernel",
+        dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_BLOCKS, **E4M3, **UNPLACED),
+        True,
+    ),
+    (
+        "fused",
+        "_encode_kernel",
+        dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3, **UNPLACED),
+        False,
+    ),
+    (
+        "fused",
+        "_encode_kernel",
+        dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED),
+        False,
+    ),
+    (
+        "fused",
+        "_encode_kernel",
+        dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED),
+        False,
+    ),
+    (
+        "fused",
+        "_encode_kernel",
+        dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=False, OUTPUT=True, **GROUPS, **E4M3),
+        False,
+    ),
+    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=32, BO=16), True),
+    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=128, BK=32, BR=16, BO=16), True),
+    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2), True),
+    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2), True),
+    ("place", "_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True),
+    ("fused", "_decode_sum_kernel", dict(AVERAGE=True, BF16=False, **GROUPS, **E4M3), False),
+    ("fused", "_decode_sum_kernel", dict(AVERAGE=False, BF16=True, **ORDERED, **E5M2_MX), False),
+    ("receive", "_decode_placed_kernel", dict(BF16=True, **GROUPS, **E4M3), False),
+    ("receive", "_decode_placed_kernel", dict(BF16=False, **ORDERED, **E5M2_MX), False),
+    ("receive", "_sum_kernel", dict(AVERAGE=True, PLACE=2, BLOCK=1024, BF16=True), False),
+    ("receive", "_sum_kernel", dict(AVERAGE=False, PLACE=1, BLOCK=1024, BF16=False), False),
+    ("fused", "_unwhiten_kernel", dict(BF16=False), True),
+    ("fused", "_unwhiten_kernel", dict(BF16=True), True),
+    ("output", "_output_inverse_kernel", dict(BF16=True), True),
+    ("delta", "_encode_kernel", dict(BB=4, MANT=7), False),
+    ("delta", "_decode_kernel", dict(BB=4, MANT=7), False),
+    ("delta", "_decode_kernel", dict(BB=4, MANT=10), False),
+]
+
+
+def signature(kernel, module, constexprs, int_type):
+    """Triton types of ``kernel``'s arguments as the launchers pass them (the kernel tests' table)."""
+    if module == "delta":
+        dtype = "bf16" if constexprs["MANT"] == 7 else "fp16"
+        types = {"codes_ptr": "*i8", "scales_ptr": "*u8", "msg_ptr": "*u8"}
+        pointer = lambda a: types.get(a, f"*{dtype}")  # noqa: E731
+    else:
+
+        def pointer(a):
+            if a in ("ends_ptr", "table_ptr") or a.endswith("delta_ptr"):
+                return "*i64"
+            if a == "out_ptr" and constexprs.get("CAST") == 2:
+                return "*bf16"
+            if a == "out_ptr" and constexprs.get("BF16"):
+                return "*i16"
+            if a.startswith("code"):
+                return "*u8"
+            if a.startswith("scale"):
+                return "*u8" if constexprs.get("E8M0") and constexprs.get("PASS") != 2 else "*fp32"
+            return "*fp32"
+
+    return {
+        a: "constexpr" if a in constexprs else pointer(a) if a.endswith("_ptr") else int_type for a in kernel.arg_names
+    }
+
+
+def ptxas_usage(ptx, arch):
+    """Registers and spill bytes from ``ptxas -v`` (Triton's own ptxas): the compiled metadata has
+    ``n_regs``/``n_spills`` only once a driver loads the cubin, which needs a GPU."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run(
+            [get_ptxas(90).path, "-v", f"-arch={arch}", path, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out).groups()
+    return {"n_regs": int(regs.group(1)), "n_spills": int(stores), "spill_loads": int(loads)}
+
+
+def compile_case(module, name, constexprs, fusion, int_type):
+    """One offline sm_90a compile: its registers, spills, shared memory and 32-bit multiplies."""
+    import importlib
+
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(f"megatron_gift.kernels.{module}"), name)
+    if module == "delta":
+        from megatron_gift.kernels import delta
+
+        constexprs = {**constexprs, "BB": delta.BB}
+    constexprs = {**{k: v for k, v in TILE.items() if k in kernel.arg_names}, **constexprs}
+    sig = signature(kernel, module, constexprs, int_type)
+    src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    start = time.perf_counter()
+    try:
+        compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": fusion})
+    except Exception as e:  # a failed compile is a result, reported
+        return {"compiled": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    md, ptx = compiled.metadata, compiled.asm["ptx"]
+    arch = re.search(r"\.target (\S+)", ptx).group(1)
+    return {
+        "compiled": True,
+        "arch": arch,
+        **ptxas_usage(ptx, arch),
+        "shared_bytes": md.shared,
+        "num_warps": md.num_warps,
+        "mul_lo_s32": ptx.count("mul.lo.s32"),
+        "mul_wide_s32": ptx.count("mul.wide.s32"),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def report(cases=CASES, int_types=("i32", "i64")):
+    rows = []
+    for module, name, constexprs, fusion in cases:
+        for int_type in int_types:
+            row = {"module": module, "kernel": name, "constexprs": constexprs, "ints": int_type}
+            rows.append({**row, **compile_case(module, name, constexprs, fusion, int_type)})
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/compile-sm90-cpu.json")
+    args = parser.parse_args(argv)
+    import triton
+
+    rows = report()
+    doc = {
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), offline compile, no GPU",
+        "triton": triton.__version__,
+        "target": 'GPUTarget("cuda", 90, 32)',
+        "command": "python -m megatron_gift_tools.bench.compile --out " + args.out,
+        "compiled": f"{sum(r['compiled'] for r in rows)}/{len(rows)}",
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    for r in rows:
+        spec = ",".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in ("PASS", "BM", "LAYOUT", "CAST", "BF16"))
+        print(r["module"], r["kernel"], spec, r["ints"], {k: r.get(k) for k in ("n_regs", "n_spills", "shared_bytes")})
+
+
+if __name__ == "__main__":
+    main()
