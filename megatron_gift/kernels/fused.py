@@ -1004,12 +1004,10 @@ def whiten_encode(
 
 # -- Memory traffic of each launch (the launch meter, ``testing/meter.py``) -------------------------
 # ``TRAFFIC[kernel name](args) -> (bytes read, bytes written)``: ``args`` are a launch's bound
-# arguments by parameter name (tensors, scalars, constexprs) plus ``"grid"``. What each program loads
-# counts, summed over the programs: a tile two programs both load counts twice (the sender's ``Qᵀ``
-# and ``D^{-1/2}`` once per program of ``_ROW_BLOCKS``, gathered per element where the units of a
-# program sit at their own columns); re-reads inside one program (a unit's later chunks) are cache
-# hits. Sizes come from the scalar arguments, element sizes from the tensors' dtypes. Whoever adds or
-# changes a kernel updates its entry in the same commit.
+# arguments by parameter name (tensors, scalars, constexprs) plus ``"grid"``. Each byte of a tensor
+# counts once per launch (re-reads inside a program, e.g. of D, Q or a unit's later chunks, are
+# cache hits); sizes come from the scalar arguments, element sizes from the tensors' dtypes.
+# Whoever adds or changes a kernel updates its entry in the same commit.
 
 
 def _scale_count(a: dict) -> int:
@@ -1024,21 +1022,12 @@ def _encode_traffic(a: dict) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one ``_encode_kernel`` launch from its bound arguments: ``G``
     (and ``e``) once per pass, ``P`` and ``T``'s factors with whitening, the group ends, each unit's
     stored scale (second pass) and table lookups; the codes, scales or maxima, ``U`` and ``e'``."""
-    n, units, rank, r_out = a["rows"] * a["cols"], a["n_units"], a["rank"], a["rank_out"]
+    n, units, rank = a["rows"] * a["cols"], a["n_units"], a["rank"]
     read = n * a["g_ptr"].element_size() + (4 * n if a["FEEDBACK"] else 0)
-    # per program: a row's operands (P, D_out^{-1/2}, Q_out) for each of its rows, a column's (Qᵀ,
-    # D^{-1/2}, Pre T) for each of its columns. _ROW_BLOCKS: one column block shared by BU rows. The
-    # other layouts: BU consecutive units in memory order, so up to BU·W columns of a wide row (every
-    # element its own Qᵀ column: ~4·r bytes per element), or all the columns of narrow rows
-    programs = a["grid"][0]
-    if a["LAYOUT"] == _ROW_BLOCKS.value:
-        row_loads, col_loads = programs * a["BU"], programs * a["UNIT_W"]
-    else:
-        row_loads, col_loads = units, min(n, programs * min(a["cols"], a["BU"] * a["W"]))
-    if a["WHITEN"]:  # P [rows, r]; D^{-1/2} and Qᵀ [r, cols]
-        read += 4 * (row_loads * rank + col_loads * (1 + rank))
-    if a["OUTPUT"]:  # D_out^{-1/2} and Q_out [rows, r_out]; Pre T [r_out, cols]
-        read += 4 * (row_loads * (1 + r_out) + col_loads * r_out)
+    if a["WHITEN"]:
+        read += 4 * (a["rows"] * rank + a["cols"] * (1 + rank))
+    if a["OUTPUT"]:  # D_out^{-1/2}, Q_out, Pre
+        read += 4 * (a["rows"] * (1 + a["rank_out"]) + a["rank_out"] * a["cols"])
     if a["LAYOUT"] == _GROUPS.value:
         read += 8 * units
     if a["PLACE"]:  # the two tables (their lookups hit the cache)
