@@ -54,3 +54,35 @@ def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> Non
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
+
+
+def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
+    """Triton types of ``kernel``'s arguments as the launchers pass them, for an offline compile: codes
+    uint8, scales E8M0 bytes or FP32, group ends and placement tables int64, a placed cast's output BF16,
+    a BF16 output of the receive kernels int16 bits, other pointers FP32 (the delta kernels: their
+    parameters in BF16 for ``MANT`` 7, else FP16); integers ``int_type``; ``constexprs`` as given."""
+    if "MANT" in constexprs and "BB" in constexprs:  # kernels.delta
+        dtype = "bf16" if constexprs["MANT"] == 7 else "fp16"
+        types = {"codes_ptr": "*i8", "scales_ptr": "*u8", "msg_ptr": "*u8"}
+
+        def pointer(name):
+            return types.get(name, f"*{dtype}")
+
+    else:
+
+        def pointer(name):
+            if name in ("ends_ptr", "table_ptr") or name.endswith("delta_ptr"):
+                return "*i64"
+            if name == "out_ptr" and constexprs.get("CAST") == 2:
+                return "*bf16"
+            if name == "out_ptr" and constexprs.get("BF16"):
+                return "*i16"
+            if name.startswith("code"):
+                return "*u8"
+            if name.startswith("scale"):
+                return "*u8" if constexprs.get("E8M0") and constexprs.get("PASS") != 2 else "*fp32"
+            return "*fp32"
+
+    return {
+        a: "constexpr" if a in constexprs else pointer(a) if a.endswith("_ptr") else int_type for a in kernel.arg_names
+    }

@@ -33,7 +33,7 @@ from megatron_gift.numerics.two_sided import OutputRows
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.dispatch import OpCounter, SyncSanitizer
-from megatron_gift.testing.kernel_log import assert_passes_under_interpreter
+from megatron_gift.testing.kernel_log import assert_passes_under_interpreter, kernel_signature
 from megatron_gift.testing.spawn import wall_limit
 from tests.unit.test_whitening import fp32_bound
 
@@ -939,28 +939,6 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         ("_output_inverse_kernel", dict(BF16=False), True, False),
     ]
 
-    def _signature(kernel, constexprs):
-        """Triton types of ``kernel``'s arguments: codes uint8, scales E8M0 bytes or FP32, group
-        ends and placement tables int64, a placed cast's output BF16, a BF16 output of the receive
-        kernels int16 bits, other pointers FP32, integers int32."""
-
-        def pointer(name):
-            if name in ("ends_ptr", "table_ptr") or name.endswith("delta_ptr"):
-                return "*i64"
-            if name == "out_ptr" and constexprs.get("CAST") == 2:
-                return "*bf16"
-            if name == "out_ptr" and constexprs.get("BF16"):
-                return "*i16"
-            if name.startswith("code"):
-                return "*u8"
-            if name.startswith("scale"):
-                return "*u8" if constexprs.get("E8M0") and constexprs.get("PASS") != 2 else "*fp32"
-            return "*fp32"
-
-        return {
-            a: "constexpr" if a in constexprs else pointer(a) if a.endswith("_ptr") else "i32" for a in kernel.arg_names
-        }
-
     @pytest.mark.parametrize("name,constexprs,fusion,divides", SM90_CASES)
     def test_kernels_compile_for_sm90(name, constexprs, fusion, divides):
         """Without a GPU: each kernel compiles to an sm_90 cubin, divides with IEEE rounding, never
@@ -975,7 +953,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         kernel = next(getattr(m, name) for m in (fused, place, receive, output) if hasattr(m, name))
         tile = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
         constexprs = {**{k: v for k, v in tile.items() if k in kernel.arg_names}, **constexprs}
-        signature = _signature(kernel, constexprs)
+        signature = kernel_signature(kernel, constexprs)
         src = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
         asm = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": fusion}).asm
         assert asm["cubin"]

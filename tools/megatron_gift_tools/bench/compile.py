@@ -76,29 +76,10 @@ CASES = [
 
 
 def signature(kernel, module, constexprs, int_type):
-    """Triton types of ``kernel``'s arguments as the launchers pass them (the kernel tests' table)."""
-    if module == "delta":
-        dtype = "bf16" if constexprs["MANT"] == 7 else "fp16"
-        types = {"codes_ptr": "*i8", "scales_ptr": "*u8", "msg_ptr": "*u8"}
-        pointer = lambda a: types.get(a, f"*{dtype}")  # noqa: E731
-    else:
+    """Triton types of ``kernel``'s arguments as the launchers pass them (``testing.kernel_log``'s table)."""
+    from megatron_gift.testing.kernel_log import kernel_signature
 
-        def pointer(a):
-            if a in ("ends_ptr", "table_ptr") or a.endswith("delta_ptr"):
-                return "*i64"
-            if a == "out_ptr" and constexprs.get("CAST") == 2:
-                return "*bf16"
-            if a == "out_ptr" and constexprs.get("BF16"):
-                return "*i16"
-            if a.startswith("code"):
-                return "*u8"
-            if a.startswith("scale"):
-                return "*u8" if constexprs.get("E8M0") and constexprs.get("PASS") != 2 else "*fp32"
-            return "*fp32"
-
-    return {
-        a: "constexpr" if a in constexprs else pointer(a) if a.endswith("_ptr") else int_type for a in kernel.arg_names
-    }
+    return kernel_signature(kernel, constexprs, int_type)
 
 
 def ptxas_usage(ptx, arch):
