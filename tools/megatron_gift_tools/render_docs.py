@@ -162,12 +162,11 @@ def fp4_schemes(results: Path) -> str:
     types = ("qkv", "proj", "fc1", "fc2")
     order = ("hadamard", "gift", "gift+hadamard")
     lines = ["| model | format | scheme | " + " | ".join(types) + " |", "|---" * (len(types) + 3) + "|"]
-    for (m, fmt, scheme), ratios in sorted(
-        rows.items(), key=lambda kv: (kv[0][0], kv[0][1], order.index(kv[0][2]) if kv[0][2] in order else -1)
-    ):
-        if scheme in order:
-            cells = " | ".join(f"{ratios[t]:.2f}" if t in ratios else "-" for t in types)
-            lines.append(f"| {m} | {fmt} | {scheme} | {cells} |")
+    shown = sorted((m, fmt, order.index(scheme)) for m, fmt, scheme in rows if scheme in order)  # Euclidean: 1
+    for m, fmt, k in shown:
+        ratios = rows[(m, fmt, order[k])]
+        cells = " | ".join(f"{ratios[t]:.2f}" if t in ratios else "-" for t in types)
+        lines.append(f"| {m} | {fmt} | {order[k]} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
