@@ -32,9 +32,9 @@ device (on CUDA on a stream of its own), and is installed one step later:
   what every rank must agree on comes from the headers: a layer with non-finite statistics
   restarts its EMA on every rank there, a failed build stops every rank with the same message.
 
-A layer with output-gradient statistics (``GiftParam.out_stats``) builds ``T_out`` in the same
-refresh: ``B``'s EMA is summed in the same collectives (over ``out_stats_groups`` as ``A`` over
-``stats_groups``), built in the same stages, and its record shares the layer's slot of the
+A layer with an output side (``GiftParam.output``, statistics of its output gradients) builds
+``T_out`` in the same refresh: ``B``'s EMA is summed in the same collectives (over its side's
+``groups`` as ``A`` over the input side's), built in the same stages, and its record shares the layer's slot of the
 all-gather; the damping choice is joint (``numerics.refresh``).
 ``B`` is folded a step late (its gradients arrive after the step's first sync), so a refresh at
 step t sees ``B`` up to step t-1 and the first refresh none: its output side is skipped.
@@ -72,7 +72,7 @@ from .numerics.refresh import (
 )
 from .numerics.two_sided import sent_map
 from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
-from .state import GiftParam, GiftState
+from .state import SIDES, GiftParam, GiftState
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +83,15 @@ GATHER_BOUND = 2
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
     """The layout of ``gp``'s record at the configured ``rank`` (its output side's too, if it has one)."""
-    out = gp.out_stats
-    return RecordLayout(
-        gp.stats.d_in, gp.stats.factor_rank(rank), out.d_in if out else 0, out.factor_rank(rank) if out else 0
-    )
+    a, b = gp.input.stats, gp.output.stats if gp.output is not None else None
+    return RecordLayout(a.d_in, a.factor_rank(rank), b.d_in if b else 0, b.factor_rank(rank) if b else 0)
 
 
 # what a side's statistics are of, and what a layer does without them
-_WHAT = {"in": ("activations", "keeping its previous T"), "out": ("output gradients", "whitening its input side alone")}
+_WHAT = {
+    "input": ("activations", "keeping its previous T"),
+    "output": ("output gradients", "whitening its input side alone"),
+}
 
 
 def _same_ranks(a, b) -> bool:
@@ -151,7 +152,7 @@ class _Refresh:
     layers: list[GiftParam]  # every GIFT layer, in one order on all ranks
     sides: list[
         tuple[GiftParam, str]
-    ]  # the statistics this rank builds from, as ``(layer, "in" | "out")``: flagged in this order
+    ]  # the statistics this rank builds from, as ``(layer, "input" | "output")``: flagged in this order
     groups: list[_GroupRefresh]
     owned: dict[int, OwnedLayer]  # id(GiftParam) -> this rank's build of it
     copy: HostCopy
@@ -205,7 +206,7 @@ class RefreshSync:
         balanced with it."""
         by_group: dict = {}
         for gp, group in layers:
-            if gp.out_stats is not None and self.side == "input":
+            if gp.output is not None and gp.output.stats is not None and self.side == "input":
                 raise ValueError(f"megatron-gift: {gp.name} keeps output-gradient statistics but the side is 'input'")
             by_group.setdefault(group, []).append(gp)
         for group, members in by_group.items():
@@ -227,7 +228,7 @@ class RefreshSync:
             self.state.collect_statistics = False
             self.install(remap)
             every = list(all_layers())
-            KFACStatistics.fold_all([gp.stats for gp, _ in every])  # local compute only
+            KFACStatistics.fold_all([gp.input.stats for gp, _ in every])  # local compute only
             if self.state.is_refresh_step(self.state.step) and every:
                 self._start_refresh(every)
         r = self.pending
@@ -262,7 +263,7 @@ class RefreshSync:
         layers = [gp for gp, _ in every]
         with self._side():
             summed = self.sum_statistics(every)  # this rank's own layers' statistics
-            sides = [(gp, side) for gp in layers for side in ("in", "out") if (id(gp), side) in summed]
+            sides = [(gp, side) for gp in layers for side in SIDES if (id(gp), side) in summed]
             # per statistics [finite, tokens > 0, trace > 0] in a fixed number of launches: max |x| of each
             # summed tensor (NaN and ±Inf stay non-finite) and Σ diag(A) = ‖diag‖₁ (diag(A) ≥ 0)
             ordered = [summed[id(gp), side] for gp, side in sides]
@@ -294,14 +295,12 @@ class RefreshSync:
                 mine = [
                     OwnedLayer(
                         gp.name,
-                        layout.rank,
-                        *summed[id(gp), "in"],
-                        gp.stats.omega,
-                        held_out=gp.held_out,
-                        out=FactorSide(layout.out_rank, *summed[id(gp), "out"], gp.out_stats.omega)
+                        FactorSide(layout.rank, *summed[id(gp), "input"], gp.input.stats.omega, gp.input.held_out),
+                        FactorSide(
+                            layout.out_rank, *summed[id(gp), "output"], gp.output.stats.omega, gp.output.held_out
+                        )
                         if layout.d_out
                         else None,
-                        out_held_out=gp.out_held_out,
                     )
                     for gp, layout in zip(members, layouts)
                     if gp.owner == group.rank()
@@ -333,7 +332,7 @@ class RefreshSync:
                 status = BuildStatus.SKIPPED
             if status is not BuildStatus.OK:
                 owned = r.owned[id(gp)]
-                (owned if side == "in" else owned.out).status = status
+                getattr(owned, side).status = status
         out = [gr.build.cores(p) for gr, p in zip(r.groups, _unflat_groups(rest, r.parts))]
         with self._side():
             dev = _unflat_groups(to_device(_flat(_flat(out)), self.device), out)
@@ -427,12 +426,12 @@ class RefreshSync:
             for i, gp in enumerate(gr.layers):
                 head = dict(zip(HEADER, next(headers).tolist()))
                 out_head = dict(zip(OUT_HEADER, next(headers).tolist())) if gr.layouts[i].d_out else None
-                for side, h, stats in (("in", head, gp.stats), ("out", out_head, gp.out_stats)):
+                for (side, s), h in zip(gp.sides(), (head, out_head)):
                     if h is not None and BuildStatus(int(h["status"])) is BuildStatus.NONFINITE:
                         logger.warning(
                             "megatron-gift: non-finite %s in %s; %s", _WHAT[side][0], gp.name, _WHAT[side][1]
                         )
-                        stats.reset_ema()  # on every rank: the next refresh sums fresh EMAs
+                        s.stats.reset_ema()  # on every rank: the next refresh sums fresh EMAs
                 status = BuildStatus(int(head["status"]))
                 if status is BuildStatus.FAILED:
                     failed.append(f"{gp.name} (rank {gp.owner} of its reduction group)")
@@ -455,7 +454,7 @@ class RefreshSync:
     @staticmethod
     def _install(gp: GiftParam, rec: dict, head: dict, out_head: dict | None, remap, owned: OwnedLayer | None) -> None:
         """Install one built layer from its record: ``T`` (identity when Euclidean was chosen), with an
-        output side ``output_whitening`` (None unless the chosen pair has ``T_out``) and its damping;
+        output side its ``T_out`` (None unless the chosen pair has one) and its damping;
         ``remap`` gets the old and the new map the gradient is sent through. The owner (``owned``: its
         build) also installs the factors it built, and keeps the best pair for its next held-out check."""
         # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
@@ -474,12 +473,14 @@ class RefreshSync:
             return factor, best
 
         choice = head["choice"]
-        factor, best = side("", int(head["rank"]), owned and owned.factor, head["trace_a"], head["damping"])
+        factor, best = side("", int(head["rank"]), owned and owned.input.factor, head["trace_a"], head["damping"])
         if choice < 0:  # Euclidean chosen (or not yet trusted): T = I, the factor kept for the profiles
-            new, damping = LowRankWhitening.identity(gp.stats.d_in, device=rec["d_sqrt"].device), None
+            new, damping = LowRankWhitening.identity(gp.input.stats.d_in, device=rec["d_sqrt"].device), None
         else:
             new, damping = best, choice
-        out_factor, new_out, out_best = gp.out_factor, None, None  # a skipped output side: the input side alone
+        output = gp.output
+        out_factor = output.factor if output is not None else None
+        new_out, out_best = None, None  # a skipped output side: the input side alone
         if out_head is not None:
             out_status = BuildStatus(int(out_head["status"]))
             if out_status is BuildStatus.INDEFINITE:
@@ -491,24 +492,32 @@ class RefreshSync:
                 )
             if out_status in (BuildStatus.OK, BuildStatus.INDEFINITE):
                 out_factor, t_out = side(
-                    "out_", int(out_head["rank"]), owned and owned.out.factor, out_head["trace_b"], out_head["damping"]
+                    "out_",
+                    int(out_head["rank"]),
+                    owned and owned.output.factor,
+                    out_head["trace_b"],
+                    out_head["damping"],
                 )
                 new_out = t_out if choice >= 0 and out_head["choice"] >= 0 else None
                 out_best = t_out if out_head["held_out"] > 0 else None
         if gp.mode is Mode.GIFT:
-            remap(gp, sent_map(gp.whitening, gp.output_whitening), sent_map(new, new_out))
-        gp.factor, gp.whitening, gp.damping = factor, new, damping
-        gp.out_factor, gp.output_whitening = out_factor, new_out
-        gp.out_damping = out_head["choice"] if new_out is not None else None
+            remap(gp, sent_map(gp.input.whitening, output.whitening if output else None), sent_map(new, new_out))
         # the next build's held-out check (the best pair), on the rank that runs it
-        gp.held_out, gp.out_held_out = (best, out_best) if owned is not None else (None, None)
+        mine = owned is not None
+        gp.input.factor, gp.input.whitening, gp.input.damping = factor, new, damping
+        gp.input.held_out = best if mine else None
+        if output is not None:
+            output.factor, output.whitening, output.held_out = out_factor, new_out, out_best if mine else None
+            output.damping = out_head["choice"] if new_out is not None else None
+            if output.stats is None:  # a checkpoint's T_out without output statistics: replaced now
+                gp.output = None
 
     def sum_statistics(self, every) -> dict[tuple[int, str], tuple]:
         """The EMA ``(sums, tokens)`` of every statistics of the layers this rank owns, summed over its
         statistics groups (by linearity the EMA of the global statistics), keyed ``(id(GiftParam),
-        "in")`` (``stats`` over ``stats_groups``) or ``(id, "out")`` (``out_stats`` over
-        ``out_stats_groups``); views of the collectives' FP32 results. ``every``: ``(GiftParam,
-        reduction group)`` of every GIFT layer, in one order on all ranks.
+        side)`` (``side``: ``"input"`` or ``"output"``, each side's statistics over its ``groups``);
+        views of the collectives' FP32 results. ``every``: ``(GiftParam, reduction group)`` of every
+        GIFT layer, in one order on all ranks.
 
         Only the owner needs the sum, so a statistics whose groups include its layer's reduction
         group (the owners' group) is reduce-scattered over it: every layer's statistics of that group
@@ -524,7 +533,8 @@ class RefreshSync:
         scatter: dict = {}  # reduction group -> statistics ``(key, stats, owner)`` reduce-scattered over it
         reduced = []  # this rank's statistics summed by the all-reduces alone ``(key, stats)``
         for gp, group in every:
-            for side, stats, groups in (("in", gp.stats, gp.stats_groups), ("out", gp.out_stats, gp.out_stats_groups)):
+            for side, s in gp.sides():
+                stats, groups = s.stats, s.groups
                 if stats is None:
                     continue
                 at = next((i for i, g in enumerate(groups) if _same_ranks(g, group)), None)

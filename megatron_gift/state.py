@@ -1,9 +1,9 @@
 """The plugin's reduction state, free of Megatron and of collectives (in the spirit of PyTorch's
 ``PowerSGDState``): what the bucket-group hooks need between steps, with its own state dict.
 
-Per parameter (``GiftParam``): mode, K-FAC statistics, ``T`` and damping choice (on every rank), the
-factor ``T`` was built from (on the rank that built it), and for a two-sided layer
-(``numerics.two_sided``) their output-side twins. Per rank:
+Per parameter (``GiftParam``): mode, and for a GIFT layer one ``SideState`` per whitened side: its
+input side's (K-FAC statistics of what the weight multiplies, ``T_in``) and, for a two-sided layer
+(``numerics.two_sided``), its output side's (statistics of its output gradients, ``T_out``). Per rank:
 the step, whether this step's statistics are still being collected, the non-finite flag and the
 byte ledger. The error-feedback residuals live in the bucket groups' buffers; the methods that
 need them take ``residuals``: ``(residual of one parameter as [rows, cols], its GiftParam)`` pairs.
@@ -23,34 +23,44 @@ from .config import GiftConfig, Mode
 from .numerics.kfac import KFACStatistics
 from .numerics.whitening import LowRankFactor, LowRankWhitening
 
+SIDES = ("input", "output")
+"""The names of a layer's sides, in the order they are built, sent and saved."""
+
+
+@dataclass
+class SideState:
+    """One side of a GIFT layer: its statistics (``A`` over the inputs, or ``B = E[g gᵀ]`` over the
+    output gradients), the groups they are summed over at a refresh, the factor built from them (on
+    its owner only), the whitening in use and its relative damping (None: no ``T`` yet, or Euclidean
+    chosen: ``T = I``), and ``held_out``: the owner's best ``T`` of the last build, checked on the next
+    refresh's gradient before a new ``T`` is trusted (the cold-start rule, ``profile.held_out_gate``)."""
+
+    stats: KFACStatistics | None = None
+    groups: list = field(default_factory=list)
+    factor: LowRankFactor | None = None
+    whitening: LowRankWhitening | None = None
+    damping: float | None = None
+    held_out: LowRankWhitening | None = None
+
 
 @dataclass
 class GiftParam:
-    """Plugin state of one FP8-communicated parameter."""
+    """Plugin state of one parameter communicated by the plugin. ``output`` is None where the layer has
+    no output side (``--gift-side input``, or not a two-sided layer); a checkpoint's ``T_out`` may give
+    one without statistics, which the next refresh replaces."""
 
     name: str
     mode: Mode  # what its gradient is sent as now
     candidate: bool = False  # keeps K-FAC statistics and a whitening: may be sent GIFT
-    stats: KFACStatistics | None = None
-    factor: LowRankFactor | None = None  # its owner only (the refresh's record carries T, not the factor)
-    whitening: LowRankWhitening | None = None
     sketch_seed: int = 0  # seed of its statistics' Nyström sketch (the same on every rank)
-    owner: int = 0  # rank in its bucket group's reduction group that builds its factor
+    owner: int = 0  # rank in its bucket group's reduction group that builds its factors
     expert: bool = False  # an expert-parallel weight: replicated over the expert data-parallel group
-    stats_groups: list = field(default_factory=list)
-    damping: float | None = None  # relative damping of its current T; None: no T yet, or Euclidean chosen (T = I)
-    held_out: LowRankWhitening | None = None  # its owner only: the best T of the last build, checked on the next
-    # refresh's gradient before a new T is trusted (the cold-start rule, ``profile.held_out_gate``; checkpointed)
-    out_stats: KFACStatistics | None = (
-        None  # B = E[g gᵀ] over the layer's output gradients (d = weight rows); None: input side only
-    )
-    out_stats_groups: list = field(default_factory=list)  # groups B's EMA is summed over at a refresh
-    out_factor: LowRankFactor | None = None  # its owner only, like factor
-    output_whitening: LowRankWhitening | None = None  # T_out in use; None: no output side
-    out_damping: float | None = None  # relative damping of T_out in use (None: no output side)
-    out_held_out: LowRankWhitening | None = (
-        None  # its owner only: T_out of the last build's best pair (None: it had none)
-    )
+    input: SideState = field(default_factory=SideState)
+    output: SideState | None = None
+
+    def sides(self):
+        """``(name, SideState)`` of each side it has, the input side first."""
+        return [(name, s) for name, s in zip(SIDES, (self.input, self.output)) if s is not None]
 
 
 def _to(tree, device):
@@ -108,48 +118,28 @@ class GiftState:
     # -- checkpoint state -------------------------------------------------------------------
     def state_dict(self, residuals) -> dict:
         """This rank's state on the CPU, keyed by parameter name: ``{"step", "params": {name: {"mode",
-        "stats" (step accumulators and local per-step EMA), "whitening", "damping" (None: Euclidean
-        chosen), "factor", "held_out", "residual"}}}``. Everything but ``residual`` (the error-feedback
-        residual in the parameter's quantized coordinates, this rank's own), ``stats``, ``factor`` and
-        ``held_out`` (on the layer's factor owner only) is identical on all ranks that hold it. A
-        two-sided layer adds its output side's twins: ``output_whitening`` and ``out_damping`` (absent:
-        no output side in use) beside theirs, and the per-rank ones inside their twins' entries,
-        ``stats["out"]`` (``B``'s statistics), ``factor["out"]`` (``B``'s factor) and
-        ``held_out["out"]`` (``T_out`` of the held-out pair), so that whatever keeps the per-rank state
-        apart (``megatron.checkpoint.split_state``) keeps them with it.
-        A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
+        "sides": {side: {"stats", "whitening", "damping", "factor", "held_out"}}, "residual"}}}`` with a
+        side's keys present where it holds them (``damping`` beside ``whitening``; None: Euclidean
+        chosen). ``residual`` (the error-feedback residual in the parameter's quantized coordinates),
+        ``stats`` (step accumulators and local per-step EMA), ``factor`` and ``held_out`` (on the
+        layer's factor owner only) are this rank's own (``PER_RANK``: what keeps per-rank state apart,
+        ``megatron.checkpoint.split_state``, moves them); the rest is identical on all ranks that hold
+        it. A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
         params = {}
         for gp in self.params.values():
             entry = {"mode": gp.mode.value}
-            if gp.stats is not None:
-                entry["stats"] = _to(gp.stats.state_dict(), "cpu")
-                if gp.out_stats is not None:
-                    entry["stats"]["out"] = _to(gp.out_stats.state_dict(), "cpu")
-            if gp.whitening is not None:
-                entry["whitening"] = _to(gp.whitening.tensors(), "cpu")
-                entry["damping"] = gp.damping
-            if gp.output_whitening is not None:
-                entry["output_whitening"] = _to(gp.output_whitening.tensors(), "cpu")
-                entry["out_damping"] = gp.out_damping
-            if (
-                gp.held_out is not None
-            ):  # the factor owner's held-out T (the cold-start rule), like the residual its own
-                entry["held_out"] = _to(gp.held_out.tensors(), "cpu")
-                if gp.out_held_out is not None:
-                    entry["held_out"]["out"] = _to(gp.out_held_out.tensors(), "cpu")
-            if (
-                gp.factor is not None or gp.out_factor is not None
-            ):  # the factor owner's (an output factor alone: the input side skipped)
-                entry["factor"] = _factor_state(gp.factor) if gp.factor is not None else {}
-                if gp.out_factor is not None:
-                    entry["factor"]["out"] = _factor_state(gp.out_factor)
+            sides = {name: _side_state(side) for name, side in gp.sides()}
+            sides = {name: s for name, s in sides.items() if s}
+            if sides:
+                entry["sides"] = sides
             params[gp.name] = entry
         for view, gp in residuals:
             params[gp.name]["residual"] = view.to("cpu", copy=True)
         return {"step": self.step, "params": params}
 
     def load_state_dict(self, state: dict, residuals, device: torch.device, local: bool = True) -> list[str]:
-        """Restore ``state_dict()`` output (its modes already chosen); returns the parameters left fresh.
+        """Restore ``state_dict()`` output (its modes already chosen; a parameter in the format before
+        ``SideState``, ``upgrade_entry``, is read as well); returns the parameters left fresh.
 
         ``local=False``: the per-rank state (K-FAC statistics, error-feedback residuals) belongs to
         the ranks of another data-parallel layout: it starts afresh, without counting as missing."""
@@ -158,6 +148,7 @@ class GiftState:
         missing = []
         for gp in self.params.values():
             entry = state["params"].get(gp.name)
+            entry = upgrade_entry(entry) if entry is not None else None
             if entry is None or entry["mode"] != gp.mode.value or not self._load_param(gp, _to(entry, device), local):
                 missing.append(gp.name)
         for view, gp in residuals:
@@ -174,37 +165,87 @@ class GiftState:
     @staticmethod
     def _load_param(gp: GiftParam, entry: dict, local: bool) -> bool:
         """Statistics (``local``) and transforms of one parameter, both sides; False if they don't fit
-        this configuration. A checkpoint without the output side's keys (an older one, or saved with
-        the input side only) leaves it fresh: no output side until the next refresh builds one."""
-        if gp.stats is not None and local:
-            saved = entry.get("stats")
-            if not _fits(gp.stats, saved) or (
-                gp.out_stats is not None and "out" in saved and not _fits(gp.out_stats, saved["out"])
-            ):
-                return False
-            gp.stats.load_state_dict(saved)
-            if gp.out_stats is not None and "out" in saved:
-                gp.out_stats.load_state_dict(saved["out"])
-        if "whitening" in entry:
-            gp.whitening = _whitening(entry["whitening"])
-            gp.damping = entry.get("damping")
-        # the T_out the residual was saved with, even for a layer now without output statistics (the next
-        # refresh installs a map without it and carries the residual over); None when none was in use
-        gp.output_whitening = _whitening(entry["output_whitening"]) if "output_whitening" in entry else None
-        gp.out_damping = entry.get("out_damping") if gp.output_whitening is not None else None
-        held = entry.get("held_out") if local else None
-        if held is not None:
-            gp.held_out = _whitening(held)
-            gp.out_held_out = _whitening(held["out"]) if "out" in held else None
+        this configuration. A checkpoint without an output side (saved with the input side only) leaves
+        it fresh: no ``T_out`` until the next refresh builds one. A ``T_out`` saved for a layer now
+        without output statistics is restored all the same: the residual was saved in its coordinates
+        (the next refresh installs a map without it and carries the residual over)."""
+        saved = entry.get("sides", {})
+        inp, out = saved.get("input", {}), saved.get("output", {})
+        if local:
+            for side, s in gp.sides():
+                if s.stats is not None and (side == "input" or "stats" in out):
+                    if not _fits(s.stats, saved.get(side, {}).get("stats")):
+                        return False
+            for side, s in gp.sides():
+                if s.stats is not None and "stats" in saved.get(side, {}):
+                    s.stats.load_state_dict(saved[side]["stats"])
+        if "whitening" in inp:
+            gp.input.whitening, gp.input.damping = _whitening(inp["whitening"]), inp.get("damping")
+        if "whitening" in out and gp.output is None:
+            gp.output = SideState()
+        if gp.output is not None:
+            w = out.get("whitening")
+            gp.output.whitening = _whitening(w) if w is not None else None
+            gp.output.damping = out.get("damping") if w is not None else None
+        if local and "held_out" in inp:
+            gp.input.held_out = _whitening(inp["held_out"])
+            if gp.output is not None:
+                gp.output.held_out = _whitening(out["held_out"]) if "held_out" in out else None
         else:  # another layout (or an older checkpoint): a restored T was trusted when saved, so it stands as
             # the held-out T of the next refresh; a layer saved as Euclidean waits one refresh for its check
-            gp.held_out = gp.whitening if gp.whitening is not None and gp.damping is not None else None
-            gp.out_held_out = gp.output_whitening if gp.held_out is not None else None
+            trusted = gp.input.whitening is not None and gp.input.damping is not None
+            gp.input.held_out = gp.input.whitening if trusted else None
+            if gp.output is not None:
+                gp.output.held_out = gp.output.whitening if trusted else None
         # the factors: the owner's, per rank like the held-out T (another layout: none until the next refresh)
-        saved = (entry.get("factor") or {}) if local else {}
-        gp.factor = _factor(saved, gp.stats)
-        gp.out_factor = _factor(saved.get("out"), gp.out_stats)
+        for side, s in gp.sides():
+            s.factor = _factor(saved.get(side, {}).get("factor") if local else None, s.stats)
         return True
+
+
+PER_RANK = ("stats", "factor", "held_out")
+"""A side's keys that are one rank's own (its statistics; the factor owner's factor and held-out ``T``)."""
+
+
+def _side_state(side: SideState) -> dict:
+    """``side`` as the CPU tensors of ``GiftState.state_dict``'s entry for it."""
+    entry = {}
+    if side.stats is not None:
+        entry["stats"] = _to(side.stats.state_dict(), "cpu")
+    if side.whitening is not None:
+        entry["whitening"] = _to(side.whitening.tensors(), "cpu")
+        entry["damping"] = side.damping
+    if side.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
+        entry["held_out"] = _to(side.held_out.tensors(), "cpu")
+    if side.factor is not None:  # the factor owner's
+        entry["factor"] = _factor_state(side.factor)
+    return entry
+
+
+def upgrade_entry(entry: dict) -> dict:
+    """A parameter's entry as ``GiftState.state_dict`` writes it, from the format before ``SideState``
+    (checkpoint version 1: the input side's keys at the top, the output side's as ``output_whitening``
+    and ``out_damping`` beside them and under ``"out"`` inside ``stats``, ``factor`` and ``held_out``);
+    an entry already in today's format is returned as it is."""
+    if "sides" in entry or not any(
+        k in entry for k in ("stats", "whitening", "held_out", "factor", "output_whitening")
+    ):
+        return entry
+    inp, out = {}, {}
+    for key in PER_RANK:
+        if key in entry:
+            nested = dict(entry[key])
+            if "out" in nested:
+                out[key] = nested.pop("out")
+            if nested:  # a factor entry of the output side alone is {"out": ...}
+                inp[key] = nested
+    if "whitening" in entry:
+        inp["whitening"], inp["damping"] = entry["whitening"], entry.get("damping")
+    if "output_whitening" in entry:
+        out["whitening"], out["damping"] = entry["output_whitening"], entry.get("out_damping")
+    new = {k: v for k, v in entry.items() if k in ("mode", "residual")}
+    new["sides"] = {"input": inp, **({"output": out} if out else {})}
+    return new
 
 
 def _fits(stats: KFACStatistics, saved: dict | None) -> bool:
@@ -234,5 +275,5 @@ def _factor(saved: dict | None, stats: KFACStatistics | None) -> LowRankFactor |
 
 
 def _whitening(saved: dict) -> LowRankWhitening:
-    """A saved ``LowRankWhitening.tensors()`` (without a nested ``"out"``) as a transform owning copies of them."""
-    return LowRankWhitening.from_tensors({k: t.clone() for k, t in saved.items() if k != "out"})
+    """A saved ``LowRankWhitening.tensors()`` as a transform owning copies of them."""
+    return LowRankWhitening.from_tensors({k: t.clone() for k, t in saved.items()})

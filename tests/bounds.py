@@ -219,8 +219,9 @@ def _mode(ddp, p, name, sent):
     out = (
         g is not None
         and g.mode.value == "gift"
-        and getattr(g, "output_whitening", None) is not None
-        and g.output_whitening.rank > 0
+        and g.output is not None
+        and g.output.whitening is not None
+        and g.output.whitening.rank > 0
     )
     return (g.mode.value if g is not None else "off"), out, g
 
@@ -270,7 +271,7 @@ def reduction_errors(
     """``(parameter name, mode, ‖got − scale Σ_r (G_r + ε_r)‖, bound)`` over each parameter's part of
     its bucket that this rank holds after the reduction, the bound by the module doc for the mode:
     FP32 sums for ``off``, BF16 roundings for ``bf16``, FP8 of ``G_r T`` (``T`` the parameter's
-    current ``whitening`` in GIFT mode, else ``I``; ``T_outᵀ G_r T`` with its ``output_whitening``)
+    current ``whitening`` in GIFT mode, else ``I``; ``T_outᵀ G_r T`` with its output side's ``whitening``)
     for ``euclidean`` / ``gift``.
 
     ``local``: ``{param: [ranks, numel]}`` (``megatron_gift.testing.reference.gathered_local_gradients``);
@@ -299,11 +300,11 @@ def reduction_errors(
                 plain = local[p].view(-1, rows, (b - a) // rows).double()
                 if residuals is not None and p in residuals and mode in ("euclidean", "gift"):  # BF16 drops it
                     plain = plain + residuals[p].view_as(plain).double()
-                t = g.whitening.dense() if mode == "gift" and g.whitening is not None else (None, None)
+                t = g.input.whitening.dense() if mode == "gift" and g.input.whitening is not None else (None, None)
                 coded = plain if t[0] is None else plain @ t[0].double()
                 t_out = None  # an output side applied (--gift-side both / auto): U = T_outᵀ G T
                 if with_out:
-                    t_out = g.output_whitening.dense()
+                    t_out = g.output.whitening.dense()
                     coded = t_out[0].double().T @ coded
                 entries[p] = (a, b, mode, plain, coded, t, t_out)
             maxima = [e[4].abs().flatten(1).amax(1) for e in entries.values() if e[2] in ("euclidean", "gift")]

@@ -146,3 +146,11 @@ class CheckedWhitening:
             self._check(row_u, row_out, self.t_inv, self.m_inv, self.gamma + 4 * EPS32)
             del self.rows[id(proj)]
         return out
+
+
+def output_side(gp):
+    """``gp.output``, or an empty ``SideState`` where the layer has no output side (its fields all None),
+    for tests that read an output side's fields on every layer."""
+    from megatron_gift.state import SideState
+
+    return gp.output if gp.output is not None else SideState()

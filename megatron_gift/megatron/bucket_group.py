@@ -50,14 +50,14 @@ if TYPE_CHECKING:
 def output_side(gp: GiftParam) -> LowRankWhitening | None:
     """``gp``'s ``T_out`` in use (``--gift-side both`` / ``auto``), None where it has none or only a
     diagonal one (rank 0: it scales whole rows, which the codec's row and block scales already do)."""
-    w = gp.output_whitening
+    w = gp.output.whitening if gp.output is not None else None
     return w if w is not None and w.rank > 0 else None
 
 
 def sent_map(gp: GiftParam):
     """The map a GIFT parameter's gradient is sent through: ``T_in`` (None: no ``T`` yet), or with an
     output side ``TwoSidedWhitening`` (``U = T_outᵀ G T_in``)."""
-    return two_sided.sent_map(gp.whitening, output_side(gp))
+    return two_sided.sent_map(gp.input.whitening, output_side(gp))
 
 
 def reduction_group(bg: _ParamAndGradBucketGroup) -> dist.ProcessGroup:
@@ -147,7 +147,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         else the flat one (their FP4 variants with four bits between nodes: ``comm.fp4_reduce``); wrapped in
         ``comm.output_side.OutputSide`` where a parameter has an
         output side (``--gift-side both`` / ``auto``)."""
-        transforms = [p.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
+        transforms = [p.input.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
         ctx, groups = self.gift_context, self.gift_groups
         common = dict(
             average=self.ddp_config.average_in_collective,

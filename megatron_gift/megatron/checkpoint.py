@@ -8,11 +8,10 @@ reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions 
   ``gift.chunk{i}.dense`` (step, modes, transforms and damping choices of the dense parameters;
   global shape ``(pp, tp)``, one replica per data-parallel(+context) rank),
   ``gift.chunk{i}.expert`` (expert weights; ``(pp, expert-tp, ep)``, replicas over the expert
-  data-parallel group), ``gift.chunk{i}.local`` (this rank's own K-FAC statistics: each rank keeps
-  a local per-step EMA, summed over ranks only at a refresh; under ``HELD_OUT``, the held-out
-  ``T`` of the layers it builds, for the cold-start rule, and under ``FACTOR`` their factors, which
-  only the rank that built them holds; with ``--gift-side both`` / ``auto`` each holds the output
-  side's twin under ``"out"``; ``(world,)``) and, with error
+  data-parallel group), ``gift.chunk{i}.local`` (``{name: {side: ...}}``, each side's state that is
+  this rank's own, ``state.PER_RANK``: its K-FAC statistics, a local per-step EMA summed over ranks
+  only at a refresh, and on the rank that builds the layer the held-out ``T`` for the cold-start
+  rule and the factor; ``(world,)``) and, with error
   feedback, ``gift.chunk{i}.residuals`` (this rank's own residuals; ``(world,)``). A common entry
   ``gift_meta`` (saved by rank 0) records the layout.
 * ``_load_base_checkpoint``: its first call (``rank0=True``, the common state) yields
@@ -20,6 +19,10 @@ reaches the checkpoint on its own. :func:`checkpoint_hooks` wraps two functions 
   another TP/PP/EP layout, everything but the per-rank parts with another data-parallel size; the
   second call's result is handed to each :class:`GiftDistributedDataParallel`. Every decision is
   logged on rank 0.
+
+Version 1 (before ``state.SideState``) kept the output side's state beside the input side's and the
+per-rank ``T`` and factors under ``#held_out`` / ``#factor``; it is read and upgraded
+(``state.upgrade_entry``).
 
 A GIFT state that does not fit this run (another ``gift_meta`` version, other shapes, missing or
 garbled entries) is never half-applied and never fails the load: the message says why and the
@@ -36,12 +39,14 @@ import importlib
 
 import torch.distributed as dist
 
+from ..state import PER_RANK, upgrade_entry
+
 META_KEY = "gift_meta"
 STATE_KEY = "gift"
-VERSION = 1
-HELD_OUT = "#held_out"  # in the per-rank part: {name: the factor owner's held-out T} (the cold-start rule)
-FACTOR = "#factor"  # in the per-rank part: {name: the factor owner's factors} (the telemetry's geometry)
-PER_RANK = {"held_out": HELD_OUT, "factor": FACTOR}  # an entry's keys kept beside the statistics, by the owner
+VERSION = 2
+READS = (1, VERSION)  # the versions a load reads (1: upgraded, ``merge_state``)
+# version 1's per-rank part: {name: the factor owner's held-out T} and {name: its factors} beside the statistics
+V1_PER_RANK = {"held_out": "#held_out", "factor": "#factor"}
 
 
 def _log(msg: str, *args) -> None:
@@ -93,7 +98,7 @@ def sharded_objects(
             continue
         if part == "residuals" and not ddp.gift_config.error_feedback:
             continue
-        if part == "local" and not any(gp.stats is not None for gp in ddp.gift_params.values()):
+        if part == "local" and not any(gp.input.stats is not None for gp in ddp.gift_params.values()):
             continue
         shape, offset, replica = where[part]
         key = f"{STATE_KEY}.chunk{chunk}.{part}"
@@ -102,7 +107,8 @@ def sharded_objects(
 
 
 def split_state(ddp, state: dict) -> dict:
-    """``gift_state_dict()`` output split into the dense, expert and per-rank (statistics, residual) parts."""
+    """``gift_state_dict()`` output split into the dense, expert and per-rank parts (each side's
+    ``state.PER_RANK`` keys; the residual)."""
     expert = {gp.name for gp in ddp.gift_params.values() if gp.expert}
     parts = {
         "dense": {"step": state["step"], "params": {}},
@@ -115,18 +121,43 @@ def split_state(ddp, state: dict) -> dict:
             parts[part]["policy"] = state["policy"]
     for name, entry in state["params"].items():
         entry = dict(entry)
-        for key, part in (("residual", "residuals"), ("stats", "local")):
-            if key in entry:
-                parts[part][name] = entry.pop(key)
-        for key, bucket in PER_RANK.items():  # the owner's only: per rank, beside its statistics
-            if key in entry:
-                parts["local"].setdefault(bucket, {})[name] = entry.pop(key)
+        if "residual" in entry:
+            parts["residuals"][name] = entry.pop("residual")
+        if "sides" in entry:
+            entry["sides"] = {side: dict(kept) for side, kept in entry["sides"].items()}
+            for side, kept in entry["sides"].items():
+                mine = {key: kept.pop(key) for key in PER_RANK if key in kept}
+                if mine:
+                    parts["local"].setdefault(name, {})[side] = mine
         parts["expert" if name in expert else "dense"]["params"][name] = entry
     return parts
 
 
-def merge_state(loaded: dict) -> dict:
-    """Inverse of :func:`split_state` over whichever parts were loaded."""
+def merge_state(loaded: dict, version: int = VERSION) -> dict:
+    """Inverse of :func:`split_state` over whichever parts were loaded; a ``version`` 1 checkpoint's
+    parts are merged as that version split them, each entry then upgraded."""
+    if version == 1:
+        return _merge_v1(loaded)
+    state = {"step": None, "params": {}}
+    for part in ("dense", "expert"):
+        if part in loaded:
+            state["step"] = loaded[part]["step"]
+            state["params"].update({name: dict(entry) for name, entry in loaded[part]["params"].items()})
+            if "policy" in loaded[part]:
+                state["policy"] = loaded[part]["policy"]
+    for name, value in loaded.get("residuals", {}).items():
+        state["params"].setdefault(name, {})["residual"] = value
+    for name, sides in loaded.get("local", {}).items():
+        entry = state["params"].setdefault(name, {})
+        entry["sides"] = {side: dict(kept) for side, kept in entry.get("sides", {}).items()}  # not in place
+        for side, mine in sides.items():
+            entry["sides"].setdefault(side, {}).update(mine)
+    return state
+
+
+def _merge_v1(loaded: dict) -> dict:
+    """:func:`merge_state` of a version 1 checkpoint (statistics under the name, the held-out ``T`` and
+    factors under ``V1_PER_RANK``'s keys; the output side nested as ``"out"``), entries upgraded."""
     state = {"step": None, "params": {}}
     for part in ("dense", "expert"):
         if part in loaded:
@@ -138,12 +169,13 @@ def merge_state(loaded: dict) -> dict:
                 state["policy"] = loaded[part]["policy"]
     for key, part in (("residual", "residuals"), ("stats", "local")):
         for name, value in loaded.get(part, {}).items():
-            if name not in PER_RANK.values():
+            if name not in V1_PER_RANK.values():
                 state["params"].setdefault(name, {})[key] = value
-    for key, bucket in PER_RANK.items():
+    for key, bucket in V1_PER_RANK.items():
         held = loaded.get("local", {}).get(bucket, {})
         for name, value in held.items() if isinstance(held, dict) else ():
             state["params"].setdefault(name, {})[key] = value
+    state["params"] = {name: upgrade_entry(entry) for name, entry in state["params"].items()}
     return state
 
 
@@ -197,7 +229,7 @@ class _Hooks:
         if meta is None:
             _log("the checkpoint has no GIFT state: statistics, transforms and error feedback start fresh")
             return ()
-        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+        if not isinstance(meta, dict) or meta.get("version") not in READS:
             version = meta.get("version") if isinstance(meta, dict) else meta
             _log(
                 "the checkpoint's GIFT state has format version %r, this megatron-gift reads version %d: "
@@ -245,7 +277,7 @@ class _Hooks:
                     for key in list(state_dict)
                     if key.startswith(f"{STATE_KEY}.chunk{i}.")
                 }
-                if ddp is not None and loaded and restore(ddp, loaded, resume_local):
+                if ddp is not None and loaded and restore(ddp, loaded, resume_local, self.meta["version"]):
                     _log("GIFT state restored (step %d)", ddp.step)
             state_dict.pop(META_KEY, None)
             return result
@@ -253,12 +285,12 @@ class _Hooks:
         return _load_base_checkpoint
 
 
-def restore(ddp, loaded: dict, local: bool = True) -> bool:
-    """Load the parts ``loaded`` (``{"dense"|"expert"|"local"|"residuals": object}``) into ``ddp``; True if
-    they were applied. A state that does not fit (garbled, truncated, other shapes) leaves ``ddp``
-    as it was before (fresh) and says why: False."""
+def restore(ddp, loaded: dict, local: bool = True, version: int = VERSION) -> bool:
+    """Load the parts ``loaded`` (``{"dense"|"expert"|"local"|"residuals": object}``, written by checkpoint
+    format ``version``) into ``ddp``; True if they were applied. A state that does not fit (garbled,
+    truncated, other shapes) leaves ``ddp`` as it was before (fresh) and says why: False."""
     fresh = ddp.gift_state_dict()
-    reason = misfit(ddp, loaded, local)
+    reason = misfit(ddp, loaded, local, version)
     if reason is not None:
         _log(
             "the checkpoint's GIFT state does not fit this run (%s): statistics, transforms and error feedback "
@@ -267,15 +299,17 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
         )
         return False
     try:
-        ddp.load_gift_state_dict(merge_state(loaded), local=local)
+        ddp.load_gift_state_dict(merge_state(loaded, version), local=local)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         ddp.load_gift_state_dict(fresh)
         for gp in ddp.gift_params.values():  # a transform loaded before the failure: none when fresh
-            entry = fresh["params"][gp.name]
-            if "whitening" not in entry:
-                gp.factor = gp.whitening = None
-            if "output_whitening" not in entry:
-                gp.out_factor = gp.output_whitening = None
+            sides = fresh["params"][gp.name].get("sides", {})
+            if "whitening" not in sides.get("input", {}):
+                gp.input.factor = gp.input.whitening = None
+            if gp.output is not None and "whitening" not in sides.get("output", {}):
+                gp.output.factor = gp.output.whitening = None
+                if gp.output.stats is None:
+                    gp.output = None
         _log(
             "the checkpoint's GIFT state does not fit this run (%s: %s): statistics, transforms and error "
             "feedback start fresh",
@@ -286,7 +320,7 @@ def restore(ddp, loaded: dict, local: bool = True) -> bool:
     return True
 
 
-def misfit(ddp, loaded: dict, local: bool = True) -> str | None:
+def misfit(ddp, loaded: dict, local: bool = True, version: int = VERSION) -> str | None:
     """Why the parts ``loaded`` cannot be restored into ``ddp`` (garbled or truncated parts, statistics
     or transforms of other shapes: another model width or ``--gift-sketch``), or None."""
     for part, value in loaded.items():
@@ -294,19 +328,19 @@ def misfit(ddp, loaded: dict, local: bool = True) -> str | None:
             return f"part {part!r} is {type(value).__name__}, not a GIFT state (garbled)"
         if part in ("dense", "expert") and not {"step", "params"} <= value.keys():
             return f"part {part!r} lacks {sorted({'step', 'params'} - value.keys())} (truncated)"
-    params = merge_state(loaded)["params"]
+    params = merge_state(loaded, version)["params"]
     for p, gp in ddp.gift_params.items():
         entry = params.get(gp.name)
-        if not isinstance(entry, dict) or gp.stats is None:
+        if not isinstance(entry, dict) or gp.input.stats is None:
             continue  # a parameter without saved state starts fresh, named by load_gift_state_dict
-        # each side's statistics and transform (the output side's: --gift-side both / auto, B under "out")
-        saved = entry.get("stats") if local else None
-        out = saved.get("out") if isinstance(saved, dict) else None
-        for stats, saved_stats, w, size, d in (
-            (gp.stats, saved, entry.get("whitening"), "input", gp.stats.d_in),
-            (gp.out_stats, out, entry.get("output_whitening"), "output", p.shape[0]),
-        ):
-            reason = _side_misfit(gp.name, stats, saved_stats, w, size, d)
+        # each side's statistics and transform (the output side's: --gift-side both / auto)
+        sides = entry.get("sides", {})
+        for side, d in (("input", gp.input.stats.d_in), ("output", p.shape[0])):
+            saved = sides.get(side, {})
+            stats = getattr(gp, side).stats if getattr(gp, side) is not None else None
+            reason = _side_misfit(
+                gp.name, stats, saved.get("stats") if local else None, saved.get("whitening"), side, d
+            )
             if reason is not None:
                 return reason
     return None

@@ -48,7 +48,7 @@ from ..config import Exchange, GiftConfig, Mode, ParamGather, Rotation, Side, pa
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
-from ..state import GiftParam, GiftState
+from ..state import GiftParam, GiftState, SideState
 from ..upstream import check_upstream
 from .bucket_group import GiftBucket, GiftBucketGroup, ReductionContext, reduction_group, sent_map
 from .layer_inputs import opaque_modules, refuse_opaque, weight_input
@@ -313,23 +313,23 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             weight_in = weight_input(mod, gp.name)
             if weight_in is None:
                 continue
-            gp.stats = KFACStatistics(
+            gp.input.stats = KFACStatistics(
                 w.shape[1],
                 ema=self.gift_config.ema,
                 sketch=self.gift_config.sketch,
                 seed=gp.sketch_seed,
                 device=w.device,
             )
-            gp.stats_groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
+            gp.input.groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
             column_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 0
             tp_group = self._tensor_parallel_group(mod, gp)
             if column_parallel and getattr(mod, "sequence_parallel", False) and tp_group.size() > 1:
-                gp.stats_groups.append(tp_group)
+                gp.input.groups.append(tp_group)
             hooks.append(mod.register_forward_pre_hook(self._stat_hook(gp, weight_in)))
             if self._two_sided():
                 hooks.append(self._register_output_side(mod, gp, w, tp_group, len(self._param_names)))
         for gp in self.gift_params.values():
-            if gp.candidate and gp.stats is None:
+            if gp.candidate and gp.input.stats is None:
                 logger.warning(
                     "megatron-gift: %s is no linear layer's weight (whitening needs a floating-point input it "
                     "multiplies, e.g. not an embedding's token ids); sending it Euclidean",
@@ -345,7 +345,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         return self.gift_config.side is not Side.INPUT and self.gift_config.rank > 0
 
     def _register_output_side(self, mod, gp: GiftParam, w: torch.nn.Parameter, tp_group, n_params: int):
-        """``gp.out_stats`` (``B = E[g gᵀ]`` over ``mod``'s output gradients ``g [..., w.shape[0]]``)
+        """``gp.output``'s statistics (``B = E[g gᵀ]`` over ``mod``'s output gradients ``g [..., w.shape[0]]``)
         and the forward hook that collects them (``_output_hook``); returns its handle.
 
         Summed at a refresh over the layer's (expert) data-parallel group, plus its tensor-parallel
@@ -357,25 +357,26 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         rank gets the same gradients. The sketch's seed is the input side's plus the number of
         parameters: distinct from every input seed, the same on every rank."""
         cfg = self.gift_config
-        gp.out_stats = KFACStatistics(
-            w.shape[0], ema=cfg.ema, sketch=cfg.sketch, seed=n_params + gp.sketch_seed, device=w.device
+        out = gp.output = SideState(
+            KFACStatistics(w.shape[0], ema=cfg.ema, sketch=cfg.sketch, seed=n_params + gp.sketch_seed, device=w.device),
+            [self.expt_dp_group if gp.expert else self.dp_cp_group],
         )
-        gp.out_stats_groups = [self.expt_dp_group if gp.expert else self.dp_cp_group]
         row_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 1
         scattered = getattr(mod, "sequence_parallel", False) and not getattr(mod, "explicit_expert_comm", False)
         if row_parallel and scattered and tp_group.size() > 1:
-            gp.out_stats_groups.append(tp_group)
-        self._out_stats.append(gp.out_stats)
+            out.groups.append(tp_group)
+        self._out_stats.append(out.stats)
         return mod.register_forward_hook(self._output_hook(gp, tp_group))
 
     def _output_hook(self, gp: GiftParam, tp_group):
         """A forward hook that registers, on the layer's output (the first element of Megatron's
-        ``(output, bias)``), a tensor hook adding the output's gradient to ``gp.out_stats`` (a copy:
+        ``(output, bias)``), a tensor hook adding the output's gradient to its output side's statistics (a copy:
         the gradient itself is left as it is). Only an output that requires grad gets one: with
         activation recomputation the no-grad forward registers nothing and the recomputed one (inside
         the backward) does, so every micro-batch's gradient is counted once. A column-parallel
         output gathered over TP (``gather_output``) contributes this rank's own columns."""
-        width = gp.out_stats.d_in
+        stats = gp.output.stats
+        width = stats.d_in
 
         def add(g: torch.Tensor) -> None:
             if g.shape[-1] != width:
@@ -387,7 +388,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                     )
                 g = g.narrow(-1, tp_group.rank() * width, width)  # gathered over TP: this rank's block
             with torch.no_grad():
-                gp.out_stats.accumulate(g)
+                stats.accumulate(g)
 
         def hook(module, args, output):
             y = output[0] if isinstance(output, (tuple, list)) else output
@@ -423,7 +424,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 and isinstance(args[0], torch.Tensor)
             ):
                 with torch.no_grad():
-                    gp.stats.accumulate(weight_in(args[0]))
+                    gp.input.stats.accumulate(weight_in(args[0]))
 
         return hook
 

@@ -68,7 +68,7 @@ class Monitor:
             [
                 # the map the gradient is sent through; two-sided: no geometry (its model is input-side)
                 profile_gradient(
-                    x, self.cfg.codec, sent_map(gp), gp.factor if output_side(gp) is None else None, amax[k]
+                    x, self.cfg.codec, sent_map(gp), gp.input.factor if output_side(gp) is None else None, amax[k]
                 )
                 for k, (x, (_, _, gp)) in enumerate(zip(grads, entries))
             ]

@@ -46,7 +46,7 @@ choice has no output side), ``damping`` (the one ``T_out`` and its factor use), 
 
 The record carries what every rank sends with (``T``) and what every rank must agree on (the
 header), not the FP64 factor ``(d, V, λ)`` it was built from: that stays on the owner
-(``OwnedLayer.factor``, ``FactorSide.factor``; the telemetry's geometry and checkpoints read it
+(``FactorSide.factor``; the telemetry's geometry and checkpoints read it
 there), which cuts the record by about two thirds (``d_in·(8r + 8)`` of its ``d_in·(12r + 16)`` bytes).
 """
 
@@ -183,59 +183,53 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 
 @dataclass
 class FactorSide:
-    """The output side of an owned layer: ``B``'s summed EMA, its status (the same on every rank)
-    and its stages' intermediate tensors; the input side's twin fields are ``OwnedLayer``'s own."""
+    """One side of an owned layer's build: its summed EMA (views of the summed statistics), its status
+    (the same on every rank), its stages' intermediate tensors, ``held_out`` (this side's ``T`` of the
+    previous build's best pair; None: none yet, or that pair had no such side) and, set by ``finish``,
+    ``factor``: ``(d, V, λ)`` FP64 of the record's ``T`` (its built rank), the owner's alone."""
 
-    rank: int  # ``T_out``'s configured rank
-    sums: dict[str, torch.Tensor]
-    tokens: torch.Tensor
-    omega: torch.Tensor | None
-    status: BuildStatus = BuildStatus.OK
-    work: dict = field(default_factory=dict)
-    factor: tuple | None = None  # as ``OwnedLayer.factor``
-
-    @property
-    def building(self) -> bool:
-        return self.status in (BuildStatus.OK, BuildStatus.INDEFINITE)
-
-
-@dataclass
-class OwnedLayer:
-    """One layer a rank builds: its summed EMA (views of the all-reduced statistics), its record in
-    the send buffer, its local gradient of the refresh step (the damping choice and the held-out
-    check) and ``held_out``, the best ``T`` of its previous build (None: none yet); with output
-    statistics ``out`` (its output side) and ``out_held_out`` (``T_out`` of the previous best pair, if
-    that pair had one)."""
-
-    name: str
     rank: int  # the factor's configured rank (``KFACStatistics.factor_rank``)
     sums: dict[str, torch.Tensor]  # summed EMA sums: {"y", "diag"} (sketch) or {"xtx"}
     tokens: torch.Tensor  # summed EMA token count (0-d)
     omega: torch.Tensor | None  # the sketch's Ω (None: exact statistics)
-    grad: torch.Tensor | None = None
     held_out: LowRankWhitening | None = None
     status: BuildStatus = BuildStatus.OK
-    work: dict = field(default_factory=dict)  # the stages' intermediate tensors
-    out: FactorSide | None = None
-    out_held_out: LowRankWhitening | None = None
-    factor: tuple | None = (
-        None  # ``(d, V, λ)`` FP64 of the record's ``T`` (its built rank), set by ``finish``: the owner's alone
-    )
-
-    @property
-    def layout(self) -> RecordLayout:
-        d_out = next(iter(self.out.sums.values())).shape[0] if self.out is not None else 0
-        return RecordLayout(
-            next(iter(self.sums.values())).shape[0], self.rank, d_out, self.out.rank if self.out is not None else 0
-        )
+    work: dict = field(default_factory=dict)
+    factor: tuple | None = None
 
     @property
     def building(self) -> bool:
         return self.status in (BuildStatus.OK, BuildStatus.INDEFINITE)
 
     @property
+    def width(self) -> int:
+        return next(iter(self.sums.values())).shape[0]
+
+
+@dataclass
+class OwnedLayer:
+    """One layer a rank builds: its input side (``A``), its output side (``B``; None: input side
+    only), its local gradient of the refresh step (the damping choice and the held-out check) and,
+    during ``finish``, its record (views of its slot of the send buffer)."""
+
+    name: str
+    input: FactorSide
+    output: FactorSide | None = None
+    grad: torch.Tensor | None = None
+    record: dict | None = None
+
+    @property
+    def layout(self) -> RecordLayout:
+        out = self.output
+        return RecordLayout(self.input.width, self.input.rank, out.width if out else 0, out.rank if out else 0)
+
+    @property
+    def building(self) -> bool:
+        return self.input.building
+
+    @property
     def out_building(self) -> bool:
-        return self.out is not None and self.out.building
+        return self.output is not None and self.output.building
 
 
 class FactorBuild:
@@ -277,11 +271,11 @@ class FactorBuild:
                 out.append(fn(layer) if mine is None else fn(layer, mine))
             except Exception:  # noqa: BLE001 - reported to every rank through the record header
                 logger.exception("megatron-gift: building the factor of %s failed (%s)", layer.name, stage)
-                layer.status, layer.work = BuildStatus.FAILED, {}
+                layer.input.status, layer.input.work = BuildStatus.FAILED, {}
                 out.append([])
         return out
 
-    # -- one side's stages (``side``: the ``OwnedLayer`` itself for A, its ``FactorSide`` for B)
+    # -- one side's stages (``side``: a ``FactorSide``, A's or B's)
     @staticmethod
     def _grams(side) -> torch.Tensor:
         w, scale = side.work, side.tokens.double()
@@ -323,15 +317,15 @@ class FactorBuild:
     def grams(self) -> list[list[torch.Tensor]]:
         """Device stage 1: per layer, what its host cores need (the input side's, then the output side's)."""
         return self._each(
-            "statistics", lambda layer: [self._grams(side) for side in (layer, layer.out) if side is not None]
+            "statistics", lambda layer: [self._grams(side) for side in (layer.input, layer.output) if side is not None]
         )
 
     def cores(self, host: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Host stage 1: per layer ``[basis or V, λ]`` of each side still building."""
 
         def one(layer, parts):
-            out = self._core(layer, parts[0])
-            return out + self._core(layer.out, parts[1]) if layer.out_building else out
+            out = self._core(layer.input, parts[0])
+            return out + self._core(layer.output, parts[1]) if layer.out_building else out
 
         return self._each("Nyström core", one, host)
 
@@ -339,8 +333,8 @@ class FactorBuild:
         """Device stage 2: per layer ``[S_δ for every candidate]`` (``[C, r, r]``) of each side."""
 
         def one(layer, parts):
-            out = [self._whitening_gram(layer, *parts[:2])]
-            return out + [self._whitening_gram(layer.out, *parts[2:])] if layer.out_building else out
+            out = [self._whitening_gram(layer.input, *parts[:2])]
+            return out + [self._whitening_gram(layer.output, *parts[2:])] if layer.out_building else out
 
         return self._each("whitening", one, dev)
 
@@ -353,7 +347,8 @@ class FactorBuild:
         T_out = I)``: on the host, and, when some have an output side, as two ``[P]`` device tensors
         built by fills (no host-to-device copy); None when all are input-only (the grid itself)."""
         n = len(self.candidates)
-        usable = layer.out is not None and layer.out.status is BuildStatus.OK and layer.out.rank > 0
+        out = layer.output
+        usable = out is not None and out.status is BuildStatus.OK and out.rank > 0
         kinds = self.kinds if usable else ("input",)
         host = ([(i, -1) for i in range(n)] if "input" in kinds else []) + (
             [(i, o) for i in range(n) for o in range(n)] if "both" in kinds else []
@@ -388,12 +383,12 @@ class FactorBuild:
         """Device stage 3: every layer's record (``RecordLayout.views`` of its slot of the send buffer)."""
 
         def one(layer, parts):
-            w, rec = layer.work, layer.work["record"]
-            cand = self._candidates(layer, *parts[:2])
+            w, rec = layer.input.work, layer.record
+            cand = self._candidates(layer.input, *parts[:2])
             dev_ = w["d"].device
             if layer.grad is None:
                 raise RuntimeError("no local gradient was kept for the damping choice and the held-out check")
-            cand_out = self._candidates(layer.out, *parts[2:]) if layer.out_building else None
+            cand_out = self._candidates(layer.output, *parts[2:]) if layer.out_building else None
             pairs, idx = self._pairs(layer, dev_)
             t_in = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand.items()})  # noqa: E731
             t_out = lambda j: LowRankWhitening.from_tensors({k: t[j] for k, t in cand_out.items()})  # noqa: E731
@@ -402,9 +397,9 @@ class FactorBuild:
                 if self.auto or len(pairs) > 1
                 else []
             )
-            held = layer.held_out
-            if held is not None and layer.out_held_out is not None:
-                held = TwoSidedWhitening(held, layer.out_held_out)
+            held = layer.input.held_out
+            if held is not None and layer.output is not None and layer.output.held_out is not None:
+                held = TwoSidedWhitening(held, layer.output.held_out)
             held_out = [held] if held is not None else []
             errs = damping_errors(layer.grad, whitenings + held_out, self.codec)  # [Euclidean, *whitenings, held-out]
             if self.auto:
@@ -422,14 +417,14 @@ class FactorBuild:
             minus1 = torch.full((1,), -1.0, dtype=torch.float64, device=dev_)
             b_in = best if idx is None else at(idx[0], best)
             choices = torch.cat([minus1, w["deltas"] if idx is None else w["deltas"].index_select(0, idx[0])])
-            self._write(rec, "", layer, cand, b_in, [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
-            if layer.out is None:
+            self._write(rec, "", layer.input, cand, b_in, [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
+            if layer.output is None:
                 return []
             if not layer.out_building:  # skipped or non-finite: the input side alone, and the header says so
-                for slot, value in zip(rec["out_header"], (float(layer.out.status), 0.0, -1.0, -1.0, 0.0, 0.0)):
+                for slot, value in zip(rec["out_header"], (float(layer.output.status), 0.0, -1.0, -1.0, 0.0, 0.0)):
                     slot.fill_(value)
                 return []
-            wo = layer.out.work
+            wo = layer.output.work
             if (
                 idx is None
             ):  # no output candidate (a rank-0 T_out): its factor for the profiles, nothing chosen or held out
@@ -453,7 +448,7 @@ class FactorBuild:
                     chosen,
                 )
             self._write(
-                rec, "out_", layer.out, cand_out, b_out, [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out]
+                rec, "out_", layer.output, cand_out, b_out, [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out]
             )
             return []
 
@@ -462,15 +457,16 @@ class FactorBuild:
                 for key in (k, "out_" + k):
                     if key in rec:
                         rec[key].zero_()
-            layer.work["record"] = rec
+            layer.record = rec
         self._each("damping choice", one, dev)
         for layer, rec in zip(self.layers, records):
-            layer.work = {}
-            if layer.out is not None:
-                layer.out.work = {}
+            layer.record = None
+            for side in (layer.input, layer.output):
+                if side is not None:
+                    side.work = {}
             if not layer.building:  # skipped, or failed in any stage (perhaps after writing part of its record)
-                rec["header"][0].fill_(float(layer.status))
+                rec["header"][0].fill_(float(layer.input.status))
                 if "out_header" in rec:
                     rec["out_header"][2:4].fill_(-1.0)  # nothing chosen, nothing held out
                     rec["out_header"][5].zero_()
-                    rec["out_header"][0].fill_(float(layer.out.status))
+                    rec["out_header"][0].fill_(float(layer.output.status))

@@ -25,7 +25,7 @@ def _worker(rank, world, bound):
     params = []
     for name, (_, d_in) in LAYERS.items():
         gp = GiftParam(name, Mode.GIFT, candidate=True)
-        gp.stats, gp.stats_groups = KFACStatistics(d_in, ema=0.0), [group]
+        gp.input.stats, gp.input.groups = KFACStatistics(d_in, ema=0.0), [group]
         params.append(gp)
         state.params[object()] = gp
     st = RefreshSync(state)
@@ -49,13 +49,13 @@ def _worker(rank, world, bound):
         grads = []
         for i, (gp, (d_out, d_in)) in enumerate(zip(params, LAYERS.values())):
             gen = torch.Generator().manual_seed(1000 * step + 10 * i + rank)
-            gp.stats.accumulate(torch.randn(64, d_in, generator=gen) * torch.logspace(0, -2, d_in))
+            gp.input.stats.accumulate(torch.randn(64, d_in, generator=gen) * torch.logspace(0, -2, d_in))
             grads.append(torch.randn(d_out, d_in, generator=gen))
         st.at_sync(lambda: iter(every), [(gp, group, g) for gp, g in zip(params, grads)], lambda *a: None)
         st.after_reductions()
         st.close_step([])
         st.install(lambda *a: None)
-        installed.append({gp.name: {k: v.clone() for k, v in gp.whitening.tensors().items()} for gp in params})
+        installed.append({gp.name: {k: v.clone() for k, v in gp.input.whitening.tensors().items()} for gp in params})
     dist.broadcast, refresh_mod._all_gather = real_broadcast, real_gather
     records = sum(record_layout(gp, cfg.rank).nbytes for gp in params)
     return dict(installed=installed, received=sum(received) / 2, records=records)  # per refresh (2 refreshes)

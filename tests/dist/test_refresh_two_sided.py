@@ -8,6 +8,8 @@ and output gradients: dense factors from ``eigh``, dense ``T = D^{-1/2} (D^{-1/2
 every candidate's FP8 error ``‖T_out⁻ᵀ (q(U) - U) T_in⁻¹‖``, ``U = T_outᵀ G T_in``, by brute force.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from megatron_gift.numerics import CodecConfig, KFACStatistics, LowRankWhitening
 from megatron_gift.numerics.fp8 import roundtrip
 from megatron_gift.numerics.refresh import OUT_HEADER, BuildStatus, FactorBuild, FactorSide, OwnedLayer
 from megatron_gift.testing import run_on_ranks
+from tests.reference import output_side
 
 CANDS = (0.1, 1.0, 10.0)
 RANK = 4
@@ -123,7 +126,7 @@ def _worker(rank, world, side):
 
     import megatron_gift.refresh_sync as refresh_mod
     from megatron_gift.refresh_sync import RefreshSync
-    from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.state import GiftParam, GiftState, SideState
     from megatron_gift.testing.dispatch import SyncSanitizer
 
     dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -135,10 +138,11 @@ def _worker(rank, world, side):
     params = []
     for i, (name, (d_out, d_in, out, sketch)) in enumerate(LAYERS.items()):
         gp = GiftParam(name, Mode.GIFT, candidate=True)
-        gp.stats, gp.stats_groups = KFACStatistics(d_in, ema=0.0), [dp]
+        gp.input.stats, gp.input.groups = KFACStatistics(d_in, ema=0.0), [dp]
         if out is not None:
-            gp.out_stats = KFACStatistics(d_out, ema=0.0, sketch=sketch, seed=7 + i)
-            gp.out_stats_groups = [dp] if out == "dp" else [dp, tp]
+            gp.output = SideState(
+                KFACStatistics(d_out, ema=0.0, sketch=sketch, seed=7 + i), [dp] if out == "dp" else [dp, tp]
+            )
         params.append(gp)
         state.params[object()] = gp
     st = RefreshSync(state, side)
@@ -159,7 +163,7 @@ def _worker(rank, world, side):
         local = {
             (gp.name, side): torch.cat([t.reshape(-1).float() for t in refresh_mod._packed(s)]).clone()
             for gp, _ in layers
-            for side, s in (("in", gp.stats), ("out", gp.out_stats))
+            for side, s in (("input", gp.input.stats), ("output", output_side(gp).stats))
             if s is not None
         }
         got = real_sum(layers)
@@ -186,16 +190,16 @@ def _worker(rank, world, side):
             grads = []
             for i, gp in enumerate(params):
                 x, y = _data(i, rank, step)
-                gp.stats.accumulate(x)
-                if gp.out_stats is not None and step > 0:  # the previous step's output gradients
-                    gp.out_stats.accumulate(_data(i, rank, step - 1)[1])
+                gp.input.stats.accumulate(x)
+                if output_side(gp).stats is not None and step > 0:  # the previous step's output gradients
+                    output_side(gp).stats.accumulate(_data(i, rank, step - 1)[1])
                     if step == 3 and gp.name == "fc2" and rank == 0:
-                        gp.out_stats.sums["xtx"][0, 0] = float("nan")
-                    gp.out_stats.fold()
+                        output_side(gp).stats.sums["xtx"][0, 0] = float("nan")
+                    output_side(gp).stats.fold()
                 grads.append(y.T @ x)
             if step == 2:  # the held-out gate on pairs: a bad T_out in qkv's held-out pair (it mixes rows)
                 qkv = params[0]
-                if qkv.owner == dp.rank() and qkv.held_out is not None:
+                if qkv.owner == dp.rank() and qkv.input.held_out is not None:
                     q, _ = torch.linalg.qr(
                         torch.randn(48, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
                     )
@@ -208,8 +212,8 @@ def _worker(rank, world, side):
                             "c_inv": torch.full((4,), 999.0),
                         }
                     )
-                    qkv.out_held_out = bad
-            held = {gp.name: (gp.held_out, gp.out_held_out) for gp in params if gp.owner == dp.rank()}
+                    qkv.output.held_out = bad
+            held = {gp.name: (gp.input.held_out, output_side(gp).held_out) for gp in params if gp.owner == dp.rank()}
             waits, n_reduce, n_scatter, n_gather = st.host_waits, len(reduces), len(scatters), len(gathers)
             san = SyncSanitizer()
             with san:
@@ -222,7 +226,7 @@ def _worker(rank, world, side):
                 (
                     gp.name,
                     type(new).__name__,
-                    isinstance(new, TwoSidedWhitening) and new.output_side is gp.output_whitening,
+                    isinstance(new, TwoSidedWhitening) and new.output_side is output_side(gp).whitening,
                 )
                 for gp, new in seen
             )
@@ -241,27 +245,31 @@ def _worker(rank, world, side):
             )
             for i, gp in enumerate(params):
                 flat = lambda w: None if w is None else torch.cat([t.flatten().double() for t in w.tensors().values()])  # noqa: E731
-                f = gp.out_factor
+                f = output_side(gp).factor
                 info = dict(
                     owner=gp.owner,
-                    damping=gp.damping,
-                    whitening=flat(gp.whitening),
-                    output=flat(gp.output_whitening),
+                    damping=gp.input.damping,
+                    whitening=flat(gp.input.whitening),
+                    output=flat(output_side(gp).whitening),
                     out_factor=None
                     if f is None
                     else torch.cat([f.d, f.v.flatten(), f.lam, torch.tensor([float(f.trace_a), f.damping])]),
-                    out_damping=gp.out_damping,
-                    has_factor=gp.factor is not None,
-                    out_tokens=None if gp.out_stats is None else float(gp.out_stats.ema_tokens),
+                    out_damping=output_side(gp).damping,
+                    has_factor=gp.input.factor is not None,
+                    out_tokens=None if output_side(gp).stats is None else float(output_side(gp).stats.ema_tokens),
                 )
                 if gp.owner == dp.rank():  # the reference, from every rank's raw data
                     a, b = _mean_gram(i, dp_ranks, step, 0), None
-                    if gp.out_stats is not None and step > 0 and not (step == 3 and gp.name == "fc2"):  # NaN at 3: no B
+                    if (
+                        output_side(gp).stats is not None and step > 0 and not (step == 3 and gp.name == "fc2")
+                    ):  # NaN at 3: no B
                         b = _mean_gram(i, dp_ranks if LAYERS[gp.name][2] == "dp" else all_ranks, step - 1, 1)
                     info["b"] = b
                     info["ref"] = _reference(a, b, grads[i], side, cfg.codec)
-                    info["held_out"] = gp.held_out.dense() if gp.held_out is not None else None
-                    info["out_held_out"] = gp.out_held_out.dense() if gp.out_held_out is not None else None
+                    info["held_out"] = gp.input.held_out.dense() if gp.input.held_out is not None else None
+                    info["out_held_out"] = (
+                        output_side(gp).held_out.dense() if output_side(gp).held_out is not None else None
+                    )
                     h_in, h_out = held[gp.name]  # the previous build's best pair, checked on this gradient
                     if h_in is not None:
                         info["ref_held"] = _ref_error(grads[i], _dense(h_in), _dense(h_out), cfg.codec)
@@ -331,12 +339,12 @@ def test_statistics_reach_their_owner_exactly_summed(runs):
             mine = {
                 (n, side)
                 for n, (_, _, out, _) in LAYERS.items()
-                for side in ("in", "out")
-                if s["layers"][n]["owner"] == per_rank["dp_rank"] and (side == "in" or out is not None)
+                for side in ("input", "output")
+                if s["layers"][n]["owner"] == per_rank["dp_rank"] and (side == "input" or out is not None)
             }
             assert set(s["sums"]["got"]) == mine, (r, step)
             for (name, side), got in s["sums"]["got"].items():
-                if side == "out" and LAYERS[name][2] == "dp+tp":  # TP pairs {0, 1}, {2, 3} first, then DP
+                if side == "output" and LAYERS[name][2] == "dp+tp":  # TP pairs {0, 1}, {2, 3} first, then DP
                     ref = _added(
                         _added(local[0][name, side], local[1][name, side]),
                         _added(local[2][name, side], local[3][name, side]),
@@ -468,12 +476,9 @@ def _owned(out_tokens: float, out_nan: bool = False):
         sb["xtx"][0, 0] = float("nan")
     return OwnedLayer(
         "proj",
-        RANK,
-        {"xtx": (x.T @ x).float()},
-        torch.tensor(float(TOKENS), dtype=torch.float64),
-        None,
+        FactorSide(RANK, {"xtx": (x.T @ x).float()}, torch.tensor(float(TOKENS), dtype=torch.float64), None),
+        FactorSide(RANK, sb, torch.tensor(out_tokens, dtype=torch.float64), None),
         grad=y.T @ x,
-        out=FactorSide(RANK, sb, torch.tensor(out_tokens, dtype=torch.float64), None),
     )
 
 
@@ -484,13 +489,13 @@ def test_a_skipped_output_side_says_so_and_the_input_side_goes_on(status):
     input side's record is what an input-only build writes (catches a whole layer dropped, or an
     output ``choice`` of 0 read as a damping)."""
     lay = _owned(0.0 if status is BuildStatus.SKIPPED else float(TOKENS), status is BuildStatus.NONFINITE)
-    plain = OwnedLayer("proj", RANK, lay.sums, lay.tokens, None, grad=lay.grad)
+    plain = OwnedLayer("proj", FactorSide(RANK, lay.input.sums, lay.input.tokens, None), grad=lay.grad)
     recs = []
     for layer, kinds in ((lay, ("input", "both")), (plain, ("input",))):
         build = FactorBuild([layer], CANDS, True, CodecConfig(), 12, kinds)
         parts = build.grams()
-        if layer.out is not None:
-            layer.out.status = status
+        if layer.output is not None:
+            layer.output.status = status
         parts = build.whitening_cores(build.whitening_grams(build.cores(parts)))
         buf = torch.zeros(layer.layout.nbytes, dtype=torch.uint8)
         build.finish(parts, [layer.layout.views(buf)])
@@ -515,13 +520,11 @@ def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
         tokens = torch.tensor(float(TOKENS), dtype=torch.float64)
         lay = OwnedLayer(
             "w",
-            RANK,
-            {"xtx": (x.T @ x).float()},
-            tokens,
-            None,
+            FactorSide(
+                RANK, {"xtx": (x.T @ x).float()}, tokens, None, LowRankWhitening(approximate_factor(a, RANK, 1.0))
+            ),
+            FactorSide(RANK, {"xtx": (y.T @ y).float()}, tokens, None),
             grad=g,
-            out=FactorSide(RANK, {"xtx": (y.T @ y).float()}, tokens, None),
-            held_out=LowRankWhitening(approximate_factor(a, RANK, 1.0)),
         )
         build = FactorBuild([lay], (1.0,), False, codec, 12, ("input", "both"))
         parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
@@ -530,7 +533,7 @@ def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
         build.finish(parts, [rec])
         t_in = _ref_t(a, 1.0)
         e_in, e_both = _ref_error(g, t_in, None, codec), _ref_error(g, t_in, _ref_t(b, 1.0), codec)
-        eu, held = _ref_error(g, None, None, codec), _ref_error(g, _dense(lay.held_out), None, codec)
+        eu, held = _ref_error(g, None, None, codec), _ref_error(g, _dense(lay.input.held_out), None, codec)
         assert (
             abs(e_in - e_both) > MARGIN * min(e_in, e_both) and held < (1 - MARGIN) * eu
         )  # the premise: clear winner, gate open
@@ -583,7 +586,7 @@ def test_an_indefinite_output_core_offers_no_output_candidate():
     tokens = torch.tensor(float(TOKENS), dtype=torch.float64)
     recs = []
     for out in (FactorSide(RANK, dict(sb.ema_sums), sb.ema_tokens, sb.omega), None):
-        lay = OwnedLayer("fc1", RANK, {"xtx": (x.T @ x).float()}, tokens, None, grad=y.T @ x, out=out)
+        lay = OwnedLayer("fc1", FactorSide(RANK, {"xtx": (x.T @ x).float()}, tokens, None), out, grad=y.T @ x)
         build = FactorBuild([lay], CANDS, True, CodecConfig(), 12, ("input", "both"))
         parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
         buf = torch.zeros(lay.layout.nbytes, dtype=torch.uint8)
@@ -604,11 +607,11 @@ def test_an_indefinite_output_core_offers_no_output_candidate():
 
 def _two_sided_state():
     from megatron_gift.numerics.whitening import approximate_factor
-    from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.state import GiftParam, GiftState, SideState
 
     state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
     gp = GiftParam("qkv", Mode.GIFT, candidate=True)
-    gp.stats, gp.out_stats = KFACStatistics(32, ema=0.5), KFACStatistics(48, ema=0.5, sketch=16, seed=3)
+    gp.input.stats, gp.output = KFACStatistics(32, ema=0.5), SideState(KFACStatistics(48, ema=0.5, sketch=16, seed=3))
     return state, gp, approximate_factor
 
 
@@ -623,18 +626,18 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     state, gp, approximate_factor = _two_sided_state()
     x, y = _data(0, 0, 0)
     for _ in range(2):
-        gp.stats.accumulate(x)
-        gp.stats.fold()
-        gp.out_stats.accumulate(y)
-        gp.out_stats.fold()
-    gp.out_stats.accumulate(y[:5])  # a step's accumulators in flight
+        gp.input.stats.accumulate(x)
+        gp.input.stats.fold()
+        gp.output.stats.accumulate(y)
+        gp.output.stats.fold()
+    gp.output.stats.accumulate(y[:5])  # a step's accumulators in flight
     a, b = (x.T @ x).double() / TOKENS, (y.T @ y).double() / TOKENS
-    gp.factor, gp.out_factor = approximate_factor(a, RANK, 1.0), approximate_factor(b, RANK, 3.0)
-    gp.whitening, gp.damping = LowRankWhitening(gp.factor), 1.0
-    gp.output_whitening, gp.out_damping = LowRankWhitening(gp.out_factor), 3.0
-    gp.held_out, gp.out_held_out = (
-        LowRankWhitening(gp.factor.with_damping(0.3)),
-        LowRankWhitening(gp.out_factor.with_damping(10.0)),
+    gp.input.factor, gp.output.factor = approximate_factor(a, RANK, 1.0), approximate_factor(b, RANK, 3.0)
+    gp.input.whitening, gp.input.damping = LowRankWhitening(gp.input.factor), 1.0
+    gp.output.whitening, gp.output.damping = LowRankWhitening(gp.output.factor), 3.0
+    gp.input.held_out, gp.output.held_out = (
+        LowRankWhitening(gp.input.factor.with_damping(0.3)),
+        LowRankWhitening(gp.output.factor.with_damping(10.0)),
     )
     state.params[object()] = gp
     residual = torch.randn(48, 32)
@@ -644,15 +647,12 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     # held-out T_out go with the per-rank part (another rank's would replace them otherwise)
     from types import SimpleNamespace
 
-    from megatron_gift.megatron.checkpoint import FACTOR, HELD_OUT, merge_state, split_state
+    from megatron_gift.megatron.checkpoint import merge_state, split_state
 
     parts = split_state(SimpleNamespace(gift_params={None: gp}), saved)
-    assert (
-        "out" in parts["local"]["qkv"]
-        and "out" in parts["local"][HELD_OUT]["qkv"]
-        and "out" in parts["local"][FACTOR]["qkv"]
-    )
-    assert {"stats", "held_out", "factor"}.isdisjoint(parts["dense"]["params"]["qkv"])
+    for side in ("input", "output"):
+        assert {"stats", "held_out", "factor"} == parts["local"]["qkv"][side].keys()
+        assert {"stats", "held_out", "factor"}.isdisjoint(parts["dense"]["params"]["qkv"]["sides"][side])
     fresh, gq, _ = _two_sided_state()
     fresh.params[object()] = gq
     back = torch.zeros(48, 32)
@@ -666,54 +666,95 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
         )
 
     for w, v in (
-        (gp.whitening, gq.whitening),
-        (gp.output_whitening, gq.output_whitening),
-        (gp.held_out, gq.held_out),
-        (gp.out_held_out, gq.out_held_out),
+        (gp.input.whitening, gq.input.whitening),
+        (gp.output.whitening, gq.output.whitening),
+        (gp.input.held_out, gq.input.held_out),
+        (gp.output.held_out, gq.output.held_out),
     ):
         assert v is not None and same(w, v)
-    for f, h in ((gp.factor, gq.factor), (gp.out_factor, gq.out_factor)):
+    for f, h in ((gp.input.factor, gq.input.factor), (gp.output.factor, gq.output.factor)):
         assert all(torch.equal(s, t) for s, t in ((f.d, h.d), (f.v, h.v), (f.lam, h.lam)))
         assert (f.trace_a, f.damping) == (h.trace_a, h.damping)
-    for s, t in ((gp.stats, gq.stats), (gp.out_stats, gq.out_stats)):
+    for s, t in ((gp.input.stats, gq.input.stats), (gp.output.stats, gq.output.stats)):
         assert all(
             torch.equal(s.state_dict()[k][n], t.state_dict()[k][n]) for k in ("sums", "ema_sums") for n in s.sums
         )
         assert torch.equal(s.tokens, t.tokens) and torch.equal(s.ema_tokens, t.ema_tokens) and s.folds == t.folds
-    assert gq.damping == 1.0 and gq.out_damping == 3.0
+    assert gq.input.damping == 1.0 and gq.output.damping == 3.0
 
-    # an older checkpoint: no output-side keys
+    # a checkpoint saved with the input side alone: no output side's keys
     entry = saved["params"]["qkv"]
-    # the per-rank state inside its per-rank twins
-    assert "out" in entry["stats"] and "out" in entry["held_out"] and "out" in entry["factor"]
-    old = {k: v for k, v in entry.items() if "out" not in k}
-    for k in ("stats", "held_out", "factor"):
-        old[k] = {n: v for n, v in entry[k].items() if n != "out"}
+    assert {"stats", "held_out", "factor", "whitening", "damping"} <= entry["sides"]["output"].keys()
+    old = {**entry, "sides": {"input": entry["sides"]["input"]}}
     old = {"step": saved["step"], "params": {"qkv": old}}
     older, go, _ = _two_sided_state()
     older.params[object()] = go
     assert older.load_state_dict(old, [(torch.zeros(48, 32), go)], torch.device("cpu")) == []
     assert (
-        go.output_whitening is None
-        and go.out_factor is None
-        and go.out_held_out is None
-        and float(go.out_stats.ema_tokens) == 0
+        go.output.whitening is None
+        and go.output.factor is None
+        and go.output.held_out is None
+        and float(go.output.stats.ema_tokens) == 0
     )
-    assert go.out_damping is None and torch.equal(go.factor.v, gp.factor.v)
-    assert same(go.whitening, gp.whitening)
+    assert go.output.damping is None and torch.equal(go.input.factor.v, gp.input.factor.v)
+    assert same(go.input.whitening, gp.input.whitening)
 
     # saved two-sided, restored without output statistics: T_out kept with T_in until the next refresh
     nout, gn, _ = _two_sided_state()
-    gn.out_stats = None
+    gn.output = None
     nout.params[object()] = gn
     assert nout.load_state_dict(saved, [(torch.zeros(48, 32), gn)], torch.device("cpu")) == []
-    assert same(gn.output_whitening, gp.output_whitening) and gn.out_factor is None and gn.out_damping == 3.0
+    assert same(gn.output.whitening, gp.output.whitening) and gn.output.factor is None and gn.output.damping == 3.0
 
     # another data-parallel layout (``local=False``): the owner's factors are per rank, none restored
     other, gl, _ = _two_sided_state()
     other.params[object()] = gl
     assert other.load_state_dict(saved, [(torch.zeros(48, 32), gl)], torch.device("cpu"), local=False) == []
-    assert gl.factor is None and gl.out_factor is None and same(gl.output_whitening, gp.output_whitening)
+    assert gl.input.factor is None and gl.output.factor is None and same(gl.output.whitening, gp.output.whitening)
+
+
+def test_a_version_1_checkpoint_loads_into_both_sides():
+    """``tests/data/gift-state-v1.pt`` was written by megatron-gift before ``SideState`` (a0ccaeb; checkpoint
+    format 1: the output side's state beside the input side's, nested as ``"out"``, the per-rank ``T`` and
+    factors under ``#held_out`` / ``#factor``), for a two-sided layer and a Euclidean one, with the values
+    each side held. Loaded through Megatron checkpoints' merge of version 1's parts and straight from its
+    state dict, every value comes back on its own side bit for bit. Catches a version 1 checkpoint read
+    as fresh, or an output side's value put on the input side (or lost)."""
+    from types import SimpleNamespace
+
+    from megatron_gift.megatron.checkpoint import merge_state, misfit
+    from megatron_gift.state import GiftParam, GiftState, SideState
+
+    data = torch.load(Path(__file__).parents[1] / "data" / "gift-state-v1.pt", weights_only=False)
+    want = data["expected"]
+    for state in (merge_state(data["parts"], version=1), data["state"]):
+        gs = GiftState(GiftConfig(mode=Mode.GIFT, rank=4, sketch=0), torch.device("cpu"))
+        gp = GiftParam("qkv", Mode.GIFT, candidate=True)
+        gp.input.stats = KFACStatistics(12, ema=0.5)
+        gp.output = SideState(KFACStatistics(16, ema=0.5, sketch=8, seed=3))
+        eu = GiftParam("emb", Mode.EUCLIDEAN)
+        gs.params[object()], gs.params[object()] = gp, eu
+        residual = torch.zeros(16, 12)
+        ddp = SimpleNamespace(gift_params={torch.zeros(16, 12): gp, torch.zeros(3): eu})
+        assert misfit(ddp, data["parts"], version=1) is None
+        assert gs.load_state_dict(state, [(residual, gp)], torch.device("cpu")) == []
+        assert gs.step == want["step"] and torch.equal(residual, want["residual"])
+        assert eu.output is None and eu.input.whitening is None and eu.input.stats is None
+        for side in ("input", "output"):
+            s = getattr(gp, side)
+            stats = s.stats.state_dict()
+            for key in ("sums", "ema_sums"):
+                assert stats[key].keys() == want[f"{side}.stats"][key].keys()
+                assert all(torch.equal(t, want[f"{side}.stats"][key][k]) for k, t in stats[key].items()), side
+            assert torch.equal(stats["ema_tokens"], want[f"{side}.stats"]["ema_tokens"]), side
+            for key in ("whitening", "held_out"):
+                got = getattr(s, key).tensors()
+                assert got.keys() == want[f"{side}.{key}"].keys()
+                assert all(torch.equal(t, want[f"{side}.{key}"][k]) for k, t in got.items()), (side, key)
+            assert s.damping == want[f"{side}.damping"]
+            f, g = s.factor, want[f"{side}.factor"]
+            assert torch.equal(f.d, g["d"]) and torch.equal(f.v, g["v"]) and torch.equal(f.lam, g["lam"])
+            assert (f.trace_a, f.damping) == (g["trace_a"], g["damping"])
 
 
 def test_input_side_with_output_statistics_is_refused_at_start_up():
@@ -746,7 +787,7 @@ def _sum_worker(rank, world):
 
     import megatron_gift.refresh_sync as refresh_mod
     from megatron_gift.refresh_sync import RefreshSync
-    from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.state import GiftParam, GiftState, SideState
 
     everyone = dist.new_group([0, 1, 2, 3])
     inst = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -759,13 +800,10 @@ def _sum_worker(rank, world):
     every, local = [], {}
     for i, (name, g) in enumerate(groups.items()):
         gp = GiftParam(name, Mode.GIFT, candidate=True)
-        gp.stats, gp.stats_groups, gp.owner = KFACStatistics(6 + i, sketch=3 if i % 2 else 0, seed=i), g, i % 2
+        gp.input.stats, gp.input.groups, gp.owner = KFACStatistics(6 + i, sketch=3 if i % 2 else 0, seed=i), g, i % 2
         if name == "instance+tp":
-            gp.out_stats, gp.out_stats_groups = (
-                KFACStatistics(5, seed=9),
-                [tp[rank % 2], me],
-            )  # the owners' group second
-        for side, st in (("in", gp.stats), ("out", gp.out_stats)):
+            gp.output = SideState(KFACStatistics(5, seed=9), [tp[rank % 2], me])  # the owners' group second
+        for side, st in (("input", gp.input.stats), ("output", output_side(gp).stats)):
             if st is not None:
                 for t in st.ema_sums.values():
                     t.copy_(torch.randn(t.shape, generator=gen))
@@ -811,8 +849,8 @@ def test_statistics_reach_their_owners_for_every_group_combination():
         owned = {
             (n, s)
             for i, n in enumerate(("all", "instance", "alias", "instance+tp"))
-            for s in ("in", "out")
-            if i % 2 == r % 2 and (s == "in" or n == "instance+tp")
+            for s in ("input", "output")
+            if i % 2 == r % 2 and (s == "input" or n == "instance+tp")
         }
         assert set(per_rank["got"]) == owned, (r, per_rank["got"].keys())
         for (name, side), got in per_rank["got"].items():
@@ -834,15 +872,15 @@ def _few_layers_worker(rank, world):
 
     import megatron_gift.refresh_sync as refresh_mod
     from megatron_gift.refresh_sync import RefreshSync
-    from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.state import GiftParam, GiftState, SideState
 
     group = dist.new_group([0, 1, 2, 3])
     state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
     gp = GiftParam("w", Mode.GIFT, candidate=True)
-    gp.stats, gp.stats_groups = KFACStatistics(7, sketch=3, seed=1), [group]
-    gp.out_stats, gp.out_stats_groups = KFACStatistics(5, seed=2), [group]
+    gp.input.stats, gp.input.groups = KFACStatistics(7, sketch=3, seed=1), [group]
+    gp.output = SideState(KFACStatistics(5, seed=2), [group])
     gen, local = torch.Generator().manual_seed(rank), {}
-    for side, st in (("in", gp.stats), ("out", gp.out_stats)):
+    for side, st in (("input", gp.input.stats), ("output", output_side(gp).stats)):
         for t in st.ema_sums.values():
             t.copy_(torch.randn(t.shape, generator=gen))
         st.ema_tokens.fill_(10.0 + rank)
@@ -876,7 +914,7 @@ def test_statistics_all_reduced_where_equal_slots_would_send_more():
     for r, per_rank in enumerate(res):
         assert per_rank["calls"] == ["all_reduce"], (r, per_rank["calls"])
         assert any(k.startswith("all_reduce") for k in per_rank["bytes"]), per_rank["bytes"]
-        assert set(per_rank["got"]) == ({"in", "out"} if r == 0 else set()), (r, per_rank["got"].keys())
+        assert set(per_rank["got"]) == ({"input", "output"} if r == 0 else set()), (r, per_rank["got"].keys())
         for side, got in per_rank["got"].items():
             x = [p["local"][side].double() for p in res]
             assert ((got.double() - sum(x)).abs() <= 3 * eps * sum(t.abs() for t in x)).all(), side

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gift.megatron.checkpoint import FACTOR, HELD_OUT
 from megatron_gift.testing.launch import run_launcher
 from tests.launches import GIFT, ITERS, _args, checkpoint_at, losses
 
@@ -73,19 +72,19 @@ def test_resumed_run_is_bitwise_identical_to_the_uninterrupted_one(launcher_runs
     assert state["step"] == ITERS - 1 and len(state["params"]) == 8
     assert "decoder.layers.0.mlp.linear_fc2.weight" in state["params"]  # names without wrapper prefixes
     assert all(
-        p["mode"] == "gift" and "whitening" in p and "damping" in p and "factor" not in p
+        p["mode"] == "gift"
+        and p["sides"].keys() == {"input"}
+        and {"whitening", "damping"} == p["sides"]["input"].keys()
         for p in state["params"].values()
     )
-    local = [whole[k] for k in gift[1:3]]
+    local = [{n: e["input"] for n, e in whole[k].items()} for k in gift[1:3]]
     # each rank's statistics, and the held-out T (the cold-start rule) and the factors of the layers it
     # builds (only it holds them): every layer on one rank
-    held, factors = [s.get(HELD_OUT, {}) for s in local], [s.get(FACTOR, {}) for s in local]
+    held = [{n for n, e in s.items() if "held_out" in e} for s in local]
+    factors = [{n for n, e in s.items() if "factor" in e} for s in local]
     assert sorted(n for h in held for n in h) == sorted(state["params"]) and all(held)
-    assert [sorted(f) for f in factors] == [sorted(h) for h in held] and all(
-        "d" in e for f in factors for e in f.values()
-    )
-    local = [{k: v for k, v in s.items() if k not in (HELD_OUT, FACTOR)} for s in local]
-    assert all(len(s) == 8 and all(e["folds"] == ITERS for e in s.values()) for s in local)
+    assert factors == held and all("d" in e["factor"] for s in local for e in s.values() if "factor" in e)
+    assert all(len(s) == 8 and all(e["stats"]["folds"] == ITERS for e in s.values()) for s in local)
     assert not _bitwise_equal(local[0], local[1])  # each rank keeps its own EMA
     residuals = [whole[k] for k in gift[3:]]
     assert all(len(r) == 8 for r in residuals) and any(bool(t.abs().sum() > 0) for r in residuals for t in r.values())
@@ -170,9 +169,10 @@ def test_two_sided_resume_is_bitwise_identical(two_sided_runs):
     assert "megatron-gift: GIFT state restored (step 3)" in log
     whole, resumed = _contents(tmp / "whole" / "iter_0000006", tmp), _contents(start / "iter_0000006", tmp)
     dense = whole[next(k for k in whole if k.startswith("gift.chunk0.dense"))]["params"]
-    assert any("output_whitening" in p for p in dense.values())  # output sides chosen by then (all 8 when written)
+    # output sides chosen by then (all 8 when written)
+    assert any("whitening" in p["sides"].get("output", {}) for p in dense.values())
     local = [whole[k] for k in sorted(whole) if k.startswith("gift.chunk0.local")]
-    out = [{n: s["out"] for n, s in rank.items() if n not in (HELD_OUT, FACTOR)} for rank in local]
+    out = [{n: s["output"]["stats"] for n, s in rank.items()} for rank in local]
     assert all(len(b) == len(dense) and all(s["folds"] == ITERS for s in b.values()) for b in out)
     assert not _bitwise_equal(out[0], out[1])  # each rank keeps its own B
     differ = [

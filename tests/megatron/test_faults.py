@@ -75,9 +75,12 @@ def _misfit_worker(rank, world):
 
     def fresh(ddp):
         return all(
-            g.whitening is None
-            and g.output_whitening is None
-            and all(st is None or (st.folds == 0 and float(st.ema_tokens) == 0) for st in (g.stats, g.out_stats))
+            g.input.whitening is None
+            and (g.output is None or g.output.whitening is None)
+            and all(
+                st is None or (st.folds == 0 and float(st.ema_tokens) == 0)
+                for st in (g.input.stats, g.output and g.output.stats)
+            )
             for g in ddp.gift_params.values()
         )
 
@@ -87,7 +90,11 @@ def _misfit_worker(rank, world):
     truncated = {k: v for k, v in saved.items() if k != "dense"} | {"dense": {"step": saved["dense"]["step"]}}
     cut = {**saved, "dense": {**saved["dense"], "params": {**saved["dense"]["params"]}}}
     entry = dict(cut["dense"]["params"][qkv])
-    entry["whitening"] = {k: v[: v.shape[0] // 2] for k, v in entry["whitening"].items()}
+    w = entry["sides"]["input"]["whitening"]
+    entry["sides"] = {
+        **entry["sides"],
+        "input": {**entry["sides"]["input"], "whitening": {k: v[: v.shape[0] // 2] for k, v in w.items()}},
+    }
     cut["dense"]["params"][qkv] = entry
     both = trained(steps=3, side=Side.BOTH)
     saved_both = checkpoint.split_state(both, both.gift_state_dict())
@@ -119,6 +126,8 @@ def _misfit_worker(rank, world):
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         out["other_version"] = dict(parts=hooks.parts_to_load(), log=log.getvalue())
+        hooks.meta["version"] = 1  # before SideState: read, and upgraded (checkpoint.merge_state)
+        out["version_1"] = dict(parts=hooks.parts_to_load())
     parallel_state.destroy_model_parallel()
     return out
 
@@ -158,8 +167,9 @@ def test_output_statistics_are_saved_per_rank(misfits):
     replicated dense part (bug caught: every rank resumed with one rank's ``B``, the refresh's sum
     over ranks then p times that rank's instead of the global one)."""
     saved = misfits["fits_two_sided"]["saved"]
-    assert any("out" in entry for entry in saved["local"].values() if isinstance(entry, dict))
-    assert not any("stats" in entry for entry in saved["dense"]["params"].values())
+    assert any("stats" in entry.get("output", {}) for entry in saved["local"].values() if isinstance(entry, dict))
+    dense = saved["dense"]["params"].values()
+    assert not any("stats" in side for entry in dense for side in entry.get("sides", {}).values())
 
 
 PROJ = "decoder.layers.0.self_attention.linear_proj.weight"
@@ -192,5 +202,8 @@ def test_misfit_gift_state_starts_fresh_with_a_message(misfits, case, message):
 
 
 def test_other_format_version_is_not_loaded(misfits):
+    """A format this megatron-gift does not read starts fresh with a message; format 1 (before
+    ``SideState``) is read in full (bug caught: old checkpoints silently dropped after the upgrade)."""
+    assert misfits["version_1"]["parts"] == ("dense", "expert", "local", "residuals")
     res = misfits["other_version"]
-    assert res["parts"] == () and "format version 2" in res["log"] and "starting it fresh" in res["log"]
+    assert res["parts"] == () and "format version 3" in res["log"] and "starting it fresh" in res["log"]

@@ -49,7 +49,7 @@ def _train(dist_opt, fmt, rotation):
         assert ok
         losses.append(float(loss))
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    whitened = sum(g.whitening is not None for g in ddp.gift_params.values())
+    whitened = sum(g.input.whitening is not None for g in ddp.gift_params.values())
     parallel_state.destroy_model_parallel()
     return dict(losses=losses, params=params, links=links, whitened=whitened)
 

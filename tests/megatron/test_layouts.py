@@ -40,7 +40,7 @@ def _gpt_case(name, dp_group, gift, ddp_kwargs=None, per_token=False, **model_kw
     ddp.zero_grad_buffer()
     tokens = random_tokens(0, dist.get_rank(dp_group), batch=BATCH)
     lm_loss(ddp, tokens).backward()
-    seen = {g.name: float(g.stats.tokens) for g in ddp.gift_params.values() if g.stats is not None}
+    seen = {g.name: float(g.input.stats.tokens) for g in ddp.gift_params.values() if g.input.stats is not None}
     ddp.finish_grad_sync()
     local = gathered_local_gradients(ref, model, lambda m: lm_loss(m, tokens), lambda p: dp_group)
     scale = 1.0 if per_token else 1.0 / dist.get_world_size(dp_group)

@@ -228,7 +228,10 @@ def _nan_worker(rank, world):
     state_finite = all(
         torch.isfinite(t).all()
         for g in ddp.gift_params.values()
-        for t in [*(g.stats.ema_sums or {}).values(), *(g.whitening.tensors().values() if g.whitening else [])]
+        for t in [
+            *(g.input.stats.ema_sums or {}).values(),
+            *(g.input.whitening.tensors().values() if g.input.whitening else []),
+        ]
     ) and all(torch.isfinite(b.error_feedback.residual).all() for b in ddp.gift_buckets())
     parallel_state.destroy_model_parallel()
     return dict(steps=steps, state_finite=bool(state_finite))
@@ -289,9 +292,11 @@ def _sp_stats_worker(rank, world):
     ddp.finish_grad_sync()
     ddp.gift_state_dict()  # closes the step and installs its refresh (training installs it at the next step)
     g = next(iter(ddp.gift_params.values()))
-    q = torch.cat([t.flatten() for t in g.whitening.tensors().values()])
+    q = torch.cat([t.flatten() for t in g.input.whitening.tensors().values()])
     parallel_state.destroy_model_parallel()
-    return dict(ema=g.stats.ema_sums["xtx"].double(), tokens=float(g.stats.ema_tokens), q=q, chunk=chunks[rank])
+    return dict(
+        ema=g.input.stats.ema_sums["xtx"].double(), tokens=float(g.input.stats.ema_tokens), q=q, chunk=chunks[rank]
+    )
 
 
 @pytest.mark.slow
@@ -337,7 +342,7 @@ def _owner_build_worker(rank, world):
             ddp.finish_grad_sync()
             layers = [g for g in ddp.gift_params.values() if g.candidate]
             installed = all(
-                g.whitening is not None for g in layers
+                g.input.whitening is not None for g in layers
             )  # a refresh is installed at the next step's first sync
             steps.append(
                 dict(
@@ -348,14 +353,14 @@ def _owner_build_worker(rank, world):
                             t.flatten().double()
                             for g in layers
                             for t in (
-                                torch.tensor([-1.0 if g.damping is None else g.damping]),  # the choice
-                                *g.whitening.tensors().values(),
+                                torch.tensor([-1.0 if g.input.damping is None else g.input.damping]),  # the choice
+                                *g.input.whitening.tensors().values(),
                             )
                         ]
                     )
                     if installed
                     else None,
-                    factors=sorted(g.name for g in layers if g.factor is not None),
+                    factors=sorted(g.name for g in layers if g.input.factor is not None),
                     sent_before=sent_before,
                 )
             )
@@ -690,8 +695,10 @@ def _ef_invariant_worker(rank, world, side=Side.INPUT, steps=4):
             norms[p] = (
                 norms.get(p, 0) + float(local[p].norm(dim=1).sum()) / world + float(residuals[p].norm(dim=1).sum())
             )
-            two_sided = g.mode is Mode.GIFT and g.output_whitening is not None
-            k = (kappa(g.whitening) if g.mode is Mode.GIFT else 1.0) * (kappa(g.output_whitening) if two_sided else 1.0)
+            two_sided = g.mode is Mode.GIFT and g.output is not None and g.output.whitening is not None
+            k = (kappa(g.input.whitening) if g.mode is Mode.GIFT else 1.0) * (
+                kappa(g.output.whitening) if two_sided else 1.0
+            )
             spectra.setdefault(p, []).append((k, p.shape[1] + (p.shape[0] + 8 if two_sided else 0)))
         with torch.no_grad():
             for p in model.parameters():

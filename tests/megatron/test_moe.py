@@ -116,8 +116,8 @@ def _moe_case(mode, layout):
         g = ddp.gift_params[model.get_submodule(name).weight]
         # the plugin sums each rank's local EMA over the layer's statistics groups at a refresh
         # (RefreshSync.sum_statistics); the ratio of summed sums to summed tokens is the global average
-        sums, tokens = g.stats.ema_sums["xtx"].double(), g.stats.ema_tokens.double().reshape(1)
-        for group in g.stats_groups:
+        sums, tokens = g.input.stats.ema_sums["xtx"].double(), g.input.stats.ema_tokens.double().reshape(1)
+        for group in g.input.groups:
             dist.all_reduce(sums, group=group)
             dist.all_reduce(tokens, group=group)
         got = sums / tokens

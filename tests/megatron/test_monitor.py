@@ -72,7 +72,7 @@ def _residuals(ddp, group) -> dict:
         r = state["params"][g.name].get("residual")
         if r is None:
             continue
-        if g.mode is Mode.GIFT and g.whitening is not None:
+        if g.mode is Mode.GIFT and g.input.whitening is not None:
             r = sent_map(g).inverse(r)
         out[p] = all_gather_rows(r.double().flatten(), group) * group.size()
     return out
@@ -95,7 +95,7 @@ def _as_sent(ddp, rank, world) -> list:
     for bucket, p, g, a, lo, hi in shard_pieces(ddp, rank, world):
         if g.mode not in (Mode.EUCLIDEAN, Mode.GIFT):
             continue
-        w = g.whitening if g.mode is Mode.GIFT else None
+        w = g.input.whitening if g.mode is Mode.GIFT else None
         o = output_side(g) if w is not None else None
         mags = None if w is None else tuple(m.double().abs() for t in (w, o) if t is not None for m in t.dense())
         terms = 0 if w is None else w.rank + (o.rank + o.d_in if o is not None else 0)
@@ -199,9 +199,9 @@ def _two_sided_round_trips(ddp, local) -> dict:
     cfg, out = ddp.gift_config.codec, {}
     for p, g in ddp.gift_params.items():
         o = output_side(g)
-        if o is None or g.whitening is None:
+        if o is None or g.input.whitening is None:
             continue
-        (t, t_inv), (s, s_inv) = ((m.double() for m in w.dense()) for w in (g.whitening, o))
+        (t, t_inv), (s, s_inv) = ((m.double() for m in w.dense()) for w in (g.input.whitening, o))
         grads = local[p].view(-1, *p.shape)
         err = {True: 0.0, False: 0.0}
         for two in err:
@@ -219,7 +219,11 @@ def _conversion(ddp):
     """``set_mode`` of one GIFT layer to Euclidean and back: its residual before and after each
     switch, its ``T`` (dense) and the condition number of its FP64 factor."""
     g = next(
-        (g for g in ddp.gift_params.values() if g.mode is Mode.GIFT and g.whitening is not None and g.whitening.rank),
+        (
+            g
+            for g in ddp.gift_params.values()
+            if g.mode is Mode.GIFT and g.input.whitening is not None and g.input.whitening.rank
+        ),
         None,
     )
     if g is None:
@@ -228,8 +232,12 @@ def _conversion(ddp):
     for mode in (Mode.EUCLIDEAN, Mode.GIFT):
         ddp.set_mode(g, mode)
         seen.append(ddp.gift_state_dict()["params"][g.name]["residual"].double())
-    kappa = float(torch.linalg.cond(g.whitening.dense()[0].double()))  # κ(T) (Tᵀ Â T = I: κ(T)² = κ(Â)), on every rank
-    return dict(name=g.name, residuals=seen, t=g.whitening.dense()[0].double(), kappa=kappa, rank=g.whitening.rank)
+    kappa = float(
+        torch.linalg.cond(g.input.whitening.dense()[0].double())
+    )  # κ(T) (Tᵀ Â T = I: κ(T)² = κ(Â)), on every rank
+    return dict(
+        name=g.name, residuals=seen, t=g.input.whitening.dense()[0].double(), kappa=kappa, rank=g.input.whitening.rank
+    )
 
 
 def _worker(rank, world):
@@ -245,7 +253,9 @@ def _worker(rank, world):
     # the same with --gift-side both: profiles, decisions and residuals through T_outᵀ G T_in
     model, ddp = _ddp(auto, Side.BOTH)
     out["auto_both"] = _train(model, ddp, STEPS)
-    out["auto_both"]["two_sided"] = sum(g.output_whitening is not None for g in ddp.gift_params.values())
+    out["auto_both"]["two_sided"] = sum(
+        g.output is not None and g.output.whitening is not None for g in ddp.gift_params.values()
+    )
     # an unreachable FP8 bound: every candidate falls back to BF16 after two profiles
     model, ddp = _ddp(PolicyConfig(hysteresis=2, profile_steps=STEPS, bf16_bound=1e-4))
     out["bf16"] = _train(model, ddp, STEPS)

@@ -95,7 +95,7 @@ def _train(side, recompute=True):
         if step == 0:
             grads = [b.grad.clone() for b in ddp.gift_buckets()]
         open_ = (
-            {n: (float(gp.out_stats.tokens), float(gp.out_stats.ema_tokens)) for n, gp in layers.items()}
+            {n: (float(gp.output.stats.tokens), float(gp.output.stats.ema_tokens)) for n, gp in layers.items()}
             if side is Side.BOTH
             else {}
         )
@@ -105,9 +105,9 @@ def _train(side, recompute=True):
                 n: {
                     k: t.double().clone()
                     for k, t in (
-                        *gp.out_stats.ema_sums.items(),
-                        ("tokens", gp.out_stats.ema_tokens),
-                        ("step_tokens", gp.out_stats.tokens),
+                        *gp.output.stats.ema_sums.items(),
+                        ("tokens", gp.output.stats.ema_tokens),
+                        ("step_tokens", gp.output.stats.tokens),
                     )
                 }
                 for n, gp in layers.items()
@@ -120,14 +120,14 @@ def _train(side, recompute=True):
     if side is Side.BOTH:
         info = {
             n: dict(
-                omega=gp.out_stats.omega,
-                in_omega=gp.stats.omega,
-                groups=[dist.get_process_group_ranks(g) for g in gp.out_stats_groups],
+                omega=gp.output.stats.omega,
+                in_omega=gp.input.stats.omega,
+                groups=[dist.get_process_group_ranks(g) for g in gp.output.groups],
             )
             for n, gp in layers.items()
         }
     else:
-        info = {n: getattr(gp, "out_stats", None) for n, gp in layers.items()}
+        info = {n: gp.output for n, gp in layers.items()}
     return dict(steps=steps, grads=grads, info=info)
 
 
@@ -318,16 +318,16 @@ def _tp_case(sequence_parallel: bool):
     for k, mod in (("col", net.col), ("row", net.row), ("head", net.head)):
         gp = ddp.gift_params[mod.weight]
         sums, tokens = (
-            gp.out_stats.ema_sums["xtx"].double().clone(),
-            gp.out_stats.ema_tokens.double().reshape(1).clone(),
+            gp.output.stats.ema_sums["xtx"].double().clone(),
+            gp.output.stats.ema_tokens.double().reshape(1).clone(),
         )
-        for group in gp.out_stats_groups:  # as the refresh sums them (RefreshSync.sum_statistics)
+        for group in gp.output.groups:  # as the refresh sums them (RefreshSync.sum_statistics)
             dist.all_reduce(sums, group=group)
             dist.all_reduce(tokens, group=group)
         # exact in FP32 whatever the order of the sums: the output gradients are integers (a linear loss of
         # integer weights), and every partial sum of B is an integer at most Σ|g_i||g_j| < 2^24
         assert bound[k].max() < 2**24, bound[k].max()
-        out[k] = dict(got=sums, want=want[k], tokens=float(tokens), groups=len(gp.out_stats_groups))
+        out[k] = dict(got=sums, want=want[k], tokens=float(tokens), groups=len(gp.output.groups))
     return out
 
 
@@ -348,7 +348,7 @@ def tp_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_output_statistics(tp_results, sequence_parallel):
-    """Summed over each layer's ``out_stats_groups``, ``B`` equals the reference's exactly (integer data):
+    """Summed over each layer's output side's ``groups``, ``B`` equals the reference's exactly (integer data):
     the column-parallel layers' own diagonal block (also of an output gathered over TP), the
     row-parallel layer's over all tokens. Bugs caught: the TP group missing for the row-parallel
     layer under sequence parallelism (half the tokens), added for it without (counted twice) or

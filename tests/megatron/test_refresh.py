@@ -22,6 +22,7 @@ from megatron_gift.numerics.refresh import (
     HEADER,
     BuildStatus,
     FactorBuild,
+    FactorSide,
     HostCopy,
     OwnedLayer,
     RecordLayout,
@@ -159,10 +160,10 @@ def test_owners_balance_the_record_bytes():
     layers = []
     for i in range(m["layers"] * 4):
         g = GiftParam(str(i), Mode.GIFT, candidate=True)
-        g.stats = KFACStatistics(list(layer_shapes(m).values())[i % 4][1], sketch=64)
+        g.input.stats = KFACStatistics(list(layer_shapes(m).values())[i % 4][1], sketch=64)
         layers.append((g, group))
     RefreshSync(GiftState(GiftConfig(mode=Mode.GIFT), torch.device("cpu"))).assign_owners(layers)
-    sizes = [RecordLayout(g.stats.d_in, 32).nbytes for g, _ in layers]
+    sizes = [RecordLayout(g.input.stats.d_in, 32).nbytes for g, _ in layers]
     load = [sum(b for (g, _), b in zip(layers, sizes) if g.owner == r) for r in range(64)]
     assert max(load) <= sum(sizes) / 64 + max(sizes)
     round_robin = [sum(b for i, b in enumerate(sizes) if i % 64 == r) for r in range(64)]
@@ -231,7 +232,7 @@ def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
     wins = [_held_out_wins(g, h, cfg) for g, h in zip(grads, helds)]
     assert held_out == "none" or (wins[0] and wins[1] and not wins[2])  # the test's premise: both branches taken
     layers = [
-        OwnedLayer(f"l{i}", s.factor_rank(8), dict(s.ema_sums), s.ema_tokens, s.omega, grad=g, held_out=h)
+        OwnedLayer(f"l{i}", FactorSide(s.factor_rank(8), dict(s.ema_sums), s.ema_tokens, s.omega, h), grad=g)
         for i, (s, g, h) in enumerate(zip(stats, grads, helds))
     ]
     build = FactorBuild(layers, cands, True, cfg, 12)
@@ -255,7 +256,7 @@ def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
         # carries ~eps·κ² from its Gram (κ² = λ1/λr here), D the same through diag(V Λ Vᵀ)
         kappa2 = float(ref.lam[0] / ref.lam[-1])
         tol = 100 * EPS64 * kappa2 * float(ref.lam[0])
-        d, v, lam = lay.factor
+        d, v, lam = lay.input.factor
         assert (d - ref.d).abs().max() <= tol
         assert (v @ (v * lam).T - ref.v @ (ref.v * ref.lam).T).abs().max() <= tol
         w = LowRankWhitening(ref)
@@ -268,7 +269,7 @@ def test_indefinite_sketch_builds_the_diagonal_and_says_so(caplog):
     the damped diagonal (the one-layer path's fallback, with its warning)."""
     s = _stats(32, 8, 4)
     s.ema_sums["y"].fill_(float("nan"))
-    lay = OwnedLayer("nan", 8, dict(s.ema_sums), s.ema_tokens, s.omega, grad=torch.randn(4, 32))
+    lay = OwnedLayer("nan", FactorSide(8, dict(s.ema_sums), s.ema_tokens, s.omega), grad=torch.randn(4, 32))
     build = FactorBuild([lay], (1.0,), False, CodecConfig(), 12)
     parts = build.cores(build.grams())
     parts = build.whitening_cores(build.whitening_grams(parts))
@@ -279,7 +280,11 @@ def test_indefinite_sketch_builds_the_diagonal_and_says_so(caplog):
     with caplog.at_level("WARNING"):
         m = s.ema_tokens.double()
         f = factor_from_sketch(s.ema_sums["y"].double() / m, s.omega, s.ema_sums["diag"].double() / m, 8, 1.0)
-    assert "stayed indefinite" in caplog.text and torch.allclose(lay.factor[0], f.d) and lay.factor[1].shape == (32, 0)
+    assert (
+        "stayed indefinite" in caplog.text
+        and torch.allclose(lay.input.factor[0], f.d)
+        and lay.input.factor[1].shape == (32, 0)
+    )
 
 
 def test_fold_all_equals_one_fold_per_layer():
@@ -378,13 +383,16 @@ def _step(ddp, opt, step, rank):
 
 def _transforms(ddp) -> torch.Tensor:
     """What every rank installs: each layer's ``T`` and damping choice (the factor is its owner's alone)."""
-    layers = [g for g in ddp.gift_params.values() if g.candidate and g.whitening is not None]
+    layers = [g for g in ddp.gift_params.values() if g.candidate and g.input.whitening is not None]
     return torch.cat(
         [torch.zeros(0, dtype=torch.float64)]
         + [
             t.flatten().double()
             for g in layers
-            for t in (torch.tensor([-1.0 if g.damping is None else g.damping]), *g.whitening.tensors().values())
+            for t in (
+                torch.tensor([-1.0 if g.input.damping is None else g.input.damping]),
+                *g.input.whitening.tensors().values(),
+            )
         ]
     )
 
@@ -392,9 +400,9 @@ def _transforms(ddp) -> torch.Tensor:
 def _factors_on_owners(ddp, rank) -> bool:
     """Every installed layer has its factor on its owner and nowhere else."""
     return all(
-        (g.factor is not None) == (g.owner == rank)
+        (g.input.factor is not None) == (g.owner == rank)
         for g in ddp.gift_params.values()
-        if g.candidate and g.whitening is not None
+        if g.candidate and g.input.whitening is not None
     )
 
 
@@ -433,9 +441,11 @@ def _sync_worker(rank, world):
                         refresh=ddp.is_refresh_step(step),
                         transforms=_transforms(ddp),
                         whitened=sorted(
-                            g.name for g in ddp.gift_params.values() if g.candidate and g.damping is not None
+                            g.name for g in ddp.gift_params.values() if g.candidate and g.input.damping is not None
                         ),
-                        factors=sum(1 for g in ddp.gift_params.values() if g.candidate and g.whitening is not None),
+                        factors=sum(
+                            1 for g in ddp.gift_params.values() if g.candidate and g.input.whitening is not None
+                        ),
                         on_owners=_factors_on_owners(ddp, rank),
                     )
                 )
@@ -445,8 +455,8 @@ def _sync_worker(rank, world):
         installed = [
             t
             for gp in ddp.gift_params.values()
-            if gp.candidate and gp.factor is not None
-            for t in (gp.factor.d, gp.factor.v, gp.factor.lam, *gp.whitening.tensors().values())
+            if gp.candidate and gp.input.factor is not None
+            for t in (gp.input.factor.d, gp.input.factor.v, gp.input.factor.lam, *gp.input.whitening.tensors().values())
         ]
         out[dist_opt] = dict(
             steps=steps,
@@ -530,7 +540,11 @@ def _fault_worker(rank, world, fault):
         for step in range(3):
             _step(ddp, opt, step, rank)
             ranks.append(
-                {g.name: g.factor.v.shape[1] for g in ddp.gift_params.values() if g.candidate and g.factor is not None}
+                {
+                    g.name: g.input.factor.v.shape[1]
+                    for g in ddp.gift_params.values()
+                    if g.candidate and g.input.factor is not None
+                }
             )  # its own
     except Exception as e:  # noqa: BLE001 - the message is what is compared
         error = f"{type(e).__name__}: {e}"

@@ -106,7 +106,9 @@ def _statistics(model, tokens, raw=None) -> dict:
     ddp.zero_grad_buffer()
     with torch.no_grad():
         lm_loss(ddp, tokens)
-    return {gp.name: gp.stats.sums["xtx"].clone() for gp in ddp.gift_params.values() if gp.stats is not None}
+    return {
+        gp.name: gp.input.stats.sums["xtx"].clone() for gp in ddp.gift_params.values() if gp.input.stats is not None
+    }
 
 
 def _case(normalization: str, zero_centered_gamma: bool) -> dict:

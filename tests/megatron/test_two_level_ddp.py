@@ -97,7 +97,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
             ddp.finish_grad_sync()
             # what the DDP says it sent this step: GIFT as G T once a layer has its T
             claimed = {
-                g.name: "euclidean" if g.mode is Mode.GIFT and g.whitening is None else g.mode.value
+                g.name: "euclidean" if g.mode is Mode.GIFT and g.input.whitening is None else g.mode.value
                 for g in ddp.gift_params.values()
             }
             links = ddp.ledger.by_link()

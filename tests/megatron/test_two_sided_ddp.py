@@ -78,14 +78,17 @@ def _train(dist_opt: bool):
             two_sided = sorted(
                 gp.name
                 for gp in ddp.gift_params.values()
-                if gp.mode is Mode.GIFT and gp.output_whitening is not None and gp.output_whitening.rank > 0
+                if gp.mode is Mode.GIFT
+                and gp.output is not None
+                and gp.output.whitening is not None
+                and gp.output.whitening.rank > 0
             )
             t_out = torch.cat(
                 [
                     t.flatten()
                     for gp in ddp.gift_params.values()
-                    if gp.output_whitening is not None
-                    for t in gp.output_whitening.tensors().values()
+                    if gp.output is not None and gp.output.whitening is not None
+                    for t in gp.output.whitening.tensors().values()
                 ]
                 or [torch.zeros(0)]
             )

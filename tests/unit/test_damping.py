@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron_gift.numerics import CodecConfig, LowRankWhitening, approximate_factor
-from megatron_gift.numerics.refresh import HEADER, FactorBuild, OwnedLayer
+from megatron_gift.numerics.refresh import HEADER, FactorBuild, FactorSide, OwnedLayer
 from tests.bounds import lowrank_gamma, lowrank_magnitudes
 
 D, R = 64, 8
@@ -101,7 +101,9 @@ def test_refresh_build_whitens_a_plus_its_damping(auto):
     tokens = 7.0
     candidates = (0.3, 1.0, 3.0) if auto else (1e-3,)
     grad = torch.randn(40, D, generator=torch.Generator().manual_seed(3)) @ a.float()
-    layer = OwnedLayer("w", R, {"xtx": a * tokens}, torch.tensor(tokens, dtype=torch.float64), None, grad=grad)
+    layer = OwnedLayer(
+        "w", FactorSide(R, {"xtx": a * tokens}, torch.tensor(tokens, dtype=torch.float64), None), grad=grad
+    )
     build = FactorBuild([layer], candidates, auto, CodecConfig(), 12)
     parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
     buf = torch.zeros(layer.layout.nbytes, dtype=torch.uint8)

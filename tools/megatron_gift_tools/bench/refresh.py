@@ -92,14 +92,14 @@ def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
     for layer in range(model["layers"]):
         for name, (d_out, d_in) in layer_shapes(model).items():
             g = GiftParam(f"{layer}.{name}", Mode.GIFT, candidate=True, sketch_seed=len(params))
-            g.stats = KFACStatistics(d_in, ema=cfg.ema, sketch=cfg.sketch, seed=len(params), device=device)
-            g.stats.accumulate(torch.randn(256, d_in, generator=gen).to(device))
-            g.stats.fold()
-            g.stats_groups = [group]
+            g.input.stats = KFACStatistics(d_in, ema=cfg.ema, sketch=cfg.sketch, seed=len(params), device=device)
+            g.input.stats.accumulate(torch.randn(256, d_in, generator=gen).to(device))
+            g.input.stats.fold()
+            g.input.groups = [group]
             params.append((g, d_out))
     RefreshSync(GiftState(cfg, device)).assign_owners([(g, group) for g, _ in params])
     return [
-        (g, group, torch.randn(d_out, g.stats.d_in, generator=gen).to(device) if g.owner == 0 else None)
+        (g, group, torch.randn(d_out, g.input.stats.d_in, generator=gen).to(device) if g.owner == 0 else None)
         for g, d_out in params
     ]
 
@@ -143,7 +143,7 @@ def measure(model_name: str, dp: int, device: torch.device) -> dict:
     for s, counted in zip(stages, _refresh(layers, cfg, device, count_ops=True)[1]):
         s["aten_ops"] = counted["aten_ops"]
     owned = [g for g, _, gr in layers if gr is not None]
-    records = [RecordLayout(g.stats.d_in, g.stats.factor_rank(cfg.rank)).nbytes for g, _, _ in layers]
+    records = [RecordLayout(g.input.stats.d_in, g.input.stats.factor_rank(cfg.rank)).nbytes for g, _, _ in layers]
     slot = max(sum(b for (g, _, _), b in zip(layers, records) if g.owner == r) for r in range(dp))
     assert st.state.last_step_bytes.get("all_gather/factors", 0) == (dp - 1) * slot  # the ledger counts what is sent
     return dict(
@@ -152,7 +152,7 @@ def measure(model_name: str, dp: int, device: torch.device) -> dict:
         device=str(device),
         gift_layers=len(layers),
         owned_layers=len(owned),
-        built_layers=sum(g.whitening is not None for g in owned),
+        built_layers=sum(g.input.whitening is not None for g in owned),
         record_bytes_total=sum(records),
         slot_bytes=slot,
         stats_reduce_scatter_bytes=st.state.last_step_bytes.get("reduce_scatter/fp32", 0),
