@@ -23,3 +23,21 @@ def test_report_renders_plots_and_decisions(tmp_path):
     assert "| all_to_all/fp8+scales | 1,012 |" in md
     assert cli_main(["report", str(run / "gift_telemetry.jsonl")]) == 0
     assert (run / "mode_timeline.png").exists() and (run / "report.md").exists()
+
+
+def test_heat_map_colours_noise_as_one_shade():
+    """RelL2s a few percent apart (run-to-run noise) take a sliver of the heat map's log colour scale,
+    and every value lies inside it. Bug caught: a min-to-max colour range, which paints a 5% spread
+    from the darkest colour to the brightest, as if the layers differed."""
+    import math
+
+    import numpy as np
+
+    from megatron_gift_tools.report import colour_range
+
+    for values in ([0.0200, 0.0210], [0.0095, 0.0099], [0.031]):
+        lo, hi = colour_range(np.array(values))
+        assert lo <= min(values) and max(values) <= hi
+        assert math.log10(max(values) / min(values)) <= 0.05 * math.log10(hi / lo), values
+    lo, hi = colour_range(np.array([3e-4, 0.5]))  # three decades apart: the scale spans them, not ten
+    assert lo <= 3e-4 and 0.5 <= hi and math.log10(hi / lo) <= 5

@@ -3,7 +3,7 @@
 Reads ``RUN_DIR/gift_telemetry.jsonl`` (the schema is in ``megatron_gift.telemetry``) and
 writes to the output directory (default: next to the file):
 
-* ``rel_l2_heatmap.png``: layers x steps, log colour of the reduced gradient's RelL2;
+* ``rel_l2_heatmap.png``: layers x steps, log colour (whole decades) of the reduced gradient's RelL2;
 * ``mode_timeline.png``: layers x steps, one colour per mode, switches marked;
 * ``loss.png``: the loss curve (when lines carry a loss);
 * ``report.md``: per layer final/mean RelL2, final mode and switches; every decision with its
@@ -16,6 +16,7 @@ run still writing, or killed mid-line) is skipped.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -97,6 +98,14 @@ def _layer_axes(plt, names: list[str]):
     return fig, ax
 
 
+def colour_range(values) -> tuple[float, float]:
+    """The heat map's log colour range for positive ``values``: whole decades around them, at least
+    one, so that the run-to-run noise of a RelL2 (a few percent) stays a shade of one colour instead
+    of spanning the whole scale as a min-to-max range would make it."""
+    lo, hi = float(np.min(values)), float(np.max(values))
+    return 10.0 ** math.floor(math.log10(lo)), 10.0 ** max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1)
+
+
 def render(run: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, Path]:
     """Write the plots and ``report.md`` for ``run`` (a run directory or the JSONL file itself);
     returns ``{"report": ..., "rel_l2_heatmap": ..., "mode_timeline": ..., "loss": ...}`` for the
@@ -121,13 +130,9 @@ def render(run: str | os.PathLike, out: str | os.PathLike | None = None) -> dict
     positive = np.isfinite(rel) & (rel > 0)
     if positive.any():
         fig, ax = _layer_axes(plt, names)
-        lo, hi = rel[positive].min(), rel[positive].max()
+        lo, hi = colour_range(rel[positive])
         mesh = ax.pcolormesh(
-            edges,
-            y_edges,
-            np.ma.masked_where(~positive, rel),
-            cmap="viridis",
-            norm=LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 1.01),
+            edges, y_edges, np.ma.masked_where(~positive, rel), cmap="viridis", norm=LogNorm(vmin=lo, vmax=hi)
         )
         fig.colorbar(mesh, ax=ax, label="RelL2 vs FP32 sum")
         ax.set_title("Reduced-gradient RelL2 per layer (blank: not measured)", fontsize=10)
