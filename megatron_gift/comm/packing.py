@@ -6,8 +6,8 @@ the shards a rank holds after the two-level exchange's intra-node stage); a *buf
 one after another (``layout.Message``), the messages to the peers in rank order and the rank's
 own message last (it never crosses a link). Element ``k`` of shard ``j`` of the source sits in the
 buffer, viewed in its section's dtype, at ``k + delta[j]``. The fused kernels take the table
-(``Placement.at``: ``ends`` and ``delta`` on the device) and look each unit's shard up themselves;
-on the PyTorch path ``Placement.index`` computes the positions of a range of ``k`` on the device
+(``kernels.Placement.at``: ``ends`` and ``delta`` on the device) and look each unit's shard up themselves;
+on the PyTorch path ``kernels.Placement.index`` computes the positions of a range of ``k`` on the device
 (``searchsorted`` over the shards' ends), so scattering a chunk into every message, or gathering it
 back, is one ``index_copy_`` / ``index_select``. The index is transient (8 bytes per element of the
 chunk, chunks are bounded); the per-layout state is a few integers per shard.
@@ -19,29 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
+from ..kernels import Placement
 from .layout import BucketLayout, Message
 
 SEQUENCES = ("coded", "groups", "off", "bf16")  # the coded values, their scales, the two plain classes
-
-
-class Placement:
-    """``index(lo, hi)``: buffer positions of source elements ``[lo, hi)`` (module doc)."""
-
-    def __init__(self, sizes: list[int], buffer_starts: list[int], device):
-        lengths = torch.tensor(sizes, dtype=torch.int64)  # host side, once per layout (plans are cached)
-        ends = lengths.cumsum(0)
-        delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - lengths)
-        self.ends, self.delta = ends.to(device), delta.to(device)
-
-    def index(self, lo: int, hi: int) -> torch.Tensor:
-        k = torch.arange(lo, hi, device=self.ends.device)
-        return k + self.delta[torch.searchsorted(self.ends, k, right=True)]
-
-    def at(self, out: torch.Tensor, lo: int) -> kernels.Place:
-        """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the
-        kernels, which look the table up themselves."""
-        return kernels.Place(out, self, lo)
 
 
 @dataclass(frozen=True)
