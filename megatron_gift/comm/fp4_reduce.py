@@ -12,8 +12,10 @@ The flat one on rank ``r`` of ``p``, for one bucket whose layout passed ``Bucket
        [segment scales (FP32) | off values | bf16 values | block scales | packed codes]
 
    each section padded to 4 bytes (``fp4_message``); every sender's message to ``j`` has the same
-   size. One all-to-all of the ``p - 1`` others' messages.
-1. *reduce*: every sender's message decoded (``decode_fp4``), summed in FP32 in rank order
+   size. The whole coded sequence is encoded in one call and each section placed into every
+   message by one index (``FP4Packing``): the ops do not grow with ``p``. One all-to-all of the
+   ``p - 1`` others' messages.
+1. *reduce*: every sender's message decoded (``decode_fp4``, the messages as one sequence), summed in FP32 in rank order
    (``kernels.reference.ordered_sum``), ÷ p when averaging, ``T⁻¹`` of whole rows written into the
    bucket; the cut rows' partial projections go to the neighbours (``pieces.PieceExchange``).
 2. *finish*: the cut rows' ``T⁻¹``. All-reduce: then every rank's shard, as the bucket holds it,
@@ -24,7 +26,9 @@ Every block lies inside one part (the layout's block rule), so codes and block s
 straddle a message. With a rotation (``--gift-rotation hadamard``, ``numerics.rotation``) the senders
 send ``G T H`` of whitened parameters (two-level: ``H`` on the node sums, ``H`` being linear) and the
 owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on 64-column blocks of a row, so a
-row cut by a shard is rotated piece by piece (the layout's check puts cuts on 64-column blocks).
+row cut by a shard is rotated piece by piece (the layout's check puts cuts on 64-column blocks):
+one call per whitened part of a shard, so the two-level exchange's rotation of the held shards is
+the one step whose ops grow with the number of nodes.
 Error feedback and the output side are refused at start-up with FP4.
 """
 
@@ -37,10 +41,11 @@ import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode
+from ..kernels import Placement
 from ..kernels.reference import ordered_sum, reference_decode_sum_unwhiten, reference_sum_rows, sender_values
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
 from ..numerics.rotation import BlockHadamard, fwht
-from .codec import sum_plain
+from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
 from .layout import BucketLayout, _pad4
 from .ledger import CommLedger
@@ -87,9 +92,47 @@ def fp4_wire_bytes(layout: BucketLayout, j: int, fmt: FP4Format) -> int:
     return fmt.payload_bytes(plan.n_coded) + fmt.scale_bytes(plan.n_coded, len(plan.coded_parts))
 
 
-def _plain(flat: torch.Tensor, parts) -> torch.Tensor:
-    """A shard's values of one plain class, one part after another (the class sequence's range)."""
-    return torch.cat([flat[p.lo : p.hi] for p in parts]) if parts else flat[:0]
+@dataclass(frozen=True)
+class FP4Packing:
+    """The messages of one FP4 exchange in its buffer: the messages of a *source*'s shards (the
+    bucket's, or the two-level exchange's held shards), the others in the source's order, then the
+    own one; per section a ``kernels.Placement`` from the source's sequence (codes and block scales
+    in bytes, segment scales in FP32, each plain class in its dtype) to the buffer, so that a whole
+    exchange is encoded once and placed with a few ops, whatever the number of messages."""
+
+    place: dict[str, Placement]  # "coded", "groups", "segments", "off", "bf16"
+    lengths: torch.Tensor  # the coded parts' lengths of the shards one after another (the segments)
+    nbytes: int
+
+
+def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], own: int, device) -> FP4Packing:
+    """The packing of the messages of ``shards`` (the source's shards in order) with ``shards[own]``'s last."""
+    msgs = [fp4_message(layout, j, fmt) for j in shards]
+    plans = [layout.shards[j] for j in shards]
+    start, at = [0] * len(shards), 0
+    for i in [i for i in range(len(shards)) if i != own] + [own]:
+        start[i], at = at, at + msgs[i].nbytes
+
+    def table(sizes: list[int], offsets: list[int], itemsize: int) -> Placement:
+        return Placement(sizes, [(a + o) // itemsize for a, o in zip(start, offsets)], device)
+
+    place = {
+        "coded": table([fmt.payload_bytes(p.n_coded) for p in plans], [m.codes_at for m in msgs], 1),
+        "groups": table([p.n_coded // fmt.block for p in plans], [m.scales_at for m in msgs], 1),
+        "segments": table([len(m.lengths) for m in msgs], [m.seg_at for m in msgs], 4),
+    }
+    for c, name in enumerate(("off", "bf16")):
+        sizes = [p.plain_hi[c] - p.plain_lo[c] for p in plans]
+        place[name] = table(sizes, [m.plain_at[c] for m in msgs], layout.plain_dtypes[c].itemsize)
+    lengths = torch.tensor([n for m in msgs for n in m.lengths], dtype=torch.int64).to(device)
+    return FP4Packing(place, lengths, at)
+
+
+def _place(out: torch.Tensor, table: Placement, values: torch.Tensor) -> None:
+    """``values`` (the source's sequence of one section, in ``out``'s dtype) into ``out`` at the
+    table's positions, ``CHUNK`` at a time (the index is 8 bytes per element)."""
+    for a, b in spans(0, values.numel(), CHUNK):
+        out.index_copy_(0, table.index(a, b), values[a:b])
 
 
 class _FP4Stages:
@@ -139,19 +182,27 @@ class _FP4Stages:
             )
         return out
 
-    def _encode_into(self, buf: torch.Tensor, j: int, coded: torch.Tensor, plain: list[torch.Tensor]) -> None:
-        """Message ``buf`` of shard ``j``: its coded values ``coded`` (FP32, the shard's range of the
-        coded sequence) encoded, its plain values ``plain[c]`` (the shard's range of class ``c``) cast."""
-        m = self.msgs[j]
+    def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
+        """``fp4_packing`` of ``shards``, built once per layout."""
+        key = ("fp4-packing", self.fmt.name, shards, own, str(device))
+        return self.layout.cached(key, lambda: fp4_packing(self.layout, self.fmt, shards, own, device))
+
+    def _encode_placed(self, pk: FP4Packing, coded: torch.Tensor, plain: list[torch.Tensor]) -> torch.Tensor:
+        """The buffer of ``pk``'s messages: the source's coded values ``coded`` (FP32, its shards one
+        after another) encoded in one call (every block and segment lies inside one shard's part, so
+        the codes and scales are those of one call per message) and placed, the plain values
+        ``plain[c]`` (class ``c``'s, the shards one after another) cast into place; padding zero."""
+        buf = torch.zeros(pk.nbytes, dtype=torch.uint8, device=coded.device)
         if coded.numel():
-            enc = encode_fp4(coded, self.fmt, self._lengths(j, coded.device))
-            buf[m.codes_at : m.codes_at + enc.codes.numel()].copy_(enc.codes)
-            buf[m.scales_at : m.scales_at + enc.block_scales.numel()].copy_(enc.block_scales)
+            enc = encode_fp4(coded, self.fmt, pk.lengths)
+            _place(buf, pk.place["coded"], enc.codes)
+            _place(buf, pk.place["groups"], enc.block_scales)
             if self.fmt.segment_scale:
-                buf[: 4 * len(m.lengths)].view(torch.float32).copy_(enc.segment_scales)
-        for c, values in enumerate(plain):
-            dt, at = self.layout.plain_dtypes[c], m.plain_at[c]
-            buf[at : at + values.numel() * dt.itemsize].view(dt).copy_(values)
+                _place(buf.view(torch.float32), pk.place["segments"], enc.segment_scales)
+        for c, name in enumerate(("off", "bf16")):
+            dt = self.layout.plain_dtypes[c]
+            _place(buf.view(dt), pk.place[name], plain[c].to(dt))
+        return buf
 
     # -- the own shard ----------------------------------------------------------------------------------
     def _reduce(self) -> Step:
@@ -199,24 +250,23 @@ class _FP4Stages:
         return Step([work] if work is not None else [], handoff)
 
     def _decoded_sum(self, msgs: torch.Tensor, n: int, m: FP4Message) -> torch.Tensor | None:
-        """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order."""
+        """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order: the
+        senders' messages decoded as one sequence (their segments one after another), then summed."""
         if n == 0:
             return None
-        lengths = self._lengths(self.rank, msgs.device)
-        decoded = []
-        for row in msgs:
-            segments = (
-                row[: 4 * len(m.lengths)].clone().view(torch.float32)
-                if self.fmt.segment_scale
-                else torch.ones(len(m.lengths), dtype=torch.float32, device=row.device)
-            )
-            enc = FP4Encoded(
-                codes=row[m.codes_at : m.codes_at + n // 2],
-                block_scales=row[m.scales_at : m.scales_at + n // self.fmt.block],
-                segment_scales=segments,
-            )
-            decoded.append(decode_fp4(enc, self.fmt, lengths))
-        return ordered_sum([torch.stack(decoded)])
+        senders, parts = msgs.shape[0], len(m.lengths)
+        segments = (
+            msgs[:, : 4 * parts].contiguous().view(torch.float32).reshape(-1)
+            if self.fmt.segment_scale
+            else torch.ones(senders * parts, dtype=torch.float32, device=msgs.device)
+        )
+        enc = FP4Encoded(
+            codes=msgs[:, m.codes_at : m.codes_at + n // 2].reshape(-1),
+            block_scales=msgs[:, m.scales_at : m.scales_at + n // self.fmt.block].reshape(-1),
+            segment_scales=segments,
+        )
+        lengths = self._lengths(self.rank, msgs.device).repeat(senders)
+        return ordered_sum([decode_fp4(enc, self.fmt, lengths).view(senders, n)])
 
     # -- 2-3: all-reduce --------------------------------------------------------------------------------
     def _finish_gather(self) -> Step:
@@ -290,18 +340,17 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             u[at : at + s.rows * s.cols].copy_(self._rotate(x, i, 0))
         return u
 
+    def _class_values(self, c: int) -> torch.Tensor:
+        """Plain class ``c``'s sequence: its parameters' values one after another (the shards' parts
+        of it one after another)."""
+        layout, flat = self.layout, self.flat
+        values = [flat[layout.segments[i].start : layout.segments[i].end] for i in layout.plain_segments[c]]
+        return torch.cat(values) if values else flat[:0]
+
     def _send(self) -> Step:
         device, r = self.flat.device, self.rank
-        u = self._coded_values()
-        order = [j for j in range(self.world) if j != r] + [r]  # the peers' messages, then the own one
-        sizes = [self.msgs[j].nbytes for j in order]
-        self.buf = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
-        at = 0
-        for j, size in zip(order, sizes):
-            plan = self.layout.shards[j]
-            plain = [_plain(self.flat, parts) for parts in plan.plain_parts]
-            self._encode_into(self.buf[at : at + size], j, u[plan.coded_lo : plan.coded_hi], plain)
-            at += size
+        pk = self._packing(tuple(range(self.world)), r, device)  # the peers' messages, then the own one
+        self.buf = self._encode_placed(pk, self._coded_values(), [self._class_values(c) for c in range(2)])
         own = self.msgs[r].nbytes
         self.recv = torch.empty((self.world - 1) * own, dtype=torch.uint8, device=device)
         if self.world == 1:
@@ -376,21 +425,14 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
             sums[c0:c1].copy_(values.reshape(-1))
         plain = [sum_plain(rows, layout, c, 0, counts[c], False, False) for c in range(2)]
         n, k = self.topo.nodes, self.node
-        order = [m for m in range(n) if m != k] + [k]  # the other nodes' messages, then the own one
-        sizes = [self.msgs[self.held[m]].nbytes for m in order]
-        at_coded = [sum(p.n_coded for p in plans[:m]) for m in range(n)]
-        at_plain = [[sum(p.plain_hi[c] - p.plain_lo[c] for p in plans[:m]) for m in range(n)] for c in range(2)]
-        buf = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
-        at = 0
-        for m, size in zip(order, sizes):
-            p = plans[m]
-            mine = [plain[c][at_plain[c][m] : at_plain[c][m] + p.plain_hi[c] - p.plain_lo[c]] for c in range(2)]
-            coded = self._rotate_parts(sums[at_coded[m] : at_coded[m] + p.n_coded], self.held[m])
-            self._encode_into(buf[at : at + size], self.held[m], coded, mine)
-            at += size
+        if self.rotation is not None:  # H on each held shard's whitened parts (one call per part)
+            at = [sum(p.n_coded for p in plans[:m]) for m in range(n + 1)]
+            sums = torch.cat([self._rotate_parts(sums[at[m] : at[m + 1]], self.held[m]) for m in range(n)])
+        pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
+        buf = self._encode_placed(pk, sums, plain)
         own = self.msgs[self.rank].nbytes
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
-        sent = sum(sizes[:-1])
+        sent = pk.nbytes - own
         self.ledger.add("all_to_all", self.fp4_label, sent, {"inter": sent})
         per_peer = [self.msgs[self.held[m]].nbytes if m != k else 0 for m in range(n)]
         work = dist.all_to_all_single(
