@@ -55,8 +55,10 @@ import torch.distributed as dist
 
 from ._compat import all_gather as _all_gather
 from ._compat import reduce_scatter as _reduce_scatter
+from .comm.fp4_reduce import ROTATION_BLOCK
 from .comm.ledger import ring_all_reduce_bytes
-from .config import Mode
+from .config import GiftConfig, InterNodeFormat, Mode, Rotation
+from .numerics.fp4 import FP4_FORMATS, FP4Wire
 from .numerics.kfac import KFACStatistics
 from .numerics.refresh import (
     HEADER,
@@ -70,6 +72,7 @@ from .numerics.refresh import (
     RecordLayout,
     to_device,
 )
+from .numerics.rotation import BlockHadamard
 from .numerics.two_sided import sent_map
 from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
 from .state import SIDES, GiftParam, GiftState
@@ -79,6 +82,16 @@ logger = logging.getLogger(__name__)
 # The record all-gather's equal slots (the largest owner's share) are kept while the group's slots hold
 # at most this many times the records' bytes; above it, each owner broadcasts its share alone.
 GATHER_BOUND = 2
+
+
+def damping_wire(cfg: GiftConfig):
+    """What a refresh measures the damping candidates' errors on (``FactorBuild``'s ``wire``): the
+    wire GIFT layers are sent in, FP8 (``cfg.codec``) or the four-bit format between nodes, rotated as
+    the exchange rotates it (``--gift-rotation``: the same signs from ``--seed``)."""
+    if cfg.inter_node_format is InterNodeFormat.FP8:
+        return cfg.codec
+    rotation = BlockHadamard(ROTATION_BLOCK, cfg.rotation_seed) if cfg.rotation is Rotation.HADAMARD else None
+    return FP4Wire(FP4_FORMATS[cfg.inter_node_format.value], rotation)
 
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
@@ -171,6 +184,7 @@ class RefreshSync:
             raise ValueError(f"megatron-gift: side must be one of {', '.join(SIDE_KINDS)}, got {side!r}")
         self.state, self.side = state, side
         self.config, self.device = state.config, state.device
+        self.wire = damping_wire(state.config)  # what the damping candidates' errors are measured on
         self.pending: _Refresh | None = None  # the refresh in flight (built and sent, not yet installed)
         self.host_waits = 0  # host synchronisations of refreshes so far (3 per refresh: module doc)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -306,7 +320,7 @@ class RefreshSync:
                     if gp.owner == group.rank()
                 ]
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
-                build = FactorBuild(mine, candidates, cfg.damping is None, cfg.codec, MAX_SHIFTS, SIDE_KINDS[self.side])
+                build = FactorBuild(mine, candidates, cfg.damping is None, self.wire, MAX_SHIFTS, SIDE_KINDS[self.side])
                 starts = [sum(shares[:o]) if shares else o * slot for o in range(group.size())]
                 offsets = [starts[gp.owner] + p for gp, p in zip(members, places)]
                 groups.append(_GroupRefresh(group, members, layouts, offsets, slot, build, shares))

@@ -183,3 +183,20 @@ def decode_fp4(enc: FP4Encoded, fmt: FP4Format, lengths: torch.Tensor | None = N
 def roundtrip_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_fp4(encode_fp4(x))``: the values the receiver sees."""
     return decode_fp4(encode_fp4(x, fmt, lengths), fmt, lengths)
+
+
+@dataclass(frozen=True)
+class FP4Wire:
+    """The four-bit wire as the refresh's damping choice measures it (``profile.damping_errors``): a
+    matrix ``U [rows, cols]`` sent as one segment, after a rotation along its rows where one is given
+    (``numerics.rotation.BlockHadamard``): ``U -> dec(enc(U H)) Hᵀ``. Choosing ``T`` on FP8's errors
+    when FP4 is sent left SmolLM2's qkv at 0.81x plain NVFP4's error, on its own wire's 0.63x
+    (docs/fidelity.md)."""
+
+    fmt: FP4Format
+    rotation: object = None  # a BlockHadamard, or None
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        v = u if self.rotation is None else self.rotation.apply(u)
+        v = roundtrip_fp4(v.reshape(-1), self.fmt).view_as(v)
+        return v if self.rotation is None else self.rotation.inverse(v)

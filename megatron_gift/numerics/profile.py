@@ -212,16 +212,19 @@ def summarize(vec: torch.Tensor) -> ProfileSummary:
     )
 
 
-def damping_errors(g: torch.Tensor, whitenings, cfg: CodecConfig) -> torch.Tensor:
-    """Local estimates of the FP8 error on one rank's gradient ``g [d_out, d_in]``, ``[1 + len(whitenings)]``
+def damping_errors(g: torch.Tensor, whitenings, cfg) -> torch.Tensor:
+    """Local estimates of the wire's error on one rank's gradient ``g [d_out, d_in]``, ``[1 + len(whitenings)]``
     on ``g``'s device: ``‖q(G) - G‖`` (Euclidean), then ``‖(q(G T) - G T) T⁻¹‖`` for each ``T`` in
     ``whitenings`` (one per damping candidate: anything with ``apply``/``inverse`` on ``[d_out, d_in]``,
-    a ``LowRankWhitening`` or a two-sided ``TwoSidedWhitening``, whose error is ``‖T_out⁻ᵀ (q(U) - U) T_in⁻¹‖``)."""
+    a ``LowRankWhitening`` or a two-sided ``TwoSidedWhitening``, whose error is ``‖T_out⁻ᵀ (q(U) - U) T_in⁻¹‖``).
+    ``q``: FP8 with ``cfg`` a ``CodecConfig``, else ``cfg`` itself, a round trip ``U -> dec(enc(U))``
+    (``fp4.FP4Wire``)."""
+    q = (lambda x: roundtrip(x, cfg)) if isinstance(cfg, CodecConfig) else cfg  # noqa: E731
     g = g.detach().float()
-    errs = [roundtrip(g, cfg).sub_(g).norm()]
+    errs = [q(g).sub_(g).norm()]
     for w in whitenings:  # one candidate at a time, each temporary freed once used: a few copies of g at most
         u = w.apply(g)
-        diff = roundtrip(u, cfg).sub_(u)
+        diff = q(u).sub_(u)
         del u
         errs.append(w.inverse(diff).norm())
         del diff

@@ -10,7 +10,8 @@ host transfer between them (``HostCopy``), batched over every layer of the refre
     whitening_grams   device  V = (Y + νΩ) B, residual diagonal, and per damping candidate δ:
                               D_δ, W_δ = D_δ^{-1/2} V Λ^{1/2}, S_δ = W_δᵀ W_δ (r x r)   -> host
     whitening_cores   host    S_δ = P diag(s) Pᵀ (r x r eigh)                          -> device
-    finish            device  Q_δ, c_δ, c'_δ; the FP8 error on the owner's own gradient
+    finish            device  Q_δ, c_δ, c'_δ; the wire's error (FP8, or four bits between nodes:
+                              ``fp4.FP4Wire``) on the owner's own gradient
                               (``profile.damping_errors``) of each T_δ (``--gift-damping auto``:
                               the choice, ``profile.damping_choice``) and of the previous build's
                               T, which never saw this gradient (the cold-start rule,
@@ -55,6 +56,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -236,26 +238,22 @@ class FactorBuild:
     """The builds of the layers one rank owns in one refresh (module doc). ``candidates``: the
     dampings to choose from (``auto``) or the one configured damping (``auto`` False), on each side;
     ``kinds`` (``SIDE_KINDS``): the candidates of a layer with output statistics. With one configured
-    damping and two candidates (``auto`` side: ``(δ, I)`` and ``(δ, δ)``), the better one is chosen."""
+    damping and two candidates (``auto`` side: ``(δ, I)`` and ``(δ, δ)``), the better one is chosen.
+    ``wire``: what the candidates' errors are measured on (``profile.damping_errors``: a ``CodecConfig``
+    for FP8, or the wire's round trip, ``fp4.FP4Wire``)."""
 
     def __init__(
         self,
         layers: list[OwnedLayer],
         candidates: tuple[float, ...],
         auto: bool,
-        codec: CodecConfig,
+        wire: CodecConfig | Callable[[torch.Tensor], torch.Tensor],
         max_shifts: int,
         kinds: tuple[str, ...] = ("input",),
     ):
         if not kinds or set(kinds) - {"input", "both"}:
             raise ValueError(f"candidate kinds must be 'input' and/or 'both', got {kinds!r}")
-        self.layers, self.candidates, self.auto, self.codec, self.max_shifts = (
-            layers,
-            candidates,
-            auto,
-            codec,
-            max_shifts,
-        )
+        self.layers, self.candidates, self.auto, self.wire, self.max_shifts = layers, candidates, auto, wire, max_shifts
         self.kinds = kinds
 
     def _each(self, stage: str, fn, parts=None) -> list[list[torch.Tensor]]:
@@ -401,7 +399,7 @@ class FactorBuild:
             if held is not None and layer.output is not None and layer.output.held_out is not None:
                 held = TwoSidedWhitening(held, layer.output.held_out)
             held_out = [held] if held is not None else []
-            errs = damping_errors(layer.grad, whitenings + held_out, self.codec)  # [Euclidean, *whitenings, held-out]
+            errs = damping_errors(layer.grad, whitenings + held_out, self.wire)  # [Euclidean, *whitenings, held-out]
             if self.auto:
                 chosen, best = damping_choice(errs[: 1 + len(whitenings)])
             elif whitenings:  # one damping, two kinds of candidates: the better one (Euclidean is no candidate)

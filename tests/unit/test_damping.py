@@ -118,3 +118,43 @@ def test_refresh_build_whitens_a_plus_its_damping(auto):
         }
     )
     assert_whitens(w, intended(a, head["damping"]), a)
+
+
+def test_four_bit_wire_chooses_on_its_own_errors():
+    """With NVFP4 and a Hadamard rotation between nodes, the refresh's damping is the candidate of least
+    four-bit error, ``‖(q(G T) − G T) T⁻¹‖`` with ``q(U) = dec(enc(U H)) Hᵀ`` computed here from the
+    codec and the rotation (each pinned by its own tests), not FP8's: on this gradient they differ
+    (0.3 against FP8's 3.0, margins over 10%). Bug caught: the damping of a four-bit exchange chosen
+    on FP8's errors (SmolLM2's qkv at 0.81x plain NVFP4's error instead of 0.63x, docs/fidelity.md)."""
+    from megatron_gift.config import GiftConfig, InterNodeFormat, Rotation
+    from megatron_gift.numerics.fp4 import FP4_FORMATS, roundtrip_fp4
+    from megatron_gift.numerics.rotation import BlockHadamard
+    from megatron_gift.refresh_sync import damping_wire
+
+    a, candidates, tokens = structured_factor(), (0.3, 1.0, 3.0, 10.0), 7.0
+    grad = torch.randn(40, D, generator=torch.Generator().manual_seed(1)) @ a.float()
+    rot = BlockHadamard(64, 3)
+
+    def q(u):
+        return rot.inverse(roundtrip_fp4(rot.apply(u).reshape(-1), FP4_FORMATS["nvfp4"]).view_as(u))
+
+    errs = {}
+    for c in candidates:
+        t, t_inv = LowRankWhitening(approximate_factor(a, R, c)).dense()
+        u = grad @ t
+        errs[c] = float(((q(u) - u) @ t_inv).norm())
+    ranked = sorted(candidates, key=errs.get)
+    assert errs[ranked[1]] > 1.1 * errs[ranked[0]]  # the premise: a clear winner
+    cfg = GiftConfig(inter_node_format=InterNodeFormat.NVFP4, rotation=Rotation.HADAMARD, rotation_seed=3)
+    chosen = {}
+    for name, wire in (("nvfp4", damping_wire(cfg)), ("fp8", damping_wire(GiftConfig()))):
+        layer = OwnedLayer(
+            "w", FactorSide(R, {"xtx": a * tokens}, torch.tensor(tokens, dtype=torch.float64), None), grad=grad
+        )
+        build = FactorBuild([layer], candidates, True, wire, 12)
+        parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
+        rec = layer.layout.views(torch.zeros(layer.layout.nbytes, dtype=torch.uint8))
+        build.finish(parts, [rec])
+        chosen[name] = dict(zip(HEADER, rec["header"].tolist()))["damping"]  # the best candidate (kept T)
+    assert chosen["nvfp4"] == ranked[0] and chosen["fp8"] != ranked[0], (chosen, errs)
+    assert damping_wire(GiftConfig()) == GiftConfig().codec

@@ -40,10 +40,25 @@ def fp4_sum(stack: torch.Tensor, fmt: FP4Format, t, rot: BlockHadamard | None) -
     return total if t is None else t.inverse(total)
 
 
-def measure(stack, truth, t, formats, key: dict, noise, blocks: tuple[int, ...] = ()) -> list[dict]:
+def wire_roundtrip(fmt: FP4Format, rot: BlockHadamard | None):
+    """``u -> dec(enc(u))`` in ``fmt`` of a matrix sent as one segment (rotated by ``rot`` and back)."""
+
+    def roundtrip(u: torch.Tensor) -> torch.Tensor:
+        v = u if rot is None else rot.apply(u)
+        v = roundtrip_fp4(v.reshape(-1), fmt).view_as(v)
+        return v if rot is None else rot.inverse(v)
+
+    return roundtrip
+
+
+def measure(
+    stack, truth, t, formats, key: dict, noise, blocks: tuple[int, ...] = (), wire_t: dict | None = None
+) -> list[dict]:
     """Records of every FP4 format in ``formats`` and scheme (``key``'s fields, ``format``, ``scheme``,
     ``rel_l2``, ``rel_l2_se``, ``ratio`` and ``euclid_se`` against the same format's ``euclidean``);
-    ``noise(approx, truth) -> (rel_l2, se)``. A rotation whose block does not divide ``d_in`` is skipped."""
+    ``noise(approx, truth) -> (rel_l2, se)``. A rotation whose block does not divide ``d_in`` is skipped.
+    ``wire_t``: ``{(format, scheme): T}``, the ``T`` chosen on that wire's own errors
+    (``plugin_sim.GiftLayer.quantizers``), measured as ``scheme/wire-damping``."""
     d_in = stack.shape[2]
     out = []
     for name in formats:
@@ -55,6 +70,10 @@ def measure(stack, truth, t, formats, key: dict, noise, blocks: tuple[int, ...] 
         rows = []
         variants = [(s, t if "gift" in s else None, HADAMARD_BLOCK if "hadamard" in s else None) for s in SCHEMES]
         variants += [(f"gift+hadamard@{b}", t, b) for b in blocks]
+        for scheme in ("gift", "gift+hadamard"):
+            if wire_t is not None and (name, scheme) in wire_t:
+                b = HADAMARD_BLOCK if "hadamard" in scheme else None
+                variants.append((f"{scheme}/wire-damping", wire_t[(name, scheme)], b))
         for scheme, tt, b in variants:
             if b is not None and d_in % b:
                 continue

@@ -34,6 +34,17 @@ def damping_errors(g: torch.Tensor, whitenings: list) -> torch.Tensor:
     return torch.stack(errs)
 
 
+def wire_errors(g: torch.Tensor, whitenings: list, roundtrip) -> torch.Tensor:
+    """``damping_errors`` with the wire's round trip ``roundtrip(u) -> dec(enc(u))`` in place of FP8's:
+    ``‖q(G) - G‖``, then ``‖(q(G T) - G T) T⁻¹‖`` for each ``T``."""
+    g = g.detach().float()
+    errs = [roundtrip(g).sub_(g).norm()]
+    for w in whitenings:
+        u = w.apply(g)
+        errs.append(w.inverse(roundtrip(u).sub_(u)).norm())
+    return torch.stack(errs)
+
+
 @dataclass
 class GiftLayer:
     """One layer's GIFT as the plugin keeps it: the per-step EMA statistics of the inputs (and, for the
@@ -46,6 +57,9 @@ class GiftLayer:
     sent: dict = field(default_factory=dict)  # (side, gated) -> (T or None, damping label)
     held_out: dict = field(default_factory=dict)  # side -> the last refresh's best candidate
     pending: dict | None = None  # built at a refresh, installed at the next step
+    # name -> round trip ``u -> dec(enc(u))`` of another wire (FP4): the input side's damping chosen (and
+    # gated) on its errors instead of FP8's, sent as side "input@name"
+    quantizers: dict = field(default_factory=dict)
 
     def install(self) -> None:
         if self.pending is not None:
@@ -94,6 +108,15 @@ class GiftLayer:
         for side, cands in sides.items():
             chosen, b = damping_choice(errs[[0, *(col[id(t)] for _, t in cands)]])
             gated = held_out_gate(chosen, errs[0], held_err.get(side))
+            for flag, i in ((False, int(chosen)), (True, int(gated))):
+                sent[(side, flag)] = (None, "euclidean") if i == 0 else cands[i - 1][::-1]
+            best[side] = cands[int(b)][1]
+        for name, q in self.quantizers.items():  # the input side's choice on another wire's errors
+            side = f"input@{name}"
+            cands, held = sides["input"], self.held_out.get(side)
+            errs = wire_errors(g0, [t for _, t in cands] + ([held] if held is not None else []), q)
+            chosen, b = damping_choice(errs[: 1 + len(cands)])
+            gated = held_out_gate(chosen, errs[0], errs[-1] if held is not None else None)
             for flag, i in ((False, int(chosen)), (True, int(gated))):
                 sent[(side, flag)] = (None, "euclidean") if i == 0 else cands[i - 1][::-1]
             best[side] = cands[int(b)][1]

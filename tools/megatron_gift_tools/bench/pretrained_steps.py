@@ -224,6 +224,12 @@ def run_model(
         d = m.in_features
         b = KFACStatistics(m.out_features, cfg.ema, cfg.sketch, seed=len(layers) + i)
         g = {"main": GiftLayer(KFACStatistics(d, cfg.ema, cfg.sketch, seed=i), cfg.rank, b)}
+        for f in formats:  # the input side's damping also chosen on each FP4 wire's own errors
+            if f in fp4_schemes.FP4_FORMATS and d % fp4_schemes.HADAMARD_BLOCK == 0:
+                fmt = fp4_schemes.FP4_FORMATS[f]
+                rot = fp4_schemes.BlockHadamard(fp4_schemes.HADAMARD_BLOCK)
+                g["main"].quantizers[(f, "gift")] = fp4_schemes.wire_roundtrip(fmt, None)
+                g["main"].quantizers[(f, "gift+hadamard")] = fp4_schemes.wire_roundtrip(fmt, rot)
         if layer_type(name) in RANK_AXIS:
             r = RANK_AXIS[layer_type(name)]
             g["r64"] = GiftLayer(KFACStatistics(d, cfg.ema, 2 * r, seed=i), r)
@@ -277,8 +283,16 @@ def _measure_step(
             r["best_euclid_se"] = best["rel_l2_se"]
         records += out
         _, t_sent, label = SCHEMES["gift-chosen"](gift[name])
-        fp4 = fp4_schemes.measure(stack, truth, t_sent, formats, key, rel_l2_noise, blocks)
-        records += [r | {"damping": label if "gift" in r["scheme"] else None} for r in fp4]
+        main = gift[name]["main"]
+        wire = {q: main.sent.get((f"input@{q}", True), (None, "none")) for q in main.quantizers}
+        fp4 = fp4_schemes.measure(
+            stack, truth, t_sent, formats, key, rel_l2_noise, blocks, {q: t for q, (t, _) in wire.items()}
+        )
+        for r in fp4:
+            wired = r["scheme"].endswith("/wire-damping")
+            q = (r["format"], r["scheme"].removesuffix("/wire-damping"))
+            r["damping"] = wire[q][1] if wired else label if "gift" in r["scheme"] else None
+        records += fp4
         for v in gift[name].values():
             v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
             if refresh:
