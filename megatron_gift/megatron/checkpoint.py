@@ -328,7 +328,10 @@ def misfit(ddp, loaded: dict, local: bool = True, version: int = VERSION) -> str
             return f"part {part!r} is {type(value).__name__}, not a GIFT state (garbled)"
         if part in ("dense", "expert") and not {"step", "params"} <= value.keys():
             return f"part {part!r} lacks {sorted({'step', 'params'} - value.keys())} (truncated)"
-    params = merge_state(loaded, version)["params"]
+    try:
+        params = merge_state(loaded, version)["params"]
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # an entry of another shape inside a part
+        return f"its parts do not merge ({type(e).__name__}: {e}; garbled)"
     for p, gp in ddp.gift_params.items():
         entry = params.get(gp.name)
         if not isinstance(entry, dict) or gp.input.stats is None:

@@ -757,6 +757,23 @@ def test_a_version_1_checkpoint_loads_into_both_sides():
             assert (f.trace_a, f.damping) == (g["trace_a"], g["damping"])
 
 
+def test_a_garbled_entry_inside_a_part_is_a_misfit_not_an_exception():
+    """A per-rank entry of another shape (bytes, or a side that is not a dict) makes ``misfit`` name
+    the state garbled, so the load starts GIFT fresh with a message. Bug caught: the merge raising
+    out of Megatron's checkpoint load (a load must never fail for GIFT's state)."""
+    from types import SimpleNamespace
+
+    from megatron_gift.megatron.checkpoint import misfit
+    from megatron_gift.state import GiftParam
+
+    gp = GiftParam("w", Mode.GIFT, candidate=True)
+    gp.input.stats = KFACStatistics(4)
+    ddp = SimpleNamespace(gift_params={torch.zeros(3, 4): gp})
+    dense = {"step": 1, "params": {"w": {"mode": "gift"}}}
+    for local in ({"w": b"junk"}, {"w": {"input": 3}}):
+        assert "garbled" in misfit(ddp, {"dense": dense, "local": local}), local
+
+
 def test_input_side_with_output_statistics_is_refused_at_start_up():
     """A layer with output statistics under ``side='input'`` (an adapter bug) is a clear error when the
     owners are assigned, not a silently unused ``T_out``; an unknown side too."""
