@@ -125,6 +125,9 @@ def test_step_runs_every_mode_from_the_same_start(dry_run):
         assert all(math.isfinite(x) for x in r["losses"])
     assert results["gift"]["refresh_step_times_s"]  # GIFT's warm-up refreshes fall in the timed steps
     assert set(doc["summary"]["modes"]) == set(gpu_step.MODES)
+    lagged = results["gift-lagged"]["gift_config"]
+    assert "Schedule.LAGGED" in lagged and "Schedule.LAGGED" not in results["gift"]["gift_config"]
+    assert doc["summary"]["eager_over_lagged"] > 0  # the first GPU run's answer (issue 35 item 7)
     assert doc["summary"]["tokens_per_step"] == spec["micro_batch"] * spec["microbatches"] * spec["seq"]
 
 
@@ -142,7 +145,7 @@ def test_steady_step_looks_ran_for_every_mode(dry_run):
         assert r["sync_error"] is None and r["steady_step_peak_extra_bytes"] is None
     assert results["off"]["steady_syncs"]["plugin"] == {}
     assert "steady_syncs" not in results["off-again"]
-    assert set(doc["targets"]["steady_plugin_syncs"]) == {"bf16", "euclidean", "gift"}
+    assert set(doc["targets"]["steady_plugin_syncs"]) == {"bf16", "euclidean", "gift", "gift-lagged"}
 
 
 @pytest.mark.slow

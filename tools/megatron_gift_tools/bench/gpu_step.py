@@ -33,11 +33,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.config import GiftConfig, Mode, Schedule
 from megatron_gift_tools.bench import gpu_trace
 from megatron_gift_tools.bench.overhead import MODELS
 
-MODES = ("off", "bf16", "euclidean", "gift", "off-again")
+# gift-lagged: GIFT with --gift-schedule lagged, against gift's default (eager on CUDA), so that the first GPU
+# run says which schedule to default to (issue 35 item 7; one GPU: the stage streams' waits, no NCCL)
+MODES = ("off", "bf16", "euclidean", "gift", "gift-lagged", "off-again")
 CLOSE_LOOKS = MODES[:-1]  # modes that get the sync, trace and memory looks at a steady step (not the repeat)
 TARGET_PLUGIN_OVER_STEP = 0.02  # target: the plugin's on-GPU work <= 2% of a BF16 step (Euclidean, GIFT)
 _600M = MODELS["llama-600m"]
@@ -78,6 +80,8 @@ def gift_config(mode: str) -> GiftConfig | None:
     """The plugin configuration of a mode (None: stock Megatron DDP), the codec forced on."""
     if mode.startswith("off"):
         return None
+    if mode == "gift-lagged":
+        return GiftConfig(mode=Mode.GIFT, loopback=True, schedule=Schedule.LAGGED)
     return GiftConfig(mode=Mode(mode), loopback=True)
 
 
@@ -284,6 +288,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
         off_step_s=off,
         compute_s_per_token=off / tokens,
         resolution=by_mode["off-again"]["step_s"] / by_mode["off"]["step_s"] - 1,
+        eager_over_lagged=by_mode["gift"]["step_s"] / by_mode["gift-lagged"]["step_s"],
         modes=modes,
     )
 
@@ -312,7 +317,8 @@ SCHEMA = {
     "a profiled step: codec kernels, their seconds, the share overlapping the last backward's compute-stream kernels "
     "and its window), sync_error (set_sync_debug_mode('error'): raised, error, plugin_frame; None on the CPU)",
     "summary": "tokens_per_step, off_step_s (median over both off runs), compute_s_per_token (off_step_s / tokens), "
-    "resolution (off-again / off - 1), modes: {mode: step_s, over_off, plugin_s (step_s - off_step_s), "
+    "resolution (off-again / off - 1), eager_over_lagged (gift's step, eager on CUDA, over gift-lagged's), "
+    "modes: {mode: step_s, over_off, plugin_s (step_s - off_step_s), "
     "plugin_over_step, plugin_s_per_element (plugin_s / coded_elements), refresh_step_s, peak_memory_bytes, "
     "peak_memory_over_off, steady_step_peak_extra_bytes, plugin_syncs, sync_error_raised, codec_overlap_share}",
 }
