@@ -133,7 +133,7 @@ STARTUP_ARGV = [
     "--data-path",
     "/nonexistent/data",
     "--no-gradient-accumulation-fusion",
-]  # fmt: skip  (never read: every run here stops before training)
+]  # never read: every run here stops before training
 
 
 def _startup_exit(monkeypatch, capsys, rank: int, *flags: str) -> str:
@@ -214,7 +214,7 @@ def test_startup_messages_come_from_rank_0_only(monkeypatch, capsys):
         "3",
         "--gift-log-interval",
         "5",
-    ]  # fmt: skip  (no telemetry directory: an error after the warnings)
+    ]  # no telemetry directory: an error after the warnings
     assert _ours(_startup_exit(monkeypatch, capsys, 0, *warned)) == [
         "megatron-gift: warning: --gift-rank 8 has no effect with --gift-mode euclidean (GIFT only); ignored",
         "megatron-gift: warning: --gift-ema 0.5 has no effect with --gift-mode euclidean (GIFT only); ignored",
