@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode
-from ..kernels import Placement
+from ..kernels.placement import Placement
 from ..kernels.reference import ordered_sum, reference_decode_sum_unwhiten, reference_sum_rows, sender_values
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
 from ..numerics.rotation import BlockHadamard, fwht
@@ -96,7 +96,7 @@ def fp4_wire_bytes(layout: BucketLayout, j: int, fmt: FP4Format) -> int:
 class FP4Packing:
     """The messages of one FP4 exchange in its buffer: the messages of a *source*'s shards (the
     bucket's, or the two-level exchange's held shards), the others in the source's order, then the
-    own one; per section a ``kernels.Placement`` from the source's sequence (codes and block scales
+    own one; per section a ``kernels.placement.Placement`` from the source's sequence (codes and block scales
     in bytes, segment scales in FP32, each plain class in its dtype) to the buffer, so that a whole
     exchange is encoded once and placed with a few ops, whatever the number of messages."""
 

@@ -6,8 +6,8 @@ the shards a rank holds after the two-level exchange's intra-node stage); a *buf
 one after another (``layout.Message``), the messages to the peers in rank order and the rank's
 own message last (it never crosses a link). Element ``k`` of shard ``j`` of the source sits in the
 buffer, viewed in its section's dtype, at ``k + delta[j]``. The fused kernels take the table
-(``kernels.Placement.at``: ``ends`` and ``delta`` on the device) and look each unit's shard up themselves;
-on the PyTorch path ``kernels.Placement.index`` computes the positions of a range of ``k`` on the device
+(``kernels.placement.Placement.at``: ``ends`` and ``delta`` on the device) and look each unit's shard up themselves;
+on the PyTorch path ``kernels.placement.Placement.index`` computes the positions of a range of ``k`` on the device
 (``searchsorted`` over the shards' ends), so scattering a chunk into every message, or gathering it
 back, is one ``index_copy_`` / ``index_select``. The index is transient (8 bytes per element of the
 chunk, chunks are bounded); the per-layout state is a few integers per shard.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import Placement
+from ..kernels.placement import Placement
 from .layout import BucketLayout, Message
 
 SEQUENCES = ("coded", "groups", "off", "bf16")  # the coded values, their scales, the two plain classes

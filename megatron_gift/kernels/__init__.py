@@ -43,6 +43,7 @@ from ..numerics.fp8 import CodecConfig, Encoded, Scaling
 from ..numerics.two_sided import OutputRows
 from ..numerics.two_sided import output_inverse as reference_output_inverse  # the reference lives with its math
 from ..numerics.whitening import LowRankWhitening
+from .placement import Place
 from .reference import (
     ordered_sum,
     reference_decode_placed,
@@ -131,38 +132,6 @@ def _use_kernels(
         and available(device)
         and (lengths is None or cfg.scaling is not Scaling.TENSOR)
     )
-
-
-class Placement:
-    """Where the shards of a source sequence sit in a buffer of messages (``comm.packing``'s module
-    doc): ``ends`` and ``delta``, int64 on the device, one per shard (element ``k`` of the source at
-    ``k + delta[j]``, ``j`` its shard); ``index(lo, hi)``: the buffer positions of ``[lo, hi)``."""
-
-    def __init__(self, sizes: list[int], buffer_starts: list[int], device):
-        lengths = torch.tensor(sizes, dtype=torch.int64)  # host side, once per layout (plans are cached)
-        ends = lengths.cumsum(0)
-        delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - lengths)
-        self.ends, self.delta = ends.to(device), delta.to(device)
-
-    def index(self, lo: int, hi: int) -> torch.Tensor:
-        k = torch.arange(lo, hi, device=self.ends.device)
-        return k + self.delta[torch.searchsorted(self.ends, k, right=True)]
-
-    def at(self, out: torch.Tensor, lo: int) -> Place:
-        """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the
-        kernels, which look the table up themselves."""
-        return Place(out, self, lo)
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a sequence's elements go in a buffer: element ``i`` to ``out[k + delta[j]]``, ``k = at + i``
-    and ``j`` the shard of ``table`` with ``ends[j-1] <= k < ends[j]``. ``out``: the buffer viewed in
-    the sequence's dtype."""
-
-    out: torch.Tensor
-    table: Placement
-    at: int
 
 
 @dataclass(frozen=True)

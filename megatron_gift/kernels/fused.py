@@ -275,7 +275,7 @@ def _chunk_u(
 
 @triton.jit
 def _shard_of(ends_ptr, n_shards, steps, k, mask):
-    """``j = #{t : ends[t] <= k}``: the shard of a placement table (``kernels.Placement``) that
+    """``j = #{t : ends[t] <= k}``: the shard of a placement table (``kernels.placement.Placement``) that
     holds source index ``k`` (int64, any shape; zero-size shards are passed over), by a binary search
     of ``steps`` (``>= log2(n_shards + 1)``) gathers from the small table."""
     lo = tl.zeros_like(k)

@@ -1,7 +1,7 @@
 """Triton kernels of the receiver that read or write a buffer of messages at positions given by a
 small table (imports triton; see the package docstring for when they run).
 
-A *table* describes where a sequence sits in a buffer of messages (``kernels.Placement``):
+A *table* describes where a sequence sits in a buffer of messages (``kernels.placement.Placement``):
 ``ends [p]`` (int64, inclusive cumsum of the source shards' sizes) and ``delta [p]`` (int64), on
 the device; element ``k`` of the sequence, in shard ``j = #{t : ends[t] <= k}``, is at buffer
 position ``k + delta[j]``. A kernel finds ``j`` by bisection over the table (``ceil(log2(p+1))``

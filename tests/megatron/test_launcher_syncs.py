@@ -94,7 +94,7 @@ def test_launcher_iterations_make_only_their_stated_host_syncs(tmp_path, monkeyp
         "--gift-telemetry-dir",
         str(tmp_path / "telemetry"),
     )
-    plans = ("megatron_gift/comm/layout.py", "megatron_gift/comm/packing.py")
+    plans = ("megatron_gift/comm/layout.py", "megatron_gift/comm/packing.py", "megatron_gift/kernels/placement.py")
     for rank in range(2):
         iterations = json.loads((tmp_path / "probe" / f"rank{rank}.json").read_text())
         assert sorted(map(int, iterations)) == list(range(1, ITERS + 1)), iterations.keys()

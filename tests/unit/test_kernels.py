@@ -25,7 +25,8 @@ from megatron_gift.comm.packing import packing
 from megatron_gift.comm.quantized import decode_gathered
 from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
-from megatron_gift.kernels import Placement, reference_decode_sum_unwhiten, reference_whiten_encode
+from megatron_gift.kernels import reference_decode_sum_unwhiten, reference_whiten_encode
+from megatron_gift.kernels.placement import Placement
 from megatron_gift.kernels.reference import reference_sum_rows, reference_take
 from megatron_gift.numerics.error_feedback import ErrorFeedback
 from megatron_gift.numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, encode, encode_flat, group_lengths
