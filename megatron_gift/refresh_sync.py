@@ -55,9 +55,9 @@ import torch.distributed as dist
 
 from ._compat import all_gather as _all_gather
 from ._compat import reduce_scatter as _reduce_scatter
-from .comm.fp4_reduce import ROTATION_BLOCK
+from .comm.fp4_reduce import exchange_rotation
 from .comm.ledger import ring_all_reduce_bytes
-from .config import GiftConfig, InterNodeFormat, Mode, Rotation
+from .config import GiftConfig, InterNodeFormat, Mode
 from .numerics.fp4 import FP4_FORMATS, FP4Wire
 from .numerics.kfac import KFACStatistics
 from .numerics.refresh import (
@@ -72,7 +72,6 @@ from .numerics.refresh import (
     RecordLayout,
     to_device,
 )
-from .numerics.rotation import BlockHadamard
 from .numerics.two_sided import sent_map
 from .numerics.whitening import MAX_SHIFTS, LowRankFactor, LowRankWhitening
 from .state import SIDES, GiftParam, GiftState
@@ -90,8 +89,7 @@ def damping_wire(cfg: GiftConfig):
     the exchange rotates it (``--gift-rotation``: the same signs from ``--seed``)."""
     if cfg.inter_node_format is InterNodeFormat.FP8:
         return cfg.codec
-    rotation = BlockHadamard(ROTATION_BLOCK, cfg.rotation_seed) if cfg.rotation is Rotation.HADAMARD else None
-    return FP4Wire(FP4_FORMATS[cfg.inter_node_format.value], rotation)
+    return FP4Wire(FP4_FORMATS[cfg.inter_node_format.value], exchange_rotation(cfg.rotation, cfg.rotation_seed))
 
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
-from ..config import IntraNode
+from ..config import IntraNode, Rotation
 from ..kernels.placement import Placement
 from ..kernels.reference import ordered_sum, reference_decode_sum_unwhiten, reference_sum_rows, sender_values
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
@@ -56,6 +56,14 @@ from .schedule import Step
 from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
+
+
+def exchange_rotation(rotation: Rotation, seed: int) -> BlockHadamard | None:
+    """The rotation the four-bit exchange applies (``--gift-rotation``; None: none): the same signs on
+    every rank, from ``seed``."""
+    return BlockHadamard(ROTATION_BLOCK, seed) if rotation is Rotation.HADAMARD else None
+
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the ledger's
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-from ..comm.fp4_reduce import ROTATION_BLOCK, FP4Reduce, FP4TwoLevelReduce
+from ..comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce, exchange_rotation
 from ..comm.hierarchical import TwoLevelReduce
 from ..comm.instances import AcrossInstances
 from ..comm.layout import BucketLayout, Segment
@@ -35,11 +35,10 @@ from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
 from ..comm.topology import TwoLevelGroups
-from ..config import GiftConfig, Mode, Rotation
+from ..config import GiftConfig, Mode
 from ..numerics import two_sided
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp4 import FP4_FORMATS
-from ..numerics.rotation import BlockHadamard
 from ..numerics.whitening import LowRankWhitening
 from ..state import GiftParam, GiftState
 
@@ -160,8 +159,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         if fp4.block is not None:  # four bits between nodes (input side only, no error feedback)
             common.pop("kernels")  # the PyTorch path
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
-            if cfg.rotation is Rotation.HADAMARD:  # the same signs on every rank, from the seed
-                common["rotation"] = BlockHadamard(ROTATION_BLOCK, cfg.rotation_seed)
+            common["rotation"] = exchange_rotation(cfg.rotation, cfg.rotation_seed)
             if groups.intra is not None:
                 return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.intra_node, **common)
             return FP4Reduce(b.grad, b.layout, groups.group, transforms, fmt, topology=groups.topology, **common)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .fp8 import divisor
+from .rotation import BlockHadamard
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -189,12 +190,11 @@ def roundtrip_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None 
 class FP4Wire:
     """The four-bit wire as the refresh's damping choice measures it (``profile.damping_errors``): a
     matrix ``U [rows, cols]`` sent as one segment, after a rotation along its rows where one is given
-    (``numerics.rotation.BlockHadamard``): ``U -> dec(enc(U H)) Hᵀ``. Choosing ``T`` on FP8's errors
-    when FP4 is sent left SmolLM2's qkv at 0.81x plain NVFP4's error, on its own wire's 0.63x
-    (docs/fidelity.md)."""
+    (``numerics.rotation.BlockHadamard``): ``U -> dec(enc(U H)) Hᵀ``. Four bits favour another damping
+    than FP8 (docs/fidelity.md, "Four bits between nodes")."""
 
     fmt: FP4Format
-    rotation: object = None  # a BlockHadamard, or None
+    rotation: BlockHadamard | None = None
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         v = u if self.rotation is None else self.rotation.apply(u)
