@@ -56,6 +56,19 @@ def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> Non
     assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, summary
 
 
+# Constexpr groups of the fused kernels as their launchers pass them, for offline compiles (the sm_90
+# test, ``megatron_gift_tools.bench.compile``): a wire format's, a tiling's, and an encode's without
+# placement, error feedback or an output side.
+E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
+E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
+ROW_BLOCKS, GROUPS, ORDERED = (
+    dict(LAYOUT=1, ONE_CHUNK=True),
+    dict(LAYOUT=2, ONE_CHUNK=False),
+    dict(LAYOUT=0, ONE_CHUNK=True),
+)
+UNPLACED = dict(PLACE=False, FEEDBACK=False, OUTPUT=False)
+
+
 def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
     """Triton types of ``kernel``'s arguments as the launchers pass them, for an offline compile: codes
     uint8, scales E8M0 bytes or FP32, group ends and placement tables int64, a placed cast's output BF16,

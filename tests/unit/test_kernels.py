@@ -833,15 +833,9 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
         assert_passes_under_interpreter(__file__)
 
-    E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
-    E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
-    ROW_BLOCKS, GROUPS, ORDERED = (
-        dict(LAYOUT=1, ONE_CHUNK=True),
-        dict(LAYOUT=2, ONE_CHUNK=False),
-        dict(LAYOUT=0, ONE_CHUNK=True),
-    )
+    from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, UNPLACED
+
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
-    UNPLACED = dict(PLACE=False, FEEDBACK=False, OUTPUT=False)
     SM90_CASES = [
         (
             "_encode_kernel",

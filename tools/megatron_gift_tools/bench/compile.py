@@ -13,14 +13,8 @@ import platform
 import re
 import time
 
-E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
-E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
-ROW_BLOCKS, GROUPS, ORDERED = (
-    dict(LAYOUT=1, ONE_CHUNK=True),
-    dict(LAYOUT=2, ONE_CHUNK=False),
-    dict(LAYOUT=0, ONE_CHUNK=True),
-)
-UNPLACED = dict(PLACE=False, FEEDBACK=False, OUTPUT=False)
+from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, UNPLACED
+
 TILE = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
 
 # (module, kernel, constexprs, FMA contraction as the launcher sets it)
