@@ -23,7 +23,9 @@ import sys
 
 from . import preflight
 from .config import (
+    DeltaGather,
     Exchange,
+    ExchangeConfig,
     GiftConfig,
     InterNodeFormat,
     IntraNode,
@@ -33,6 +35,8 @@ from .config import (
     Rotation,
     Schedule,
     Side,
+    WhiteningConfig,
+    WireConfig,
     param_modes,
 )
 from .numerics.fp8 import CodecConfig, FP8Format, Scaling
@@ -40,8 +44,30 @@ from .startup import exit_after_rank0
 from .upstream import TESTED_VERSIONS, UntestedMegatronError, check_upstream
 
 _DEFAULT = GiftConfig()
-_POLICY = PolicyConfig()
+_WIRE, _WHITENING, _EXCHANGE, _GATHER, _POLICY = (
+    WireConfig(),
+    WhiteningConfig(),
+    ExchangeConfig(),
+    DeltaGather(),
+    PolicyConfig(),
+)
 AUTO = "auto"
+
+# GiftConfig's concerns, each one argument group (title, description); a flag of a concern has no effect
+# exactly where the configuration lacks that concern (:func:`_ineffective_flags`; ``general``: never).
+CONCERNS = {
+    "general": ("megatron-gift", "data-parallel gradients in FP8 or four bits, with GIFT whitening"),
+    "wire": (
+        "megatron-gift wire",
+        "GiftConfig.wire: read where --gift-mode or --gift-euclidean-layers code a gradient",
+    ),
+    "whitening": ("megatron-gift whitening", "GiftConfig.whitening: --gift-mode gift"),
+    "policy": ("megatron-gift layer policy", f"GiftConfig.policy: --gift-layers {AUTO}"),
+    "exchange": ("megatron-gift exchange", "GiftConfig.exchange: how a bucket's reduction runs"),
+    "param_gather": ("megatron-gift parameter gather", "GiftConfig.param_gather: independent of --gift-mode"),
+}
+# Flags that act on a second concern as well: the rotation is applied to GIFT layers only.
+_ALSO_NEEDS = {"gift_rotation": "whitening"}
 
 # GiftConfig/CodecConfig field names as they appear in their ValueError messages -> flag names.
 _FIELD_FLAGS = {
@@ -133,72 +159,133 @@ def escape_stray_percent(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``megatron-gift`` argument group to ``parser`` and return it (Megatron's provider contract),
-    with its help strings' stray ``%`` escaped (:func:`escape_stray_percent`) and its errors printed once."""
-    flags = parser.add_argument_group("megatron-gift", "FP8 data-parallel gradient communication with GIFT whitening")
-    flags.add_argument(
+    """Add the ``megatron-gift`` argument groups, one per concern of ``GiftConfig`` (:data:`CONCERNS`),
+    to ``parser`` and return it (Megatron's provider contract), with its help strings' stray ``%``
+    escaped (:func:`escape_stray_percent`) and its errors printed once."""
+    groups = {concern: parser.add_argument_group(*heading) for concern, heading in CONCERNS.items()}
+    groups["general"].add_argument(
         "--gift-mode",
         choices=[m.value for m in Mode],
         default=_DEFAULT.mode.value,
         help="What the --gift-layers gradients are sent as: off (Megatron's own reduction, the default), "
         "bf16, euclidean (plain FP8) or gift (whitened FP8).",
     )
-    flags.add_argument(
+    groups["general"].add_argument(
+        "--gift-layers",
+        nargs="+",
+        metavar="REGEX",
+        default=list(_DEFAULT.layers),
+        help="Regular expressions (re.search) on parameter names that use --gift-mode (default: %(default)s). "
+        f"'{AUTO}' (with --gift-mode gift, optionally followed by patterns of the candidates, else the default "
+        "ones) chooses GIFT, Euclidean or BF16 per layer from profiles of its gradients (see --gift-profile-*).",
+    )
+    groups["general"].add_argument(
+        "--gift-euclidean-layers",
+        nargs="+",
+        metavar="REGEX",
+        default=list(_DEFAULT.euclidean_layers),
+        help="Further parameters (e.g. embeddings) sent as plain FP8.",
+    )
+    groups["general"].add_argument(
+        "--gift-log-interval",
+        type=int,
+        default=_DEFAULT.log_interval,
+        help="Iterations between megatron-gift log lines and telemetry records (per-layer RelL2, cosine, "
+        "saturation, mode, bytes; to --gift-telemetry-dir and Megatron's TensorBoard / W&B writers); "
+        "0 turns them off (default: %(default)s).",
+    )
+    groups["general"].add_argument(
+        "--gift-telemetry-dir",
+        default=None,
+        metavar="DIR",
+        help="Where gift_telemetry.jsonl goes (default: --save, else --tensorboard-dir).",
+    )
+    groups["general"].add_argument(
+        "--gift-allow-untested-megatron",
+        action="store_true",
+        help="Run although Megatron-Core functions the plugin re-implements, wraps or replaces differ from "
+        f"their source in every megatron-core it was checked against ({', '.join(TESTED_VERSIONS)}).",
+    )
+    groups["wire"].add_argument(
         "--gift-fp8-format",
         choices=[f.value for f in FP8Format],
-        default=_DEFAULT.codec.fmt.name,
+        default=_WIRE.codec.fmt.name,
         help="FP8 format on the wire (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["wire"].add_argument(
         "--gift-scaling",
         choices=[s.value for s in Scaling],
-        default=_DEFAULT.codec.scaling.value,
+        default=_WIRE.codec.scaling.value,
         help="FP8 scale granularity: one per tensor, row, 1x--gift-block-size block, or 1x32 MX block "
         "(default: %(default)s).",
     )
-    flags.add_argument(
+    groups["wire"].add_argument(
         "--gift-block-size",
         type=int,
-        default=_DEFAULT.codec.block,
+        default=_WIRE.codec.block,
         help="Elements per scale with --gift-scaling block (mx always uses 32; default: %(default)s).",
     )
-    flags.add_argument(
+    groups["wire"].add_argument(
+        "--gift-inter-node-format",
+        choices=tuple(f.value for f in InterNodeFormat),
+        default=_WIRE.inter_node_format.value,
+        help="Format of the coded values between nodes (the two-level exchange's inter-node stage, and the "
+        "flat exchange): fp8 (--gift-fp8-format), or E2M1 four-bit codes with nvfp4's 16-element blocks "
+        "(E4M3 block scales, an FP32 scale per segment: 0.5 + 1/16 byte per element) or mxfp4's 32-element "
+        "blocks (E8M0 scales: 0.5 + 1/32); every shard and chunk boundary of the coded sequence falls on a whole "
+        "block (refused at start-up otherwise); the PyTorch path, not the fused kernels (default: %(default)s).",
+    )
+    groups["wire"].add_argument(
+        "--gift-rotation",
+        choices=tuple(r.value for r in Rotation),
+        default=_WIRE.rotation.value,
+        help="With --gift-inter-node-format nvfp4 or mxfp4: hadamard sends each whitened GIFT layer's G T H, "
+        "H a randomized Hadamard transform of 64-column blocks with signs from --seed (no communication), "
+        "undone on the sum at the receiver (default: %(default)s).",
+    )
+    groups["wire"].add_argument(
+        "--gift-error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=_WIRE.error_feedback,
+        help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
+    )
+    groups["whitening"].add_argument(
         "--gift-rank",
         type=int,
-        default=_DEFAULT.rank,
+        default=_WHITENING.rank,
         help="Rank of the whitening factor: the top eigenvectors of the input statistics XᵀX it whitens along; 0 "
         "scales each input column by its damped diagonal entry alone (no low-rank part; default: %(default)s).",
     )
-    flags.add_argument(
+    groups["whitening"].add_argument(
         "--gift-sketch",
         type=int,
-        default=_DEFAULT.sketch,
+        default=_WHITENING.sketch,
         help="Nyström sketch columns of the input statistics XᵀX; 0 keeps the exact XᵀX (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["whitening"].add_argument(
         "--gift-refresh-interval",
         type=int,
-        default=_DEFAULT.refresh_interval,
+        default=_WHITENING.refresh_interval,
         help="Iterations between whitening-factor refreshes (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["whitening"].add_argument(
         "--gift-ema",
         type=float,
-        default=_DEFAULT.ema,
+        default=_WHITENING.ema,
         help="Per-step EMA decay of the input statistics (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["whitening"].add_argument(
         "--gift-damping",
         type=_damping,
-        default=_DEFAULT.damping if _DEFAULT.damping is not None else AUTO,
+        default=_WHITENING.damping if _WHITENING.damping is not None else AUTO,
         help="Damping added to the factor's diagonal, relative to mean(diag A), or 'auto': chosen per layer at "
-        f"every refresh among {_DEFAULT.damping_candidates} and Euclidean by the local error each gives "
+        f"every refresh among {_WHITENING.damping_candidates} and Euclidean by the local error each gives "
         "(default: %(default)s).",
     )
-    flags.add_argument(
+    groups["whitening"].add_argument(
         "--gift-side",
         choices=[s.value for s in Side],
-        default=_DEFAULT.side.value,
+        default=_WHITENING.side.value,
         help="Which sides of each GIFT layer's gradient are whitened. input: from the statistics of the layer's "
         "inputs alone. both: also from those of its output gradients, collected in the backward (U = T_outᵀ G T_in); "
         "measured on pretrained models 3-8%% lower error per layer type than input alone (SmolLM2-135M: 0.79 of "
@@ -209,119 +296,52 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "each refresh chooses per layer, with the damping, between the input side alone and both "
         "(docs/fidelity.md; default: %(default)s).",
     )
-    flags.add_argument(
-        "--gift-layers",
-        nargs="+",
-        metavar="REGEX",
-        default=list(_DEFAULT.layers),
-        help="Regular expressions (re.search) on parameter names that use --gift-mode (default: %(default)s). "
-        f"'{AUTO}' (with --gift-mode gift, optionally followed by patterns of the candidates, else the default "
-        "ones) chooses GIFT, Euclidean or BF16 per layer from profiles of its gradients (see --gift-profile-*).",
-    )
-    flags.add_argument(
+    groups["policy"].add_argument(
         "--gift-profile-steps",
         type=int,
         default=_POLICY.profile_steps,
         help=f"--gift-layers {AUTO}: profile every one of the first N iterations (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["policy"].add_argument(
         "--gift-profile-interval",
         type=int,
         default=_POLICY.profile_interval,
         help=f"--gift-layers {AUTO}: then profile every N iterations (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["policy"].add_argument(
         "--gift-policy-margin",
         type=float,
         default=_POLICY.margin,
         help=f"--gift-layers {AUTO}: relative RelL2 gain GIFT needs over Euclidean (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["policy"].add_argument(
         "--gift-policy-hysteresis",
         type=int,
         default=_POLICY.hysteresis,
         help=f"--gift-layers {AUTO}: consecutive profiles before a layer switches (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["policy"].add_argument(
         "--gift-bf16-bound",
         type=float,
         default=_POLICY.bf16_bound,
         help=f"--gift-layers {AUTO}: FP8 RelL2 above which a layer falls back to BF16 (default: %(default)s).",
     )
-    flags.add_argument(
-        "--gift-euclidean-layers",
-        nargs="+",
-        metavar="REGEX",
-        default=list(_DEFAULT.euclidean_layers),
-        help="Further parameters (e.g. embeddings) sent as plain FP8.",
-    )
-    flags.add_argument(
-        "--gift-error-feedback",
-        action=argparse.BooleanOptionalAction,
-        default=_DEFAULT.error_feedback,
-        help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
-    )
-    flags.add_argument(
-        "--gift-loopback",
-        action="store_true",
-        default=_DEFAULT.loopback,
-        help="Benchmarking tool: quantize gradients even where the data-parallel group has one rank (encode, "
-        "decode, sum, unwhiten, nothing sent), to measure the plugin's on-GPU cost on one GPU. Without it a "
-        "group of one keeps Megatron's reduction and gradient bit for bit.",
-    )
-    flags.add_argument(
-        "--gift-log-interval",
-        type=int,
-        default=_DEFAULT.log_interval,
-        help="Iterations between megatron-gift log lines and telemetry records (per-layer RelL2, cosine, "
-        "saturation, mode, bytes; to --gift-telemetry-dir and Megatron's TensorBoard / W&B writers); "
-        "0 turns them off (default: %(default)s).",
-    )
-    flags.add_argument(
-        "--gift-allow-untested-megatron",
-        action="store_true",
-        help="Run although Megatron-Core functions the plugin re-implements, wraps or replaces differ from "
-        f"their source in every megatron-core it was checked against ({', '.join(TESTED_VERSIONS)}).",
-    )
-    flags.add_argument(
-        "--gift-telemetry-dir",
-        default=None,
-        metavar="DIR",
-        help="Where gift_telemetry.jsonl goes (default: --save, else --tensorboard-dir).",
-    )
-    flags.add_argument(
+    groups["exchange"].add_argument(
         "--gift-exchange",
         choices=tuple(e.value for e in Exchange),
-        default=_DEFAULT.exchange.value,
+        default=_EXCHANGE.topology.value,
         help="auto: two-level exchange (intra-node stage, then FP8 among the ranks with the same local index) "
         "where the data-parallel group spans several nodes with several ranks each, else one all-to-all; "
         "flat: always one all-to-all over the group (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["exchange"].add_argument(
         "--gift-intra-node",
         choices=tuple(d.value for d in IntraNode),
-        default=_DEFAULT.intra_node.value,
+        default=_EXCHANGE.intra_node.value,
         help="Wire dtype of the two-level exchange's intra-node stage, summed in FP32 (default: %(default)s: "
         "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice).",
     )
-    flags.add_argument(
-        "--gift-inter-node-format",
-        choices=tuple(f.value for f in InterNodeFormat),
-        default=_DEFAULT.inter_node_format.value,
-        help="Format of the coded values between nodes (the two-level exchange's inter-node stage, and the "
-        "flat exchange): fp8 (--gift-fp8-format), or E2M1 four-bit codes with nvfp4's 16-element blocks "
-        "(E4M3 block scales, an FP32 scale per segment) or mxfp4's 32-element blocks (E8M0 scales); the "
-        "PyTorch path, not the fused kernels (default: %(default)s).",
-    )
-    flags.add_argument(
-        "--gift-rotation",
-        choices=tuple(r.value for r in Rotation),
-        default=_DEFAULT.rotation.value,
-        help="With --gift-inter-node-format nvfp4 or mxfp4: hadamard sends each whitened GIFT layer's G T H, "
-        "H a randomized Hadamard transform of 64-column blocks with signs from --seed (no communication), "
-        "undone on the sum at the receiver (default: %(default)s).",
-    )
-    flags.add_argument(
+    groups["exchange"].add_argument(
         "--gift-ranks-per-node",
         type=int,
         default=None,
@@ -329,7 +349,7 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Processes per node, grouped by global rank (default: LOCAL_WORLD_SIZE from the launcher, "
         "else the ranks' hosts); e.g. to simulate nodes on one machine.",
     )
-    flags.add_argument(
+    groups["exchange"].add_argument(
         "--gift-schedule",
         choices=("auto",) + tuple(s.value for s in Schedule),
         default="auto",
@@ -338,22 +358,31 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "backward); auto: lagged where CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) and on CPUs, else "
         "eager (default: %(default)s).",
     )
-    flags.add_argument(
+    groups["exchange"].add_argument(
+        "--gift-loopback",
+        action="store_true",
+        default=_EXCHANGE.loopback,
+        help="Benchmarking tool: quantize gradients even where the data-parallel group has one rank (encode, "
+        "decode, sum, unwhiten, nothing sent), to measure the plugin's on-GPU cost on one GPU. Without it a "
+        "group of one keeps Megatron's reduction and gradient bit for bit.",
+    )
+    groups["param_gather"].add_argument(
         "--gift-param-gather",
         choices=[m.value for m in ParamGather],
-        default=_DEFAULT.param_gather.value,
+        default=ParamGather.BF16.value,
         help="The distributed optimizer's parameter all-gather, independent of --gift-mode: bf16 (Megatron's own, "
         "the default) or delta (each shard's change since the last gather as int8 in units of the weight's own "
         "step, or of a power-of-two scale per 32 where coarser: 0.52x BF16's bytes; every replica bit-identical, "
         "weights within one step's quantization error of bf16(main)).",
     )
-    flags.add_argument(
+    groups["param_gather"].add_argument(
         "--gift-param-gather-full-every",
         type=int,
-        default=_DEFAULT.param_gather_full_every,
+        default=_GATHER.full_every,
         metavar="N",
         help="With --gift-param-gather delta, gather the update of every N-th iteration in full BF16 "
-        "(0: only at start-up and after a checkpoint load; default: %(default)s).",
+        "(0: only at start-up, after a checkpoint load, and after the replica check of a --log-interval step "
+        "found replicas that differ; default: %(default)s).",
     )
     return _errors_once(escape_stray_percent(parser))
 
@@ -398,39 +427,54 @@ def chain_args_providers(*providers):
 
 
 def gift_config_from_args(args) -> GiftConfig | None:
-    """The configuration the flags ask for, or None with ``--gift-mode off --gift-param-gather bf16``.
+    """The configuration the flags ask for, or None with ``--gift-mode off --gift-param-gather bf16``;
+    each concern's flags build its sub-config, present only where it applies (``CONCERNS``).
 
-    Out-of-range values raise GiftConfig's ``ValueError`` reworded with the flag names."""
-    if args.gift_mode == Mode.OFF.value and args.gift_param_gather == ParamGather.BF16.value:
+    Out-of-range values raise the configs' ``ValueError`` reworded with the flag names."""
+    mode = Mode(args.gift_mode)
+    delta = ParamGather(args.gift_param_gather) is ParamGather.DELTA
+    if mode is Mode.OFF and not delta:
         return None
     try:
-        return GiftConfig(
-            mode=Mode(args.gift_mode),
+        wire = WireConfig(
             codec=CodecConfig(FP8Format(args.gift_fp8_format), Scaling(args.gift_scaling), args.gift_block_size),
-            rank=args.gift_rank,
-            sketch=args.gift_sketch,
-            damping=None if args.gift_damping == AUTO else args.gift_damping,
-            side=Side(args.gift_side),
-            ema=args.gift_ema,
-            refresh_interval=args.gift_refresh_interval,
-            error_feedback=args.gift_error_feedback,
-            layers=tuple(p for p in args.gift_layers if p != AUTO) or _DEFAULT.layers,
-            euclidean_layers=tuple(args.gift_euclidean_layers),
-            policy=_policy_from_args(args),
-            log_interval=args.gift_log_interval,
-            loopback=args.gift_loopback,
-            exchange=Exchange(args.gift_exchange),
-            intra_node=IntraNode(args.gift_intra_node),
             inter_node_format=InterNodeFormat(args.gift_inter_node_format),
             rotation=Rotation(args.gift_rotation),
             rotation_seed=getattr(args, "seed", 0) if args.gift_rotation != Rotation.NONE.value else 0,
-            schedule=None if args.gift_schedule == "auto" else Schedule(args.gift_schedule),
+            error_feedback=args.gift_error_feedback,
+        )
+        whitening = None
+        if mode is Mode.GIFT:
+            whitening = WhiteningConfig(
+                rank=args.gift_rank,
+                sketch=args.gift_sketch,
+                damping=None if args.gift_damping == AUTO else args.gift_damping,
+                side=Side(args.gift_side),
+                ema=args.gift_ema,
+                refresh_interval=args.gift_refresh_interval,
+            )
+        exchange = ExchangeConfig(
+            topology=Exchange(args.gift_exchange),
+            intra_node=IntraNode(args.gift_intra_node),
             ranks_per_node=args.gift_ranks_per_node,
-            param_gather=ParamGather(args.gift_param_gather),
-            param_gather_full_every=args.gift_param_gather_full_every,
+            schedule=None if args.gift_schedule == AUTO else Schedule(args.gift_schedule),
+            loopback=args.gift_loopback,
+        )
+        gather = None
+        if delta:  # the checks' interval: Megatron's logging steps (without Megatron's flags: the default)
+            check_every = getattr(args, "log_interval", _GATHER.check_every)
+            gather = DeltaGather(full_every=args.gift_param_gather_full_every, check_every=check_every)
+        return GiftConfig(
+            mode=mode,
+            layers=tuple(p for p in args.gift_layers if p != AUTO) or _DEFAULT.layers,
+            euclidean_layers=tuple(args.gift_euclidean_layers),
+            wire=wire,
+            whitening=whitening,
+            policy=_policy_from_args(args),
+            exchange=exchange,
+            param_gather=gather,
+            log_interval=args.gift_log_interval,
             allow_untested_megatron=args.gift_allow_untested_megatron,
-            # Megatron's logging steps (without Megatron's flags, e.g. the recipes' checks: the default)
-            param_gather_check_every=getattr(args, "log_interval", _DEFAULT.param_gather_check_every),
         )
     except ValueError as e:
         raise ValueError(f"megatron-gift: {_FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], str(e))}") from e
@@ -487,14 +531,14 @@ def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
     cfg = gift_config_from_args(args)
     if named_parameters is None and warn:  # the flag-level call, once before the model exists: warn there
         _warn_ineffective_flags(args, cfg)
-        if cfg is not None and cfg.mode is Mode.GIFT and cfg.rank == 0:
+        if cfg is not None and cfg.whitening is not None and cfg.whitening.rank == 0:
             print_once(
                 "megatron-gift: note: --gift-rank 0 scales each GIFT layer's input columns by the damped "
                 "diagonal of its statistics alone (no low-rank whitening)"
             )
-            if cfg.side is not Side.INPUT:
+            if (side := cfg.whitening.side) is not Side.INPUT:
                 print_once(
-                    f"megatron-gift: note: --gift-side {cfg.side.value} with --gift-rank 0 whitens the input side "
+                    f"megatron-gift: note: --gift-side {side.value} with --gift-rank 0 whitens the input side "
                     "alone: a diagonal T_out only rescales whole rows, which the FP8 scales already do, so no "
                     "output statistics are kept"
                 )
@@ -530,10 +574,10 @@ def validate_gift_args(args, named_parameters=None, warn: bool = True) -> None:
                 raise ValueError(f"{flag}: {pat!r} is not a valid regular expression ({e})") from e
     check_upstream(allow_untested=args.gift_allow_untested_megatron)
     _check_megatron_flags(args)
-    if cfg.ranks_per_node is None:
+    if cfg.exchange.ranks_per_node is None:
         _check_local_world_size()
     else:
-        _check_ranks_per_node(cfg.ranks_per_node)
+        _check_ranks_per_node(cfg.exchange.ranks_per_node)
     if named_parameters is not None:
         _check_parameters(cfg, list(named_parameters), patterns)
 
@@ -605,23 +649,6 @@ def _flag_defaults() -> dict:
     return vars(add_gift_args(argparse.ArgumentParser()).parse_args([]))
 
 
-_GIFT_ONLY = (
-    "gift_rotation",
-    "gift_rank",
-    "gift_sketch",
-    "gift_refresh_interval",
-    "gift_ema",
-    "gift_damping",
-    "gift_side",
-)
-_FP8_ONLY = ("gift_fp8_format", "gift_scaling", "gift_block_size", "gift_error_feedback", "gift_inter_node_format")
-_AUTO_ONLY = (
-    "gift_profile_steps",
-    "gift_profile_interval",
-    "gift_policy_margin",
-    "gift_policy_hysteresis",
-    "gift_bf16_bound",
-)
 # errors, or read whatever the mode (the parameter all-gather is independent of it)
 _ANY_MODE = (
     "gift_mode",
@@ -633,26 +660,44 @@ _ANY_MODE = (
 )
 
 
+def flag_concerns(parser: argparse.ArgumentParser | None = None) -> dict[str, str]:
+    """Each ``--gift-*`` flag's destination -> its concern (``CONCERNS``), from the groups
+    :func:`add_gift_args` made."""
+    parser = parser or add_gift_args(argparse.ArgumentParser())
+    by_title = {title: concern for concern, (title, _) in CONCERNS.items()}
+    return {
+        action.dest: by_title[group.title]
+        for group in parser._action_groups
+        if group.title in by_title
+        for action in group._group_actions
+    }
+
+
 def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
-    """``(attribute, why)`` of each ``--gift-*`` flag set to a non-default value that the chosen
-    mode never reads (``--gift-euclidean-layers`` / ``--gift-loopback`` with mode off are errors)."""
+    """``(attribute, why)`` of each ``--gift-*`` flag set to a non-default value that the configuration
+    never reads: its concern's sub-config is absent (``--gift-euclidean-layers`` / ``--gift-loopback``
+    with mode off are errors); within the wire and the exchange, ``--gift-block-size`` needs block
+    scaling, ``--gift-intra-node`` the two-level exchange, ``--gift-telemetry-dir`` telemetry."""
     changed = [k for k, v in _flag_defaults().items() if hasattr(args, k) and getattr(args, k) != v]
     if cfg is None or cfg.mode is Mode.OFF:
         return [(k, "with --gift-mode off") for k in changed if k not in _ANY_MODE]
-    fp8 = cfg.mode in (Mode.EUCLIDEAN, Mode.GIFT) or bool(cfg.euclidean_layers)
+    absent = {
+        "whitening": None if cfg.whitening else f"with --gift-mode {cfg.mode.value} (GIFT only)",
+        "wire": None
+        if cfg.codes
+        else f"with --gift-mode {cfg.mode.value} and no --gift-euclidean-layers (nothing is sent in FP8)",
+        "policy": None if cfg.policy else f"without --gift-layers {AUTO}",
+        "param_gather": None if cfg.param_gather else "without --gift-param-gather delta",
+    }
+    concerns = flag_concerns()
     out = []
     for k in changed:
-        if k in _GIFT_ONLY and cfg.mode is not Mode.GIFT:
-            out.append((k, f"with --gift-mode {cfg.mode.value} (GIFT only)"))
-        elif k in _FP8_ONLY and not fp8:
-            out.append(
-                (k, f"with --gift-mode {cfg.mode.value} and no --gift-euclidean-layers (nothing is sent in FP8)")
-            )
-        elif k == "gift_block_size" and cfg.codec.scaling is not Scaling.BLOCK:
-            out.append((k, f"with --gift-scaling {cfg.codec.scaling.value} (block only)"))
-        elif k in _AUTO_ONLY and cfg.policy is None:
-            out.append((k, f"without --gift-layers {AUTO}"))
-        elif k == "gift_intra_node" and (cfg.exchange is Exchange.FLAT or cfg.error_feedback):
+        why = absent.get(_ALSO_NEEDS.get(k, "")) or absent.get(concerns[k])
+        if why and k not in _ANY_MODE:
+            out.append((k, why))
+        elif k == "gift_block_size" and cfg.wire.codec.scaling is not Scaling.BLOCK:
+            out.append((k, f"with --gift-scaling {cfg.wire.codec.scaling.value} (block only)"))
+        elif k == "gift_intra_node" and (cfg.exchange.topology is Exchange.FLAT or cfg.wire.error_feedback):
             out.append(
                 (k, "with --gift-exchange flat or --gift-error-feedback (one flat exchange, no intra-node stage)")
             )
@@ -761,21 +806,24 @@ def _check_parameters(cfg: GiftConfig, named: list, patterns: dict) -> None:
             f"megatron-gift: no parameter name matches {', '.join(unmatched)}: fix or drop the pattern(s). "
             f"Parameter names: {', '.join(names[:_SHOWN_NAMES])}{more}"
         )
+    if cfg.whitening is None:  # no GIFT layer
+        return
+    rank, side = cfg.whitening.rank, cfg.whitening.side
     modes = param_modes(named, cfg)
-    narrow = [(n, p.shape[1]) for n, p in named if modes[n] is Mode.GIFT and p.shape[1] < cfg.rank]
+    narrow = [(n, p.shape[1]) for n, p in named if modes[n] is Mode.GIFT and p.shape[1] < rank]
     if narrow:
         listed = ", ".join(f"{n} (input size {d})" for n, d in narrow[:_SHOWN_NAMES])
         raise ValueError(
-            f"--gift-rank {cfg.rank} exceeds the input size of GIFT layer(s) {listed}: lower --gift-rank to at most "
+            f"--gift-rank {rank} exceeds the input size of GIFT layer(s) {listed}: lower --gift-rank to at most "
             f"{min(d for _, d in narrow)} or leave those layers out of --gift-layers"
         )
-    if cfg.side is Side.INPUT:
+    if side is Side.INPUT:
         return
-    narrow = [(n, p.shape[0]) for n, p in named if modes[n] is Mode.GIFT and p.shape[0] < cfg.rank]
+    narrow = [(n, p.shape[0]) for n, p in named if modes[n] is Mode.GIFT and p.shape[0] < rank]
     if narrow:  # the shapes of this rank's shards: a column-parallel weight has d_out/tp rows
         listed = ", ".join(f"{n} (output size {d} on this rank)" for n, d in narrow[:_SHOWN_NAMES])
         raise ValueError(
-            f"--gift-side {cfg.side.value}: --gift-rank {cfg.rank} exceeds the output size of GIFT layer(s) {listed}: "
+            f"--gift-side {side.value}: --gift-rank {rank} exceeds the output size of GIFT layer(s) {listed}: "
             f"lower --gift-rank to at most {min(d for _, d in narrow)}, use --gift-side input, or leave those layers "
             "out of --gift-layers"
         )

@@ -66,7 +66,7 @@ def _check_packages(args) -> None:
 def _check_rank(args, cfg: GiftConfig) -> None:
     """``--gift-rank`` against the input size of each dense linear layer ``--gift-layers`` selects (the
     same check runs on the real shapes when the model is wrapped; MoE experts are left to it)."""
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    tp, rank = getattr(args, "tensor_model_parallel_size", 1) or 1, cfg.whitening.rank
     narrow = []
     for name, d_in in _DENSE_INPUTS.items():
         if ".mlp." in name and getattr(args, "num_experts", None):  # MoE: experts' shapes, checked at wrap time
@@ -75,11 +75,11 @@ def _check_rank(args, cfg: GiftConfig) -> None:
             size = d_in(args, tp)
         except (AttributeError, TypeError):  # a size Megatron did not derive: the wrap-time check has it
             continue
-        if any(re.search(p, name) for p in cfg.layers) and size < cfg.rank:  # --gift-layers wins (param_modes)
+        if any(re.search(p, name) for p in cfg.layers) and size < rank:  # --gift-layers wins (param_modes)
             narrow.append((name.removeprefix("decoder.layers.0."), size))
     if narrow:
         listed = ", ".join(f"{n} (input size {d})" for n, d in narrow)
         raise ValueError(
-            f"--gift-rank {cfg.rank} exceeds the input size of GIFT layer(s) {listed} on each tensor-parallel rank: "
+            f"--gift-rank {rank} exceeds the input size of GIFT layer(s) {listed} on each tensor-parallel rank: "
             f"lower --gift-rank to at most {min(d for _, d in narrow)} or leave those layers out of --gift-layers"
         )

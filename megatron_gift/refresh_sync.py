@@ -87,9 +87,11 @@ def damping_wire(cfg: GiftConfig):
     """What a refresh measures the damping candidates' errors on (``FactorBuild``'s ``wire``): the
     wire GIFT layers are sent in, FP8 (``cfg.codec``) or the four-bit format between nodes, rotated as
     the exchange rotates it (``--gift-rotation``: the same signs from ``--seed``)."""
-    if cfg.inter_node_format is InterNodeFormat.FP8:
-        return cfg.codec
-    return FP4Wire(FP4_FORMATS[cfg.inter_node_format.value], exchange_rotation(cfg.rotation, cfg.rotation_seed))
+    if cfg.wire.inter_node_format is InterNodeFormat.FP8:
+        return cfg.wire.codec
+    return FP4Wire(
+        FP4_FORMATS[cfg.wire.inter_node_format.value], exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
+    )
 
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
@@ -199,7 +201,7 @@ class RefreshSync:
         if not self.state.step_open:
             return False
         applied = True
-        if self.config.error_feedback:
+        if self.config.wire.error_feedback:
             flag = self.state.nonfinite.any().to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a NaN anywhere skips the step everywhere
             applied = flag == 0  # on the device: each residual keeps its old value where not applied
@@ -223,7 +225,7 @@ class RefreshSync:
             by_group.setdefault(group, []).append(gp)
         for group, members in by_group.items():
             load = [0] * group.size()
-            sizes = [record_layout(gp, self.config.rank).nbytes for gp in members]
+            sizes = [record_layout(gp, self.config.whitening.rank).nbytes for gp in members]
             for i in sorted(range(len(members)), key=lambda i: -sizes[i]):  # stable: layer order on ties
                 members[i].owner = min(range(len(load)), key=lambda r: load[r])
                 load[members[i].owner] += sizes[i]
@@ -271,7 +273,7 @@ class RefreshSync:
     def _start_refresh(self, every) -> None:
         """Stage 1 (module doc): sum the statistics, flag each layer, start this rank's builds."""
         cfg = self.config
-        candidates = cfg.damping_candidates if cfg.damping is None else (cfg.damping,)
+        candidates = cfg.whitening.damping_candidates if cfg.whitening.damping is None else (cfg.whitening.damping,)
         layers = [gp for gp, _ in every]
         with self._side():
             summed = self.sum_statistics(every)  # this rank's own layers' statistics
@@ -295,7 +297,7 @@ class RefreshSync:
                 by_group.setdefault(group, []).append(gp)
             groups, owned = [], {}
             for group, members in by_group.items():
-                layouts = [record_layout(gp, cfg.rank) for gp in members]
+                layouts = [record_layout(gp, cfg.whitening.rank) for gp in members]
                 used, places = [0] * group.size(), []
                 for gp, layout in zip(members, layouts):
                     places.append(used[gp.owner])
@@ -318,7 +320,9 @@ class RefreshSync:
                     if gp.owner == group.rank()
                 ]
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
-                build = FactorBuild(mine, candidates, cfg.damping is None, self.wire, MAX_SHIFTS, SIDE_KINDS[self.side])
+                build = FactorBuild(
+                    mine, candidates, cfg.whitening.damping is None, self.wire, MAX_SHIFTS, SIDE_KINDS[self.side]
+                )
                 starts = [sum(shares[:o]) if shares else o * slot for o in range(group.size())]
                 offsets = [starts[gp.owner] + p for gp, p in zip(members, places)]
                 groups.append(_GroupRefresh(group, members, layouts, offsets, slot, build, shares))

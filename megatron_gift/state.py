@@ -94,7 +94,9 @@ class GiftState:
         """Every ``refresh_interval`` steps, and before the first interval also at steps 1, 2, 4,
         8, ...: activations drift fastest early in training, and a stale factor amplifies FP8
         error instead of shrinking it."""
-        n = self.config.refresh_interval
+        if self.config.whitening is None:  # no GIFT layer: no factor to rebuild
+            return False
+        n = self.config.whitening.refresh_interval
         return step % n == 0 or (step < n and step & (step - 1) == 0)
 
     def close_step(self) -> bool:

@@ -283,7 +283,7 @@ def reduction_errors(
     not name is ``off``; ``+out``: with the output side): the bound then follows what was sent (``T``
     and ``T_out`` only where they were applied), not what the DDP says it sent."""
     # stock Megatron's DDP (every parameter off, FP32 sums) has no codec: the default one is never read
-    codec = ddp.gift_config.codec if hasattr(ddp, "gift_config") else CodecConfig()
+    codec = ddp.gift_config.wire.codec if hasattr(ddp, "gift_config") else CodecConfig()
     bits, sigma, fmax = fp8_format(codec.fmt.dtype)
     mx = codec.scaling.value == "mx"  # power-of-two scales, rounded up: s < 2 amax / fmax
     names = {p: n for n, p in ddp.module.named_parameters()}

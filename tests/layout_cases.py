@@ -64,7 +64,7 @@ def reduce_case(case: Case, rank: int) -> dict:
         bucket_size=case.bucket_size,
         grad_reduce_in_fp32=True,
     )
-    gift = GiftConfig(
+    gift = GiftConfig.build(
         mode=Mode(case.mode),
         layers=(case.layers,),
         rank=4,

@@ -257,7 +257,7 @@ class DeltaGather:
     coded buffer) is None until the first full gather. ``ledger`` (a ``comm.quantized.CommLedger``)
     counts the bytes sent (ring all-gather: ``(p-1)`` shards or messages). ``streams`` (a
     ``comm.schedule.StageStreams``): stream 0 decodes. ``fused``: whether the codec may take the
-    fused kernels (``kernels.delta``), as ``GiftConfig.kernels``: None on CUDA, True wherever they run
+    fused kernels (``kernels.delta``), as ``GiftConfig.exchange.kernels``: None on CUDA, True wherever they run
     (the CPU too under Triton's interpreter), False never."""
 
     def __init__(self, buffers: list[torch.Tensor], group, ledger=None, streams=None, fused: bool | None = None):

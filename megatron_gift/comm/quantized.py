@@ -22,7 +22,7 @@ and ``targets`` (FP32 tensors that receive the segment's results instead of the 
 ``destination``). ``nonfinite`` (a bool tensor of one flag per stage, ``schedule.MAX_STAGES``;
 read with ``.any()``), when given, has the flag of the stage that wrote a NaN/Inf set on the
 device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
-``kernels``: whether the fused kernels run (``GiftConfig.kernels``, see ``use_kernels``).
+``kernels``: whether the fused kernels run (``GiftConfig.exchange.kernels``, see ``use_kernels``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ Whitenings = list[LowRankWhitening | None]  # per segment, None where not whiten
 
 
 def use_kernels(device: torch.device, use: bool | None, codec: CodecConfig) -> bool:
-    """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.kernels``:
+    """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.exchange.kernels``:
     None on CUDA where they are ``kernels.available``; True wherever they are available, the CPU included
     when Triton's interpreter is on (slow: for tests); False never), and never for a wire format whose
     table entry does not name them all. Every rank of a group passes the same."""

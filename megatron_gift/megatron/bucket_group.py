@@ -153,18 +153,18 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             all_reduce=all_reduce,
             ledger=ctx.state.ledger,
             nonfinite=ctx.state.nonfinite,
-            kernels=ctx.config.kernels,
+            kernels=ctx.config.exchange.kernels,
         )
-        fp4 = ctx.config.inter_node_format
+        fp4 = ctx.config.wire.inter_node_format
         if fp4.block is not None:  # four bits between nodes (input side only, no error feedback)
             common.pop("kernels")  # the PyTorch path
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
-            common["rotation"] = exchange_rotation(cfg.rotation, cfg.rotation_seed)
+            common["rotation"] = exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
             if groups.intra is not None:
-                return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.intra_node, **common)
+                return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.exchange.intra_node, **common)
             return FP4Reduce(b.grad, b.layout, groups.group, transforms, fmt, topology=groups.topology, **common)
         if groups.intra is not None and b.error_feedback is None:
-            inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.intra_node, **common)
+            inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.exchange.intra_node, **common)
         else:
             inner = QuantizedReduce(
                 b.grad,

@@ -96,7 +96,7 @@ def sharded_objects(
     for part in parts:
         if part == "expert" and not any(gp.expert for gp in ddp.gift_params.values()):
             continue
-        if part == "residuals" and not ddp.gift_config.error_feedback:
+        if part == "residuals" and not ddp.gift_config.wire.error_feedback:
             continue
         if part == "local" and not any(gp.input.stats is not None for gp in ddp.gift_params.values()):
             continue

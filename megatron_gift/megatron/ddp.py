@@ -44,7 +44,7 @@ from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, nodes_of_ranks
-from ..config import Exchange, GiftConfig, Mode, ParamGather, Rotation, Side, param_modes
+from ..config import Exchange, GiftConfig, Mode, Rotation, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
@@ -87,7 +87,7 @@ def refuse_unsupported(config, ddp_config, gift_config: GiftConfig) -> None:
             "optimizer instance: with num_distributed_optimizer_instances > 1 set --gift-log-interval 0 and "
             "choose the layers by pattern"
         )
-    if gift_config.param_gather is ParamGather.DELTA:
+    if gift_config.param_gather is not None:
         refuse_delta_param_gather(ddp_config)
 
 
@@ -99,12 +99,14 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         refuse_unsupported(config, ddp_config, self.gift_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
         self.gift_state = GiftState(self.gift_config, self._device())
-        self.refresh = RefreshSync(self.gift_state, self.gift_config.side)
+        self.refresh = RefreshSync(self.gift_state, w.side if (w := self.gift_config.whitening) else Side.INPUT)
         # names as in the model, without the prefixes of wrappers such as Float16Module
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
         modes = param_modes(named, self.gift_config)
-        if not self.gift_config.loopback:  # a group of one sends nothing: keep Megatron's gradient, bit for bit
+        if (
+            not self.gift_config.exchange.loopback
+        ):  # a group of one sends nothing: keep Megatron's gradient, bit for bit
             modes = {n: modes[n] if self._reduction_size(p) > 1 else Mode.OFF for n, p in named}
         self.monitor = Monitor(
             self.gift_config, self.set_mode, verbose=not dist.is_initialized() or dist.get_rank() == 0
@@ -124,10 +126,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             self._convert(bg, context)
         self._place_groups()
         self.param_gather_ledger = CommLedger()  # bytes of the delta parameter all-gather (not reset per step)
-        if self.gift_config.param_gather is ParamGather.DELTA:
-            cfg = self.gift_config
+        if (gather := self.gift_config.param_gather) is not None:
             enable_delta_param_gather(
-                self, cfg.param_gather_full_every, self.param_gather_ledger, cfg.param_gather_check_every, cfg.kernels
+                self, gather.full_every, self.param_gather_ledger, gather.check_every, self.gift_config.exchange.kernels
             )
         self.refresh.assign_owners(list(self._gift_layers()))
         counts = {
@@ -145,13 +146,13 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         """Where the fused kernels would run, say once at start-up that a four-bit exchange does not
         use them (they implement FP8 only): its encode and decode take the PyTorch path."""
         cfg, device = self.gift_config, self._device()
-        if cfg.inter_node_format.block is None or cfg.kernels is False:
+        if cfg.wire.inter_node_format.block is None or cfg.exchange.kernels is False:
             return
-        if (cfg.kernels or device.type == "cuda") and _kernels.available(device):
+        if (cfg.exchange.kernels or device.type == "cuda") and _kernels.available(device):
             logger.warning(
                 "megatron-gift: --gift-inter-node-format %s uses the PyTorch path: the fused Triton kernels "
                 "implement FP8 only",
-                cfg.inter_node_format.value,
+                cfg.wire.inter_node_format.value,
             )
 
     # the state the training loop, the checkpoint hooks, tests and benchmarks read
@@ -209,9 +210,9 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 self._bucket_of[id(gp)] = record
 
     def _schedule(self):
-        """``GiftConfig.schedule``, else the device's default (``comm.schedule``); the same on every
+        """``GiftConfig.exchange.schedule``, else the device's default (``comm.schedule``); the same on every
         rank (a rank with other settings would issue its collectives in another order: refused)."""
-        schedule = self.gift_config.schedule or default_schedule(self._device())
+        schedule = self.gift_config.exchange.schedule or default_schedule(self._device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, schedule.value)
@@ -227,10 +228,10 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         converted = self._converted()
         groups = [reduction_group(bg) for bg in converted]
         cfg = self.gift_config
-        rpn = nodes_of_ranks(cfg.ranks_per_node)  # the hosts, gathered once here (issue 35 item 4)
-        for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange is Exchange.AUTO)):
+        rpn = nodes_of_ranks(cfg.exchange.ranks_per_node)  # the hosts, gathered once here (issue 35 item 4)
+        for bg, placed in zip(converted, build_groups(groups, rpn, two_level=cfg.exchange.topology is Exchange.AUTO)):
             bg.gift_groups = placed
-            if placed.intra is not None and cfg.error_feedback:
+            if placed.intra is not None and cfg.wire.error_feedback:
                 logger.info(
                     "megatron-gift: error feedback keeps the flat exchange (its residual is per rank and bucket)"
                 )
@@ -240,26 +241,28 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         With four bits between nodes and no distributed optimizer, the all-reduce's shards (the plugin's
         own) are whole blocks (64 columns with the rotation); the reduce-scatter's are Megatron's."""
         cfg, dist_opt = self.gift_config, self.ddp_config.use_distributed_optimizer
-        fmt = cfg.inter_node_format
-        block = None if fmt.block is None else ROTATION_BLOCK if cfg.rotation is Rotation.HADAMARD else fmt.block
+        fmt = cfg.wire.inter_node_format
+        block = None if fmt.block is None else ROTATION_BLOCK if cfg.wire.rotation is Rotation.HADAMARD else fmt.block
         layout = BucketLayout(
             bucket.grad_data.numel(),
             shards,
             segments,
-            cfg.codec,
+            cfg.wire.codec,
             bucket.grad_data.dtype,
             align=block if block is not None and not dist_opt else 1,
         )
         layout.check(reduce_scatter=dist_opt)
         if fmt.block is not None:  # four bits between nodes: every boundary on a whole block
             layout.check_blocks(fmt.block, f"--gift-inter-node-format {fmt.value}")
-            if cfg.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
+            if cfg.wire.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
                 layout.check_blocks(ROTATION_BLOCK, "--gift-rotation hadamard")
         return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:
         return (
-            ErrorFeedback(layout.n_coded, device=bucket.grad_data.device) if self.gift_config.error_feedback else None
+            ErrorFeedback(layout.n_coded, device=bucket.grad_data.device)
+            if self.gift_config.wire.error_feedback
+            else None
         )
 
     def set_mode(self, gp: GiftParam, mode: Mode) -> None:
@@ -315,8 +318,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 continue
             gp.input.stats = KFACStatistics(
                 w.shape[1],
-                ema=self.gift_config.ema,
-                sketch=self.gift_config.sketch,
+                ema=self.gift_config.whitening.ema,
+                sketch=self.gift_config.whitening.sketch,
                 seed=gp.sketch_seed,
                 device=w.device,
             )
@@ -342,7 +345,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         """Whether GIFT layers keep output statistics: ``--gift-side both`` / ``auto`` with a low-rank
         part (a rank-0 ``T_out`` is diagonal: it scales whole rows, which the codec's row and block
         scales already do, so the reduction never applies one: ``comm.output_side``)."""
-        return self.gift_config.side is not Side.INPUT and self.gift_config.rank > 0
+        return self.gift_config.whitening is not None and self.gift_config.whitening.two_sided
 
     def _register_output_side(self, mod, gp: GiftParam, w: torch.nn.Parameter, tp_group, n_params: int):
         """``gp.output``'s statistics (``B = E[g gᵀ]`` over ``mod``'s output gradients ``g [..., w.shape[0]]``)
@@ -358,7 +361,13 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         parameters: distinct from every input seed, the same on every rank."""
         cfg = self.gift_config
         out = gp.output = SideState(
-            KFACStatistics(w.shape[0], ema=cfg.ema, sketch=cfg.sketch, seed=n_params + gp.sketch_seed, device=w.device),
+            KFACStatistics(
+                w.shape[0],
+                ema=cfg.whitening.ema,
+                sketch=cfg.whitening.sketch,
+                seed=n_params + gp.sketch_seed,
+                device=w.device,
+            ),
             [self.expt_dp_group if gp.expert else self.dp_cp_group],
         )
         row_parallel = getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", None) == 1

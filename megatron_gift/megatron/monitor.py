@@ -68,7 +68,7 @@ class Monitor:
             [
                 # the map the gradient is sent through; two-sided: no geometry (its model is input-side)
                 profile_gradient(
-                    x, self.cfg.codec, sent_map(gp), gp.input.factor if output_side(gp) is None else None, amax[k]
+                    x, self.cfg.wire.codec, sent_map(gp), gp.input.factor if output_side(gp) is None else None, amax[k]
                 )
                 for k, (x, (_, _, gp)) in enumerate(zip(grads, entries))
             ]
@@ -157,7 +157,7 @@ class Monitor:
                     "saturation": None if s is None else (s.gift_saturation if gift else s.saturation),
                     "underflow": None if s is None else (s.gift_underflow if gift else s.underflow),
                     "top_r_share": None if s is None else s.top_r_share,
-                    "bytes": wire_bytes(gp.mode, seg.rows, seg.cols, self.cfg.codec, itemsize),
+                    "bytes": wire_bytes(gp.mode, seg.rows, seg.cols, self.cfg.wire.codec, itemsize),
                     "profile": s,
                 }
             loss = None if self.loss is None else float(self.loss)

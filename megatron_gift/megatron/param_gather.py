@@ -144,7 +144,7 @@ def enable_delta_param_gather(
     without 16-bit parameters; an FP32 bucket in a converted group is the optimizer's own main
     parameters (a reconstruction would overwrite them): it is gathered as it is, in the same
     launch. ``check_every``: iterations between replica checks (0: none); ``kernels``: the fused
-    codec's setting (``GiftConfig.kernels``). The decodes of all groups run on one stream. The
+    codec's setting (``GiftConfig.exchange.kernels``). The decodes of all groups run on one stream. The
     caller refuses what cannot work first (``refuse_delta_param_gather``)."""
     converted, kept = 0, 0
     streams = None

@@ -20,7 +20,7 @@ def _worker(rank, world, bound):
 
     refresh_mod.GATHER_BOUND = bound
     group = dist.group.WORLD
-    cfg = GiftConfig(mode=Mode.GIFT, rank=4, sketch=0, refresh_interval=1)
+    cfg = GiftConfig.build(mode=Mode.GIFT, rank=4, sketch=0, refresh_interval=1)
     state = GiftState(cfg, torch.device("cpu"))
     params = []
     for name, (_, d_in) in LAYERS.items():
@@ -57,7 +57,7 @@ def _worker(rank, world, bound):
         st.install(lambda *a: None)
         installed.append({gp.name: {k: v.clone() for k, v in gp.input.whitening.tensors().items()} for gp in params})
     dist.broadcast, refresh_mod._all_gather = real_broadcast, real_gather
-    records = sum(record_layout(gp, cfg.rank).nbytes for gp in params)
+    records = sum(record_layout(gp, cfg.whitening.rank).nbytes for gp in params)
     return dict(installed=installed, received=sum(received) / 2, records=records)  # per refresh (2 refreshes)
 
 

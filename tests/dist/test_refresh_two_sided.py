@@ -133,7 +133,7 @@ def _worker(rank, world, side):
     tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp, tp = dps[rank % 2], tps[rank // 2]
     dp_ranks, all_ranks = [rank % 2, rank % 2 + 2], [0, 1, 2, 3]
-    cfg = GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0, damping_candidates=CANDS, refresh_interval=1)
+    cfg = GiftConfig.build(mode=Mode.GIFT, rank=RANK, sketch=0, damping_candidates=CANDS, refresh_interval=1)
     state = GiftState(cfg, torch.device("cpu"))
     params = []
     for i, (name, (d_out, d_in, out, sketch)) in enumerate(LAYERS.items()):
@@ -265,15 +265,15 @@ def _worker(rank, world, side):
                     ):  # NaN at 3: no B
                         b = _mean_gram(i, dp_ranks if LAYERS[gp.name][2] == "dp" else all_ranks, step - 1, 1)
                     info["b"] = b
-                    info["ref"] = _reference(a, b, grads[i], side, cfg.codec)
+                    info["ref"] = _reference(a, b, grads[i], side, cfg.wire.codec)
                     info["held_out"] = gp.input.held_out.dense() if gp.input.held_out is not None else None
                     info["out_held_out"] = (
                         output_side(gp).held_out.dense() if output_side(gp).held_out is not None else None
                     )
                     h_in, h_out = held[gp.name]  # the previous build's best pair, checked on this gradient
                     if h_in is not None:
-                        info["ref_held"] = _ref_error(grads[i], _dense(h_in), _dense(h_out), cfg.codec)
-                        info["ref_held_in"] = _ref_error(grads[i], _dense(h_in), None, cfg.codec)
+                        info["ref_held"] = _ref_error(grads[i], _dense(h_in), _dense(h_out), cfg.wire.codec)
+                        info["ref_held_in"] = _ref_error(grads[i], _dense(h_in), None, cfg.wire.codec)
                     else:
                         info["ref_held"] = info["ref_held_in"] = None
                 rec["layers"][gp.name] = info
@@ -609,7 +609,7 @@ def _two_sided_state():
     from megatron_gift.numerics.whitening import approximate_factor
     from megatron_gift.state import GiftParam, GiftState, SideState
 
-    state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
+    state = GiftState(GiftConfig.build(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
     gp = GiftParam("qkv", Mode.GIFT, candidate=True)
     gp.input.stats, gp.output = KFACStatistics(32, ema=0.5), SideState(KFACStatistics(48, ema=0.5, sketch=16, seed=3))
     return state, gp, approximate_factor
@@ -728,7 +728,7 @@ def test_a_version_1_checkpoint_loads_into_both_sides():
     data = torch.load(Path(__file__).parents[1] / "data" / "gift-state-v1.pt", weights_only=False)
     want = data["expected"]
     for state in (merge_state(data["parts"], version=1), data["state"]):
-        gs = GiftState(GiftConfig(mode=Mode.GIFT, rank=4, sketch=0), torch.device("cpu"))
+        gs = GiftState(GiftConfig.build(mode=Mode.GIFT, rank=4, sketch=0), torch.device("cpu"))
         gp = GiftParam("qkv", Mode.GIFT, candidate=True)
         gp.input.stats = KFACStatistics(12, ema=0.5)
         gp.output = SideState(KFACStatistics(16, ema=0.5, sketch=8, seed=3))
@@ -812,7 +812,7 @@ def _sum_worker(rank, world):
     tp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     me, own = inst[rank // 2], alias[rank // 2]
     groups = {"all": [everyone], "instance": [me], "alias": [own], "instance+tp": [me, tp[rank % 2]]}
-    state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
+    state = GiftState(GiftConfig.build(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
     gen = torch.Generator().manual_seed(rank)
     every, local = [], {}
     for i, (name, g) in enumerate(groups.items()):
@@ -892,7 +892,7 @@ def _few_layers_worker(rank, world):
     from megatron_gift.state import GiftParam, GiftState, SideState
 
     group = dist.new_group([0, 1, 2, 3])
-    state = GiftState(GiftConfig(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
+    state = GiftState(GiftConfig.build(mode=Mode.GIFT, rank=RANK, sketch=0), torch.device("cpu"))
     gp = GiftParam("w", Mode.GIFT, candidate=True)
     gp.input.stats, gp.input.groups = KFACStatistics(7, sketch=3, seed=1), [group]
     gp.output = SideState(KFACStatistics(5, seed=2), [group])

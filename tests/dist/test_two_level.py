@@ -475,8 +475,16 @@ def test_exchange_flags(parse):  # noqa: F811  (the fixture)
             "--gift-mode", "gift", "--gift-exchange", "flat", "--gift-intra-node", "fp8", "--gift-ranks-per-node", "4"
         )
     )
-    assert (cfg.exchange, cfg.intra_node, cfg.ranks_per_node) == (Exchange.FLAT, IntraNode.FP8, 4)
+    assert (cfg.exchange.topology, cfg.exchange.intra_node, cfg.exchange.ranks_per_node) == (
+        Exchange.FLAT,
+        IntraNode.FP8,
+        4,
+    )
     default = gift_config_from_args(parse("--gift-mode", "gift"))
-    assert (default.exchange, default.intra_node, default.ranks_per_node) == (Exchange.AUTO, IntraNode.BF16, None)
+    assert (default.exchange.topology, default.exchange.intra_node, default.exchange.ranks_per_node) == (
+        Exchange.AUTO,
+        IntraNode.BF16,
+        None,
+    )
     with pytest.raises(ValueError, match="--gift-ranks-per-node must be an integer >= 1"):
         validate_gift_args(parse("--gift-mode", "gift", "--gift-ranks-per-node", "0"))

@@ -70,11 +70,11 @@ def _worker(rank, world):
     for dist_opt in (True, False):
         out[dist_opt] = dict(
             stock=_grads(None, dist_opt),
-            gift=_grads(GiftConfig(mode=Mode.GIFT, **every), dist_opt),
-            euclidean=_grads(GiftConfig(mode=Mode.EUCLIDEAN, **every), dist_opt),
-            loopback=_grads(GiftConfig(mode=Mode.EUCLIDEAN, loopback=True, **every), dist_opt),
+            gift=_grads(GiftConfig.build(mode=Mode.GIFT, **every), dist_opt),
+            euclidean=_grads(GiftConfig.build(mode=Mode.EUCLIDEAN, **every), dist_opt),
+            loopback=_grads(GiftConfig.build(mode=Mode.EUCLIDEAN, loopback=True, **every), dist_opt),
             loopback_gift=_without_cold_start(
-                lambda: _grads(GiftConfig(mode=Mode.GIFT, loopback=True, **every), dist_opt)
+                lambda: _grads(GiftConfig.build(mode=Mode.GIFT, loopback=True, **every), dist_opt)
             ),
         )
     parallel_state.destroy_model_parallel()
@@ -131,8 +131,8 @@ def test_loopback_gift_runs_the_whitened_codec(runs, dist_opt):
 
 def test_loopback_flag():
     parser = add_gift_args(argparse.ArgumentParser())
-    assert gift_config_from_args(parser.parse_args(["--gift-mode", "euclidean", "--gift-loopback"])).loopback
-    assert not gift_config_from_args(parser.parse_args(["--gift-mode", "euclidean"])).loopback
+    assert gift_config_from_args(parser.parse_args(["--gift-mode", "euclidean", "--gift-loopback"])).exchange.loopback
+    assert not gift_config_from_args(parser.parse_args(["--gift-mode", "euclidean"])).exchange.loopback
     with pytest.raises(ValueError, match="--gift-loopback has no effect with --gift-mode off"):
         validate_gift_args(parser.parse_args(["--gift-loopback"]))
 
@@ -171,8 +171,8 @@ def _ep_worker(rank, world):
     every = dict(codec=CODEC, euclidean_layers=(".*",))
     out = dict(
         stock=_expert_grads(None, rank),
-        plugin=_expert_grads(GiftConfig(mode=Mode.EUCLIDEAN, **every), rank),
-        loopback=_expert_grads(GiftConfig(mode=Mode.EUCLIDEAN, loopback=True, **every), rank),
+        plugin=_expert_grads(GiftConfig.build(mode=Mode.EUCLIDEAN, **every), rank),
+        loopback=_expert_grads(GiftConfig.build(mode=Mode.EUCLIDEAN, loopback=True, **every), rank),
     )
     parallel_state.destroy_model_parallel()
     return out

@@ -63,7 +63,7 @@ def _misfit_worker(rank, world):
 
     def trained(hidden=64, sketch=0, steps=1, side=Side.INPUT, ffn=None):
         model = build_tiny_gpt(hidden_size=hidden, ffn_hidden_size=ffn or 2 * hidden)
-        gift = GiftConfig(
+        gift = GiftConfig.build(
             mode=Mode.GIFT, rank=8, sketch=sketch, refresh_interval=1, error_feedback=True, loopback=True, side=side
         )  # one rank: GIFT state exists only with loopback
         ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=gift)

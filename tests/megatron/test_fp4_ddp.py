@@ -24,7 +24,7 @@ def _train(dist_opt, fmt, rotation):
     parallel_state.initialize_model_parallel(1, 1)
     model = build_tiny_gpt()
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=dist_opt)
-    gift = GiftConfig(
+    gift = GiftConfig.build(
         mode=Mode.GIFT,
         rank=8,
         refresh_interval=1,
@@ -95,7 +95,7 @@ def test_fp4_warns_once_where_the_kernels_would_run(monkeypatch, caplog, kernels
 
     monkeypatch.setattr(runtime_kernels, "available", lambda device: available)
     fake = SimpleNamespace(
-        gift_config=GiftConfig(mode=Mode.GIFT, inter_node_format="mxfp4", kernels=kernels),
+        gift_config=GiftConfig.build(mode=Mode.GIFT, inter_node_format="mxfp4", kernels=kernels),
         _device=lambda: torch.device("cpu"),
     )
     with caplog.at_level("WARNING"):

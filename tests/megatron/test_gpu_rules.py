@@ -71,7 +71,7 @@ def _configs(ranks_per_node=None):
     modes = {"bf16": Mode.BF16, "euclidean": Mode.EUCLIDEAN, "gift": Mode.GIFT}
     out = {}
     for (mode_name, mode), dist_opt in itertools.product(modes.items(), (True, False)):
-        gift = GiftConfig(mode=mode, layers=(LINEAR,), euclidean_layers=(".*",), ranks_per_node=ranks_per_node)
+        gift = GiftConfig.build(mode=mode, layers=(LINEAR,), euclidean_layers=(".*",), ranks_per_node=ranks_per_node)
         out[f"{mode_name}-{'distopt' if dist_opt else 'allreduce'}"] = dict(gift=gift, dist_opt=dist_opt)
     return out
 

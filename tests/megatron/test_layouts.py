@@ -23,7 +23,7 @@ BATCH = 2
 
 
 def euclidean(**kw):
-    return GiftConfig(mode=Mode.EUCLIDEAN, codec=CodecConfig("e4m3", "block"), error_feedback=False, **kw)
+    return GiftConfig.build(mode=Mode.EUCLIDEAN, codec=CodecConfig("e4m3", "block"), error_feedback=False, **kw)
 
 
 def _gpt_case(name, dp_group, gift, ddp_kwargs=None, per_token=False, **model_kw):
@@ -134,12 +134,12 @@ def _worker(rank, world):
         _gpt_case(
             "embedding_in_gift_layers",
             dp,
-            GiftConfig(mode=Mode.GIFT, layers=(".*",), rank=8, error_feedback=False, refresh_interval=1),
+            GiftConfig.build(mode=Mode.GIFT, layers=(".*",), rank=8, error_feedback=False, refresh_interval=1),
         ),
         _gpt_case(
             "recompute_full_block_1",
             dp,
-            GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1),
+            GiftConfig.build(mode=Mode.GIFT, rank=8, refresh_interval=1),
             recompute_granularity="full",
             recompute_method="block",
             recompute_num_layers=1,

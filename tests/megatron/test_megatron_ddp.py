@@ -49,7 +49,7 @@ def _train(mode, dist_opt, overlap, bucket_size, tp, stock=False):
     if stock:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     else:
-        gift = GiftConfig(mode=mode, codec=CodecConfig("e4m3", "block"), rank=8, refresh_interval=1)
+        gift = GiftConfig.build(mode=mode, codec=CodecConfig("e4m3", "block"), rank=8, refresh_interval=1)
         ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=dist_opt), [ddp])
     dp_group = parallel_state.get_data_parallel_group()
@@ -204,7 +204,7 @@ def _nan_worker(rank, world):
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
     )
-    gift = GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True)
+    gift = GiftConfig.build(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True)
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, loss_scale=1.0, use_distributed_optimizer=True), [ddp]
@@ -284,7 +284,7 @@ def _sp_stats_worker(rank, world):
         config,
         DistributedDataParallelConfig(),
         net,
-        gift_config=GiftConfig(mode=Mode.GIFT, layers=(r"lin\.weight$",), rank=4, refresh_interval=1),
+        gift_config=GiftConfig.build(mode=Mode.GIFT, layers=(r"lin\.weight$",), rank=4, refresh_interval=1),
     )
     chunks = [torch.randn(seq // 2, batch, hidden, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ddp.zero_grad_buffer()
@@ -322,7 +322,7 @@ def _owner_build_worker(rank, world):
 
     parallel_state.initialize_model_parallel(1, 1)
     model = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
-    gift = GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True)
+    gift = GiftConfig.build(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000
     )
@@ -445,7 +445,7 @@ def _pp_worker(rank, world):
             use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=6000
         )
         model, ref_model = build_tiny_gpt(**stage), build_tiny_gpt(**stage)
-        gift = GiftConfig(mode=mode, rank=8, refresh_interval=1)
+        gift = GiftConfig.build(mode=mode, rank=8, refresh_interval=1)
         ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
         # off: stock DDP with the same buckets (bitwise); else without overlap, whose main_grad holds
         # the local gradients until finish_grad_sync
@@ -542,7 +542,7 @@ def _resume_worker(rank, world, dist_opt, gift=None, ranks_per_node=None):
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
     parallel_state.initialize_model_parallel(1, 1)
-    gift = gift or GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=2, error_feedback=True)
+    gift = gift or GiftConfig.build(mode=Mode.GIFT, rank=8, refresh_interval=2, error_feedback=True)
     dp_rank = parallel_state.get_data_parallel_rank()
 
     def build():
@@ -657,7 +657,7 @@ def _ef_invariant_worker(rank, world, side=Side.INPUT, steps=4):
         build_tiny_gpt(hidden_size=72, ffn_hidden_size=136),
         build_tiny_gpt(hidden_size=72, ffn_hidden_size=136),
     )
-    gift = GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True, damping=3.0, side=side)
+    gift = GiftConfig.build(mode=Mode.GIFT, rank=8, refresh_interval=1, error_feedback=True, damping=3.0, side=side)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=6000
     )

@@ -76,7 +76,7 @@ def moe_loss(layer, x):
 
 
 def _gift(mode, **kw):
-    return GiftConfig(
+    return GiftConfig.build(
         mode=mode, codec=CodecConfig("e4m3", "block"), rank=8, sketch=0, refresh_interval=1, error_feedback=False, **kw
     )
 

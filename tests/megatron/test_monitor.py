@@ -43,7 +43,7 @@ def _ddp(policy: PolicyConfig, side: Side = Side.INPUT):
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
 
     model = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
-    cfg = GiftConfig(
+    cfg = GiftConfig.build(
         mode=Mode.GIFT,
         codec=CodecConfig("e4m3", "block"),
         rank=8,
@@ -196,7 +196,7 @@ def _two_sided_round_trips(ddp, local) -> dict:
     from megatron_gift.megatron.bucket_group import output_side
     from megatron_gift.numerics.fp8 import decode, encode
 
-    cfg, out = ddp.gift_config.codec, {}
+    cfg, out = ddp.gift_config.wire.codec, {}
     for p, g in ddp.gift_params.items():
         o = output_side(g)
         if o is None or g.input.whitening is None:

@@ -31,7 +31,7 @@ EMA, SKETCH = 0.9, 16
 
 
 def _gift(side, **kw):
-    return GiftConfig(
+    return GiftConfig.build(
         mode=Mode.GIFT,
         codec=CodecConfig("e4m3", "block"),
         rank=8,
@@ -275,7 +275,7 @@ def _tp_case(sequence_parallel: bool):
             return (y * r_row).sum() + (self.head(y)[0] * r_head).sum()  # linear: integer output gradients
 
     net = Net()
-    gift = GiftConfig(
+    gift = GiftConfig.build(
         mode=Mode.GIFT,
         layers=(r"(col|row|head)\.weight$",),
         rank=4,

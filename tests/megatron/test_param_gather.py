@@ -204,7 +204,7 @@ def _train(rank: int, world: int, names: list[str]) -> dict:
             cfg,
             model,
             disable_bucketing=one_group,
-            gift_config=GiftConfig(param_gather=ParamGather(gather), param_gather_full_every=every),
+            gift_config=GiftConfig.build(param_gather=ParamGather(gather), param_gather_full_every=every),
         )
         opt = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp]
@@ -257,7 +257,7 @@ def _train(rank: int, world: int, names: list[str]) -> dict:
             model.config,
             DistributedDataParallelConfig(use_distributed_optimizer=False),
             model,
-            gift_config=GiftConfig(param_gather=ParamGather.DELTA),
+            gift_config=GiftConfig.build(param_gather=ParamGather.DELTA),
         )
     except ValueError as e:
         out["refused"] = str(e)
@@ -394,7 +394,7 @@ def _train_repair(rank: int, world: int) -> dict:
     parallel_state.initialize_model_parallel(1, 1)
     model = build_tiny_gpt(seed=1234, bf16=True, params_dtype=torch.bfloat16)
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20000)
-    gift = GiftConfig(param_gather=ParamGather.DELTA, param_gather_check_every=CHECK_EVERY)
+    gift = GiftConfig.build(param_gather=ParamGather.DELTA, param_gather_check_every=CHECK_EVERY)
     ddp = GiftDistributedDataParallel(model.config, cfg, model, gift_config=gift)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, loss_scale=1.0, use_distributed_optimizer=True), [ddp]
@@ -554,7 +554,9 @@ def _train_stream_order(rank: int, world: int) -> list[tuple]:
     cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=20000
     )
-    ddp = GiftDistributedDataParallel(model.config, cfg, model, gift_config=GiftConfig(param_gather=ParamGather.DELTA))
+    ddp = GiftDistributedDataParallel(
+        model.config, cfg, model, gift_config=GiftConfig.build(param_gather=ParamGather.DELTA)
+    )
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp]
     )

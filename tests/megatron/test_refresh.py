@@ -355,7 +355,7 @@ def _ddp(dist_opt: bool, interval: int, error_feedback: bool = True, log_interva
     from megatron_gift.testing.gpt import build_tiny_gpt
 
     model = build_tiny_gpt(hidden_size=72, ffn_hidden_size=136)
-    gift = GiftConfig(
+    gift = GiftConfig.build(
         mode=Mode.GIFT,
         rank=8,
         sketch=16,

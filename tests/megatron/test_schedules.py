@@ -1,6 +1,6 @@
 """The two schedules of the reduction queue (``comm.schedule``: ``eager``, every stage at the bucket's
 hook; ``lagged``, one stage per later hook) give bitwise the same gradients: for the flat exchange on
-its own, and for the DDP in training (both are reachable on a CPU through ``GiftConfig.schedule``)."""
+its own, and for the DDP in training (both are reachable on a CPU through ``GiftConfig.exchange.schedule``)."""
 
 import itertools
 
@@ -80,7 +80,7 @@ def _ddp_worker(rank, world):
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000
         )
-        gift = GiftConfig(
+        gift = GiftConfig.build(
             mode=Mode.GIFT,
             layers=(r"\.linear_(qkv|fc1|fc2)\.weight$",),
             euclidean_layers=(".*",),
@@ -112,7 +112,7 @@ def _ddp_worker(rank, world):
 def test_ddp_trains_the_same_eager_and_lagged():
     """The DDP on a CPU runs the lagged schedule by default, so a bug only the eager one has (the
     schedule a GPU with several hardware queues takes) would never show in the suite: both, set
-    through ``GiftConfig.schedule``, give the same gradients at every step (GIFT refreshes included)
+    through ``GiftConfig.exchange.schedule``, give the same gradients at every step (GIFT refreshes included)
     and the same weights, over several buckets."""
     for steps_same, weights_same, buckets in run_on_ranks(_ddp_worker, 2, cpu_harness=True, timeout=600):
         assert buckets > 1

@@ -94,7 +94,7 @@ def _statistics(model, tokens, raw=None) -> dict:
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
     from megatron_gift.testing.gpt import lm_loss
 
-    cfg = GiftConfig(mode=Mode.GIFT, rank=8, sketch=0, loopback=True)
+    cfg = GiftConfig.build(mode=Mode.GIFT, rank=8, sketch=0, loopback=True)
     ddp = GiftDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, gift_config=cfg)
     if raw is not None:
         for name, mod in model.named_modules():
@@ -146,7 +146,7 @@ def _refused() -> list[str]:
                 model.config,
                 DistributedDataParallelConfig(),
                 model,
-                gift_config=GiftConfig(mode=Mode.GIFT, rank=8, loopback=True),
+                gift_config=GiftConfig.build(mode=Mode.GIFT, rank=8, loopback=True),
             )
             out.append("accepted")
         except layer_inputs.UnknownInput as e:

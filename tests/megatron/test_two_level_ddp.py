@@ -49,7 +49,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
         average_in_collective=options.get("average", False),
         num_distributed_optimizer_instances=instances,
     )
-    gift = GiftConfig(
+    gift = GiftConfig.build(
         mode=mode,
         codec=CodecConfig("e4m3", "block"),
         rank=8,
@@ -67,7 +67,7 @@ def _train(mode, euclidean, dist_opt, overlap, tp, intra, steps=STEPS, **options
     # two-level where the reduction group (the data-parallel group, or a distributed-optimizer
     # instance's) spans 2 nodes with 2 ranks each, unless flat is asked for or error feedback is on
     group = dp_size // instances
-    flat = gift.exchange is Exchange.FLAT or gift.error_feedback or group < 4
+    flat = gift.exchange.topology is Exchange.FLAT or gift.wire.error_feedback or group < 4
     path = ReductionPath(all_reduce=not dist_opt, ranks_per_node=None if flat else 2, intra=intra)
 
     def owned(bg, bucket):  # this rank's shard in its instance (Megatron's bucket-group fields)
@@ -153,7 +153,7 @@ def _worker(rank, world):
     out["instances"] = _train(*gift, True, True, 1, "bf16", instances=2)
     parallel_state.destroy_model_parallel()
     out["resume"] = _resume_worker(
-        rank, world, True, GiftConfig(mode=Mode.GIFT, rank=8, refresh_interval=2, ranks_per_node=2)
+        rank, world, True, GiftConfig.build(mode=Mode.GIFT, rank=8, refresh_interval=2, ranks_per_node=2)
     )
     return out
 

@@ -36,7 +36,7 @@ def _train(dist_opt: bool):
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt, overlap_grad_reduce=True, bucket_size=6000
     )
-    gift = GiftConfig(
+    gift = GiftConfig.build(
         mode=Mode.GIFT,
         codec=CodecConfig("e4m3", "block"),
         rank=8,

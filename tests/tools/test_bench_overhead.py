@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from megatron_gift.config import GiftConfig
+from megatron_gift.config import WhiteningConfig
 from megatron_gift_tools.bench import overhead
 from megatron_gift_tools.cli import build_parser, main
 
@@ -42,7 +42,7 @@ def test_cli_runs_bench_overhead_quick(tmp_path, monkeypatch, capsys):
             assert r["model"] == "tiny" and r["shape"] == shape and r["seconds"] > 0 and r["samples"] >= 2
             assert r["device"] == "cpu"
         assert recs["layer_fwd_bwd"]["tokens"] == 8
-        assert recs["statistics"]["tokens"] == 8 and recs["statistics"]["sketch"] == GiftConfig().sketch == 64
+        assert recs["statistics"]["tokens"] == 8 and recs["statistics"]["sketch"] == WhiteningConfig().sketch == 64
         assert recs["copy"]["bytes_per_s"] > 0 and recs["fp8_encode_decode"]["bytes_per_s"] > 0
         assert {"whiten_encode_reference", "decode_sum_unwhiten_reference"} <= set(recs)
         assert "whiten_encode_fused" not in recs  # only where compiled Triton runs (CUDA)

@@ -14,7 +14,16 @@ from megatron_gift.arguments import (
     telemetry_dir,
     validate_gift_args,
 )
-from megatron_gift.config import GiftConfig, IntraNode, Mode, ParamGather, PolicyConfig, Side
+from megatron_gift.config import (
+    DeltaGather,
+    GiftConfig,
+    IntraNode,
+    Mode,
+    ParamGather,
+    PolicyConfig,
+    Side,
+    WhiteningConfig,
+)
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling
 
 MEGATRON_ARGV = [
@@ -90,23 +99,24 @@ def test_defaults_come_from_gift_config(parse):
     read from GiftConfig: a changed default must change this test too)."""
     cfg = gift_config_from_args(parse("--gift-mode", "gift"))
     assert cfg == GiftConfig(mode=Mode.GIFT)
-    assert (cfg.mode, cfg.codec.fmt, cfg.codec.scaling, cfg.codec.block) == (
+    assert (cfg.mode, cfg.wire.codec.fmt, cfg.wire.codec.scaling, cfg.wire.codec.block) == (
         Mode.GIFT,
         FP8Format.E4M3.wire,
         Scaling.BLOCK,
         128,
     )
-    assert (cfg.rank, cfg.sketch, cfg.damping, cfg.ema, cfg.refresh_interval) == (
+    w = cfg.whitening
+    assert (w.rank, w.sketch, w.damping, w.ema, w.refresh_interval) == (
         32,
         64,
         None,
         0.95,
         10,
     )  # damping None: auto
-    assert cfg.damping_candidates == (0.3, 1.0, 3.0, 10.0)
-    assert (cfg.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
+    assert w.damping_candidates == (0.3, 1.0, 3.0, 10.0)
+    assert (cfg.wire.error_feedback, cfg.euclidean_layers, cfg.policy, cfg.log_interval) == (False, (), None, 0)
     assert cfg.layers == (r"\.linear_(qkv|proj|fc1|fc2)\.weight$",)
-    assert cfg.side is Side.INPUT
+    assert w.side is Side.INPUT
 
 
 @pytest.mark.parametrize("intra", ["fp32", "bf16", "fp8"])
@@ -114,17 +124,17 @@ def test_intra_node_flag_reaches_the_config(parse, intra):
     """Bug caught: ``--gift-intra-node fp8`` (or fp32) dropped on its way to ``GiftConfig``, the
     two-level exchange silently running its BF16 default (tests/dist/test_wire_paths.py holds the config
     to what the intra-node stage sends)."""
-    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-intra-node", intra)).intra_node is IntraNode(
-        intra
-    )
+    assert gift_config_from_args(
+        parse("--gift-mode", "gift", "--gift-intra-node", intra)
+    ).exchange.intra_node is IntraNode(intra)
 
 
 @pytest.mark.parametrize("side", ["input", "both", "auto"])
 def test_side_flag_reaches_the_config(parse, side):
     """Bug caught: ``--gift-side both`` dropped on its way to ``GiftConfig`` (no output statistics kept,
     the run silently input-side); a spelling is accepted by ``GiftConfig`` as by its other enums."""
-    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-side", side)).side is Side(side)
-    assert GiftConfig(side=side).side is Side(side)
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-side", side)).whitening.side is Side(side)
+    assert GiftConfig.build(mode="gift", side=side).whitening.side is Side(side)
 
 
 def test_bad_side_is_refused(parse, capsys):
@@ -132,7 +142,7 @@ def test_bad_side_is_refused(parse, capsys):
         parse("--gift-mode", "gift", "--gift-side", "output")
     assert exc.value.code == 2 and "--gift-side" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'output' is not a valid Side"):
-        GiftConfig(side="output")
+        GiftConfig.build(mode="gift", side="output")
 
 
 def test_side_help_says_what_each_choice_costs():
@@ -168,6 +178,8 @@ def test_side_with_rank_zero_is_noted(parse, capsys, monkeypatch):
 
 
 def test_every_flag_maps_to_config(parse):
+    args_whitening = ("--gift-rank", "8", "--gift-sketch", "0", "--gift-refresh-interval", "10", "--gift-ema", "0.5")
+    args_whitening += ("--gift-damping", "0.01")
     args = parse(
         "--gift-mode",
         "euclidean",
@@ -199,7 +211,7 @@ def test_every_flag_maps_to_config(parse):
         "--gift-telemetry-dir",
         "/tmp/run",
     )
-    assert gift_config_from_args(args) == GiftConfig(
+    assert gift_config_from_args(args) == GiftConfig.build(
         mode=Mode.EUCLIDEAN,
         codec=CodecConfig(FP8Format.E5M2, Scaling.ROW, 64),
         rank=8,
@@ -212,12 +224,17 @@ def test_every_flag_maps_to_config(parse):
         euclidean_layers=("word_embeddings", "output_layer"),
         log_interval=5,
     )
+    assert gift_config_from_args(args).whitening is None  # Euclidean: the whitening flags have no effect
+    whitening = gift_config_from_args(parse("--gift-mode", "gift", *args_whitening)).whitening
+    assert whitening == WhiteningConfig(rank=8, sketch=0, damping=0.01, ema=0.5, refresh_interval=10)
     assert telemetry_dir(args) == "/tmp/run"
     validate_gift_args(args, NAMED_PARAMS)
     for mode in ("bf16", "gift"):
         assert gift_config_from_args(parse("--gift-mode", mode)).mode is Mode(mode)
-    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-scaling", "mx")).codec.block == 32
-    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-damping", "auto")).damping is None  # per layer
+    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-scaling", "mx")).wire.codec.block == 32
+    assert (
+        gift_config_from_args(parse("--gift-mode", "gift", "--gift-damping", "auto")).whitening.damping is None
+    )  # per layer
 
 
 @pytest.mark.parametrize(
@@ -503,15 +520,15 @@ def test_argparse_errors_print_on_rank_0_only(parse, capsys, monkeypatch):
 def test_param_gather_flags_map_to_config_with_or_without_a_mode(parse):
     """Catches --gift-param-gather delta being dropped with --gift-mode off (the plugin must wrap the
     model for the parameter all-gather alone) and a default other than Megatron's own gather."""
-    assert parse().gift_param_gather == GiftConfig().param_gather.value == "bf16"
-    assert GiftConfig().param_gather_full_every == 0
+    assert parse().gift_param_gather == "bf16" and GiftConfig().param_gather is None
+    assert DeltaGather().full_every == 0
     args = parse("--gift-param-gather", "delta", "--gift-param-gather-full-every", "50", "--use-distributed-optimizer")
-    assert gift_config_from_args(args) == GiftConfig(param_gather=ParamGather.DELTA, param_gather_full_every=50)
+    assert gift_config_from_args(args) == GiftConfig.build(param_gather=ParamGather.DELTA, param_gather_full_every=50)
     validate_gift_args(args, NAMED_PARAMS)  # mode off: no --gift-layers pattern to match
     cfg = gift_config_from_args(
         parse("--gift-mode", "euclidean", "--gift-param-gather", "delta", "--use-distributed-optimizer")
     )
-    assert (cfg.mode, cfg.param_gather) == (Mode.EUCLIDEAN, ParamGather.DELTA)
+    assert (cfg.mode, cfg.param_gather) == (Mode.EUCLIDEAN, DeltaGather())
 
 
 @pytest.mark.parametrize("mode", ["off", "gift"])

@@ -145,7 +145,7 @@ def test_four_bit_wire_chooses_on_its_own_errors():
         errs[c] = float(((q(u) - u) @ t_inv).norm())
     ranked = sorted(candidates, key=errs.get)
     assert errs[ranked[1]] > 1.1 * errs[ranked[0]]  # the premise: a clear winner
-    cfg = GiftConfig(inter_node_format=InterNodeFormat.NVFP4, rotation=Rotation.HADAMARD, rotation_seed=3)
+    cfg = GiftConfig.build(inter_node_format=InterNodeFormat.NVFP4, rotation=Rotation.HADAMARD, rotation_seed=3)
     chosen = {}
     for name, wire in (("nvfp4", damping_wire(cfg)), ("fp8", damping_wire(GiftConfig()))):
         layer = OwnedLayer(
@@ -157,4 +157,4 @@ def test_four_bit_wire_chooses_on_its_own_errors():
         build.finish(parts, [rec])
         chosen[name] = dict(zip(HEADER, rec["header"].tolist()))["damping"]  # the best candidate (kept T)
     assert chosen["nvfp4"] == ranked[0] and chosen["fp8"] != ranked[0], (chosen, errs)
-    assert damping_wire(GiftConfig()) == GiftConfig().codec
+    assert damping_wire(GiftConfig()) == GiftConfig().wire.codec

@@ -22,11 +22,13 @@ def parse(*flags):
 def test_inter_node_format_flag_reaches_the_config(fmt):
     """Bug caught: ``--gift-inter-node-format nvfp4`` dropped on its way to ``GiftConfig`` (the exchange
     silently sending FP8), or its default not FP8 (a run that never asked for four bits getting them)."""
-    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-inter-node-format", fmt)).inter_node_format is (
-        InterNodeFormat(fmt)
-    )
-    assert gift_config_from_args(parse("--gift-mode", "gift")).inter_node_format is InterNodeFormat.FP8
-    assert GiftConfig(inter_node_format=fmt).inter_node_format is InterNodeFormat(fmt)  # a spelling, as other enums
+    assert gift_config_from_args(
+        parse("--gift-mode", "gift", "--gift-inter-node-format", fmt)
+    ).wire.inter_node_format is (InterNodeFormat(fmt))
+    assert gift_config_from_args(parse("--gift-mode", "gift")).wire.inter_node_format is InterNodeFormat.FP8
+    assert GiftConfig.build(inter_node_format=fmt).wire.inter_node_format is InterNodeFormat(
+        fmt
+    )  # a spelling, as other enums
 
 
 def test_block_sizes_are_the_formats():
@@ -143,8 +145,8 @@ def test_rotation_flag_reaches_the_config_with_the_seed():
     args = parse("--gift-mode", "gift", "--gift-inter-node-format", "nvfp4", "--gift-rotation", "hadamard")
     args.seed = 1234  # Megatron's flag
     cfg = gift_config_from_args(args)
-    assert cfg.rotation.value == "hadamard" and cfg.rotation_seed == 1234
-    assert gift_config_from_args(parse("--gift-mode", "gift")).rotation.value == "none"
+    assert cfg.wire.rotation.value == "hadamard" and cfg.wire.rotation_seed == 1234
+    assert gift_config_from_args(parse("--gift-mode", "gift")).wire.rotation.value == "none"
     with pytest.raises(ValueError) as exc:
         gift_config_from_args(parse("--gift-mode", "gift", "--gift-rotation", "hadamard"))
     assert "--gift-rotation hadamard" in str(exc.value) and "--gift-inter-node-format" in str(exc.value)
@@ -173,6 +175,6 @@ def test_fp4_with_tensor_scaling_is_refused_naming_both_flags(fmt):
     msg = str(exc.value)
     assert msg.startswith("megatron-gift: ") and "\n" not in msg
     assert "--gift-scaling" in msg and f"--gift-inter-node-format {fmt}" in msg
-    assert gift_config_from_args(parse("--gift-mode", "gift", "--gift-inter-node-format", fmt)).codec.scaling.value == (
-        "block"
-    )
+    assert gift_config_from_args(
+        parse("--gift-mode", "gift", "--gift-inter-node-format", fmt)
+    ).wire.codec.scaling.value == ("block")

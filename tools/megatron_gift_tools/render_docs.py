@@ -171,12 +171,122 @@ def fp4_schemes(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+FLAG_ADVICE = {  # docs/flags.md's last column: when to change each flag
+    "--gift-mode": "to turn the plugin on: `euclidean`, the recommended mode",
+    "--gift-layers": "to restrict FP8 to some layers, or to try `auto`",
+    "--gift-euclidean-layers": "to shrink the remaining FP32 traffic (`'.*'`: everything)",
+    "--gift-fp8-format": "rarely: E5M2 doubled the error in [benchmarks](benchmarks.md)",
+    "--gift-scaling": "to reproduce the paper (`tensor`)",
+    "--gift-block-size": "rarely; each block adds a 4-byte FP32 scale ([codec](codec.md))",
+    "--gift-error-feedback": "an experiment (extra memory: [memory](memory.md))",
+    "--gift-rank": "`gift` only; must not exceed a GIFT layer's input size",
+    "--gift-sketch": "`gift` only; >= `--gift-rank`",
+    "--gift-refresh-interval": "`gift` only; larger costs less traffic, a staler factor ([fidelity](fidelity.md))",
+    "--gift-ema": "`gift` only",
+    "--gift-damping": "`gift` only; a number fixes it for every layer",
+    "--gift-side": (
+        "`gift` only; `both` lowers the error per layer for more refresh bytes and, with the distributed "
+        "optimizer, an FP32 all-reduce per bucket and step "
+        "([costs](fidelity.md#what-two-sided-whitening-costs))"
+    ),
+    "--gift-profile-steps": "`auto` only",
+    "--gift-profile-interval": "`auto` only; larger costs less ([telemetry](telemetry.md))",
+    "--gift-policy-margin": "`auto` only",
+    "--gift-policy-hysteresis": "`auto` only",
+    "--gift-bf16-bound": "`auto` only",
+    "--gift-log-interval": "to watch fidelity during a run ([telemetry](telemetry.md))",
+    "--gift-telemetry-dir": "with `--gift-log-interval` and no `--save`",
+    "--gift-exchange": "`flat` only to compare; error feedback keeps the flat exchange",
+    "--gift-intra-node": "`fp8` only if NVLink is the bottleneck (quantizes twice: +36-38% RelL2 in `bench comm`)",
+    "--gift-inter-node-format": "an experiment: about 5x FP8's error, which GIFT reduces (issue 36)",
+    "--gift-rotation": (
+        "an experiment: issue 36 measured 0.61x of Euclidean NVFP4's error for GIFT then Hadamard, 0.76x for GIFT alone"
+    ),
+    "--gift-ranks-per-node": "to simulate nodes on one machine",
+    "--gift-schedule": "rarely; the same on every rank (refused otherwise)",
+    "--gift-loopback": (
+        "only to measure the plugin's on-GPU cost on one GPU ([gpu check](gpu-check.md)); without it a "
+        "group of one keeps Megatron's gradient bit for bit"
+    ),
+    "--gift-param-gather": "where the parameter all-gather is exposed; needs `--use-distributed-optimizer`",
+    "--gift-param-gather-full-every": "rarely: to put the weights back on `bf16(main)` periodically",
+    "--gift-allow-untested-megatron": (
+        "at your own risk after an upgrade: the plugin re-implements some Megatron methods ([support "
+        "matrix](support-matrix.md))"
+    ),
+}
+
+FLAGS_THAT_MATTER = {  # README.md's short table: flag -> what it does, in a few words
+    "--gift-mode": "the linear layers' gradients: Megatron's own, BF16, plain FP8, whitened FP8",
+    "--gift-param-gather": "with `--use-distributed-optimizer`: send each shard's change in 1 + 1/32 B per element",
+    "--gift-exchange": "two-level exchange (intra-node, then FP8 between nodes) where a node holds several DP ranks",
+    "--gift-layers": "which parameters use `--gift-mode`; `auto` picks per layer by measurement",
+    "--gift-side": "GIFT: whiten the input side, or both sides of each gradient",
+    "--gift-log-interval": "per-layer error, modes and bytes in the log and `gift_telemetry.jsonl`",
+}
+
+
+def _flag_cells(action) -> tuple[str, str, str]:
+    """A ``--gift-*`` flag as the tables show it: its spelling with choices or metavar, its default, its help."""
+    flag = action.option_strings[0]
+    if action.choices:
+        spelled = f"{flag} {{{','.join(map(str, action.choices))}}}"
+    elif action.nargs == 0:
+        spelled = flag
+    else:
+        spelled = f"{flag} {action.metavar or 'N'}" + ("..." if action.nargs == "+" else "")
+    default = action.default
+    if isinstance(default, list):
+        default = " ".join(default) if default else "none"
+    elif default is None or default is False:
+        default = "off" if action.nargs == 0 else "none"
+    helped = action.help % {"default": default} if action.help else ""
+    return spelled.replace("|", "\\|"), str(default).replace("|", "\\|"), helped.replace("|", "\\|")
+
+
+def _gift_groups():
+    from megatron_gift.arguments import CONCERNS, add_gift_args
+
+    parser = add_gift_args(argparse.ArgumentParser())
+    titles = {title: concern for concern, (title, _) in CONCERNS.items()}
+    return [(titles[g.title], g) for g in parser._action_groups if g.title in titles]
+
+
+def flag_tables(results: Path) -> str:
+    """docs/flags.md: every ``--gift-*`` flag, one table per concern of ``GiftConfig`` (the argument
+    groups of ``add_gift_args``), with its default and help from the parser and when to change it."""
+    from megatron_gift.arguments import CONCERNS
+
+    out = []
+    for concern, group in _gift_groups():
+        title, description = CONCERNS[concern]
+        out += [f"### {title}", "", f"{description}.", "", "| flag | default | what it does | change it when |"]
+        out.append("|---|---|---|---|")
+        for action in group._group_actions:
+            spelled, default, helped = _flag_cells(action)
+            out.append(f"| `{spelled}` | `{default}` | {helped} | {FLAG_ADVICE[action.option_strings[0]]} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def flags_that_matter(results: Path) -> str:
+    """README.md's short table: the flags a first run needs, spelled and defaulted as the parser has them."""
+    actions = {a.option_strings[0]: a for _, g in _gift_groups() for a in g._group_actions}
+    out = ["| flag | default | what it does |", "|---|---|---|"]
+    for flag, what in FLAGS_THAT_MATTER.items():
+        spelled, default, _ = _flag_cells(actions[flag])
+        out.append(f"| `{spelled}` | `{default}` | {what} |")
+    return "\n".join(out) + "\n"
+
+
 RENDERERS = {
     "fp4-schemes": fp4_schemes,
     "decision": decision,
     "planner-600m": planner_600m,
     "fidelity-pretrained": fidelity_pretrained,
     "training-fp4": training_fp4,
+    "flag-tables": flag_tables,
+    "flags-that-matter": flags_that_matter,
 }
 
 

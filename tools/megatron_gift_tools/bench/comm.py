@@ -30,12 +30,12 @@ import time
 
 import torch
 
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.config import GiftConfig, Mode, WhiteningConfig
 from megatron_gift.numerics.fp8 import CodecConfig
 
 MODES = ("fp32", "bf16", "euclidean-e4m3", "gift-e4m3")
 LINEAR = r"\.linear_(qkv|proj|fc1|fc2)\.weight$"
-REFRESH_INTERVAL = GiftConfig().refresh_interval
+REFRESH_INTERVAL = WhiteningConfig().refresh_interval
 REFRESH_COLLECTIVES = (
     "all_reduce/fp32",
     "reduce_scatter/fp32",
@@ -52,7 +52,7 @@ def gift_config(mode: str, codec: CodecConfig) -> GiftConfig | None:
     kind = Mode.GIFT if mode.startswith("gift") else Mode.EUCLIDEAN
     # The factor is refreshed every step here (the freshest the plugin has: one step old); its bytes are
     # amortized over the default interval below.
-    return GiftConfig(mode=kind, codec=codec, layers=(LINEAR,), euclidean_layers=(".*",), refresh_interval=1)
+    return GiftConfig.build(mode=kind, codec=codec, layers=(LINEAR,), euclidean_layers=(".*",), refresh_interval=1)
 
 
 def megatron_ring_bytes(ddp, dist_opt: bool) -> int:

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gift.config import GiftConfig
+from megatron_gift.config import GiftConfig, WhiteningConfig
 from megatron_gift.numerics import (
     CodecConfig,
     FP8Format,
@@ -132,8 +132,8 @@ class GiftScheme:
     per_refresh: bool = False
 
     @classmethod
-    def from_config(cls, cfg: GiftConfig) -> GiftScheme:
-        return cls(cfg.rank, cfg.sketch, cfg.ema, cfg.refresh_interval, cfg.damping, cfg.damping_candidates)
+    def from_config(cls, w: WhiteningConfig) -> GiftScheme:
+        return cls(w.rank, w.sketch, w.ema, w.refresh_interval, w.damping, w.damping_candidates)
 
     def is_refresh(self, step: int) -> bool:
         """``GiftState.is_refresh_step``'s schedule for this interval."""
@@ -141,8 +141,8 @@ class GiftScheme:
         return step % n == 0 or (step < n and step & (step - 1) == 0)
 
 
-DEFAULT = GiftScheme.from_config(GiftConfig())
-"""What ships: ``GiftConfig()``'s statistics, refresh, rank and damping choice."""
+DEFAULT = GiftScheme.from_config(WhiteningConfig())
+"""What ships: ``WhiteningConfig()``'s statistics, refresh, rank and damping choice."""
 PAPER = GiftScheme(rank=32, sketch=0, ema=0.95, refresh_interval=50, damping=1e-3, per_refresh=True)
 """The paper's artifact: exact statistics every 50 steps, EMA per refresh, damping 1e-3, rank 32."""
 
@@ -228,7 +228,7 @@ def schemes(cfg: FidelityConfig | None = None) -> list[Scheme]:
     return (
         [Scheme("bf16")]
         + [Scheme(family, c, s) for family in ("euclid", *GIFT_FAMILIES) for c, s in CODECS]
-        + [Scheme(family, GiftConfig().codec) for family in PLUGIN]
+        + [Scheme(family, GiftConfig().wire.codec) for family in PLUGIN]
     )
 
 
@@ -330,7 +330,7 @@ def measure_layer(
         return rec
 
     if plugin is not None:
-        codec = GiftConfig().codec
+        codec = GiftConfig().wire.codec
         for family, side in PLUGIN.items():
             t, label = plugin.sent.get((side, True), (None, "none"))
             rec = {
@@ -365,7 +365,7 @@ def measure_layer(
                 results.append(compared(rec, scheme.codec_name))
                 if fam == family:
                     measured[scheme.codec_name] = rec["ratio_vs_euclid"]
-                    if codec == GiftConfig().codec and not shared and whitening is not None:
+                    if codec == GiftConfig().wire.codec and not shared and whitening is not None:
                         shipped = (factor.with_damping(damping), whitening)
         if shipped is not None:  # the factor and T of the configured codec's damping (nothing to predict where T = I)
             geo = _geometry(stack, truth, *shipped)
@@ -542,7 +542,7 @@ def _prediction_fit(geometry: list[dict]) -> list[dict]:
 def _gift_vs_best_euclid(results: list[dict]) -> list[dict]:
     """Geomean and worst of ``ratio_vs_best_euclid`` per tokens per rank (``all``: both), GIFT family
     and layer type (``all``: every layer), for the configured codec (E4M3, 1x128 blocks)."""
-    codec = GiftConfig().codec.name
+    codec = GiftConfig().wire.codec.name
     groups = defaultdict(list)
     for r in results:
         family = r["scheme"].removesuffix(f"-{codec}")
@@ -565,7 +565,7 @@ def _gift_vs_best_euclid(results: list[dict]) -> list[dict]:
 
 def _damping_choices(results: list[dict]) -> dict:
     """How often the default scheme chose each damping (or Euclidean), per layer type, configured codec."""
-    name = Scheme("gift", GiftConfig().codec).name
+    name = Scheme("gift", GiftConfig().wire.codec).name
     out = defaultdict(lambda: defaultdict(int))
     for r in results:
         if r["scheme"] == name:
@@ -576,7 +576,7 @@ def _damping_choices(results: list[dict]) -> dict:
 def _plugin_per_step(results: list[dict]) -> list[dict]:
     """Per step and plugin scheme: geomean and worst ``ratio_vs_best_euclid`` over the layers and
     batch sizes, and how many records were sent whitened (a damping other than Euclidean or none)."""
-    names = {Scheme(f, GiftConfig().codec).name: f for f in PLUGIN}
+    names = {Scheme(f, GiftConfig().wire.codec).name: f for f in PLUGIN}
     groups = defaultdict(list)
     for r in results:
         if r["scheme"] in names:
@@ -612,7 +612,7 @@ def summarize(results: list[dict], geometry: list[dict], cold_points: tuple[int,
 def _losses(results: list[dict]) -> list[dict]:
     """Records of the default scheme and the plugin's (configured codec) whose RelL2 exceeds the best
     Euclidean's by more than ``noise_vs_best_euclid`` (twice the combined standard error)."""
-    names = {Scheme(f, GiftConfig().codec).name for f in ("gift", *PLUGIN)}
+    names = {Scheme(f, GiftConfig().wire.codec).name for f in ("gift", *PLUGIN)}
     return [
         {
             k: r[k]
@@ -679,7 +679,7 @@ def _best_euclid_table(summary: dict) -> str:
         for t in tokens
     ]
     title = (
-        f"GIFT / best Euclidean ({' or '.join(BEST_EUCLID)}) RelL2, {GiftConfig().codec.name}, geometric mean "
+        f"GIFT / best Euclidean ({' or '.join(BEST_EUCLID)}) RelL2, {GiftConfig().wire.codec.name}, geometric mean "
         "over layers and steps"
     )
     return f"{title}\n\n" + _md_table(["scheme", "tokens/rank", *cols, "worst record"], rows)
@@ -734,7 +734,8 @@ def format_tables(report: dict) -> str:
         _ratio_table(summary),
         _fit_table(summary),
         _plugin_table(summary),
-        f"Records of gift-{GiftConfig().codec.name} and the plugin's schemes above the best Euclidean by more than "
+        f"Records of gift-{GiftConfig().wire.codec.name} and the plugin's schemes above the best Euclidean by more "
+        "than "
         f"twice the combined standard error of the two RelL2s: {len(summary['gift_above_best_euclid_beyond_noise'])}",
     ]
     if summary.get("fp4"):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gift.config import GiftConfig
+from megatron_gift.config import WhiteningConfig
 from megatron_gift.numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling
 from megatron_gift.numerics.profile import choose_damping
 from megatron_gift.numerics.whitening import factors_by_rank
@@ -95,7 +95,7 @@ class AxesConfig:
     dampings: tuple[float, ...] = (1e-3, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
     gift_ranks: tuple[int, ...] = (0, 8, 32, 64)
     rank: int = 32
-    candidates: tuple[float, ...] = GiftConfig().damping_candidates
+    candidates: tuple[float, ...] = WhiteningConfig().damping_candidates
     default: Schedule = Schedule(0.95, 10, lag=1)  # what the plugin runs
     schedules: tuple[Schedule, ...] = (
         Schedule(0.95, 50, True),

@@ -1,5 +1,5 @@
 """GPU check, training step: a single-GPU Megatron GPTModel training step per gradient mode, with
-the plugin's codec forced on (``GiftConfig.loopback``: encode, decode, FP32 sum, unwhiten, nothing
+the plugin's codec forced on (``GiftConfig.exchange.loopback``: encode, decode, FP32 sum, unwhiten, nothing
 sent) although the data-parallel group has one rank, so that the plugin's whole on-GPU cost per
 step shows against ``--gift-mode off`` (stock Megatron DDP).
 
@@ -81,8 +81,8 @@ def gift_config(mode: str) -> GiftConfig | None:
     if mode.startswith("off"):
         return None
     if mode == "gift-lagged":
-        return GiftConfig(mode=Mode.GIFT, loopback=True, schedule=Schedule.LAGGED)
-    return GiftConfig(mode=Mode(mode), loopback=True)
+        return GiftConfig.build(mode=Mode.GIFT, loopback=True, schedule=Schedule.LAGGED)
+    return GiftConfig.build(mode=Mode(mode), loopback=True)
 
 
 def _sync(device: torch.device) -> None:

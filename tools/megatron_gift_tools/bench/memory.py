@@ -115,7 +115,7 @@ def _measure(name: str, spec: dict) -> dict:
         if CONFIGS[name] is None:
             ddp = DistributedDataParallel(model.config, ddp_config, model)
         else:
-            gift = GiftConfig(**CONFIGS[name])
+            gift = GiftConfig.build(**CONFIGS[name])
             ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
 
         def step(i: int) -> None:

@@ -46,7 +46,7 @@ import time
 import torch
 
 from megatron_gift import kernels
-from megatron_gift.config import GiftConfig
+from megatron_gift.config import WhiteningConfig
 from megatron_gift.numerics.fp8 import CodecConfig, decode, encode
 from megatron_gift.numerics.kfac import KFACStatistics, sketch_matrix
 from megatron_gift.numerics.whitening import LowRankFactor, LowRankWhitening, factor_from_sketch
@@ -55,8 +55,8 @@ from megatron_gift_tools.demo import PRESETS
 from megatron_gift_tools.planner.workloads import PRESETS as LLAMA
 from megatron_gift_tools.planner.workloads import layer_shapes
 
-RANK = GiftConfig().rank
-SKETCH = GiftConfig().sketch
+RANK = WhiteningConfig().rank
+SKETCH = WhiteningConfig().sketch
 RANKS = 8  # data-parallel ranks whose messages one rank decodes and sums (one 8-GPU node)
 
 _DIMS = ("layers", "hidden", "heads", "ffn", "seq")
@@ -163,7 +163,7 @@ def measure_layer(
     a = factor.dense()
     y, diag = (a @ omega.double()).float(), a.diagonal().float()
     paths["factor_build"] = (lambda: LowRankWhitening(factor_from_sketch(y, omega, diag, RANK)), None)
-    stats = KFACStatistics(d_in, ema=GiftConfig().ema, sketch=SKETCH, device=device)
+    stats = KFACStatistics(d_in, ema=WhiteningConfig().ema, sketch=SKETCH, device=device)
     paths["statistics"] = (lambda: (stats.accumulate(xl), stats.fold()), None)
     records = []
     for path, (fn, nbytes) in paths.items():

@@ -131,7 +131,7 @@ def _rank_main(rank: int, world: int, spec: dict) -> list[dict]:
                 use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=spec["bucket_size"]
             )
             ddp = GiftDistributedDataParallel(
-                model.config, ddp_config, model, gift_config=GiftConfig(param_gather=ParamGather(gather))
+                model.config, ddp_config, model, gift_config=GiftConfig.build(param_gather=ParamGather(gather))
             )
             opt = get_megatron_optimizer(
                 OptimizerConfig(

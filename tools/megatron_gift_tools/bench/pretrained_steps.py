@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gift.config import GiftConfig
+from megatron_gift.config import GiftConfig, Mode
 from megatron_gift.numerics import CodecConfig, FP8Format, KFACStatistics, LowRankWhitening, Scaling, TwoSidedWhitening
 from megatron_gift.numerics.refresh import RecordLayout
 from megatron_gift.state import GiftState
@@ -60,7 +60,7 @@ from megatron_gift_tools.bench.fidelity import CHUNKS, rel_l2_noise, torch_threa
 from megatron_gift_tools.bench.llama import layer_type, lm_loss
 from megatron_gift_tools.bench.plugin_sim import BLOCK, GiftLayer
 
-DEFAULTS = GiftConfig()
+DEFAULTS = GiftConfig(mode=Mode.GIFT)
 ROW = CodecConfig(FP8Format.E4M3, Scaling.ROW)
 RANK_AXIS = {"qkv": 64, "fc1": 64}  # layer type -> the other rank measured (sketch 2x)
 
@@ -187,7 +187,10 @@ def two_sided_bytes(dims: dict, cfg: GiftConfig = DEFAULTS) -> list[dict]:
     and of the ``refresh_interval`` steps one refresh serves in steady training."""
     out = []
     for (model, lt), (d_in, d_out) in sorted(dims.items()):
-        inp, outp = refresh_bytes(d_in, cfg.rank, cfg.sketch), refresh_bytes(d_out, cfg.rank, cfg.sketch)
+        inp, outp = (
+            refresh_bytes(d_in, cfg.whitening.rank, cfg.whitening.sketch),
+            refresh_bytes(d_out, cfg.whitening.rank, cfg.whitening.sketch),
+        )
         both = sum(inp.values()) + sum(outp.values())
         out.append(
             dict(
@@ -199,8 +202,8 @@ def two_sided_bytes(dims: dict, cfg: GiftConfig = DEFAULTS) -> list[dict]:
                 output=outp,
                 both=both,
                 fp8_gradient_bytes=d_in * d_out,
-                input_share=sum(inp.values()) / (cfg.refresh_interval * d_in * d_out),
-                both_share=both / (cfg.refresh_interval * d_in * d_out),
+                input_share=sum(inp.values()) / (cfg.whitening.refresh_interval * d_in * d_out),
+                both_share=both / (cfg.whitening.refresh_interval * d_in * d_out),
             )
         )
     return out
@@ -222,8 +225,10 @@ def run_model(
     gift = {}
     for i, (name, m) in enumerate(layers.items()):
         d = m.in_features
-        b = KFACStatistics(m.out_features, cfg.ema, cfg.sketch, seed=len(layers) + i)
-        g = {"main": GiftLayer(KFACStatistics(d, cfg.ema, cfg.sketch, seed=i), cfg.rank, b)}
+        b = KFACStatistics(m.out_features, cfg.whitening.ema, cfg.whitening.sketch, seed=len(layers) + i)
+        g = {
+            "main": GiftLayer(KFACStatistics(d, cfg.whitening.ema, cfg.whitening.sketch, seed=i), cfg.whitening.rank, b)
+        }
         for f in formats:  # the input side's damping also chosen on each FP4 wire's own errors
             if f in fp4_schemes.FP4_FORMATS and d % fp4_schemes.HADAMARD_BLOCK == 0:
                 fmt = fp4_schemes.FP4_FORMATS[f]
@@ -232,7 +237,7 @@ def run_model(
                 g["main"].quantizers[(f, "gift+hadamard")] = fp4_schemes.wire_roundtrip(fmt, rot)
         if layer_type(name) in RANK_AXIS:
             r = RANK_AXIS[layer_type(name)]
-            g["r64"] = GiftLayer(KFACStatistics(d, cfg.ema, 2 * r, seed=i), r)
+            g["r64"] = GiftLayer(KFACStatistics(d, cfg.whitening.ema, 2 * r, seed=i), r)
         gift[name] = g
     schedule = GiftState(cfg, "cpu")
     records = []
@@ -296,7 +301,7 @@ def _measure_step(
         for v in gift[name].values():
             v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
             if refresh:
-                v.refresh(stack[0], cfg.damping_candidates)
+                v.refresh(stack[0], cfg.whitening.damping_candidates)
     return records
 
 
@@ -381,7 +386,7 @@ def rank_axis(records: list[dict], dims: dict) -> list[dict]:
                 d_in=d_in,
                 ratio_r32=_geomean(sel("gift-input")),
                 ratio_r64=_geomean(sel("gift-input-r64")),
-                bytes_r32=refresh_bytes(d_in, DEFAULTS.rank, DEFAULTS.sketch),
+                bytes_r32=refresh_bytes(d_in, DEFAULTS.whitening.rank, DEFAULTS.whitening.sketch),
                 bytes_r64=refresh_bytes(d_in, r2, 2 * r2),
             )
         )
@@ -511,11 +516,11 @@ def run(
         wall_seconds=round(time.time() - t0, 1),
         load_average=dict(start=load, end=os.getloadavg()),
         settings=dict(
-            rank=DEFAULTS.rank,
-            sketch=DEFAULTS.sketch,
-            ema=DEFAULTS.ema,
-            refresh_interval=DEFAULTS.refresh_interval,
-            damping_candidates=list(DEFAULTS.damping_candidates),
+            rank=DEFAULTS.whitening.rank,
+            sketch=DEFAULTS.whitening.sketch,
+            ema=DEFAULTS.whitening.ema,
+            refresh_interval=DEFAULTS.whitening.refresh_interval,
+            damping_candidates=list(DEFAULTS.whitening.damping_candidates),
             lag=1,
             noise_chunks=CHUNKS,
             threads=dict(model=torch.get_num_threads(), measurement=MEASURE_THREADS),

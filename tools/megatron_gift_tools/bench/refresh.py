@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gift import refresh_sync as refresh_mod
-from megatron_gift.config import GiftConfig, Mode
+from megatron_gift.config import GiftConfig, Mode, WhiteningConfig
 from megatron_gift.numerics.kfac import KFACStatistics
 from megatron_gift.numerics.refresh import RecordLayout
 from megatron_gift.refresh_sync import RefreshSync
@@ -92,7 +92,9 @@ def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
     for layer in range(model["layers"]):
         for name, (d_out, d_in) in layer_shapes(model).items():
             g = GiftParam(f"{layer}.{name}", Mode.GIFT, candidate=True, sketch_seed=len(params))
-            g.input.stats = KFACStatistics(d_in, ema=cfg.ema, sketch=cfg.sketch, seed=len(params), device=device)
+            g.input.stats = KFACStatistics(
+                d_in, ema=cfg.whitening.ema, sketch=cfg.whitening.sketch, seed=len(params), device=device
+            )
             g.input.stats.accumulate(torch.randn(256, d_in, generator=gen).to(device))
             g.input.stats.fold()
             g.input.groups = [group]
@@ -143,7 +145,9 @@ def measure(model_name: str, dp: int, device: torch.device) -> dict:
     for s, counted in zip(stages, _refresh(layers, cfg, device, count_ops=True)[1]):
         s["aten_ops"] = counted["aten_ops"]
     owned = [g for g, _, gr in layers if gr is not None]
-    records = [RecordLayout(g.input.stats.d_in, g.input.stats.factor_rank(cfg.rank)).nbytes for g, _, _ in layers]
+    records = [
+        RecordLayout(g.input.stats.d_in, g.input.stats.factor_rank(cfg.whitening.rank)).nbytes for g, _, _ in layers
+    ]
     slot = max(sum(b for (g, _, _), b in zip(layers, records) if g.owner == r) for r in range(dp))
     assert st.state.last_step_bytes.get("all_gather/factors", 0) == (dp - 1) * slot  # the ledger counts what is sent
     return dict(
@@ -191,10 +195,10 @@ def run(quick: bool, json_path: str | None, device: str | None = None, command: 
             gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         ),
         config=dict(
-            rank=GiftConfig().rank,
-            sketch=GiftConfig().sketch,
+            rank=WhiteningConfig().rank,
+            sketch=WhiteningConfig().sketch,
             damping="auto",
-            candidates=GiftConfig().damping_candidates,
+            candidates=WhiteningConfig().damping_candidates,
         ),
         schema=__doc__.split("\n\n")[2],
         wall_seconds=round(time.time() - t0, 1),

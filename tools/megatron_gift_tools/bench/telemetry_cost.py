@@ -92,7 +92,7 @@ def _rank_main(rank: int, world: int, spec: dict, out_dir: str) -> dict:
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=spec["bucket_size"]
         )
-        ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=GiftConfig(**kwargs))
+        ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=GiftConfig.build(**kwargs))
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
         path = os.path.join(out_dir, name, TELEMETRY_FILE) if rank == 0 else None
         writer = TelemetryWriter(path)

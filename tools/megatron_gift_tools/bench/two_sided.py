@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gift.config import GiftConfig
+from megatron_gift.config import WhiteningConfig
 from megatron_gift.numerics import KFACStatistics, LowRankWhitening, TwoSidedWhitening
 from megatron_gift.numerics.profile import damping_choice, damping_errors
 from megatron_gift.numerics.whitening import factors_by_rank
@@ -67,9 +67,9 @@ class TwoSidedConfig:
     seq_len: int = 64  # tokens per window; a row is two windows
     batch_size: int = 16  # rows of a statistics batch
     kfac_batches: int = 8
-    rank: int = GiftConfig().rank
+    rank: int = WhiteningConfig().rank
     out_ranks: tuple[int, ...] = (32, 64)
-    candidates: tuple[float, ...] = GiftConfig().damping_candidates
+    candidates: tuple[float, ...] = WhiteningConfig().damping_candidates
     sketch: int = 0  # 0: exact statistics; else the runtime's Nyström sketch on both sides (>= every rank)
     seed: int = 0
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_gift.config import INTRA_NODE_DTYPES, GiftConfig, ParamGather, Schedule, Side
+from megatron_gift.config import INTRA_NODE_DTYPES, GiftConfig, Mode, ParamGather, Schedule, Side
 from megatron_gift_tools.planner.choices import FP8Params, MegatronSchedule
 from megatron_gift_tools.planner.delta import DeltaCodec, DeltaKernels
 from megatron_gift_tools.planner.workloads import GIFT_KINDS
 
-_GIFT = GiftConfig()
+_GIFT = GiftConfig(mode=Mode.GIFT)
 SIDES = tuple(s.value for s in Side)  # ``--gift-side``
 
 
@@ -33,11 +33,11 @@ class Options:
     delta_kernels: DeltaKernels = field(default_factory=DeltaKernels)
     fp8_params: FP8Params = FP8Params.ALL
     bucket_size: int | None = None
-    intra_dtype: str = _GIFT.intra_node.value
+    intra_dtype: str = _GIFT.exchange.intra_node.value
     gift_layers: tuple[str, ...] = GIFT_KINDS
-    refresh_interval: int = _GIFT.refresh_interval
-    sketch: int = _GIFT.sketch
-    rank: int = _GIFT.rank
+    refresh_interval: int = _GIFT.whitening.refresh_interval
+    sketch: int = _GIFT.whitening.sketch
+    rank: int = _GIFT.whitening.rank
     side: str = "input"
     cpu_waits: bool = False
 
