@@ -62,7 +62,6 @@ from .numerics.fp4 import FP4_FORMATS, FP4Wire
 from .numerics.kfac import KFACStatistics
 from .numerics.refresh import (
     HEADER,
-    OUT_HEADER,
     SIDE_KINDS,
     BuildStatus,
     FactorBuild,
@@ -186,6 +185,7 @@ class RefreshSync:
         self.config, self.device = state.config, state.device
         self.wire = damping_wire(state.config)  # what the damping candidates' errors are measured on
         self.pending: _Refresh | None = None  # the refresh in flight (built and sent, not yet installed)
+        self.layers: list = []  # (GiftParam, reduction group) of every GIFT layer (assign_owners)
         self.host_waits = 0  # host synchronisations of refreshes so far (3 per refresh: module doc)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -217,9 +217,10 @@ class RefreshSync:
         (lowest rank on ties; a two-sided layer's record holds both sides). The all-gather's slot is the
         largest rank's share, so balancing the bytes keeps its padding small (round-robin over Llama's
         four layer shapes at 64 ranks gave slots 1.9x the mean); the build work, about proportional, is
-        balanced with it."""
+        balanced with it. The pairs are kept: every refresh folds and builds these layers."""
+        self.layers = list(layers)
         by_group: dict = {}
-        for gp, group in layers:
+        for gp, group in self.layers:
             if gp.output is not None and gp.output.stats is not None and self.side == "input":
                 raise ValueError(f"megatron-gift: {gp.name} keeps output-gradient statistics but the side is 'input'")
             by_group.setdefault(group, []).append(gp)
@@ -230,18 +231,17 @@ class RefreshSync:
                 members[i].owner = min(range(len(load)), key=lambda r: load[r])
                 load[members[i].owner] += sizes[i]
 
-    def at_sync(self, all_layers, layers, remap) -> None:
+    def at_sync(self, layers, remap) -> None:
         """At every bucket group's sync, before its reduction. The first of the step (every forward
         of the step is done) installs the last refresh's factors, folds each GIFT layer's statistics
-        into its local EMA and, on a refresh step, starts the next refresh. Then the ``layers``
-        ``(GiftParam, reduction group, local gradient)`` of the bucket group that this rank builds
-        keep their gradient for the damping choice and the held-out check. ``all_layers()``:
-        ``(GiftParam, reduction group)`` of every GIFT layer, in one order on all ranks; ``remap(gp,
-        old T, new T)`` carries ``gp``'s residual over."""
+        (``assign_owners``'s layers) into its local EMA and, on a refresh step, starts the next
+        refresh. Then the ``layers`` ``(GiftParam, reduction group, local gradient)`` of the bucket
+        group that this rank builds keep their gradient for the damping choice and the held-out
+        check. ``remap(gp, old T, new T)`` carries ``gp``'s residual over."""
         if self.state.collect_statistics:
             self.state.collect_statistics = False
             self.install(remap)
-            every = list(all_layers())
+            every = self.layers
             KFACStatistics.fold_all([gp.input.stats for gp, _ in every])  # local compute only
             if self.state.is_refresh_step(self.state.step) and every:
                 self._start_refresh(every)
@@ -395,7 +395,7 @@ class RefreshSync:
                 work.wait()  # the refresh stream waits for the all-gathers (a GPU-side wait on CUDA)
             for gr in r.groups:
                 gr.received = [gr.views(i, gr.recv) for i in range(len(gr.layers))]
-            headers = [rec[k] for gr in r.groups for rec in gr.received for k in ("header", "out_header") if k in rec]
+            headers = [rec[side]["header"] for gr in r.groups for rec in gr.received for side in SIDES if side in rec]
             r.copy, r.stage, r.parts = HostCopy(headers, self.device), 3, None
 
     def _broadcast_records(self, gr: _GroupRefresh, parts) -> list:
@@ -441,7 +441,7 @@ class RefreshSync:
         for gr in r.groups:
             for i, gp in enumerate(gr.layers):
                 head = dict(zip(HEADER, next(headers).tolist()))
-                out_head = dict(zip(OUT_HEADER, next(headers).tolist())) if gr.layouts[i].d_out else None
+                out_head = dict(zip(HEADER, next(headers).tolist())) if gr.layouts[i].d_out else None
                 for (side, s), h in zip(gp.sides(), (head, out_head)):
                     if h is not None and BuildStatus(int(h["status"])) is BuildStatus.NONFINITE:
                         logger.warning(
@@ -473,25 +473,22 @@ class RefreshSync:
         output side its ``T_out`` (None unless the chosen pair has one) and its damping;
         ``remap`` gets the old and the new map the gradient is sent through. The owner (``owned``: its
         build) also installs the factors it built, and keeps the best pair for its next held-out check."""
-        # Copies, not views: the gathered buffer (R slots of the largest owner's share) is then freed,
-        # where views would hold it, growing with the group size, until the next refresh.
-        rec = {k: t.clone() for k, t in rec.items()}
 
-        def side(prefix: str, rank: int, built, trace: float, damping: float):
-            cols = lambda t: t if rank == t.shape[-1] else t[..., :rank].contiguous()  # noqa: E731
-            factor = LowRankFactor(*built, trace, damping) if built is not None else None
-            best = LowRankWhitening.from_tensors(
-                {
-                    k: cols(rec[prefix + k]) if k in ("q", "c", "c_inv") else rec[prefix + k]
-                    for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")
-                }
-            )
-            return factor, best
+        def side(name: str, head: dict, built):
+            """One side's factor (the owner's build) and the ``T`` its record carries. Copies, not views:
+            the gathered buffer (R slots of the largest owner's share) is then freed, where views would
+            hold it, growing with the group size, until the next refresh."""
+            rank = int(head["rank"])
+            factor = LowRankFactor(*built, head["trace"], head["damping"]) if built is not None else None
+            fields = {
+                k: t[..., :rank] if k in ("q", "c", "c_inv") else t for k, t in rec[name].items() if k != "header"
+            }
+            return factor, LowRankWhitening.from_tensors({k: t.clone() for k, t in fields.items()})
 
         choice = head["choice"]
-        factor, best = side("", int(head["rank"]), owned and owned.input.factor, head["trace_a"], head["damping"])
+        factor, best = side("input", head, owned and owned.input.factor)
         if choice < 0:  # Euclidean chosen (or not yet trusted): T = I, the factor kept for the profiles
-            new, damping = LowRankWhitening.identity(gp.input.stats.d_in, device=rec["d_sqrt"].device), None
+            new, damping = LowRankWhitening.identity(gp.input.stats.d_in, device=best.d_sqrt.device), None
         else:
             new, damping = best, choice
         output = gp.output
@@ -507,13 +504,7 @@ class RefreshSync:
                     MAX_SHIFTS,
                 )
             if out_status in (BuildStatus.OK, BuildStatus.INDEFINITE):
-                out_factor, t_out = side(
-                    "out_",
-                    int(out_head["rank"]),
-                    owned and owned.output.factor,
-                    out_head["trace_b"],
-                    out_head["damping"],
-                )
+                out_factor, t_out = side("output", out_head, owned and owned.output.factor)
                 new_out = t_out if choice >= 0 and out_head["choice"] >= 0 else None
                 out_best = t_out if out_head["held_out"] > 0 else None
         if gp.mode is Mode.GIFT:
@@ -521,7 +512,7 @@ class RefreshSync:
         # the next build's held-out check (the best pair), on the rank that runs it
         mine = owned is not None
         gp.input.factor, gp.input.whitening, gp.input.damping = factor, new, damping
-        gp.input.held_out = best if mine else None
+        gp.input.held_out = best if mine and head["held_out"] > 0 else None
         if output is not None:
             output.factor, output.whitening, output.held_out = out_factor, new_out, out_best if mine else None
             output.damping = out_head["choice"] if new_out is not None else None

@@ -478,7 +478,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         """At every bucket group's sync, before its reduction (``RefreshSync.at_sync``): the first of
         the step installs the last refresh, folds the step's statistics and on a refresh step starts
         the next; then, on a refresh step, the owner keeps ``bucket_group``'s local gradients."""
-        self.refresh.at_sync(self._gift_layers, self._gift_layers_of(bucket_group), self._remap)
+        self.refresh.at_sync(self._gift_layers_of(bucket_group), self._remap)
 
     def finish_grad_sync(self, *args, **kwargs):
         """Megatron's, then the next stage of a refresh in flight (``RefreshSync.after_reductions``)."""

@@ -32,18 +32,17 @@ side without tokens (``B`` is folded a step late: none at the first refresh), no
 at rank 0 (a diagonal ``T_out`` gains nothing: ``two_sided``) offers no candidate: the input side
 goes on alone, and the output header says why.
 
-Record of one layer with input size ``d_in`` and factor rank ``r`` (``RecordLayout``), bytes::
+Record of one layer (``RecordLayout``), per side (``input``: size ``d_in``, ``A``; then, for a layer
+with output statistics, ``output``: size ``d_out``, ``B``), factor rank ``r``, bytes::
 
-    FP64: header [status, rank, choice, damping, tr A]
-    FP32: D^{-1/2} [d_in] | D^{1/2} [d_in] | Q [d_in, r] | c [r] | c' [r]   (padded to 8 bytes)
+    FP64: header [status, rank, choice, damping, trace, held_out]   (each side's, input first)
+    FP32: D^{-1/2} [d] | D^{1/2} [d] | Q [d, r] | c [r] | c' [r]     (each side's; padded to 8 bytes)
 
-``rank`` is the factor's actual rank (0 for the diagonal fallback; columns beyond it are zero),
-``choice`` the chosen damping (-1: Euclidean, ``T = I``), ``damping`` the one the factor and ``T``
-use. A layer with output statistics (``d_out > 0``) appends the same fields for ``T_out``
-(``out_`` + the name), its header after the input side's, its FP32 fields after ``c'``; its header
-``OUT_HEADER``: the output side's status, rank, ``choice`` (δ_out of the chosen pair; -1: the
-choice has no output side), ``damping`` (the one ``T_out`` and its factor use), ``tr B``, and
-``held_out`` (1: this ``T_out`` is part of the best pair, the next refresh's held-out check).
+``status`` is the side's ``BuildStatus``, ``rank`` its factor's actual rank (0 for the diagonal
+fallback; columns beyond it are zero), ``choice`` the chosen damping (-1: Euclidean, ``T = I``; on the
+output side: δ_out of the chosen pair, -1 where that pair has no output side), ``damping`` the one
+the factor and ``T`` use, ``trace`` tr A (tr B), ``held_out`` 1 where this ``T`` is part of the best
+pair, the next refresh's held-out check (always on the input side).
 
 The record carries what every rank sends with (``T``) and what every rank must agree on (the
 header), not the FP64 factor ``(d, V, λ)`` it was built from: that stays on the owner
@@ -89,8 +88,7 @@ class BuildStatus(enum.IntEnum):
     FAILED = 4  # the owner's build raised: every rank stops with the same message
 
 
-HEADER = ("status", "rank", "choice", "damping", "trace_a")
-OUT_HEADER = ("status", "rank", "choice", "damping", "trace_b", "held_out")
+HEADER = ("status", "rank", "choice", "damping", "trace", "held_out")  # each side's (module doc)
 _FP32_KEYS = ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")  # LowRankWhitening.tensors()
 _RANK_COLS = ("q", "c", "c_inv")  # columns beyond the built rank stay zero
 # ``--gift-side`` -> the candidate kinds of a layer with output statistics (module doc)
@@ -99,7 +97,8 @@ SIDE_KINDS = {"input": ("input",), "both": ("both",), "auto": ("input", "both")}
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Byte layout of one layer's record (module doc); ``d_out`` 0: no output side."""
+    """Byte layout of one layer's record (module doc); ``d_out`` 0: no output side. ``views`` gives
+    each side's fields: ``{"input": {"header", "d_inv_sqrt", ...}, "output": {...}}``."""
 
     d_in: int
     rank: int
@@ -107,33 +106,32 @@ class RecordLayout:
     out_rank: int = 0
 
     def _parts(self):
-        """``(dtype, [(name, shape)])`` of the FP64 part, then the FP32 part."""
-        sides = [("", HEADER, self.d_in, self.rank)] + (
-            [("out_", OUT_HEADER, self.d_out, self.out_rank)] if self.d_out else []
-        )
-        yield torch.float64, [(p + "header", (len(head),)) for p, head, _, _ in sides]
+        """``(dtype, [(side, name, shape)])`` of the FP64 part, then the FP32 part."""
+        sides = [("input", self.d_in, self.rank)] + ([("output", self.d_out, self.out_rank)] if self.d_out else [])
+        yield torch.float64, [(side, "header", (len(HEADER),)) for side, _, _ in sides]
         yield (
             torch.float32,
             [
-                (p + name, shape)
-                for p, _, d, r in sides
+                (side, name, shape)
+                for side, d, r in sides
                 for name, shape in (("d_inv_sqrt", (d,)), ("d_sqrt", (d,)), ("q", (d, r)), ("c", (r,)), ("c_inv", (r,)))
             ],
         )
 
     @property
     def nbytes(self) -> int:
-        n = sum(math.prod(shape) * dtype.itemsize for dtype, fields in self._parts() for _, shape in fields)
+        n = sum(math.prod(shape) * dtype.itemsize for dtype, fields in self._parts() for *_, shape in fields)
         return -(-n // 8) * 8
 
-    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of the record in the ``uint8`` buffer ``buf`` (its first ``nbytes``; 8-aligned)."""
+    def views(self, buf: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """Each side's typed views of the record in the ``uint8`` buffer ``buf`` (its first ``nbytes``;
+        8-aligned)."""
         out, pos = {}, 0
         for dtype, fields in self._parts():
-            sizes = [math.prod(shape) for _, shape in fields]
+            sizes = [math.prod(shape) for *_, shape in fields]
             n = sum(sizes) * dtype.itemsize
-            for (name, shape), t in zip(fields, buf[pos : pos + n].view(dtype).split(sizes)):
-                out[name] = t.view(shape) if len(shape) > 1 else t
+            for (side, name, shape), t in zip(fields, buf[pos : pos + n].view(dtype).split(sizes)):
+                out.setdefault(side, {})[name] = t.view(shape) if len(shape) > 1 else t
             pos += n
         return out
 
@@ -361,13 +359,13 @@ class FactorBuild:
         return host, (torch.cat(ins), torch.cat(outs))
 
     @staticmethod
-    def _write(rec: dict, prefix: str, side, cand: dict, idx: torch.Tensor, values: list) -> None:
-        """One side's part of the record: its header (status, built rank, then ``values``, 0-d device
-        tensors), then ``T`` of candidate ``idx`` (a 0-d device index); its factor kept in ``side.factor``
-        (copies: the build's work is dropped)."""
+    def _write(rec: dict, side, cand: dict, idx: torch.Tensor, values: list) -> None:
+        """One side's part of the record (``rec``: that side's views): its header (status, built rank,
+        then ``values``, 0-d device tensors), then ``T`` of candidate ``idx`` (a 0-d device index); its
+        factor kept in ``side.factor`` (copies: the build's work is dropped)."""
         w = side.work
         r = w["v"].shape[1]
-        head = rec[prefix + "header"]
+        head = rec["header"]
         head[0].fill_(float(side.status))
         head[1].fill_(float(r))
         head[2:].copy_(torch.stack([v.double() for v in values]))
@@ -375,7 +373,7 @@ class FactorBuild:
         side.factor = (pick(w["d"]), w["v"].clone(), w["lam"].clone())
         for k in _FP32_KEYS:
             t = pick(cand[k])
-            (rec[prefix + k][..., :r] if k in ("q", "c", "c_inv") else rec[prefix + k]).copy_(t)
+            (rec[k][..., :r] if k in _RANK_COLS else rec[k]).copy_(t)
 
     def finish(self, dev: list[list[torch.Tensor]], records: list[dict[str, torch.Tensor]]) -> None:
         """Device stage 3: every layer's record (``RecordLayout.views`` of its slot of the send buffer)."""
@@ -415,11 +413,15 @@ class FactorBuild:
             minus1 = torch.full((1,), -1.0, dtype=torch.float64, device=dev_)
             b_in = best if idx is None else at(idx[0], best)
             choices = torch.cat([minus1, w["deltas"] if idx is None else w["deltas"].index_select(0, idx[0])])
-            self._write(rec, "", layer.input, cand, b_in, [at(choices, chosen), at(w["deltas"], b_in), w["trace"]])
+            kept = torch.ones((), dtype=torch.float64, device=dev_)  # the input T of the best pair: held out
+            values = [at(choices, chosen), at(w["deltas"], b_in), w["trace"], kept]
+            self._write(rec["input"], layer.input, cand, b_in, values)
             if layer.output is None:
                 return []
             if not layer.out_building:  # skipped or non-finite: the input side alone, and the header says so
-                for slot, value in zip(rec["out_header"], (float(layer.output.status), 0.0, -1.0, -1.0, 0.0, 0.0)):
+                for slot, value in zip(
+                    rec["output"]["header"], (float(layer.output.status), 0.0, -1.0, -1.0, 0.0, 0.0)
+                ):
                     slot.fill_(value)
                 return []
             wo = layer.output.work
@@ -445,16 +447,14 @@ class FactorBuild:
                     ),
                     chosen,
                 )
-            self._write(
-                rec, "out_", layer.output, cand_out, b_out, [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out]
-            )
+            values = [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out]
+            self._write(rec["output"], layer.output, cand_out, b_out, values)
             return []
 
         for layer, rec in zip(self.layers, records):
-            for k in ("header", *_RANK_COLS):  # columns beyond the built rank stay zero
-                for key in (k, "out_" + k):
-                    if key in rec:
-                        rec[key].zero_()
+            for side in rec.values():
+                for k in ("header", *_RANK_COLS):  # columns beyond the built rank stay zero
+                    side[k].zero_()
             layer.record = rec
         self._each("damping choice", one, dev)
         for layer, rec in zip(self.layers, records):
@@ -463,8 +463,10 @@ class FactorBuild:
                 if side is not None:
                     side.work = {}
             if not layer.building:  # skipped, or failed in any stage (perhaps after writing part of its record)
-                rec["header"][0].fill_(float(layer.input.status))
-                if "out_header" in rec:
-                    rec["out_header"][2:4].fill_(-1.0)  # nothing chosen, nothing held out
-                    rec["out_header"][5].zero_()
-                    rec["out_header"][0].fill_(float(layer.output.status))
+                rec["input"]["header"][0].fill_(float(layer.input.status))
+                rec["input"]["header"][5].zero_()  # nothing held out
+                if "output" in rec:
+                    out = rec["output"]["header"]
+                    out[2:4].fill_(-1.0)  # nothing chosen, nothing held out
+                    out[5].zero_()
+                    out[0].fill_(float(layer.output.status))

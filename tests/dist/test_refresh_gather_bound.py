@@ -51,7 +51,7 @@ def _worker(rank, world, bound):
             gen = torch.Generator().manual_seed(1000 * step + 10 * i + rank)
             gp.input.stats.accumulate(torch.randn(64, d_in, generator=gen) * torch.logspace(0, -2, d_in))
             grads.append(torch.randn(d_out, d_in, generator=gen))
-        st.at_sync(lambda: iter(every), [(gp, group, g) for gp, g in zip(params, grads)], lambda *a: None)
+        st.at_sync([(gp, group, g) for gp, g in zip(params, grads)], lambda *a: None)
         st.after_reductions()
         st.close_step([])
         st.install(lambda *a: None)

@@ -16,7 +16,7 @@ import torch
 from megatron_gift.config import GiftConfig, Mode
 from megatron_gift.numerics import CodecConfig, KFACStatistics, LowRankWhitening, TwoSidedWhitening
 from megatron_gift.numerics.fp8 import roundtrip
-from megatron_gift.numerics.refresh import OUT_HEADER, BuildStatus, FactorBuild, FactorSide, OwnedLayer
+from megatron_gift.numerics.refresh import HEADER, BuildStatus, FactorBuild, FactorSide, OwnedLayer
 from megatron_gift.testing import run_on_ranks
 from tests.reference import output_side
 
@@ -217,7 +217,7 @@ def _worker(rank, world, side):
             waits, n_reduce, n_scatter, n_gather = st.host_waits, len(reduces), len(scatters), len(gathers)
             san = SyncSanitizer()
             with san:
-                st.at_sync(lambda: iter(every), [(gp, dp, g) for gp, g in zip(params, grads)], remap)
+                st.at_sync([(gp, dp, g) for gp, g in zip(params, grads)], remap)
                 st.after_reductions()
                 st.close_step([])
                 st.install(remap)
@@ -501,10 +501,11 @@ def test_a_skipped_output_side_says_so_and_the_input_side_goes_on(status):
         build.finish(parts, [layer.layout.views(buf)])
         recs.append(layer.layout.views(buf))
     two, one = recs
-    head = dict(zip(OUT_HEADER, two["out_header"].tolist()))
+    head = dict(zip(HEADER, two["output"]["header"].tolist()))
     assert head["status"] == status and head["choice"] == -1 and head["held_out"] == 0 and head["rank"] == 0
-    for k, t in one.items():
-        assert torch.equal(two[k], t), k
+    assert list(one) == ["input"]
+    for k, t in one["input"].items():
+        assert torch.equal(two["input"][k], t), k
 
 
 def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
@@ -537,7 +538,7 @@ def test_fixed_damping_on_the_auto_side_chooses_the_better_of_input_and_pair():
         assert (
             abs(e_in - e_both) > MARGIN * min(e_in, e_both) and held < (1 - MARGIN) * eu
         )  # the premise: clear winner, gate open
-        head, out_head = rec["header"].tolist(), dict(zip(OUT_HEADER, rec["out_header"].tolist()))
+        head, out_head = rec["input"]["header"].tolist(), dict(zip(HEADER, rec["output"]["header"].tolist()))
         assert head[2] == 1.0 and out_head["choice"] == (1.0 if e_both < e_in else -1.0), (layer, e_in, e_both)
         assert out_head["held_out"] == (1.0 if e_both < e_in else 0.0) and out_head["status"] == BuildStatus.OK
 
@@ -551,27 +552,24 @@ def test_two_sided_record_layout_views_are_disjoint_and_aligned():
     lay = RecordLayout(37, 5, 23, 3)
     assert lay.nbytes % 8 == 0 and RecordLayout(37, 5, 0, 0) == RecordLayout(37, 5)
     buf = torch.zeros(2 * lay.nbytes, dtype=torch.uint8)
+
+    def fields(j):  # every field of record j, each side's in order
+        views = lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes])
+        return views, [t for side in views.values() for t in side.values()]
+
     for j in range(2):
-        for i, t in enumerate(lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes]).values()):
+        for i, t in enumerate(fields(j)[1]):
             t.fill_(100 * j + i + 1)
     for j in range(2):
-        views = lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes])
-        assert all(torch.all(t == 100 * j + i + 1) for i, t in enumerate(views.values()))
-    assert list(views) == [
-        "header",
-        "out_header",
-        "d_inv_sqrt",
-        "d_sqrt",
-        "q",
-        "c",
-        "c_inv",
-        "out_d_inv_sqrt",
-        "out_d_sqrt",
-        "out_q",
-        "out_c",
-        "out_c_inv",
-    ]
-    assert views["out_header"].numel() == len(OUT_HEADER) and views["out_q"].shape == (23, 3)
+        views, every = fields(j)
+        assert len(every) == 12 and all(torch.all(t == 100 * j + i + 1) for i, t in enumerate(every))
+    assert list(views) == ["input", "output"]
+    for side in views.values():
+        assert list(side) == ["header", "d_inv_sqrt", "d_sqrt", "q", "c", "c_inv"]
+        assert side["header"].numel() == len(HEADER) and side["header"].dtype == torch.float64
+    assert views["output"]["q"].shape == (23, 3) and views["input"]["q"].shape == (37, 5)
+    # the FP64 headers first (input, output), then each side's FP32 fields: the header bytes stay 8-aligned
+    assert views["output"]["header"].data_ptr() - views["input"]["header"].data_ptr() == 8 * len(HEADER)
 
 
 def test_an_indefinite_output_core_offers_no_output_candidate():
@@ -592,14 +590,14 @@ def test_an_indefinite_output_core_offers_no_output_candidate():
         buf = torch.zeros(lay.layout.nbytes, dtype=torch.uint8)
         build.finish(parts, [lay.layout.views(buf)])
         recs.append(lay.layout.views(buf))
-    head = dict(zip(OUT_HEADER, recs[0]["out_header"].tolist()))
+    head = dict(zip(HEADER, recs[0]["output"]["header"].tolist()))
     assert (
         head["status"] == BuildStatus.INDEFINITE
         and head["rank"] == 0
         and head["choice"] == -1
         and head["held_out"] == 0
     )
-    assert all(torch.equal(recs[0][k], t) for k, t in recs[1].items())
+    assert list(recs[1]) == ["input"] and all(torch.equal(recs[0]["input"][k], t) for k, t in recs[1]["input"].items())
 
 
 # --------------------------------------------------------------------------- checkpoint

@@ -128,20 +128,29 @@ def test_damping_choice_rules():
 
 def test_record_layout_views_are_disjoint_and_aligned():
     """Every field of a record lies in its own bytes, 8-aligned records tile a buffer (catches overlapping
-    views); the record holds the header and ``T`` alone, no FP64 factor: ``8·5 + 4·(2d + d·r + 2r)``
-    bytes, rounded up to 8 (catches the factor sent again, tripling the all-gather)."""
+    views); the record holds the header and ``T`` alone, no FP64 factor: ``8·6 + 4·(2d + d·r + 2r)``
+    bytes, rounded up to 8, its header the six fields both sides' headers have (catches the factor sent
+    again, tripling the all-gather)."""
     lay = RecordLayout(37, 5)
     assert lay.nbytes % 8 == 0
     buf = torch.zeros(2 * lay.nbytes, dtype=torch.uint8)
-    for j in range(2):
-        for i, t in enumerate(lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes]).values()):
-            t.fill_(10 * j + i + 1)
     seen = [lay.views(buf[j * lay.nbytes : (j + 1) * lay.nbytes]) for j in range(2)]
     for j in range(2):
-        for i, t in enumerate(seen[j].values()):
+        for i, t in enumerate(seen[j]["input"].values()):
+            t.fill_(10 * j + i + 1)
+    for j in range(2):
+        for i, t in enumerate(seen[j]["input"].values()):
             assert torch.all(t == 10 * j + i + 1)
-    assert list(seen[0]) == ["header", "d_inv_sqrt", "d_sqrt", "q", "c", "c_inv"] and len(HEADER) == 5
-    assert lay.nbytes == 8 * 5 + 4 * (2 * 37 + 37 * 5 + 2 * 5) + 4
+    assert list(seen[0]) == ["input"] and list(seen[0]["input"]) == [
+        "header",
+        "d_inv_sqrt",
+        "d_sqrt",
+        "q",
+        "c",
+        "c_inv",
+    ]
+    assert HEADER == ("status", "rank", "choice", "damping", "trace", "held_out")
+    assert lay.nbytes == 8 * 6 + 4 * (2 * 37 + 37 * 5 + 2 * 5) + 4
 
 
 def test_owners_balance_the_record_bytes():
@@ -241,7 +250,7 @@ def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
     build.finish(parts, [lay.layout.views(b) for lay, b in zip(layers, bufs)])
     for s, g, lay, buf, win in zip(stats, grads, layers, bufs, wins):
         rec = lay.layout.views(buf)
-        head = dict(zip(HEADER, rec["header"].tolist()))
+        head = dict(zip(HEADER, rec["input"]["header"].tolist()))
         m = s.ema_tokens.double()  # the build averages in FP64
         if s.omega is None:
             f = factors_by_rank(s.ema_sums["xtx"].double() / m, [8])[8]
@@ -260,7 +269,7 @@ def test_staged_build_writes_what_the_one_layer_path_builds(held_out):
         assert (d - ref.d).abs().max() <= tol
         assert (v @ (v * lam).T - ref.v @ (ref.v * ref.lam).T).abs().max() <= tol
         w = LowRankWhitening(ref)
-        t_rec, t_ref = LowRankWhitening.from_tensors({k: rec[k] for k in w.tensors()}).dense()[0], w.dense()[0]
+        t_rec, t_ref = LowRankWhitening.from_tensors({k: rec["input"][k] for k in w.tensors()}).dense()[0], w.dense()[0]
         assert (t_rec - t_ref).abs().max() <= 4 * s.d_in * EPS32 * float(t_ref.abs().max())  # both rounded to FP32 once
 
 
@@ -275,7 +284,7 @@ def test_indefinite_sketch_builds_the_diagonal_and_says_so(caplog):
     parts = build.whitening_cores(build.whitening_grams(parts))
     buf = torch.zeros(lay.layout.nbytes, dtype=torch.uint8)
     build.finish(parts, [lay.layout.views(buf)])
-    rec = lay.layout.views(buf)
+    rec = lay.layout.views(buf)["input"]
     assert rec["header"][0] == BuildStatus.INDEFINITE and rec["header"][1] == 0 and torch.all(rec["q"] == 0)
     with caplog.at_level("WARNING"):
         m = s.ema_tokens.double()

@@ -109,11 +109,11 @@ def test_refresh_build_whitens_a_plus_its_damping(auto):
     buf = torch.zeros(layer.layout.nbytes, dtype=torch.uint8)
     rec = layer.layout.views(buf)
     build.finish(parts, [rec])
-    head = dict(zip(HEADER, rec["header"].tolist()))
+    head = dict(zip(HEADER, rec["input"]["header"].tolist()))
     assert head["damping"] in candidates
     w = LowRankWhitening.from_tensors(
         {
-            k: rec[k][..., : int(head["rank"])] if k in ("q", "c", "c_inv") else rec[k]
+            k: rec["input"][k][..., : int(head["rank"])] if k in ("q", "c", "c_inv") else rec["input"][k]
             for k in ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")
         }
     )
@@ -155,6 +155,6 @@ def test_four_bit_wire_chooses_on_its_own_errors():
         parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
         rec = layer.layout.views(torch.zeros(layer.layout.nbytes, dtype=torch.uint8))
         build.finish(parts, [rec])
-        chosen[name] = dict(zip(HEADER, rec["header"].tolist()))["damping"]  # the best candidate (kept T)
+        chosen[name] = dict(zip(HEADER, rec["input"]["header"].tolist()))["damping"]  # the best candidate (kept T)
     assert chosen["nvfp4"] == ranked[0] and chosen["fp8"] != ranked[0], (chosen, errs)
     assert damping_wire(GiftConfig()) == GiftConfig().wire.codec

@@ -420,20 +420,14 @@ def refresh(dp: int) -> dict:
     device = torch.device("cpu")
     layers = bench_refresh._layers(bench_refresh.MODELS["demo"], dp, device, cfg)
     st = RefreshSync(GiftState(cfg, device))
+    st.assign_owners([(g, grp) for g, grp, _ in layers])  # the owners _layers assigned, and the layers kept
     st.state.open_step()
     remap = lambda g, old, new: None  # noqa: E731
     steps = (
-        (
-            "start",
-            lambda: st.at_sync(
-                lambda: ((g, grp) for g, grp, _ in layers),
-                [(g, grp, gr) for g, grp, gr in layers if gr is not None],
-                remap,
-            ),
-        ),
+        ("start", lambda: st.at_sync([(g, grp, gr) for g, grp, gr in layers if gr is not None], remap)),
         ("cores", st.after_reductions),
         ("send", lambda: st.close_step([])),
-        ("install", lambda: (st.state.open_step(), st.at_sync(lambda: iter(()), [], remap))),
+        ("install", lambda: (st.state.open_step(), st.install(remap))),
     )
     calls: list = []
     meter = Meter(stub=False)

@@ -110,17 +110,16 @@ def _refresh(layers, cfg: GiftConfig, device: torch.device, count_ops: bool) -> 
     """One refresh through ``RefreshSync``'s four calls; per stage its times (``count_ops``: its ATen
     ops instead, the dispatch probe's own overhead making the times meaningless)."""
     st = RefreshSync(GiftState(cfg, device))
+    st.assign_owners([(g, grp) for g, grp, _ in layers])  # the owners _layers assigned, and the layers kept
     st.state.open_step()  # step 0: a refresh step
     calls, stages = [], []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     remap = lambda g, old, new: None  # noqa: E731 - no error feedback here
     steps = (
-        lambda: st.at_sync(
-            lambda: ((g, grp) for g, grp, _ in layers), [(g, grp, gr) for g, grp, gr in layers if gr is not None], remap
-        ),
+        lambda: st.at_sync([(g, grp, gr) for g, grp, gr in layers if gr is not None], remap),
         st.after_reductions,
         lambda: st.close_step([]),
-        lambda: (st.state.open_step(), st.at_sync(lambda: iter(()), [], remap)),
+        lambda: (st.state.open_step(), st.install(remap)),
     )
     with _counted_collectives(calls):
         for name, fn in zip(STAGES, steps):
