@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from megatron_gift_tools.layering import layer_of, layers
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"megatron_gift": ROOT / "megatron_gift", "megatron_gift_tools": ROOT / "tools" / "megatron_gift_tools"}
 
@@ -141,25 +143,8 @@ def test_cycle_finder_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def layers(doc: Path = ROOT / "docs" / "how-it-works.md") -> list[tuple[str, ...]]:
-    """The module prefixes of each layer, top first, from the fenced block after ``<!-- import layers -->``."""
-    block = doc.read_text().split("<!-- import layers -->\n```\n", 1)[1].split("```", 1)[0]
-    return [tuple(line.split(":", 1)[0].split()) for line in block.strip().splitlines()]
-
-
-def _layer_of(module: str, table: list[tuple[str, ...]]) -> int:
-    """Index of the layer whose longest prefix names ``module`` (a prefix matches itself and its submodules)."""
-    best = (-1, None)
-    for i, prefixes in enumerate(table):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best[0]:
-                best = (len(p), i)
-    assert best[1] is not None, f"{module} is in no layer of docs/how-it-works.md"
-    return best[1]
-
-
 def upward_imports(graph: dict[str, set[str]], table: list[tuple[str, ...]]) -> list[str]:
-    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if _layer_of(b, table) < _layer_of(a, table))
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if layer_of(b, table) < layer_of(a, table))
 
 
 def test_imports_only_go_down_the_documented_layers():

@@ -126,6 +126,13 @@ def _bench_param_gather(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_path(args: argparse.Namespace) -> int:
+    from megatron_gift_tools.bench import path
+
+    path.run(json_path=args.json, command=args.command_line)
+    return 0
+
+
 def _bench_launches(args: argparse.Namespace) -> int:
     from megatron_gift_tools.bench import launches
 
@@ -319,6 +326,16 @@ def _add_bench(subparsers) -> None:
         "--resume", action="store_true", help="keep the records already in --json (same sources), measure the rest"
     )
     lau.set_defaults(func=_bench_launches)
+    pth = commands.add_parser(
+        "path",
+        help="how far one bucket's steady reduction travels: functions, files, types, calls up a layer",
+        description="Trace (sys.setprofile) the plugin's Python calls in one steady step's finish_grad_sync of a "
+        "tiny GPT in one GIFT bucket on 2 gloo ranks, with and without the distributed optimizer: distinct "
+        "functions, files, calls, file switches, the plugin types whose methods run, and calls up a layer of "
+        "docs/how-it-works.md.",
+    )
+    pth.add_argument("--json", metavar="PATH", help="write the counts as JSON")
+    pth.set_defaults(func=_bench_path)
     tra = commands.add_parser(
         "training",
         help="does FP4 between nodes train like BF16? validation loss over seeds, 4 CPU ranks as 2 nodes x 2",

@@ -279,6 +279,18 @@ def flags_that_matter(results: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def path_counts(results: Path) -> str:
+    """docs/how-it-works.md: how far one bucket's steady reduction travels (``bench path``)."""
+    doc = _load(results, "path-cpu.json")
+    rows = [
+        f"- {r['reduction']}: {r['functions']} functions in {r['files']} files ({r['calls']} calls, "
+        f"{r['file_switches']} file switches), {len(r['types'])} plugin types, "
+        f"{len(r['upward_calls'])} calls up a layer"
+        for r in doc["rows"]
+    ]
+    return "\n".join(rows) + "\n"
+
+
 RENDERERS = {
     "fp4-schemes": fp4_schemes,
     "decision": decision,
@@ -287,6 +299,7 @@ RENDERERS = {
     "training-fp4": training_fp4,
     "flag-tables": flag_tables,
     "flags-that-matter": flags_that_matter,
+    "path-counts": path_counts,
 }
 
 
