@@ -23,7 +23,7 @@ import sys
 
 from . import preflight
 from .config import (
-    DeltaGather,
+    DeltaGatherConfig,
     Exchange,
     ExchangeConfig,
     GiftConfig,
@@ -48,7 +48,7 @@ _WIRE, _WHITENING, _EXCHANGE, _GATHER, _POLICY = (
     WireConfig(),
     WhiteningConfig(),
     ExchangeConfig(),
-    DeltaGather(),
+    DeltaGatherConfig(),
     PolicyConfig(),
 )
 AUTO = "auto"
@@ -463,7 +463,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
         gather = None
         if delta:  # the checks' interval: Megatron's logging steps (without Megatron's flags: the default)
             check_every = getattr(args, "log_interval", _GATHER.check_every)
-            gather = DeltaGather(full_every=args.gift_param_gather_full_every, check_every=check_every)
+            gather = DeltaGatherConfig(full_every=args.gift_param_gather_full_every, check_every=check_every)
         return GiftConfig(
             mode=mode,
             layers=tuple(p for p in args.gift_layers if p != AUTO) or _DEFAULT.layers,

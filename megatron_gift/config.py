@@ -247,7 +247,7 @@ class ExchangeConfig:
 
 
 @dataclass(frozen=True)
-class DeltaGather:
+class DeltaGatherConfig:
     """The distributed optimizer's parameter all-gather as each shard's coded change since the last
     gather (``comm.param_delta``, ~1 byte per element; absent: Megatron's own). ``full_every``: send
     the update of every N-th iteration in full (0: only where replicas cannot be known to agree,
@@ -279,7 +279,7 @@ _SUB_CONFIGS = {
     "wire": WireConfig,
     "whitening": WhiteningConfig,
     "exchange": ExchangeConfig,
-    "param_gather": DeltaGather,
+    "param_gather": DeltaGatherConfig,
 }
 
 
@@ -309,7 +309,7 @@ class GiftConfig:
     whitening: WhiteningConfig | None = None
     policy: PolicyConfig | None = None
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
-    param_gather: DeltaGather | None = None
+    param_gather: DeltaGatherConfig | None = None
     log_interval: int = 0
     allow_untested_megatron: bool = False
 
@@ -360,7 +360,7 @@ class GiftConfig:
                 raise TypeError(f"GiftConfig.build() got an unexpected setting {name!r}")
         delta = parts.pop("param_gather", {})
         if gather is ParamGather.DELTA:
-            top["param_gather"] = DeltaGather(**delta)
+            top["param_gather"] = DeltaGatherConfig(**delta)
         if Mode(top.get("mode", Mode.OFF)) is not Mode.GIFT:
             parts.pop("whitening", None)
         return cls(**top, **{part: _SUB_CONFIGS[part](**values) for part, values in parts.items()})

@@ -28,7 +28,7 @@ from .. import kernels
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.two_sided import OutputRows
 from .layout import BucketLayout, Part, ShardPlan
-from .packing import Packing, Rows
+from .packing import Packing, Received
 
 
 def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
@@ -143,7 +143,7 @@ def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Buc
 
 
 def sum_plain(
-    rows: Rows,
+    rows: Received,
     layout: BucketLayout,
     c: int,
     k0: int,
@@ -158,7 +158,7 @@ def sum_plain(
 
 
 def reduce_coded(
-    rows: Rows,
+    rows: Received,
     layout: BucketLayout,
     plan: ShardPlan,
     k0: int,

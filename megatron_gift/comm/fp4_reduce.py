@@ -49,10 +49,10 @@ from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
 from .layout import BucketLayout, _pad4
 from .ledger import CommLedger
-from .packing import Rows
+from .packing import Received
 from .pieces import PieceExchange
 from .quantized import ShardReduction, Whitenings, destination, with_self
-from .schedule import Step
+from .schedule import StageResult
 from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
@@ -213,7 +213,7 @@ class _FP4Stages:
         return buf
 
     # -- the own shard ----------------------------------------------------------------------------------
-    def _reduce(self) -> Step:
+    def _reduce(self) -> StageResult:
         layout, r, flat = self.layout, self.rank, self.flat
         plan, m = layout.shards[r], self.msgs[r]
         msgs = self._messages()
@@ -255,7 +255,7 @@ class _FP4Stages:
         self.exchange = PieceExchange(layout, r, self.transforms, self.group, self.ledger, self._links)
         work = self.exchange.start(values, flat.device)
         handoff = [v for v in values if v is not None] + self.exchange.buffers
-        return Step([work] if work is not None else [], handoff)
+        return StageResult([work] if work is not None else [], handoff)
 
     def _decoded_sum(self, msgs: torch.Tensor, n: int, m: FP4Message) -> torch.Tensor | None:
         """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order: the
@@ -277,7 +277,7 @@ class _FP4Stages:
         return ordered_sum([decode_fp4(enc, self.fmt, lengths).view(senders, n)])
 
     # -- 2-3: all-reduce --------------------------------------------------------------------------------
-    def _finish_gather(self) -> Step:
+    def _finish_gather(self) -> StageResult:
         """The cut rows' ``T⁻¹``, then every rank's shard of the bucket all-gathered (bucket dtype)."""
         self._finish()
         layout, flat = self.layout, self.flat
@@ -294,9 +294,9 @@ class _FP4Stages:
             self._links([nbytes] * self.world),
         )
         work = _all_gather(self.gathered, mine, group=self.group, async_op=True)
-        return Step([work], [self.gathered, mine])
+        return StageResult([work], [self.gathered, mine])
 
-    def _land(self) -> Step:
+    def _land(self) -> StageResult:
         """Every other shard's reduced values written into the bucket (only where parameters are)."""
         layout, flat = self.layout, self.flat
         for j, plan in enumerate(layout.shards):
@@ -308,7 +308,7 @@ class _FP4Stages:
                     src = self.gathered[base + part.lo - plan.lo : base + part.hi - plan.lo]
                     destination(flat, self.targets, part.seg, part.lo, part.hi).copy_(src)
         del self.gathered
-        return Step()
+        return StageResult()
 
 
 class FP4Reduce(_FP4Stages, ShardReduction):
@@ -355,14 +355,14 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         values = [flat[layout.segments[i].start : layout.segments[i].end] for i in layout.plain_segments[c]]
         return torch.cat(values) if values else flat[:0]
 
-    def _send(self) -> Step:
+    def _send(self) -> StageResult:
         device, r = self.flat.device, self.rank
         pk = self._packing(tuple(range(self.world)), r, device)  # the peers' messages, then the own one
         self.buf = self._encode_placed(pk, self._coded_values(), [self._class_values(c) for c in range(2)])
         own = self.msgs[r].nbytes
         self.recv = torch.empty((self.world - 1) * own, dtype=torch.uint8, device=device)
         if self.world == 1:
-            return Step([], [self.buf, self.recv])
+            return StageResult([], [self.buf, self.recv])
         per_peer = [self.msgs[j].nbytes if j != r else 0 for j in range(self.world)]
         sent = sum(per_peer)
         self.ledger.add("all_to_all", self.fp4_label, sent, self._links(per_peer))
@@ -374,7 +374,7 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             group=self.group,
             async_op=True,
         )
-        return Step([work], [self.buf, self.recv])
+        return StageResult([work], [self.buf, self.recv])
 
     def _messages(self) -> torch.Tensor:
         """Every sender's message for the own shard, ``[p, nbytes]`` in rank order."""
@@ -414,11 +414,11 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
             return [self._intra, self._node_sums, self._reduce, self._finish_gather, self._land]
         return [self._intra, self._node_sums, self._reduce, self._finish]
 
-    def _node_sums(self) -> Step:
+    def _node_sums(self) -> StageResult:
         """``P_{k,j}`` for the held shards ``j`` (FP32 sums of the node's messages, local ranks in
         order), each encoded into its FP4 message; the all-to-all among the nodes."""
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = Rows(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own, self.topo.ranks_per_node)
+        rows = Received(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own, self.topo.ranks_per_node)
         del self.buf1, self.recv1
         chunks, counts = self._held(device)
         plans = [layout.shards[j] for j in self.held]
@@ -446,7 +446,7 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         work = dist.all_to_all_single(
             self.recv, buf[:sent], with_self([own] * (n - 1), k), per_peer, group=self.groups.inter, async_op=True
         )
-        return Step([work], [buf, self.recv])
+        return StageResult([work], [buf, self.recv])
 
     def _messages(self) -> torch.Tensor:
         """Every node's message for the own shard, ``[n, nbytes]`` in node order."""

@@ -39,9 +39,9 @@ from ..config import IntraNode
 from .codec import cast_bucket, encode_bucket, plain_bucket, spans, sum_plain, views
 from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
-from .packing import Rows, packing
+from .packing import Received, packing
 from .quantized import ShardReduction, Whitenings, decode_gathered, with_self
-from .schedule import Step
+from .schedule import StageResult
 from .topology import TwoLevelGroups
 
 _WIRE = {IntraNode.FP32: torch.float32, IntraNode.BF16: torch.bfloat16, IntraNode.FP8: None}
@@ -92,7 +92,7 @@ class TwoLevelReduce(ShardReduction):
         return [self._intra, self._node_sums, self._reduce, self._finish]
 
     # -- 0: intra-node ----------------------------------------------------------------------------
-    def _intra(self) -> Step:
+    def _intra(self) -> StageResult:
         layout, topo, device = self.layout, self.topo, self.flat.device
         g, local = topo.ranks_per_node, self.local
         key = ("intra", self.rank, str(device), self.wire)
@@ -117,12 +117,12 @@ class TwoLevelReduce(ShardReduction):
             async_op=True,
         )
         self.buf1, self.recv1 = buf, recv
-        return Step([work], [buf, recv])
+        return StageResult([work], [buf, recv])
 
     # -- 1: node sums, inter-node ------------------------------------------------------------------
-    def _node_sums(self) -> Step:
+    def _node_sums(self) -> StageResult:
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = Rows(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own, self.topo.ranks_per_node)
+        rows = Received(self.recv1, self.pk1.own_copy(self.buf1), self.local, self.pk1.own, self.topo.ranks_per_node)
         del self.buf1, self.recv1
         n, k = self.topo.nodes, self.node
         key = ("inter", self.rank, str(device))
@@ -170,7 +170,7 @@ class TwoLevelReduce(ShardReduction):
             group=self.groups.inter,
             async_op=True,
         )
-        return Step([work], [buf, self.recv])
+        return StageResult([work], [buf, self.recv])
 
     def _held(self, device):
         """The chunks of the held shards' coded values one after another, aligned to their groups
@@ -194,33 +194,37 @@ class TwoLevelReduce(ShardReduction):
 
         return layout.cached(("held", self.local, str(device), self.chunk), build)
 
-    def _inter_rows(self) -> Rows:
-        rows = Rows(self.recv, self.pk2.own_copy(self.buf), self.node, self.pk2.own, self.topo.nodes)
+    def _inter_rows(self) -> Received:
+        rows = Received(self.recv, self.pk2.own_copy(self.buf), self.node, self.pk2.own, self.topo.nodes)
         del self.buf, self.recv
         return rows
 
     # -- 2-3: reduce-scatter --------------------------------------------------------------------------
-    def _reduce(self) -> Step:
+    def _reduce(self) -> StageResult:
         return self._reduce_own(self._inter_rows())
 
     # -- 2-4: all-reduce --------------------------------------------------------------------------------
-    def _gather_inter(self) -> Step:
+    def _gather_inter(self) -> StageResult:
         msg = self._own_message(self._inter_rows())
         width, n = self.layout.max_message_bytes, self.topo.nodes
         self.gathered = torch.empty(n * width, dtype=torch.uint8, device=msg.device)
         self.ledger.add("all_gather", self.coded_label, (n - 1) * width, {"inter": (n - 1) * width})
-        return Step([_all_gather(self.gathered, msg, group=self.groups.inter, async_op=True)], [self.gathered, msg])
+        return StageResult(
+            [_all_gather(self.gathered, msg, group=self.groups.inter, async_op=True)], [self.gathered, msg]
+        )
 
-    def _gather_intra(self) -> Step:
+    def _gather_intra(self) -> StageResult:
         g, first = self.topo.ranks_per_node, self.gathered
         self.gathered = torch.empty(g * first.numel(), dtype=torch.uint8, device=first.device)
         self.ledger.add("all_gather", self.coded_label, (g - 1) * first.numel(), {"intra": (g - 1) * first.numel()})
-        return Step([_all_gather(self.gathered, first, group=self.groups.intra, async_op=True)], [self.gathered, first])
+        return StageResult(
+            [_all_gather(self.gathered, first, group=self.groups.intra, async_op=True)], [self.gathered, first]
+        )
 
-    def _decode_all(self) -> Step:
+    def _decode_all(self) -> StageResult:
         """Every shard's message: shard ``m·g + l'`` came from local rank l' (row l'), node m (column m)."""
         g, n = self.topo.ranks_per_node, self.topo.nodes
         slots = [(j % g) * n + j // g for j in range(self.world)]
         decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.kernels, self.targets)
         del self.gathered
-        return Step()
+        return StageResult()

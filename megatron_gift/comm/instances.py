@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .ledger import CommLedger, ring_all_reduce_bytes
-from .schedule import Reduction, Step, Wrapping
+from .schedule import Reduction, StageResult, Wrapping
 
 
 class AcrossInstances(Wrapping):
@@ -33,16 +33,16 @@ class AcrossInstances(Wrapping):
         stages = self.inner.stages()
         return [*stages[:-1], lambda: self._launch(stages[-1]), self._write]
 
-    def _launch(self, last) -> Step:
+    def _launch(self, last) -> StageResult:
         last()  # a last stage leaves no collective in flight: the shard is final
         self.total = self.shard.float()  # the shard itself when the buffer is FP32
         self.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(self.group.size(), self.total.numel() * 4))
-        return Step([dist.all_reduce(self.total, group=self.group, async_op=True)], [self.total])
+        return StageResult([dist.all_reduce(self.total, group=self.group, async_op=True)], [self.total])
 
-    def _write(self) -> Step:
+    def _write(self) -> StageResult:
         if self.average:
             self.total.div_(self.group.size())
         if self.total is not self.shard:
             self.shard.copy_(self.total)
         del self.total
-        return Step()
+        return StageResult()

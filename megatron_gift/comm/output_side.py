@@ -41,7 +41,7 @@ from ..numerics.whitening import LowRankWhitening
 from .layout import FP8_MODES
 from .ledger import CommLedger, ring_all_reduce_bytes
 from .quantized import ShardReduction
-from .schedule import Step, Wrapping
+from .schedule import StageResult, Wrapping
 
 LEDGER_DTYPE = "fp32-out"  # the ledger's name of P's all-reduce (``all_reduce/fp32-out``)
 
@@ -81,7 +81,7 @@ class OutputSide(Wrapping):
         last = len(inner) - 1
 
         def wrapped(k, stage):
-            def run() -> Step:
+            def run() -> StageResult:
                 if k == 1:
                     self._targets()
                 step = stage()
@@ -106,7 +106,7 @@ class OutputSide(Wrapping):
             self.outputs[i].rank, -1
         )
 
-    def _projections(self, step: Step) -> Step:
+    def _projections(self, step: StageResult) -> StageResult:
         """``P`` of every two-sided segment (module doc, stage L): the rank's partials, launched into
         their all-reduce with reduce-scatter; the whole ``P`` with all-reduce."""
         inner, layout = self.inner, self.inner.layout
@@ -117,13 +117,13 @@ class OutputSide(Wrapping):
         # P, allocated on this stage's stream, is read by the next one: in the handoff, collective or not
         handoff = [*step.handoff, self.proj]
         if inner.all_reduce or inner.world == 1 or self.p_numel == 0:  # the same answer on every rank
-            return Step(step.works, handoff)
+            return StageResult(step.works, handoff)
         # its own ledger dtype: apart from the refresh's and the instances' FP32 all-reduces
         self.ledger.add("all_reduce", LEDGER_DTYPE, ring_all_reduce_bytes(inner.world, 4 * self.p_numel))
         work = dist.all_reduce(self.proj, group=inner.group, async_op=True)
-        return Step([*step.works, work], handoff)
+        return StageResult([*step.works, work], handoff)
 
-    def _output(self) -> Step:
+    def _output(self) -> StageResult:
         """``T_out⁻ᵀ W`` on the rank's elements, into the bucket (module doc, stage L+1)."""
         inner, layout = self.inner, self.inner.layout
         for i, (lo, hi) in self.owned.items():
@@ -141,4 +141,4 @@ class OutputSide(Wrapping):
                 inner.nonfinite[self.stage].logical_or_(torch.isfinite(dest).all().logical_not())
         inner.targets = {}
         del self.proj
-        return Step()
+        return StageResult()

@@ -93,7 +93,7 @@ def packing(
     return Packing(tuple(source), tuple(msgs), tuple(starts), starts[-1] + (width or msgs[-1].nbytes), place)
 
 
-class Rows:
+class Received:
     """The ``count`` messages a rank receives for one ``Message`` layout: the peers' rows of a
     receive buffer and its own message, as parts in rank order (the own one at ``own_index``).
     A message may be empty (a shard of padding): its rows are then ``[k, 0]``."""

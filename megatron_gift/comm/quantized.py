@@ -39,9 +39,9 @@ from ..numerics.wire import KERNELS
 from .codec import CHUNK, encode_bucket, part_chunks, plain_bucket, reduce_coded, spans, sum_plain, views
 from .layout import BucketLayout
 from .ledger import CommLedger, message_label
-from .packing import Rows, packing
+from .packing import Received, packing
 from .pieces import PieceExchange
-from .schedule import Reduction, Step
+from .schedule import Reduction, StageResult
 from .topology import Topology
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
@@ -141,7 +141,7 @@ class ShardReduction(Reduction):
         if values is not dest:
             dest.copy_(values)
 
-    def _reduce_own(self, rows: Rows) -> Step:
+    def _reduce_own(self, rows: Received) -> StageResult:
         """Reduce-scatter: the own shard's sum of ``rows``' messages, ``T⁻¹`` of whole rows, written
         into the bucket (one decode, or plain sum, per segment part on the fused path); the cut rows'
         partials sent to the neighbours."""
@@ -173,9 +173,9 @@ class ShardReduction(Reduction):
         self.exchange = PieceExchange(layout, self.rank, self.transforms, self.group, self.ledger, self._links)
         work = self.exchange.start(values, flat.device)
         handoff = [v for v in values if v is not None] + self.exchange.buffers
-        return Step([work] if work is not None else [], handoff)
+        return StageResult([work] if work is not None else [], handoff)
 
-    def _finish(self) -> Step:
+    def _finish(self) -> StageResult:
         """The cut rows' ``T⁻¹``, written into the bucket."""
         layout = self.layout
         for p, values in zip(layout.shards[self.rank].pieces, self.exchange.finish()):
@@ -183,9 +183,9 @@ class ShardReduction(Reduction):
                 values = self._reduced(values)
                 destination(self.flat, self.targets, p.seg, *p.flat(layout.segments[p.seg])).copy_(values.reshape(-1))
         del self.exchange
-        return Step()
+        return StageResult()
 
-    def _own_message(self, rows: Rows) -> torch.Tensor:
+    def _own_message(self, rows: Received) -> torch.Tensor:
         """All-reduce: the own shard's sum of ``rows``' messages (whitened, ÷ the group size when
         averaging) encoded into one message of ``max_message_bytes``."""
         layout, r, device = self.layout, self.rank, self.flat.device
@@ -242,7 +242,7 @@ class QuantizedReduce(ShardReduction):
             return [self._send, self._gather, self._decode_all]
         return [self._send, self._reduce, self._finish]
 
-    def _send(self) -> Step:
+    def _send(self) -> StageResult:
         layout, r, device = self.layout, self.rank, self.flat.device
         self.pk = layout.cached(
             ("flat", r, str(device)),
@@ -256,7 +256,7 @@ class QuantizedReduce(ShardReduction):
         )
         plain_bucket(self.buf, self.pk, self.flat, layout, self.kernels)
         self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
-        return Step(self._all_to_all(), [self.buf, self.recv])
+        return StageResult(self._all_to_all(), [self.buf, self.recv])
 
     def _all_to_all(self) -> list:
         pk, r = self.pk, self.rank
@@ -271,27 +271,27 @@ class QuantizedReduce(ShardReduction):
             )
         ]
 
-    def _rows(self) -> Rows:
-        rows = Rows(self.recv, self.pk.own_copy(self.buf), self.rank, self.pk.own, self.world)
+    def _rows(self) -> Received:
+        rows = Received(self.recv, self.pk.own_copy(self.buf), self.rank, self.pk.own, self.world)
         del self.buf, self.recv
         return rows
 
-    def _reduce(self) -> Step:
+    def _reduce(self) -> StageResult:
         return self._reduce_own(self._rows())
 
-    def _gather(self) -> Step:
+    def _gather(self) -> StageResult:
         msg = self._own_message(self._rows())
         width = self.layout.max_message_bytes
         self.gathered = torch.empty(self.world * width, dtype=torch.uint8, device=msg.device)
         self.ledger.add("all_gather", self.coded_label, (self.world - 1) * width, self._links([width] * self.world))
-        return Step([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
+        return StageResult([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
 
-    def _decode_all(self) -> Step:
+    def _decode_all(self) -> StageResult:
         decode_gathered(
             self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels, self.targets
         )
         del self.gathered
-        return Step()
+        return StageResult()
 
 
 def decode_gathered(

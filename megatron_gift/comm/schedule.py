@@ -57,7 +57,7 @@ def default_schedule(device: torch.device) -> Schedule:
 
 
 @dataclass
-class Step:
+class StageResult:
     """What a stage leaves for the next: collectives to wait for, tensors it hands over."""
 
     works: list = field(default_factory=list)
@@ -65,7 +65,7 @@ class Step:
 
 
 class Reduction:
-    """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables returning a ``Step``.
+    """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables returning a ``StageResult``.
 
     ``stage``: the index of the stage running now (set by the queue before it calls the stage), which
     is also the index of the stream it runs on."""
@@ -137,7 +137,7 @@ class _InFlight:
         self.reduction = reduction
         self.stages = reduction.stages()
         self.count, self.next = len(self.stages), 0
-        self.step = Step()
+        self.step = StageResult()
         self.event = None  # recorded after the last enqueued stage
 
     @property
@@ -191,7 +191,7 @@ class ReductionQueue:
                 work.wait()
             flight.reduction.stage = s
             with self.watch.stage(flight, s) if self.watch is not None else contextlib.nullcontext():
-                step = flight.stages[s]() or Step()
+                step = flight.stages[s]() or StageResult()
             if self.watch is not None:
                 self.watch.handed(flight, s, step)
         if s == flight.count - 1 and step.works:

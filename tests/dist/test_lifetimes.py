@@ -13,7 +13,7 @@ from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.output_side import OutputSide
 from megatron_gift.comm.param_delta import DeltaGather
 from megatron_gift.comm.quantized import QuantizedReduce
-from megatron_gift.comm.schedule import Reduction, ReductionQueue, StageStreams, Step, reduce_now
+from megatron_gift.comm.schedule import Reduction, ReductionQueue, StageResult, StageStreams, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import Schedule
 from megatron_gift.numerics import CodecConfig
@@ -36,14 +36,14 @@ class _Toy(Reduction):
 
     def _make(self):
         self.tmp = torch.arange(8.0)
-        return Step([], [self.tmp] if 0 in self.hand else [])
+        return StageResult([], [self.tmp] if 0 in self.hand else [])
 
     def _pass(self, s):
-        return Step([], [self.tmp] if s in self.hand else [])
+        return StageResult([], [self.tmp] if s in self.hand else [])
 
     def _read(self):
         self.tmp.sum()
-        return Step()
+        return StageResult()
 
 
 class _Dropped(OutputSide):
@@ -51,7 +51,7 @@ class _Dropped(OutputSide):
 
     def _projections(self, step):
         step = super()._projections(step)
-        return Step(step.works, [t for t in step.handoff if t is not self.proj])
+        return StageResult(step.works, [t for t in step.handoff if t is not self.proj])
 
 
 def _caught(fn) -> str | None:
@@ -79,10 +79,10 @@ def _delta_gather(group) -> tuple[int, str | None]:
     def run():
         with watch.stage(flight, 0):
             pending = gather.start(async_op=True)
-        watch.handed(flight, 0, Step([], [t for ts in pending.keep for t in ts]))
+        watch.handed(flight, 0, StageResult([], [t for ts in pending.keep for t in ts]))
         with watch.stage(flight, 1):
             pending.wait()
-        watch.handed(flight, 1, Step())
+        watch.handed(flight, 1, StageResult())
         gather.ready()
 
     complaint = _caught(run)

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout
 from megatron_gift.comm.quantized import QuantizedReduce
-from megatron_gift.comm.schedule import MAX_STAGES, Reduction, ReductionQueue, StageStreams, Step, reduce_now
+from megatron_gift.comm.schedule import MAX_STAGES, Reduction, ReductionQueue, StageResult, StageStreams, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import Schedule
 from megatron_gift.numerics import CodecConfig
@@ -33,14 +33,14 @@ class _Toy(Reduction):
         self.keep, self.view = keep, view
 
     def stages(self):
-        return [self._send, lambda: Step()]
+        return [self._send, lambda: StageResult()]
 
     def _send(self):
         world = dist.get_world_size()
         tmp = torch.arange(2.0 * world)
         recv = torch.empty(2 * world)
         sent = tmp[:world] if self.view else tmp
-        return Step(
+        return StageResult(
             [dist.all_to_all_single(recv[: sent.numel()], sent, async_op=True)], [recv, tmp] if self.keep else [recv]
         )
 

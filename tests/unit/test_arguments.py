@@ -15,7 +15,7 @@ from megatron_gift.arguments import (
     validate_gift_args,
 )
 from megatron_gift.config import (
-    DeltaGather,
+    DeltaGatherConfig,
     GiftConfig,
     IntraNode,
     Mode,
@@ -521,14 +521,14 @@ def test_param_gather_flags_map_to_config_with_or_without_a_mode(parse):
     """Catches --gift-param-gather delta being dropped with --gift-mode off (the plugin must wrap the
     model for the parameter all-gather alone) and a default other than Megatron's own gather."""
     assert parse().gift_param_gather == "bf16" and GiftConfig().param_gather is None
-    assert DeltaGather().full_every == 0
+    assert DeltaGatherConfig().full_every == 0
     args = parse("--gift-param-gather", "delta", "--gift-param-gather-full-every", "50", "--use-distributed-optimizer")
     assert gift_config_from_args(args) == GiftConfig.build(param_gather=ParamGather.DELTA, param_gather_full_every=50)
     validate_gift_args(args, NAMED_PARAMS)  # mode off: no --gift-layers pattern to match
     cfg = gift_config_from_args(
         parse("--gift-mode", "euclidean", "--gift-param-gather", "delta", "--use-distributed-optimizer")
     )
-    assert (cfg.mode, cfg.param_gather) == (Mode.EUCLIDEAN, DeltaGather())
+    assert (cfg.mode, cfg.param_gather) == (Mode.EUCLIDEAN, DeltaGatherConfig())
 
 
 @pytest.mark.parametrize("mode", ["off", "gift"])

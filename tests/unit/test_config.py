@@ -7,7 +7,7 @@ import pytest
 
 from megatron_gift.arguments import _ineffective_flags, add_gift_args, flag_concerns, gift_config_from_args
 from megatron_gift.config import (
-    DeltaGather,
+    DeltaGatherConfig,
     Exchange,
     ExchangeConfig,
     GiftConfig,
@@ -69,7 +69,7 @@ def test_each_flag_sits_in_its_concerns_group():
 def test_top_level_has_at_most_ten_fields_and_the_sub_configs_are_frozen():
     """Bug caught: settings piling up flat on ``GiftConfig`` again, or a sub-config one can mutate."""
     assert len(dataclasses.fields(GiftConfig)) <= 10
-    for sub in (WireConfig(), WhiteningConfig(), ExchangeConfig(), DeltaGather(), PolicyConfig()):
+    for sub in (WireConfig(), WhiteningConfig(), ExchangeConfig(), DeltaGatherConfig(), PolicyConfig()):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(sub, dataclasses.fields(sub)[0].name, None)
 
@@ -119,7 +119,7 @@ def test_flat_settings_land_in_their_sub_config():
     assert cfg.wire == WireConfig(CodecConfig("e5m2", "row"), InterNodeFormat.NVFP4, "hadamard", 7, False)
     assert cfg.whitening == WhiteningConfig(8, 16, 2.0, (0.3, 1.0, 3.0, 10.0), Side.INPUT, 0.5, 3)
     assert cfg.exchange == ExchangeConfig(Exchange.FLAT, "fp8", 2, "lagged", False, True)
-    assert cfg.param_gather == DeltaGather(4, 9) and cfg.log_interval == 5
+    assert cfg.param_gather == DeltaGatherConfig(4, 9) and cfg.log_interval == 5
     assert GiftConfig.build(**cfg.flat()) == cfg
     assert cfg.replace(mode="euclidean").whitening is None and cfg.replace(rank=4).whitening.rank == 4
     assert GiftConfig.build(param_gather_full_every=3).param_gather is None  # bf16 gather: nothing to set

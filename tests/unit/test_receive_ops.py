@@ -15,7 +15,7 @@ from megatron_gift import kernels
 from megatron_gift.comm import hierarchical, quantized
 from megatron_gift.comm.hierarchical import intra_wire
 from megatron_gift.comm.layout import BucketLayout, Segment
-from megatron_gift.comm.packing import Rows, packing
+from megatron_gift.comm.packing import Received, packing
 from megatron_gift.comm.topology import Topology, TwoLevelGroups
 from megatron_gift.config import Mode
 from megatron_gift.numerics.fp8 import CodecConfig
@@ -126,7 +126,7 @@ def _flat_stages(numel, world, fused, log, rank=1):
         )
         pk = packing(layout, list(range(world)), [[j] for j in range(world) if j != rank] + [[rank]], None, "cpu")
         recv, own = _received((world - 1) * pk.own.nbytes), _received(pk.own.nbytes)
-        rows = lambda: Rows(recv, own, rank, pk.own, world)  # noqa: E731
+        rows = lambda: Received(recv, own, rank, pk.own, world)  # noqa: E731
         if all_reduce:
             out["own message"] = _count(lambda: red._own_message(rows()), log)
         else:
