@@ -86,7 +86,7 @@ def encode_bucket(
     flat: torch.Tensor,
     layout: BucketLayout,
     transforms,
-    use_kernels: bool,
+    ops: kernels.CodecOps,
     error_feedback: ErrorFeedback | None = None,
     outputs: dict | None = None,
 ) -> None:
@@ -95,19 +95,12 @@ def encode_bucket(
     next residual is staged) as codes of the format and scales into its message in ``buf`` (the
     module doc's sender); ``pk``'s source is the bucket, which is only read."""
     out, cfg = views(buf, layout), layout.codec
-    for _i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
+    for _i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, ops.fused):
         g0, g1 = layout.group_range(k0, k1)
         into = kernels.Placed(pk.place["coded"].at(out["coded"], k0), pk.place["groups"].at(out["groups"], g0))
         feedback = error_feedback.feedback(k0, k1 - k0) if error_feedback is not None else None
-        kernels.whiten_encode(
-            x,
-            t,
-            cfg,
-            lengths=layout.lengths(g0, g1, flat.device),
-            fused=use_kernels,
-            into=into,
-            feedback=feedback,
-            output=rows_of,
+        ops.whiten_encode(
+            x, t, cfg, lengths=layout.lengths(g0, g1, flat.device), into=into, feedback=feedback, output=rows_of
         )
 
 
@@ -118,17 +111,19 @@ def cast_bucket(
     layout: BucketLayout,
     transforms,
     wire: torch.dtype,
-    use_kernels: bool,
+    ops: kernels.CodecOps,
     outputs: dict | None = None,
 ) -> None:
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``, two-sided as in
     ``encode_bucket``) in the float ``wire`` dtype into its message in ``buf``."""
     out = buf.view(wire)
-    for _i, k0, _k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, use_kernels):
-        kernels.whiten_place(x, t, pk.place["coded"].at(out, k0), fused=use_kernels, output=rows_of)
+    for _i, k0, _k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, ops.fused):
+        ops.whiten_place(x, t, pk.place["coded"].at(out, k0), output=rows_of)
 
 
-def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, use_kernels: bool) -> None:
+def plain_bucket(
+    buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: BucketLayout, ops: kernels.CodecOps
+) -> None:
     """The values of ``off`` and ``bf16`` parameters, in the bucket's dtype and in BF16, into their
     messages: one call per segment (per ``CHUNK`` of it on the PyTorch path, for its placement index)."""
     out = views(buf, layout)
@@ -136,10 +131,10 @@ def plain_bucket(buf: torch.Tensor, pk: Packing, flat: torch.Tensor, layout: Buc
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]
             n = s.rows * s.cols
-            step = n if use_kernels else CHUNK
+            step = n if ops.fused else CHUNK
             for k0 in range(0, n, step):
                 x = flat[s.start + k0 : s.start + min(n, k0 + step)]
-                kernels.whiten_place(x.view(1, -1), None, pk.place[name].at(out[name], at + k0), fused=use_kernels)
+                ops.whiten_place(x.view(1, -1), None, pk.place[name].at(out[name], at + k0))
 
 
 def sum_plain(
@@ -149,12 +144,12 @@ def sum_plain(
     k0: int,
     k1: int,
     average: bool,
-    fused: bool,
+    ops: kernels.CodecOps,
     out: torch.Tensor | kernels.Place | None = None,
 ) -> torch.Tensor | None:
     """FP32 sum over the senders (rank order) of plain class ``c``'s values ``[k0, k1)`` of the
     message, ÷ R when averaging, into ``out`` (a tensor or a ``kernels.Place``; ``kernels.sum_rows``)."""
-    return kernels.sum_rows(rows.plain(c, k0, k1, layout.plain_dtypes[c]), average, out, fused=fused)
+    return ops.sum_rows(rows.plain(c, k0, k1, layout.plain_dtypes[c]), average, out)
 
 
 def reduce_coded(
@@ -166,18 +161,16 @@ def reduce_coded(
     shape: tuple[int, int],
     whitening,
     average: bool,
-    fused: bool,
+    ops: kernels.CodecOps,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(Σ_i dec(message_i) [÷ R]) T⁻¹`` (``T⁻¹`` where ``whitening`` is given) of coded values
     ``[k0, k1)`` of the bucket's coded sequence from ``rows``' messages of shard ``plan``: ``shape``,
-    into ``out`` when given (else FP32; the fused kernels where ``fused`` and they can run)."""
+    into ``out`` when given (else FP32; ``ops``: the fused kernels or the reference)."""
     g0, g1, lengths = layout.group_slice(k0, k1, rows.parts[0].device)
     payloads = rows.coded(k0 - plan.coded_lo, k1 - plan.coded_lo, layout.coded_dtype())
     scales = rows.scales(g0 - plan.group_lo, g1 - plan.group_lo, layout.codec.scale_dtype())
-    return kernels.decode_sum_unwhiten(
-        payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths, fused=fused, out=out
-    )
+    return ops.decode_sum_unwhiten(payloads, scales, *shape, whitening, layout.codec, average, lengths=lengths, out=out)
 
 
 def part_chunks(layout: BucketLayout, part: Part, chunk: int | None, whitened: bool) -> list[tuple[int, int, int, int]]:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode, Rotation
+from ..kernels import CodecOps
 from ..kernels.placement import Placement
 from ..kernels.reference import ordered_sum, reference_decode_sum_unwhiten, reference_sum_rows, sender_values
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
@@ -56,6 +57,8 @@ from .schedule import StageResult
 from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
+
+REFERENCE = CodecOps(False)  # the PyTorch path: the fused kernels implement FP8 only
 
 
 def exchange_rotation(rotation: Rotation, seed: int) -> BlockHadamard | None:
@@ -431,7 +434,7 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
             else:
                 values = reference_sum_rows(coded, False)
             sums[c0:c1].copy_(values.reshape(-1))
-        plain = [sum_plain(rows, layout, c, 0, counts[c], False, False) for c in range(2)]
+        plain = [sum_plain(rows, layout, c, 0, counts[c], False, REFERENCE) for c in range(2)]
         n, k = self.topo.nodes, self.node
         if self.rotation is not None:  # H on each held shard's whitened parts (one call per part)
             at = [sum(p.n_coded for p in plans[:m]) for m in range(n + 1)]

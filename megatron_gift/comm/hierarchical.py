@@ -100,10 +100,10 @@ class TwoLevelReduce(ShardReduction):
         self.pk1 = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
         buf = torch.empty(self.pk1.nbytes, dtype=torch.uint8, device=device)
         if self.wire is None:
-            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.kernels, outputs=self.outputs)
+            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.ops, outputs=self.outputs)
         else:
-            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.kernels, self.outputs)
-        plain_bucket(buf, self.pk1, self.flat, layout, self.kernels)
+            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.ops, self.outputs)
+        plain_bucket(buf, self.pk1, self.flat, layout, self.ops)
         own = self.pk1.own.nbytes
         recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk1.sent_bytes
@@ -138,26 +138,18 @@ class TwoLevelReduce(ShardReduction):
         for (c0, c1), (g0, g1), lengths in chunks:
             coded = rows.coded(c0, c1, layout.coded_dtype(self.wire))
             if self.wire is None:
-                values = _kernels.decode_sum_unwhiten(
-                    coded,
-                    rows.scales(g0, g1, cfg.scale_dtype()),
-                    1,
-                    c1 - c0,
-                    None,
-                    cfg,
-                    False,
-                    lengths=lengths,
-                    fused=self.kernels,
+                values = self.ops.decode_sum_unwhiten(
+                    coded, rows.scales(g0, g1, cfg.scale_dtype()), 1, c1 - c0, None, cfg, False, lengths=lengths
                 )
             else:
-                values = _kernels.sum_rows(coded, False, fused=self.kernels)
+                values = self.ops.sum_rows(coded, False)
             into = _kernels.Placed(
                 self.pk2.place["coded"].at(out["coded"], c0), self.pk2.place["groups"].at(out["groups"], g0)
             )
-            _kernels.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, fused=self.kernels, into=into)
+            self.ops.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, into=into)
         for c, name in enumerate(("off", "bf16")):
             for a, b in spans(0, counts[c], self.chunk):
-                sum_plain(rows, layout, c, a, b, False, self.kernels, out=self.pk2.place[name].at(out[name], a))
+                sum_plain(rows, layout, c, a, b, False, self.ops, out=self.pk2.place[name].at(out[name], a))
         own = self.pk2.own.nbytes
         self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
         sent = self.pk2.sent_bytes
@@ -225,6 +217,6 @@ class TwoLevelReduce(ShardReduction):
         """Every shard's message: shard ``m·g + l'`` came from local rank l' (row l'), node m (column m)."""
         g, n = self.topo.ranks_per_node, self.topo.nodes
         slots = [(j % g) * n + j // g for j in range(self.world)]
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.kernels, self.targets)
+        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.ops, self.targets)
         del self.gathered
         return StageResult()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import kernels as _kernels
 from ..numerics.two_sided import output_projection
 from ..numerics.whitening import LowRankWhitening
 from .layout import FP8_MODES
@@ -128,14 +127,8 @@ class OutputSide(Wrapping):
         inner, layout = self.inner, self.inner.layout
         for i, (lo, hi) in self.owned.items():
             s, dest = layout.segments[i], inner.flat[lo:hi]
-            _kernels.output_inverse(
-                self.outputs[i],
-                inner.targets[i][0],
-                s.cols,
-                lo - s.start,
-                self._p(self.proj, i),
-                dest,
-                fused=inner.kernels,
+            inner.ops.output_inverse(
+                self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i), dest
             )
             if inner.nonfinite is not None:  # this stage's own flag (``ShardReduction._reduced``)
                 inner.nonfinite[self.stage].logical_or_(torch.isfinite(dest).all().logical_not())

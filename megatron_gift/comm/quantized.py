@@ -22,7 +22,8 @@ and ``targets`` (FP32 tensors that receive the segment's results instead of the 
 ``destination``). ``nonfinite`` (a bool tensor of one flag per stage, ``schedule.MAX_STAGES``;
 read with ``.any()``), when given, has the flag of the stage that wrote a NaN/Inf set on the
 device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
-``kernels``: whether the fused kernels run (``GiftConfig.exchange.kernels``, see ``use_kernels``).
+``kernels``: the fused kernels' setting (``GiftConfig.exchange.kernels``), resolved once into ``ops``
+(``kernels.CodecOps``), which every stage calls.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ import torch.distributed as dist
 from .. import kernels as _kernels
 from .._compat import all_gather as _all_gather
 from ..numerics.error_feedback import ErrorFeedback
-from ..numerics.fp8 import CodecConfig
 from ..numerics.whitening import LowRankWhitening
-from ..numerics.wire import KERNELS
 from .codec import CHUNK, encode_bucket, part_chunks, plain_bucket, reduce_coded, spans, sum_plain, views
 from .layout import BucketLayout
 from .ledger import CommLedger, message_label
@@ -45,16 +44,6 @@ from .schedule import Reduction, StageResult
 from .topology import Topology
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
-
-
-def use_kernels(device: torch.device, use: bool | None, codec: CodecConfig) -> bool:
-    """Whether a reduction uses the fused kernels, by the ``kernels`` setting ``use`` (``GiftConfig.exchange.kernels``:
-    None on CUDA where they are ``kernels.available``; True wherever they are available, the CPU included
-    when Triton's interpreter is on (slow: for tests); False never), and never for a wire format whose
-    table entry does not name them all. Every rank of a group passes the same."""
-    if use is False or (use is None and device.type != "cuda") or codec.fmt.kernels != KERNELS:
-        return False
-    return _kernels.available(device)
 
 
 def with_self(sizes: list[int], rank: int, own: int = 0) -> list[int]:
@@ -104,8 +93,8 @@ class ShardReduction(Reduction):
             )
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
-        self.kernels = use_kernels(flat.device, kernels, layout.codec)
-        self.chunk = None if self.kernels else CHUNK
+        self.ops = _kernels.CodecOps.resolve(flat.device, kernels, layout.codec)
+        self.chunk = None if self.ops.fused else CHUNK
         self.coded_label = message_label(layout)  # the ledger's name of the bucket's messages
         # hooks (module doc): segment -> T_out the sender applies (T_outᵀ G T); segment -> (FP32 tensor,
         # bucket position of its first element) written instead of the bucket
@@ -152,7 +141,7 @@ class ShardReduction(Reduction):
                 at = part.at - plan.plain_lo[c]
                 for a, b in spans(at, part.hi - part.lo, self.chunk):
                     dest = flat[part.lo + a - at : part.lo + b - at]
-                    self._store(dest, sum_plain(rows, layout, c, a, b, first, self.kernels, out=self._target(dest)))
+                    self._store(dest, sum_plain(rows, layout, c, a, b, first, self.ops, out=self._target(dest)))
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
             for k0, k1, n_rows, cols in part_chunks(layout, part, self.chunk, t is not None):
@@ -160,7 +149,7 @@ class ShardReduction(Reduction):
                     n_rows, cols
                 )
                 out = self._target(dest)
-                self._store(dest, reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.kernels, out))
+                self._store(dest, reduce_coded(rows, layout, plan, k0, k1, (n_rows, cols), t, first, self.ops, out))
         values = []
         for p in plan.pieces:
             if self.transforms[p.seg] is None:  # reduced with its part
@@ -168,7 +157,7 @@ class ShardReduction(Reduction):
                 continue
             k0 = layout.seg_at[p.seg] + p.row * layout.segments[p.seg].cols + p.c0
             values.append(
-                reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first, self.kernels)
+                reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first, self.ops)
             )
         self.exchange = PieceExchange(layout, self.rank, self.transforms, self.group, self.ledger, self._links)
         work = self.exchange.start(values, flat.device)
@@ -198,22 +187,18 @@ class ShardReduction(Reduction):
         first = self.average and self.divide_first
         for part in plan.coded_parts:
             for k0, k1, _, _ in part_chunks(layout, part, self.chunk, False):
-                values = self._reduced(
-                    reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.kernels)
-                )
+                values = self._reduced(reduce_coded(rows, layout, plan, k0, k1, (1, k1 - k0), None, first, self.ops))
                 g0, g1 = layout.group_range(k0, k1)
                 into = _kernels.Placed(
                     own.place["coded"].at(out["coded"], k0 - plan.coded_lo),
                     own.place["groups"].at(out["groups"], g0 - plan.group_lo),
                 )
-                _kernels.whiten_encode(
-                    values, None, layout.codec, lengths=layout.lengths(g0, g1, device), fused=self.kernels, into=into
-                )
+                self.ops.whiten_encode(values, None, layout.codec, lengths=layout.lengths(g0, g1, device), into=into)
         for c, name in enumerate(("off", "bf16")):
             at = own.own.plain_at[c] // layout.plain_dtypes[c].itemsize  # the own shard's values, one after another
             for a, b in spans(0, plan.plain_hi[c] - plan.plain_lo[c], self.chunk):
                 dest = out[name][at + a : at + b]
-                self._store(dest, sum_plain(rows, layout, c, a, b, first, self.kernels, out=self._target(dest)))
+                self._store(dest, sum_plain(rows, layout, c, a, b, first, self.ops, out=self._target(dest)))
         return msg
 
 
@@ -252,9 +237,9 @@ class QuantizedReduce(ShardReduction):
         )
         self.buf = torch.empty(self.pk.nbytes, dtype=torch.uint8, device=device)
         encode_bucket(
-            self.buf, self.pk, self.flat, layout, self.transforms, self.kernels, self.error_feedback, self.outputs
+            self.buf, self.pk, self.flat, layout, self.transforms, self.ops, self.error_feedback, self.outputs
         )
-        plain_bucket(self.buf, self.pk, self.flat, layout, self.kernels)
+        plain_bucket(self.buf, self.pk, self.flat, layout, self.ops)
         self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
         return StageResult(self._all_to_all(), [self.buf, self.recv])
 
@@ -288,7 +273,7 @@ class QuantizedReduce(ShardReduction):
 
     def _decode_all(self) -> StageResult:
         decode_gathered(
-            self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.kernels, self.targets
+            self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.ops, self.targets
         )
         del self.gathered
         return StageResult()
@@ -300,7 +285,7 @@ def decode_gathered(
     transforms: Whitenings,
     flat: torch.Tensor,
     slots: list[int],
-    fused: bool,
+    ops: _kernels.CodecOps,
     targets: dict | None = None,
 ) -> None:
     """Every shard's reduced message (shard ``j`` in slot ``slots[j]`` of ``gathered``, slots of
@@ -316,7 +301,7 @@ def decode_gathered(
         lambda: packing(layout, list(range(layout.num_shards)), [[j] for j in order], None, device, width),
     )
     src = views(gathered, layout)
-    chunk = None if fused else CHUNK
+    chunk = None if ops.fused else CHUNK
     for i in layout.coded_segments:
         s, at, t = layout.segments[i], layout.seg_at[i], transforms[i]
         end = at + s.rows * s.cols
@@ -324,16 +309,15 @@ def decode_gathered(
             g0, g1 = layout.group_range(k0, k1)
             shape = ((k1 - k0) // s.cols, s.cols) if t is not None else (1, k1 - k0)
             placed = _kernels.Placed(gp.place["coded"].at(src["coded"], k0), gp.place["groups"].at(src["groups"], g0))
-            _kernels.decode_placed(
+            ops.decode_placed(
                 placed,
                 *shape,
                 t,
                 layout.codec,
                 lengths=layout.lengths(g0, g1, device),
                 out=destination(flat, targets or {}, i, s.start + k0 - at, s.start + k1 - at),
-                fused=fused,
             )
     for c, name in enumerate(("off", "bf16")):
         for i in layout.plain_segments[c]:
             s, at = layout.segments[i], layout.seg_at[i]
-            _kernels.take(gp.place[name].at(src[name], at), flat[s.start : s.end], fused=fused)
+            ops.take(gp.place[name].at(src[name], at), flat[s.start : s.end])

@@ -43,6 +43,7 @@ from ..numerics.fp8 import CodecConfig, Encoded, Scaling
 from ..numerics.two_sided import OutputRows
 from ..numerics.two_sided import output_inverse as reference_output_inverse  # the reference lives with its math
 from ..numerics.whitening import LowRankWhitening
+from ..numerics.wire import KERNELS
 from .placement import Place
 from .reference import (
     ordered_sum,
@@ -56,6 +57,7 @@ from .reference import (
 
 __all__ = [
     "available",
+    "CodecOps",
     "ordered_sum",
     "Place",
     "Placed",
@@ -307,3 +309,43 @@ def output_inverse(
     if fused and values.numel() > 0 and available(values.device):
         return _output().output_inverse(w, values, cols, e0, proj, out)
     return reference_output_inverse(w, values, cols, e0, proj, out)
+
+
+@dataclass(frozen=True)
+class CodecOps:
+    """A reduction's codec calls, chosen once: the fused Triton kernels wherever they can run
+    (``fused``; each call still falls back to the reference where its own case needs it) or the
+    PyTorch reference throughout. The reduction's stages call these, never passing a flag."""
+
+    fused: bool
+
+    @classmethod
+    def resolve(cls, device: torch.device, use: bool | None, codec: CodecConfig) -> CodecOps:
+        """From the ``kernels`` setting ``use`` (``GiftConfig.exchange.kernels``: None on CUDA where the
+        kernels are ``available``; True wherever they are available, the CPU included when Triton's
+        interpreter is on (slow: for tests); False never), and never for a wire format whose table
+        entry does not name them all. Every rank of a group passes the same."""
+        if use is False or (use is None and device.type != "cuda") or codec.fmt.kernels != KERNELS:
+            return cls(False)
+        return cls(available(device))
+
+    def whiten_encode(self, g, whitening, cfg, **kw) -> Encoded | None:
+        return whiten_encode(g, whitening, cfg, fused=self.fused, **kw)
+
+    def whiten_place(self, x, whitening, into, output=None) -> None:
+        return whiten_place(x, whitening, into, fused=self.fused, output=output)
+
+    def decode_sum_unwhiten(self, payloads, scales, rows, cols, whitening, cfg, average, **kw) -> torch.Tensor:
+        return decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, fused=self.fused, **kw)
+
+    def decode_placed(self, src, rows, cols, whitening, cfg, **kw) -> torch.Tensor:
+        return decode_placed(src, rows, cols, whitening, cfg, fused=self.fused, **kw)
+
+    def sum_rows(self, parts, average, out=None) -> torch.Tensor | None:
+        return sum_rows(parts, average, out, fused=self.fused)
+
+    def take(self, src, out) -> torch.Tensor:
+        return take(src, out, fused=self.fused)
+
+    def output_inverse(self, w, values, cols, e0, proj, out) -> None:
+        return output_inverse(w, values, cols, e0, proj, out, fused=self.fused)

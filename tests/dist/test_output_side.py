@@ -323,7 +323,7 @@ def _kernel_worker(rank, world):
             inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, **common)
         else:
             inner = TwoLevelReduce(flat, layout, placed, ts, intra="bf16", **common)
-        assert inner.kernels == use
+        assert inner.ops.fused == use
         reduce_now(OutputSide(inner, outputs, CommLedger()), "cpu")
         out[(path, all_reduce, use)] = flat
     return out

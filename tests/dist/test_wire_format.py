@@ -16,7 +16,7 @@ from megatron_gift import kernels
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.packing import packing
-from megatron_gift.comm.quantized import QuantizedReduce, use_kernels
+from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.config import Mode
 from megatron_gift.numerics import fp8
@@ -114,7 +114,7 @@ def test_kernel_gate_refuses_the_format(monkeypatch):
         fused=True,
     )
     assert torch.equal(total, fp8.decode(enc, CODEC))
-    assert not use_kernels(torch.device("cpu"), True, CODEC)
+    assert not kernels.CodecOps.resolve(torch.device("cpu"), True, CODEC).fused
 
 
 def test_triton_kernels_refuse_the_format():

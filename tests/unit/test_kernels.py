@@ -600,10 +600,10 @@ def test_gathered_decode_reads_at_table_positions(device, dtype, cfg, monkeypatc
     slots = [1, 3, 0, 4, 2]
     gathered, _ = _gathered(layout, slots, device)
     want = torch.full((numel,), 3.0, dtype=dtype, device=device)
-    decode_gathered(gathered, layout, transforms, want, slots, fused=False)
+    decode_gathered(gathered, layout, transforms, want, slots, kernels.CodecOps(False))
     launches = Launches(monkeypatch)
     got = torch.full((numel,), 3.0, dtype=dtype, device=device)
-    decode_gathered(gathered, layout, transforms, got, slots, fused=True)
+    decode_gathered(gathered, layout, transforms, got, slots, kernels.CodecOps(True))
     placed = [name for name, _ in launches.log if name in KERNELS["receive"]]
     assert placed == ["_decode_placed_kernel"] * 3 + ["_sum_kernel"] * 3, placed
     for k, s in enumerate(segments):

@@ -141,7 +141,11 @@ def _gathered_decode(numel, world, fused, log):
     ts, flat = _transforms(layout), torch.zeros(numel)
     gathered = _received(world * layout.max_message_bytes)
     slots = list(range(world))
-    return {"gathered decode": _count(lambda: quantized.decode_gathered(gathered, layout, ts, flat, slots, fused), log)}
+    return {
+        "gathered decode": _count(
+            lambda: quantized.decode_gathered(gathered, layout, ts, flat, slots, kernels.CodecOps(fused)), log
+        )
+    }
 
 
 def _node_sums(numel, nodes, per_node, fused, log, rank=1):

@@ -184,8 +184,8 @@ if INTERPRET:
             bufs = []
             for fused in (False, True):
                 buf = torch.zeros(pk.nbytes, dtype=torch.uint8)
-                codec.cast_bucket(buf, pk, flat, layout, [None] * len(SEGMENTS), wire, fused)
-                codec.plain_bucket(buf, pk, flat, layout, fused)
+                codec.cast_bucket(buf, pk, flat, layout, [None] * len(SEGMENTS), wire, kernels.CodecOps(fused))
+                codec.plain_bucket(buf, pk, flat, layout, kernels.CodecOps(fused))
                 bufs.append(buf)
             _assert_same_placed(bufs, pk, layout, wire, name)
         assert launches.calls["whiten_place"] == len(_packings(layout)) * len(SEGMENTS)
@@ -208,7 +208,7 @@ if INTERPRET:
                 bufs = []
                 for fused in (False, True):
                     buf = torch.zeros(pk.nbytes, dtype=torch.uint8)
-                    codec.cast_bucket(buf, pk, flat, layout, ts, wire, fused)
+                    codec.cast_bucket(buf, pk, flat, layout, ts, wire, kernels.CodecOps(fused))
                     bufs.append(buf)
                 if rank == 0:
                     assert torch.equal(bufs[0], bufs[1]), name
@@ -246,8 +246,8 @@ if INTERPRET:
                 ef = ErrorFeedback(layout.n_coded)
                 ef.residual.normal_(generator=torch.Generator().manual_seed(3)).mul_(0.01)
                 buf = torch.zeros(pk.nbytes, dtype=torch.uint8)
-                codec.encode_bucket(buf, pk, flat, layout, ts, fused, ef)
-                codec.plain_bucket(buf, pk, flat, layout, fused)
+                codec.encode_bucket(buf, pk, flat, layout, ts, kernels.CodecOps(fused), ef)
+                codec.plain_bucket(buf, pk, flat, layout, kernels.CodecOps(fused))
                 staged = ef._pending.clone()
                 ef.commit()
                 assert torch.equal(ef.residual, staged)
@@ -305,10 +305,10 @@ if INTERPRET:
         def run():
             buf = torch.empty(pk.nbytes, dtype=torch.uint8)
             if wire is None:
-                codec.encode_bucket(buf, pk, flat, layout, ts, fused, ef)
+                codec.encode_bucket(buf, pk, flat, layout, ts, kernels.CodecOps(fused), ef)
             else:
-                codec.cast_bucket(buf, pk, flat, layout, ts, wire, fused)
-            codec.plain_bucket(buf, pk, flat, layout, fused)
+                codec.cast_bucket(buf, pk, flat, layout, ts, wire, kernels.CodecOps(fused))
+            codec.plain_bucket(buf, pk, flat, layout, kernels.CodecOps(fused))
 
         run()
         log.clear()
