@@ -96,7 +96,10 @@ class WireRecord:
             return inner["whiten_encode"](g, whitening, cfg, *args, lengths=lengths, **kw)
 
         def whiten_place(x, whitening, into, *args, **kw):
-            dtype, caller = into.out.dtype, sys._getframe(1).f_code.co_name
+            frame = sys._getframe(1)
+            while frame.f_globals.get("__name__") == kernels.__name__:  # through ``CodecOps``, to its caller
+                frame = frame.f_back
+            dtype, caller = into.out.dtype, frame.f_code.co_name
             op = "plain" if caller == "plain_bucket" else "cast"
             self._add(
                 op,
