@@ -660,17 +660,17 @@ _ANY_MODE = (
 )
 
 
-def flag_concerns(parser: argparse.ArgumentParser | None = None) -> dict[str, str]:
-    """Each ``--gift-*`` flag's destination -> its concern (``CONCERNS``), from the groups
-    :func:`add_gift_args` made."""
+def concern_groups(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, argparse._ArgumentGroup]]:
+    """``(concern, argument group)`` of each group :func:`add_gift_args` made (on a parser of its own
+    when none is given), in ``CONCERNS``' order."""
     parser = parser or add_gift_args(argparse.ArgumentParser())
     by_title = {title: concern for concern, (title, _) in CONCERNS.items()}
-    return {
-        action.dest: by_title[group.title]
-        for group in parser._action_groups
-        if group.title in by_title
-        for action in group._group_actions
-    }
+    return [(by_title[g.title], g) for g in parser._action_groups if g.title in by_title]
+
+
+def flag_concerns(parser: argparse.ArgumentParser | None = None) -> dict[str, str]:
+    """Each ``--gift-*`` flag's destination -> its concern (``CONCERNS``)."""
+    return {action.dest: concern for concern, group in concern_groups(parser) for action in group._group_actions}
 
 
 def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:

@@ -104,9 +104,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._param_names = {p: n for n, p in named}
         modes = param_modes(named, self.gift_config)
-        if (
-            not self.gift_config.exchange.loopback
-        ):  # a group of one sends nothing: keep Megatron's gradient, bit for bit
+        # a group of one sends nothing: keep Megatron's gradient, bit for bit (unless loopback asks otherwise)
+        if not self.gift_config.exchange.loopback:
             modes = {n: modes[n] if self._reduction_size(p) > 1 else Mode.OFF for n, p in named}
         self.monitor = Monitor(
             self.gift_config, self.set_mode, verbose=not dist.is_initialized() or dist.get_rank() == 0

@@ -244,21 +244,13 @@ def _flag_cells(action) -> tuple[str, str, str]:
     return spelled.replace("|", "\\|"), str(default).replace("|", "\\|"), helped.replace("|", "\\|")
 
 
-def _gift_groups():
-    from megatron_gift.arguments import CONCERNS, add_gift_args
-
-    parser = add_gift_args(argparse.ArgumentParser())
-    titles = {title: concern for concern, (title, _) in CONCERNS.items()}
-    return [(titles[g.title], g) for g in parser._action_groups if g.title in titles]
-
-
 def flag_tables(results: Path) -> str:
     """docs/flags.md: every ``--gift-*`` flag, one table per concern of ``GiftConfig`` (the argument
     groups of ``add_gift_args``), with its default and help from the parser and when to change it."""
-    from megatron_gift.arguments import CONCERNS
+    from megatron_gift.arguments import CONCERNS, concern_groups
 
     out = []
-    for concern, group in _gift_groups():
+    for concern, group in concern_groups():
         title, description = CONCERNS[concern]
         out += [f"### {title}", "", f"{description}.", "", "| flag | default | what it does | change it when |"]
         out.append("|---|---|---|---|")
@@ -271,7 +263,9 @@ def flag_tables(results: Path) -> str:
 
 def flags_that_matter(results: Path) -> str:
     """README.md's short table: the flags a first run needs, spelled and defaulted as the parser has them."""
-    actions = {a.option_strings[0]: a for _, g in _gift_groups() for a in g._group_actions}
+    from megatron_gift.arguments import concern_groups
+
+    actions = {a.option_strings[0]: a for _, g in concern_groups() for a in g._group_actions}
     out = ["| flag | default | what it does |", "|---|---|---|"]
     for flag, what in FLAGS_THAT_MATTER.items():
         spelled, default, _ = _flag_cells(actions[flag])
