@@ -87,6 +87,7 @@ _FIELD_FLAGS = {
     "profile_interval": "--gift-profile-interval",
     "log_interval": "--gift-log-interval",
     "ranks_per_node": "--gift-ranks-per-node",
+    "inflight_mb": "--gift-inflight-mb",
     "param_gather_full_every": "--gift-param-gather-full-every",
 }
 _FIELD_RE = re.compile(r"\b(" + "|".join(re.escape(f) for f in _FIELD_FLAGS) + r")\b")
@@ -359,6 +360,16 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "eager (default: %(default)s).",
     )
     groups["exchange"].add_argument(
+        "--gift-inflight-mb",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="Bound on the reductions' message buffers in flight, in MiB: a bucket's exchange reuses an earlier "
+        "one's memory once that one is done, ordered on the GPU without a host sync (default: two of the "
+        "largest bucket's, at most all of a step's, so one exchange runs while the next bucket is encoded). A "
+        "bucket larger than the bound runs outside it (warned at start-up).",
+    )
+    groups["exchange"].add_argument(
         "--gift-loopback",
         action="store_true",
         default=_EXCHANGE.loopback,
@@ -459,6 +470,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             ranks_per_node=args.gift_ranks_per_node,
             schedule=None if args.gift_schedule == AUTO else Schedule(args.gift_schedule),
             loopback=args.gift_loopback,
+            inflight_mb=args.gift_inflight_mb,
         )
         gather = None
         if delta:  # the checks' interval: Megatron's logging steps (without Megatron's flags: the default)

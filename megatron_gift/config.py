@@ -226,7 +226,9 @@ class ExchangeConfig:
     ``comm.schedule.default_schedule``, eager on CUDA unless ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
     lagged there and on CPUs). ``loopback``: a benchmarking switch: quantize even where the reduction
     group has one rank (encode, decode, sum, unwhiten, nothing sent), so one GPU measures the plugin's
-    whole on-GPU cost; without it such a group keeps Megatron's reduction and its gradient bit for bit."""
+    whole on-GPU cost; without it such a group keeps Megatron's reduction and its gradient bit for bit.
+    ``inflight_mb``: the bytes of message buffers in flight, in MiB (``comm.schedule.Arena``; None:
+    two of the largest bucket's, so that one bucket's exchange runs while the next is encoded)."""
 
     topology: Exchange = Exchange.AUTO
     intra_node: IntraNode = IntraNode.BF16
@@ -234,9 +236,12 @@ class ExchangeConfig:
     schedule: Schedule | None = None
     kernels: bool | None = None
     loopback: bool = False
+    inflight_mb: int | None = None
 
     def __post_init__(self):
         _enum(self, "topology", Exchange)
+        if self.inflight_mb is not None:
+            _count("inflight_mb", self.inflight_mb, 1, " (None: two of the largest bucket's buffers)")
         _enum(self, "intra_node", IntraNode)
         if self.ranks_per_node is not None:
             _count("ranks_per_node", self.ranks_per_node, 1, " (None: from LOCAL_WORLD_SIZE)")
@@ -271,7 +276,10 @@ FLAT_FIELDS: dict[str, tuple[str, str]] = {
         for name in ("rank", "sketch", "damping", "damping_candidates", "side", "ema", "refresh_interval")
     },
     "exchange": ("exchange", "topology"),
-    **{name: ("exchange", name) for name in ("intra_node", "ranks_per_node", "schedule", "kernels", "loopback")},
+    **{
+        name: ("exchange", name)
+        for name in ("intra_node", "ranks_per_node", "schedule", "kernels", "loopback", "inflight_mb")
+    },
     "param_gather_full_every": ("param_gather", "full_every"),
     "param_gather_check_every": ("param_gather", "check_every"),
 }

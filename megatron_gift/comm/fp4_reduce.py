@@ -53,7 +53,7 @@ from .ledger import CommLedger
 from .packing import Received
 from .pieces import PieceExchange
 from .quantized import ShardReduction, Whitenings, destination, with_self
-from .schedule import StageResult
+from .schedule import StageResult, taken
 from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
@@ -157,6 +157,11 @@ class _FP4Stages:
         layout = self.layout
         self.msgs = layout.cached(("fp4", fmt.name), lambda: [fp4_message(layout, j, fmt) for j in range(self.world)])
 
+    def _gathered_bytes(self) -> list[int]:
+        """The all-reduce's own shard and the gathered shards, in the bucket's dtype."""
+        nbytes = self.layout.shard_size * self.flat.element_size()
+        return [nbytes, self.world * nbytes] if self.all_reduce else []
+
     def _lengths(self, j: int, device) -> torch.Tensor:
         """Shard ``j``'s segment lengths (its coded parts) on ``device``, copied there once per layout."""
         m = self.msgs[j]
@@ -203,7 +208,7 @@ class _FP4Stages:
         after another) encoded in one call (every block and segment lies inside one shard's part, so
         the codes and scales are those of one call per message) and placed, the plain values
         ``plain[c]`` (class ``c``'s, the shards one after another) cast into place; padding zero."""
-        buf = torch.zeros(pk.nbytes, dtype=torch.uint8, device=coded.device)
+        buf = self.space.zeros(pk.nbytes, device=coded.device)
         if coded.numel():
             enc = encode_fp4(coded, self.fmt, pk.lengths)
             _place(buf, pk.place["coded"], enc.codes)
@@ -286,9 +291,9 @@ class _FP4Stages:
         layout, flat = self.layout, self.flat
         size = layout.shard_size
         lo, hi = layout.shards[self.rank].lo, layout.shards[self.rank].hi
-        mine = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        mine = self.space.zeros(size, flat.dtype, flat.device)
         mine[: hi - lo].copy_(flat[lo:hi])
-        self.gathered = torch.empty(self.world * size, dtype=flat.dtype, device=flat.device)
+        self.gathered = self.space.empty(self.world * size, flat.dtype, flat.device)
         nbytes = size * flat.element_size()
         self.ledger.add(
             "all_gather",
@@ -339,6 +344,14 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             return [self._send, self._reduce, self._finish_gather, self._land]
         return [self._send, self._reduce, self._finish]
 
+    def _footprint_key(self) -> tuple:
+        return (self.fmt.name,)
+
+    def _footprint(self) -> int:
+        """Send buffer (every shard's FP4 message) and receive buffer ((p - 1) own messages), the most on any rank."""
+        sizes = [m.nbytes for m in self.msgs]
+        return taken(sum(sizes), (self.world - 1) * max(sizes), *self._gathered_bytes())
+
     # -- 0: send --------------------------------------------------------------------------------------
     def _coded_values(self) -> torch.Tensor:
         """The bucket's coded sequence as sent, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere."""
@@ -363,7 +376,7 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         pk = self._packing(tuple(range(self.world)), r, device)  # the peers' messages, then the own one
         self.buf = self._encode_placed(pk, self._coded_values(), [self._class_values(c) for c in range(2)])
         own = self.msgs[r].nbytes
-        self.recv = torch.empty((self.world - 1) * own, dtype=torch.uint8, device=device)
+        self.recv = self.space.empty((self.world - 1) * own, device=device)
         if self.world == 1:
             return StageResult([], [self.buf, self.recv])
         per_peer = [self.msgs[j].nbytes if j != r else 0 for j in range(self.world)]
@@ -417,6 +430,14 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
             return [self._intra, self._node_sums, self._reduce, self._finish_gather, self._land]
         return [self._intra, self._node_sums, self._reduce, self._finish]
 
+    def _footprint_key(self) -> tuple:
+        return (self.fmt.name, self.wire, self.topo.ranks_per_node)
+
+    def _inter_bytes(self, r: int) -> list[int]:
+        """Rank ``r``'s inter-node send (its held shards' FP4 messages) and receive buffers."""
+        held = self.topo.inter_ranks(r)
+        return [sum(self.msgs[j].nbytes for j in held), (self.topo.nodes - 1) * self.msgs[r].nbytes]
+
     def _node_sums(self) -> StageResult:
         """``P_{k,j}`` for the held shards ``j`` (FP32 sums of the node's messages, local ranks in
         order), each encoded into its FP4 message; the all-to-all among the nodes."""
@@ -442,7 +463,7 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
         buf = self._encode_placed(pk, sums, plain)
         own = self.msgs[self.rank].nbytes
-        self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
+        self.buf, self.recv = buf, self.space.empty((n - 1) * own, device=device)
         sent = pk.nbytes - own
         self.ledger.add("all_to_all", self.fp4_label, sent, {"inter": sent})
         per_peer = [self.msgs[self.held[m]].nbytes if m != k else 0 for m in range(n)]

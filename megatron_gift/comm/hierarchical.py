@@ -41,7 +41,7 @@ from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
 from .packing import Received, packing
 from .quantized import ShardReduction, Whitenings, decode_gathered, with_self
-from .schedule import StageResult
+from .schedule import StageResult, taken
 from .topology import TwoLevelGroups
 
 _WIRE = {IntraNode.FP32: torch.float32, IntraNode.BF16: torch.bfloat16, IntraNode.FP8: None}
@@ -91,6 +91,30 @@ class TwoLevelReduce(ShardReduction):
             return [self._intra, self._node_sums, self._gather_inter, self._gather_intra, self._decode_all]
         return [self._intra, self._node_sums, self._reduce, self._finish]
 
+    def _footprint_key(self) -> tuple:
+        return (self.wire, self.topo.ranks_per_node)
+
+    def _footprint(self) -> int:
+        """The most any rank takes: the intra-node send (every shard, in the intra dtype) and receive
+        ((g - 1) messages of the held shards), the inter-node send (the held shards' messages) and
+        receive ((n - 1) own messages); the all-reduce's gathers."""
+        topo = self.topo
+        held = [tuple(topo.inter_ranks(lp)) for lp in range(topo.ranks_per_node)]
+        intra = [self._message_bytes(h, self.wire) for h in held]
+        return max(
+            taken(sum(intra), (topo.ranks_per_node - 1) * intra[topo.local(r)], *self._inter_bytes(r))
+            for r in range(self.world)
+        ) + taken(*self._gathered_bytes())
+
+    def _inter_bytes(self, r: int) -> list[int]:
+        """Rank ``r``'s inter-node send and receive buffers."""
+        held = self.topo.inter_ranks(r)
+        return [sum(self._message_bytes((j,)) for j in held), (self.topo.nodes - 1) * self._message_bytes((r,))]
+
+    def _gathered_bytes(self) -> list[int]:
+        width = self.layout.max_message_bytes
+        return [width, self.topo.nodes * width, self.world * width] if self.all_reduce else []
+
     # -- 0: intra-node ----------------------------------------------------------------------------
     def _intra(self) -> StageResult:
         layout, topo, device = self.layout, self.topo, self.flat.device
@@ -98,14 +122,14 @@ class TwoLevelReduce(ShardReduction):
         key = ("intra", self.rank, str(device), self.wire)
         messages = [topo.inter_ranks(lp) for lp in range(g) if lp != local] + [self.held]
         self.pk1 = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
-        buf = torch.empty(self.pk1.nbytes, dtype=torch.uint8, device=device)
+        buf = self.space.empty(self.pk1.nbytes, device=device)
         if self.wire is None:
             encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.ops, outputs=self.outputs)
         else:
             cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.ops, self.outputs)
         plain_bucket(buf, self.pk1, self.flat, layout, self.ops)
         own = self.pk1.own.nbytes
-        recv = torch.empty((g - 1) * own, dtype=torch.uint8, device=device)
+        recv = self.space.empty((g - 1) * own, device=device)
         sent = self.pk1.sent_bytes
         self.ledger.add("all_to_all", _NAMES.get(self.wire, self.coded_label), sent, {"intra": sent})
         work = dist.all_to_all_single(
@@ -132,7 +156,7 @@ class TwoLevelReduce(ShardReduction):
                 layout, self.held, [[j] for j in self.held if j != self.rank] + [[self.rank]], None, device
             ),
         )
-        buf = torch.empty(self.pk2.nbytes, dtype=torch.uint8, device=device)
+        buf = self.space.empty(self.pk2.nbytes, device=device)
         out = views(buf, layout)
         chunks, counts = self._held(device)
         for (c0, c1), (g0, g1), lengths in chunks:
@@ -151,7 +175,7 @@ class TwoLevelReduce(ShardReduction):
             for a, b in spans(0, counts[c], self.chunk):
                 sum_plain(rows, layout, c, a, b, False, self.ops, out=self.pk2.place[name].at(out[name], a))
         own = self.pk2.own.nbytes
-        self.buf, self.recv = buf, torch.empty((n - 1) * own, dtype=torch.uint8, device=device)
+        self.buf, self.recv = buf, self.space.empty((n - 1) * own, device=device)
         sent = self.pk2.sent_bytes
         self.ledger.add("all_to_all", self.coded_label, sent, {"inter": sent})
         work = dist.all_to_all_single(
@@ -199,7 +223,7 @@ class TwoLevelReduce(ShardReduction):
     def _gather_inter(self) -> StageResult:
         msg = self._own_message(self._inter_rows())
         width, n = self.layout.max_message_bytes, self.topo.nodes
-        self.gathered = torch.empty(n * width, dtype=torch.uint8, device=msg.device)
+        self.gathered = self.space.empty(n * width, device=msg.device)
         self.ledger.add("all_gather", self.coded_label, (n - 1) * width, {"inter": (n - 1) * width})
         return StageResult(
             [_all_gather(self.gathered, msg, group=self.groups.inter, async_op=True)], [self.gathered, msg]
@@ -207,7 +231,7 @@ class TwoLevelReduce(ShardReduction):
 
     def _gather_intra(self) -> StageResult:
         g, first = self.topo.ranks_per_node, self.gathered
-        self.gathered = torch.empty(g * first.numel(), dtype=torch.uint8, device=first.device)
+        self.gathered = self.space.empty(g * first.numel(), device=first.device)
         self.ledger.add("all_gather", self.coded_label, (g - 1) * first.numel(), {"intra": (g - 1) * first.numel()})
         return StageResult(
             [_all_gather(self.gathered, first, group=self.groups.intra, async_op=True)], [self.gathered, first]

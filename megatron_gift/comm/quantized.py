@@ -40,7 +40,7 @@ from .layout import BucketLayout
 from .ledger import CommLedger, message_label
 from .packing import Received, packing
 from .pieces import PieceExchange
-from .schedule import Reduction, StageResult
+from .schedule import Reduction, StageResult, taken
 from .topology import Topology
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
@@ -100,6 +100,23 @@ class ShardReduction(Reduction):
         # bucket position of its first element) written instead of the bucket
         self.outputs: dict[int, LowRankWhitening] = {}
         self.targets: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def _message_bytes(self, shards: tuple[int, ...], wire: torch.dtype | None = None) -> int:
+        """Bytes of the message of ``shards`` (``BucketLayout.message``), once per layout."""
+        return self.layout.cached(("message-bytes", shards, wire), lambda: self.layout.message(shards, wire).nbytes)
+
+    def footprint(self) -> int:
+        """``_footprint()`` (the arena bytes its message buffers take, the most on any rank: the same
+        on every rank), once per layout and kind of reduction."""
+        key = ("footprint", type(self).__name__, self.all_reduce, self.world, *self._footprint_key())
+        return self.layout.cached(key, self._footprint)
+
+    def _footprint_key(self) -> tuple:
+        return ()
+
+    def _gathered_bytes(self) -> list[int]:
+        """The all-reduce's buffers after the own shard's sum: its message and the gathered ones."""
+        return [self.layout.max_message_bytes, self.world * self.layout.max_message_bytes] if self.all_reduce else []
 
     def _links(self, per_peer: list[int]) -> dict[str, int] | None:
         """Links crossed by ``per_peer[j]`` bytes sent to rank ``j`` of the group."""
@@ -182,7 +199,7 @@ class ShardReduction(Reduction):
         own = layout.cached(
             ("own", r, str(device)), lambda: packing(layout, [r], [[r]], None, device, layout.max_message_bytes)
         )
-        msg = torch.zeros(layout.max_message_bytes, dtype=torch.uint8, device=device)
+        msg = self.space.zeros(layout.max_message_bytes, device=device)
         out = views(msg, layout)
         first = self.average and self.divide_first
         for part in plan.coded_parts:
@@ -227,6 +244,11 @@ class QuantizedReduce(ShardReduction):
             return [self._send, self._gather, self._decode_all]
         return [self._send, self._reduce, self._finish]
 
+    def _footprint(self) -> int:
+        """Send buffer (every shard's message) and receive buffer ((p - 1) own messages), the most on any rank."""
+        sizes = [self._message_bytes((j,)) for j in range(self.world)]
+        return taken(sum(sizes), (self.world - 1) * max(sizes), *self._gathered_bytes())
+
     def _send(self) -> StageResult:
         layout, r, device = self.layout, self.rank, self.flat.device
         self.pk = layout.cached(
@@ -235,12 +257,12 @@ class QuantizedReduce(ShardReduction):
                 layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device
             ),
         )
-        self.buf = torch.empty(self.pk.nbytes, dtype=torch.uint8, device=device)
+        self.buf = self.space.empty(self.pk.nbytes, device=device)
         encode_bucket(
             self.buf, self.pk, self.flat, layout, self.transforms, self.ops, self.error_feedback, self.outputs
         )
         plain_bucket(self.buf, self.pk, self.flat, layout, self.ops)
-        self.recv = torch.empty((self.world - 1) * self.pk.own.nbytes, dtype=torch.uint8, device=device)
+        self.recv = self.space.empty((self.world - 1) * self.pk.own.nbytes, device=device)
         return StageResult(self._all_to_all(), [self.buf, self.recv])
 
     def _all_to_all(self) -> list:
@@ -267,7 +289,7 @@ class QuantizedReduce(ShardReduction):
     def _gather(self) -> StageResult:
         msg = self._own_message(self._rows())
         width = self.layout.max_message_bytes
-        self.gathered = torch.empty(self.world * width, dtype=torch.uint8, device=msg.device)
+        self.gathered = self.space.empty(self.world * width, device=msg.device)
         self.ledger.add("all_gather", self.coded_label, (self.world - 1) * width, self._links([width] * self.world))
         return StageResult([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
 

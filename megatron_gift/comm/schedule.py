@@ -31,6 +31,14 @@ on this stage's stream and held by nothing else goes back to that stream's pool 
 still read it. More generally, every tensor a stage creates and a later stage reads must be in the
 handoff of every stage in between (it is recorded on each of their streams): the tests' lifetime
 check (``testing.dispatch.Lifetimes``, a queue's ``watch``) asserts both, on a CPU too.
+
+Bytes in flight: given an ``Arena``, a reduction's message buffers (the O(bucket) sends, receives
+and gathers: ``Reduction.footprint`` bytes, the most any rank takes, so that every rank decides
+alike) come from a region of it reserved at ``start``; a region still used by earlier reductions is
+reused only after their last stage: what is left of them is enqueued first (in start order, as
+``wait`` does) and the new reduction's stage 0 waits for their last events on the device. The
+caching allocator could not bound this without a host synchronisation (it reuses a block only once
+the streams it was recorded on are seen past it); the arena's reuse is ordered by the streams.
 """
 
 from __future__ import annotations
@@ -64,16 +72,53 @@ class StageResult:
     handoff: list = field(default_factory=list)
 
 
+ALIGN = 512  # bytes: every buffer taken from an arena region starts at a multiple (any dtype's view)
+
+
+class Space:
+    """Where a reduction's message buffers come from: a region of an ``Arena`` (``block``: a uint8
+    view, taken front to back) or, without one, PyTorch's allocator."""
+
+    def __init__(self, block: torch.Tensor | None = None):
+        self.block, self.used = block, 0
+
+    def empty(self, numel: int, dtype: torch.dtype = torch.uint8, device=None) -> torch.Tensor:
+        if self.block is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        lo = self.used
+        hi = lo + numel * dtype.itemsize
+        if hi > self.block.numel():
+            raise RuntimeError(
+                f"a reduction took {hi} bytes from its arena region of {self.block.numel()}: its footprint() is wrong"
+            )
+        self.used = -(-hi // ALIGN) * ALIGN
+        return self.block[lo:hi].view(dtype)
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.uint8, device=None) -> torch.Tensor:
+        return self.empty(numel, dtype, device).zero_()
+
+
+def taken(*sizes: int) -> int:
+    """Arena bytes of buffers of ``sizes`` bytes taken one after another (``Space.empty``'s alignment)."""
+    return sum(-(-n // ALIGN) * ALIGN for n in sizes)
+
+
 class Reduction:
     """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables returning a ``StageResult``.
 
     ``stage``: the index of the stage running now (set by the queue before it calls the stage), which
-    is also the index of the stream it runs on."""
+    is also the index of the stream it runs on. ``space``: where its message buffers come from (the
+    queue sets a region of its arena); ``footprint()``: how many bytes of them it takes at most on any
+    rank of its group (None: it takes none from an arena)."""
 
     stage = 0
+    space = Space()
 
     def stages(self) -> list:
         raise NotImplementedError
+
+    def footprint(self) -> int | None:
+        return None
 
 
 class Wrapping(Reduction):
@@ -89,6 +134,17 @@ class Wrapping(Reduction):
     @stage.setter
     def stage(self, s: int) -> None:
         self.inner.stage = s
+
+    @property
+    def space(self) -> Space:
+        return self.inner.space
+
+    @space.setter
+    def space(self, space: Space) -> None:
+        self.inner.space = space
+
+    def footprint(self) -> int | None:
+        return self.inner.footprint()
 
 
 class StageStreams:
@@ -107,6 +163,9 @@ class StageStreams:
         while len(self._streams) <= s:
             self._streams.append(torch.cuda.Stream(device=self.device))
         return self._streams[s]
+
+    def created(self) -> list:
+        return list(self._streams)
 
     def context(self, s: int):
         return torch.cuda.stream(self.stream(s)) if self.cuda else contextlib.nullcontext()
@@ -130,6 +189,66 @@ class StageStreams:
             (torch.cuda.current_stream(self.device) if s is None else self.stream(s)).wait_event(event)
 
 
+class Arena:
+    """Device memory that bounds the bytes of message buffers in flight (module doc): ``nbytes``
+    (``None``: ``plan``'s size, grown to two of a reduction's footprint where one needs more than
+    it holds), used as a ring of regions, one per reduction, allocated on first use. A reduction
+    larger than a stated ``nbytes`` takes its buffers from PyTorch's allocator (``over`` counts them;
+    ``warn``, when given, is called with a message the first time)."""
+
+    def __init__(self, nbytes: int | None, device, warn=None):
+        self.fixed, self.nbytes, self.device = nbytes is not None, nbytes or 0, torch.device(device)
+        self.warn, self.warned = warn, False
+        self.buffer: torch.Tensor | None = None
+        self.at = 0
+        self.regions: deque = deque()  # (lo, hi, flight) in reservation order
+        self.over = 0
+
+    def plan(self, needs: list[int]) -> None:
+        """Sized from a step's reductions (``needs``, their footprints, known at start-up): without a
+        stated size, room for two of the largest, so that one bucket's exchange runs while the next is
+        encoded, and no more than all of them together; with one, a warning now for the largest if it
+        does not fit."""
+        if not needs or self.buffer is not None:
+            return
+        if not self.fixed:
+            self.nbytes = min(2 * max(needs), sum(needs))
+        elif max(needs) > self.nbytes:
+            self._over(max(needs))
+
+    def _over(self, need: int) -> None:
+        if self.warned or self.warn is None:
+            return
+        self.warned = True
+        self.warn(
+            f"megatron-gift: a bucket's message buffers ({need / 2**20:.1f} MiB) exceed --gift-inflight-mb "
+            f"{self.nbytes >> 20}: they will come from PyTorch's allocator, unbounded; raise the bound or lower "
+            "--ddp-bucket-size"
+        )
+
+    def reserve(self, need: int, flight) -> tuple[torch.Tensor | None, list]:
+        """A region of ``need`` bytes for ``flight`` and the earlier flights whose regions it overlaps
+        (they must be done before it is written); ``(None, [])`` where ``need`` exceeds a fixed size.
+        Growing (no fixed size) starts a new buffer: earlier flights keep their views of the old one."""
+        if need > self.nbytes:
+            if self.fixed:
+                self._over(need)
+                self.over += 1
+                return None, []
+            self.nbytes, self.buffer, self.at = 2 * need, None, 0
+            self.regions.clear()
+        if self.buffer is None:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        if self.at + need > self.nbytes:
+            self.at = 0
+        lo, hi = self.at, self.at + need
+        overlapped = [r for r in self.regions if r[0] < hi and lo < r[1]]
+        self.regions = deque(r for r in self.regions if not (r[0] < hi and lo < r[1]))
+        self.regions.append((lo, hi, flight))
+        self.at = hi
+        return self.buffer[lo:hi], [r[2] for r in overlapped]
+
+
 class _InFlight:
     """A started reduction: its stages, the next one to enqueue, and what the last one left."""
 
@@ -148,8 +267,8 @@ class _InFlight:
 class ReductionQueue:
     """Enqueues the stages of started reductions by ``schedule`` (module doc) on ``streams``."""
 
-    def __init__(self, streams: StageStreams, schedule: Schedule, watch=None):
-        self.streams, self.schedule = streams, schedule
+    def __init__(self, streams: StageStreams, schedule: Schedule, watch=None, arena: Arena | None = None):
+        self.streams, self.schedule, self.arena = streams, schedule, arena
         self._pending: deque[_InFlight] = deque()
         self.probe = None  # benchmarks: a callable returning a context every stage runs in (e.g. an op counter)
         # tests: ``watch.stage(flight, s)``, a context stage ``s`` of ``flight`` runs in, and
@@ -160,6 +279,17 @@ class ReductionQueue:
         """Enqueue ``reduction``'s first stage (all of them when eager); returns its handle for ``wait``."""
         flight = _InFlight(reduction)
         self.streams.wait_current(0)
+        need = reduction.footprint() if self.arena is not None else None
+        if need:
+            old = self.arena.buffer
+            block, earlier = self.arena.reserve(need, flight)
+            if old is not None and self.arena.buffer is not old and self.streams.cuda:
+                for stream in self.streams.created():  # the old buffer goes once they pass its flights
+                    old.record_stream(stream)
+            for f in earlier:  # their stages are all enqueued, theirs and every earlier one's
+                self._complete(f)
+                self.streams.wait_event(0, f.event)
+            reduction.space = Space(block)
         self._enqueue(flight)
         if self.schedule is Schedule.EAGER:
             while not flight.done:
@@ -175,12 +305,16 @@ class ReductionQueue:
     def wait(self, flight: _InFlight) -> None:
         """Enqueue what is left of every reduction started up to ``flight``, in start order; the
         current stream then waits for ``flight``'s last stage (on the device)."""
+        self._complete(flight)
+        self.streams.wait_event(None, flight.event)
+
+    def _complete(self, flight: _InFlight) -> None:
+        """Enqueue what is left of every reduction started up to ``flight``, in start order."""
         while not flight.done:
             earliest = self._pending[0]
             while not earliest.done:
                 self._enqueue(earliest)
             self._pending.popleft()
-        self.streams.wait_event(None, flight.event)
 
     def _enqueue(self, flight: _InFlight) -> None:
         s = flight.next

@@ -140,6 +140,12 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         else:
             handle.wait()
 
+    def footprints(self) -> list[int]:
+        """The arena bytes each bucket's reduction takes (``comm.schedule.Reduction.footprint``), as a
+        step without ``force_all_reduce`` builds it: what the DDP sizes its arena by."""
+        all_reduce = not self.ddp_config.use_distributed_optimizer
+        return [self._across_instances(self._reduction(b, all_reduce), b).footprint() or 0 for b in self.gift_buckets]
+
     def _reduction(self, b: GiftBucket, all_reduce: bool):
         """The two-level reduction where the group has its subgroups (several nodes of several
         ranks) and there is no error feedback (its residual belongs to one rank's whole bucket),

@@ -42,7 +42,7 @@ from .. import kernels as _kernels
 from ..comm.fp4_reduce import ROTATION_BLOCK
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
-from ..comm.schedule import ReductionQueue, StageStreams, default_schedule
+from ..comm.schedule import Arena, ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, nodes_of_ranks
 from ..config import Exchange, GiftConfig, Mode, Rotation, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
@@ -118,12 +118,15 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 self.gift_params[p] = GiftParam(name, mode, candidate, sketch_seed=i, expert=expert)
         self._out_stats: list[KFACStatistics] = []  # B of every two-sided layer, folded at the close of a step
         self._stat_hooks = self._register_stat_hooks()
-        self.queue = ReductionQueue(StageStreams(self._device()), self._schedule())
+        inflight = self.gift_config.exchange.inflight_mb
+        arena = Arena(None if inflight is None else inflight << 20, self._device(), logger.warning)
+        self.queue = ReductionQueue(StageStreams(self._device()), self._schedule(), arena=arena)
         context = ReductionContext(self.gift_config, self.gift_state, self.monitor, self.queue, self._at_sync)
         self._bucket_of: dict[int, GiftBucket] = {}  # id(GiftParam) -> its bucket
         for bg in self._bucket_groups():
             self._convert(bg, context)
         self._place_groups()
+        self.queue.arena.plan([n for bg in self._converted() for n in bg.footprints()])
         self.param_gather_ledger = CommLedger()  # bytes of the delta parameter all-gather (not reset per step)
         if (gather := self.gift_config.param_gather) is not None:
             enable_delta_param_gather(

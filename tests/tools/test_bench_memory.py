@@ -41,3 +41,26 @@ def test_quick_run(tmp_path):
     assert rows["euclidean"]["peak_extra_B_per_param"] <= 2.0, rows["euclidean"]
     assert rows["gift+error-feedback"]["held_extra_B_per_param"] > rows["euclidean"]["held_extra_B_per_param"] + 1.0
     assert "| off |" in memory.format_table(doc["results"])
+
+
+def test_at_scale_footprints_are_the_hand_count_of_the_messages():
+    """Bug caught: a footprint that leaves out a buffer (the receive, the inter-node send) or counts
+    one twice, so the arena's bound (and docs/memory.md's 8B / DP 512 figure) is wrong. By hand, per
+    element of a BF16 bucket over p = 512 ranks in nodes of g = 8 (n = 64), FP8 codes with one FP32
+    scale per 128 (1 + 4/128 bytes): flat, the send buffer holds every shard's message and the
+    receive buffer p - 1 of the own one; two-level, BF16 intra-node send (2 B) and receive of the
+    g - 1 peers' held shards, then the n held shards' FP8 messages out and n - 1 in."""
+    doc = memory.at_scale()
+    rows = {(r["reduction"], r["collective"]): r["footprint_B_per_element"] for r in doc["results"]}
+    p, g = 512, 8
+    n, fp8 = p // g, 1 + 4 / 128
+    flat = fp8 + (p - 1) / p * fp8
+    two_level = 2 + 2 * (g - 1) / g + fp8 / g + (n - 1) / p * fp8
+    assert rows[("flat fp8", "reduce-scatter")] == pytest.approx(flat, abs=2e-3)
+    assert rows[("two-level fp8 (bf16 intra-node)", "reduce-scatter")] == pytest.approx(two_level, abs=2e-3)
+    # all-reduce adds the own message (1/p of the codes) and the gathered ones: p of them, twice on two levels
+    assert rows[("flat fp8", "all-reduce")] == pytest.approx(flat + fp8 / p + fp8, abs=2e-3)
+    assert rows[("two-level fp8 (bf16 intra-node)", "all-reduce")] == pytest.approx(
+        two_level + fp8 / p + fp8 / g + fp8, abs=2e-3
+    )
+    assert all(r["arena_GiB"] == pytest.approx(2 * r["footprint_GiB"], rel=0.01) for r in doc["results"])

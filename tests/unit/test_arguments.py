@@ -266,6 +266,7 @@ def test_bad_choice_rejected_by_argparse(parse, capsys, flag, value):
         ),
         (["--gift-layers", "auto", "--gift-bf16-bound", "0"], "--gift-bf16-bound must be > 0"),
         (["--gift-layers", "auto", "--gift-profile-interval", "0"], "--gift-profile-interval must be an integer >= 1"),
+        (["--gift-inflight-mb", "0"], "--gift-inflight-mb must be an integer >= 1"),
         (["--gift-layers", "linear_(qkv"], "--gift-layers: 'linear_(qkv' is not a valid regular expression"),
         (["--gift-euclidean-layers", "[emb"], "--gift-euclidean-layers: '[emb' is not a valid regular expression"),
         (["--use-megatron-fsdp"], "does not support --use-megatron-fsdp"),

@@ -50,6 +50,7 @@ CONCERN_OF_FLAG = {
     "--gift-ranks-per-node": ("exchange", "2"),
     "--gift-schedule": ("exchange", "eager"),
     "--gift-loopback": ("exchange", None),
+    "--gift-inflight-mb": ("exchange", "64"),
     "--gift-param-gather": ("param_gather", "delta"),
     "--gift-param-gather-full-every": ("param_gather", "4"),
 }
@@ -111,6 +112,7 @@ def test_flat_settings_land_in_their_sub_config():
         schedule="lagged",
         kernels=False,
         loopback=True,
+        inflight_mb=64,
         param_gather="delta",
         param_gather_full_every=4,
         param_gather_check_every=9,
@@ -118,7 +120,7 @@ def test_flat_settings_land_in_their_sub_config():
     )
     assert cfg.wire == WireConfig(CodecConfig("e5m2", "row"), InterNodeFormat.NVFP4, "hadamard", 7, False)
     assert cfg.whitening == WhiteningConfig(8, 16, 2.0, (0.3, 1.0, 3.0, 10.0), Side.INPUT, 0.5, 3)
-    assert cfg.exchange == ExchangeConfig(Exchange.FLAT, "fp8", 2, "lagged", False, True)
+    assert cfg.exchange == ExchangeConfig(Exchange.FLAT, "fp8", 2, "lagged", False, True, 64)
     assert cfg.param_gather == DeltaGatherConfig(4, 9) and cfg.log_interval == 5
     assert GiftConfig.build(**cfg.flat()) == cfg
     assert cfg.replace(mode="euclidean").whitening is None and cfg.replace(rank=4).whitening.rank == 4

@@ -113,6 +113,9 @@ def _bench_telemetry(args: argparse.Namespace) -> int:
 def _bench_memory(args: argparse.Namespace) -> int:
     from megatron_gift_tools.bench import memory
 
+    if args.at_scale:
+        memory.at_scale(json_path=args.json, command=args.command_line)
+        return 0
     memory.run(quick=args.quick, json_path=args.json, ranks=args.ranks, command=args.command_line)
     return 0
 
@@ -290,6 +293,12 @@ def _add_bench(subparsers) -> None:
         default=None,
         metavar="N",
         help="data-parallel sizes (default 2 4 8; --quick: 2)",
+    )
+    mem.add_argument(
+        "--at-scale",
+        action="store_true",
+        help="instead, compute (no run) the message-buffer bytes of Megatron's 512M-element bucket at DP 512 "
+        "from the reductions' own footprints, and what the arena holds for 2B parameters per rank",
     )
     mem.set_defaults(func=_bench_memory)
     pg = commands.add_parser(

@@ -204,6 +204,7 @@ FLAG_ADVICE = {  # docs/flags.md's last column: when to change each flag
     ),
     "--gift-ranks-per-node": "to simulate nodes on one machine",
     "--gift-schedule": "rarely; the same on every rank (refused otherwise)",
+    "--gift-inflight-mb": "to fit memory: one bucket's buffers at a time at the least ([memory](memory.md))",
     "--gift-loopback": (
         "only to measure the plugin's on-GPU cost on one GPU ([gpu check](gpu-check.md)); without it a "
         "group of one keeps Megatron's gradient bit for bit"
@@ -285,7 +286,32 @@ def path_counts(results: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
+def memory_table(results: Path) -> str:
+    """docs/memory.md: ``bench memory``'s table (peak = held, of which the arena, + transient; steady)."""
+    from megatron_gift_tools.bench.memory import format_table
+
+    return format_table(_load(results, "memory-cpu.json")["results"]) + "\n"
+
+
+def memory_at_scale(results: Path) -> str:
+    """docs/memory.md: ``bench memory --at-scale``, the message buffers of a 512M-element bucket at DP 512."""
+    doc = _load(results, "memory-at-scale-cpu.json")
+    n = doc["spec"]["buckets"]
+    out = [
+        f"| reduction | collective | B/element | GiB per bucket | {n} buckets in flight, GiB | default arena, GiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        out.append(
+            f"| {r['reduction']} | {r['collective']} | {r['footprint_B_per_element']:.3f} | {r['footprint_GiB']:.2f} | "
+            f"{r['all_buckets_GiB']:.2f} | {r['arena_GiB']:.2f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 RENDERERS = {
+    "memory-table": memory_table,
+    "memory-at-scale": memory_at_scale,
     "fp4-schemes": fp4_schemes,
     "decision": decision,
     "planner-600m": planner_600m,

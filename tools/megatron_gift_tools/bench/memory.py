@@ -19,7 +19,10 @@ parameter of the model, minus ``stock``'s, the largest over the ranks:
 * ``held_extra_B_per_param``: the persistent part of it;
 * ``transient_extra_B_per_param``: the peak minus the held, i.e. the reduction's buffers
   (send and receive buffers, decoded peers, FP32 copies) and a refresh's builds;
-* ``steady_transient_extra_B_per_param``: a steady step's transient (the reduction alone).
+* ``steady_transient_extra_B_per_param``: a steady step's transient (the reduction alone);
+* ``arena_B_per_param``: the part of ``held`` that is the reductions' arena (``comm.schedule.Arena``:
+  the message buffers in flight, bounded by ``--gift-inflight-mb``; by default two of the largest
+  bucket's, at most all of a step's), which would otherwise be transient.
 
 Only tensors count (the allocator's caching, gloo's internal buffers and Python objects do not),
 the same way for every configuration. The model's own parameters exist before the tracker starts.
@@ -60,6 +63,11 @@ CONFIGS = {
     "euclidean two-level": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2),
     "gift two-level": dict(mode=Mode.GIFT, ranks_per_node=2),
     "gift two-level nvfp4": dict(mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4),
+    # the fused kernels' path (CUDA's), here under Triton's interpreter: what its launches allocate
+    "euclidean fused": dict(mode=Mode.EUCLIDEAN, error_feedback=False, kernels=True),
+    "gift fused": dict(mode=Mode.GIFT, error_feedback=False, kernels=True),
+    "euclidean two-level fused": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2, kernels=True),
+    "gift two-level fused": dict(mode=Mode.GIFT, ranks_per_node=2, kernels=True),
 }
 TWO_LEVEL = tuple(n for n, c in CONFIGS.items() if c and c.get("ranks_per_node"))
 QUICK_CONFIGS = ("stock", "off", "euclidean", "gift+error-feedback")
@@ -99,6 +107,12 @@ def _steady_ahead(ddp) -> bool:
     return state is None or not (state.is_refresh_step(state.step) or state.is_refresh_step(state.step + 2))
 
 
+def _arena_bytes(ddp) -> int:
+    """Bytes of the DDP's reduction arena (0: Megatron's DDP, or none allocated)."""
+    arena = getattr(getattr(ddp, "queue", None), "arena", None)
+    return 0 if arena is None or arena.buffer is None else arena.buffer.numel()
+
+
 def _measure(name: str, spec: dict) -> dict:
     """``peak`` and ``held`` bytes of one configuration on this rank (see module doc)."""
     from megatron.core import parallel_state
@@ -127,7 +141,7 @@ def _measure(name: str, spec: dict) -> dict:
             step(i)
         ddp.zero_grad_buffer()
         gc.collect()
-        out = dict(peak=tracker.peak, held=tracker.live, params=params)
+        out = dict(peak=tracker.peak, held=tracker.live, params=params, arena=_arena_bytes(ddp))
         if spec["steady_step"] is not None:
             i = spec["steps"]
             while i < spec["steady_step"] or not _steady_ahead(ddp):
@@ -170,6 +184,7 @@ def summarize(per_rank: list[dict], world: int) -> list[dict]:
             peak_extra_B_per_param=round(peak, 3),
             held_extra_B_per_param=round(held, 3),
             transient_extra_B_per_param=round(peak - held, 3),
+            arena_B_per_param=round(max(r[name]["arena"] / r[name]["params"] for r in per_rank), 3),
             peak_bytes_per_rank=[r[name]["peak"] for r in per_rank],
         )
         if "steady" in per_rank[0][name]:
@@ -180,18 +195,28 @@ def summarize(per_rank: list[dict], world: int) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, json_path: str | None = None, ranks=None, command: str | None = None) -> dict:
-    """Measure every configuration at every data-parallel size, print the table, write JSON."""
+def run(
+    quick: bool = False, json_path: str | None = None, ranks=None, command: str | None = None, configs=None
+) -> dict:
+    """Measure every configuration (``configs``: names of ``CONFIGS``, else all; ``stock`` always) at
+    every data-parallel size, print the table, write JSON."""
     from megatron_gift.testing import run_on_ranks
 
     spec = dict(PRESETS["quick" if quick else "default"])
     if ranks:
         spec["ranks"] = tuple(ranks)
     names = QUICK_CONFIGS if quick else tuple(CONFIGS)
+    if configs:
+        unknown = set(configs) - set(CONFIGS)
+        if unknown:
+            raise ValueError(f"unknown configurations {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+        names = ("stock", *(n for n in configs if n != "stock"))
     t0, rows = time.time(), []
+    if any((CONFIGS[n] or {}).get("kernels") for n in names):  # the ranks inherit it: set before triton loads
+        os.environ["TRITON_INTERPRET"] = "1"
     for world in spec["ranks"]:
         print(f"[bench memory] {len(names)} configurations on {world} ranks ...", file=sys.stderr, flush=True)
-        rows += summarize(run_on_ranks(_rank_main, world, spec, names, cpu_harness=True, timeout=1800), world)
+        rows += summarize(run_on_ranks(_rank_main, world, spec, names, cpu_harness=True, timeout=3600), world)
     doc = dict(
         benchmark="memory",
         command=command or "megatron-gift bench memory" + (" --quick" if quick else ""),
@@ -213,13 +238,100 @@ def run(quick: bool = False, json_path: str | None = None, ranks=None, command: 
     return doc
 
 
+class _Group:
+    """A process group's size and rank, for building a reduction without one (nothing is sent)."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+class _Groups:
+    def __init__(self, topology):
+        self.topology, self.group = topology, _Group(topology.world)
+        self.intra, self.inter = _Group(topology.ranks_per_node), _Group(topology.nodes)
+
+
+SCALE = dict(dp=512, ranks_per_node=8, bucket=512 * 2**20, params_per_rank=2 * 10**9, dtype="bfloat16")
+
+
+def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
+    """The message buffers of one Megatron bucket at DP 512 (max(40M, 1M x DP) elements, one GIFT-coded
+    weight, BF16 gradients, nodes of 8) as each reduction's ``footprint()`` computes them from the
+    layout (the most any rank takes), and the arena an 8B model's 2B parameters per pipeline rank
+    (four such buckets) get: by default two of the largest bucket's, against all four in flight."""
+    from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
+    from megatron_gift.comm.hierarchical import TwoLevelReduce
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.comm.quantized import QuantizedReduce
+    from megatron_gift.comm.topology import Topology
+    from megatron_gift.numerics import CodecConfig
+    from megatron_gift.numerics.fp4 import FP4_FORMATS
+
+    dp, g, numel = SCALE["dp"], SCALE["ranks_per_node"], SCALE["bucket"]
+    cols = 8192
+    layout = BucketLayout(
+        numel, dp, [Segment(0, numel // cols, cols, Mode.GIFT, "w")], CodecConfig("e4m3", "block"), torch.bfloat16
+    )
+    flat = torch.empty(numel, dtype=torch.bfloat16, device="meta")
+    groups, nvfp4 = _Groups(Topology(dp // g, g)), FP4_FORMATS["nvfp4"]
+    kinds = {
+        "flat fp8": lambda ar: QuantizedReduce(flat, layout, groups.group, [None], all_reduce=ar),
+        "two-level fp8 (bf16 intra-node)": lambda ar: TwoLevelReduce(flat, layout, groups, [None], all_reduce=ar),
+        "flat nvfp4": lambda ar: FP4Reduce(flat, layout, groups.group, [None], nvfp4, all_reduce=ar),
+        "two-level nvfp4 (bf16 intra-node)": lambda ar: FP4TwoLevelReduce(
+            flat, layout, groups, [None], nvfp4, all_reduce=ar
+        ),
+    }
+    buckets = -(-SCALE["params_per_rank"] // numel)
+    rows = []
+    for name, make in kinds.items():
+        for all_reduce in (False, True):
+            need = make(all_reduce).footprint()
+            rows.append(
+                dict(
+                    reduction=name,
+                    collective="all-reduce" if all_reduce else "reduce-scatter",
+                    footprint_B_per_element=round(need / numel, 3),
+                    footprint_GiB=round(need / 2**30, 3),
+                    all_buckets_GiB=round(buckets * need / 2**30, 2),
+                    arena_GiB=round(min(2, buckets) * need / 2**30, 2),
+                )
+            )
+    doc = dict(
+        benchmark="memory-at-scale",
+        command=command or "megatron-gift bench memory --at-scale",
+        machine=machine(),
+        spec=dict(SCALE, buckets=buckets, cols=cols),
+        definition=at_scale.__doc__.replace("\n    ", " "),
+        results=rows,
+    )
+    for r in rows:
+        print(
+            f"{r['reduction']:36s} {r['collective']:15s} {r['footprint_B_per_element']:6.3f} B/element "
+            f"{r['footprint_GiB']:6.3f} GiB per bucket; {buckets} buckets in flight {r['all_buckets_GiB']:6.2f} GiB, "
+            f"default arena {r['arena_GiB']:6.2f} GiB"
+        )
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
 def format_table(rows: list[dict]) -> str:
-    """Configurations down, data-parallel sizes across: peak extra (held + transient) bytes per
-    parameter, and a steady step's transient where measured."""
+    """Configurations down, data-parallel sizes across: peak extra (held, of which the arena, +
+    transient) bytes per parameter, and a steady step's transient where measured."""
     sizes = sorted({r["ranks"] for r in rows})
     by = {(r["config"], r["ranks"]): r for r in rows}
     steady = any("steady_transient_extra_B_per_param" in r for r in rows)
-    what = "peak (held + transient), steady transient" if steady else "peak (held + transient)"
+    peak = "peak (held, of which arena, + transient)"
+    what = f"{peak}, steady transient" if steady else peak
     head = "| configuration | " + " | ".join(f"{n} ranks: {what} B/param" for n in sizes) + " |"
     lines = [head, "|---|" + "---|" * len(sizes)]
     for name in dict.fromkeys(r["config"] for r in rows):
@@ -230,8 +342,9 @@ def format_table(rows: list[dict]) -> str:
                 ""
                 if r is None
                 else (
-                    f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f} + "
-                    f"{r['transient_extra_B_per_param']:.2f})"
+                    f"{r['peak_extra_B_per_param']:.2f} ({r['held_extra_B_per_param']:.2f}"
+                    + (f" of which arena {r['arena_B_per_param']:.2f}" if r.get("arena_B_per_param") else "")
+                    + f" + {r['transient_extra_B_per_param']:.2f})"
                 )
             )
             if r is not None and "steady_transient_extra_B_per_param" in r:

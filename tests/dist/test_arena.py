@@ -1,0 +1,183 @@
+"""The arena that bounds the reductions' message buffers in flight (``comm.schedule.Arena``): a region
+is reused only after the reductions that held it are done, every rank reserves alike, and results
+are those of reductions with buffers of their own."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
+from megatron_gift.comm.hierarchical import TwoLevelReduce
+from megatron_gift.comm.layout import BucketLayout
+from megatron_gift.comm.quantized import QuantizedReduce
+from megatron_gift.comm.schedule import ALIGN, Arena, ReductionQueue, Space, StageStreams, reduce_now
+from megatron_gift.comm.topology import build_groups
+from megatron_gift.config import IntraNode, Schedule
+from megatron_gift.numerics import CodecConfig
+from megatron_gift.numerics.fp4 import FP4_FORMATS
+from megatron_gift.testing import run_on_ranks
+from tests.dist.test_comm import LAYOUTS as FLAT_LAYOUTS
+from tests.dist.test_comm import _bucket_grads, _transforms
+from tests.dist.test_fp4_exchange import NUMEL as FP4_NUMEL
+from tests.dist.test_fp4_exchange import SEGMENTS as FP4_SEGMENTS
+from tests.dist.test_two_level import LAYOUTS as TWO_LEVEL_LAYOUTS
+
+WORLD, PER_NODE = 4, 2
+
+
+# -- the ring, alone ---------------------------------------------------------------------------------
+def test_a_reused_byte_always_names_its_earlier_holder():
+    """Bug caught: after a wrap to the buffer's start, only the oldest region was checked for overlap:
+    a younger region there (the oldest lying in the skipped tail) was handed out again while its
+    reduction still used it. Checked against a byte-by-byte owner map over random sizes."""
+    rng = random.Random(0)
+    for trial in range(200):
+        size = rng.choice([4096, 10_000, 65_536])
+        arena = Arena(size, "cpu")
+        owner = [None] * size  # flight id holding each byte, None when free or released
+        for flight in range(60):
+            need = rng.randint(1, size)
+            block, earlier = arena.reserve(need, flight)
+            lo = block.storage_offset()
+            assert block.numel() == need and lo + need <= size, (trial, flight)
+            held = {owner[b] for b in range(lo, lo + need)} - {None}
+            assert held <= set(earlier), (trial, flight, held, earlier)
+            for f in earlier:  # done: every byte it held is free again
+                owner = [None if o == f else o for o in owner]
+            owner[lo : lo + need] = [flight] * need
+
+
+def test_a_bucket_over_a_stated_bound_is_warned_and_runs_outside():
+    """Bug caught: a bucket whose buffers exceed ``--gift-inflight-mb`` silently unbounded, or given
+    a region past the buffer's end; without a stated bound the arena holds two of the largest
+    bucket's buffers but never more than all of a step's (one bucket: one), and grows to two of a
+    bucket larger than planned."""
+    said = []
+    fixed = Arena(1 << 20, "cpu", said.append)
+    fixed.plan([1000, (1 << 20) + 1])  # at start-up, from the buckets' footprints
+    assert len(said) == 1 and "--gift-inflight-mb 1" in said[0] and "--ddp-bucket-size" in said[0]
+    assert fixed.nbytes == 1 << 20  # a stated size stays
+    assert fixed.reserve((1 << 20) + 1, "big") == (None, [])
+    assert fixed.reserve((1 << 20) + 1, "big2") == (None, [])
+    assert fixed.over == 2 and len(said) == 1  # warned once
+    block, _ = fixed.reserve(1 << 19, "fits")
+    assert block is not None and fixed.buffer.numel() == 1 << 20
+    planned = Arena(None, "cpu")
+    planned.plan([100, 300, 50])
+    assert planned.nbytes == 450  # all of them: never more than a step's buffers
+    planned.plan([100, 300, 50, 400])
+    assert planned.nbytes == 800  # two of the largest
+    grown = Arena(None, "cpu")
+    grown.reserve(1000, "a")
+    assert grown.nbytes == 2000
+    block, earlier = grown.reserve(3000, "b")  # a new buffer: the first flight keeps its view of the old
+    assert grown.nbytes == 6000 and earlier == [] and block.storage_offset() == 0
+
+
+def test_space_takes_aligned_views_and_refuses_beyond_its_region():
+    """Bug caught: a buffer viewed in a wider dtype at an unaligned offset, or a reduction whose
+    ``footprint()`` undercounts writing past its region into the next reduction's."""
+    space = Space(torch.zeros(3 * ALIGN, dtype=torch.uint8))
+    a = space.empty(3)
+    b = space.empty(5, torch.float32)
+    assert a.numel() == 3 and b.dtype == torch.float32 and b.storage_offset() * 4 == ALIGN
+    with pytest.raises(RuntimeError, match="footprint"):
+        space.empty(ALIGN + 1)
+
+
+# -- reductions through a small arena ------------------------------------------------------------------
+def _cases():
+    """(name, make(flat, layout, groups, ts, all_reduce), layout, numel, segments)."""
+    fp8 = CodecConfig("e4m3", "block")
+    out = []
+    for name, (numel, segs) in FLAT_LAYOUTS.items():
+        layout = BucketLayout(numel, WORLD, segs, fp8, torch.float32)
+        out.append((f"flat/{name}", "flat", layout, numel, segs))
+    for name, (numel, segs) in TWO_LEVEL_LAYOUTS.items():
+        layout = BucketLayout(numel, WORLD, segs, fp8, torch.float32)
+        out.append((f"two-level/{name}", "two", layout, numel, segs))
+    fp4 = BucketLayout(FP4_NUMEL, WORLD, FP4_SEGMENTS, CodecConfig(), torch.float32)
+    fp4.check_blocks(FP4_FORMATS["nvfp4"].block, "test")
+    out += [
+        ("fp4-flat", "fp4", fp4, FP4_NUMEL, FP4_SEGMENTS),
+        ("fp4-two-level", "fp4two", fp4, FP4_NUMEL, FP4_SEGMENTS),
+    ]
+    return out
+
+
+def _make(kind, flat, layout, placed, ts, all_reduce):
+    common = dict(average=True, all_reduce=all_reduce)
+    if kind == "flat":
+        return QuantizedReduce(flat, layout, dist.group.WORLD, ts, **common)
+    if kind == "two":
+        return TwoLevelReduce(flat, layout, placed, ts, intra=IntraNode.BF16, **common)
+    if kind == "fp4":
+        return FP4Reduce(flat, layout, dist.group.WORLD, ts, FP4_FORMATS["nvfp4"], topology=placed.topology, **common)
+    return FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS["nvfp4"], IntraNode.BF16, **common)
+
+
+def _worker(rank, world):
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    jobs = []
+    for name, kind, layout, numel, segs in _cases():
+        ts = _transforms(segs)
+        for all_reduce in (False, True):
+            grads = [_bucket_grads(numel, segs, r) for r in range(world)]
+            own = grads[rank].clone()
+            reduce_now(_make(kind, own, layout, placed, ts, all_reduce), "cpu")  # buffers of its own
+            jobs.append(((name, all_reduce), kind, layout, ts, grads, own))
+    out = {}
+    needs = [_make(k, g[rank].clone(), lay, placed, ts, ar).footprint() for (_, ar), k, lay, ts, g, _ in jobs]
+    for schedule in (Schedule.EAGER, Schedule.LAGGED):
+        # room for the largest reduction and little more: nearly every reduction reuses an earlier one's bytes
+        arena = Arena(max(needs) + ALIGN, "cpu")
+        queue = ReductionQueue(StageStreams("cpu"), schedule, arena=arena)
+        flights = []
+        for (key, kind, layout, ts, grads, own), need in zip(jobs, needs):
+            flat = grads[rank].clone()
+            red = _make(kind, flat, layout, placed, ts, key[1])
+            flights.append((key, layout, grads, flat, own, red, need, queue.start(red)))
+        for key, layout, grads, flat, own, red, need, flight in flights:
+            queue.wait(flight)
+            lo, hi = (0, layout.numel) if key[1] else (layout.shards[rank].lo, layout.shards[rank].hi)
+            exact = torch.stack(grads).double().mean(0)
+            out[(schedule.value, *key)] = dict(
+                same=torch.equal(flat, own),
+                rel=((flat.double() - exact)[lo:hi].norm() / exact[lo:hi].norm()).item(),
+                result=flat.clone() if key[1] else None,
+                need=need,
+                used=red.space.used,
+                over=arena.over,
+                arena=arena.nbytes,
+            )
+        out[(schedule.value, "reused")] = len(arena.regions) < len(jobs)
+    return out
+
+
+@pytest.mark.slow
+def test_reductions_through_a_small_arena_are_bit_for_bit_their_own():
+    """Bug caught: a reduction writing a region an earlier one still reads (its receive buffer not yet
+    decoded: the lagged schedule leaves it pending), a footprint that differs between ranks (the
+    ranks would reserve, and complete earlier reductions, in different orders) or undercounts what a
+    rank takes, a region given to two reductions at once. Flat and two-level FP8, flat and two-level
+    NVFP4, reduce-scatter and all-reduce, eager and lagged, in an arena that holds about one of them:
+    each result is bit for bit that of the same reduction with buffers of its own, near the FP32
+    average (the format's bound), the same on every rank for all-reduce."""
+    results = run_on_ranks(_worker, WORLD, timeout=600)
+    for key, r0 in results[0].items():
+        if key[-1] == "reused":
+            assert all(res[key] for res in results), key  # the arena was indeed reused
+            continue
+        for rank, res in enumerate(results):
+            r = res[key]
+            assert r["same"], (key, rank)
+            assert r["over"] == 0 and r["arena"] == r0["arena"], (key, rank)
+            # FP8 E4M3: 2^-4 relative per quantization, twice in the two-level path; NVFP4: E2M1's
+            # half step of ~1/6 of a block's range, GIFT's T⁻¹ raising it by its condition number
+            assert r["rel"] < (0.5 if key[1].startswith("fp4") else 0.16), (key, rank, r["rel"])
+            assert r["need"] == r0["need"], (key, rank)  # every rank reserves alike
+            if key[2]:
+                assert torch.equal(r["result"], r0["result"]), (key, rank)
+        assert max(res[key]["used"] for res in results) == r0["need"], key  # footprint: exactly the most taken
