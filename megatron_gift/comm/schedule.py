@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -189,19 +190,35 @@ class StageStreams:
             (torch.cuda.current_stream(self.device) if s is None else self.stream(s)).wait_event(event)
 
 
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (device, nbytes) -> Arena
+
+
 class Arena:
     """Device memory that bounds the bytes of message buffers in flight (module doc): ``nbytes``
     (``None``: ``plan``'s size, grown to two of a reduction's footprint where one needs more than
     it holds), used as a ring of regions, one per reduction, allocated on first use. A reduction
     larger than a stated ``nbytes`` takes its buffers from PyTorch's allocator (``over`` counts them;
-    ``warn``, when given, is called with a message the first time)."""
+    ``warn``, when given, is called with a message the first time). Queues may share one arena: a
+    region is given back through the queue that started the reduction holding it."""
+
+    @classmethod
+    def shared(cls, device, nbytes: int | None, warn=None) -> Arena:
+        """The arena of ``device`` for the bound ``nbytes``, one for the DDPs of a process (the model
+        chunks of a virtual pipeline, whose reductions seldom overlap: the largest chunk's room, not
+        their sum); it lives while one of their queues does."""
+        key = (str(torch.device(device)), nbytes)
+        arena = _SHARED.get(key)
+        if arena is None:
+            arena = _SHARED[key] = cls(nbytes, device, warn)
+        return arena
 
     def __init__(self, nbytes: int | None, device, warn=None):
         self.fixed, self.nbytes, self.device = nbytes is not None, nbytes or 0, torch.device(device)
         self.warn, self.warned = warn, False
         self.buffer: torch.Tensor | None = None
         self.at = 0
-        self.regions: deque = deque()  # (lo, hi, flight) in reservation order
+        self.regions: deque = deque()  # (lo, hi, queue, flight) in reservation order
+        self.queues: weakref.WeakSet = weakref.WeakSet()  # the queues that took regions (their streams used it)
         self.over = 0
 
     def plan(self, needs: list[int]) -> None:
@@ -211,8 +228,8 @@ class Arena:
         does not fit."""
         if not needs or self.buffer is not None:
             return
-        if not self.fixed:
-            self.nbytes = min(2 * max(needs), sum(needs))
+        if not self.fixed:  # shared: the largest of its queues' plans
+            self.nbytes = max(self.nbytes, min(2 * max(needs), sum(needs)))
         elif max(needs) > self.nbytes:
             self._over(max(needs))
 
@@ -226,10 +243,11 @@ class Arena:
             "--ddp-bucket-size"
         )
 
-    def reserve(self, need: int, flight) -> tuple[torch.Tensor | None, list]:
-        """A region of ``need`` bytes for ``flight`` and the earlier flights whose regions it overlaps
-        (they must be done before it is written); ``(None, [])`` where ``need`` exceeds a fixed size.
-        Growing (no fixed size) starts a new buffer: earlier flights keep their views of the old one."""
+    def reserve(self, need: int, flight, queue=None) -> tuple[torch.Tensor | None, list]:
+        """A region of ``need`` bytes for ``flight`` (started by ``queue``) and ``(queue, flight)`` of the
+        earlier flights whose regions it overlaps (they must be done before it is written); ``(None, [])``
+        where ``need`` exceeds a fixed size. Growing (no fixed size) starts a new buffer: earlier flights
+        keep their views of the old one."""
         if need > self.nbytes:
             if self.fixed:
                 self._over(need)
@@ -244,9 +262,11 @@ class Arena:
         lo, hi = self.at, self.at + need
         overlapped = [r for r in self.regions if r[0] < hi and lo < r[1]]
         self.regions = deque(r for r in self.regions if not (r[0] < hi and lo < r[1]))
-        self.regions.append((lo, hi, flight))
+        self.regions.append((lo, hi, queue, flight))
+        if queue is not None:
+            self.queues.add(queue)
         self.at = hi
-        return self.buffer[lo:hi], [r[2] for r in overlapped]
+        return self.buffer[lo:hi], [(q, f) for _, _, q, f in overlapped]
 
 
 class _InFlight:
@@ -281,13 +301,13 @@ class ReductionQueue:
         self.streams.wait_current(0)
         need = reduction.footprint() if self.arena is not None else None
         if need:
-            old = self.arena.buffer
-            block, earlier = self.arena.reserve(need, flight)
+            old, users = self.arena.buffer, list(self.arena.queues)
+            block, earlier = self.arena.reserve(need, flight, self)
             if old is not None and self.arena.buffer is not old and self.streams.cuda:
-                for stream in self.streams.created():  # the old buffer goes once they pass its flights
+                for stream in [s for q in users for s in q.streams.created()]:  # it goes once they pass it
                     old.record_stream(stream)
-            for f in earlier:  # their stages are all enqueued, theirs and every earlier one's
-                self._complete(f)
+            for queue, f in earlier:  # their stages all enqueued (each queue's in its start order)
+                queue._complete(f)
                 self.streams.wait_event(0, f.event)
             reduction.space = Space(block)
         self._enqueue(flight)

@@ -119,7 +119,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self._out_stats: list[KFACStatistics] = []  # B of every two-sided layer, folded at the close of a step
         self._stat_hooks = self._register_stat_hooks()
         inflight = self.gift_config.exchange.inflight_mb
-        arena = Arena(None if inflight is None else inflight << 20, self._device(), logger.warning)
+        arena = Arena.shared(self._device(), None if inflight is None else inflight << 20, logger.warning)
         self.queue = ReductionQueue(StageStreams(self._device()), self._schedule(), arena=arena)
         context = ReductionContext(self.gift_config, self.gift_state, self.monitor, self.queue, self._at_sync)
         self._bucket_of: dict[int, GiftBucket] = {}  # id(GiftParam) -> its bucket

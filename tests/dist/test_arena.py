@@ -2,7 +2,9 @@
 is reused only after the reductions that held it are done, every rank reserves alike, and results
 are those of reductions with buffers of their own."""
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -42,6 +44,7 @@ def test_a_reused_byte_always_names_its_earlier_holder():
             block, earlier = arena.reserve(need, flight)
             lo = block.storage_offset()
             assert block.numel() == need and lo + need <= size, (trial, flight)
+            earlier = [f for _, f in earlier]
             held = {owner[b] for b in range(lo, lo + need)} - {None}
             assert held <= set(earlier), (trial, flight, held, earlier)
             for f in earlier:  # done: every byte it held is free again
@@ -74,6 +77,20 @@ def test_a_bucket_over_a_stated_bound_is_warned_and_runs_outside():
     assert grown.nbytes == 2000
     block, earlier = grown.reserve(3000, "b")  # a new buffer: the first flight keeps its view of the old
     assert grown.nbytes == 6000 and earlier == [] and block.storage_offset() == 0
+
+
+def test_the_model_chunks_of_a_process_share_one_arena_per_device():
+    """Bug caught: one arena per DDP, so a virtual pipeline's model chunks (one DDP each) hold one arena
+    each, their sum instead of the largest; or chunks with different bounds sharing one."""
+    a, b = Arena.shared("cpu", None), Arena.shared("cpu", None)
+    assert a is b and Arena.shared("cpu", 1 << 20) is not a
+    a.plan([100, 300])
+    b.plan([50])  # a second chunk with smaller buckets: the first's plan stands
+    assert a.nbytes == 400
+    ref = weakref.ref(a)
+    del a, b
+    gc.collect()
+    assert ref() is None  # kept alive by its DDPs' queues only
 
 
 def test_space_takes_aligned_views_and_refuses_beyond_its_region():
@@ -154,6 +171,41 @@ def _worker(rank, world):
             )
         out[(schedule.value, "reused")] = len(arena.regions) < len(jobs)
     return out
+
+
+def _shared_worker(rank, world):
+    """Two queues (two model chunks' DDPs) on one arena that holds about one reduction, their starts
+    interleaved on the lagged schedule."""
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    cases = [c for c in _cases() if c[1] in ("flat", "two")]
+    jobs = []
+    for name, kind, layout, numel, segs in cases:
+        ts, grads = _transforms(segs), [_bucket_grads(numel, segs, r) for r in range(world)]
+        own = grads[rank].clone()
+        reduce_now(_make(kind, own, layout, placed, ts, False), "cpu")
+        jobs.append((name, kind, layout, ts, grads, own))
+    needs = [_make(k, g[rank].clone(), lay, placed, ts, False).footprint() for _, k, lay, ts, g, _ in jobs]
+    arena = Arena(max(needs) + ALIGN, "cpu")
+    queues = [ReductionQueue(StageStreams("cpu"), Schedule.LAGGED, arena=arena) for _ in range(2)]
+    flights = []
+    for i, (name, kind, layout, ts, grads, own) in enumerate(jobs * 2):
+        flat = grads[rank].clone()
+        queue = queues[i % 2]
+        flights.append((name, flat, own, queue, queue.start(_make(kind, flat, layout, placed, ts, False))))
+    out = {}
+    for i, (name, flat, own, queue, flight) in enumerate(flights):
+        queue.wait(flight)
+        out[(i, name)] = torch.equal(flat, own)
+    return out
+
+
+@pytest.mark.slow
+def test_two_queues_sharing_an_arena_complete_each_others_reductions():
+    """Bug caught: a queue reusing a region that a reduction of another queue (another model chunk's
+    DDP) still holds: it can only enqueue that reduction's remaining stages through the queue that
+    started it. Each result bit for bit the reduction with buffers of its own."""
+    for rank, res in enumerate(run_on_ranks(_shared_worker, WORLD, timeout=600)):
+        assert all(res.values()), (rank, [k for k, v in res.items() if not v])
 
 
 @pytest.mark.slow
