@@ -228,7 +228,7 @@ class ExchangeConfig:
     group has one rank (encode, decode, sum, unwhiten, nothing sent), so one GPU measures the plugin's
     whole on-GPU cost; without it such a group keeps Megatron's reduction and its gradient bit for bit.
     ``inflight_mb``: the bytes of message buffers in flight, in MiB (``comm.schedule.Arena``; None:
-    two of the largest bucket's, so that one bucket's exchange runs while the next is encoded)."""
+    two of the largest bucket's, at most a step's, so one bucket's exchange runs while the next is encoded)."""
 
     topology: Exchange = Exchange.AUTO
     intra_node: IntraNode = IntraNode.BF16
@@ -241,7 +241,7 @@ class ExchangeConfig:
     def __post_init__(self):
         _enum(self, "topology", Exchange)
         if self.inflight_mb is not None:
-            _count("inflight_mb", self.inflight_mb, 1, " (None: two of the largest bucket's buffers)")
+            _count("inflight_mb", self.inflight_mb, 1, " (None: sized from the buckets)")
         _enum(self, "intra_node", IntraNode)
         if self.ranks_per_node is not None:
             _count("ranks_per_node", self.ranks_per_node, 1, " (None: from LOCAL_WORLD_SIZE)")

@@ -116,7 +116,7 @@ def _bench_memory(args: argparse.Namespace) -> int:
     if args.at_scale:
         memory.at_scale(json_path=args.json, command=args.command_line)
         return 0
-    memory.run(quick=args.quick, json_path=args.json, ranks=args.ranks, command=args.command_line)
+    memory.run(quick=args.quick, json_path=args.json, ranks=args.ranks, command=args.command_line, configs=args.configs)
     return 0
 
 
@@ -293,6 +293,13 @@ def _add_bench(subparsers) -> None:
         default=None,
         metavar="N",
         help="data-parallel sizes (default 2 4 8; --quick: 2)",
+    )
+    mem.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="configurations to measure (default: all; stock is always measured): e.g. 'euclidean fused'",
     )
     mem.add_argument(
         "--at-scale",
