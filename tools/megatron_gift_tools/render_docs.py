@@ -293,6 +293,13 @@ def memory_table(results: Path) -> str:
     return format_table(_load(results, "memory-cpu.json")["results"]) + "\n"
 
 
+def memory_fused(results: Path) -> str:
+    """docs/memory.md: the same on the fused kernels' path (Triton's interpreter), ``bench memory --configs``."""
+    from megatron_gift_tools.bench.memory import format_table
+
+    return format_table(_load(results, "memory-fused-cpu.json")["results"]) + "\n"
+
+
 def memory_at_scale(results: Path) -> str:
     """docs/memory.md: ``bench memory --at-scale``, the message buffers of a 512M-element bucket at DP 512."""
     doc = _load(results, "memory-at-scale-cpu.json")
@@ -312,6 +319,7 @@ def memory_at_scale(results: Path) -> str:
 RENDERERS = {
     "memory-table": memory_table,
     "memory-at-scale": memory_at_scale,
+    "memory-fused": memory_fused,
     "fp4-schemes": fp4_schemes,
     "decision": decision,
     "planner-600m": planner_600m,
