@@ -238,25 +238,6 @@ def run(
     return doc
 
 
-class _Group:
-    """A process group's size and rank, for building a reduction without one (nothing is sent)."""
-
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return 0
-
-
-class _Groups:
-    def __init__(self, topology):
-        self.topology, self.group = topology, _Group(topology.world)
-        self.intra, self.inter = _Group(topology.ranks_per_node), _Group(topology.nodes)
-
-
 SCALE = dict(dp=512, ranks_per_node=8, bucket=512 * 2**20, params_per_rank=2 * 10**9, dtype="bfloat16")
 
 
@@ -269,9 +250,10 @@ def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
     from megatron_gift.comm.hierarchical import TwoLevelReduce
     from megatron_gift.comm.layout import BucketLayout, Segment
     from megatron_gift.comm.quantized import QuantizedReduce
-    from megatron_gift.comm.topology import Topology
+    from megatron_gift.comm.topology import Topology, TwoLevelGroups
     from megatron_gift.numerics import CodecConfig
     from megatron_gift.numerics.fp4 import FP4_FORMATS
+    from megatron_gift_tools.bench.refresh import StubGroup
 
     dp, g, numel = SCALE["dp"], SCALE["ranks_per_node"], SCALE["bucket"]
     cols = 8192
@@ -279,7 +261,8 @@ def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
         numel, dp, [Segment(0, numel // cols, cols, Mode.GIFT, "w")], CodecConfig("e4m3", "block"), torch.bfloat16
     )
     flat = torch.empty(numel, dtype=torch.bfloat16, device="meta")
-    groups, nvfp4 = _Groups(Topology(dp // g, g)), FP4_FORMATS["nvfp4"]
+    topology, nvfp4 = Topology(dp // g, g), FP4_FORMATS["nvfp4"]
+    groups = TwoLevelGroups(StubGroup(dp), topology, StubGroup(g), StubGroup(dp // g))
     kinds = {
         "flat fp8": lambda ar: QuantizedReduce(flat, layout, groups.group, [None], all_reduce=ar),
         "two-level fp8 (bf16 intra-node)": lambda ar: TwoLevelReduce(flat, layout, groups, [None], all_reduce=ar),

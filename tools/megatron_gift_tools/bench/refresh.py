@@ -40,8 +40,9 @@ from megatron_gift_tools.planner.workloads import layer_shapes
 STAGES = ("start (first sync)", "cores (finish_grad_sync)", "send (close of the step)", "install (next first sync)")
 
 
-class _Group:
-    """A reduction group of ``size`` ranks seen from rank 0, for ``RefreshSync`` (its collectives are stubbed)."""
+class StubGroup:
+    """A reduction group of ``size`` ranks seen from rank 0, for code that reads its size and rank without
+    communicating (``RefreshSync`` with its collectives stubbed, a reduction's ``footprint()``)."""
 
     def __init__(self, size: int):
         self._size = size
@@ -87,7 +88,7 @@ def _layers(model: dict, dp: int, device: torch.device, cfg: GiftConfig):
     """Every GIFT layer of ``model`` as ``(GiftParam, group, gradient or None)``, with a filled EMA;
     owners as ``GiftDistributedDataParallel`` assigns them (``RefreshSync.assign_owners``); gradients
     only for rank 0's layers."""
-    group, params = _Group(dp), []
+    group, params = StubGroup(dp), []
     gen = torch.Generator().manual_seed(0)
     for layer in range(model["layers"]):
         for name, (d_out, d_in) in layer_shapes(model).items():
