@@ -3,7 +3,8 @@
 # the Triton kernel tests on CUDA, times the codec and fused kernels against copy bandwidth, each
 # Llama-600M layer's BF16 fwd+bwd next to the plugin's per-layer work, and a single-GPU Megatron
 # training step per mode (codec in loopback) against --gift-mode off, with peak memory; then feeds
-# the step-time model. A few minutes on an H200.
+# the step-time model; last, one profiled steady step per mode (gpu_profile: kernels and host work).
+# About 9 minutes on an H200.
 #
 #   bench/gpu_check.sh             on the GPU machine: JSON to $OUT if set, else bench/results/
 #   bench/gpu_check.sh --dry-run   on a CPU, tiny shapes, same code path (CI: tests/tools/test_gpu_check.py);
@@ -49,6 +50,7 @@ main() {
   step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels.py --junitxml "$out/kernel-tests.xml"
   step "$py" -m megatron_gift_tools.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
   step "$py" -m megatron_gift_tools model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
+  step "$py" -m megatron_gift_tools.bench.gpu_profile --out "$out" "${dry[@]}"
   echo "== gpu_check: done (status $status); files in $out"
   return "$status"
 }

@@ -29,6 +29,7 @@ FILES = [
     "gpu-step.json",
     "model-gpu.json",
     "gpu-check.json",
+    "gpu-profile.json",
 ]
 
 
@@ -68,7 +69,7 @@ def test_every_part_runs_and_writes_its_file(dry_run):
     assert kt["failures"] == kt["errors"] == 0
     if not torch.cuda.is_available():
         assert kt["skipped"] == kt["tests"] and kt["passed"] == 0
-    for name in ("overhead-gpu.json", "gpu-codec.json", "gpu-step.json", "gpu-check.json"):
+    for name in ("overhead-gpu.json", "gpu-codec.json", "gpu-step.json", "gpu-check.json", "gpu-profile.json"):
         machine = _load(out, name)["machine"]
         assert {"gpu", "driver", "torch", "cuda", "triton", "megatron_core", "python"} <= set(machine), name
         assert machine["gpu"] is None and machine["device"] == "cpu"  # the dry run names no GPU
@@ -213,3 +214,61 @@ def test_trace_overlap_by_hand():
     assert got["share_overlapping_backward"] == pytest.approx(0.5)
     assert got["share_in_backward_window"] == pytest.approx(40 / 60)
     assert got["backward_window_s"] == pytest.approx(110e-6)
+
+
+def test_trace_compute_stream_is_the_forwards_stream():
+    """The compute stream is the one running the forward passes, even where the plugin's stream runs more
+    kernels inside the last backward (the 600M GPU run picked the codec's stream and called the whole
+    step's compute "codec"): forward kernels on stream 7 before the mark, in the backward 1 compute
+    kernel on 7 at [120, 170] and 3 codec kernels on 20 at [130, 140], [150, 160], [200, 230]."""
+
+    def kernel(corr, stream, t0, t1):
+        return dict(cat="kernel", name="k", ts=t0, dur=t1 - t0, args=dict(stream=stream, correlation=corr))
+
+    def launch(corr, ts):
+        return dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1, args=dict(correlation=corr))
+
+    events = [dict(cat="user_annotation", name=gpu_trace.BACKWARD, ts=100, dur=150)]
+    events += [launch(10, 10), launch(11, 20), kernel(10, 7, 15, 40), kernel(11, 7, 40, 90)]
+    events += [launch(1, 110), launch(2, 112), launch(3, 114), launch(4, 116)]
+    events += [kernel(1, 7, 120, 170), kernel(2, 20, 130, 140), kernel(3, 20, 150, 160), kernel(4, 20, 200, 230)]
+    got = gpu_trace.overlap(dict(traceEvents=events))
+    assert got["compute_stream"] == 7 and got["backward_kernels"] == 1 and got["codec_kernels"] == 3
+    assert got["codec_s"] == pytest.approx(50e-6)
+    assert got["share_overlapping_backward"] == pytest.approx(20 / 50)
+
+
+def test_profiled_steps_are_steady():
+    """gpu_profile times and profiles two steps neither of which builds factors: with refreshes at steps
+    0, 1, 2, 4, 8, 16 (the default schedule's start), after 3 warm-up steps, the first such pair is 6 and 7
+    (the first GPU profile took step 4, a refresh, as GIFT's steady step)."""
+    from megatron_gift_tools.bench import gpu_profile
+
+    refreshes = {0, 1, 2, 4, 8, 16}
+    assert gpu_profile.steady_start(refreshes.__contains__, 3) == 6
+    assert gpu_profile.steady_start(refreshes.__contains__, 8) == 10
+    assert gpu_profile.steady_start(lambda n: False, 3) == 3
+
+
+@pytest.mark.slow
+def test_profile_times_the_plugin_ranges(dry_run):
+    """gpu_profile's steady GIFT step runs the statistics hook once per GIFT layer and micro-batch (2 layers x
+    4 linear weights x 2 micro-batches = 16 in the dry run's spec) and Euclidean none; both run reduction
+    stages, `off` none of the plugin's ranges (bugs caught: a profiled step without statistics, e.g. a refresh
+    step's successor or a step with collection off, or ranges left wrapped after the profile)."""
+    from megatron_gift.numerics.kfac import KFACStatistics
+
+    _, out = dry_run
+    doc = _load(out, "gpu-profile.json")
+    by_mode = {r["mode"]: r for r in doc["results"]}
+    assert set(by_mode) == {"off", "euclidean", "gift"}
+    assert by_mode["off"]["ranges"] == {}
+    assert "gift/statistics" not in by_mode["euclidean"]["ranges"]
+    assert by_mode["gift"]["ranges"]["gift/statistics"]["count"] == 2 * 4 * 2
+    assert by_mode["euclidean"]["ranges"]["gift/stage"]["count"] > 0
+    from megatron_gift_tools.bench import gpu_profile
+
+    original = KFACStatistics.accumulate
+    with gpu_profile.ranges():
+        assert KFACStatistics.accumulate is not original
+    assert KFACStatistics.accumulate is original

@@ -245,7 +245,7 @@ def one_rank_group(device: torch.device):
 
         harness = cpu_harness.install()
     else:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # a bare "cuda" device has no index to set
     with harness:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1

@@ -130,15 +130,16 @@ def overlap(trace: dict) -> dict:
             note="no GPU kernels in the trace" if marks else "no backward mark",
         )
     t0, t1 = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
-    launched = {
-        e["args"]["correlation"]
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver")
-        and "correlation" in e.get("args", {})
-        and t0 <= e["ts"] <= t1
-    }
+    launches = [
+        e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    ]
+    launched = {e["args"]["correlation"] for e in launches if t0 <= e["ts"] <= t1}
+    earlier = {e["args"]["correlation"] for e in launches if e["ts"] < t0}
     inside = [k for k in kernels if k.get("args", {}).get("correlation") in launched]
-    streams = collections.Counter(k["args"].get("stream") for k in inside)
+    # the compute stream runs most of the forward passes' kernels (launched before the mark): inside the last
+    # backward the plugin's streams may run more kernels than the backward itself
+    streams = collections.Counter(k["args"].get("stream") for k in kernels if k["args"].get("correlation") in earlier)
+    streams = streams or collections.Counter(k["args"].get("stream") for k in inside)
     compute_stream = streams.most_common(1)[0][0] if streams else None
     compute = [(k["ts"], k["ts"] + k["dur"]) for k in inside if k["args"].get("stream") == compute_stream]
     codec = [
