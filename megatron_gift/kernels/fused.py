@@ -908,7 +908,7 @@ def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: 
         p = _project(g, whitening.d_inv_sqrt, whitening.q, whitening.c)
     if whitening is None:
         return (g, g, g, 0), out_side
-    return (whitening.d_inv_sqrt, g if p is None else p, whitening.q.T.contiguous(), whitening.rank), out_side
+    return (whitening.d_inv_sqrt, g if p is None else p, whitening.q_t, whitening.rank), out_side
 
 
 def whiten_encode(
@@ -1081,7 +1081,7 @@ def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | N
             dest,
             whitening.d_sqrt,
             p,
-            whitening.q.T.contiguous(),
+            whitening.q_t,
             rows,
             cols,
             whitening.rank,

@@ -251,6 +251,16 @@ class LowRankWhitening:
     def _set(self, d_inv_sqrt, d_sqrt, q, c, c_inv) -> None:
         self.d_inv_sqrt, self.d_sqrt, self.q, self.c, self.c_inv = d_inv_sqrt, d_sqrt, q, c, c_inv
         self.d_in, self.rank = q.shape
+        self._q_t, self._q_t_version = q.T.contiguous(), q._version
+
+    @property
+    def q_t(self) -> torch.Tensor:
+        """``Qᵀ`` ``[r, d_in]`` contiguous, which the kernels load rows of: made when the transform is set (once,
+        outside any reduction stage; not per kernel call, which cost a launch each), again only where ``Q`` was
+        written in place since (a transform received into ``empty()``'s tensors)."""
+        if self._q_t_version != self.q._version:
+            self._q_t, self._q_t_version = self.q.T.contiguous(), self.q._version
+        return self._q_t
 
     @classmethod
     def from_tensors(cls, tensors: dict) -> LowRankWhitening:

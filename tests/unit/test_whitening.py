@@ -375,3 +375,16 @@ def test_the_sender_feeds_the_residual_back():
         total += decode(enc, cfg).double()
     defect = (total + ef.residual.view_as(x).double() - 50 * x.double()).abs()
     assert (defect <= bound).all(), float((defect - bound).max())
+
+
+def test_kernels_transposed_q_follows_q():
+    """``q_t`` (the contiguous ``Qᵀ`` the kernels load, made once per transform) is ``Qᵀ`` also after ``Q`` is
+    written in place: a transform received into ``empty()``'s tensors, or into views of a buffer (bug caught:
+    a ``Qᵀ`` cached at construction and never renewed, so the kernels whiten with the uninitialised one)."""
+    w = LowRankWhitening.empty(8, 3)
+    w.q.copy_(torch.arange(24.0).view(8, 3))
+    assert torch.equal(w.q_t, torch.arange(24.0).view(8, 3).T) and w.q_t.is_contiguous()
+    buf = torch.zeros(24)
+    v = LowRankWhitening.from_tensors({**w.tensors(), "q": buf.view(8, 3)})
+    buf.copy_(torch.arange(24.0) + 1)
+    assert torch.equal(v.q_t, (torch.arange(24.0) + 1).view(8, 3).T)
