@@ -12,6 +12,10 @@ path                         what runs                                          
                              block scales                                       (``n = d_out·d_in``)
 ``whiten_encode``            ``whiten_encode(G, T)``: ``G T`` (rank 32) and     the same (``T``'s factors are
                              FP8 in one pass                                    ``O(d_in·r)``)
+``whiten_encode_groups``     the same with ``lengths`` (each row's 1x128        the same
+                             blocks as groups): the bucket sender's call
+                             (``encode_bucket`` always passes them), whose
+                             ``_GROUPS`` tiling loads ``Qᵀ`` per group
 ``decode_sum``               ``decode_sum_unwhiten(.., None)``: 8 peers'        ``8 (m + scales_m) + 4 m``
                              messages of this rank's shard
                              (``m = d_out/8 · d_in``), FP32 sum in rank order
@@ -29,12 +33,15 @@ Each path is set against ``copy``: an FP32 tensor copy that moves the same numbe
 1 GiB copy (``--dry-run``: 1 MiB), is the machine's copy ceiling. On CUDA the time is
 ``triton.testing.do_bench``'s median (it flushes the L2 cache before every call, so inputs come
 from device memory, as after a backward pass, and the flush hides launch latency); on the CPU
-(the dry run) ``overhead.time_call``'s fastest sample.
+(the dry run) ``overhead.time_call``'s fastest sample. ``host_s``: the wall time per call of 50 calls
+back to back with no synchronisation between them, i.e. what the host spends launching one call, where that is
+more than the device spends running it (then the device time above is partly the host's too).
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 
 import torch
 
@@ -44,7 +51,8 @@ from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift_tools.bench.overhead import RANK, RANKS, fused_timed, synthetic_factor, time_call
 from megatron_gift_tools.planner.workloads import layer_shapes
 
-PATHS = ("encode", "whiten_encode", "decode_sum", "decode_sum_unwhiten")
+PATHS = ("encode", "whiten_encode", "whiten_encode_groups", "decode_sum", "decode_sum_unwhiten")
+HOST_CALLS = 50
 TARGET_OVER_COPY = 0.7  # target: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
 LARGE_COPY_BYTES = {"gpu": 1 << 30, "dry-run": 1 << 20}
 DELTA_MODULE = "megatron_gift.comm.param_delta"
@@ -54,9 +62,11 @@ DELTA_PATHS = ("delta_encode", "delta_decode")
 
 SCHEMA = {
     "results": "one record per (layer, path, impl): layer, shape [d_out, d_in], path, impl (fused | reference), "
-    "rows x cols processed (decode paths: this rank's shard), peers, bytes (fewest moved), seconds, bytes_per_s, "
+    "rows x cols processed (decode paths: this rank's shard), peers, bytes (fewest moved), seconds, host_s (the "
+    "host's wall time per call of back-to-back calls: its launch cost, where more than the device's), bytes_per_s, "
     "copy_bytes_per_s (a copy of the same bytes, same run), over_copy, over_copy_large",
-    "summary": "per (path, impl) over the model's layers: bytes, seconds, bytes_per_s (sum bytes / sum seconds), "
+    "summary": "per (path, impl) over the model's layers: bytes, seconds, host_s (summed; None for the delta codec), "
+    "bytes_per_s (sum bytes / sum seconds), "
     "over_copy (against the same-size copies), over_copy_large, s_per_element (seconds per gradient element of G: "
     "encode paths per d_out·d_in, decode paths per shard element)",
     "copy_large": "bytes (read + written), seconds, bytes_per_s of one large FP32 copy: the device's copy ceiling",
@@ -75,6 +85,19 @@ def bench_seconds(fn, device: torch.device) -> tuple[float, str]:
             fn, warmup=25, rep=100, return_mode="median"
         ) / 1e3, "triton.testing.do_bench median, L2 flushed"
     return time_call(fn, device)[0], "overhead.time_call fastest sample"
+
+
+def host_seconds(fn, device: torch.device, calls: int = HOST_CALLS) -> float:
+    """Wall seconds per call of ``calls`` back-to-back calls of ``fn``, unsynchronised (module docstring)."""
+    fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    sync()
+    return host
 
 
 def copy_record(nbytes: int, device: torch.device) -> dict:
@@ -103,9 +126,12 @@ def layer_paths(shape: tuple[int, int], device: torch.device, cfg: CodecConfig, 
     n, m = d_out * d_in, rows * d_in
     enc_bytes = 5 * n + cfg.scale_bytes(d_out, d_in)
     dec_bytes = RANKS * (m + cfg.scale_bytes(rows, d_in)) + 4 * m
+    per_row = [min(cfg.block, d_in - j) for j in range(0, d_in, cfg.block)]
+    groups = torch.tensor(per_row * d_out, dtype=torch.int64, device=device)
     return {
         "encode": (lambda: we(g, None, cfg), d_out, d_in, enc_bytes),
         "whiten_encode": (lambda: we(g, low, cfg), d_out, d_in, enc_bytes),
+        "whiten_encode_groups": (lambda: we(g, low, cfg, lengths=groups), d_out, d_in, enc_bytes),
         "decode_sum": (lambda: dsu(payloads, scales, rows, d_in, None, cfg, True), rows, d_in, dec_bytes),
         "decode_sum_unwhiten": (lambda: dsu(payloads, scales, rows, d_in, low, cfg, True), rows, d_in, dec_bytes),
     }
@@ -119,6 +145,7 @@ def measure(model: dict, device: torch.device, cfg: CodecConfig, large_copy: dic
         for impl in impls:
             for path, (fn, rows, cols, nbytes) in layer_paths(shape, device, cfg, impl).items():
                 seconds, method = bench_seconds(fn, device)
+                host_s = host_seconds(fn, device)
                 copy = copy_record(nbytes, device)
                 bw = nbytes / seconds
                 records.append(
@@ -132,6 +159,7 @@ def measure(model: dict, device: torch.device, cfg: CodecConfig, large_copy: dic
                         peers=RANKS,
                         bytes=nbytes,
                         seconds=seconds,
+                        host_s=host_s,
                         bytes_per_s=bw,
                         copy_bytes_per_s=copy["bytes_per_s"],
                         over_copy=bw / copy["bytes_per_s"],
@@ -211,6 +239,7 @@ def summarize(records: list[dict], large_copy: dict, paths: tuple[str, ...] = PA
                     impl=impl,
                     bytes=nbytes,
                     seconds=seconds,
+                    host_s=sum(r["host_s"] for r in rows) if all("host_s" in r for r in rows) else None,
                     bytes_per_s=nbytes / seconds,
                     over_copy=copy_s / seconds,
                     over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
@@ -254,11 +283,17 @@ def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
 
 
 def format_table(doc: dict) -> str:
-    """Markdown: GB/s and fraction of copy per path and implementation, summed over the layers."""
-    lines = ["| path | impl | GB/s | / same-size copy | / large copy |", "|---|---|---|---|---|"]
+    """Markdown: GB/s, fraction of copy, device and host time per path and implementation, summed over the layers."""
+    lines = [
+        "| path | impl | GB/s | / same-size copy | / large copy | device us | host us |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in doc["summary"] + doc["delta"].get("summary", []):
-        gbs = s["bytes_per_s"] / 1e9
-        lines.append(f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} |")
+        gbs, host = s["bytes_per_s"] / 1e9, s.get("host_s")
+        lines.append(
+            f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} "
+            f"| {s['seconds'] * 1e6:.0f} | {'-' if host is None else f'{host * 1e6:.0f}'} |"
+        )
     if not doc["delta"]["available"]:
         lines.append(f"\ndelta codec: {doc['delta']['note']}")
     lines.append(
