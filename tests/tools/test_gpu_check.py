@@ -120,11 +120,15 @@ def test_step_runs_every_mode_from_the_same_start(dry_run):
     linear = layers * (3 * h * h + h * h + 2 * f * h + h * f)  # the weights --gift-layers selects by default
     for mode, r in results.items():
         assert r["coded_elements"] == (0 if mode.startswith("off") else linear), mode
-        assert len(r["step_times_s"]) + len(r["refresh_step_times_s"]) == spec["steps"]
+        timed = r["step_times_s"] + r["refresh_step_times_s"] + r["after_refresh_step_times_s"]
+        assert len(timed) == spec["steps"] and len(r["step_times_s"]) >= 2
         assert all(t > 0 and math.isfinite(t) for t in r["step_times_s"])
         assert r["losses"][0] == results["off"]["losses"][0], mode  # same weights, same tokens
         assert all(math.isfinite(x) for x in r["losses"])
-    assert results["gift"]["refresh_step_times_s"]  # GIFT's warm-up refreshes fall in the timed steps
+    # GIFT's warm-up refreshes fall in the timed steps (2 and 4 of steps 2..7), each followed by a step that
+    # finishes its build (3 and 5), timed apart from the steady ones (bug caught: those in the steady median)
+    assert len(results["gift"]["refresh_step_times_s"]) == len(results["gift"]["after_refresh_step_times_s"]) == 2
+    assert results["euclidean"]["after_refresh_step_times_s"] == []
     assert set(doc["summary"]["modes"]) == set(gpu_step.MODES)
     lagged = results["gift-lagged"]["gift_config"]
     assert "Schedule.LAGGED" in lagged and "Schedule.LAGGED" not in results["gift"]["gift_config"]

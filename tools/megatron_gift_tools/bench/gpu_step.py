@@ -11,8 +11,9 @@ overlapped gradient reduction, Megatron's default 40M-element buckets. A step is
 ``no_sync``, as Megatron's schedule does) + ``finish_grad_sync`` + the optimizer step, timed by the
 host clock between two device synchronisations. GIFT's refresh steps (statistics summed, factors
 built: steps 0, 1, 2, 4, 8, ... then every ``refresh_interval``; the step after one still finishes
-its build at ``zero_grad_buffer`` and installs it at its first bucket sync) are reported
-apart from the steady steps; ``off-again`` repeats the baseline last, to show the run's resolution.
+its build at ``zero_grad_buffer`` and installs it at its first bucket sync: timed apart too, as
+``after_refresh``) are reported apart from the steady steps; ``off-again`` repeats the baseline last, to
+show the run's resolution.
 
 Every mode but ``off-again`` then gets three more steady steps looked at closely (``steady_looks``:
 host synchronisations, that step's peak memory, a profiler trace of codec/backward overlap, and a
@@ -69,7 +70,7 @@ SPECS = {
         vocab=256,
         micro_batch=2,
         microbatches=2,
-        steps=4,
+        steps=6,  # steps 2..7: GIFT refreshes at 2 and 4, finishes builds at 3 and 5, is steady at 6 and 7
         warmup=2,
         bucket_size=6000,
     ),
@@ -167,7 +168,8 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
     static = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     gift = getattr(ddp, "gift_params", {})
     coded = sum(p.numel() for p, g in gift.items() if g.mode is not Mode.OFF)
-    times, refresh, losses = [], [], []
+    times, refresh, after, losses = [], [], [], []
+    previous = False  # whether the step before was a refresh: the next one finishes its factor build
     batches_of = lambda step: [
         random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"]).to(device)  # noqa: E731
         for i in range(spec["microbatches"])
@@ -180,7 +182,8 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
         _sync(device)
         elapsed = time.perf_counter() - t0
         if step >= spec["warmup"]:
-            (refresh if was_refresh else times).append(elapsed)
+            (refresh if was_refresh else after if previous else times).append(elapsed)
+        previous = was_refresh
         losses.append(float(loss) * spec["microbatches"])
     cuda = device.type == "cuda"
     out = dict(
@@ -191,6 +194,8 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
         step_times_s=times,
         refresh_step_s=statistics.median(refresh) if refresh else None,
         refresh_step_times_s=refresh,
+        after_refresh_step_s=statistics.median(after) if after else None,
+        after_refresh_step_times_s=after,
         losses=losses,
         static_memory_bytes=static,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
@@ -274,6 +279,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
             plugin_over_step=plugin / off,
             plugin_s_per_element=plugin / r["coded_elements"] if r["coded_elements"] else None,
             refresh_step_s=r["refresh_step_s"],
+            after_refresh_step_s=r["after_refresh_step_s"],
             peak_memory_bytes=r["peak_memory_bytes"],
             peak_memory_over_off=(
                 r["peak_memory_bytes"] / by_mode["off"]["peak_memory_bytes"] if r["peak_memory_bytes"] else None
@@ -310,6 +316,9 @@ def targets(summary: dict) -> dict:
 SCHEMA = {
     "results": "one record per mode: mode, gift_config, coded_elements (gradient elements the plugin quantizes), "
     "step_s (median steady step), step_times_s, refresh_step_s / refresh_step_times_s (GIFT refresh steps), "
+    "after_refresh_step_s / after_refresh_step_times_s (the step after each refresh: it finishes the factor build at "
+    "zero_grad_buffer; apart from the steady steps since the first H200 run, where 4 of gift's 13 'steady' steps "
+    "were these), "
     "losses (every step's last micro-batch), static_memory_bytes (after building), peak_memory_bytes, "
     "peak_reserved_bytes; modes but off-again add three steady steps after the timed ones: steady_syncs "
     "(gpu_trace.sync_probe: the plugin's host synchronisations by file:line, others' count) with "
@@ -319,7 +328,8 @@ SCHEMA = {
     "summary": "tokens_per_step, off_step_s (median over both off runs), compute_s_per_token (off_step_s / tokens), "
     "resolution (off-again / off - 1), eager_over_lagged (gift's step, eager on CUDA, over gift-lagged's), "
     "modes: {mode: step_s, over_off, plugin_s (step_s - off_step_s), "
-    "plugin_over_step, plugin_s_per_element (plugin_s / coded_elements), refresh_step_s, peak_memory_bytes, "
+    "plugin_over_step, plugin_s_per_element (plugin_s / coded_elements), refresh_step_s, after_refresh_step_s, "
+    "peak_memory_bytes, "
     "peak_memory_over_off, steady_step_peak_extra_bytes, plugin_syncs, sync_error_raised, codec_overlap_share}",
 }
 
@@ -338,18 +348,19 @@ def format_table(doc: dict) -> str:
     lines = [
         f"{s['tokens_per_step']} tokens per step; resolution (off-again vs off): {100 * s['resolution']:+.2f}%",
         "",
-        "| mode | step ms | plugin ms | plugin / off step | refresh step ms | peak GiB | steady step peak GiB | "
-        "plugin syncs | codec overlapping backward |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | step ms | plugin ms | plugin / off step | refresh step ms | after-refresh step ms | peak GiB | "
+        "steady step peak GiB | plugin syncs | codec overlapping backward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     gib = lambda b: f"{b / 2**30:.2f}" if b else "-"  # noqa: E731
     for mode, m in s["modes"].items():
         refresh = f"{1e3 * m['refresh_step_s']:.1f}" if m["refresh_step_s"] else "-"
+        after = f"{1e3 * m['after_refresh_step_s']:.1f}" if m.get("after_refresh_step_s") else "-"
         share = f"{100 * m['plugin_over_step']:.2f}%"
         overlap = "-" if m["codec_overlap_share"] is None else f"{100 * m['codec_overlap_share']:.0f}%"
         syncs = "-" if m["plugin_syncs"] is None else str(m["plugin_syncs"])
         lines.append(
-            f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | "
+            f"| {mode} | {1e3 * m['step_s']:.1f} | {1e3 * m['plugin_s']:.2f} | {share} | {refresh} | {after} | "
             f"{gib(m['peak_memory_bytes'])} | {gib(m['steady_step_peak_extra_bytes'])} | {syncs} | {overlap} |"
         )
     return "\n".join(lines) + "\n"
