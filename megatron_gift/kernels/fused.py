@@ -895,6 +895,13 @@ def _table(place, fallback: torch.Tensor) -> tuple:
     return place.out, ends, place.table.delta, ends.numel(), ends.numel().bit_length(), place.at
 
 
+def encode_warps(transform: bool, layout: int) -> int:
+    """Warps of an ``_encode_kernel`` launch: 8 where a transform's ``Qᵀ`` is gathered per group (``_GROUPS``), whose
+    per-element addresses spilled registers at 4 (16-668 B, ``bench/compile.py``); 4 elsewhere. Each element's ``U``
+    and each unit's maximum are the same whatever the warps, so the codes are too."""
+    return 8 if transform and layout == _GROUPS.value else 4
+
+
 def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows | None) -> tuple:
     """What the sender's pass over ``g`` (the whole parameter with ``output``) reads besides ``G``:
     ``(D_in^{-1/2}, P, Q_inᵀ, r_in)`` of ``T_in`` and ``(D_out^{-1/2}, Q_out, Pre T_in, r_out)`` of
@@ -942,6 +949,8 @@ def whiten_encode(
     codes_table = _table(None if into is None else into.codes, g)[1:]
     transform, out_side = sender_factors(g, whitening, output)
 
+    warps = encode_warps(whitening is not None or output is not None, tiling.layout)
+
     def launch(pass_: tl.constexpr, scales: torch.Tensor, amax: torch.Tensor = g, fusion: bool = False) -> None:
         scales_table = _table(None if into is None else into.scales, scales)
         _encode_kernel[(tiling.programs,)](
@@ -971,6 +980,7 @@ def whiten_encode(
             FEEDBACK=feedback is not None,
             FMAX=cfg.fmt.max,
             enable_fp_fusion=fusion and feedback is None,
+            num_warps=warps,
             **tiling.constexprs(),
             **fmt_args,
         )

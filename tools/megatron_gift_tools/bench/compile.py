@@ -116,9 +116,14 @@ def compile_case(module, name, constexprs, fusion, int_type):
     constexprs = {**{k: v for k, v in TILE.items() if k in kernel.arg_names}, **constexprs}
     sig = signature(kernel, module, constexprs, int_type)
     src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    options = {"enable_fp_fusion": fusion}
+    if (module, name) == ("fused", "_encode_kernel"):  # the warps its launcher picks
+        from megatron_gift.kernels.fused import encode_warps
+
+        options["num_warps"] = encode_warps(constexprs["WHITEN"] or constexprs["OUTPUT"], constexprs["LAYOUT"])
     start = time.perf_counter()
     try:
-        compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": fusion})
+        compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:  # a failed compile is a result, reported
         return {"compiled": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     md, ptx = compiled.metadata, compiled.asm["ptx"]
