@@ -150,6 +150,12 @@ def test_steady_step_looks_ran_for_every_mode(dry_run):
         assert r["sync_error"] is None and r["steady_step_peak_extra_bytes"] is None
     assert results["off"]["steady_syncs"]["plugin"] == {}
     assert "steady_syncs" not in results["off-again"]
+    # after the timed steps 2..7: GIFT refreshes at 8 and 10 (interval 10), finishes their builds at 9 and 11, so
+    # its looks (two on a CPU: no error-mode step) are 12 and 13 (bugs caught: a look on a refresh step or on a
+    # build-finishing one, whose host waits are the refresh's; the first H200 run traced step 20, a refresh)
+    spec = gpu_step.SPECS["dry-run"]
+    assert results["gift"]["looked_steps"] == [12, 13]
+    assert results["euclidean"]["looked_steps"] == [spec["warmup"] + spec["steps"] + i for i in range(2)]
     assert set(doc["targets"]["steady_plugin_syncs"]) == {"bf16", "euclidean", "gift", "gift-lagged"}
 
 
@@ -244,13 +250,13 @@ def test_trace_compute_stream_is_the_forwards_stream():
 
 def test_profiled_steps_are_steady():
     """gpu_profile times and profiles two steps neither of which builds factors: with refreshes at steps
-    0, 1, 2, 4, 8, 16 (the default schedule's start), after 3 warm-up steps, the first such pair is 6 and 7
-    (the first GPU profile took step 4, a refresh, as GIFT's steady step)."""
+    0, 1, 2, 4, 8, 10 (the default schedule's start, interval 10), after 3 warm-up steps, the first such pair is
+    6 and 7, after 8 it is 12 and 13 (the first GPU profile took step 4, a refresh, as GIFT's steady step)."""
     from megatron_gift_tools.bench import gpu_profile
 
-    refreshes = {0, 1, 2, 4, 8, 16}
+    refreshes = {0, 1, 2, 4, 8, 10, 20}
     assert gpu_profile.steady_start(refreshes.__contains__, 3) == 6
-    assert gpu_profile.steady_start(refreshes.__contains__, 8) == 10
+    assert gpu_profile.steady_start(refreshes.__contains__, 8) == 12
     assert gpu_profile.steady_start(lambda n: False, 3) == 3
 
 

@@ -208,16 +208,21 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
 
 
 def steady_looks(ddp, opt, batches_of, step: int, device: torch.device) -> dict:
-    """Three more steady steps (refresh steps skipped): host synchronisations (``gpu_trace.sync_probe``) with the
-    step's peak memory over what was allocated before it, a profiler trace (``gpu_trace.profiled``: codec work
-    overlapping the backward), and last ``set_sync_debug_mode("error")`` (``gpu_trace.sync_error``: it aborts)."""
-    peak = {}
+    """Three more steady steps from ``step`` on (refresh steps and the step after each skipped): host synchronisations
+    (``gpu_trace.sync_probe``) with the step's peak memory over what was allocated before it, a profiler trace
+    (``gpu_trace.profiled``: codec work overlapping the backward), and last ``set_sync_debug_mode("error")``
+    (``gpu_trace.sync_error``: it aborts)."""
+    peak, looked = {}, []
+    # by the step's index: is_refresh(ddp) between two steps answers for the step just done (the first H200 run's
+    # looks took that for the next one, and so traced a refresh step and probed the step after another)
+    refresh = ddp.is_refresh_step if getattr(ddp, "gift_params", None) else lambda n: False
 
     def steady(scope=contextlib.nullcontext):
         nonlocal step
-        while is_refresh(ddp):
+        while refresh(step) or refresh(step - 1):
             _step(ddp, opt, batches_of(step))
             step += 1
+        looked.append(step)
         if device.type == "cuda":
             _sync(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -231,6 +236,7 @@ def steady_looks(ddp, opt, batches_of, step: int, device: torch.device) -> dict:
     syncs = gpu_trace.sync_probe(steady, device)
     trace = gpu_trace.profiled(steady, device)
     return dict(
+        looked_steps=looked,
         steady_syncs=syncs,
         steady_step_peak_extra_bytes=peak.get("bytes"),
         overlap=trace,
@@ -320,7 +326,8 @@ SCHEMA = {
     "zero_grad_buffer; apart from the steady steps since the first H200 run, where 4 of gift's 13 'steady' steps "
     "were these), "
     "losses (every step's last micro-batch), static_memory_bytes (after building), peak_memory_bytes, "
-    "peak_reserved_bytes; modes but off-again add three steady steps after the timed ones: steady_syncs "
+    "peak_reserved_bytes; modes but off-again add three steady steps after the timed ones (looked_steps: their "
+    "indices, past refreshes and the step after each): steady_syncs "
     "(gpu_trace.sync_probe: the plugin's host synchronisations by file:line, others' count) with "
     "steady_step_peak_extra_bytes (that step's peak over what was allocated before it), overlap (gpu_trace.overlap of "
     "a profiled step: codec kernels, their seconds, the share overlapping the last backward's compute-stream kernels "
