@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared run on a lent GPU machine (docs/gpu-check.md). Names the machine, runs
 # the Triton kernel tests on CUDA, times the codec and fused kernels against copy bandwidth, each
-# Llama-600M layer's BF16 fwd+bwd next to the plugin's per-layer work, and a single-GPU Megatron
-# training step per mode (codec in loopback) against --gift-mode off, with peak memory; then feeds
-# the step-time model; last, one profiled steady step per mode (gpu_profile: kernels and host work).
+# Llama-600M layer's BF16 fwd+bwd next to the plugin's per-layer work, one profiled steady step per mode
+# (gpu_profile: kernels, host work, the plugin's ranges), and a single-GPU Megatron training step per mode
+# (codec in loopback) against --gift-mode off, with peak memory; then feeds the step-time model.
 # About 9 minutes on an H200.
 #
 #   bench/gpu_check.sh             on the GPU machine: JSON to $OUT if set, else bench/results/
@@ -48,9 +48,10 @@ main() {
   step() { echo "== $*"; "$@" || { rc=$?; echo "== failed ($rc): $*"; ((status)) || status=$rc; }; }
   if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
   step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels.py --junitxml "$out/kernel-tests.xml"
+  # the profile (40 s on an H200) before the long step part: a run stopped by its limit keeps it
+  step "$py" -m megatron_gift_tools.bench.gpu_profile --out "$out" "${dry[@]}"
   step "$py" -m megatron_gift_tools.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"
   step "$py" -m megatron_gift_tools model --overhead-json "$out/overhead-gpu.json" --json "$out/model-gpu.json"
-  step "$py" -m megatron_gift_tools.bench.gpu_profile --out "$out" "${dry[@]}"
   echo "== gpu_check: done (status $status); files in $out"
   return "$status"
 }
