@@ -107,6 +107,14 @@ def test_codec_bytes_follow_from_the_shapes(dry_run):
         assert r["seconds"] > 0 and r["host_s"] > 0 and r["bytes_per_s"] == pytest.approx(r["bytes"] / r["seconds"])
     assert {(s["path"], s["impl"]) for s in doc["summary"]} == {(p, "reference") for p in gpu_codec.PATHS}
     assert doc["targets"]["fused_timed"] is False  # no compiled Triton on a CPU
+    # the sender's paths again at the sender model's shapes (the dry run's own model; the 8B's on a GPU)
+    sender = doc["sender"]
+    expected = {(k, p) for k in shapes for p in gpu_codec.SENDER_PATHS}
+    assert {(r["layer"], r["path"]) for r in sender["results"]} == expected
+    for r in sender["results"]:
+        d_out, d_in = shapes[r["layer"]]
+        assert r["bytes"] == 5 * d_out * d_in + d_out * math.ceil(d_in / 128) * 4 and r["host_s"] > 0
+    assert gpu_check.SENDER_MODEL["gpu"]["hidden"] == 4096 and gpu_check.SENDER_MODEL["gpu"]["ffn"] == 14336
 
 
 @pytest.mark.slow

@@ -34,8 +34,10 @@ from pathlib import Path
 import torch
 
 from megatron_gift_tools.bench import gpu_codec, gpu_step, overhead
+from megatron_gift_tools.planner.workloads import PRESETS
 
 DRY_RUN_MODEL = {k: gpu_step.SPECS["dry-run"][k] for k in ("layers", "hidden", "heads", "ffn", "seq", "micro_batch")}
+SENDER_MODEL = {"gpu": PRESETS["8b"]}  # gpu_codec's sender paths at the 8B's shapes (the dry run: its own model's)
 FILES = {"overhead": "overhead-gpu.json", "codec": "gpu-codec.json", "step": "gpu-step.json", "check": "gpu-check.json"}
 
 
@@ -159,7 +161,12 @@ def run(out: Path, dry_run: bool, kernel_xml: str | None = None) -> int:
     t0 = time.time()
     ovh = _part("overhead", lambda: _overhead(model_name, model, device, mach), out, mach, kind, status)
     codec = _part(
-        "codec", lambda: gpu_codec.run(model, device, gpu_codec.LARGE_COPY_BYTES[kind]), out, mach, kind, status
+        "codec",
+        lambda: gpu_codec.run(model, device, gpu_codec.LARGE_COPY_BYTES[kind], SENDER_MODEL.get(kind, model)),
+        out,
+        mach,
+        kind,
+        status,
     )
     step = _part("step", lambda: gpu_step.run(gpu_step.SPECS[kind], device), out, mach, kind, status)
     for doc, fmt in ((codec, gpu_codec.format_table), (step, gpu_step.format_table)):

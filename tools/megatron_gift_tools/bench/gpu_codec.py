@@ -53,6 +53,9 @@ from megatron_gift_tools.planner.workloads import layer_shapes
 
 PATHS = ("encode", "whiten_encode", "whiten_encode_groups", "decode_sum", "decode_sum_unwhiten")
 HOST_CALLS = 50
+# the bucket sender's whitened encode, without and with lengths (the _GROUPS tiling), at a larger model's shapes
+# (issue 35 item 3 asks for the 8B's: gpu_check passes planner.workloads.PRESETS["8b"] on a GPU)
+SENDER_PATHS = ("whiten_encode", "whiten_encode_groups")
 TARGET_OVER_COPY = 0.7  # target: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
 LARGE_COPY_BYTES = {"gpu": 1 << 30, "dry-run": 1 << 20}
 DELTA_MODULE = "megatron_gift.comm.param_delta"
@@ -70,6 +73,8 @@ SCHEMA = {
     "over_copy (against the same-size copies), over_copy_large, s_per_element (seconds per gradient element of G: "
     "encode paths per d_out·d_in, decode paths per shard element)",
     "copy_large": "bytes (read + written), seconds, bytes_per_s of one large FP32 copy: the device's copy ceiling",
+    "sender": "None, or the SENDER_PATHS at another model's shapes (the 8B's on a GPU): model, results, summary "
+    "as above",
     "targets": "every fused path at >= 70% of the same-size copy's bandwidth (reported, not asserted)",
     "delta": "the delta parameter gather's codec: available, module, and where available results and "
     "summary as above for delta_encode / delta_decode (impl torch; rows 1, cols the elements coded or decoded)",
@@ -109,16 +114,19 @@ def copy_record(nbytes: int, device: torch.device) -> dict:
     return dict(bytes=8 * n, seconds=seconds, bytes_per_s=8 * n / seconds, method=method)
 
 
-def layer_paths(shape: tuple[int, int], device: torch.device, cfg: CodecConfig, impl: str) -> dict:
-    """``{path: (fn, rows, cols, bytes)}`` for one layer's gradient and one implementation."""
+def layer_paths(
+    shape: tuple[int, int], device: torch.device, cfg: CodecConfig, impl: str, paths: tuple[str, ...] = PATHS
+) -> dict:
+    """``{path: (fn, rows, cols, bytes)}`` for one layer's gradient and one implementation, ``paths`` of them."""
     d_out, d_in = shape
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(d_out, d_in, generator=gen).to(device)
     low = LowRankWhitening(synthetic_factor(d_in, RANK), device=device)
     rows = max(1, d_out // RANKS)
-    peers = [encode(low.apply(torch.randn(rows, d_in, generator=gen).to(device)), cfg) for _ in range(RANKS)]
-    payloads = torch.stack([p.payload.reshape(-1) for p in peers])
-    scales = torch.stack([p.scales.reshape(-1) for p in peers])
+    decode = any(p.startswith("decode") for p in paths)  # the peers' messages only where a decode path needs them
+    peers = [encode(low.apply(torch.randn(rows, d_in, generator=gen).to(device)), cfg) for _ in range(RANKS * decode)]
+    payloads = torch.stack([p.payload.reshape(-1) for p in peers]) if decode else None
+    scales = torch.stack([p.scales.reshape(-1) for p in peers]) if decode else None
     we, dsu = {
         "fused": (kernels.whiten_encode, kernels.decode_sum_unwhiten),
         "reference": (kernels.reference_whiten_encode, kernels.reference_decode_sum_unwhiten),
@@ -128,22 +136,25 @@ def layer_paths(shape: tuple[int, int], device: torch.device, cfg: CodecConfig, 
     dec_bytes = RANKS * (m + cfg.scale_bytes(rows, d_in)) + 4 * m
     per_row = [min(cfg.block, d_in - j) for j in range(0, d_in, cfg.block)]
     groups = torch.tensor(per_row * d_out, dtype=torch.int64, device=device)
-    return {
+    every = {
         "encode": (lambda: we(g, None, cfg), d_out, d_in, enc_bytes),
         "whiten_encode": (lambda: we(g, low, cfg), d_out, d_in, enc_bytes),
         "whiten_encode_groups": (lambda: we(g, low, cfg, lengths=groups), d_out, d_in, enc_bytes),
         "decode_sum": (lambda: dsu(payloads, scales, rows, d_in, None, cfg, True), rows, d_in, dec_bytes),
         "decode_sum_unwhiten": (lambda: dsu(payloads, scales, rows, d_in, low, cfg, True), rows, d_in, dec_bytes),
     }
+    return {p: every[p] for p in paths}
 
 
-def measure(model: dict, device: torch.device, cfg: CodecConfig, large_copy: dict) -> list[dict]:
-    """Time every (layer, path, implementation) of ``model``; returns the result records."""
+def measure(
+    model: dict, device: torch.device, cfg: CodecConfig, large_copy: dict, paths: tuple[str, ...] = PATHS
+) -> list[dict]:
+    """Time every (layer, path in ``paths``, implementation) of ``model``; returns the result records."""
     impls = ["fused", "reference"] if fused_timed(device) else ["reference"]
     records = []
     for layer, shape in layer_shapes(model).items():
         for impl in impls:
-            for path, (fn, rows, cols, nbytes) in layer_paths(shape, device, cfg, impl).items():
+            for path, (fn, rows, cols, nbytes) in layer_paths(shape, device, cfg, impl, paths).items():
                 seconds, method = bench_seconds(fn, device)
                 host_s = host_seconds(fn, device)
                 copy = copy_record(nbytes, device)
@@ -262,12 +273,17 @@ def targets(summary: list[dict]) -> dict:
     )
 
 
-def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
-    """The codec-bandwidth part of the GPU check: ``{schema, copy_large, results, summary, targets}``."""
+def run(model: dict, device: torch.device, large_copy_bytes: int, sender_model: dict | None = None) -> dict:
+    """The codec-bandwidth part of the GPU check: ``{schema, copy_large, results, summary, targets}``, and with
+    ``sender_model`` its sender paths at that model's shapes (``SENDER_PATHS``, under ``sender``)."""
     cfg = CodecConfig()
     large = copy_record(large_copy_bytes, device)
     records = measure(model, device, cfg, large)
     summary = summarize(records, large)
+    sender = None
+    if sender_model is not None:
+        sent = measure(sender_model, device, cfg, large, SENDER_PATHS)
+        sender = dict(model=sender_model, results=sent, summary=summarize(sent, large, SENDER_PATHS))
     return dict(
         schema=SCHEMA,
         codec=cfg.name,
@@ -279,6 +295,7 @@ def run(model: dict, device: torch.device, large_copy_bytes: int) -> dict:
         summary=summary,
         targets=targets(summary),
         delta=measure_delta(model, device, large),
+        sender=sender,
     )
 
 
@@ -293,6 +310,11 @@ def format_table(doc: dict) -> str:
         lines.append(
             f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} "
             f"| {s['seconds'] * 1e6:.0f} | {'-' if host is None else f'{host * 1e6:.0f}'} |"
+        )
+    for s in (doc.get("sender") or {}).get("summary", []):
+        lines.append(
+            f"| {s['path']} (sender, larger model) | {s['impl']} | {s['bytes_per_s'] / 1e9:.1f} | {s['over_copy']:.2f} "
+            f"| {s['over_copy_large']:.2f} | {s['seconds'] * 1e6:.0f} | {s['host_s'] * 1e6:.0f} |"
         )
     if not doc["delta"]["available"]:
         lines.append(f"\ndelta codec: {doc['delta']['note']}")
