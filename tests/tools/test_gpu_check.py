@@ -257,15 +257,14 @@ def test_trace_compute_stream_is_the_forwards_stream():
 
 
 def test_profiled_steps_are_steady():
-    """gpu_profile times and profiles two steps neither of which builds factors: with refreshes at steps
-    0, 1, 2, 4, 8, 10 (the default schedule's start, interval 10), after 3 warm-up steps, the first such pair is
-    6 and 7, after 8 it is 12 and 13 (the first GPU profile took step 4, a refresh, as GIFT's steady step)."""
-    from megatron_gift_tools.bench import gpu_profile
-
+    """gpu_profile times and profiles two steps neither of which builds factors (``gpu_step.steady_from`` with
+    count 2): with refreshes at steps 0, 1, 2, 4, 8, 10 (the default schedule's start, interval 10), after 3
+    warm-up steps, the first such pair is 6 and 7, after 8 it is 12 and 13 (the first GPU profile took step 4,
+    a refresh, as GIFT's steady step)."""
     refreshes = {0, 1, 2, 4, 8, 10, 20}
-    assert gpu_profile.steady_start(refreshes.__contains__, 3) == 6
-    assert gpu_profile.steady_start(refreshes.__contains__, 8) == 12
-    assert gpu_profile.steady_start(lambda n: False, 3) == 3
+    assert gpu_step.steady_from(refreshes.__contains__, 3, count=2) == 6
+    assert gpu_step.steady_from(refreshes.__contains__, 8, count=2) == 12
+    assert gpu_step.steady_from(lambda n: False, 3, count=2) == 3
 
 
 @pytest.mark.slow

@@ -286,18 +286,16 @@ def path_counts(results: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
-def memory_table(results: Path) -> str:
+def memory_table(results: Path, name: str = "memory-cpu.json") -> str:
     """docs/memory.md: ``bench memory``'s table (peak = held, of which the arena, + transient; steady)."""
     from megatron_gift_tools.bench.memory import format_table
 
-    return format_table(_load(results, "memory-cpu.json")["results"]) + "\n"
+    return format_table(_load(results, name)["results"]) + "\n"
 
 
 def memory_fused(results: Path) -> str:
     """docs/memory.md: the same on the fused kernels' path (Triton's interpreter), ``bench memory --configs``."""
-    from megatron_gift_tools.bench.memory import format_table
-
-    return format_table(_load(results, "memory-fused-cpu.json")["results"]) + "\n"
+    return memory_table(results, "memory-fused-cpu.json")
 
 
 def memory_at_scale(results: Path) -> str:

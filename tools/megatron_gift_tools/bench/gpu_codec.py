@@ -114,70 +114,79 @@ def copy_record(nbytes: int, device: torch.device) -> dict:
     return dict(bytes=8 * n, seconds=seconds, bytes_per_s=8 * n / seconds, method=method)
 
 
+IMPLS = {
+    "fused": (kernels.whiten_encode, kernels.decode_sum_unwhiten),
+    "reference": (kernels.reference_whiten_encode, kernels.reference_decode_sum_unwhiten),
+}
+
+
 def layer_paths(
-    shape: tuple[int, int], device: torch.device, cfg: CodecConfig, impl: str, paths: tuple[str, ...] = PATHS
+    shape: tuple[int, int], device: torch.device, cfg: CodecConfig, impls: list[str], paths: tuple[str, ...] = PATHS
 ) -> dict:
-    """``{path: (fn, rows, cols, bytes)}`` for one layer's gradient and one implementation, ``paths`` of them."""
+    """``{(impl, path): (fn, rows, cols, bytes)}`` for one layer's gradient, its inputs made once for every
+    implementation in ``impls`` and path in ``paths``."""
     d_out, d_in = shape
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(d_out, d_in, generator=gen).to(device)
     low = LowRankWhitening(synthetic_factor(d_in, RANK), device=device)
     rows = max(1, d_out // RANKS)
-    decode = any(p.startswith("decode") for p in paths)  # the peers' messages only where a decode path needs them
-    peers = [encode(low.apply(torch.randn(rows, d_in, generator=gen).to(device)), cfg) for _ in range(RANKS * decode)]
-    payloads = torch.stack([p.payload.reshape(-1) for p in peers]) if decode else None
-    scales = torch.stack([p.scales.reshape(-1) for p in peers]) if decode else None
-    we, dsu = {
-        "fused": (kernels.whiten_encode, kernels.decode_sum_unwhiten),
-        "reference": (kernels.reference_whiten_encode, kernels.reference_decode_sum_unwhiten),
-    }[impl]
+    payloads = scales = None
+    if any(p.startswith("decode") for p in paths):  # the peers' messages, where a decode path needs them
+        peers = [encode(low.apply(torch.randn(rows, d_in, generator=gen).to(device)), cfg) for _ in range(RANKS)]
+        payloads = torch.stack([p.payload.reshape(-1) for p in peers])
+        scales = torch.stack([p.scales.reshape(-1) for p in peers])
     n, m = d_out * d_in, rows * d_in
     enc_bytes = 5 * n + cfg.scale_bytes(d_out, d_in)
     dec_bytes = RANKS * (m + cfg.scale_bytes(rows, d_in)) + 4 * m
     per_row = [min(cfg.block, d_in - j) for j in range(0, d_in, cfg.block)]
     groups = torch.tensor(per_row * d_out, dtype=torch.int64, device=device)
-    every = {
-        "encode": (lambda: we(g, None, cfg), d_out, d_in, enc_bytes),
-        "whiten_encode": (lambda: we(g, low, cfg), d_out, d_in, enc_bytes),
-        "whiten_encode_groups": (lambda: we(g, low, cfg, lengths=groups), d_out, d_in, enc_bytes),
-        "decode_sum": (lambda: dsu(payloads, scales, rows, d_in, None, cfg, True), rows, d_in, dec_bytes),
-        "decode_sum_unwhiten": (lambda: dsu(payloads, scales, rows, d_in, low, cfg, True), rows, d_in, dec_bytes),
-    }
-    return {p: every[p] for p in paths}
+
+    def of(we, dsu) -> dict:
+        return {
+            "encode": (lambda: we(g, None, cfg), d_out, d_in, enc_bytes),
+            "whiten_encode": (lambda: we(g, low, cfg), d_out, d_in, enc_bytes),
+            "whiten_encode_groups": (lambda: we(g, low, cfg, lengths=groups), d_out, d_in, enc_bytes),
+            "decode_sum": (lambda: dsu(payloads, scales, rows, d_in, None, cfg, True), rows, d_in, dec_bytes),
+            "decode_sum_unwhiten": (lambda: dsu(payloads, scales, rows, d_in, low, cfg, True), rows, d_in, dec_bytes),
+        }
+
+    return {(impl, p): fn for impl in impls for p, fn in of(*IMPLS[impl]).items() if p in paths}
 
 
 def measure(
     model: dict, device: torch.device, cfg: CodecConfig, large_copy: dict, paths: tuple[str, ...] = PATHS
 ) -> list[dict]:
-    """Time every (layer, path in ``paths``, implementation) of ``model``; returns the result records."""
+    """Time every (layer, path in ``paths``, implementation) of ``model``; returns the result records. A copy of
+    each byte count is timed once and shared by the paths that move as many bytes."""
     impls = ["fused", "reference"] if fused_timed(device) else ["reference"]
-    records = []
+    records, copies = [], {}
     for layer, shape in layer_shapes(model).items():
-        for impl in impls:
-            for path, (fn, rows, cols, nbytes) in layer_paths(shape, device, cfg, impl, paths).items():
-                seconds, method = bench_seconds(fn, device)
-                host_s = host_seconds(fn, device)
-                copy = copy_record(nbytes, device)
-                bw = nbytes / seconds
-                records.append(
-                    dict(
-                        layer=layer,
-                        shape=list(shape),
-                        path=path,
-                        impl=impl,
-                        rows=rows,
-                        cols=cols,
-                        peers=RANKS,
-                        bytes=nbytes,
-                        seconds=seconds,
-                        host_s=host_s,
-                        bytes_per_s=bw,
-                        copy_bytes_per_s=copy["bytes_per_s"],
-                        over_copy=bw / copy["bytes_per_s"],
-                        over_copy_large=bw / large_copy["bytes_per_s"],
-                        method=method,
-                    )
+        for (impl, path), (fn, rows, cols, nbytes) in layer_paths(shape, device, cfg, impls, paths).items():
+            seconds, method = bench_seconds(fn, device)
+            host_s = host_seconds(fn, device)
+            if nbytes not in copies:
+                copies[nbytes] = copy_record(nbytes, device)
+            copy = copies[nbytes]
+            bw = nbytes / seconds
+            records.append(
+                dict(
+                    layer=layer,
+                    shape=list(shape),
+                    path=path,
+                    impl=impl,
+                    rows=rows,
+                    cols=cols,
+                    peers=RANKS,
+                    bytes=nbytes,
+                    seconds=seconds,
+                    host_s=host_s,
+                    bytes_per_s=bw,
+                    copy_bytes_per_s=copy["bytes_per_s"],
+                    over_copy=bw / copy["bytes_per_s"],
+                    over_copy_large=bw / large_copy["bytes_per_s"],
+                    method=method,
                 )
+            )
     return records
 
 

@@ -75,30 +75,16 @@ def _table(events, key: str, n: int) -> list[dict]:
     ]
 
 
-def steady_start(refresh, warmup: int) -> int:
-    """The first step from ``warmup`` on that starts two steady steps (timed, then profiled): neither they nor
-    the step before them refreshes GIFT's factors (the step after a refresh still finishes the build)."""
-    step = warmup
-    while any(refresh(n) for n in range(step - 1, step + 2)):
-        step += 1
-    return step
-
-
 def profile_mode(mode: str, spec: dict, device: torch.device) -> dict:
     """Warm up, step past refreshes, then profile one steady step; host time of that step and the tables."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_gift.testing.gpt import random_tokens
-
     ddp, opt = gpu_step._build(mode, spec)
-    batches_of = lambda step: [  # noqa: E731
-        random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"]).to(device)
-        for i in range(spec["microbatches"])
-    ]
-    refresh = ddp.is_refresh_step if getattr(ddp, "gift_params", None) else lambda n: False
-    for step in range(steady_start(refresh, spec["warmup"])):
-        gpu_step._step(ddp, opt, batches_of(step))
-    step = steady_start(refresh, spec["warmup"])
+    batches_of = gpu_step.batches_for(spec, device)
+    # two steady steps: timed, then profiled
+    step = gpu_step.steady_from(gpu_step.refresh_schedule(ddp), spec["warmup"], count=2)
+    for earlier in range(step):
+        gpu_step._step(ddp, opt, batches_of(earlier))
     gpu_step._sync(device)
     t0 = time.perf_counter()
     gpu_step._step(ddp, opt, batches_of(step))

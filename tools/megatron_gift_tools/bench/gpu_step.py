@@ -126,10 +126,29 @@ def _build(mode: str, spec: dict):
     return ddp, get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False)
 
 
-def is_refresh(ddp) -> bool:
-    """Whether the next step rebuilds GIFT's factors (statistics are folded every step, summed and built on these)."""
+def refresh_schedule(ddp):
+    """``n -> whether step n rebuilds GIFT's factors`` (statistics are folded every step, summed and built on
+    these), by the step's index: between two steps ``ddp.step`` is the one just done, not the next."""
     gift = any(g.candidate for g in getattr(ddp, "gift_params", {}).values())
-    return gift and ddp.is_refresh_step(ddp.step)
+    return ddp.is_refresh_step if gift else lambda n: False
+
+
+def steady_from(refresh, step: int, count: int = 1) -> int:
+    """The first step from ``step`` on that starts ``count`` steady steps: neither they nor the step before them
+    refreshes (the step after a refresh still finishes its build at ``zero_grad_buffer``)."""
+    while any(refresh(n) for n in range(step - 1, step + count)):
+        step += 1
+    return step
+
+
+def batches_for(spec: dict, device: torch.device):
+    """``step -> its micro-batches`` (``spec``'s token batches, on ``device``)."""
+    from megatron_gift.testing.gpt import random_tokens
+
+    return lambda step: [
+        random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"]).to(device)
+        for i in range(spec["microbatches"])
+    ]
 
 
 def _step(ddp, opt, batches: list[torch.Tensor], scope=contextlib.nullcontext) -> tuple[torch.Tensor, bool]:
@@ -140,7 +159,7 @@ def _step(ddp, opt, batches: list[torch.Tensor], scope=contextlib.nullcontext) -
     from megatron_gift.testing.gpt import lm_loss
 
     ddp.zero_grad_buffer()
-    refresh = is_refresh(ddp)
+    refresh = refresh_schedule(ddp)(getattr(ddp, "step", -1))  # the step just opened (stock DDP counts none)
     opt.zero_grad()
     with scope():
         with ddp.no_sync():
@@ -158,8 +177,6 @@ def _step(ddp, opt, batches: list[torch.Tensor], scope=contextlib.nullcontext) -
 
 def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
     """Train ``warmup + steps`` steps in one mode; step times, losses and peak device memory."""
-    from megatron_gift.testing.gpt import random_tokens
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -170,10 +187,7 @@ def run_mode(mode: str, spec: dict, device: torch.device) -> dict:
     coded = sum(p.numel() for p, g in gift.items() if g.mode is not Mode.OFF)
     times, refresh, after, losses = [], [], [], []
     previous = False  # whether the step before was a refresh: the next one finishes its factor build
-    batches_of = lambda step: [
-        random_tokens(step, i, batch=spec["micro_batch"], vocab=spec["vocab"], seq=spec["seq"]).to(device)  # noqa: E731
-        for i in range(spec["microbatches"])
-    ]
+    batches_of = batches_for(spec, device)
     for step in range(spec["warmup"] + spec["steps"]):
         batches = batches_of(step)
         _sync(device)
@@ -213,15 +227,14 @@ def steady_looks(ddp, opt, batches_of, step: int, device: torch.device) -> dict:
     (``gpu_trace.profiled``: codec work overlapping the backward), and last ``set_sync_debug_mode("error")``
     (``gpu_trace.sync_error``: it aborts)."""
     peak, looked = {}, []
-    # by the step's index: is_refresh(ddp) between two steps answers for the step just done (the first H200 run's
-    # looks took that for the next one, and so traced a refresh step and probed the step after another)
-    refresh = ddp.is_refresh_step if getattr(ddp, "gift_params", None) else lambda n: False
+    refresh = refresh_schedule(ddp)  # by index (the first H200 run's looks read ddp.step and traced a refresh step)
 
     def steady(scope=contextlib.nullcontext):
         nonlocal step
-        while refresh(step) or refresh(step - 1):
-            _step(ddp, opt, batches_of(step))
-            step += 1
+        start = steady_from(refresh, step)
+        for skipped in range(step, start):
+            _step(ddp, opt, batches_of(skipped))
+        step = start
         looked.append(step)
         if device.type == "cuda":
             _sync(device)
