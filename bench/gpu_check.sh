@@ -47,7 +47,7 @@ main() {
   status=0
   step() { echo "== $*"; "$@" || { rc=$?; echo "== failed ($rc): $*"; ((status)) || status=$rc; }; }
   if command -v nvidia-smi >/dev/null; then step nvidia-smi; fi
-  step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels.py --junitxml "$out/kernel-tests.xml"
+  step "$py" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels.py tests/unit/test_fp4_kernels.py --junitxml "$out/kernel-tests.xml"
   # the profile (40 s on an H200) before the long step part: a run stopped by its limit keeps it
   step "$py" -m megatron_gift_tools.bench.gpu_profile --out "$out" "${dry[@]}"
   step "$py" -m megatron_gift_tools.bench.gpu_check --out "$out" "${dry[@]}" --kernel-tests "$out/kernel-tests.xml"

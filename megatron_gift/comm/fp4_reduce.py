@@ -1,7 +1,9 @@
-"""Quantized reductions with four-bit codes between nodes (``--gift-inter-node-format nvfp4|mxfp4``),
-on the PyTorch path (the fused kernels implement FP8 only): the flat one (``FP4Reduce``, one
-all-to-all over the group) and the two-level one (``FP4TwoLevelReduce``: ``comm.hierarchical``'s
-intra-node stage, then the node sums of the held shards in FP4 among the nodes).
+"""Quantized reductions with four-bit codes between nodes (``--gift-inter-node-format nvfp4|mxfp4``):
+the flat one (``FP4Reduce``, one all-to-all over the group) and the two-level one
+(``FP4TwoLevelReduce``: ``comm.hierarchical``'s intra-node stage, then the node sums of the held
+shards in FP4 among the nodes). The FP4 encode into the messages and the decode-sum of the own
+shard run as Triton kernels where the reduction's kernels do (``kernels/fp4.py``, bit for bit
+``numerics.fp4``); ``T``, ``T⁻¹`` and the rotation stay PyTorch's.
 
 The flat one on rank ``r`` of ``p``, for one bucket whose layout passed ``BucketLayout.check_blocks``:
 
@@ -58,7 +60,7 @@ from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
 
-REFERENCE = CodecOps(False)  # the PyTorch path: the fused kernels implement FP8 only
+REFERENCE = CodecOps(False)  # the two-level exchange's decode of the intra-node wire (PyTorch)
 
 
 def exchange_rotation(rotation: Rotation, seed: int) -> BlockHadamard | None:
@@ -113,6 +115,7 @@ class FP4Packing:
 
     place: dict[str, Placement]  # "coded", "groups", "segments", "off", "bf16"
     lengths: torch.Tensor  # the coded parts' lengths of the shards one after another (the segments)
+    ends: torch.Tensor  # their cumulative sum (the kernels' segment search)
     nbytes: int
 
 
@@ -135,8 +138,8 @@ def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], o
     for c, name in enumerate(("off", "bf16")):
         sizes = [p.plain_hi[c] - p.plain_lo[c] for p in plans]
         place[name] = table(sizes, [m.plain_at[c] for m in msgs], layout.plain_dtypes[c].itemsize)
-    lengths = torch.tensor([n for m in msgs for n in m.lengths], dtype=torch.int64).to(device)
-    return FP4Packing(place, lengths, at)
+    lengths = torch.tensor([n for m in msgs for n in m.lengths], dtype=torch.int64)
+    return FP4Packing(place, lengths.to(device), lengths.cumsum(0).to(device), at)
 
 
 def _place(out: torch.Tensor, table: Placement, values: torch.Tensor) -> None:
@@ -209,7 +212,10 @@ class _FP4Stages:
         the codes and scales are those of one call per message) and placed, the plain values
         ``plain[c]`` (class ``c``'s, the shards one after another) cast into place; padding zero."""
         buf = self.space.zeros(pk.nbytes, device=coded.device)
-        if coded.numel():
+        fp4 = self.ops.fp4(coded.device)
+        if coded.numel() and fp4 is not None:
+            fp4.encode_placed(coded, self.fmt, pk.ends, buf, pk.place)
+        elif coded.numel():
             enc = encode_fp4(coded, self.fmt, pk.lengths)
             _place(buf, pk.place["coded"], enc.codes)
             _place(buf, pk.place["groups"], enc.block_scales)
@@ -217,7 +223,10 @@ class _FP4Stages:
                 _place(buf.view(torch.float32), pk.place["segments"], enc.segment_scales)
         for c, name in enumerate(("off", "bf16")):
             dt = self.layout.plain_dtypes[c]
-            _place(buf.view(dt), pk.place[name], plain[c].to(dt))
+            if fp4 is not None:  # one placed cast (kernels/place.py)
+                self.ops.whiten_place(plain[c].view(1, -1), None, pk.place[name].at(buf.view(dt), 0))
+            else:
+                _place(buf.view(dt), pk.place[name], plain[c].to(dt))
         return buf
 
     # -- the own shard ----------------------------------------------------------------------------------
@@ -270,6 +279,12 @@ class _FP4Stages:
         senders' messages decoded as one sequence (their segments one after another), then summed."""
         if n == 0:
             return None
+        fp4 = self.ops.fp4(msgs.device)
+        if fp4 is not None:
+            ends = self.layout.cached(
+                ("fp4-ends", self.rank, str(msgs.device)), lambda: self._lengths(self.rank, msgs.device).cumsum(0)
+            )
+            return fp4.decode_sum(msgs, n, self.fmt, m.codes_at, m.scales_at, m.seg_at, ends)
         senders, parts = msgs.shape[0], len(m.lengths)
         segments = (
             msgs[:, : 4 * parts].contiguous().view(torch.float32).reshape(-1)
@@ -335,8 +350,9 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         nonfinite: torch.Tensor | None = None,
         topology: Topology | None = None,
         rotation: BlockHadamard | None = None,
+        kernels: bool | None = None,
     ):
-        super().__init__(flat, layout, group, transforms, average, all_reduce, ledger, nonfinite, topology, False)
+        super().__init__(flat, layout, group, transforms, average, all_reduce, ledger, nonfinite, topology, kernels)
         self._fp4(fmt, rotation)
 
     def stages(self) -> list:
@@ -421,8 +437,9 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         ledger: CommLedger | None = None,
         nonfinite: torch.Tensor | None = None,
         rotation: BlockHadamard | None = None,
+        kernels: bool | None = None,
     ):
-        super().__init__(flat, layout, groups, transforms, intra, average, all_reduce, ledger, nonfinite, False)
+        super().__init__(flat, layout, groups, transforms, intra, average, all_reduce, ledger, nonfinite, kernels)
         self._fp4(fmt, rotation)
 
     def stages(self) -> list:

@@ -14,7 +14,9 @@ code as reference and fallback:
   all-gathered message per shard read at a table's positions (``kernels/receive.py``);
   ``sum_rows`` / ``take``, the FP32 rank sum of float values (plain values, a BF16/FP32 wire)
   and a placed read, one launch each; ``output_inverse``, the output side's ``T_out⁻ᵀ`` on a rank's
-  elements of a two-sided parameter, one launch per parameter (``kernels/output.py``).
+  elements of a two-sided parameter, one launch per parameter (``kernels/output.py``);
+- the four-bit exchange's encode into its messages and decode-sum (``kernels/fp4.py``, through
+  ``CodecOps.fp4``; bit for bit ``numerics.fp4``).
 
 Each agrees with ``reference_whiten_encode`` / ``reference_decode_sum_unwhiten``: ``U`` and
 ``T⁻¹`` to FP32 rounding (true FP32: no TF32 whatever cuBLAS is told); the codes and scales bit
@@ -98,6 +100,13 @@ def _output():
     from . import output
 
     return output
+
+
+def _fp4():
+    """The four-bit codec's kernel module (imports triton; only where ``_fused()`` is not None)."""
+    from . import fp4
+
+    return fp4
 
 
 def _receive():
@@ -349,3 +358,8 @@ class CodecOps:
 
     def output_inverse(self, w, values, cols, e0, proj, out) -> None:
         return output_inverse(w, values, cols, e0, proj, out, fused=self.fused)
+
+    def fp4(self, device: torch.device):
+        """The four-bit exchange's kernels (``kernels/fp4.py``: ``encode_placed``, ``decode_sum``) where they
+        run (``fused``, ``available``), else None: the caller takes ``numerics.fp4``, their reference."""
+        return _fp4() if self.fused and available(device) else None

@@ -163,7 +163,6 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         )
         fp4 = ctx.config.wire.inter_node_format
         if fp4.block is not None:  # four bits between nodes (input side only, no error feedback)
-            common.pop("kernels")  # the PyTorch path
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
             common["rotation"] = exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
             if groups.intra is not None:

@@ -38,7 +38,6 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-from .. import kernels as _kernels
 from ..comm.fp4_reduce import ROTATION_BLOCK
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
@@ -142,20 +141,6 @@ class GiftDistributedDataParallel(DistributedDataParallel):
             else ""
         )
         logger.info("megatron-gift: %s; parameters: %s (the rest off%s)", self.gift_config, counts, auto)
-        self._warn_fp4_kernels()
-
-    def _warn_fp4_kernels(self) -> None:
-        """Where the fused kernels would run, say once at start-up that a four-bit exchange does not
-        use them (they implement FP8 only): its encode and decode take the PyTorch path."""
-        cfg, device = self.gift_config, self._device()
-        if cfg.wire.inter_node_format.block is None or cfg.exchange.kernels is False:
-            return
-        if (cfg.exchange.kernels or device.type == "cuda") and _kernels.available(device):
-            logger.warning(
-                "megatron-gift: --gift-inter-node-format %s uses the PyTorch path: the fused Triton kernels "
-                "implement FP8 only",
-                cfg.wire.inter_node_format.value,
-            )
 
     # the state the training loop, the checkpoint hooks, tests and benchmarks read
     @property

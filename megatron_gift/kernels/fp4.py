@@ -1,0 +1,318 @@
+"""Triton kernels of the four-bit exchange (``comm.fp4_reduce``; imports triton): the FP4 encode of a
+coded sequence straight into a buffer of messages, and the decode and rank-order FP32 sum of the
+senders' messages for the own shard. The numerics are ``numerics.fp4``'s (its module doc), bit for
+bit: E2M1 codes by comparisons with the midpoints, E4M3 / E8M0 block scales by integer arithmetic
+on the FP32 bits (``fused._fp8_code`` / ``_fp8_value``), divisions IEEE-rounded (``div_rn``), so
+that the interpreter on a CPU runs what the GPU runs.
+
+Tiling: a program owns ``BB`` consecutive blocks and reads a block as its even and odd elements
+(the low and high nibbles of its bytes). A block's segment (NVFP4's FP32 scale) is found by a
+binary search of the segments' ends (``fused._shard_of``).
+
+Encode (``encode_placed``): NVFP4 takes two passes over ``x``: ``_fp4_amax_kernel`` takes the
+finite maximum of each block and an atomic maximum into its segment's (the FP32 bits of a
+non-negative value order as int32; the maximum is the same in any order), after one memset;
+``_fp4_encode_kernel`` recomputes the block maxima, forms the scales and writes codes, block scales and
+(by each segment's first block) the segment scale at the packing's positions. MXFP4: one pass.
+
+Decode (``decode_sum``): per element ``Σ_i (e2m1(q_i) · b_i) · s_i`` over the senders' rows in
+order, from ``-0`` (``-0 + x = x``: ``reference.ordered_sum``'s bits), one launch whatever their
+number. No wrapper reads device data on the host."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.fp4 import E2M1_MAX, E4M3_MAX, FP4Format
+from .fused import _finite_amax, _fp8_code, _fp8_value, _shard_delta, _shard_of
+from .placement import Placement
+
+BLOCKS = 64  # blocks per program (1024 NVFP4 elements)
+_TINY = 1.1754943508222875e-38  # FP32's smallest normal: the least segment scale
+
+
+@triton.jit
+def _e2m1_code(y):
+    """E2M1 codes (int32) of FP32 ``y``: the magnitude index counts the midpoints below ``|y|`` (ties
+    to the even code: ``>`` before an odd code, ``>=`` before an even one), the sign bit is ``y``'s."""
+    a = tl.abs(y)
+    mag = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    mag += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    return mag | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """FP32 value of E2M1 codes (int32): ``m/2`` for magnitude index ``m < 2``, else ``2^(e-1)(1 + man/2)``."""
+    mag = code & 7
+    e = mag >> 1
+    half = (mag & 1).to(tl.float32) * 0.5
+    v = tl.where(e == 0, half, (1.0 + half) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _pow2(e):
+    """``2^e`` in FP32 for int32 ``e`` (subnormal below -126, 0 below -149, Inf above 127)."""
+    normal = ((tl.minimum(tl.maximum(e, -126), 127) + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    v = tl.where(e >= -126, normal, tl.where(e >= -149, sub, 0.0))
+    return tl.where(e > 127, float("inf"), v)
+
+
+@triton.jit
+def _block_amax(x_ptr, blk, bmask, BLOCK: tl.constexpr):
+    """``(even, odd, amax, bad)`` of blocks ``blk``: the even and odd elements ``[BB, BLOCK/2]``, the finite
+    maximum of each block and whether it holds a NaN or an Inf."""
+    off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
+    m = bmask[:, None]
+    xe = tl.load(x_ptr + off, mask=m, other=0.0)
+    xo = tl.load(x_ptr + off + 1, mask=m, other=0.0)
+    amax = tl.maximum(_finite_amax(xe, m), _finite_amax(xo, m))
+    bad = tl.max(((tl.abs(xe) < float("inf")) == 0).to(tl.int32) + ((tl.abs(xo) < float("inf")) == 0).to(tl.int32), 1)
+    return xe, xo, amax, bad > 0
+
+
+@triton.jit
+def _fp4_amax_kernel(x_ptr, seg_ends_ptr, n_seg, seg_steps, amax_ptr, n_blocks, BLOCK: tl.constexpr, BB: tl.constexpr):
+    """Each segment's finite maximum into ``amax_ptr`` (int32 bits, zeroed before): the program's
+    blocks of its first block's segment reduced here, one atomic; a block of a later one, its own."""
+    blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
+    bmask = blk < n_blocks
+    _, _, amax, _ = _block_amax(x_ptr, blk, bmask, BLOCK)
+    seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
+    first = tl.min(tl.where(bmask, seg, n_seg))
+    bits = amax.to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_ptr + first, tl.max(tl.where(bmask & (seg == first), bits, 0)), mask=first < n_seg)
+    tl.atomic_max(amax_ptr + seg, bits, mask=bmask & (seg != first))
+
+
+@triton.jit
+def _fp4_encode_kernel(
+    x_ptr,
+    seg_ends_ptr,
+    n_seg,
+    seg_steps,
+    amax_ptr,
+    n_blocks,
+    codes_ptr,
+    codes_ends,
+    codes_delta,
+    codes_n,
+    codes_steps,
+    scales_ptr,
+    scales_ends,
+    scales_delta,
+    scales_n,
+    scales_steps,
+    segs_ptr,
+    segs_ends,
+    segs_delta,
+    segs_n,
+    segs_steps,
+    BLOCK: tl.constexpr,
+    BB: tl.constexpr,
+    NVFP4: tl.constexpr,
+):
+    """Codes, block scales and (NVFP4) segment scales of blocks ``[pid·BB, pid·BB + BB)`` at their
+    tables' positions (``placement.Placement``; codes as bytes, two per byte, segment scales FP32)::
+
+        NVFP4: s = max(amax_seg / (6·448), tiny) (1 for amax_seg = 0), b = e4m3_up(amax / (6 s)), scale = b·s
+        MXFP4: e = ceil(log2(amax / 6)) in [-127, 127] (-127 for amax = 0), scale = 2^e
+        code = e2m1(x / scale)  (0 where scale = 0); a block with a NaN or Inf: scale code NaN"""
+    blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
+    bmask = blk < n_blocks
+    xe, xo, amax, bad = _block_amax(x_ptr, blk, bmask, BLOCK)
+    if NVFP4:
+        seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
+        seg_amax = tl.load(amax_ptr + seg, mask=bmask, other=0).to(tl.float32, bitcast=True)
+        s = tl.where(
+            seg_amax > 0, tl.math.div_rn(seg_amax, tl.full(seg_amax.shape, E2M1_MAX * E4M3_MAX, tl.float32)), 1.0
+        )
+        s = tl.maximum(s, _TINY)
+        v = tl.minimum(tl.math.div_rn(amax, s * E2M1_MAX), E4M3_MAX)
+        bits = _fp8_code(v, 3, 7, E4M3_MAX, True)
+        bits += (_fp8_value(bits, 3, 7, True) < v).to(tl.int32)  # rounded up: nothing saturates
+        scale = _fp8_value(bits, 3, 7, True) * s
+        bits = tl.where(bad, 0x7F, bits)
+        start = tl.load(seg_ends_ptr + seg - 1, mask=bmask & (seg > 0), other=0)
+        head = bmask & (blk * BLOCK == start)  # the segment's first block writes its scale
+        at = seg + _shard_delta(segs_ends, segs_delta, segs_n, segs_steps, seg, head)
+        tl.store(segs_ptr + at, s, mask=head)
+    else:
+        q = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+        qb = q.to(tl.int32, bitcast=True)
+        sub = (q * 18446744073709551616.0).to(tl.int32, bitcast=True)  # q · 2^64: exact, normal
+        e = tl.where(q == 0, 0, tl.where(qb < 0x00800000, ((sub >> 23) & 0xFF) - 190, ((qb >> 23) & 0xFF) - 126))
+        e += (_pow2(e) * E2M1_MAX < amax).to(tl.int32)  # frexp's exponent corrected: 6·2^(e-1) < amax <= 6·2^e
+        e -= (_pow2(e - 1) * E2M1_MAX >= amax).to(tl.int32)
+        e = tl.minimum(tl.maximum(tl.where(amax > 0, e, -127), -127), 127)
+        scale = _pow2(e)
+        bits = tl.where(bad, 0xFF, e + 127)
+    sc = tl.broadcast_to(scale[:, None], xe.shape)
+    ye = tl.where(sc > 0, tl.math.div_rn(xe, sc), 0.0)
+    yo = tl.where(sc > 0, tl.math.div_rn(xo, sc), 0.0)
+    packed = _e2m1_code(ye) | (_e2m1_code(yo) << 4)
+    k = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    m = bmask[:, None]
+    k += _shard_delta(codes_ends, codes_delta, codes_n, codes_steps, blk * (BLOCK // 2), bmask)[:, None]
+    tl.store(codes_ptr + k, packed.to(tl.uint8), mask=m)
+    at = blk + _shard_delta(scales_ends, scales_delta, scales_n, scales_steps, blk, bmask)
+    tl.store(scales_ptr + at, bits.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _fp4_decode_sum_kernel(
+    msg_ptr,
+    msg32_ptr,
+    row_bytes,
+    senders,
+    codes_at,
+    scales_at,
+    seg_at,
+    seg_ends_ptr,
+    n_seg,
+    seg_steps,
+    out_ptr,
+    n_blocks,
+    BLOCK: tl.constexpr,
+    BB: tl.constexpr,
+    NVFP4: tl.constexpr,
+):
+    """``out = Σ_i dec(message_i)`` in FP32, the senders' rows in order, for blocks ``[pid·BB, pid·BB + BB)``
+    of the own shard: ``(e2m1(q) · b) · s`` (NVFP4; ``s`` the block's segment scale) or ``e2m1(q) · 2^(e-127)``."""
+    blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
+    bmask = blk < n_blocks
+    m = bmask[:, None]
+    k = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    if NVFP4:
+        seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
+    acc_e = tl.full(k.shape, -0.0, tl.float32)
+    acc_o = tl.full(k.shape, -0.0, tl.float32)
+    for i in range(senders):
+        row = i * row_bytes
+        byte = tl.load(msg_ptr + row + codes_at + k, mask=m, other=0).to(tl.int32)
+        bits = tl.load(msg_ptr + row + scales_at + blk, mask=bmask, other=0).to(tl.int32)
+        if NVFP4:
+            b = _fp8_value(bits, 3, 7, True)
+        else:
+            b = tl.where(bits == 0xFF, float("nan"), _pow2(bits - 127))
+        ve = _e2m1_value(byte & 15) * b[:, None]
+        vo = _e2m1_value(byte >> 4) * b[:, None]
+        if NVFP4:
+            s = tl.load(msg32_ptr + (row + seg_at) // 4 + seg, mask=bmask, other=0.0)
+            ve = ve * s[:, None]
+            vo = vo * s[:, None]
+        acc_e += ve
+        acc_o += vo
+    off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
+    tl.store(out_ptr + off, acc_e, mask=m)
+    tl.store(out_ptr + off + 1, acc_o, mask=m)
+
+
+def _table(t: Placement) -> tuple:
+    """A placement table as the kernels take it: ``ends, delta, shards, search steps``."""
+    n = t.ends.numel()
+    return t.ends, t.delta, n, n.bit_length()
+
+
+def encode_placed(
+    x: torch.Tensor, fmt: FP4Format, seg_ends: torch.Tensor, out: torch.Tensor, place: dict[str, Placement]
+) -> None:
+    """``numerics.fp4.encode_fp4(x, fmt, lengths)`` written into the buffer ``out`` (uint8) at the positions
+    of ``place`` (``comm.fp4_reduce.FP4Packing.place``: "coded", "groups", "segments"); ``seg_ends``: the
+    cumulative segment lengths (int64, on the device). Two launches and a memset for NVFP4, one for MXFP4.
+
+    Essential bytes per element: reads ``x`` (4 B; NVFP4 twice), writes 0.5 B of codes and ``1/block`` B
+    of block scales."""
+    n_blocks = x.numel() // fmt.block
+    grid = (triton.cdiv(n_blocks, BLOCKS),)
+    seg = (seg_ends, seg_ends.numel(), seg_ends.numel().bit_length())
+    nv = fmt.segment_scale
+    amax = torch.zeros(seg_ends.numel() if nv else 1, dtype=torch.int32, device=x.device)
+    if nv:
+        _fp4_amax_kernel[grid](x, *seg, amax, n_blocks, BLOCK=fmt.block, BB=BLOCKS)
+    _fp4_encode_kernel[grid](
+        x,
+        *seg,
+        amax,
+        n_blocks,
+        out,
+        *_table(place["coded"]),
+        out,
+        *_table(place["groups"]),
+        out.view(torch.float32),
+        *_table(place["segments"]),
+        BLOCK=fmt.block,
+        BB=BLOCKS,
+        NVFP4=nv,
+    )
+
+
+def decode_sum(
+    msgs: torch.Tensor, n: int, fmt: FP4Format, codes_at: int, scales_at: int, seg_at: int, seg_ends: torch.Tensor
+) -> torch.Tensor:
+    """``Σ_i decode_fp4(message_i)`` (FP32 ``[n]``, senders in order) of ``msgs [senders, row bytes]`` (uint8,
+    rows 4-byte aligned), each holding ``n`` elements' packed codes at byte ``codes_at``, block scales at
+    ``scales_at`` and (NVFP4) one FP32 scale per segment at ``seg_at``; ``seg_ends``: the segments' cumulative
+    lengths. One launch.
+
+    Essential bytes per element: reads ``senders · (0.5 + 1/block)`` B, writes 4 B."""
+    senders, row_bytes = msgs.shape
+    out = torch.empty(n, dtype=torch.float32, device=msgs.device)
+    n_blocks = n // fmt.block
+    _fp4_decode_sum_kernel[(triton.cdiv(n_blocks, BLOCKS),)](
+        msgs,
+        msgs.view(torch.float32),
+        row_bytes,
+        senders,
+        codes_at,
+        scales_at,
+        seg_at,
+        seg_ends,
+        seg_ends.numel(),
+        seg_ends.numel().bit_length(),
+        out,
+        n_blocks,
+        BLOCK=fmt.block,
+        BB=BLOCKS,
+        NVFP4=fmt.segment_scale,
+    )
+    return out
+
+
+# -- Memory traffic of each launch (the launch meter; as ``fused.TRAFFIC``) --------------------------------
+
+
+def _seg_bytes(a: dict) -> int:
+    """The segments' ends (int64), read by the blocks' binary searches (cache hits after the first)."""
+    return 8 * a["n_seg"]
+
+
+def _amax_traffic(a: dict) -> tuple[int, int]:
+    return a["n_blocks"] * a["BLOCK"] * a["x_ptr"].element_size() + _seg_bytes(a), 4 * a["n_seg"]
+
+
+def _encode_traffic(a: dict) -> tuple[int, int]:
+    """``x`` once, the segment maxima and the three tables; the codes, the block scales and (NVFP4) a scale
+    per segment."""
+    n, nv = a["n_blocks"] * a["BLOCK"], a["NVFP4"]
+    read = n * a["x_ptr"].element_size() + 16 * (a["codes_n"] + a["scales_n"] + a["segs_n"])
+    read += _seg_bytes(a) + 4 * a["n_seg"] if nv else 0
+    return read, n // 2 + a["n_blocks"] + (4 * a["n_seg"] if nv else 0)
+
+
+def _decode_sum_traffic(a: dict) -> tuple[int, int]:
+    """Every sender's codes, block scales and (NVFP4) segment scales; the FP32 sum."""
+    n, nv = a["n_blocks"] * a["BLOCK"], a["NVFP4"]
+    read = a["senders"] * (n // 2 + a["n_blocks"] + (4 * a["n_seg"] if nv else 0)) + (_seg_bytes(a) if nv else 0)
+    return read, 4 * n
+
+
+TRAFFIC = {
+    "_fp4_amax_kernel": _amax_traffic,
+    "_fp4_encode_kernel": _encode_traffic,
+    "_fp4_decode_sum_kernel": _decode_sum_traffic,
+}

@@ -1,0 +1,239 @@
+"""The four-bit exchange's Triton kernels (``kernels/fp4.py``) bit for bit against ``numerics.fp4`` (whose
+own tests hold it to a table-lookup reference on every code and tie), their launches and ``TRAFFIC``
+entries, and ``FP4Reduce`` / ``FP4TwoLevelReduce`` with the kernels against their PyTorch path on 4
+gloo ranks.
+
+As in tests/unit/test_kernels.py, the kernel tests run on the CPU in Triton's interpreter, which has to
+be on when the kernels are defined: ``test_fp4_kernels_under_interpreter`` runs this file again in a
+fresh process with ``TRITON_INTERPRET=1``; without it they run on CUDA (``gpu``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_gift.kernels.placement import Placement
+from megatron_gift.numerics.fp4 import FP4_FORMATS, decode_fp4, encode_fp4
+from megatron_gift.testing.kernel_log import assert_passes_under_interpreter, launches_of
+from tests.reference import ordered_sum
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
+# Segment lengths in blocks: one block, odd counts, a segment across programs (64 blocks each).
+SEGMENT_BLOCKS = [1, 3, 70, 2, 130, 5]
+
+
+if not INTERPRET:  # the outer run only
+
+    def test_fp4_kernels_under_interpreter():
+        """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
+        assert_passes_under_interpreter(__file__)
+
+
+def values(n: int, block: int, seed: int) -> torch.Tensor:
+    """FP32 values over FP32's whole range (subnormals included), a zero block, a block of a
+    subnormal, ties of the E2M1 grid at a scale of one, a NaN, an Inf and a negative zero."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-140, 120, (n,), generator=gen).float())
+    x[:block] = 0
+    x[block : 2 * block] = 1e-44
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[2 * block : 2 * block + 8] = ties
+    x[2 * block + 8 : 2 * block + 16] = -ties
+    x[5 * block + 3] = float("nan")
+    x[9 * block] = float("inf")
+    x[11 * block + 1] = -0.0
+    return x
+
+
+def buffer_of(fmt, lengths: list[int], shards: int, device):
+    """A buffer of ``shards`` messages holding the sequence's codes, block scales and segment scales,
+    the sequence cut into ``shards`` runs of whole segments and the messages in reverse order with
+    gaps (as ``comm.fp4_reduce.fp4_packing`` places them): ``(buffer bytes, place)``."""
+    cuts = [len(lengths) * j // shards for j in range(shards + 1)]
+    runs = [lengths[cuts[j] : cuts[j + 1]] for j in range(shards)]
+    at, starts = 0, [0] * shards
+    for j in reversed(range(shards)):
+        n = sum(runs[j])
+        starts[j] = (at, at + n // 2 + 4, at + n // 2 + n // fmt.block + 8)  # codes, block scales, segments
+        at = -(-(starts[j][2] + 4 * len(runs[j]) + 12) // 4) * 4
+    place = {
+        "coded": Placement([sum(r) // 2 for r in runs], [s[0] for s in starts], device),
+        "groups": Placement([sum(r) // fmt.block for r in runs], [s[1] for s in starts], device),
+        "segments": Placement([len(r) for r in runs], [-(-s[2] // 4) for s in starts], device),
+    }
+    return at, place
+
+
+def reference_placed(x, fmt, lengths, out, place):
+    """``encode_fp4`` of the whole sequence, each section copied to its table's positions."""
+    enc = encode_fp4(x, fmt, lengths)
+    for key, t in (("coded", enc.codes), ("groups", enc.block_scales)):
+        out.index_copy_(0, place[key].index(0, t.numel()), t)
+    if fmt.segment_scale:
+        seg = enc.segment_scales
+        out.view(torch.float32).index_copy_(0, place["segments"].index(0, seg.numel()), seg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
+def test_encode_placed_is_the_reference(fmt, shards, device):
+    """Every byte of the buffer (codes, block scales, segment scales, untouched padding) as
+    ``encode_fp4`` and a placement by index give it, over many binades, zero and subnormal blocks,
+    ties, NaN and Inf, and segments across programs. Bugs caught: a block scale rounded to nearest
+    instead of up, a segment maximum taken over one program's blocks only (atomics missing), a nibble
+    order swapped, a block or segment written to another shard's message."""
+    from megatron_gift.kernels import fp4
+
+    f = FP4_FORMATS[fmt]
+    lengths = [b * f.block for b in SEGMENT_BLOCKS]
+    x = values(sum(lengths), f.block, seed=shards).to(device)
+    nbytes, place = buffer_of(f, lengths, shards, device)
+    seg = torch.tensor(lengths, dtype=torch.int64, device=device)
+    got = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=device)
+    want = got.clone()
+    fp4.encode_placed(x, f, seg.cumsum(0), got, place)
+    reference_placed(x, f, seg, want, place)
+    assert torch.equal(got, want), (got != want).nonzero()[:10].flatten().tolist()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, every NaN counted as the same NaN."""
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("senders", [1, 3])
+@pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
+def test_decode_sum_is_the_reference(fmt, senders, device):
+    """The FP32 sum of every sender's decoded message, in sender order, bit for bit
+    ``ordered_sum(decode_fp4(...))`` (NaN where a block held one). Bugs caught: the senders summed
+    in another order, a sender's segment scale read from another's message, a block scale of
+    another block."""
+    from megatron_gift.kernels import fp4
+
+    f = FP4_FORMATS[fmt]
+    lengths = [b * f.block for b in SEGMENT_BLOCKS]
+    n, seg = sum(lengths), torch.tensor(lengths, dtype=torch.int64)
+    seg_at, scales_at = 0, -(-4 * len(lengths) // 16) * 16
+    codes_at = scales_at + -(-n // f.block // 4) * 4
+    rows, decoded = [], []
+    for i in range(senders):
+        x = values(n, f.block, seed=10 + i) * (i + 1)
+        enc = encode_fp4(x, f, seg)
+        row = torch.zeros(codes_at + n // 2, dtype=torch.uint8)
+        row[codes_at:] = enc.codes
+        row[scales_at : scales_at + n // f.block] = enc.block_scales
+        row[: 4 * len(lengths)] = enc.segment_scales.view(torch.uint8) if f.segment_scale else 0
+        rows.append(row)
+        decoded.append(decode_fp4(enc, f, seg))
+    msgs = torch.stack(rows).to(device)
+    got = fp4.decode_sum(msgs, n, f, codes_at, scales_at, seg_at, seg.cumsum(0).to(device))
+    assert same(got.cpu(), ordered_sum(decoded))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
+def test_launches_and_traffic(fmt, device):
+    """NVFP4's encode takes two launches (segment maxima, then the codes), MXFP4's one, the decode-sum
+    one, whatever the elements and senders; each ``TRAFFIC`` entry is the bytes of what the launch
+    addresses. Bugs caught: a launch per segment or per sender; a traffic formula missing the second
+    read of NVFP4's values or the senders' scales."""
+    from megatron_gift.kernels import fp4
+
+    f = FP4_FORMATS[fmt]
+    seen = set()
+    for blocks, senders in ((SEGMENT_BLOCKS, 2), ([b * 3 for b in SEGMENT_BLOCKS], 4)):
+        lengths = [b * f.block for b in blocks]
+        n = sum(lengths)
+        ends = torch.tensor(lengths, dtype=torch.int64, device=device).cumsum(0)
+        nbytes, place = buffer_of(f, lengths, 2, device)
+        x = values(n, f.block, 0).to(device)
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        scales_at = 4 * len(lengths)
+        codes_at = scales_at + -(-n // f.block // 4) * 4
+        msgs = torch.zeros(senders, codes_at + n // 2, dtype=torch.uint8, device=device)
+        with launches_of(fp4) as log:
+            fp4.encode_placed(x, f, ends, buf, place)
+            fp4.decode_sum(msgs, n, f, codes_at, scales_at, 0, ends)
+        seen.add(tuple(name for name, _ in log))
+        traffic = {name: fp4.TRAFFIC[name](args) for name, args in log}
+        segs, codes = 4 * len(lengths) if f.segment_scale else 0, n // 2 + n // f.block
+        tables = 16 * 2 * 3  # the three placement tables of two shards (ends and delta)
+        enc = traffic["_fp4_encode_kernel"]
+        assert enc == (4 * n + tables + (8 * len(lengths) + segs if f.segment_scale else 0), codes + segs)
+        dec = traffic["_fp4_decode_sum_kernel"]
+        assert dec == (senders * (codes + segs) + (8 * len(lengths) if f.segment_scale else 0), 4 * n)
+        if f.segment_scale:
+            assert traffic["_fp4_amax_kernel"] == (4 * n + 8 * len(lengths), segs)
+    amax = ("_fp4_amax_kernel",) if f.segment_scale else ()
+    assert seen == {(*amax, "_fp4_encode_kernel", "_fp4_decode_sum_kernel")}, seen
+
+
+# -- the reductions with the kernels against their PyTorch path, 4 gloo ranks as 2 nodes x 2 -------------
+
+
+def _worker(rank, world):
+    from megatron_gift import kernels as k
+    from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
+    from megatron_gift.comm.schedule import reduce_now
+    from megatron_gift.comm.topology import build_groups
+    from megatron_gift.config import IntraNode
+    from megatron_gift.kernels import fp4
+    from tests.dist.test_comm import _bucket_grads, _transforms
+    from tests.dist.test_fp4_exchange import CASES, PER_NODE, ROTATION, _bucket, _layout
+
+    # The two-level intra-node stage's G T of whitened parameters on the PyTorch path in both runs: its
+    # kernels agree with it to FP32 rounding only (tests/dist/test_two_level.py), and one rounding can
+    # move an FP4 code; this test is about the FP4 kernels, which must then give the same bits.
+    encode, place = k.whiten_encode, k.whiten_place
+    k.whiten_encode = lambda g, w, cfg, fused=True, **kw: encode(g, w, cfg, fused=fused and w is None, **kw)
+    k.whiten_place = lambda x, w, into, fused=True, output=None: place(x, w, into, fused and w is None, output)
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    out = {}
+    for case in CASES:
+        fmt, two_level, all_reduce, rotation, intra = case
+        (numel, segments), layout = _bucket(rotation), _layout(rotation)
+        layout.check_blocks(64 if rotation else FP4_FORMATS[fmt].block, "test")
+        for kernels in (False, True):
+            flat = _bucket_grads(numel, segments, rank)
+            common = dict(average=True, all_reduce=all_reduce, rotation=ROTATION if rotation else None, kernels=kernels)
+            ts = _transforms(segments)
+            if two_level:
+                red = FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], IntraNode(intra), **common)
+            else:
+                red = FP4Reduce(
+                    flat, layout, dist.group.WORLD, ts, FP4_FORMATS[fmt], topology=placed.topology, **common
+                )
+            assert red.ops.fused is kernels
+            with launches_of(fp4) as log:
+                reduce_now(red, "cpu")
+            ran = {name for name, _ in log}  # the encode and the decode-sum ran where asked, and only there
+            assert ran == ({"_fp4_encode_kernel", "_fp4_decode_sum_kernel"} if kernels else set()) | (
+                {"_fp4_amax_kernel"} if kernels and fmt == "nvfp4" else set()
+            ), (case, ran)
+            out[(case, kernels)] = flat
+    return out
+
+
+@pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU: the interpreter's run only")
+def test_reductions_with_kernels_are_their_pytorch_path():
+    """Flat and two-level, NVFP4 and MXFP4, reduce-scatter and all-reduce, with and without the rotation,
+    FP32 and FP8 inside the node: each rank's reduced bucket with the kernels bit for bit the PyTorch
+    path's (which tests/dist/test_fp4_exchange.py holds to a hand FP32 sum), and every rank's the same
+    for all-reduce. Bugs caught: the kernels given another shard's segment ends, plain values placed
+    in another class's section, the decode reading the own message from the wrong row."""
+    from megatron_gift.testing import run_on_ranks
+    from tests.dist.test_fp4_exchange import CASES
+
+    results = run_on_ranks(_worker, 4)
+    for case in CASES:
+        for rank in range(4):
+            assert same(results[rank][(case, True)], results[rank][(case, False)]), (case, rank)
+        if case[2]:  # all-reduce: every rank holds the whole reduced bucket
+            assert all(torch.equal(results[r][(case, True)], results[0][(case, True)]) for r in range(4)), case
