@@ -30,7 +30,11 @@ from .fused import _finite_amax, _fp8_code, _fp8_value, _shard_delta, _shard_of
 from .placement import Placement
 
 BLOCKS = 64  # blocks per program (1024 NVFP4 elements)
-_TINY = 1.1754943508222875e-38  # FP32's smallest normal: the least segment scale
+# numerics.fp4's constants as the kernels may read them (constexpr globals)
+_TINY = tl.constexpr(1.1754943508222875e-38)  # FP32's smallest normal: the least segment scale
+_EMAX = tl.constexpr(E2M1_MAX)
+_SMAX = tl.constexpr(E4M3_MAX)
+_SEG = tl.constexpr(E2M1_MAX * E4M3_MAX)
 
 
 @triton.jit
@@ -77,16 +81,18 @@ def _block_amax(x_ptr, blk, bmask, BLOCK: tl.constexpr):
 
 @triton.jit
 def _fp4_amax_kernel(x_ptr, seg_ends_ptr, n_seg, seg_steps, amax_ptr, n_blocks, BLOCK: tl.constexpr, BB: tl.constexpr):
-    """Each segment's finite maximum into ``amax_ptr`` (int32 bits, zeroed before): the program's
-    blocks of its first block's segment reduced here, one atomic; a block of a later one, its own."""
+    """Each segment's finite maximum into ``amax_ptr`` (int32 bits, zeroed before), in one vector atomic:
+    the program's first block carries the maximum over the blocks of its segment here, a block of a
+    later segment its own."""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
     _, _, amax, _ = _block_amax(x_ptr, blk, bmask, BLOCK)
     seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
-    first = tl.min(tl.where(bmask, seg, n_seg))
+    first = tl.min(tl.where(bmask, seg, n_seg))  # the first block's (segments grow with the block)
     bits = amax.to(tl.int32, bitcast=True)
-    tl.atomic_max(amax_ptr + first, tl.max(tl.where(bmask & (seg == first), bits, 0)), mask=first < n_seg)
-    tl.atomic_max(amax_ptr + seg, bits, mask=bmask & (seg != first))
+    lead = tl.arange(0, BB) == 0
+    bits = tl.where(lead, tl.max(tl.where(bmask & (seg == first), bits, 0)), bits)
+    tl.atomic_max(amax_ptr + seg, bits, mask=bmask & (lead | (seg != first)))
 
 
 @triton.jit
@@ -98,18 +104,18 @@ def _fp4_encode_kernel(
     amax_ptr,
     n_blocks,
     codes_ptr,
-    codes_ends,
-    codes_delta,
+    codes_ends_ptr,
+    codes_delta_ptr,
     codes_n,
     codes_steps,
     scales_ptr,
-    scales_ends,
-    scales_delta,
+    scales_ends_ptr,
+    scales_delta_ptr,
     scales_n,
     scales_steps,
     segs_ptr,
-    segs_ends,
-    segs_delta,
+    segs_ends_ptr,
+    segs_delta_ptr,
     segs_n,
     segs_steps,
     BLOCK: tl.constexpr,
@@ -128,26 +134,24 @@ def _fp4_encode_kernel(
     if NVFP4:
         seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
         seg_amax = tl.load(amax_ptr + seg, mask=bmask, other=0).to(tl.float32, bitcast=True)
-        s = tl.where(
-            seg_amax > 0, tl.math.div_rn(seg_amax, tl.full(seg_amax.shape, E2M1_MAX * E4M3_MAX, tl.float32)), 1.0
-        )
+        s = tl.where(seg_amax > 0, tl.math.div_rn(seg_amax, tl.full(seg_amax.shape, _SEG, tl.float32)), 1.0)
         s = tl.maximum(s, _TINY)
-        v = tl.minimum(tl.math.div_rn(amax, s * E2M1_MAX), E4M3_MAX)
-        bits = _fp8_code(v, 3, 7, E4M3_MAX, True)
+        v = tl.minimum(tl.math.div_rn(amax, s * _EMAX), _SMAX)
+        bits = _fp8_code(v, 3, 7, _SMAX, True)
         bits += (_fp8_value(bits, 3, 7, True) < v).to(tl.int32)  # rounded up: nothing saturates
         scale = _fp8_value(bits, 3, 7, True) * s
         bits = tl.where(bad, 0x7F, bits)
         start = tl.load(seg_ends_ptr + seg - 1, mask=bmask & (seg > 0), other=0)
         head = bmask & (blk * BLOCK == start)  # the segment's first block writes its scale
-        at = seg + _shard_delta(segs_ends, segs_delta, segs_n, segs_steps, seg, head)
+        at = seg + _shard_delta(segs_ends_ptr, segs_delta_ptr, segs_n, segs_steps, seg, head)
         tl.store(segs_ptr + at, s, mask=head)
     else:
-        q = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+        q = tl.math.div_rn(amax, tl.full(amax.shape, _EMAX, tl.float32))
         qb = q.to(tl.int32, bitcast=True)
         sub = (q * 18446744073709551616.0).to(tl.int32, bitcast=True)  # q · 2^64: exact, normal
         e = tl.where(q == 0, 0, tl.where(qb < 0x00800000, ((sub >> 23) & 0xFF) - 190, ((qb >> 23) & 0xFF) - 126))
-        e += (_pow2(e) * E2M1_MAX < amax).to(tl.int32)  # frexp's exponent corrected: 6·2^(e-1) < amax <= 6·2^e
-        e -= (_pow2(e - 1) * E2M1_MAX >= amax).to(tl.int32)
+        e += (_pow2(e) * _EMAX < amax).to(tl.int32)  # frexp's exponent corrected: 6·2^(e-1) < amax <= 6·2^e
+        e -= (_pow2(e - 1) * _EMAX >= amax).to(tl.int32)
         e = tl.minimum(tl.maximum(tl.where(amax > 0, e, -127), -127), 127)
         scale = _pow2(e)
         bits = tl.where(bad, 0xFF, e + 127)
@@ -157,9 +161,9 @@ def _fp4_encode_kernel(
     packed = _e2m1_code(ye) | (_e2m1_code(yo) << 4)
     k = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
     m = bmask[:, None]
-    k += _shard_delta(codes_ends, codes_delta, codes_n, codes_steps, blk * (BLOCK // 2), bmask)[:, None]
+    k += _shard_delta(codes_ends_ptr, codes_delta_ptr, codes_n, codes_steps, blk * (BLOCK // 2), bmask)[:, None]
     tl.store(codes_ptr + k, packed.to(tl.uint8), mask=m)
-    at = blk + _shard_delta(scales_ends, scales_delta, scales_n, scales_steps, blk, bmask)
+    at = blk + _shard_delta(scales_ends_ptr, scales_delta_ptr, scales_n, scales_steps, blk, bmask)
     tl.store(scales_ptr + at, bits.to(tl.uint8), mask=bmask)
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_gift_tools.bench import compile as report
 
-SUBSET = [c for c in report.CASES if c[0] in ("delta", "place")] + [
+SUBSET = [c for c in report.CASES if c[0] in ("delta", "place", "fp4")] + [
     next(c for c in report.CASES if c[1] == "_decode_sum_kernel")
 ]
 # the bucket sender's whitened encodes (groups given by lengths): they spilled at 4 warps

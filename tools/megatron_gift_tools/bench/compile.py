@@ -66,6 +66,11 @@ CASES = [
     ("delta", "_encode_kernel", dict(BB=4, MANT=7), False),
     ("delta", "_decode_kernel", dict(BB=4, MANT=7), False),
     ("delta", "_decode_kernel", dict(BB=4, MANT=10), False),
+    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False), True),
+    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True), True),
+    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=32, BB=64, NVFP4=False), True),
 ]
 
 
