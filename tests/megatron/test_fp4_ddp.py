@@ -83,22 +83,28 @@ def results():
     return run_on_ranks(_worker, 4, cpu_harness=True, timeout=600)
 
 
-@pytest.mark.parametrize("kernels, available, warned", [(None, True, False), (True, True, True), (True, False, False)])
-def test_fp4_warns_once_where_the_kernels_would_run(monkeypatch, caplog, kernels, available, warned):
-    """Bug caught: a run that asked for the fused kernels (``kernels=True``, or CUDA by default) not told
-    that the four-bit exchange takes the PyTorch path; or told where the kernels would not run anyway
-    (a CPU with ``kernels`` unset, or no Triton)."""
+@pytest.mark.parametrize("kernels, available, fused", [(None, True, False), (True, True, True), (False, True, False)])
+def test_fp4_buckets_take_the_kernels_setting(monkeypatch, kernels, available, fused):
+    """The bucket group's four-bit reduction runs its codec kernels exactly where ``--gift-kernels`` asks
+    and they can run (a CPU with the setting unset: no). Bug caught: FP4 buckets forced onto the
+    PyTorch path (the setting dropped), or given the kernels against ``--gift-kernels off``."""
     from types import SimpleNamespace
 
     from megatron_gift import kernels as runtime_kernels
-    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.comm.fp4_reduce import FP4Reduce
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.megatron.bucket_group import GiftBucketGroup
+    from megatron_gift.numerics import CodecConfig
 
     monkeypatch.setattr(runtime_kernels, "available", lambda device: available)
-    fake = SimpleNamespace(
-        gift_config=GiftConfig.build(mode=Mode.GIFT, inter_node_format="mxfp4", kernels=kernels),
-        _device=lambda: torch.device("cpu"),
+    group = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    layout = BucketLayout(2048, 2, [Segment(0, 16, 128, Mode.EUCLIDEAN, "w")], CodecConfig(), torch.float32)
+    config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", kernels=kernels)
+    owner = SimpleNamespace(
+        gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
+        gift_groups=SimpleNamespace(intra=None, group=group, topology=None),
+        ddp_config=SimpleNamespace(average_in_collective=False),
     )
-    with caplog.at_level("WARNING"):
-        GiftDistributedDataParallel._warn_fp4_kernels(fake)
-    lines = [r.getMessage() for r in caplog.records if "PyTorch path" in r.getMessage()]
-    assert len(lines) == int(warned) and all("--gift-inter-node-format mxfp4" in line for line in lines)
+    bucket = SimpleNamespace(grad=torch.zeros(2048), layout=layout, params=[None])
+    red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+    assert isinstance(red, FP4Reduce) and red.ops.fused is fused

@@ -115,6 +115,21 @@ def test_codec_bytes_follow_from_the_shapes(dry_run):
         d_out, d_in = shapes[r["layer"]]
         assert r["bytes"] == 5 * d_out * d_in + d_out * math.ceil(d_in / 128) * 4 and r["host_s"] > 0
     assert gpu_check.SENDER_MODEL["gpu"]["hidden"] == 4096 and gpu_check.SENDER_MODEL["gpu"]["ffn"] == 14336
+    # the four-bit codec: encode reads the FP32 values and writes half a byte plus a block scale per
+    # element (NVFP4: 16-element blocks and a 4-byte segment scale; MXFP4: 32); the decode-sum reads 8
+    # senders' messages of this rank's shard and writes it in FP32 (bug caught: FP8's byte per element)
+    fp4 = doc["fp4"]
+    assert {(s["path"], s["impl"]) for s in fp4["summary"]} == {(p, "reference") for p in gpu_codec.FP4_PATHS}
+    for r in fp4["results"]:
+        d_out, d_in = shapes[r["layer"]]
+        block, seg = (16, 4) if r["path"].endswith("nvfp4") else (32, 0)
+        if r["path"].startswith("fp4_encode"):
+            n = d_out * d_in // block * block
+            assert (r["cols"], r["bytes"]) == (n, 4 * n + n // 2 + n // block + seg)
+        else:
+            m = d_out * d_in // 8 // block * block
+            assert (r["cols"], r["bytes"]) == (m, 8 * (m // 2 + m // block + seg) + 4 * m)
+        assert r["seconds"] > 0 and r["host_s"] > 0
 
 
 @pytest.mark.slow

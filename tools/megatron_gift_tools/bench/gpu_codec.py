@@ -22,6 +22,12 @@ path                         what runs                                          
 ``decode_sum_unwhiten``      the same, then ``T⁻¹``                             the same
 ===========================  =================================================  ========================================
 
+The four-bit exchange's codec (``comm.fp4_reduce``'s calls, NVFP4 and MXFP4, under ``doc["fp4"]``) adds
+``fp4_encode/<format>`` (the layer's FP32 values, one segment, into a message buffer at a one-shard
+placement: read ``4n``, write ``n/2 + n/block`` and NVFP4's segment scale) and ``fp4_decode_sum/<format>``
+(``RANKS`` senders' messages of this rank's shard, FP32 sum in sender order: read their codes and scales,
+write ``4m``), ``fused`` (``kernels/fp4.py``) against ``reference`` (``numerics.fp4`` and an index copy).
+
 The delta parameter gather's codec (``DELTA_MODULE``), where it is installed, adds
 ``delta_encode`` (a shard of ``n = d_out·d_in`` BF16 elements against its ``prev``: read ``2n + 2n``,
 write the message) and ``delta_decode`` (``RANKS`` shards' messages into ``n`` BF16 parameters: read
@@ -46,6 +52,7 @@ import time
 import torch
 
 from megatron_gift import kernels
+from megatron_gift.numerics.fp4 import FP4_FORMATS, FP4Encoded, decode_fp4, encode_fp4
 from megatron_gift.numerics.fp8 import CodecConfig, encode
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift_tools.bench.overhead import RANK, RANKS, fused_timed, synthetic_factor, time_call
@@ -76,6 +83,8 @@ SCHEMA = {
     "sender": "None, or the SENDER_PATHS at another model's shapes (the 8B's on a GPU): model, results, summary "
     "as above",
     "targets": "every fused path at >= 70% of the same-size copy's bandwidth (reported, not asserted)",
+    "fp4": "the four-bit exchange's codec: results and summary as above for fp4_encode/<format> and "
+    "fp4_decode_sum/<format> (rows 1, cols the elements encoded or this rank's shard decoded)",
     "delta": "the delta parameter gather's codec: available, module, and where available results and "
     "summary as above for delta_encode / delta_decode (impl torch; rows 1, cols the elements coded or decoded)",
 }
@@ -210,6 +219,106 @@ def delta_paths(codec, shape: tuple[int, int], device: torch.device) -> dict:
     }
 
 
+FP4_PATHS = tuple(f"{p}/{f}" for f in FP4_FORMATS for p in ("fp4_encode", "fp4_decode_sum"))
+
+
+def fp4_paths(shape: tuple[int, int], device: torch.device, impls: list[str]) -> dict:
+    """``{(impl, path): (fn, elements, bytes)}`` of the FP4 codec at one layer's size (module docstring)."""
+    from megatron_gift.kernels.placement import Placement
+    from megatron_gift.kernels.reference import ordered_sum
+
+    n = shape[0] * shape[1]
+    shard = max(1, n // RANKS)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    out = {}
+    for name, fmt in FP4_FORMATS.items():
+        n_f, m = n // fmt.block * fmt.block, shard // fmt.block * fmt.block
+        seg = 4 if fmt.segment_scale else 0
+        codes_at = seg + -(-(m // fmt.block) // 4) * 4  # one message: [segment scale | block scales | codes]
+        msg_bytes = codes_at + m // 2
+        seg_pos = -(-(n_f // 2 + n_f // fmt.block) // 4)  # the segment scale's FP32 slot after codes and scales
+        place = {
+            "coded": Placement([n_f // 2], [0], device),
+            "groups": Placement([n_f // fmt.block], [n_f // 2], device),
+            "segments": Placement([1], [seg_pos], device),
+        }
+        buf = torch.zeros(4 * seg_pos + 4, dtype=torch.uint8, device=device)
+        lengths, ends = (torch.tensor([k], dtype=torch.int64, device=device) for k in (n_f, n_f))
+        enc = encode_fp4(torch.randn(m, generator=torch.Generator().manual_seed(1)).to(device), fmt)
+        row = torch.zeros(msg_bytes, dtype=torch.uint8, device=device)
+        row[codes_at:] = enc.codes
+        row[seg : seg + m // fmt.block] = enc.block_scales
+        if seg:
+            row[:4] = enc.segment_scales.view(torch.uint8)
+        msgs = row.expand(RANKS, -1).contiguous()
+        m_lengths = torch.tensor([m] * RANKS, dtype=torch.int64, device=device)
+        m_ends = torch.tensor([m], dtype=torch.int64, device=device)
+
+        def reference_encode(fmt=fmt, n_f=n_f, place=place, buf=buf, lengths=lengths):
+            e = encode_fp4(x[:n_f], fmt, lengths)
+            buf.index_copy_(0, place["coded"].index(0, e.codes.numel()), e.codes)
+            buf.index_copy_(0, place["groups"].index(0, e.block_scales.numel()), e.block_scales)
+            if fmt.segment_scale:
+                buf.view(torch.float32)[-1:].copy_(e.segment_scales)
+
+        def reference_decode(fmt=fmt, m=m, codes_at=codes_at, seg=seg, msgs=msgs, m_lengths=m_lengths):
+            e = FP4Encoded(
+                msgs[:, codes_at:].reshape(-1),
+                msgs[:, seg : seg + m // fmt.block].reshape(-1),
+                msgs[:, :4].contiguous().view(torch.float32).reshape(-1) if seg else msgs.new_ones(RANKS).float(),
+            )
+            return ordered_sum([decode_fp4(e, fmt, m_lengths).view(RANKS, m)])
+
+        if "fused" in impls:
+            from megatron_gift.kernels import fp4 as fused_fp4  # imports triton
+        calls = {
+            "fused": (
+                lambda fmt=fmt, n_f=n_f, place=place, buf=buf, ends=ends: fused_fp4.encode_placed(
+                    x[:n_f], fmt, ends, buf, place
+                ),
+                lambda fmt=fmt, m=m, codes_at=codes_at, seg=seg, msgs=msgs, m_ends=m_ends: fused_fp4.decode_sum(
+                    msgs, m, fmt, codes_at, seg, 0, m_ends
+                ),
+            ),
+            "reference": (reference_encode, reference_decode),
+        }
+        for impl in impls:
+            encode_fn, decode_fn = calls[impl]
+            out[(impl, f"fp4_encode/{name}")] = (encode_fn, n_f, 4 * n_f + n_f // 2 + n_f // fmt.block + seg)
+            out[(impl, f"fp4_decode_sum/{name}")] = (decode_fn, m, RANKS * (m // 2 + m // fmt.block + seg) + 4 * m)
+    return out
+
+
+def measure_fp4(model: dict, device: torch.device, large_copy: dict) -> dict:
+    """The FP4 codec's part (module docstring): the fused kernels where ``fused_timed``, and the reference."""
+    impls = ["fused", "reference"] if fused_timed(device) else ["reference"]
+    records = []
+    for layer, shape in layer_shapes(model).items():
+        for (impl, path), (fn, elements, nbytes) in fp4_paths(shape, device, impls).items():
+            seconds, method = bench_seconds(fn, device)
+            copy = copy_record(nbytes, device)
+            records.append(
+                dict(
+                    layer=layer,
+                    shape=list(shape),
+                    path=path,
+                    impl=impl,
+                    rows=1,
+                    cols=elements,
+                    peers=RANKS,
+                    bytes=nbytes,
+                    seconds=seconds,
+                    host_s=host_seconds(fn, device),
+                    bytes_per_s=nbytes / seconds,
+                    copy_bytes_per_s=copy["bytes_per_s"],
+                    over_copy=nbytes / seconds / copy["bytes_per_s"],
+                    over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
+                    method=method,
+                )
+            )
+    return dict(results=records, summary=summarize(records, large_copy, FP4_PATHS))
+
+
 def measure_delta(model: dict, device: torch.device, large_copy: dict) -> dict:
     """The delta codec's part: ``available`` False (and why) without ``DELTA_MODULE``."""
     try:
@@ -304,6 +413,7 @@ def run(model: dict, device: torch.device, large_copy_bytes: int, sender_model: 
         summary=summary,
         targets=targets(summary),
         delta=measure_delta(model, device, large),
+        fp4=measure_fp4(model, device, large),
         sender=sender,
     )
 
@@ -314,7 +424,7 @@ def format_table(doc: dict) -> str:
         "| path | impl | GB/s | / same-size copy | / large copy | device us | host us |",
         "|---|---|---|---|---|---|---|",
     ]
-    for s in doc["summary"] + doc["delta"].get("summary", []):
+    for s in doc["summary"] + doc["fp4"]["summary"] + doc["delta"].get("summary", []):
         gbs, host = s["bytes_per_s"] / 1e9, s.get("host_s")
         lines.append(
             f"| {s['path']} | {s['impl']} | {gbs:.1f} | {s['over_copy']:.2f} | {s['over_copy_large']:.2f} "

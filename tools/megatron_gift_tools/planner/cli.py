@@ -191,7 +191,8 @@ def add_parser(subparsers) -> None:
         default=None,
         choices=list(FP4_FORMATS),
         help="also price the two-level rows with this FP4 format on the inter-node stage (rows gift-2level-nvfp4 "
-        "...; not in the runtime yet: never recommended; GPU stages: the meter's FP8 ones at the FP4 bytes)",
+        "...; never recommended: the runtime's FP4 exchange is not metered yet, its GPU stages are the meter's FP8 "
+        "ones at the FP4 bytes)",
     )
     mod.add_argument(
         "--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)"

@@ -1,11 +1,12 @@
-"""FP4 inter-node wire formats the planner prices ahead of the runtime (issue 36 item 6): bytes per parameter
-of the two-level exchange's inter-node stage. The runtime's ``numerics.fp4.FP4Format`` is not imported (it
-lands later): the bytes are defined here and tested against a hand count.
+"""FP4 inter-node wire formats the planner prices (issue 36 item 6): bytes per parameter of the two-level
+exchange's inter-node stage. The runtime's ``numerics.fp4.FP4Format`` is not imported (the planner imports
+no runtime module): the bytes are defined here and tested against a hand count.
 
 nvfp4: 4-bit E2M1 codes (0.5 B per element), an E4M3 scale per block of 16 elements (1/16 B per element) and
 an FP32 scale per segment (one per parameter, 4 B). mxfp4: the codes and an E8M0 scale per block of 32
-(1/32 B per element), no segment scale. No FP4 kernel exists yet: the GPU stages around the FP4 stage are
-priced as the launch meter's FP8 stages at the FP4 bytes (``stages``)."""
+(1/32 B per element), no segment scale. The launch meter does not record the runtime's FP4 exchange yet
+(its codec has kernels, ``kernels/fp4.py``; ``G T``, the rotation and ``T⁻¹`` are PyTorch's): the GPU stages
+around the FP4 stage are priced as the meter's FP8 stages at the FP4 bytes (``stages``)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class FP4:
 
 FORMATS = {"nvfp4": FP4(block=16, segment_scale_bytes=4), "mxfp4": FP4(block=32, segment_scale_bytes=0)}
 NOTE = (
-    "FP4 inter-node rows ({fmt}: 0.5 B codes + 1/{block} B block scale per element{segment}) are not in the "
-    "runtime yet and never recommended; no FP4 kernel exists: their GPU stages are the meter's FP8 ones at the "
-    "FP4 bytes\n"
+    "FP4 inter-node rows ({fmt}: 0.5 B codes + 1/{block} B block scale per element{segment}) are never "
+    "recommended: the runtime's FP4 exchange is neither metered nor measured on a GPU yet, so their GPU stages "
+    "are the meter's FP8 ones at the FP4 bytes\n"
 )
 
 
