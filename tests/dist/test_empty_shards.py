@@ -5,8 +5,8 @@ value raised inside a reduction stage (an empty message's rows could not be view
 peers waited in their next collective, a hang. Each case (``tests/layout_cases.py``) is the
 three-layer MLP of 16-32-32-8 with biases, or odd shapes (weights [7, 13], [13, 7], [5, 13],
 biases 7, 13, 5), one parameter per bucket (at 8 ranks more ranks than most buckets have scaling
-blocks), in every mode, with the reduce-scatter and the all-reduce, the eager and the lagged
-schedule, flat and (4 and 8 ranks) two-level; plus a mixed bucket (coded weights, ``off`` biases)
+blocks), in every mode, with the reduce-scatter and the all-reduce, the eager schedule (and the
+lagged one at 2 ranks), flat and (4 and 8 ranks) two-level; plus a mixed bucket (coded weights, ``off`` biases)
 and one of BF16 (plain) segments only. Every parameter part a rank holds is within its bound of
 the FP64 reduction by hand; with the all-reduce every rank holds the same bits.
 """
@@ -25,10 +25,13 @@ MODELS = {"mlp": ((16, 32, 32, 8), (True, True, True)), "odd": ((13, 7, 13, 5), 
 
 def cases(world: int) -> list[Case]:
     exchanges = [None] + ([2] if world >= 4 else [])
+    # the lagged schedule at 2 ranks only (the suite's time): the bug is in the layouts, which the
+    # schedule does not change; eager = lagged is tests/megatron/test_schedules.py's
+    schedules = ("eager", "lagged") if world == 2 else ("eager",)
     out = [
         Case(widths, biases, 1, mode, rs, schedule, rpn)
         for (widths, biases), mode, rs, schedule, rpn in itertools.product(
-            MODELS.values(), ("euclidean", "gift", "bf16"), (True, False), ("eager", "lagged"), exchanges
+            MODELS.values(), ("euclidean", "gift", "bf16"), (True, False), schedules, exchanges
         )
     ]
     for rs in (True, False):  # one bucket: coded weights next to off biases; several: BF16 ones only
