@@ -13,11 +13,13 @@ iteration, on ``testing.indexed_data``'s synthetic corpus.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import psutil
@@ -114,29 +116,47 @@ def checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:
 
 
 def _run_and_kill(tmp: Path, *args: str) -> tuple[str, int]:
-    """The launcher until it logs iteration ``KILL_IN``, then SIGKILL to one rank: its output and exit status."""
+    """The launcher until it logs iteration ``KILL_IN``, then SIGKILL to one rank: its output and exit status.
+
+    The launcher runs in its own process group, killed whole once it has exited: a helper process a rank
+    spawned outlives that rank and holds the output pipe open (a run of the suite hung on it)."""
     cpu_harness.check_host()
     cmd = launcher_command(2, *_args(tmp, "killed", *args))
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    out, killed = [], None
-    try:
+    out, killed = [], []
+
+    def read():
         for line in proc.stdout:
             out.append(line)
-            if killed is None and KILL_AT.search(line):
+            if not killed and KILL_AT.search(line):
                 ranks = [
                     c
                     for c in psutil.Process(proc.pid).children(recursive=True)
                     if "megatron_gift.pretrain_gpt" in " ".join(c.cmdline())
                 ]
-                killed = max(ranks, key=lambda c: c.pid)
-                os.kill(killed.pid, signal.SIGKILL)
+                killed.append(max(ranks, key=lambda c: c.pid))
+                os.kill(killed[0].pid, signal.SIGKILL)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
         proc.wait(timeout=wall_limit(900.0))
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert killed is not None, "".join(out[-50:])
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run is left: the pipe closes
+        reader.join(timeout=60)
+    assert killed, "".join(out[-50:])
     return "".join(out), proc.returncode
 
 
