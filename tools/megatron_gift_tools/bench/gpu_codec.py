@@ -289,12 +289,12 @@ def fp4_paths(shape: tuple[int, int], device: torch.device, impls: list[str]) ->
     return out
 
 
-def measure_fp4(model: dict, device: torch.device, large_copy: dict) -> dict:
-    """The FP4 codec's part (module docstring): the fused kernels where ``fused_timed``, and the reference."""
-    impls = ["fused", "reference"] if fused_timed(device) else ["reference"]
+def flat_records(model: dict, device: torch.device, large_copy: dict, paths_of, host: bool) -> list[dict]:
+    """Time ``paths_of(shape) -> {(impl, path): (fn, elements, bytes)}`` on every layer of ``model`` against a
+    copy of the same bytes: one record per (layer, impl, path), ``rows`` 1; with ``host`` also ``host_s``."""
     records = []
     for layer, shape in layer_shapes(model).items():
-        for (impl, path), (fn, elements, nbytes) in fp4_paths(shape, device, impls).items():
+        for (impl, path), (fn, elements, nbytes) in paths_of(shape).items():
             seconds, method = bench_seconds(fn, device)
             copy = copy_record(nbytes, device)
             records.append(
@@ -308,7 +308,7 @@ def measure_fp4(model: dict, device: torch.device, large_copy: dict) -> dict:
                     peers=RANKS,
                     bytes=nbytes,
                     seconds=seconds,
-                    host_s=host_seconds(fn, device),
+                    **({"host_s": host_seconds(fn, device)} if host else {}),
                     bytes_per_s=nbytes / seconds,
                     copy_bytes_per_s=copy["bytes_per_s"],
                     over_copy=nbytes / seconds / copy["bytes_per_s"],
@@ -316,6 +316,13 @@ def measure_fp4(model: dict, device: torch.device, large_copy: dict) -> dict:
                     method=method,
                 )
             )
+    return records
+
+
+def measure_fp4(model: dict, device: torch.device, large_copy: dict) -> dict:
+    """The FP4 codec's part (module docstring): the fused kernels where ``fused_timed``, and the reference."""
+    impls = ["fused", "reference"] if fused_timed(device) else ["reference"]
+    records = flat_records(model, device, large_copy, lambda shape: fp4_paths(shape, device, impls), host=True)
     return dict(results=records, summary=summarize(records, large_copy, FP4_PATHS))
 
 
@@ -325,29 +332,11 @@ def measure_delta(model: dict, device: torch.device, large_copy: dict) -> dict:
         codec = importlib.import_module(DELTA_MODULE)
     except ImportError as e:
         return dict(available=False, module=DELTA_MODULE, note=f"not installed here: {e}")
-    records = []
-    for layer, shape in layer_shapes(model).items():
-        for path, (fn, elements, nbytes) in delta_paths(codec, shape, device).items():
-            seconds, method = bench_seconds(fn, device)
-            copy = copy_record(nbytes, device)
-            records.append(
-                dict(
-                    layer=layer,
-                    shape=list(shape),
-                    path=path,
-                    impl="torch",
-                    rows=1,
-                    cols=elements,
-                    peers=RANKS,
-                    bytes=nbytes,
-                    seconds=seconds,
-                    bytes_per_s=nbytes / seconds,
-                    copy_bytes_per_s=copy["bytes_per_s"],
-                    over_copy=nbytes / seconds / copy["bytes_per_s"],
-                    over_copy_large=nbytes / seconds / large_copy["bytes_per_s"],
-                    method=method,
-                )
-            )
+
+    def paths_of(shape):
+        return {("torch", path): v for path, v in delta_paths(codec, shape, device).items()}
+
+    records = flat_records(model, device, large_copy, paths_of, host=False)
     return dict(
         available=True, module=DELTA_MODULE, results=records, summary=summarize(records, large_copy, DELTA_PATHS)
     )
