@@ -1,12 +1,17 @@
 """Run a function on N local CPU processes joined by a gloo process group (multi-rank tests).
 
-Process start-up dominates (``import megatron.core`` takes seconds), so put many checks into
-one :func:`run_on_ranks` call rather than one call per check.
+Process start-up dominates (``import megatron.core`` takes seconds of CPU), so on a machine without
+CUDA the ranks are forked from one server process that has imported torch and Megatron-Core once
+(multiprocessing's forkserver, preloaded); with CUDA they are spawned (a fork after the driver is
+initialised is unsafe). Each rank still starts from a fresh copy of that server, with the caller's
+environment, working directory and ``sys.path``, and imports everything else itself. Put many
+checks into one :func:`run_on_ranks` call rather than one call per check all the same.
 """
 
 import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -21,6 +26,12 @@ from megatron_gift.megatron import cpu_harness as _cpu_harness
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
 TIMEOUT_SCALE_ENV = "MEGATRON_GIFT_TEST_TIMEOUT_SCALE"
+# What the fork server imports once. Triton (which Megatron-Core imports) makes each @jit function
+# interpreted or compiled by TRITON_INTERPRET when it is defined: a rank whose value differs from
+# the server's is spawned.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.distributed", "megatron.core.optimizer"]
+_SERVER_ENV = {"OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}  # read by libraries when they load
+_INTERPRET = os.environ.get("TRITON_INTERPRET")  # the fork server's: this process's at import
 
 
 def wall_limit(seconds: float) -> float:
@@ -57,26 +68,29 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
     timeout = wall_limit(timeout)
     if cpu_harness:
         _cpu_harness.check_host()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     env = {
+        **os.environ,
+        **_SERVER_ENV,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(world_size),
-        "OMP_NUM_THREADS": "1",
-        "NO_VCS_VERSION": "1",
     }
+    # Unpickled by the rank after its environment is set (the test module's imports read it).
+    fn_bytes = pickle.dumps(fn)
     procs = []
     try:
         for rank in range(world_size):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             proc = ctx.Process(
                 target=_child,
                 name=f"rank{rank}",
                 daemon=True,
-                args=(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout, results),
+                args=(fn_bytes, rank, world_size, args, kwargs, rank_env, cpu_harness, backend, timeout, results),
             )
-            # Children read the environment when their interpreter starts (before unpickling fn).
-            with _environ(env, RANK=str(rank), LOCAL_RANK=str(rank)):
+            # A spawned interpreter reads the environment when it starts.
+            with _environ(rank_env):
                 proc.start()
             procs.append(proc)
         return _collect(procs, results, timeout)
@@ -121,13 +135,30 @@ def _collect(procs, results, timeout):
     return [values[rank] for rank in range(len(procs))]
 
 
-def _child(fn, rank, world_size, args, kwargs, cpu_harness, backend, timeout, results):
-    """Process body: join the group, run ``fn``, report ``(rank, ok, payload)``, leave the group.
+def _context():
+    """The fork server, started once with torch and Megatron-Core imported, where there is no CUDA
+    and Triton's mode is the server's; otherwise plain spawning."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != _INTERPRET:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    with _environ(_SERVER_ENV):
+        multiprocessing.forkserver.ensure_running()  # inherits this environment, once
+    return ctx
+
+
+def _child(fn_bytes, rank, world_size, args, kwargs, env, cpu_harness, backend, timeout, results):
+    """Process body: take the caller's environment, join the group, run ``fn``, report
+    ``(rank, ok, payload)``, leave the group.
 
     The report goes out before the group is destroyed, so a failing rank's report (and its
     time stamp) comes before the failures it causes in its peers.
     """
     try:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        fn = pickle.loads(fn_bytes)
         if cpu_harness:
             _cpu_harness.install()
         if backend == "nccl":
@@ -150,9 +181,8 @@ def _free_port():
 
 
 @contextlib.contextmanager
-def _environ(env, **more):
+def _environ(updates):
     """Set environment variables for the duration of the block, then restore them."""
-    updates = {**env, **more}
     old = {name: os.environ.get(name) for name in updates}
     os.environ.update(updates)
     try:

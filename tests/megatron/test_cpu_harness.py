@@ -105,6 +105,26 @@ def test_run_on_ranks_names_the_failing_rank():
         run_on_ranks(_fail_on_rank_one, 2, timeout=60)
 
 
+def _where(rank, world_size):
+    import os
+
+    return os.environ.get("GIFT_TEST_MARK"), os.environ["RANK"], os.getcwd(), torch.get_num_threads()
+
+
+def test_ranks_start_from_the_callers_state_at_call_time(monkeypatch, tmp_path):
+    """Catches ranks forked from the preloaded server with the environment or directory it started
+    with (a test's monkeypatched variable or chdir lost) instead of the caller's at this call, more
+    than one intra-op thread per rank, or a rank's variables left in the caller."""
+    import os
+
+    run_on_ranks(_where, 1)  # the server, if any, is running before the changes
+    monkeypatch.setenv("GIFT_TEST_MARK", "seen")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_on_ranks(_where, 2) == [("seen", str(r), str(tmp_path), 1) for r in range(2)]
+    assert "RANK" not in os.environ
+
+
 @pytest.mark.cpu_harness
 def test_install_refuses_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
