@@ -29,8 +29,8 @@ straddle a message. With a rotation (``--gift-rotation hadamard``, ``numerics.ro
 send ``G T H`` of whitened parameters (two-level: ``H`` on the node sums, ``H`` being linear) and the
 owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on 64-column blocks of a row, so a
 row cut by a shard is rotated piece by piece (the layout's check puts cuts on 64-column blocks):
-one call per whitened part of a shard, so the two-level exchange's rotation of the held shards is
-the one step whose ops grow with the number of nodes.
+the whitened 64-blocks of all the shards at hand gathered, rotated and scattered back in a fixed
+number of calls (``_rotate_shards``), whatever the number of nodes.
 Error feedback and the output side are refused at start-up with FP4.
 """
 
@@ -43,9 +43,8 @@ import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode, Rotation
-from ..kernels import CodecOps
 from ..kernels.placement import Placement
-from ..kernels.reference import ordered_sum, reference_decode_sum_unwhiten, reference_sum_rows, sender_values
+from ..kernels.reference import ordered_sum, reference_sum_rows, sender_values
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
 from ..numerics.rotation import BlockHadamard, fwht
 from .codec import CHUNK, spans, sum_plain
@@ -59,8 +58,6 @@ from .schedule import StageResult, taken
 from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
-
-REFERENCE = CodecOps(False)  # the two-level exchange's decode of the intra-node wire (PyTorch)
 
 
 def exchange_rotation(rotation: Rotation, seed: int) -> BlockHadamard | None:
@@ -187,19 +184,54 @@ class _FP4Stages:
             return (fwht(x.view(1, -1), block) * s).view(-1)
         return fwht((x * s).view(1, -1), block).view(-1)
 
-    def _rotate_parts(self, x: torch.Tensor, j: int, inverse: bool = False) -> torch.Tensor:
-        """Shard ``j``'s coded values ``x`` (FP32) with each whitened part rotated (``_rotate``)."""
-        if self.rotation is None:
+    def _rotate_shards(self, x: torch.Tensor, shards: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
+        """``x``, the coded values of ``shards`` one after another (FP32), with every whitened part
+        rotated in place (``_rotate``) where a rotation is on, in a fixed number of calls whatever the
+        number of shards and parts: the parts' 64-blocks, each from its start in ``x`` (every part
+        starts on a whole block: the layout's block rule) with its columns' signs; one launch where the
+        kernels run (``kernels.fp4.rotate_blocks``), else gathered, rotated and scattered back."""
+        if self.rotation is None or x.numel() == 0:
             return x
-        plan, layout = self.layout.shards[j], self.layout
-        out = x.clone()
-        for part in plan.coded_parts:
-            s, at = layout.segments[part.seg], layout.seg_at[part.seg]
-            k = part.at - plan.coded_lo
-            out[k : k + part.hi - part.lo] = self._rotate(
-                x[k : k + part.hi - part.lo], part.seg, (part.at - at) % s.cols, inverse
-            )
-        return out
+        starts, rows, signs = self._rotation_table(shards, x.device)
+        fp4 = self.ops.fp4(x.device)
+        if fp4 is not None:
+            return fp4.rotate_blocks(x, starts, rows, signs, inverse)
+        block = self.rotation.block
+        at = (starts[:, None] + torch.arange(block, device=x.device)).reshape(-1)
+        blocks, s = x.index_select(0, at).view(-1, block), signs.index_select(0, rows)
+        blocks = fwht(blocks, block) * s if inverse else fwht(blocks * s, block)
+        return x.index_copy_(0, at, blocks.view(-1))
+
+    def _rotation_table(self, shards: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_rotate_shards``' tables, built once per layout, shards and whitened set: the start in the
+        shards' coded values of each whitened 64-block (in order), its row in ``signs`` and ``signs``
+        (the whitened segments' signs, 64 per row, one segment after another)."""
+        layout, block = self.layout, self.rotation.block
+        whitened = tuple(i for i, t in enumerate(self.transforms) if t is not None)
+
+        def build():
+            first, table, starts, rows, base = {}, [], [], [], 0
+            for i in whitened:
+                first[i] = sum(t.numel() for t in table) // block
+                table.append(self.rotation.signs(layout.segments[i].cols))
+            for j in shards:
+                plan = layout.shards[j]
+                for part in plan.coded_parts:
+                    if part.seg not in first:
+                        continue
+                    s, at = layout.segments[part.seg], layout.seg_at[part.seg]
+                    nb = (part.hi - part.lo) // block
+                    starts.append(base + part.at - plan.coded_lo + block * torch.arange(nb))
+                    col0 = (part.at - at) % s.cols // block  # the part's first block's column block
+                    rows.append(first[part.seg] + (col0 + torch.arange(nb)) % (s.cols // block))
+                base += plan.n_coded
+
+            def cat(ts, dt):
+                return torch.cat(ts).to(device) if ts else torch.zeros(0, dtype=dt, device=device)
+
+            return cat(starts, torch.int64), cat(rows, torch.int64), cat(table, torch.float32).view(-1, block)
+
+        return layout.cached(("fp4-rotation", shards, whitened, str(device)), build)
 
     def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
         """``fp4_packing`` of ``shards``, built once per layout."""
@@ -223,6 +255,8 @@ class _FP4Stages:
                 _place(buf.view(torch.float32), pk.place["segments"], enc.segment_scales)
         for c, name in enumerate(("off", "bf16")):
             dt = self.layout.plain_dtypes[c]
+            if plain[c].numel() == 0:  # a class the source lacks (a layout fact): nothing to place
+                continue
             if fp4 is not None:  # one placed cast (kernels/place.py)
                 self.ops.whiten_place(plain[c].view(1, -1), None, pk.place[name].at(buf.view(dt), 0))
             else:
@@ -245,7 +279,7 @@ class _FP4Stages:
                 self._store(dest, reference_sum_rows([values], first, out=self._target(dest)))
         total = self._decoded_sum(msgs, plan.n_coded, m)
         if total is not None:
-            total = self._rotate_parts(total, r, inverse=True)  # Hᵀ on the sum (H is linear)
+            total = self._rotate_shards(total, (r,), inverse=True)  # Hᵀ on the sum (H is linear)
         if first and total is not None:
             total /= self.world
         values = []
@@ -254,7 +288,7 @@ class _FP4Stages:
             x = total[part.at - plan.coded_lo : part.at - plan.coded_lo + part.hi - part.lo]
             if t is None:
                 dest = destination(flat, self.targets, part.seg, part.lo, part.hi)
-                self._store(dest, x.clone())
+                self._store(dest, x)  # a view of the sum: nothing reads it after
                 continue
             r0, r1 = -(-(part.at - at) // s.cols), (part.at + part.hi - part.lo - at) // s.cols
             if r1 > r0:  # whole rows: T⁻¹ here
@@ -463,20 +497,20 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         del self.buf1, self.recv1
         chunks, counts = self._held(device)
         plans = [layout.shards[j] for j in self.held]
-        sums = torch.zeros(sum(p.n_coded for p in plans), dtype=torch.float32, device=device)
-        for (c0, c1), (g0, g1), lengths in chunks:
+        sums = torch.empty(sum(p.n_coded for p in plans), dtype=torch.float32, device=device)
+        for (c0, c1), (g0, g1), lengths in chunks:  # decoded and summed by the codec ops, into place
             coded = rows.coded(c0, c1, layout.coded_dtype(self.wire))
             if self.wire is None:
                 scales = rows.scales(g0, g1, cfg.scale_dtype())
-                values = reference_decode_sum_unwhiten(coded, scales, 1, c1 - c0, None, cfg, False, lengths=lengths)
+                self.ops.decode_sum_unwhiten(
+                    coded, scales, 1, c1 - c0, None, cfg, False, lengths=lengths, out=sums[c0:c1]
+                )
             else:
-                values = reference_sum_rows(coded, False)
-            sums[c0:c1].copy_(values.reshape(-1))
-        plain = [sum_plain(rows, layout, c, 0, counts[c], False, REFERENCE) for c in range(2)]
+                self.ops.sum_rows(coded, False, out=sums[c0:c1])
+        # a class the held shards lack (a layout fact) costs no ops
+        plain = [sum_plain(rows, layout, c, 0, counts[c], False, self.ops) if counts[c] else sums[:0] for c in range(2)]
         n, k = self.topo.nodes, self.node
-        if self.rotation is not None:  # H on each held shard's whitened parts (one call per part)
-            at = [sum(p.n_coded for p in plans[:m]) for m in range(n + 1)]
-            sums = torch.cat([self._rotate_parts(sums[at[m] : at[m + 1]], self.held[m]) for m in range(n)])
+        sums = self._rotate_shards(sums, tuple(self.held))  # H on the held shards' whitened parts
         pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
         buf = self._encode_placed(pk, sums, plain)
         own = self.msgs[self.rank].nbytes

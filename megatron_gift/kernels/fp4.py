@@ -17,9 +17,16 @@ non-negative value order as int32; the maximum is the same in any order), after 
 
 Decode (``decode_sum``): per element ``Σ_i (e2m1(q_i) · b_i) · s_i`` over the senders' rows in
 order, from ``-0`` (``-0 + x = x``: ``reference.ordered_sum``'s bits), one launch whatever their
-number. No wrapper reads device data on the host."""
+number.
+
+Rotation (``rotate_blocks``): the randomised Hadamard ``x ↦ fwht(x ⊙ s)`` (inverse ``fwht(x) ⊙ s``) of
+blocks of a sequence, in place, one launch: each block's butterflies in registers, partner ``i ^ h``
+by ``tl.gather``, the same additions in the same order as ``numerics.rotation.fwht``. No wrapper reads
+device data on the host."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -287,6 +294,60 @@ def decode_sum(
     return out
 
 
+@triton.jit
+def _rotate_kernel(
+    x_ptr, starts_ptr, rows_ptr, signs_ptr, n_blocks, INVERSE: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr,
+    SCALE: tl.constexpr, BB: tl.constexpr
+):  # fmt: skip
+    """``BB`` blocks of ``BLOCK`` elements of ``x`` from ``starts`` rotated in place; block ``b``'s signs are
+    row ``rows[b]`` of ``signs`` ``[*, BLOCK]``."""
+    b = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
+    bmask = b < n_blocks
+    start = tl.load(starts_ptr + b, mask=bmask, other=0)
+    row = tl.load(rows_ptr + b, mask=bmask, other=0)
+    col = tl.arange(0, BLOCK)
+    at = start[:, None] + col[None, :]
+    m = bmask[:, None]
+    x = tl.load(x_ptr + at, mask=m, other=0.0)
+    s = tl.load(signs_ptr + row[:, None] * BLOCK + col[None, :], mask=m, other=1.0)
+    if not INVERSE:
+        x = x * s
+    for k in tl.static_range(LOG):  # butterfly h = 2^k: x_i + x_{i^h} where bit h of i is clear, else x_{i^h} - x_i
+        partner = tl.gather(x, tl.broadcast_to((col ^ (1 << k))[None, :], (BB, BLOCK)), 1)
+        x = tl.where(((col & (1 << k)) != 0)[None, :], partner - x, x + partner)
+    x = x * SCALE
+    if INVERSE:
+        x = x * s
+    tl.store(x_ptr + at, x, mask=m)
+
+
+ROTATE_BLOCKS = 16  # blocks per program of ``_rotate_kernel``
+
+
+def rotate_blocks(
+    x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """The blocks of ``x`` (FP32, contiguous) that start at ``starts`` (int64 element offsets, ``signs.shape[1]``
+    elements each) rotated in place, block ``b`` with the signs of row ``rows[b]`` of ``signs`` (FP32 ±1):
+    ``fwht(x ⊙ s)``, or ``fwht(x) ⊙ s`` for ``inverse`` (``numerics.rotation``'s arithmetic). One launch;
+    returns ``x``. Essential bytes per element rotated: 4 read, 4 written."""
+    n_blocks, block = starts.numel(), signs.shape[1]
+    if n_blocks:
+        _rotate_kernel[(triton.cdiv(n_blocks, ROTATE_BLOCKS),)](
+            x,
+            starts,
+            rows,
+            signs,
+            n_blocks,
+            INVERSE=inverse,
+            BLOCK=block,
+            LOG=block.bit_length() - 1,
+            SCALE=1.0 / math.sqrt(block),
+            BB=ROTATE_BLOCKS,
+        )
+    return x
+
+
 # -- Memory traffic of each launch (the launch meter; as ``fused.TRAFFIC``) --------------------------------
 
 
@@ -315,7 +376,15 @@ def _decode_sum_traffic(a: dict) -> tuple[int, int]:
     return read, 4 * n
 
 
+def _rotate_traffic(a: dict) -> tuple[int, int]:
+    """Each block's values, its start and sign row (int64), the table of signs once (a few rows, cached);
+    the values back."""
+    n = a["n_blocks"] * a["BLOCK"]
+    return 4 * n + 16 * a["n_blocks"] + 4 * a["signs_ptr"].numel(), 4 * n
+
+
 TRAFFIC = {
+    "_rotate_kernel": _rotate_traffic,
     "_fp4_amax_kernel": _amax_traffic,
     "_fp4_encode_kernel": _encode_traffic,
     "_fp4_decode_sum_kernel": _decode_sum_traffic,

@@ -73,10 +73,12 @@ def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
     """Triton types of ``kernel``'s arguments as the launchers pass them, for an offline compile: codes
     uint8, scales E8M0 bytes or FP32, group ends and placement tables int64, a placed cast's output BF16,
     a BF16 output of the receive kernels int16 bits, other pointers FP32 (the delta kernels: their
-    parameters in BF16 for ``MANT`` 7, else FP16; the FP4 kernels: segment maxima int32 bits);
+    parameters in BF16 for ``MANT`` 7, else FP16; the FP4 kernels: segment maxima int32 bits, the
+    rotation's block starts and sign rows int64);
     integers ``int_type``; ``constexprs`` as given."""
     if "BB" in constexprs and "MANT" not in constexprs:  # kernels.fp4: maxima int32 bits, codes bytes
         types = {"amax_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "msg_ptr": "*u8"}
+        types.update(starts_ptr="*i64", rows_ptr="*i64")  # the rotation's block starts and sign rows
 
         def pointer(name):
             return "*i64" if "ends" in name or "delta" in name else types.get(name, "*fp32")

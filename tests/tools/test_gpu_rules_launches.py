@@ -20,13 +20,25 @@ def _fused_counts(path, bucket):
     return {(n, dp): _launches(path, bucket, n, dp, "fused") for n in (1 << 20, 10 << 20) for dp in (8, 64)}
 
 
-@pytest.mark.parametrize("path", ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-ar"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "flat-rs",
+        "flat-ar",
+        "two-level/bf16-rs",
+        "two-level/fp8-ar",
+        "flat-nvfp4-rs",
+        "two-level/bf16-nvfp4-rs",
+    ],
+)
 def test_fused_launches_per_stage_do_not_grow(path):
     """On the fused path (the one CUDA takes; kernels stubbed on meta tensors) every stage of a
     bucket issues the same launches at 1M and 10M elements and at 8 and 64 ranks, up to one per
     plain class that the rank's shards hold or not (where shard boundaries fall moves with the
-    sizes): a loop over element chunks, or over peers, makes the host launch-bound."""
-    for bucket in ("gift", "plain"):
+    sizes): a loop over element chunks, or over peers, makes the host launch-bound. FP4 paths
+    (Hadamard rotation on; ``gift`` and ``euclidean`` buckets): the rotation of the held shards
+    one call per shard part grew with the nodes."""
+    for bucket in ("gift", "euclidean") if "fp4" in path else ("gift", "plain"):
         counts = _fused_counts(path, bucket)
         for stage in next(iter(counts.values())):
             per_case = [c[stage] for c in counts.values()]

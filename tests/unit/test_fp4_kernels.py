@@ -1,5 +1,6 @@
 """The four-bit exchange's Triton kernels (``kernels/fp4.py``) bit for bit against ``numerics.fp4`` (whose
-own tests hold it to a table-lookup reference on every code and tie), their launches and ``TRAFFIC``
+own tests hold it to a table-lookup reference on every code and tie) and the rotation bit for bit
+``numerics.rotation.fwht``, their launches and ``TRAFFIC``
 entries, and ``FP4Reduce`` / ``FP4TwoLevelReduce`` with the kernels against their PyTorch path on 4
 gloo ranks.
 
@@ -175,6 +176,39 @@ def test_launches_and_traffic(fmt, device):
     assert seen == {(*amax, "_fp4_encode_kernel", "_fp4_decode_sum_kernel")}, seen
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_blocks_is_the_reference(inverse, device):
+    """``rotate_blocks`` in place, bit for bit ``numerics.rotation.fwht`` block by block (``fwht(x ⊙ s)``;
+    inverse ``fwht(x) ⊙ s``) for blocks at scattered starts (16-element aligned, not 64) with sign rows in
+    any order, every other element untouched; one launch for 3 or 300 blocks, its ``TRAFFIC`` the bytes
+    it addresses. Bugs caught: a butterfly partner or sign taken from the wrong lane, the signs applied
+    on the wrong side, elements outside the blocks written, a launch per block."""
+    from megatron_gift.kernels import fp4
+    from megatron_gift.numerics.rotation import fwht
+
+    gen = torch.Generator().manual_seed(5)
+    signs = (torch.randint(0, 2, (7, 64), generator=gen) * 2 - 1).float()
+    for n_blocks in (3, 300):
+        starts = torch.arange(n_blocks, dtype=torch.int64) * 96 + 16 * (torch.arange(n_blocks) % 3)
+        rows = torch.randint(0, 7, (n_blocks,), generator=gen)
+        x = torch.randn(int(starts[-1]) + 64 + 40, generator=gen) * 1e3
+        want = x.clone()
+        for b in range(n_blocks):
+            a, s = int(starts[b]), signs[rows[b]]
+            blk = want[a : a + 64].view(1, 64)
+            want[a : a + 64] = (fwht(blk, 64) * s if inverse else fwht(blk * s, 64)).view(-1)
+        got = x.to(device)
+        with launches_of(fp4) as log:
+            fp4.rotate_blocks(got, starts.to(device), rows.to(device), signs.to(device), inverse)
+        assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+        assert [name for name, _ in log] == ["_rotate_kernel"]
+        assert fp4.TRAFFIC["_rotate_kernel"](log[0][1]) == (
+            4 * 64 * n_blocks + 16 * n_blocks + 4 * 7 * 64,
+            4 * 64 * n_blocks,
+        )
+
+
 # -- the reductions with the kernels against their PyTorch path, 4 gloo ranks as 2 nodes x 2 -------------
 
 
@@ -216,7 +250,7 @@ def _worker(rank, world):
             ran = {name for name, _ in log}  # the encode and the decode-sum ran where asked, and only there
             assert ran == ({"_fp4_encode_kernel", "_fp4_decode_sum_kernel"} if kernels else set()) | (
                 {"_fp4_amax_kernel"} if kernels and fmt == "nvfp4" else set()
-            ), (case, ran)
+            ) | ({"_rotate_kernel"} if kernels and rotation else set()), (case, ran)
             out[(case, kernels)] = flat
     return out
 

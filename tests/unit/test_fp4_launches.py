@@ -78,15 +78,18 @@ def test_fp4_ops_do_not_grow(fmt, monkeypatch):
     assert len(set(counts.values())) == 1, counts
 
 
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
 @pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
-def test_fp4_node_sums_ops_do_not_grow(fmt, monkeypatch):
-    """The two-level exchange's inter-node stage (the held shards' node sums, encoded once and placed
-    into one message per node) takes the same ops at 2 and 4 nodes of 2 ranks, for 64K and 1M
-    elements. Bug caught: one encode per node's message."""
+def test_fp4_node_sums_ops_do_not_grow(fmt, rotation, monkeypatch):
+    """The two-level exchange's inter-node stage (the held shards' node sums, rotated, encoded once and
+    placed into one message per node) takes the same ops at 2 and 4 nodes of 2 ranks, for 64K and 1M
+    elements. Bugs caught: one encode per node's message; the rotation one call per held shard part
+    (``--gift-rotation hadamard``; one held shard per node)."""
     from megatron_gift.comm import hierarchical
     from megatron_gift.comm.fp4_reduce import FP4TwoLevelReduce
     from megatron_gift.comm.topology import Topology, TwoLevelGroups
     from megatron_gift.config import IntraNode
+    from megatron_gift.numerics.rotation import BlockHadamard
 
     for module in (fp4_reduce, hierarchical):
         monkeypatch.setattr(module.dist, "all_to_all_single", lambda *a, **k: None)
@@ -96,12 +99,18 @@ def test_fp4_node_sums_ops_do_not_grow(fmt, monkeypatch):
             flat_red = _reduction(elements, 2 * nodes, fmt)
             groups = TwoLevelGroups(_Group(2 * nodes), Topology(nodes, 2))
             red = FP4TwoLevelReduce(
-                flat_red.flat, flat_red.layout, groups, flat_red.transforms, FP4_FORMATS[fmt], IntraNode.FP32
+                flat_red.flat,
+                flat_red.layout,
+                groups,
+                flat_red.transforms,
+                FP4_FORMATS[fmt],
+                IntraNode.FP32,
+                rotation=BlockHadamard(64, 3) if rotation else None,
             )
             for _ in range(2):  # the second run: the first builds the layout's plans
                 red._intra()
                 with OpCounter() as ops:
                     red._node_sums()
             counts[(elements, nodes)] = ops.total
-    print(fmt, counts)
+    print(fmt, rotation, counts)
     assert len(set(counts.values())) == 1, counts

@@ -314,7 +314,32 @@ def memory_at_scale(results: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def fp4_meter(results: Path) -> str:
+    """docs/two-level-exchange.md: the launch meter's NVFP4 exchange next to the FP8 one (reduce-scatter, 10M
+    elements, DP 64, fused path): launches and bytes moved over one fused pass's, per stage."""
+    doc = _load(results, "launches-cpu.json")
+    recs = {
+        (r["path"], r["bucket"]): {s["stage"]: s for s in r["stages"]}
+        for r in doc["records"]
+        if r["kind"] == "reduction" and r["kernels"] == "fused" and r.get("size") == "10M" and r["dp"] == 64
+    }
+    out = [
+        "| exchange | bucket | stage | FP8: launches, moved / essential | NVFP4: launches, moved / essential |",
+        "|---|---|---|---|---|",
+    ]
+    for fp8, fp4 in (("flat-rs", "flat-nvfp4-rs"), ("two-level/bf16-rs", "two-level/bf16-nvfp4-rs")):
+        for bucket in ("euclidean", "gift"):
+            a, b = recs[(fp8, bucket)], recs[(fp4, bucket)]
+            for stage in b:
+                cell = lambda s: f"{s['launches']}, {s['ratio'] or '-'}" if s else "-"  # noqa: E731
+                out.append(
+                    f"| {fp8.removesuffix('-rs')} | {bucket} | {stage} | {cell(a.get(stage))} | {cell(b[stage])} |"
+                )
+    return "\n".join(out) + f"\n\n(`{doc['command']}`, {doc['date']})\n"
+
+
 RENDERERS = {
+    "fp4-meter": fp4_meter,
     "memory-table": memory_table,
     "memory-at-scale": memory_at_scale,
     "memory-fused": memory_fused,

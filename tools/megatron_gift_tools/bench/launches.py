@@ -5,7 +5,10 @@ Each record is one bucket reduced by rank 0 of a simulated group (``testing.simu
 process group, recorded collectives) and metered stage by stage (``testing.meter``):
 
 - ``path``: ``flat`` or ``two-level/<intra dtype>`` (``bf16``, ``fp8``), ``-rs`` (reduce-scatter,
-  the distributed optimizer) or ``-ar`` (all-reduce); ``kernels``: ``fused`` (the Triton path CUDA
+  the distributed optimizer) or ``-ar`` (all-reduce); ``-nvfp4-rs``: the four-bit exchange between
+  nodes (``comm.fp4_reduce``, NVFP4 with the Hadamard rotation; ``euclidean`` and ``gift`` buckets of
+  ``[rows, 1024]`` parameters, the rotation's whole 64-column blocks; its messages in the essential
+  bytes are the FP4 ones, the rotation's passes are not); ``kernels``: ``fused`` (the Triton path CUDA
   takes, launches recorded by stubs on ``meta`` tensors: nothing is computed) or ``pytorch``
   (the reference path);
 - ``bucket``: the same segment structure at every size (four ``[rows, 1000]`` parameters, rows
@@ -69,6 +72,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_gift.comm.fp4_reduce import ROTATION_BLOCK, FP4Reduce, FP4TwoLevelReduce, fp4_message
 from megatron_gift.comm.hierarchical import TwoLevelReduce, intra_wire
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
@@ -78,7 +82,9 @@ from megatron_gift.comm.schedule import ReductionQueue, StageStreams
 from megatron_gift.comm.topology import Topology, TwoLevelGroups
 from megatron_gift.config import IntraNode, Mode, Schedule
 from megatron_gift.numerics.error_feedback import ErrorFeedback
+from megatron_gift.numerics.fp4 import FP4_FORMATS
 from megatron_gift.numerics.fp8 import CodecConfig
+from megatron_gift.numerics.rotation import BlockHadamard
 from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing.simulate import FakeGroup, kernels_on, recorded_collectives
 from megatron_gift_tools.meter import Meter, probe_overhead
@@ -86,6 +92,8 @@ from megatron_gift_tools.meter import Meter, probe_overhead
 SIZES = {"1M": 1 << 20, "10M": 10 << 20, "40M": 40 << 20, "200M": 200 << 20}
 DPS = (2, 8, 64, 512)
 COLS, RANK = 1000, 8
+FP4_COLS = 1024  # an FP4 path's parameters: rows of whole 64-column rotation blocks (the layout's block rule)
+FP4_PATHS = ("flat-nvfp4-rs", "two-level/bf16-nvfp4-rs", "two-level/fp8-nvfp4-rs")
 BUCKETS = {
     "euclidean": (Mode.EUCLIDEAN,) * 4,
     "gift": (Mode.GIFT,) * 4,
@@ -125,11 +133,11 @@ def source_hash() -> dict:
     return dict(files=files, sha256=h.hexdigest())
 
 
-def segments(numel: int, modes) -> list[Segment]:
-    """Four ``[rows, COLS]`` parameters filling ~1/1.0006 of ``numel`` (the rest padding), the same
-    structure at every size."""
-    rows = numel // (len(modes) * COLS)
-    return [Segment(i * rows * COLS, rows, COLS, m, f"p{i}") for i, m in enumerate(modes)]
+def segments(numel: int, modes, cols: int = COLS) -> list[Segment]:
+    """Four ``[rows, cols]`` parameters filling ~1/1.0006 of ``numel`` (the rest padding; none at
+    ``FP4_COLS``), the same structure at every size."""
+    rows = numel // (len(modes) * cols)
+    return [Segment(i * rows * cols, rows, cols, m, f"p{i}") for i, m in enumerate(modes)]
 
 
 def _whitenings(segs, device, output: bool = False):
@@ -171,7 +179,12 @@ class Case:
     ):
         self.path, self.bucket, self.numel, self.p, self.kernels = path, bucket, numel, p, kernels
         self.device, self.rank = torch.device(device), rank
-        self.layout = layout or BucketLayout(numel, p, segments(numel, BUCKETS[bucket]), CodecConfig(), torch.float32)
+        fmt = next((f for name, f in FP4_FORMATS.items() if f"-{name}-" in path), None)
+        self.fmt = fmt  # the FP4 format between nodes (``-nvfp4-`` in the path), with the Hadamard rotation
+        cols = COLS if fmt is None else FP4_COLS
+        self.layout = layout or BucketLayout(
+            numel, p, segments(numel, BUCKETS[bucket], cols), CodecConfig(), torch.float32
+        )
         self.transforms = _whitenings(self.layout.segments, self.device)
         self.outputs = _whitenings(self.layout.segments, self.device, output=True) if bucket.endswith("+out") else None
         self.flat = torch.empty(numel, device=self.device)
@@ -193,6 +206,16 @@ class Case:
 
     def reduction(self):
         fused = self.kernels == "fused"
+        if self.fmt is not None:
+            common = dict(
+                average=True, all_reduce=self.all_reduce, rotation=BlockHadamard(ROTATION_BLOCK, 0), kernels=fused
+            )
+            if self.two_level:
+                groups = _two_level_groups(self.p, self.rank)
+                return FP4TwoLevelReduce(
+                    self.flat, self.layout, groups, self.transforms, self.fmt, self.intra, **common
+                )
+            return FP4Reduce(self.flat, self.layout, FakeGroup(self.p, self.rank), self.transforms, self.fmt, **common)
         if self.two_level:
             inner = TwoLevelReduce(
                 self.flat,
@@ -233,7 +256,9 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
     segs = layout.segments
     code = layout.coded_dtype().itemsize
 
-    def msg(shards, wire=None) -> int:
+    def msg(shards, wire=None) -> int:  # the FP4 path's: its inter-node messages, the intra-node stage's as FP8's
+        if case.fmt is not None and wire is None:
+            return sum(fp4_message(layout, j, case.fmt).nbytes for j in shards)
         return layout.message(list(shards), wire).nbytes
 
     def gift_codes(j: int) -> int:  # the second read of a GIFT parameter's codes in shard j
@@ -265,7 +290,8 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
         return topo.ranks_per_node * msg(held, wire), sum(msg([j]) for j in held)
     if stage == "reduce":  # GIFT's S Q: the messages read again, or the FP32 sum read twice and rewritten
         again = gift_codes(r) // code
-        twice = (senders * gift_codes(r), 0) if senders * code <= 3 * 4 else (2 * 4 * again, 4 * again)
+        codes = again * (code if case.fmt is None else 0.5)  # FP4: half a byte per code
+        twice = (senders * codes, 0) if senders * codes <= 3 * 4 * again else (2 * 4 * again, 4 * again)
         return senders * msg([r]) + twice[0], shard_elements(r) * b + twice[1]
     if stage == "finish":
         return 4 * pieces, b * pieces
@@ -348,6 +374,7 @@ def scan(quick: bool) -> list[tuple]:
     torch_sizes = ("1M",) if quick else ("1M", "10M")  # the PyTorch path (the reference, CPU): two sizes
     out = []
     paths = ["flat-rs", "flat-ar", "two-level/bf16-rs", "two-level/fp8-rs", "two-level/bf16-ar", "two-level/fp8-ar"]
+    paths += list(FP4_PATHS)
     if quick:
         paths = ["flat-rs", "two-level/bf16-rs"]  # Megatron's distributed optimizer, flat and the default two-level
     for bucket in ("euclidean", "gift", "plain", "euclidean+ef", "gift+out") + (
@@ -356,6 +383,8 @@ def scan(quick: bool) -> list[tuple]:
         for size in sizes:
             for dp in dps:
                 for path in paths:
+                    if path in FP4_PATHS and bucket not in ("euclidean", "gift", "euclidean/8", "gift/8"):
+                        continue  # FP4 refuses error feedback and the output side at start-up
                     if bucket.endswith("+ef") and (path != "flat-rs" or SIZES[size] > SIZES[torch_sizes[-1]]):
                         # error feedback: the flat reduce-scatter's sender (the same encode elsewhere),
                         # at the PyTorch path's sizes

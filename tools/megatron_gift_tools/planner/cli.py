@@ -191,8 +191,8 @@ def add_parser(subparsers) -> None:
         default=None,
         choices=list(FP4_FORMATS),
         help="also price the two-level rows with this FP4 format on the inter-node stage (rows gift-2level-nvfp4 "
-        "...; never recommended: the runtime's FP4 exchange is not metered yet, its GPU stages are the meter's FP8 "
-        "ones at the FP4 bytes)",
+        "...; never recommended: the runtime's FP4 exchange has not run on a GPU yet; nvfp4's reduce-scatter "
+        "stages from the meter's FP4 records, the others the meter's FP8 ones at the FP4 bytes)",
     )
     mod.add_argument(
         "--sensitivity", action="store_true", help="also move one machine parameter at a time (largest --gpus)"

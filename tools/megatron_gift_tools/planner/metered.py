@@ -34,6 +34,11 @@ CUDA runs):
   has them for every path) prices that path's two-sided buckets as the GIFT ones, with
   ``ONE_PASS`` for the ``output`` stage: a lower bound.
 
+FP4 between nodes (``Scheme.inter_format``): the two-level reduce-scatter rows take the meter's FP4 records
+(``two-level/<intra>-nvfp4-rs``: the FP4 exchange with the Hadamard rotation, the scan's ``gift`` and ``euclidean``
+buckets of ``[rows, 1024]`` parameters) where the JSON has them; the others (mxfp4, the all-reduce, an older
+JSON) the FP8 path's, at the FP4 bytes.
+
 Stage names map to the meter's: flat ``send``, ``reduce`` (reduce-scatter), ``gather`` (all-reduce:
 decode-sum and re-encode of the shard, fused), ``decode_all``, ``finish`` (the cut rows: launches,
 no essential bytes); two-level ``intra``, ``node_sums`` (sums and encode of the held slice, fused),
@@ -128,6 +133,12 @@ class Meter:
 
     def _path(self, path: str) -> str:
         return path.replace("/fp32-", "/bf16-")
+
+    def has(self, path: str) -> bool:
+        """Whether the JSON has ``path``'s Euclidean and GIFT records (an FP4 path: the meter's scan has them
+        since it meters the FP4 exchange)."""
+        path = self._path(path)
+        return (path, "euclidean") in self._red and (path, "gift") in self._red
 
     def _launch_line(self, path: str, bucket: str, stage: str, p: int, elements: float) -> tuple[float, float]:
         """``(fixed, per_param)`` launches of ``stage`` in ``bucket``'s records (module doc)."""

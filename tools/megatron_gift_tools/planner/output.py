@@ -51,7 +51,7 @@ def verdict(r: dict, p: dict | None = None, source: str = "assumed") -> str:
     if gain != pct:
         line += f" ({gain:+.1f}% vs BF16 ring + delta gather)"
     fp4 = Scheme(r["mode"]).inter_format and gain <= -MIN_GAIN_PCT
-    line += ": a gain if FP4's GPU stages cost what FP8's do (not metered yet)" if fp4 else f": {advice(pct, gain)}"
+    line += ": a gain, but FP4 has not run on a GPU yet" if fp4 else f": {advice(pct, gain)}"
     if p is not None and "other_schedule_vs_bf16_pct" in r:
         line += f" ({p['other_schedule']}: {r['other_schedule_vs_bf16_pct']:+.1f}%"
         line += break_even_text(r, p["a2a_nic_ratio"], source) + ")"

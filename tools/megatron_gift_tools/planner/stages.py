@@ -61,7 +61,7 @@ def reduction_chain(b: Bucket, scheme: Scheme, x: Context) -> list[Task]:
         kind = "reduce_scatter" if dist_opt else "all_reduce"
         return [x.ring(kind.replace("_", "-"), kind, b.wire_bytes, "dp", 1)]
     if scheme.two_level and x.g > 1 and x.n > 1:
-        return _two_level(b, x, dist_opt)
+        return _two_level(b, x, dist_opt, scheme.inter_format)
     return _flat(b, x, dist_opt)
 
 
@@ -113,13 +113,16 @@ def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     ]
 
 
-def _two_level(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
+def _two_level(b: Bucket, x: Context, dist_opt: bool, fp4: str | None = None) -> list[Task]:
     """Intra-node all-to-all in the intra dtype, node sums and encode of the 1/g slice, FP8 all-to-all among
     the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``). An FP4 scheme's inter-node
-    messages are ``b.inter_bytes`` (``fp4``), its stages the meter's FP8 ones at those bytes."""
+    messages are ``b.inter_bytes`` (``fp4``: its format), its stages the meter's FP4 ones where it has them
+    (``metered``), else its FP8 ones at those bytes."""
     F = b.wire_bytes if b.inter_bytes is None else b.inter_bytes  # the inter-node messages' bytes
     p, g, n, N, Ng = x.p, x.g, x.n, b.elements, b.gift_elements
     path = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}"
+    if fp4 and dist_opt and x.costs.meter is not None and x.costs.meter.has(f"two-level/{x.opts.intra_dtype}-{fp4}-rs"):
+        path = f"two-level/{x.opts.intra_dtype}-{fp4}-rs"
     fp8 = x.opts.intra_dtype == "fp8"  # stage 1 then sends the flat path's message of G T
     intra = b.intra_bytes[x.opts.intra_dtype]
     # GIFT whitens at the sender, in every intra dtype: stage 1 casts or encodes G T, whole rows
