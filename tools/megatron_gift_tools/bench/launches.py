@@ -572,7 +572,8 @@ def run(
                 doc["skipped"].append([path, bucket, size, dp, kernels])
                 continue
             print(f"[bench launches] {path} {bucket} {size} dp={dp} {kernels} ...", file=sys.stderr, flush=True)
-            key = (BUCKETS[bucket], size, dp)  # one layout (and its cached plans) per bucket, size and group
+            # one layout (and its cached plans) per bucket, size, group and parameter width (FP4: FP4_COLS)
+            key = (BUCKETS[bucket], size, dp, "fp4" in path)
             layouts = {k: v for k, v in layouts.items() if k[1] == size}
             case = Case(path, bucket, SIZES[size], dp, kernels, layout=layouts.get(key))
             layouts[key] = case.layout
