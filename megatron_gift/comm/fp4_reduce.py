@@ -169,27 +169,13 @@ class _FP4Stages:
             ("fp4-lengths", j, str(device)), lambda: torch.tensor(m.lengths, dtype=torch.int64).to(device)
         )
 
-    def _rotate(self, x: torch.Tensor, seg: int, col0: int, inverse: bool = False) -> torch.Tensor:
-        """``x`` (flat FP32 values of GIFT segment ``seg`` from column ``col0`` of a row on, whole
-        64-blocks: the layout's check) times ``H`` (``inverse``: ``Hᵀ``) where the segment is whitened
-        and a rotation is on; else ``x``. ``H`` is block-diagonal along each row: a piece of a row
-        is rotated by itself, with its columns' signs."""
-        if self.rotation is None or self.transforms[seg] is None or x.numel() == 0:
-            return x
-        cols = self.layout.segments[seg].cols
-        signs = self.rotation.signs(cols, x.device)
-        s = signs[(col0 + torch.arange(x.numel(), device=x.device)) % cols]
-        block = self.rotation.block
-        if inverse:
-            return (fwht(x.view(1, -1), block) * s).view(-1)
-        return fwht((x * s).view(1, -1), block).view(-1)
-
     def _rotate_shards(self, x: torch.Tensor, shards: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
         """``x``, the coded values of ``shards`` one after another (FP32), with every whitened part
-        rotated in place (``_rotate``) where a rotation is on, in a fixed number of calls whatever the
-        number of shards and parts: the parts' 64-blocks, each from its start in ``x`` (every part
-        starts on a whole block: the layout's block rule) with its columns' signs; one launch where the
-        kernels run (``kernels.fp4.rotate_blocks``), else gathered, rotated and scattered back."""
+        times ``H`` (``inverse``: ``Hᵀ``) in place where a rotation is on: ``H`` is block-diagonal
+        along each row, ``fwht(x ⊙ s)`` per 64-column block with the block's column signs ``s``
+        (``Hᵀ``: ``fwht(x) ⊙ s``), so a piece of a row cut by a shard is rotated by itself. A fixed
+        number of calls whatever the shards and parts: one launch where the kernels run
+        (``kernels.fp4.rotate_blocks``), else the blocks gathered, rotated and scattered back."""
         if self.rotation is None or x.numel() == 0:
             return x
         starts, rows, signs = self._rotation_table(shards, x.device)
@@ -404,15 +390,14 @@ class FP4Reduce(_FP4Stages, ShardReduction):
 
     # -- 0: send --------------------------------------------------------------------------------------
     def _coded_values(self) -> torch.Tensor:
-        """The bucket's coded sequence as sent, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere."""
+        """The bucket's coded sequence as sent, FP32: ``G T H`` of whole GIFT parameters, ``G`` elsewhere."""
         layout, flat = self.layout, self.flat
         u = torch.empty(layout.n_coded, dtype=torch.float32, device=flat.device)
         for i in layout.coded_segments:
             s, at = layout.segments[i], layout.seg_at[i]
             g = flat[s.start : s.end].view(s.rows, s.cols)
-            x = sender_values(g, self.transforms[i], None).reshape(-1)
-            u[at : at + s.rows * s.cols].copy_(self._rotate(x, i, 0))
-        return u
+            u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
+        return self._rotate_shards(u, tuple(range(self.world)))  # the shards tile the coded sequence
 
     def _class_values(self, c: int) -> torch.Tensor:
         """Plain class ``c``'s sequence: its parameters' values one after another (the shards' parts

@@ -65,3 +65,26 @@ def test_fp4_rows_only_on_request_and_never_recommended():
     assert rows["gift-2level-nvfp4"]["step_s"] < rows["gift-2level"]["step_s"]
     line = output.verdict(rows["gift-2level-nvfp4"], p)
     assert line.startswith("GIFT two-level NVFP4 inter-node") and "use it" not in line
+
+
+def test_nvfp4_rows_take_the_meters_fp4_records():
+    """With the distributed optimizer the nvfp4 rows' GPU stages are the meter's records of the FP4 exchange
+    (``two-level/bf16-nvfp4-rs``): priced on the same meter without those records (FP8's stages at the FP4
+    bytes) their plugin GPU time differs, the FP8 row's does not, and mxfp4's (never metered) stays FP8's.
+    Catches the FP4 records never looked up, or looked up for an FP8 row."""
+    import json
+
+    from megatron_gift_tools.planner.metered import LAUNCHES_JSON, Meter
+
+    doc = json.loads(LAUNCHES_JSON.read_text())
+    assert {r["path"] for r in doc["records"] if "nvfp4" in r.get("path", "")} >= {"two-level/bf16-nvfp4-rs"}
+    without = dict(doc, records=[r for r in doc["records"] if "fp4" not in r.get("path", "")])
+    w, c = workload("600m"), CLUSTERS["gh200"]
+    plugin = {}
+    for name, meter in (("with", Meter(doc, "with")), ("without", Meter(without, "without"))):
+        costs = KernelCosts.from_hbm(c, meter)
+        for s in (Scheme.GIFT_2LEVEL, Scheme.GIFT_2LEVEL_NVFP4, Scheme.GIFT_2LEVEL_MXFP4):
+            plugin[(name, s)] = model.step_time(w, c, s, 512, costs)["plugin_s"]
+    assert plugin[("with", Scheme.GIFT_2LEVEL_NVFP4)] != plugin[("without", Scheme.GIFT_2LEVEL_NVFP4)]
+    assert plugin[("with", Scheme.GIFT_2LEVEL)] == plugin[("without", Scheme.GIFT_2LEVEL)]
+    assert plugin[("with", Scheme.GIFT_2LEVEL_MXFP4)] == plugin[("without", Scheme.GIFT_2LEVEL_MXFP4)]
