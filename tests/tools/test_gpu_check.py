@@ -117,13 +117,17 @@ def test_codec_bytes_follow_from_the_shapes(dry_run):
     assert gpu_check.SENDER_MODEL["gpu"]["hidden"] == 4096 and gpu_check.SENDER_MODEL["gpu"]["ffn"] == 14336
     # the four-bit codec: encode reads the FP32 values and writes half a byte plus a block scale per
     # element (NVFP4: 16-element blocks and a 4-byte segment scale; MXFP4: 32); the decode-sum reads 8
-    # senders' messages of this rank's shard and writes it in FP32 (bug caught: FP8's byte per element)
+    # senders' messages of this rank's shard and writes it in FP32 (bug caught: FP8's byte per element);
+    # the rotation reads and writes the values once
     fp4 = doc["fp4"]
     assert {(s["path"], s["impl"]) for s in fp4["summary"]} == {(p, "reference") for p in gpu_codec.FP4_PATHS}
     for r in fp4["results"]:
         d_out, d_in = shapes[r["layer"]]
         block, seg = (16, 4) if r["path"].endswith("nvfp4") else (32, 0)
-        if r["path"].startswith("fp4_encode"):
+        if r["path"].startswith("fp4_rotate"):  # the layer's whole 64-blocks read and written in FP32
+            n = d_out * d_in // 64 * 64
+            assert (r["cols"], r["bytes"]) == (n, 8 * n)
+        elif r["path"].startswith("fp4_encode"):
             n = d_out * d_in // block * block
             assert (r["cols"], r["bytes"]) == (n, 4 * n + n // 2 + n // block + seg)
         else:

@@ -26,7 +26,9 @@ The four-bit exchange's codec (``comm.fp4_reduce``'s calls, NVFP4 and MXFP4, und
 ``fp4_encode/<format>`` (the layer's FP32 values, one segment, into a message buffer at a one-shard
 placement: read ``4n``, write ``n/2 + n/block`` and NVFP4's segment scale) and ``fp4_decode_sum/<format>``
 (``RANKS`` senders' messages of this rank's shard, FP32 sum in sender order: read their codes and scales,
-write ``4m``), ``fused`` (``kernels/fp4.py``) against ``reference`` (``numerics.fp4`` and an index copy).
+write ``4m``) and ``fp4_rotate/hadamard`` (the layer's FP32 values as 64-element blocks, each with a row of
+signs, rotated in place: read ``4n``, write ``4n``), ``fused`` (``kernels/fp4.py``) against ``reference``
+(``numerics.fp4`` and an index copy; the rotation's gather, ``fwht`` and scatter).
 
 The delta parameter gather's codec (``DELTA_MODULE``), where it is installed, adds
 ``delta_encode`` (a shard of ``n = d_out·d_in`` BF16 elements against its ``prev``: read ``2n + 2n``,
@@ -219,7 +221,7 @@ def delta_paths(codec, shape: tuple[int, int], device: torch.device) -> dict:
     }
 
 
-FP4_PATHS = tuple(f"{p}/{f}" for f in FP4_FORMATS for p in ("fp4_encode", "fp4_decode_sum"))
+FP4_PATHS = tuple(f"{p}/{f}" for f in FP4_FORMATS for p in ("fp4_encode", "fp4_decode_sum")) + ("fp4_rotate/hadamard",)
 
 
 def fp4_paths(shape: tuple[int, int], device: torch.device, impls: list[str]) -> dict:
@@ -286,7 +288,31 @@ def fp4_paths(shape: tuple[int, int], device: torch.device, impls: list[str]) ->
             encode_fn, decode_fn = calls[impl]
             out[(impl, f"fp4_encode/{name}")] = (encode_fn, n_f, 4 * n_f + n_f // 2 + n_f // fmt.block + seg)
             out[(impl, f"fp4_decode_sum/{name}")] = (decode_fn, m, RANKS * (m // 2 + m // fmt.block + seg) + 4 * m)
+    out.update(_rotate_paths(x, device, impls))
     return out
+
+
+def _rotate_paths(x: torch.Tensor, device: torch.device, impls: list[str]) -> dict:
+    """``fp4_rotate/hadamard``: ``x``'s whole 64-blocks rotated in place (``comm.fp4_reduce._rotate_shards``'
+    two ways), a layer's 16 rows of signs in turn."""
+    from megatron_gift.numerics.rotation import BlockHadamard, fwht
+
+    n = x.numel() // 64 * 64
+    starts = torch.arange(0, n, 64, dtype=torch.int64, device=device)
+    rows = torch.arange(n // 64, dtype=torch.int64, device=device) % 16
+    signs = BlockHadamard(64, 0).signs(16 * 64, device).view(16, 64)
+    at = torch.arange(n, device=device)
+
+    def reference():
+        blocks = x.index_select(0, at).view(-1, 64)
+        x.index_copy_(0, at, fwht(blocks * signs.index_select(0, rows), 64).view(-1))
+
+    calls = {"reference": reference}
+    if "fused" in impls:
+        from megatron_gift.kernels import fp4 as fused_fp4  # imports triton
+
+        calls["fused"] = lambda: fused_fp4.rotate_blocks(x, starts, rows, signs)
+    return {(impl, "fp4_rotate/hadamard"): (calls[impl], n, 8 * n) for impl in impls}
 
 
 def flat_records(model: dict, device: torch.device, large_copy: dict, paths_of, host: bool) -> list[dict]:
