@@ -327,11 +327,14 @@ def fp4_meter(results: Path) -> str:
         "| exchange | bucket | stage | FP8: launches, moved / essential | NVFP4: launches, moved / essential |",
         "|---|---|---|---|---|",
     ]
+
+    def cell(s: dict | None) -> str:
+        return f"{s['launches']}, {s['ratio'] or '-'}" if s else "-"
+
     for fp8, fp4 in (("flat-rs", "flat-nvfp4-rs"), ("two-level/bf16-rs", "two-level/bf16-nvfp4-rs")):
         for bucket in ("euclidean", "gift"):
             a, b = recs[(fp8, bucket)], recs[(fp4, bucket)]
             for stage in b:
-                cell = lambda s: f"{s['launches']}, {s['ratio'] or '-'}" if s else "-"  # noqa: E731
                 out.append(
                     f"| {fp8.removesuffix('-rs')} | {bucket} | {stage} | {cell(a.get(stage))} | {cell(b[stage])} |"
                 )

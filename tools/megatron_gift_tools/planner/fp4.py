@@ -5,9 +5,9 @@ no runtime module): the bytes are defined here and tested against a hand count.
 nvfp4: 4-bit E2M1 codes (0.5 B per element), an E4M3 scale per block of 16 elements (1/16 B per element) and
 an FP32 scale per segment (one per parameter, 4 B). mxfp4: the codes and an E8M0 scale per block of 32
 (1/32 B per element), no segment scale. The GPU stages of nvfp4's reduce-scatter rows are the launch meter's
-records of the runtime's FP4 exchange (its codec has kernels, ``kernels/fp4.py``; ``G T``, the rotation,
-``T⁻¹`` and the node sums' decode of the intra-node wire are PyTorch's); the other FP4 rows' are the meter's
-FP8 stages at the FP4 bytes (``stages``, ``metered``)."""
+records of the runtime's FP4 exchange (its codec and rotation have kernels, ``kernels/fp4.py``; ``G T`` and
+``T⁻¹`` are PyTorch's); the other FP4 rows' are the meter's FP8 stages at the FP4 bytes (``stages``,
+``metered``)."""
 
 from __future__ import annotations
 
