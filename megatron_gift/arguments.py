@@ -234,8 +234,8 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "flat exchange): fp8 (--gift-fp8-format), or E2M1 four-bit codes with nvfp4's 16-element blocks "
         "(E4M3 block scales, an FP32 scale per segment: 0.5 + 1/16 byte per element) or mxfp4's 32-element "
         "blocks (E8M0 scales: 0.5 + 1/32); every shard and chunk boundary of the coded sequence falls on a whole "
-        "block (refused at start-up otherwise); the FP4 codec runs as Triton kernels where --gift-kernels does, the "
-        "whitening and rotation around it in PyTorch (default: %(default)s).",
+        "block (refused at start-up otherwise); the FP4 codec and the rotation run as Triton kernels where "
+        "--gift-kernels does, the whitening around them in PyTorch (default: %(default)s).",
     )
     groups["wire"].add_argument(
         "--gift-rotation",
