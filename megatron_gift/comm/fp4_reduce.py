@@ -44,9 +44,9 @@ import torch.distributed as dist
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode, Rotation
 from ..kernels.placement import Placement
-from ..kernels.reference import ordered_sum, reference_sum_rows, sender_values
+from ..kernels.reference import ordered_sum, reference_rotate_blocks, reference_sum_rows, sender_values
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
-from ..numerics.rotation import BlockHadamard, fwht
+from ..numerics.rotation import BlockHadamard
 from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
 from .layout import BucketLayout, _pad4
@@ -178,15 +178,9 @@ class _FP4Stages:
         (``kernels.fp4.rotate_blocks``), else the blocks gathered, rotated and scattered back."""
         if self.rotation is None or x.numel() == 0:
             return x
-        starts, rows, signs = self._rotation_table(shards, x.device)
         fp4 = self.ops.fp4(x.device)
-        if fp4 is not None:
-            return fp4.rotate_blocks(x, starts, rows, signs, inverse)
-        block = self.rotation.block
-        at = (starts[:, None] + torch.arange(block, device=x.device)).reshape(-1)
-        blocks, s = x.index_select(0, at).view(-1, block), signs.index_select(0, rows)
-        blocks = fwht(blocks, block) * s if inverse else fwht(blocks * s, block)
-        return x.index_copy_(0, at, blocks.view(-1))
+        rotate = reference_rotate_blocks if fp4 is None else fp4.rotate_blocks
+        return rotate(x, *self._rotation_table(shards, x.device), inverse)
 
     def _rotation_table(self, shards: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_rotate_shards``' tables, built once per layout, shards and whitened set: the start in the

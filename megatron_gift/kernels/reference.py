@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, divisor, encode_flat, group_lengths, scale_values
+from ..numerics.rotation import fwht
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
 
@@ -176,3 +177,15 @@ def reference_sum_rows(parts: Parts, average: bool, out=None) -> torch.Tensor | 
 def reference_take(src, out: torch.Tensor) -> torch.Tensor:
     """``kernels.take`` by ``index_select`` at the table's ``index``."""
     return out.copy_(_read(src, out.numel()))
+
+
+def reference_rotate_blocks(
+    x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """``kernels.fp4.rotate_blocks``: the blocks of ``x`` at ``starts`` gathered, rotated with their rows of
+    ``signs`` (``fwht(x ⊙ s)``; inverse ``fwht(x) ⊙ s``) and scattered back in place; returns ``x``."""
+    block = signs.shape[1]
+    at = (starts[:, None] + torch.arange(block, device=x.device)).reshape(-1)
+    blocks, s = x.index_select(0, at).view(-1, block), signs.index_select(0, rows)
+    blocks = fwht(blocks, block) * s if inverse else fwht(blocks * s, block)
+    return x.index_copy_(0, at, blocks.view(-1))

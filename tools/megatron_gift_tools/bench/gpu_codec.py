@@ -293,21 +293,16 @@ def fp4_paths(shape: tuple[int, int], device: torch.device, impls: list[str]) ->
 
 
 def _rotate_paths(x: torch.Tensor, device: torch.device, impls: list[str]) -> dict:
-    """``fp4_rotate/hadamard``: ``x``'s whole 64-blocks rotated in place (``comm.fp4_reduce._rotate_shards``'
-    two ways), a layer's 16 rows of signs in turn."""
-    from megatron_gift.numerics.rotation import BlockHadamard, fwht
+    """``fp4_rotate/hadamard``: ``x``'s whole 64-blocks rotated in place (``kernels.fp4.rotate_blocks`` and
+    its reference), a layer's 16 rows of signs in turn."""
+    from megatron_gift.kernels.reference import reference_rotate_blocks
+    from megatron_gift.numerics.rotation import BlockHadamard
 
     n = x.numel() // 64 * 64
     starts = torch.arange(0, n, 64, dtype=torch.int64, device=device)
     rows = torch.arange(n // 64, dtype=torch.int64, device=device) % 16
     signs = BlockHadamard(64, 0).signs(16 * 64, device).view(16, 64)
-    at = torch.arange(n, device=device)
-
-    def reference():
-        blocks = x.index_select(0, at).view(-1, 64)
-        x.index_copy_(0, at, fwht(blocks * signs.index_select(0, rows), 64).view(-1))
-
-    calls = {"reference": reference}
+    calls = {"reference": lambda: reference_rotate_blocks(x, starts, rows, signs)}
     if "fused" in impls:
         from megatron_gift.kernels import fp4 as fused_fp4  # imports triton
 
