@@ -78,6 +78,7 @@ _FIELD_FLAGS = {
     "refresh_interval": "--gift-refresh-interval",
     "block size": "--gift-block-size",
     "inter_node_format": "--gift-inter-node-format",
+    "intra_node": "--gift-intra-node",
     "error_feedback": "--gift-error-feedback",
     "rotation": "--gift-rotation",
     "margin": "--gift-policy-margin",
@@ -341,7 +342,10 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=tuple(d.value for d in IntraNode),
         default=_EXCHANGE.intra_node.value,
         help="Wire dtype of the two-level exchange's intra-node stage, summed in FP32 (default: %(default)s: "
-        "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice).",
+        "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice); reduce-scatter: "
+        "NCCL's reduce-scatter of the gradient in the bucket's dtype, whitening, rotation and FP4 encode on "
+        "the node's sums only (1/ranks-per-node of the work; needs --gift-inter-node-format nvfp4 or mxfp4 "
+        "and --use-distributed-optimizer).",
     )
     groups["exchange"].add_argument(
         "--gift-ranks-per-node",
@@ -761,6 +765,11 @@ def _check_megatron_flags(args) -> None:
             f"--num-distributed-optimizer-instances {instances}: megatron-gift's telemetry and --gift-layers {AUTO} "
             "compare with a reduction inside one instance: set --gift-log-interval 0 and choose layers by pattern "
             f"{off}"
+        )
+    if args.gift_intra_node == IntraNode.REDUCE_SCATTER.value and not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(
+            "--gift-intra-node reduce-scatter reduce-scatters the distributed optimizer's equal shards: add "
+            "--use-distributed-optimizer or choose --gift-intra-node bf16"
         )
     if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False):
         raise ValueError(

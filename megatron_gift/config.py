@@ -22,11 +22,14 @@ class Exchange(enum.Enum):
 
 
 class IntraNode(enum.Enum):
-    """Wire dtype of the two-level exchange's intra-node stage (``comm.hierarchical``), summed in FP32."""
+    """The two-level exchange's intra-node stage: the wire dtype of ``G T`` (``comm.hierarchical``),
+    summed in FP32; or ``reduce-scatter``, a plain reduce-scatter of ``G`` in the bucket's dtype with
+    ``T``, the rotation and the codec on the node's sums (``comm.sum_first``; four bits between nodes)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     FP8 = "fp8"
+    REDUCE_SCATTER = "reduce-scatter"
 
 
 INTRA_NODE_DTYPES = tuple(d.value for d in IntraNode)
@@ -338,6 +341,11 @@ class GiftConfig:
                 f"the four-bit exchange whitens the input side alone: inter_node_format "
                 f"{self.wire.inter_node_format.value} needs side=input (--gift-side input), got "
                 f"{self.whitening.side.value}"
+            )
+        if self.exchange.intra_node is IntraNode.REDUCE_SCATTER and self.wire.inter_node_format is InterNodeFormat.FP8:
+            raise ValueError(
+                "intra_node reduce-scatter whitens the node's sums, which the four-bit exchange does: it needs "
+                "inter_node_format nvfp4 or mxfp4"
             )
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0 (0: off), got {self.log_interval}")

@@ -488,7 +488,12 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
                 self.ops.sum_rows(coded, False, out=sums[c0:c1])
         # a class the held shards lack (a layout fact) costs no ops
         plain = [sum_plain(rows, layout, c, 0, counts[c], False, self.ops) if counts[c] else sums[:0] for c in range(2)]
-        n, k = self.topo.nodes, self.node
+        return self._send_inter(sums, plain)
+
+    def _send_inter(self, sums: torch.Tensor, plain: list[torch.Tensor]) -> StageResult:
+        """The held shards' node sums (``sums``: coded values, whitened, FP32; ``plain[c]``: class ``c``'s),
+        ``H`` on the whitened parts, encoded into their FP4 messages; the all-to-all among the nodes."""
+        device, n, k = sums.device, self.topo.nodes, self.node
         sums = self._rotate_shards(sums, tuple(self.held))  # H on the held shards' whitened parts
         pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
         buf = self._encode_placed(pk, sums, plain)

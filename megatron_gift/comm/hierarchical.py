@@ -44,7 +44,13 @@ from .quantized import ShardReduction, Whitenings, decode_gathered, with_self
 from .schedule import StageResult, taken
 from .topology import TwoLevelGroups
 
-_WIRE = {IntraNode.FP32: torch.float32, IntraNode.BF16: torch.bfloat16, IntraNode.FP8: None}
+# reduce-scatter (``comm.sum_first``): the bucket's own dtype, which FP32 never widens
+_WIRE = {
+    IntraNode.FP32: torch.float32,
+    IntraNode.BF16: torch.bfloat16,
+    IntraNode.FP8: None,
+    IntraNode.REDUCE_SCATTER: torch.float32,
+}
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the ledger's names of the float intra dtypes
 
 

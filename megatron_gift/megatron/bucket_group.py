@@ -34,8 +34,9 @@ from ..comm.layout import BucketLayout, Segment
 from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
+from ..comm.sum_first import FP4SumFirstReduce
 from ..comm.topology import TwoLevelGroups
-from ..config import GiftConfig, Mode
+from ..config import GiftConfig, IntraNode, Mode
 from ..numerics import two_sided
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp4 import FP4_FORMATS
@@ -165,6 +166,8 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         if fp4.block is not None:  # four bits between nodes (input side only, no error feedback)
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
             common["rotation"] = exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
+            if groups.intra is not None and cfg.exchange.intra_node is IntraNode.REDUCE_SCATTER:
+                return FP4SumFirstReduce(b.grad, b.layout, groups, transforms, fmt, **common)
             if groups.intra is not None:
                 return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.exchange.intra_node, **common)
             return FP4Reduce(b.grad, b.layout, groups.group, transforms, fmt, topology=groups.topology, **common)

@@ -43,7 +43,7 @@ from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
 from ..comm.schedule import Arena, ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, nodes_of_ranks
-from ..config import Exchange, GiftConfig, Mode, Rotation, Side, param_modes
+from ..config import Exchange, GiftConfig, IntraNode, Mode, Rotation, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.kfac import KFACStatistics
 from ..refresh_sync import RefreshSync
@@ -228,6 +228,11 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         With four bits between nodes and no distributed optimizer, the all-reduce's shards (the plugin's
         own) are whole blocks (64 columns with the rotation); the reduce-scatter's are Megatron's."""
         cfg, dist_opt = self.gift_config, self.ddp_config.use_distributed_optimizer
+        if cfg.exchange.intra_node is IntraNode.REDUCE_SCATTER and not dist_opt:
+            raise ValueError(
+                "megatron-gift: --gift-intra-node reduce-scatter reduce-scatters Megatron's equal shards: it needs "
+                "--use-distributed-optimizer (or use --gift-intra-node bf16)"
+            )
         fmt = cfg.wire.inter_node_format
         block = None if fmt.block is None else ROTATION_BLOCK if cfg.wire.rotation is Rotation.HADAMARD else fmt.block
         layout = BucketLayout(

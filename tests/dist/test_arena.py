@@ -15,6 +15,7 @@ from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout
 from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import ALIGN, Arena, ReductionQueue, Space, StageStreams, reduce_now
+from megatron_gift.comm.sum_first import FP4SumFirstReduce
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import IntraNode, Schedule
 from megatron_gift.numerics import CodecConfig
@@ -120,6 +121,7 @@ def _cases():
     out += [
         ("fp4-flat", "fp4", fp4, FP4_NUMEL, FP4_SEGMENTS),
         ("fp4-two-level", "fp4two", fp4, FP4_NUMEL, FP4_SEGMENTS),
+        ("fp4-sum-first", "fp4sum", fp4, FP4_NUMEL, FP4_SEGMENTS),
     ]
     return out
 
@@ -132,6 +134,8 @@ def _make(kind, flat, layout, placed, ts, all_reduce):
         return TwoLevelReduce(flat, layout, placed, ts, intra=IntraNode.BF16, **common)
     if kind == "fp4":
         return FP4Reduce(flat, layout, dist.group.WORLD, ts, FP4_FORMATS["nvfp4"], topology=placed.topology, **common)
+    if kind == "fp4sum":
+        return FP4SumFirstReduce(flat, layout, placed, ts, FP4_FORMATS["nvfp4"], **common)
     return FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS["nvfp4"], IntraNode.BF16, **common)
 
 
@@ -213,8 +217,8 @@ def test_reductions_through_a_small_arena_are_bit_for_bit_their_own():
     """Bug caught: a reduction writing a region an earlier one still reads (its receive buffer not yet
     decoded: the lagged schedule leaves it pending), a footprint that differs between ranks (the
     ranks would reserve, and complete earlier reductions, in different orders) or undercounts what a
-    rank takes, a region given to two reductions at once. Flat and two-level FP8, flat and two-level
-    NVFP4, reduce-scatter and all-reduce, eager and lagged, in an arena that holds about one of them:
+    rank takes, a region given to two reductions at once. Flat and two-level FP8, flat, two-level and
+    sum-first NVFP4, reduce-scatter and all-reduce, eager and lagged, in an arena that holds about one of them:
     each result is bit for bit that of the same reduction with buffers of its own, near the FP32
     average (the format's bound), the same on every rank for all-reduce."""
     results = run_on_ranks(_worker, WORLD, timeout=600)

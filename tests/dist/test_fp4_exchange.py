@@ -1,6 +1,7 @@
 """Four-bit gradient exchange (``--gift-inter-node-format nvfp4|mxfp4``, ``comm.fp4_reduce``) on 4 gloo
 ranks simulated as 2 nodes x 2: the flat and the two-level reduction (the intra-node stage in FP32 or
-FP8), reduce-scatter and all-reduce, Euclidean and GIFT parameters, ``--gift-rotation hadamard``,
+FP8, or a plain reduce-scatter with whitening on the node's sums: ``comm.sum_first``), reduce-scatter
+and all-reduce, Euclidean and GIFT parameters, ``--gift-rotation hadamard``,
 against an FP32 reduction computed here by hand from independently quantized values (each sender's
 values through ``numerics.fp4.roundtrip_fp4``, whose own tests pin its numerics; summed in FP32 in
 rank order by tests/reference.py; untransformed), every rank bit-identical, and the ledger's
@@ -14,6 +15,7 @@ from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.schedule import reduce_now
+from megatron_gift.comm.sum_first import FP4SumFirstReduce
 from megatron_gift.comm.topology import Topology, build_groups
 from megatron_gift.config import IntraNode, Mode
 from megatron_gift.numerics import CodecConfig
@@ -50,6 +52,9 @@ CASES += [
     ("nvfp4", True, True, True, "fp32"),
 ]
 CASES += [("nvfp4", True, False, False, "fp8"), ("mxfp4", True, False, True, "fp8")]  # FP8 inside the node
+# a plain reduce-scatter inside the node, T and H on the node's sums: a cut GIFT row whitened from two ranks' pieces
+CASES += [(fmt, True, ar, rot, "reduce-scatter") for fmt, ar, rot in [("nvfp4", False, False), ("mxfp4", True, False)]]
+CASES += [(fmt, True, ar, True, "reduce-scatter") for fmt, ar in [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)]]
 
 
 def _bucket(rotation):
@@ -71,7 +76,9 @@ def _worker(rank, world):
         ts = _transforms(segments)
         flat, ledger = _bucket_grads(numel, segments, rank), CommLedger()
         common = dict(average=True, all_reduce=all_reduce, ledger=ledger, rotation=ROTATION if rotation else None)
-        if two_level:
+        if intra == "reduce-scatter":
+            red = FP4SumFirstReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], **common)
+        elif two_level:
             red = FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], IntraNode(intra), **common)
         else:
             red = FP4Reduce(flat, layout, dist.group.WORLD, ts, FP4_FORMATS[fmt], topology=placed.topology, **common)
@@ -127,15 +134,20 @@ def _fp8_shards(u, layout):
 
 def expected(fmt, two_level, rotation, intra="fp32"):
     """The averaged reduction by hand: each sender's (two-level: each node's FP32 sum's) coded values
-    quantized (``intra`` fp8: each sender's values through FP8 first), summed in FP32 in rank order,
+    quantized (``intra`` fp8: each sender's values through FP8 first; reduce-scatter: ``T`` on each
+    node's FP32 sum of ``G``, not summed after it), summed in FP32 in rank order,
     ÷ 4, untransformed (``Hᵀ`` then ``T⁻¹``); plain values summed in FP32."""
     (numel, segments), layout = _bucket(rotation), _layout(rotation)
     ts = _transforms(segments)
     grads = [_bucket_grads(numel, segments, r) for r in range(WORLD)]
-    sent = [_sent(g, segments, ts) for g in grads]  # G T: H comes after the intra-node stage
+    if intra == "reduce-scatter":  # each node's FP32 sum of G, then T on it
+        sums = [ordered_sum(grads[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
+        sent = [_sent(s, segments, ts) for s in sums]
+    else:
+        sent = [_sent(g, segments, ts) for g in grads]  # G T: H comes after the intra-node stage
     if intra == "fp8":
         sent = [_fp8_shards(u, layout) for u in sent]
-    if two_level:
+    if two_level and intra != "reduce-scatter":
         sent = [ordered_sum(sent[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
     if rotation:  # H on each sender's (node sum's) whitened rows: H is linear
         sent = [_rotated(u, segments, ts) for u in sent]

@@ -1,6 +1,7 @@
 """GiftDistributedDataParallel with four bits between nodes inside real Megatron-Core training
 (CPU/gloo, 4 ranks as 2 simulated nodes x 2): NVFP4 with the distributed optimizer and overlap, MXFP4
-with the Hadamard rotation and Megatron's all-reduce; a few steps train with finite losses, the
+with the Hadamard rotation and Megatron's all-reduce, NVFP4 with ``--gift-intra-node reduce-scatter``; a
+few steps train with finite losses, the
 replicas stay bit-identical, and the inter-node bytes are FP4's."""
 
 import pytest
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.cpu_harness
 STEPS = 3
 
 
-def _train(dist_opt, fmt, rotation):
+def _train(dist_opt, fmt, rotation, intra="bf16"):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -23,7 +24,11 @@ def _train(dist_opt, fmt, rotation):
 
     parallel_state.initialize_model_parallel(1, 1)
     model = build_tiny_gpt()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, overlap_grad_reduce=dist_opt)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=dist_opt,
+        overlap_grad_reduce=dist_opt,
+        pad_buckets_for_high_nccl_busbw=dist_opt and rotation == "hadamard",  # shards of whole 64-column blocks
+    )
     gift = GiftConfig.build(
         mode=Mode.GIFT,
         rank=8,
@@ -33,30 +38,32 @@ def _train(dist_opt, fmt, rotation):
         inter_node_format=fmt,
         rotation=rotation,
         rotation_seed=1234,
+        intra_node=intra,
     )
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=dist_opt), [ddp])
     dp_rank = parallel_state.get_data_parallel_group().rank()
-    losses, links = [], {}
+    losses, links, collectives = [], {}, set()
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()
         loss = lm_loss(ddp, random_tokens(step, dp_rank))
         loss.backward()
         ddp.finish_grad_sync()
-        links = dict(ddp.ledger.links)
+        links, collectives = dict(ddp.ledger.links), set(ddp.ledger.bytes)
         ok, _, _ = opt.step()
         assert ok
         losses.append(float(loss))
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     whitened = sum(g.input.whitening is not None for g in ddp.gift_params.values())
     parallel_state.destroy_model_parallel()
-    return dict(losses=losses, params=params, links=links, whitened=whitened)
+    return dict(losses=losses, params=params, links=links, collectives=collectives, whitened=whitened)
 
 
-# (distributed optimizer, format, rotation): the reduce-scatter with NVFP4; the all-reduce (the plugin's
-# own shards, aligned to whole 64-column blocks) with MXFP4 and the Hadamard rotation
-RUNS = [(True, "nvfp4", "none"), (False, "mxfp4", "hadamard")]
+# (distributed optimizer, format, rotation, intra-node stage): the reduce-scatter with NVFP4; the all-reduce
+# (the plugin's own shards, aligned to whole 64-column blocks) with MXFP4 and the Hadamard rotation; NVFP4
+# with the rotation after a plain reduce-scatter inside the node (``comm.sum_first``)
+RUNS = [(True, "nvfp4", "none"), (False, "mxfp4", "hadamard"), (True, "nvfp4", "hadamard", "reduce-scatter")]
 
 
 def _worker(rank, world):
@@ -67,7 +74,8 @@ def _worker(rank, world):
 def test_fp4_between_nodes_trains(results, run):
     """Bug caught: the FP4 exchange wired into the DDP wrongly (a NaN or Inf gradient, a rank whose
     weights drift from the others', FP8 sent where FP4 was asked, no GIFT layer ever whitened); the
-    all-reduce's layout refused for want of aligned shards."""
+    all-reduce's layout refused for want of aligned shards; ``--gift-intra-node reduce-scatter`` not
+    reaching the bucket groups (the whitening-first BF16 stage run instead)."""
     per_rank = [r[run] for r in results]
     fmt = RUNS[run][1]
     for res in per_rank:
@@ -75,6 +83,9 @@ def test_fp4_between_nodes_trains(results, run):
         assert res["links"].get(("inter", f"{fmt}+scales"), 0) > 0, res["links"]
         assert not any(dtype.startswith("fp8") and link == "inter" for link, dtype in res["links"]), res["links"]
         assert res["whitened"] > 0
+        if RUNS[run][3:] == ("reduce-scatter",):  # the node's reduce-scatter in the bucket's FP32, no BF16 stage
+            assert ("reduce_scatter", "fp32") in res["collectives"], res["collectives"]
+            assert res["links"].get(("intra", "fp32"), 0) > 0 and ("intra", "bf16") not in res["links"], res["links"]
     assert all(torch.equal(r["params"], per_rank[0]["params"]) for r in per_rank)
 
 
@@ -108,3 +119,31 @@ def test_fp4_buckets_take_the_kernels_setting(monkeypatch, kernels, available, f
     bucket = SimpleNamespace(grad=torch.zeros(2048), layout=layout, params=[None])
     red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
     assert isinstance(red, FP4Reduce) and red.ops.fused is fused
+
+
+@pytest.mark.parametrize("intra", ["reduce-scatter", "bf16"])
+def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra):
+    """Bug caught: ``--gift-intra-node reduce-scatter`` reaching the bucket group but its four-bit buckets
+    built as the whitening-first two-level exchange (which then sends FP32 inside the node: the same bytes,
+    so the ledger alone cannot tell), or the sum-first reduction built for another intra-node setting."""
+    from types import SimpleNamespace
+
+    from megatron_gift.comm.fp4_reduce import FP4TwoLevelReduce
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.comm.sum_first import FP4SumFirstReduce
+    from megatron_gift.comm.topology import Topology, TwoLevelGroups
+    from megatron_gift.megatron.bucket_group import GiftBucketGroup
+    from megatron_gift.numerics import CodecConfig
+    from megatron_gift.testing.simulate import FakeGroup
+
+    groups = TwoLevelGroups(FakeGroup(4, 0), Topology(2, 2), FakeGroup(2, 0), FakeGroup(2, 0))
+    layout = BucketLayout(4096, 4, [Segment(0, 32, 128, Mode.EUCLIDEAN, "w")], CodecConfig(), torch.float32)
+    config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", intra_node=intra)
+    owner = SimpleNamespace(
+        gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
+        gift_groups=groups,
+        ddp_config=SimpleNamespace(average_in_collective=False),
+    )
+    bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=[None])
+    red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+    assert type(red) is {"reduce-scatter": FP4SumFirstReduce, "bf16": FP4TwoLevelReduce}[intra]

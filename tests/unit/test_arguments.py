@@ -279,6 +279,11 @@ def test_bad_choice_rejected_by_argparse(parse, capsys, flag, value):
         (["--external-cuda-graph"], "does not support CUDA graphs (--external-cuda-graph)"),
         (["--cuda-graph-impl", "local"], "does not support CUDA graphs (--cuda-graph-impl local)"),
         (["--ddp-reduce-scatter-with-fp32-accumulation"], "--ddp-reduce-scatter-with-fp32-accumulation replaces"),
+        (
+            ["--gift-inter-node-format", "nvfp4", "--gift-intra-node", "reduce-scatter"],
+            "--gift-intra-node reduce-scatter reduce-scatters the distributed optimizer's equal shards: add "
+            "--use-distributed-optimizer",
+        ),
     ],
 )
 def test_validation_errors_name_the_flag(parse, flags, message):
@@ -289,6 +294,13 @@ def test_validation_errors_name_the_flag(parse, flags, message):
     if not flags[0].startswith("--gift-"):
         assert "--gift-mode off" in str(exc.value)
         validate_gift_args(parse(*flags))  # the same Megatron flags are fine with --gift-mode off
+
+
+def test_reduce_scatter_intra_node_is_accepted_with_the_distributed_optimizer(parse):
+    """Bug caught: ``--gift-intra-node reduce-scatter`` refused where it runs (four bits between nodes and
+    Megatron's equal shards of the distributed optimizer)."""
+    flags = ["--gift-inter-node-format", "nvfp4", "--gift-intra-node", "reduce-scatter", "--use-distributed-optimizer"]
+    validate_gift_args(parse("--gift-mode", "gift", *flags))
 
 
 def test_damping_typo_names_the_flag_and_the_choices(parse, capsys):

@@ -178,3 +178,17 @@ def test_fp4_with_tensor_scaling_is_refused_naming_both_flags(fmt):
     assert gift_config_from_args(
         parse("--gift-mode", "gift", "--gift-inter-node-format", fmt)
     ).wire.codec.scaling.value == ("block")
+
+
+def test_reduce_scatter_intra_node_reaches_the_config_and_needs_four_bits():
+    """Bug caught: ``--gift-intra-node reduce-scatter`` dropped on its way to ``GiftConfig`` (the
+    two-level exchange silently whitening at the sender), or accepted with FP8 between nodes, whose
+    two-level exchange has no such stage (it would fail inside the first step, or send FP8 of
+    unwhitened sums): refused at start-up naming both flags, in one line."""
+    args = parse("--gift-mode", "gift", "--gift-inter-node-format", "nvfp4", "--gift-intra-node", "reduce-scatter")
+    assert gift_config_from_args(args).exchange.intra_node.value == "reduce-scatter"
+    with pytest.raises(ValueError) as exc:
+        gift_config_from_args(parse("--gift-mode", "gift", "--gift-intra-node", "reduce-scatter"))
+    msg = str(exc.value)
+    assert msg.startswith("megatron-gift: ") and "\n" not in msg
+    assert "--gift-intra-node reduce-scatter" in msg and "--gift-inter-node-format nvfp4" in msg

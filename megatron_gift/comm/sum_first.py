@@ -1,0 +1,258 @@
+"""The two-level FP4 reduction that sums inside the node first (``--gift-intra-node reduce-scatter``).
+
+Whitening and the rotation are linear, ``Σ_l G_l T H = (Σ_l G_l) T H``: the intra-node stage can be a
+plain reduce-scatter of the gradient in the bucket's dtype (NCCL's, on NVLink: no pass of the plugin
+over the whole bucket), and ``T``, ``H`` and the FP4 encode run on the node's sums of the held shards
+alone, ``1/g`` of the bucket. On rank ``i = k·g + l`` holding shards ``j = m·g + l``
+(``comm.hierarchical``'s notation; every node's ``g`` ranks together hold every shard):
+
+0. *intra*: one coalesced reduce-scatter over the node of the bucket's ``n`` rows of ``g`` shards:
+   rank ``i`` receives ``P_{k,j} = Σ_{l'} G_{k·g+l'}[shard j]`` for its held shards, in the bucket's
+   dtype (the collective's order; an FP32 bucket sums in FP32).
+1. *rows*: the held coded values gathered in FP32 and whole GIFT rows times ``T``. A row a shard
+   boundary cuts has its other pieces on other ranks of the same node: each piece's part of the
+   row's ``(P D^{-1/2}) Q`` (``LowRankWhitening.input_projection``, r floats) goes to them in one
+   all-to-all over the node, as the owner's ``pieces.PieceExchange`` does for ``T⁻¹``.
+2. *node sums*: each cut piece's columns of ``P T`` from its row's summed projections (holders in
+   shard order), then ``H``, the FP4 messages and the all-to-all among the nodes
+   (``FP4TwoLevelReduce._send_inter``).
+3. the owner's decode-sum, ``Hᵀ``, ``T⁻¹``, cut rows (and the all-reduce's gather): ``_FP4Stages``'.
+
+Every step runs a fixed number of ops per segment whatever ``n`` and ``g`` (index tables built once
+per layout). Needs the distributed optimizer's layout: ``n·g`` shards of equal size tiling the bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import IntraNode
+from ..numerics.fp4 import FP4Format
+from ..numerics.rotation import BlockHadamard
+from .fp4_reduce import FP4TwoLevelReduce
+from .layout import BucketLayout
+from .ledger import CommLedger
+from .quantized import Whitenings
+from .schedule import StageResult, taken
+from .topology import TwoLevelGroups
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the ledger's
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One whitened segment's share of the held shards: ``rows``, the held coded sequence's positions
+    of its whole rows (row-major); ``src``/``dense``, its cut pieces' positions there and in a
+    ``[pieces, cols]`` matrix (zeros elsewhere); ``slots``, its pieces' rows in the exchange."""
+
+    seg: int
+    cols: int
+    rows: torch.Tensor
+    src: torch.Tensor
+    dense: torch.Tensor
+    slots: slice
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """What stage 1 gathers and the cut rows' exchange, built once per layout, rank and whitened set."""
+
+    coded: torch.Tensor  # held-buffer position of each held coded value (the held shards' coded values in order)
+    plain: tuple[torch.Tensor, torch.Tensor]  # the same per plain class
+    segments: tuple[_Segment, ...]
+    peers: tuple[int, ...]  # the node's local ranks sharing a cut row with this one
+    slots: int  # pieces per local rank's block in the exchange (the most any holds)
+    sums: torch.Tensor  # [own pieces, holders]: rows of [own | peers' blocks | a zero row] summed per piece
+
+
+def _pieces(layout: BucketLayout, held: list[int], whitened: tuple[int, ...]) -> list[tuple]:
+    """The cut pieces of a local rank's held shards ``held``: ``(seg, row, c0, c1, shard)``, whitened
+    segments in order, then the shards in ``held``'s order."""
+    return [
+        (p.seg, p.row, p.c0, p.c1, j) for seg in whitened for j in held for p in layout.shards[j].pieces if p.seg == seg
+    ]
+
+
+def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], device) -> _Tables:
+    S, g = layout.shard_size, topo.ranks_per_node
+    held = [m * g + local for m in range(topo.nodes)]
+    coded, plain = [], ([], [])
+    base, at = {}, 0  # each held shard's first position in the held coded sequence
+    for m, j in enumerate(held):
+        plan, base[j] = layout.shards[j], at
+        for part in plan.coded_parts:
+            coded.append(m * S + part.lo - plan.lo + torch.arange(part.hi - part.lo))
+        for c in range(2):
+            for part in plan.plain_parts[c]:
+                plain[c].append(m * S + part.lo - plan.lo + torch.arange(part.hi - part.lo))
+        at += plan.n_coded
+
+    def position(j: int, seg: int, row: int, c0: int) -> int:
+        s = layout.segments[seg]
+        return base[j] + layout.seg_at[seg] + row * s.cols + c0 - layout.shards[j].coded_lo
+
+    every = [_pieces(layout, [m * g + lp for m in range(topo.nodes)], whitened) for lp in range(g)]
+    mine = every[local]
+    segments, first = [], 0
+    for seg in whitened:
+        cols = layout.segments[seg].cols
+        rows = [
+            position(j, seg, r, 0) + torch.arange(cols)
+            for j in held
+            for s, r0, r1 in layout.shards[j].gift_rows
+            if s == seg
+            for r in range(r0, r1)
+        ]
+        own = [(k, p) for k, p in enumerate(mine) if p[0] == seg]
+        src = [position(j, seg, row, c0) + torch.arange(c1 - c0) for _, (_, row, c0, c1, j) in own]
+        dense = [i * cols + torch.arange(c0, c1) for i, (_, (_, _, c0, c1, _)) in enumerate(own)]
+        span = slice(first, first + len(own))
+        segments.append(_Segment(seg, cols, _cat(rows, device), _cat(src, device), _cat(dense, device), span))
+        first += len(own)
+    # each own piece's row: every holder's piece of it, in shard order, as rows of [own | peers | zero]
+    holders = {}
+    for lp, pieces in enumerate(every):
+        for k, (seg, row, _, _, j) in enumerate(pieces):
+            holders.setdefault((seg, row), []).append((j, lp, k))
+    peers = tuple(sorted({lp for seg, row, *_ in mine for _, lp, _ in holders[(seg, row)] if lp != local}))
+    slots = max((len(p) for p in every), default=0)
+    zero = (1 + len(peers)) * slots
+    table = [
+        [k if lp == local else (1 + peers.index(lp)) * slots + k for _, lp, k in sorted(holders[(seg, row)])]
+        for seg, row, *_ in mine
+    ]
+    width = max((len(t) for t in table), default=0)
+    sums = torch.tensor([t + [zero] * (width - len(t)) for t in table], dtype=torch.int64).view(len(table), width)
+    return _Tables(
+        _cat(coded, device),
+        (_cat(plain[0], device), _cat(plain[1], device)),
+        tuple(segments),
+        peers,
+        slots,
+        sums.to(device),
+    )
+
+
+def _cat(ts: list[torch.Tensor], device) -> torch.Tensor:
+    return torch.cat(ts).to(device) if ts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class FP4SumFirstReduce(FP4TwoLevelReduce):
+    """The two-level FP4 reduction with a plain reduce-scatter inside the node (module doc); the same
+    contract as ``FP4TwoLevelReduce``. Construction does no work."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        groups: TwoLevelGroups,
+        transforms: Whitenings,
+        fmt: FP4Format,
+        average: bool = False,
+        all_reduce: bool = False,
+        ledger: CommLedger | None = None,
+        nonfinite: torch.Tensor | None = None,
+        rotation: BlockHadamard | None = None,
+        kernels: bool | None = None,
+    ):
+        super().__init__(
+            flat,
+            layout,
+            groups,
+            transforms,
+            fmt,
+            IntraNode.FP32,
+            average,
+            all_reduce,
+            ledger,
+            nonfinite,
+            rotation,
+            kernels,
+        )
+        if layout.shard_size * self.world != flat.numel():
+            raise ValueError(
+                f"--gift-intra-node reduce-scatter needs {self.world} equal shards tiling the bucket, got "
+                f"{self.world} x {layout.shard_size} for {flat.numel()} elements"
+            )
+
+    def stages(self) -> list:
+        if self.all_reduce:
+            return [self._intra, self._rows, self._node_sums, self._reduce, self._finish_gather, self._land]
+        return [self._intra, self._rows, self._node_sums, self._reduce, self._finish]
+
+    def _footprint_key(self) -> tuple:
+        return (self.fmt.name, "sum-first", self.topo.ranks_per_node)
+
+    def _footprint(self) -> int:
+        """The held sums (``1/g`` of the bucket, its dtype), then the inter-node send and receive buffers."""
+        held = self.topo.nodes * self.layout.shard_size * self.flat.element_size()
+        return max(taken(held, *self._inter_bytes(r)) for r in range(self.world)) + taken(*self._gathered_bytes())
+
+    def _tables(self, device) -> _Tables:
+        whitened = tuple(i for i, t in enumerate(self.transforms) if t is not None)
+        key = ("sum-first", self.local, whitened, str(device))
+        return self.layout.cached(key, lambda: _tables(self.layout, self.topo, self.local, whitened, device))
+
+    # -- 0: intra-node ------------------------------------------------------------------------------
+    def _intra(self) -> StageResult:
+        """The node's reduce-scatter of the held shards: row ``m`` of the bucket's ``[n, g·S]`` onto row
+        ``m`` of the held sums ``[n, S]``, local rank ``l`` taking shard ``m·g + l``; one coalesced call."""
+        n, g, size, flat = self.topo.nodes, self.topo.ranks_per_node, self.layout.shard_size, self.flat
+        self.held_sums = self.space.empty(n * size, flat.dtype, flat.device)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        sent = (g - 1) * n * size * flat.element_size()  # a ring's: (g-1)/g of the bucket
+        self.ledger.add("reduce_scatter", _DTYPE_NAMES.get(flat.dtype, str(flat.dtype)), sent, {"intra": sent})
+        work = self.groups.intra.reduce_scatter_tensor_coalesced(
+            list(self.held_sums.view(n, size).unbind(0)), list(flat.view(n, g * size).unbind(0)), opts
+        )
+        return StageResult([work], [self.held_sums, flat])
+
+    # -- 1: whole rows, the cut rows' projections -----------------------------------------------------
+    def _rows(self) -> StageResult:
+        """The held coded values in FP32 with whole GIFT rows times ``T``; each cut piece's projection sent
+        to the node's other holders of its row."""
+        sums, t = self.held_sums, self._tables(self.flat.device)
+        del self.held_sums
+        self.coded = sums[t.coded].float()
+        self.plain = [sums[t.plain[c]] for c in range(2)]
+        self.dense, r_max = [], max((self.transforms[s.seg].rank for s in t.segments), default=0)
+        self.own = torch.zeros(t.slots, r_max, device=sums.device)
+        for s in t.segments:  # the same ops whether the held shards cut a row of it or hold a whole one
+            w = self.transforms[s.seg]
+            self.coded[s.rows] = w.apply(self.coded[s.rows].view(-1, s.cols)).view(-1)
+            y = torch.zeros(s.slots.stop - s.slots.start, s.cols, device=sums.device)
+            y.view(-1)[s.dense] = self.coded[s.src]
+            self.own[s.slots, : w.rank] = w.input_projection(y, slice(None))
+            self.dense.append(y)
+        if not t.slots:  # no whitened row of the node's shards is cut (a layout fact: the same on its ranks)
+            return StageResult([], [self.coded, *self.plain])
+        self.recv = torch.empty(len(t.peers), *self.own.shape, device=sums.device)
+        block = self.own.numel()
+        splits = [block if lp in t.peers else 0 for lp in range(self.topo.ranks_per_node)]
+        send = self.own.expand(len(t.peers), *self.own.shape).contiguous()
+        sent = 4 * block * len(t.peers)
+        self.ledger.add("all_to_all", "fp32", sent, {"intra": sent})
+        work = dist.all_to_all_single(
+            self.recv.view(-1), send.view(-1), splits, splits, group=self.groups.intra, async_op=True
+        )
+        return StageResult([work], [self.coded, *self.plain, self.own, self.recv, send])
+
+    # -- 2: node sums -------------------------------------------------------------------------------
+    def _node_sums(self) -> StageResult:
+        """Each cut piece's columns of ``P T`` (its row's projections summed, holders in shard order),
+        then ``_send_inter``."""
+        t, coded, plain = self._tables(self.flat.device), self.coded, self.plain
+        if t.slots:
+            r_max = self.own.shape[1]
+            rows = torch.cat([self.own, self.recv.view(-1, r_max), self.own.new_zeros(1, r_max)])
+            proj = rows[t.sums].sum(1)
+            for s, y in zip(t.segments, self.dense):
+                w = self.transforms[s.seg]
+                coded[s.src] = w.apply_piece(y, proj[s.slots, : w.rank], slice(None)).view(-1)[s.dense]
+            del self.own, self.recv
+        del self.coded, self.plain, self.dense
+        return self._send_inter(coded, plain)
