@@ -1,6 +1,7 @@
 """Simulated data-parallel layouts for the launch meter: one process plays rank ``r`` of ``p``.
 
-- ``FakeGroup(p, r)``: ``size()`` and ``rank()``, all a reduction asks of its process group;
+- ``FakeGroup(p, r)``: ``size()`` and ``rank()``, all a reduction asks of its process group, and the
+  group's coalesced reduce-scatter, recorded like the collectives below;
 - ``recorded_collectives()``: in every imported ``megatron_gift.comm`` module, the name ``dist`` (when
   it is ``torch.distributed``) becomes a proxy whose collectives, and any module-level alias of one
   (e.g. ``_all_gather``, ``_coalescing_manager``), only record ``(name, bytes in, bytes out)`` and
@@ -47,6 +48,16 @@ class FakeGroup:
 
     def rank(self) -> int:
         return self._rank
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> FakeWork:
+        """The process group's own coalesced reduce-scatter (``comm.sum_first``): recorded as the module-level
+        collectives are, within ``recorded_collectives``."""
+        for calls in _RECORDING[-1:]:
+            calls.append(("reduce_scatter_tensor_coalesced", _tensor_bytes(outputs), _tensor_bytes(inputs)))
+        return FakeWork()
+
+
+_RECORDING: list[list] = []  # the calls lists of the recordings in progress, innermost last
 
 
 class FakeWork:
@@ -128,9 +139,11 @@ def recorded_collectives(calls: list | None = None):
             if new is not None:
                 saved.append((mod, attr, value))
                 setattr(mod, attr, new)
+    _RECORDING.append(calls)
     try:
         yield calls
     finally:
+        _RECORDING.pop()
         for mod, attr, value in reversed(saved):
             setattr(mod, attr, value)
 

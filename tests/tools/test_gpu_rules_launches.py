@@ -29,6 +29,7 @@ def _fused_counts(path, bucket):
         "two-level/fp8-ar",
         "flat-nvfp4-rs",
         "two-level/bf16-nvfp4-rs",
+        "two-level/reduce-scatter-nvfp4-rs",
     ],
 )
 def test_fused_launches_per_stage_do_not_grow(path):
@@ -37,7 +38,8 @@ def test_fused_launches_per_stage_do_not_grow(path):
     plain class that the rank's shards hold or not (where shard boundaries fall moves with the
     sizes): a loop over element chunks, or over peers, makes the host launch-bound. FP4 paths
     (Hadamard rotation on; ``gift`` and ``euclidean`` buckets): the rotation of the held shards
-    one call per shard part grew with the nodes."""
+    one call per shard part grew with the nodes; summing first, the node's reduce-scatter one call per
+    node row, or the held rows whitened one call per held shard."""
     for bucket in ("gift", "euclidean") if "fp4" in path else ("gift", "plain"):
         counts = _fused_counts(path, bucket)
         for stage in next(iter(counts.values())):

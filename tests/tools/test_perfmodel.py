@@ -84,7 +84,8 @@ def test_placement():
 def test_schemes_use_the_runtime_modes():
     """The planner's schemes are the runtime's ``Mode`` over an exchange (a second list of modes would drift)."""
     assert [s.mode for s in BASE] == [Mode.OFF, Mode.OFF, Mode.EUCLIDEAN, Mode.GIFT, Mode.EUCLIDEAN, Mode.GIFT]
-    assert [(s.mode, s.two_level) for s in Scheme if s not in BASE] == [(Mode.EUCLIDEAN, True), (Mode.GIFT, True)] * 2
+    assert [(s.mode, s.two_level) for s in Scheme if s not in BASE] == [(Mode.EUCLIDEAN, True), (Mode.GIFT, True)] * 4
+    assert [s.sum_first for s in Scheme if s not in BASE] == [False] * 4 + [True] * 4
     assert [s.two_level for s in PLUGIN] == [True, True, False, False]
     assert Scheme.GIFT_2LEVEL.label == "GIFT FP8 two-level" and Scheme.BF16.label == "BF16 ring"
 

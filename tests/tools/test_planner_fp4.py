@@ -11,7 +11,7 @@ from megatron_gift_tools.planner import fp4, model, output, plan
 from megatron_gift_tools.planner.buckets import buckets
 from megatron_gift_tools.planner.cluster import CLUSTERS
 from megatron_gift_tools.planner.costs import KernelCosts
-from megatron_gift_tools.planner.schemes import BASE, Scheme
+from megatron_gift_tools.planner.schemes import BASE, Scheme, schemes
 from megatron_gift_tools.planner.workloads import workload
 
 
@@ -51,15 +51,18 @@ def test_fp4_row_sends_fp4_bytes_through_the_nic(fmt, per_element):
 
 def test_fp4_rows_only_on_request_and_never_recommended():
     """Without an inter-node format a plan's rows are today's schemes (its JSON unchanged); with nvfp4 the two
-    two-level FP4 rows follow, named with the format, and the recommendation stays among the runtime's schemes
-    (FP4 is not in it yet) while their verdict says so."""
+    two-level FP4 rows follow, named with the format, then the two that reduce-scatter inside the node first
+    (not without the distributed optimizer, where the runtime refuses them), and the recommendation stays
+    among the runtime's schemes (FP4 is not in it yet) while their verdict says so."""
     w, c = workload("600m"), CLUSTERS["gh200"]
     costs = KernelCosts.from_hbm(c)
     plain = plan.plan(w, c, 512, costs, with_break_even=False)
     assert [r["mode"] for r in plain["rows"]] == [s.value for s in BASE]
     p = plan.plan(w, c, 512, costs, with_break_even=False, inter_format="nvfp4")
     modes = [r["mode"] for r in p["rows"]]
-    assert modes == [s.value for s in BASE] + ["euclidean-2level-nvfp4", "gift-2level-nvfp4"]
+    fp4_modes = ["euclidean-2level-nvfp4", "gift-2level-nvfp4", "euclidean-2level-rs-nvfp4", "gift-2level-rs-nvfp4"]
+    assert modes == [s.value for s in BASE] + fp4_modes
+    assert [s.value for s in schemes("nvfp4", sum_first=False)] == [s.value for s in BASE] + fp4_modes[:2]
     assert Scheme(p["recommended"]).inter_format is None
     rows = {r["mode"]: r for r in p["rows"]}
     assert rows["gift-2level-nvfp4"]["step_s"] < rows["gift-2level"]["step_s"]
@@ -88,3 +91,25 @@ def test_nvfp4_rows_take_the_meters_fp4_records():
     assert plugin[("with", Scheme.GIFT_2LEVEL_NVFP4)] != plugin[("without", Scheme.GIFT_2LEVEL_NVFP4)]
     assert plugin[("with", Scheme.GIFT_2LEVEL)] == plugin[("without", Scheme.GIFT_2LEVEL)]
     assert plugin[("with", Scheme.GIFT_2LEVEL_MXFP4)] == plugin[("without", Scheme.GIFT_2LEVEL_MXFP4)]
+
+
+def test_sum_first_rows_reduce_scatter_fp32_in_the_node_and_skip_the_whole_bucket_pass():
+    """``gift-2level-rs-nvfp4`` (``--gift-intra-node reduce-scatter``) on 8-GPU H100 nodes: its NVLink bytes are
+    a ring reduce-scatter of the FP32 gradient, (g-1)/g x 4 B per parameter element where the BF16 intra stage
+    sends 2 B (a hand count over the model's parameters: the difference is (g-1)/g x 2 B x elements), its NIC
+    bytes the same FP4 messages, and no GPU stage over the whole bucket: no ``cast`` stage, less plugin GPU
+    time. Catches the rows priced as the whitening-first exchange, or with BF16 inside the node."""
+    from megatron_gift_tools.planner.metered import Meter
+
+    w, c = workload("600m"), CLUSTERS["h100"]
+    costs = KernelCosts.from_hbm(c, Meter.load())
+    rs = model.step_time(w, c, Scheme.GIFT_2LEVEL_RS_NVFP4, 512, costs)
+    a2a = model.step_time(w, c, Scheme.GIFT_2LEVEL_NVFP4, 512, costs)
+    g = rs["ranks_per_node"]
+    assert g == 8 and rs["intra_dtype"] == "reduce-scatter" and a2a["intra_dtype"] == "bf16"
+    elements = sum(r * k for _, (r, k), _ in w.parameters())
+    assert rs["nvlink_bytes_per_rank"] - a2a["nvlink_bytes_per_rank"] == pytest.approx((g - 1) / g * 2 * elements, 1e-9)
+    assert rs["nic_bytes_per_rank"] == pytest.approx(a2a["nic_bytes_per_rank"], 1e-12)
+    assert "cast" not in [s["stage"] for s in rs["first_bucket_gpu_stages"]]
+    assert "cast" in [s["stage"] for s in a2a["first_bucket_gpu_stages"]]
+    assert rs["plugin_s"] < a2a["plugin_s"]

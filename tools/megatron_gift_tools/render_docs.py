@@ -197,7 +197,8 @@ FLAG_ADVICE = {  # docs/flags.md's last column: when to change each flag
     "--gift-log-interval": "to watch fidelity during a run ([telemetry](telemetry.md))",
     "--gift-telemetry-dir": "with `--gift-log-interval` and no `--save`",
     "--gift-exchange": "`flat` only to compare; error feedback keeps the flat exchange",
-    "--gift-intra-node": "`fp8` only if NVLink is the bottleneck (quantizes twice: +36-38% RelL2 in `bench comm`)",
+    "--gift-intra-node": "`fp8` only if NVLink is the bottleneck (quantizes twice: +36-38% RelL2 in `bench comm`); "
+    "`reduce-scatter` with four bits between nodes: the planner's `-2level-rs-` rows price it",
     "--gift-inter-node-format": "an experiment: about 5x FP8's error, which GIFT reduces (issue 36)",
     "--gift-rotation": (
         "an experiment: issue 36 measured 0.61x of Euclidean NVFP4's error for GIFT then Hadamard, 0.76x for GIFT alone"
@@ -331,13 +332,17 @@ def fp4_meter(results: Path) -> str:
     def cell(s: dict | None) -> str:
         return f"{s['launches']}, {s['ratio'] or '-'}" if s else "-"
 
-    for fp8, fp4 in (("flat-rs", "flat-nvfp4-rs"), ("two-level/bf16-rs", "two-level/bf16-nvfp4-rs")):
+    pairs = (
+        ("flat-rs", "flat-nvfp4-rs"),
+        ("two-level/bf16-rs", "two-level/bf16-nvfp4-rs"),
+        (None, "two-level/reduce-scatter-nvfp4-rs"),  # FP4 only (``comm.sum_first``)
+    )
+    for fp8, fp4 in pairs:
+        name = (fp8 or fp4.replace("-nvfp4", "")).removesuffix("-rs")
         for bucket in ("euclidean", "gift"):
-            a, b = recs[(fp8, bucket)], recs[(fp4, bucket)]
+            a, b = recs[(fp8, bucket)] if fp8 else {}, recs[(fp4, bucket)]
             for stage in b:
-                out.append(
-                    f"| {fp8.removesuffix('-rs')} | {bucket} | {stage} | {cell(a.get(stage))} | {cell(b[stage])} |"
-                )
+                out.append(f"| {name} | {bucket} | {stage} | {cell(a.get(stage))} | {cell(b[stage])} |")
     return "\n".join(out) + f"\n\n(`{doc['command']}`, {doc['date']})\n"
 
 

@@ -8,7 +8,8 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
   the distributed optimizer) or ``-ar`` (all-reduce); ``-nvfp4-rs``: the four-bit exchange between
   nodes (``comm.fp4_reduce``, NVFP4 with the Hadamard rotation; ``euclidean`` and ``gift`` buckets of
   ``[rows, 1024]`` parameters, the rotation's whole 64-column blocks; its messages in the essential
-  bytes are the FP4 ones, the rotation's passes are not); ``kernels``: ``fused`` (the Triton path CUDA
+  bytes are the FP4 ones, the rotation's passes are not); ``two-level/reduce-scatter-nvfp4-rs``: the
+  same after a plain reduce-scatter inside the node (``comm.sum_first``); ``kernels``: ``fused`` (the Triton path CUDA
   takes, launches recorded by stubs on ``meta`` tensors: nothing is computed) or ``pytorch``
   (the reference path);
 - ``bucket``: the same segment structure at every size (four ``[rows, 1000]`` parameters, rows
@@ -38,7 +39,9 @@ send / intra-node stage: read the bucket, write every message; node sums: read t
 of the held shards, write their FP8 messages; reduce: read every sender's message of the own shard,
 write the shard (``b`` per element); cut rows: their values read and written; all-reduce gather:
 read the senders' messages, write one; decode of all: read every shard's message, write the
-bucket; an all-gather's own stage moves nothing.
+bucket; an all-gather's own stage moves nothing. Summing first (``reduce-scatter``): the collective's
+stage moves nothing; the held sums' one pass is split at the cut rows' exchange: ``rows`` reads the
+held sums (a GIFT parameter's twice), ``node_sums`` writes their FP4 messages.
 Error feedback adds the residual read and written (FP32). The output side's stage reads its FP32
 ``W`` and writes the rank's elements (``b`` per element; ``P`` aside); its other work (``W``
 through FP32 targets, ``P``'s partials) is not counted as essential: a fused pass would fold it
@@ -79,6 +82,7 @@ from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.output_side import OutputSide
 from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import ReductionQueue, StageStreams
+from megatron_gift.comm.sum_first import FP4SumFirstReduce
 from megatron_gift.comm.topology import Topology, TwoLevelGroups
 from megatron_gift.config import IntraNode, Mode, Schedule
 from megatron_gift.numerics.error_feedback import ErrorFeedback
@@ -93,7 +97,7 @@ SIZES = {"1M": 1 << 20, "10M": 10 << 20, "40M": 40 << 20, "200M": 200 << 20}
 DPS = (2, 8, 64, 512)
 COLS, RANK = 1000, 8
 FP4_COLS = 1024  # an FP4 path's parameters: rows of whole 64-column rotation blocks (the layout's block rule)
-FP4_PATHS = ("flat-nvfp4-rs", "two-level/bf16-nvfp4-rs", "two-level/fp8-nvfp4-rs")
+FP4_PATHS = ("flat-nvfp4-rs", "two-level/bf16-nvfp4-rs", "two-level/fp8-nvfp4-rs", "two-level/reduce-scatter-nvfp4-rs")
 BUCKETS = {
     "euclidean": (Mode.EUCLIDEAN,) * 4,
     "gift": (Mode.GIFT,) * 4,
@@ -202,7 +206,11 @@ class Case:
 
     @property
     def intra(self) -> IntraNode | None:
-        return IntraNode(self.path.split("/")[1].split("-")[0]) if self.two_level else None
+        """``two-level/<intra>[-<fp4 format>]-rs|ar``'s intra-node stage."""
+        if not self.two_level:
+            return None
+        name = self.path.split("/")[1].removesuffix("-rs").removesuffix("-ar")
+        return IntraNode(name.removesuffix(f"-{self.fmt.name}") if self.fmt is not None else name)
 
     def reduction(self):
         fused = self.kernels == "fused"
@@ -210,6 +218,9 @@ class Case:
             common = dict(
                 average=True, all_reduce=self.all_reduce, rotation=BlockHadamard(ROTATION_BLOCK, 0), kernels=fused
             )
+            if self.intra is IntraNode.REDUCE_SCATTER:
+                groups = _two_level_groups(self.p, self.rank)
+                return FP4SumFirstReduce(self.flat, self.layout, groups, self.transforms, self.fmt, **common)
             if self.two_level:
                 groups = _two_level_groups(self.p, self.rank)
                 return FP4TwoLevelReduce(
@@ -283,6 +294,13 @@ def essential(case: Case, stage: str) -> tuple[int, int] | None:
     pieces = sum(x.c1 - x.c0 for x in layout.shards[r].pieces)
     if stage == "send":
         return bucket_read + ef // 2, sum(msg([j]) for j in range(p)) + ef // 2
+    if case.intra is IntraNode.REDUCE_SCATTER:  # the collective sums; the held sums' one pass is split in two
+        if stage == "intra":
+            return 0, 0
+        if stage == "rows":  # the held sums read (GIFT rows twice: their projections)
+            return sum(shard_elements(j) * b + 4 * gift_codes(j) // code for j in held), 0
+        if stage == "node_sums":  # the held shards' FP4 messages written
+            return 0, sum(msg([j]) for j in held)
     if stage == "intra":
         g = topo.ranks_per_node
         return bucket_read, sum(msg(topo.inter_ranks(lp), wire) for lp in range(g))

@@ -42,7 +42,10 @@ def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: F
 
 
 def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig) -> float:
-    """Bytes of one parameter in the two-level exchange's intra-node stage in ``dtype`` (fp8: the scheme's)."""
+    """Bytes of one parameter in the two-level exchange's intra-node stage in ``dtype`` (fp8: the scheme's;
+    reduce-scatter: the bucket's FP32 gradient, as the collective sums it)."""
+    if dtype == "reduce-scatter":
+        dtype = "fp32"
     if dtype == "fp8":
         return param_bytes(scheme, name, shape, fp8_params, codec)
     return param_bytes(Scheme(dtype), name, shape, fp8_params, codec)

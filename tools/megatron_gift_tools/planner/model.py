@@ -101,7 +101,7 @@ def step_time(
         schedule=opts.schedule.value,
         gift_schedule=opts.gift_schedule.value,
         param_gather=opts.param_gather.value,
-        intra_dtype=opts.intra_dtype if scheme.two_level else None,
+        intra_dtype="reduce-scatter" if scheme.sum_first else opts.intra_dtype if scheme.two_level else None,
         gift_side=opts.side if scheme.mode is Mode.GIFT else None,
         step_s=compute + grad_exposed + gather_exposed + refresh_s,
         compute_s=compute,

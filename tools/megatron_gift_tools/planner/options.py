@@ -51,6 +51,11 @@ class Options:
             object.__setattr__(self, name, kind(getattr(self, name)))
         if self.intra_dtype not in INTRA_NODE_DTYPES:
             raise ValueError(f"intra_dtype must be one of {INTRA_NODE_DTYPES}, got {self.intra_dtype!r}")
+        if self.intra_dtype == "reduce-scatter":
+            raise ValueError(
+                "intra_dtype reduce-scatter is priced in rows of its own (the -2level-rs- modes, with an inter-node "
+                "format): the intra-node dtype sets the other two-level rows'"
+            )
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 or None, got {self.bucket_size}")
         if self.side not in SIDES:

@@ -118,7 +118,7 @@ def plan(
     against the BF16 baseline (``bf16_baselines``) and FP32; for the plugin's rows the change against the best
     BF16 alternative and the all-to-all ratio at which they meet it; the recommendation (``_recommend``, among
     the runtime's schemes). ``inter_format``: also the two-level schemes with FP4 inter-node messages (``fp4``)."""
-    priced = schemes(inter_format)
+    priced = schemes(inter_format, sum_first=opts.schedule.value == "overlap")
     base = bf16_baselines(w, c, gpus, costs, opts)
     fp32 = step_time(w, c, Scheme.FP32, gpus, costs, replace(opts, param_gather=ParamGather.BF16))["step_s"]
     other = Schedule.LAGGED if opts.gift_schedule is Schedule.EAGER else Schedule.EAGER

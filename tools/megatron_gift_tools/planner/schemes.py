@@ -1,6 +1,7 @@
 """The gradient-reduction schemes the planner prices: Megatron's rings and the plugin's modes
 (``config.Mode``) over the flat or the two-level exchange; and, priced only on request
-(``--inter-node-format``, issue 36), two-level exchanges whose inter-node stage is FP4 (``fp4``)."""
+(``--inter-node-format``, issue 36), two-level exchanges whose inter-node stage is FP4 (``fp4``), whitening
+at the sender or, with the distributed optimizer, after a plain reduce-scatter inside the node (``-rs-``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ class Scheme(enum.Enum):
     GIFT_2LEVEL_NVFP4 = "gift-2level-nvfp4"
     EUCLIDEAN_2LEVEL_MXFP4 = "euclidean-2level-mxfp4"
     GIFT_2LEVEL_MXFP4 = "gift-2level-mxfp4"
+    EUCLIDEAN_2LEVEL_RS_NVFP4 = "euclidean-2level-rs-nvfp4"
+    GIFT_2LEVEL_RS_NVFP4 = "gift-2level-rs-nvfp4"
+    EUCLIDEAN_2LEVEL_RS_MXFP4 = "euclidean-2level-rs-mxfp4"
+    GIFT_2LEVEL_RS_MXFP4 = "gift-2level-rs-mxfp4"
 
     @property
     def mode(self) -> Mode:
@@ -33,9 +38,15 @@ class Scheme(enum.Enum):
         return "-2level" in self.value
 
     @property
+    def sum_first(self) -> bool:
+        """Whether the node's ranks reduce-scatter ``G`` before ``T`` (``--gift-intra-node reduce-scatter``,
+        ``comm.sum_first``: the distributed optimizer's, four bits between nodes)."""
+        return "-2level-rs-" in self.value
+
+    @property
     def inter_format(self) -> str | None:
         """The inter-node stage's FP4 format (``fp4.FORMATS``); None: FP8, as the runtime sends it."""
-        return self.value.partition("-2level-")[2] or None
+        return self.value.partition("-2level-")[2].removeprefix("rs-") or None
 
     @property
     def ring_bytes(self) -> float:
@@ -59,9 +70,12 @@ BASE = tuple(s for s in Scheme if s.inter_format is None)
 """the schemes every plan prices (the runtime's); the FP4 ones only with an inter-node format (``schemes``)."""
 
 
-def schemes(inter_format: str | None = None) -> tuple[Scheme, ...]:
-    """The schemes a plan prices: ``BASE``, then the two-level ones in ``inter_format`` (FP4) if given."""
-    return BASE + tuple(s for s in Scheme if inter_format and s.inter_format == inter_format)
+def schemes(inter_format: str | None = None, sum_first: bool = True) -> tuple[Scheme, ...]:
+    """The schemes a plan prices: ``BASE``, then the two-level ones in ``inter_format`` (FP4) if given, those
+    that sum first only with ``sum_first`` (the distributed optimizer's reduce-scatter)."""
+    return BASE + tuple(
+        s for s in Scheme if inter_format and s.inter_format == inter_format and (sum_first or not s.sum_first)
+    )
 
 
 PLUGIN = (Scheme.EUCLIDEAN_2LEVEL, Scheme.GIFT_2LEVEL, Scheme.EUCLIDEAN, Scheme.GIFT)

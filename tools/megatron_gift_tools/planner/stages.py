@@ -17,6 +17,9 @@ flat decode-sum (reduce)           read F (p messages of S),     8 N_g/p (``T⁻
 (node_sums)                        write F/g (its FP8 messages)
 2-level decode-sum (reduce)        read F/g (n messages of S),   8 N_g/p
                                    write 4S
+sum-first ``rows`` (reduce-scatter read 4N/g (the held sums)          4N_g/g (their ``G Q``)
+then T on the node's sums)
+sum-first ``node_sums``            write F/g
 cut rows (finish)                  launches only
 all-reduce decode-sum + re-encode  read F (F/g two-level),
 (gather, gather_inter)             write F/p
@@ -42,6 +45,8 @@ stage has no essential bytes; without it they run in the decode of the bucket, w
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron_gift.config import Mode
 from megatron_gift_tools.planner import nccl
 from megatron_gift_tools.planner.buckets import Bucket
@@ -60,6 +65,8 @@ def reduction_chain(b: Bucket, scheme: Scheme, x: Context) -> list[Task]:
     if scheme.mode is Mode.OFF:
         kind = "reduce_scatter" if dist_opt else "all_reduce"
         return [x.ring(kind.replace("_", "-"), kind, b.wire_bytes, "dp", 1)]
+    if scheme.two_level and x.g > 1 and x.n > 1 and scheme.sum_first:
+        return _sum_first(b, x, scheme.inter_format)
     if scheme.two_level and x.g > 1 and x.n > 1:
         return _two_level(b, x, dist_opt, scheme.inter_format)
     return _flat(b, x, dist_opt)
@@ -153,6 +160,51 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool, fp4: str | None = None) ->
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
         return tasks + _finish(b, x, path, 3, True) + _output_side(b, x, path, 3, True)
     return tasks + _two_level_all_gather(b, x, path)
+
+
+def _sum_first(b: Bucket, x: Context, fp4: str) -> list[Task]:
+    """``--gift-intra-node reduce-scatter`` (``comm.sum_first``, the distributed optimizer's): NCCL's ring
+    reduce-scatter of the FP32 bucket over the node's NVLink, no plugin pass over it; ``T`` on the node's sums
+    of the held ``1/g`` (``rows``: the held sums read, GIFT rows twice), the cut rows' exchange inside the node,
+    ``H`` and the FP4 encode (``node_sums``: the messages written), the inter-node all-to-all and the owner's
+    decode-sum. Stages: the meter's ``two-level/reduce-scatter-<fmt>-rs`` records (mxfp4: nvfp4's, at its bytes)."""
+    F, p, g, n, N, Ng = b.inter_bytes, x.p, x.g, x.n, b.elements, b.gift_elements
+    path = f"two-level/reduce-scatter-{fp4}-rs"
+    meter = x.costs.meter
+    if meter is not None and not meter.has(path):
+        path = "two-level/reduce-scatter-nvfp4-rs"
+    if meter is not None and not meter.has(path):  # an older meter JSON: one fused pass each (the lower bound)
+        x = replace(x, costs=replace(x.costs, meter=None))
+    held = b.intra_bytes["reduce-scatter"]  # the FP32 bucket the node's ranks sum
+    tasks = [
+        Task(
+            "intra reduce-scatter",
+            Kind.COMM,
+            nccl.ring_time("reduce_scatter", held, g, g, x.c),
+            "intra",
+            ("nvlink",),
+            1,
+            (g - 1) / g * held,
+        ),
+        x.metered(b, path, "rows", "T on the node's sums", 2, held / g, 4 * Ng / g),
+    ]
+    if Ng:  # the cut rows' projections among the node's ranks
+        tasks.append(Task("sender cut rows", Kind.COMM, nccl.neighbour_exchange_time(False, x.c), "intra", (), 2))
+    tasks += [
+        x.metered(b, path, "node_sums", "rotate + encode slice", 3, F / g),
+        Task(
+            "inter all-to-all",
+            Kind.COMM,
+            nccl.all_to_all_time(F / g, n, 1, x.c),
+            "inter",
+            ("nic",),
+            3,
+            0.0,
+            (n - 1) / n * F / g,
+        ),
+        x.metered(b, path, "reduce", "decode-sum", 4, F / g + 4 * N / p, 8 * Ng / p),
+    ]
+    return tasks + _finish(b, x, path, 4, True)
 
 
 def _two_level_all_gather(b: Bucket, x: Context, path: str) -> list[Task]:
