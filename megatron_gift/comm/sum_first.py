@@ -9,7 +9,8 @@ alone, ``1/g`` of the bucket. On rank ``i = k·g + l`` holding shards ``j = m·g
 0. *intra*: one coalesced reduce-scatter over the node of the bucket's ``n`` rows of ``g`` shards:
    rank ``i`` receives ``P_{k,j} = Σ_{l'} G_{k·g+l'}[shard j]`` for its held shards, in the bucket's
    dtype (the collective's order; an FP32 bucket sums in FP32).
-1. *rows*: the held coded values gathered in FP32 and whole GIFT rows times ``T``. A row a shard
+1. *rows*: the held coded values gathered in FP32 and whole GIFT rows times ``T`` (gathered by their
+   starts, whitened and placed by ``kernels.whiten_place``: one pass where the kernels run). A row a shard
    boundary cuts has its other pieces on other ranks of the same node: each piece's part of the
    row's ``(P D^{-1/2}) Q`` (``LowRankWhitening.input_projection``, r floats) goes to them in one
    all-to-all over the node, as the owner's ``pieces.PieceExchange`` does for ``T⁻¹``.
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import IntraNode
+from ..kernels.placement import Placement
 from ..numerics.fp4 import FP4Format
 from ..numerics.rotation import BlockHadamard
 from .fp4_reduce import FP4TwoLevelReduce
@@ -44,13 +46,15 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 @dataclass(frozen=True)
 class _Segment:
-    """One whitened segment's share of the held shards: ``rows``, the held coded sequence's positions
-    of its whole rows (row-major); ``src``/``dense``, its cut pieces' positions there and in a
-    ``[pieces, cols]`` matrix (zeros elsewhere); ``slots``, its pieces' rows in the exchange."""
+    """One whitened segment's share of the held shards: ``row_src``, the held sums' position of each
+    whole row's first element; ``row_place``, where those rows go in the held coded sequence (a run of
+    rows per held shard); ``src``/``dense``, its cut pieces' positions there and in a ``[pieces, cols]``
+    matrix (zeros elsewhere); ``slots``, its pieces' rows in the exchange."""
 
     seg: int
     cols: int
-    rows: torch.Tensor
+    row_src: torch.Tensor
+    row_place: Placement
     src: torch.Tensor
     dense: torch.Tensor
     slots: slice
@@ -99,18 +103,20 @@ def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], d
     segments, first = [], 0
     for seg in whitened:
         cols = layout.segments[seg].cols
-        rows = [
-            position(j, seg, r, 0) + torch.arange(cols)
-            for j in held
-            for s, r0, r1 in layout.shards[j].gift_rows
-            if s == seg
-            for r in range(r0, r1)
-        ]
+        starts, sizes, runs = [], [], []  # per held shard: its whole rows' starts in the held sums, their run
+        for m, j in enumerate(held):
+            for s, r0, r1 in layout.shards[j].gift_rows:
+                if s == seg and r1 > r0:
+                    row0 = m * S + layout.segments[seg].start + r0 * cols - layout.shards[j].lo
+                    starts.append(row0 + cols * torch.arange(r1 - r0))
+                    sizes.append((r1 - r0) * cols)
+                    runs.append(position(j, seg, r0, 0))
         own = [(k, p) for k, p in enumerate(mine) if p[0] == seg]
         src = [position(j, seg, row, c0) + torch.arange(c1 - c0) for _, (_, row, c0, c1, j) in own]
         dense = [i * cols + torch.arange(c0, c1) for i, (_, (_, _, c0, c1, _)) in enumerate(own)]
         span = slice(first, first + len(own))
-        segments.append(_Segment(seg, cols, _cat(rows, device), _cat(src, device), _cat(dense, device), span))
+        place = Placement(sizes, runs, device)
+        segments.append(_Segment(seg, cols, _cat(starts, device), place, _cat(src, device), _cat(dense, device), span))
         first += len(own)
     # each own piece's row: every holder's piece of it, in shard order, as rows of [own | peers | zero]
     holders = {}
@@ -223,7 +229,9 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
         for s in t.segments:  # the same ops whether the held shards cut a row of it or hold a whole one
             w = self.transforms[s.seg]
-            self.coded[s.rows] = w.apply(self.coded[s.rows].view(-1, s.cols)).view(-1)
+            # the whole rows (each contiguous in the held sums) gathered by their starts, G T written into place
+            rows = sums.unfold(0, s.cols, 1) if sums.numel() >= s.cols else sums.new_zeros(0, s.cols)
+            self.ops.whiten_place(rows.index_select(0, s.row_src), w, s.row_place.at(self.coded, 0))
             y = torch.zeros(s.slots.stop - s.slots.start, s.cols, device=sums.device)
             y.view(-1)[s.dense] = self.coded[s.src]
             self.own[s.slots, : w.rank] = w.input_projection(y, slice(None))

@@ -203,7 +203,9 @@ def whiten_place(
     position of ``into`` (``Place``): the float intra-node wire and the plain values. ``fused``: the
     Triton kernel wherever it can run (``available``; ``output`` without its ``Pre``), else the
     PyTorch reference."""
-    if fused and x.numel() > 0 and available(x.device) and (output is None or output.pre is None):
+    if x.numel() == 0:  # nothing to place (a rank whose shards hold none of a parameter's rows)
+        return None
+    if fused and available(x.device) and (output is None or output.pre is None):
         return _place().whiten_place(x, whitening, into, output)
     return reference_whiten_place(x, whitening, into, output)
 

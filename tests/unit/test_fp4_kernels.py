@@ -216,6 +216,7 @@ def _worker(rank, world):
     from megatron_gift import kernels as k
     from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
     from megatron_gift.comm.schedule import reduce_now
+    from megatron_gift.comm.sum_first import FP4SumFirstReduce
     from megatron_gift.comm.topology import build_groups
     from megatron_gift.config import IntraNode
     from megatron_gift.kernels import fp4
@@ -238,7 +239,9 @@ def _worker(rank, world):
             flat = _bucket_grads(numel, segments, rank)
             common = dict(average=True, all_reduce=all_reduce, rotation=ROTATION if rotation else None, kernels=kernels)
             ts = _transforms(segments)
-            if two_level:
+            if intra == "reduce-scatter":
+                red = FP4SumFirstReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], **common)
+            elif two_level:
                 red = FP4TwoLevelReduce(flat, layout, placed, ts, FP4_FORMATS[fmt], IntraNode(intra), **common)
             else:
                 red = FP4Reduce(
@@ -258,10 +261,11 @@ def _worker(rank, world):
 @pytest.mark.skipif(not INTERPRET, reason="gloo ranks on the CPU: the interpreter's run only")
 def test_reductions_with_kernels_are_their_pytorch_path():
     """Flat and two-level, NVFP4 and MXFP4, reduce-scatter and all-reduce, with and without the rotation,
-    FP32 and FP8 inside the node: each rank's reduced bucket with the kernels bit for bit the PyTorch
-    path's (which tests/dist/test_fp4_exchange.py holds to a hand FP32 sum), and every rank's the same
-    for all-reduce. Bugs caught: the kernels given another shard's segment ends, plain values placed
-    in another class's section, the decode reading the own message from the wrong row."""
+    FP32 and FP8 inside the node or a reduce-scatter first (``comm.sum_first``): each rank's reduced
+    bucket with the kernels bit for bit the PyTorch path's (which tests/dist/test_fp4_exchange.py holds
+    to a hand FP32 sum), and every rank's the same for all-reduce. Bugs caught: the kernels given another
+    shard's segment ends, plain values placed in another class's section, the decode reading the own
+    message from the wrong row."""
     from megatron_gift.testing import run_on_ranks
     from tests.dist.test_fp4_exchange import CASES
 
