@@ -61,11 +61,33 @@ class _Segment:
 
 
 @dataclass(frozen=True)
+class _Gather:
+    """Runs of the held sums gathered into one sequence, ``granule`` elements at a time (the largest
+    power of two up to 16 dividing every run's start and length: FP4 blocks keep coded runs whole),
+    ``index`` the held sums' granule of each: one index per granule, not per element."""
+
+    index: torch.Tensor
+    granule: int
+
+    def __call__(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums.view(-1, self.granule).index_select(0, self.index).view(-1)
+
+
+def _gather(runs: list[tuple[int, int]], total: int, device) -> _Gather:
+    """``_Gather`` of the runs ``(start, length)`` of a held sums' buffer of ``total`` elements."""
+    granule = 16
+    while granule > 1 and (total % granule or any(n % granule for run in runs for n in run)):
+        granule //= 2
+    index = [a // granule + torch.arange(n // granule) for a, n in runs]
+    return _Gather(_cat(index, device), granule)
+
+
+@dataclass(frozen=True)
 class _Tables:
     """What stage 1 gathers and the cut rows' exchange, built once per layout, rank and whitened set."""
 
-    coded: torch.Tensor  # held-buffer position of each held coded value (the held shards' coded values in order)
-    plain: tuple[torch.Tensor, torch.Tensor]  # the same per plain class
+    coded: _Gather  # the held shards' coded values in order, from the held sums
+    plain: tuple[_Gather, _Gather]  # the same per plain class
     segments: tuple[_Segment, ...]
     peers: tuple[int, ...]  # the node's local ranks sharing a cut row with this one
     slots: int  # pieces per local rank's block in the exchange (the most any holds)
@@ -83,15 +105,13 @@ def _pieces(layout: BucketLayout, held: list[int], whitened: tuple[int, ...]) ->
 def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], device) -> _Tables:
     S, g = layout.shard_size, topo.ranks_per_node
     held = [m * g + local for m in range(topo.nodes)]
-    coded, plain = [], ([], [])
+    coded, plain = [], ([], [])  # runs (start in the held sums, length)
     base, at = {}, 0  # each held shard's first position in the held coded sequence
     for m, j in enumerate(held):
         plan, base[j] = layout.shards[j], at
-        for part in plan.coded_parts:
-            coded.append(m * S + part.lo - plan.lo + torch.arange(part.hi - part.lo))
+        coded += [(m * S + part.lo - plan.lo, part.hi - part.lo) for part in plan.coded_parts]
         for c in range(2):
-            for part in plan.plain_parts[c]:
-                plain[c].append(m * S + part.lo - plan.lo + torch.arange(part.hi - part.lo))
+            plain[c].extend((m * S + part.lo - plan.lo, part.hi - part.lo) for part in plan.plain_parts[c])
         at += plan.n_coded
 
     def position(j: int, seg: int, row: int, c0: int) -> int:
@@ -132,9 +152,10 @@ def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], d
     ]
     width = max((len(t) for t in table), default=0)
     sums = torch.tensor([t + [zero] * (width - len(t)) for t in table], dtype=torch.int64).view(len(table), width)
+    total = topo.nodes * S
     return _Tables(
-        _cat(coded, device),
-        (_cat(plain[0], device), _cat(plain[1], device)),
+        _gather(coded, total, device),
+        (_gather(plain[0], total, device), _gather(plain[1], total, device)),
         tuple(segments),
         peers,
         slots,
@@ -223,8 +244,8 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         to the node's other holders of its row."""
         sums, t = self.held_sums, self._tables(self.flat.device)
         del self.held_sums
-        self.coded = sums[t.coded].float()
-        self.plain = [sums[t.plain[c]] for c in range(2)]
+        self.coded = t.coded(sums).float()
+        self.plain = [t.plain[c](sums) for c in range(2)]
         self.dense, r_max = [], max((self.transforms[s.seg].rank for s in t.segments), default=0)
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
         for s in t.segments:  # the same ops whether the held shards cut a row of it or hold a whole one
