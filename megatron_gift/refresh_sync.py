@@ -24,8 +24,8 @@ device (on CUDA on a stream of its own), and is installed one step later:
   reduction group in ONE all-gather of fixed-size slots (a slot per rank, sized from the layouts
   alone, so every rank sends and receives the same byte counts whatever a build did); where those
   slots would hold over ``GATHER_BOUND`` (2) times the records' bytes (more ranks than layers), each
-  owning rank broadcasts its share alone instead, packed back to back: every rank then receives the
-  records once (issue 35 item 3), the same bits;
+  owning rank broadcasts its share alone instead, packed back to back, the broadcasts in one
+  coalesced group on CUDA: every rank then receives the records once (issue 35 item 3), the same bits;
 * the first sync of step t+1 reads the received headers (host wait 3), installs every layer's
   ``T`` (copied out of the received buffer: every rank holds the owner's bits; the FP64 factor it
   was built from only on the owner, which kept it) and carries the error-feedback residuals over;
@@ -401,8 +401,8 @@ class RefreshSync:
     def _broadcast_records(self, gr: _GroupRefresh, parts) -> list:
         """``gr``'s records where equal slots would be mostly padding: this rank's share built into its
         place in ``gr.recv`` (zeroed first, as a slot is), then one broadcast per owning rank, in rank
-        order, of its share alone: each rank receives the records' bytes once (the same bits as the
-        all-gather's records)."""
+        order, of its share alone, all in one coalesced group: each rank receives the records' bytes once
+        (the same bits as the all-gather's records)."""
         me, at = gr.group.rank(), 0
         starts = []
         for share in gr.shares:
@@ -418,14 +418,19 @@ class RefreshSync:
             layer.grad = None
         if self._stream is not None:
             gr.recv.record_stream(self._stream)
-        works = []
-        for owner, (start, share) in enumerate(zip(starts, gr.shares)):
-            if share:
-                src = dist.get_global_rank(gr.group, owner)
-                works.append(dist.broadcast(gr.recv[start : start + share], src, group=gr.group, async_op=True))
-                if owner == me:
-                    self.state.ledger.add("broadcast", "factors", share)
-        return works
+        # one coalesced group on CUDA (one NCCL group launch): the broadcasts follow one another around the
+        # ring instead of each paying the ring's latency in turn, which at hundreds of ranks dwarfs their
+        # bytes; gloo has no such group (its broadcasts run one after another, as the host waits anyway)
+        device = gr.recv.device if gr.recv.device.type == "cuda" else None
+        with dist._coalescing_manager(group=gr.group, device=device, async_ops=True) as grouped:
+            for owner, (start, share) in enumerate(zip(starts, gr.shares)):
+                if share:
+                    dist.broadcast(
+                        gr.recv[start : start + share], dist.get_global_rank(gr.group, owner), group=gr.group
+                    )
+                    if owner == me:
+                        self.state.ledger.add("broadcast", "factors", share)
+        return [grouped]
 
     def install(self, remap) -> None:
         """Host wait 3: every rank reads the received headers and installs each built layer's factor

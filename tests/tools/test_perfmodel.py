@@ -394,7 +394,9 @@ def test_factor_builds_once_per_refresh_shared_over_ranks():
     the next forward; the refresh's traffic is the statistics' reduce-scatter onto the owners and one all-gather
     of fixed-size records, both in slots of ceil(32/p) layers per rank (an all-reduce of the statistics, a
     per-layer broadcast, a record carrying the FP64 factor, or one sized by the layer count instead of the
-    slots, fails); with output statistics (``side`` both) each layer adds its output side's statistics and
+    slots, fails); with more ranks than layers, as the runtime does, an all-reduce of the statistics and a
+    broadcast of each owner's records (the 512 equal slots priced instead fails); with output statistics
+    (``side`` both) each layer adds its output side's statistics and
     ``T_out`` (``d_out`` = 1280) to its slots."""
     slow = dataclasses.replace(COSTS, factor_build_s=1.0)
     free = dataclasses.replace(COSTS, factor_build_s=0.0)
@@ -413,6 +415,10 @@ def test_factor_builds_once_per_refresh_shared_over_ranks():
         for gpus, slots in ((64, 1), (16, 2)):  # ring reduce-scatter and all-gather of p slots: (p - 1) slots out
             got = model.step_time(W, GH200, Scheme.GIFT, gpus, COSTS, Options(side=side))["refresh_bytes_per_rank"]
             assert got == pytest.approx(slots * (stat + rec) * (gpus - 1) / 10), (side, gpus)
+        # 512 ranks, 32 owners: the runtime all-reduces the statistics and broadcasts each owner's record (512
+        # equal slots would carry 480 empty ones): 2 (p-1)/p of the statistics and (p-1)/p of the records
+        got = model.step_time(W, GH200, Scheme.GIFT, 512, COSTS, Options(side=side))["refresh_bytes_per_rank"]
+        assert got == pytest.approx(32 * (2 * stat + rec) * 511 / 512 / 10), side
 
 
 def test_refresh_owners_balance_record_bytes():

@@ -161,8 +161,9 @@ def _protocol_bus(proto: Proto, bus: float, nodes: int) -> float:
 
 
 def ring_time(kind: str, nbytes: float, p: int, g: int, c: Cluster) -> float:
-    """NCCL ring ``kind`` (``reduce_scatter``, ``all_gather`` or ``all_reduce``) of an ``nbytes`` buffer over
-    ``p`` ranks, ``g`` per node, at its fastest protocol."""
+    """NCCL ring ``kind`` (``reduce_scatter``, ``all_gather``, ``all_reduce`` or ``broadcast``) of an ``nbytes``
+    buffer over ``p`` ranks, ``g`` per node, at its fastest protocol (a broadcast: ``p - 1`` pipelined steps,
+    every link carrying the whole buffer)."""
     if p == 1:
         return 0.0
     g = min(g, p)
@@ -175,7 +176,8 @@ def ring_time(kind: str, nbytes: float, p: int, g: int, c: Cluster) -> float:
         lat = _ring_latency_us(proto, steps, inter_steps, nodes, p // nodes)
         if kind == "all_reduce" and proto is SIMPLE and nodes > 1:
             lat *= RING_AR_PLATEAU
-        best = min(best, _us(c, lat) + nbytes * steps / p / _protocol_bus(proto, bus, nodes))
+        moved = nbytes if kind == "broadcast" else nbytes * steps / p
+        best = min(best, _us(c, lat) + moved / _protocol_bus(proto, bus, nodes))
     return best
 
 

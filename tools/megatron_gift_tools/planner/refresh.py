@@ -8,6 +8,8 @@ import heapq
 
 from megatron_gift.numerics.kfac import KFACStatistics
 from megatron_gift.numerics.refresh import RecordLayout
+from megatron_gift.refresh_sync import GATHER_BOUND
+from megatron_gift_tools.planner import nccl
 from megatron_gift_tools.planner.options import Options
 from megatron_gift_tools.planner.tasks import Context, Kind, Task
 
@@ -55,8 +57,13 @@ def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
     packed by owner into equal slots (the most statistics bytes any rank owns; all-reduced instead where
     the slots would hold more than twice the statistics), the factors built on their
     owners, then one all-gather of a fixed-size record slot per rank (the most record bytes any rank
-    owns). The busiest rank's builds (one per side) set the time. Only the data-parallel group is priced:
-    a sequence-parallel layer's TP sum (an all-reduce over TP before the reduce-scatter) is not."""
+    owns), or, where those slots would hold more than ``GATHER_BOUND`` times the records (more ranks than
+    layers), one ring broadcast per owning rank of its share, all in one coalesced group
+    (``RefreshSync._broadcast_records``), priced as one ring broadcast of every share plus the ring's
+    latency once more (assumed: each rank forwards the group's broadcasts in order, so they follow one
+    another around the ring rather than each waiting for the last to go round). The busiest rank's builds
+    (one per side) set the time. Only the data-parallel group is priced: a sequence-parallel layer's TP sum
+    (an all-reduce over TP before the reduce-scatter) is not."""
     if x.p == 1 or not shapes:
         return []
     sizes = [record_bytes(s, x) for s in shapes]
@@ -73,8 +80,13 @@ def refresh_chain(shapes: list[tuple[int, int]], x: Context) -> list[Task]:
         if scatter
         else x.ring("statistics all-reduce", "all_reduce", sum(stats), "refresh", 1)
     )
-    return [
-        summed,
-        Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1),
-        x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1),
-    ]
+    shares = [sum(sizes[i] for i in mine) for mine in owned]
+    if x.p * slot > GATHER_BOUND * sum(sizes):  # the runtime's broadcasts: equal slots would be mostly padding
+        ring = lambda nbytes: nccl.ring_time("broadcast", nbytes, x.p, x.g, x.c)  # noqa: E731
+        seconds = ring(sum(shares)) + ring(0.0)
+        total = (x.p - 1) / x.p * sum(shares)  # every rank but the last forwards each share once
+        nic = total / x.g if x.p > x.g else 0.0
+        records = Task("record broadcasts", Kind.COMM, seconds, "refresh", x.links(x.p, x.g), 1, total - nic, nic)
+    else:
+        records = x.ring("record all-gather", "all_gather", x.p * slot, "refresh", 1)
+    return [summed, Task("factor builds", Kind.GPU, builds, "refresh-build", ("gpu",), 1), records]
