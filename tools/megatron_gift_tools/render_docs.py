@@ -106,6 +106,58 @@ def planner_600m(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+SUMMARIES = {  # docs/planner.md's per-cluster tables: block name -> the planner JSONs, one per model
+    "gh200": ("model-gh200", "model-gh200-1.3b", "model-gh200-7b"),
+    "h100": ("model-h100-600m", "model-h100-1.3b", "model-h100-7b", "model-h100-8b"),
+    "h100-100g": ("model-h100-100g-600m", "model-h100-100g-1.3b", "model-h100-100g-7b"),
+}
+
+
+def _size(elements: int | None) -> str:
+    return "default" if elements is None else f"{elements / 1e6:g}M"
+
+
+def planner_summary(results: Path, cluster: str, delta: bool) -> str:
+    """One row per model and GPU count of a cluster (``SUMMARIES``), Megatron's BF16 or the delta parameter
+    gather: the BF16 baseline at Megatron's default and best bucket size, every scheme of the runtime against
+    the better one (the plugin's eager / lagged), and the recommendation."""
+    from megatron_gift_tools.planner.output import label, recommended_row
+    from megatron_gift_tools.planner.schemes import BASE
+
+    plans = [
+        p for name in SUMMARIES[cluster] for p in _load(results, name + ("-delta" if delta else "") + ".json")["plans"]
+    ]
+    names = [s for s in BASE if s.value != "bf16" or delta]
+    suffix = " + delta" if delta else ""
+    lines = [
+        "| model | GPUs | TP | DP per node x nodes | BF16 ms, default bucket | BF16 ms, best bucket | "
+        + " | ".join(s.label + suffix for s in names)
+        + " | recommended |",
+        "|---|---|---|---|---|---|" + "---|" * (len(names) + 1),
+    ]
+    for p in plans:
+        by = {r["mode"]: r for r in p["rows"]}
+        cells = []
+        for s in names:
+            r = by[s.value]
+            lagged = f" / {r['other_schedule_vs_bf16_pct']:+.1f}%" if "other_schedule_vs_bf16_pct" in r else ""
+            cells.append(f"{r['vs_bf16_pct']:+.1f}%{lagged}")
+        rec = recommended_row(p)
+        if rec is None:
+            size = p["recommended_bucket_size"]
+            shown = "BF16 ring" + ("" if size is None else f" ({_size(size)} bucket)")
+        else:
+            size = "" if rec["bucket_size"] is None else f" ({_size(rec['bucket_size'])})"
+            shown = f"{label(rec)}{size} ({rec['vs_bf16_pct']:+.1f}%)"
+        bf16 = by["bf16"]
+        lines.append(
+            f"| {p['model']} | {p['gpus']} | {p['tp']} | {bf16['ranks_per_node']} x {bf16['nodes']} | "
+            f"{1e3 * p['bf16_default_step_s']:.1f} | {1e3 * p['bf16_tuned_step_s']:.1f} "
+            f"({_size(p['bf16_tuned_bucket_size'])}) | " + " | ".join(cells) + f" | {shown} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def fidelity_pretrained(results: Path) -> str:
     """What GIFT sends (``gift-chosen``, after the cold start) per pretrained model and layer type: its
     gradient error over the best plain FP8's (geometric mean over layers and steps)."""
@@ -347,6 +399,13 @@ def fp4_meter(results: Path) -> str:
 
 
 RENDERERS = {
+    **{
+        f"planner-summary-{cluster}{'-delta' if delta else ''}": (
+            lambda results, cluster=cluster, delta=delta: planner_summary(results, cluster, delta)
+        )
+        for cluster in SUMMARIES
+        for delta in (False, True)
+    },
     "fp4-meter": fp4_meter,
     "memory-table": memory_table,
     "memory-at-scale": memory_at_scale,
