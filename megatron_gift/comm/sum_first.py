@@ -248,14 +248,16 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         self.plain = [t.plain[c](sums) for c in range(2)]
         self.dense, r_max = [], max((self.transforms[s.seg].rank for s in t.segments), default=0)
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
-        for s in t.segments:  # the same ops whether the held shards cut a row of it or hold a whole one
+        for s in t.segments:
             w = self.transforms[s.seg]
             # the whole rows (each contiguous in the held sums) gathered by their starts, G T written into place
             rows = sums.unfold(0, s.cols, 1) if sums.numel() >= s.cols else sums.new_zeros(0, s.cols)
             self.ops.whiten_place(rows.index_select(0, s.row_src), w, s.row_place.at(self.coded, 0))
-            y = torch.zeros(s.slots.stop - s.slots.start, s.cols, device=sums.device)
-            y.view(-1)[s.dense] = self.coded[s.src]
-            self.own[s.slots, : w.rank] = w.input_projection(y, slice(None))
+            y = None
+            if s.src.numel():  # the held shards cut rows of it (a layout fact): their pieces' projections
+                y = torch.zeros(s.slots.stop - s.slots.start, s.cols, device=sums.device)
+                y.view(-1)[s.dense] = self.coded[s.src]
+                self.own[s.slots, : w.rank] = w.input_projection(y, slice(None))
             self.dense.append(y)
         if not t.slots:  # no whitened row of the node's shards is cut (a layout fact: the same on its ranks)
             return StageResult([], [self.coded, *self.plain])
@@ -280,8 +282,9 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
             rows = torch.cat([self.own, self.recv.view(-1, r_max), self.own.new_zeros(1, r_max)])
             proj = rows[t.sums].sum(1)
             for s, y in zip(t.segments, self.dense):
-                w = self.transforms[s.seg]
-                coded[s.src] = w.apply_piece(y, proj[s.slots, : w.rank], slice(None)).view(-1)[s.dense]
+                if y is not None:
+                    w = self.transforms[s.seg]
+                    coded[s.src] = w.apply_piece(y, proj[s.slots, : w.rank], slice(None)).view(-1)[s.dense]
             del self.own, self.recv
         del self.coded, self.plain, self.dense
         return self._send_inter(coded, plain)

@@ -7,8 +7,8 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 - ``path``: ``flat`` or ``two-level/<intra dtype>`` (``bf16``, ``fp8``), ``-rs`` (reduce-scatter,
   the distributed optimizer) or ``-ar`` (all-reduce); ``-nvfp4-rs``: the four-bit exchange between
   nodes (``comm.fp4_reduce``, NVFP4 with the Hadamard rotation; ``euclidean`` and ``gift`` buckets of
-  ``[rows, 1024]`` parameters, the rotation's whole 64-column blocks; its messages in the essential
-  bytes are the FP4 ones, the rotation's passes are not); ``two-level/reduce-scatter-nvfp4-rs``: the
+  ``[rows, 1536]`` parameters, the rotation's whole 64-column blocks, rows cut by the shards; its messages
+  in the essential bytes are the FP4 ones, the rotation's passes are not); ``two-level/reduce-scatter-nvfp4-rs``: the
   same after a plain reduce-scatter inside the node (``comm.sum_first``); ``kernels``: ``fused`` (the Triton path CUDA
   takes, launches recorded by stubs on ``meta`` tensors: nothing is computed) or ``pytorch``
   (the reference path);
@@ -96,7 +96,10 @@ from megatron_gift_tools.meter import Meter, probe_overhead
 SIZES = {"1M": 1 << 20, "10M": 10 << 20, "40M": 40 << 20, "200M": 200 << 20}
 DPS = (2, 8, 64, 512)
 COLS, RANK = 1000, 8
-FP4_COLS = 1024  # an FP4 path's parameters: rows of whole 64-column rotation blocks (the layout's block rule)
+# an FP4 path's parameters: rows of whole 64-column rotation blocks (the layout's block rule), not dividing
+# the shards, so that shard boundaries cut GIFT rows as a model's do (1024 columns never did: their cut-row
+# work went unseen)
+FP4_COLS = 1536
 FP4_PATHS = ("flat-nvfp4-rs", "two-level/bf16-nvfp4-rs", "two-level/fp8-nvfp4-rs", "two-level/reduce-scatter-nvfp4-rs")
 BUCKETS = {
     "euclidean": (Mode.EUCLIDEAN,) * 4,
@@ -138,8 +141,8 @@ def source_hash() -> dict:
 
 
 def segments(numel: int, modes, cols: int = COLS) -> list[Segment]:
-    """Four ``[rows, cols]`` parameters filling ~1/1.0006 of ``numel`` (the rest padding; none at
-    ``FP4_COLS``), the same structure at every size."""
+    """Four ``[rows, cols]`` parameters filling all but less than ``4·cols`` elements of ``numel`` (the rest
+    padding), the same structure at every size."""
     rows = numel // (len(modes) * cols)
     return [Segment(i * rows * cols, rows, cols, m, f"p{i}") for i, m in enumerate(modes)]
 
