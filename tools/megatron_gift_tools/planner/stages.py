@@ -120,13 +120,28 @@ def _flat(b: Bucket, x: Context, dist_opt: bool) -> list[Task]:
     ]
 
 
+def _inter_all_to_all(nbytes: float, x: Context, stage: int) -> Task:
+    """The two-level exchange's all-to-all of ``nbytes`` (a rank's held messages) among the ``n`` ranks with its
+    local index, one per node: all of it but the own message through the NIC."""
+    return Task(
+        "inter all-to-all",
+        Kind.COMM,
+        nccl.all_to_all_time(nbytes, x.n, 1, x.c),
+        "inter",
+        ("nic",),
+        stage,
+        0.0,
+        (x.n - 1) / x.n * nbytes,
+    )
+
+
 def _two_level(b: Bucket, x: Context, dist_opt: bool, fp4: str | None = None) -> list[Task]:
     """Intra-node all-to-all in the intra dtype, node sums and encode of the 1/g slice, FP8 all-to-all among
     the ``n`` ranks with the same local index, decode-sum (``comm.hierarchical``). An FP4 scheme's inter-node
     messages are ``b.inter_bytes`` (``fp4``: its format), its stages the meter's FP4 ones where it has them
     (``metered``), else its FP8 ones at those bytes."""
     F = b.wire_bytes if b.inter_bytes is None else b.inter_bytes  # the inter-node messages' bytes
-    p, g, n, N, Ng = x.p, x.g, x.n, b.elements, b.gift_elements
+    p, g, N, Ng = x.p, x.g, b.elements, b.gift_elements
     path = f"two-level/{x.opts.intra_dtype}-{'rs' if dist_opt else 'ar'}"
     if fp4 and dist_opt and x.costs.meter is not None and x.costs.meter.has(f"two-level/{x.opts.intra_dtype}-{fp4}-rs"):
         path = f"two-level/{x.opts.intra_dtype}-{fp4}-rs"
@@ -145,16 +160,7 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool, fp4: str | None = None) ->
             (g - 1) / g * intra,
         ),
         x.metered(b, path, "node_sums", "node sums + encode slice", 2, intra + F / g),
-        Task(
-            "inter all-to-all",
-            Kind.COMM,
-            nccl.all_to_all_time(F / g, n, 1, x.c),
-            "inter",
-            ("nic",),
-            2,
-            0.0,
-            (n - 1) / n * F / g,
-        ),
+        _inter_all_to_all(F / g, x, 2),
     ]
     if dist_opt:
         tasks.append(x.metered(b, path, "reduce", "decode-sum", 3, F / g + 4 * N / p, 8 * Ng / p))
@@ -168,7 +174,7 @@ def _sum_first(b: Bucket, x: Context, fp4: str) -> list[Task]:
     of the held ``1/g`` (``rows``: the held sums read, GIFT rows twice), the cut rows' exchange inside the node,
     ``H`` and the FP4 encode (``node_sums``: the messages written), the inter-node all-to-all and the owner's
     decode-sum. Stages: the meter's ``two-level/reduce-scatter-<fmt>-rs`` records (mxfp4: nvfp4's, at its bytes)."""
-    F, p, g, n, N, Ng = b.inter_bytes, x.p, x.g, x.n, b.elements, b.gift_elements
+    F, p, g, N, Ng = b.inter_bytes, x.p, x.g, b.elements, b.gift_elements
     path = f"two-level/reduce-scatter-{fp4}-rs"
     meter = x.costs.meter
     if meter is not None and not meter.has(path):
@@ -192,16 +198,7 @@ def _sum_first(b: Bucket, x: Context, fp4: str) -> list[Task]:
         tasks.append(Task("sender cut rows", Kind.COMM, nccl.neighbour_exchange_time(False, x.c), "intra", (), 2))
     tasks += [
         x.metered(b, path, "node_sums", "rotate + encode slice", 3, F / g),
-        Task(
-            "inter all-to-all",
-            Kind.COMM,
-            nccl.all_to_all_time(F / g, n, 1, x.c),
-            "inter",
-            ("nic",),
-            3,
-            0.0,
-            (n - 1) / n * F / g,
-        ),
+        _inter_all_to_all(F / g, x, 3),
         x.metered(b, path, "reduce", "decode-sum", 4, F / g + 4 * N / p, 8 * Ng / p),
     ]
     return tasks + _finish(b, x, path, 4, True)
