@@ -10,12 +10,14 @@ checks into one :func:`run_on_ranks` call rather than one call per check all the
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
 import queue
-import socket
+import signal
+import tempfile
 import time
 import traceback
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from megatron_gift.megatron import cpu_harness as _cpu_harness
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
+_DUMP_S = 3.0  # how long a hung rank gets to write its threads' stacks
 TIMEOUT_SCALE_ENV = "MEGATRON_GIFT_TEST_TIMEOUT_SCALE"
 # What the fork server imports once. Triton (which Megatron-Core imports) makes each @jit function
 # interpreted or compiled by TRITON_INTERPRET when it is defined: a rank whose value differs from
@@ -55,7 +58,7 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
 
     Each process joins a ``backend`` process group (``torch.distributed`` default group; gloo,
-    or nccl with rank ``r`` on CUDA device ``r``) on a free localhost port, with
+    or nccl with rank ``r`` on CUDA device ``r``) through a store this process hosts, with
     ``OMP_NUM_THREADS=1`` and ``NO_VCS_VERSION=1``; with ``cpu_harness=True`` it also calls
     :func:`cpu_harness.install` first. ``fn`` must be a
     module-level (picklable) function and its return value picklable (tensors are fine).
@@ -70,16 +73,22 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
         _cpu_harness.check_host()
     ctx = _context()
     results = ctx.Queue()
+    # This process hosts the ranks' store, as torchrun's agent does, on a port the system gives it while
+    # it listens: a port chosen free and bound later by rank 0 can be taken meanwhile (or, while nothing
+    # listens on it yet, a rank's retried connect can land on its own source port and hang).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {
         **os.environ,
         **_SERVER_ENV,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "WORLD_SIZE": str(world_size),
     }
     # Unpickled by the rank after its environment is set (the test module's imports read it).
     fn_bytes = pickle.dumps(fn)
     procs = []
+    dumps = tempfile.TemporaryDirectory(prefix="ranks-")
     try:
         for rank in range(world_size):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -87,25 +96,40 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
                 target=_child,
                 name=f"rank{rank}",
                 daemon=True,
-                args=(fn_bytes, rank, world_size, args, kwargs, rank_env, cpu_harness, backend, timeout, results),
+                args=(
+                    fn_bytes,
+                    rank,
+                    world_size,
+                    args,
+                    kwargs,
+                    rank_env,
+                    cpu_harness,
+                    backend,
+                    timeout,
+                    results,
+                    dumps.name,
+                ),
             )
             # A spawned interpreter reads the environment when it starts.
             with _environ(rank_env):
                 proc.start()
             procs.append(proc)
-        return _collect(procs, results, timeout)
+        return _collect(procs, results, timeout, dumps.name)
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
             proc.join()
+        dumps.cleanup()
+        del store
 
 
-def _collect(procs, results, timeout):
+def _collect(procs, results, timeout, dump_dir):
     """Wait for one message per rank; after the first failure, wait briefly for the others.
 
     A failing rank usually makes its peers fail too (their collectives lose the connection),
-    so failures are reported in the order they happened: the first one is the cause.
+    so failures are reported in the order they happened: the first one is the cause. Ranks that
+    never report are asked for their threads' Python stacks (SIGUSR1), which go into the error.
     """
     deadline = time.monotonic() + timeout
     values, failures = {}, {}  # rank -> result; rank -> (wall time, description)
@@ -123,16 +147,38 @@ def _collect(procs, results, timeout):
                 failures[rank] = payload
         if failures:
             deadline = min(deadline, time.monotonic() + _GRACE_S)
+    silent = [rank for rank in range(len(procs)) if rank not in values and rank not in failures]
+    stacks = _stacks(procs, silent, dump_dir)
     if failures:
         ordered = sorted(failures.items(), key=lambda item: item[1][0])
-        raise RankError("\n".join(f"rank {rank} of {len(procs)} failed:\n{text}" for rank, (_, text) in ordered))
-    if len(values) < len(procs):
-        hung = [rank for rank in range(len(procs)) if rank not in values]
         raise RankError(
-            f"ranks {hung} did not finish within {timeout:.0f} s; killed "
-            f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)"
+            "\n".join(f"rank {rank} of {len(procs)} failed:\n{text}" for rank, (_, text) in ordered) + stacks
+        )
+    if silent:
+        raise RankError(
+            f"ranks {silent} did not finish within {timeout:.0f} s; killed "
+            f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)" + stacks
         )
     return [values[rank] for rank in range(len(procs))]
+
+
+def _stacks(procs, ranks, dump_dir):
+    """The Python stacks of every thread of the live ``ranks``, as text (empty when there are none)."""
+    alive = [rank for rank in ranks if procs[rank].is_alive()]
+    for rank in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    deadline = time.monotonic() + _DUMP_S
+    text = {}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for rank in alive:
+            with contextlib.suppress(OSError):
+                with open(os.path.join(dump_dir, f"rank{rank}.txt")) as dump:
+                    text[rank] = dump.read()
+        if all(text.get(rank) for rank in alive):
+            break
+    return "".join(f"\nrank {rank}'s threads when it was stopped:\n{text.get(rank) or '(no dump)'}" for rank in alive)
 
 
 def _context():
@@ -147,13 +193,16 @@ def _context():
     return ctx
 
 
-def _child(fn_bytes, rank, world_size, args, kwargs, env, cpu_harness, backend, timeout, results):
+def _child(fn_bytes, rank, world_size, args, kwargs, env, cpu_harness, backend, timeout, results, dump_dir):
     """Process body: take the caller's environment, join the group, run ``fn``, report
-    ``(rank, ok, payload)``, leave the group.
+    ``(rank, ok, payload)``, leave the group. SIGUSR1 writes every thread's stack to
+    ``dump_dir/rank<r>.txt`` (how a hung rank is diagnosed).
 
     The report goes out before the group is destroyed, so a failing rank's report (and its
     time stamp) comes before the failures it causes in its peers.
     """
+    dump = open(os.path.join(dump_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
         os.environ.clear()
         os.environ.update(env)
@@ -172,12 +221,6 @@ def _child(fn_bytes, rank, world_size, args, kwargs, env, cpu_harness, backend, 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

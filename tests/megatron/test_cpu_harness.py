@@ -4,6 +4,8 @@ One 2-rank spawn covers all four DDP settings (distributed optimizer on/off x ov
 grad reduce on/off) because process start-up costs far more than the tiny model.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,6 +105,25 @@ def _fail_on_rank_one(rank, world_size):
 def test_run_on_ranks_names_the_failing_rank():
     with pytest.raises(RankError, match=r"(?s)^rank 1 of 2 failed:.*ValueError: boom on purpose"):
         run_on_ranks(_fail_on_rank_one, 2, timeout=60)
+
+
+def _waits_for_a_peer_that_never_comes(rank, world_size):
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_a_hung_run_reports_where_each_rank_waits():
+    """Catches a hang reported without the hung ranks' stacks (an intermittent CI hang is then
+    undiagnosable): both ranks' frames, rank 1 asleep and rank 0 in its barrier, are in the error."""
+    with pytest.raises(RankError, match=r"did not finish") as caught:
+        run_on_ranks(_waits_for_a_peer_that_never_comes, 2, timeout=8)
+    text = str(caught.value)
+    for rank in (0, 1):
+        assert f"rank {rank}'s threads when it was stopped" in text
+    rank0, rank1 = text.split("rank 1's threads")[0], text.split("rank 1's threads")[1]
+    assert "barrier" in rank0 and "_waits_for_a_peer_that_never_comes" in rank0
+    assert "_waits_for_a_peer_that_never_comes" in rank1
 
 
 def _where(rank, world_size):

@@ -90,7 +90,7 @@ def test_steady_steps_never_synchronise_the_host(world, ranks_per_node):
     stops the host on a GPU every step (the backward's queue runs dry): none in a steady step of any
     mode, with the distributed optimizer or the all-reduce, flat or two-level; around a GIFT refresh
     only the refresh's own host waits (``REFRESH_WAITS``), each listed here when it fails."""
-    results = run_on_ranks(_sync_worker, world, _configs(ranks_per_node), cpu_harness=True, timeout=1200)
+    results = run_on_ranks(_sync_worker, world, _configs(ranks_per_node), cpu_harness=True, timeout=600)
     for rank, res in enumerate(results):
         for name, steps in res.items():
             for step, events in steps.items():

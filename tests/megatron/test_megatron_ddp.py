@@ -171,12 +171,12 @@ def _four_rank_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_on_ranks(_two_rank_worker, 2, cpu_harness=True, timeout=1800)
+    return run_on_ranks(_two_rank_worker, 2, cpu_harness=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_on_ranks(_four_rank_worker, 4, cpu_harness=True, timeout=2400)
+    return run_on_ranks(_four_rank_worker, 4, cpu_harness=True, timeout=900)
 
 
 @pytest.mark.slow

@@ -183,7 +183,7 @@ def _two_level(res) -> bool:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_ranks(_worker, 4, cpu_harness=True, timeout=2400)
+    return run_on_ranks(_worker, 4, cpu_harness=True, timeout=900)
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_ranks(_worker, 2, cpu_harness=True, timeout=1200)
+    return run_on_ranks(_worker, 2, cpu_harness=True, timeout=600)
 
 
 @pytest.mark.slow
