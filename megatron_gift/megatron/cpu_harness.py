@@ -290,6 +290,9 @@ TRAINING_FLAGS = (
     "local",
     "--rerun-mode",
     "disabled",  # its state saving reads torch.cuda.get_rng_state()
+    "--num-workers",
+    "0",  # a data-loader worker forked from a rank whose gloo threads run can hang in the child (CPython's
+    # after-fork lock: a run of the suite did, its worker stuck in os.fork's child); the main process loads
 )
 """Megatron flags a CPU training run puts in front of its command line (later flags win)."""
 
