@@ -12,15 +12,16 @@ alone, ``1/g`` of the bucket. On rank ``i = k·g + l`` holding shards ``j = m·g
 1. *rows*: the held coded values gathered in FP32 and whole GIFT rows times ``T`` (gathered by their
    starts, whitened and placed by ``kernels.whiten_place``: one pass where the kernels run). A row a shard
    boundary cuts has its other pieces on other ranks of the same node: each piece's part of the
-   row's ``(P D^{-1/2}) Q`` (``LowRankWhitening.input_projection``, r floats) goes to them in one
-   all-to-all over the node, as the owner's ``pieces.PieceExchange`` does for ``T⁻¹``.
-2. *node sums*: each cut piece's columns of ``P T`` from its row's summed projections (holders in
-   shard order), then ``H``, the FP4 messages and the all-to-all among the nodes
-   (``FP4TwoLevelReduce._send_inter``).
+   row's ``(P D^{-1/2}) Q`` (r floats) goes to them in one all-to-all over the node, as the owner's
+   ``pieces.PieceExchange`` does for ``T⁻¹``.
+2. *node sums*: each cut piece's columns of ``P T = P D^{-1/2} + ((P D^{-1/2}) Q ⊙ c) Qᵀ`` from its
+   row's summed projections (holders in shard order), then ``H``, the FP4 messages and the
+   all-to-all among the nodes (``FP4TwoLevelReduce._send_inter``).
 3. the owner's decode-sum, ``Hᵀ``, ``T⁻¹``, cut rows (and the all-reduce's gather): ``_FP4Stages``'.
 
-Every step runs a fixed number of ops per segment whatever ``n`` and ``g`` (index tables built once
-per layout). Needs the distributed optimizer's layout: ``n·g`` shards of equal size tiling the bucket.
+Every step runs a fixed number of ops per whitened segment (its whole rows) and per shape of them (their
+cut pieces, batched: one matmul each way) whatever ``n`` and ``g`` (index tables built once per layout).
+Needs the distributed optimizer's layout: ``n·g`` shards of equal size tiling the bucket.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..config import IntraNode
 from ..kernels.placement import Placement
 from ..numerics.fp4 import FP4Format
 from ..numerics.rotation import BlockHadamard
+from ..numerics.whitening import ieee_fp32
 from .fp4_reduce import FP4TwoLevelReduce
 from .layout import BucketLayout
 from .ledger import CommLedger
@@ -46,18 +48,33 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 @dataclass(frozen=True)
 class _Segment:
-    """One whitened segment's share of the held shards: ``row_src``, the held sums' position of each
-    whole row's first element; ``row_place``, where those rows go in the held coded sequence (a run of
-    rows per held shard); ``src``/``dense``, its cut pieces' positions there and in a ``[pieces, cols]``
-    matrix (zeros elsewhere); ``slots``, its pieces' rows in the exchange."""
+    """One whitened segment's whole rows in the held shards: ``row_src``, the held sums' position of each
+    row's first element; ``row_place``, where those rows go in the held coded sequence (a run of rows per
+    held shard)."""
 
     seg: int
     cols: int
     row_src: torch.Tensor
     row_place: Placement
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """The cut pieces of the whitened segments ``segs`` of one shape (``cols`` columns, factor ``rank``),
+    batched: segment ``c``'s pieces are rows ``c·k ...`` of a ``[C, k, cols]`` stack, zeros elsewhere.
+    ``src``/``dense``: the pieces' elements in the held coded sequence and in the stack; ``rows``/``slots``:
+    the stack rows holding a piece and their rows in the exchange; ``gather``: each stack row's row of the
+    summed projections (a zero row for padding)."""
+
+    segs: tuple[int, ...]
+    cols: int
+    rank: int
+    k: int
     src: torch.Tensor
     dense: torch.Tensor
-    slots: slice
+    rows: torch.Tensor
+    slots: torch.Tensor
+    gather: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,7 @@ class _Tables:
     coded: _Gather  # the held shards' coded values in order, from the held sums
     plain: tuple[_Gather, _Gather]  # the same per plain class
     segments: tuple[_Segment, ...]
+    pieces: tuple[_Pieces, ...]  # one batch per shape
     peers: tuple[int, ...]  # the node's local ranks sharing a cut row with this one
     slots: int  # pieces per local rank's block in the exchange (the most any holds)
     sums: torch.Tensor  # [own pieces, holders]: rows of [own | peers' blocks | a zero row] summed per piece
@@ -102,7 +120,9 @@ def _pieces(layout: BucketLayout, held: list[int], whitened: tuple[int, ...]) ->
     ]
 
 
-def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], device) -> _Tables:
+def _tables(
+    layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], ranks: tuple[int, ...], device
+) -> _Tables:
     S, g = layout.shard_size, topo.ranks_per_node
     held = [m * g + local for m in range(topo.nodes)]
     coded, plain = [], ([], [])  # runs (start in the held sums, length)
@@ -120,8 +140,8 @@ def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], d
 
     every = [_pieces(layout, [m * g + lp for m in range(topo.nodes)], whitened) for lp in range(g)]
     mine = every[local]
-    segments, first = [], 0
-    for seg in whitened:
+    segments, shapes = [], {}  # shapes: (cols, rank) -> [(seg, that segment's own pieces (slot, piece))]
+    for seg, rank in zip(whitened, ranks):
         cols = layout.segments[seg].cols
         starts, sizes, runs = [], [], []  # per held shard: its whole rows' starts in the held sums, their run
         for m, j in enumerate(held):
@@ -131,13 +151,35 @@ def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], d
                     starts.append(row0 + cols * torch.arange(r1 - r0))
                     sizes.append((r1 - r0) * cols)
                     runs.append(position(j, seg, r0, 0))
+        segments.append(_Segment(seg, cols, _cat(starts, device), Placement(sizes, runs, device)))
         own = [(k, p) for k, p in enumerate(mine) if p[0] == seg]
-        src = [position(j, seg, row, c0) + torch.arange(c1 - c0) for _, (_, row, c0, c1, j) in own]
-        dense = [i * cols + torch.arange(c0, c1) for i, (_, (_, _, c0, c1, _)) in enumerate(own)]
-        span = slice(first, first + len(own))
-        place = Placement(sizes, runs, device)
-        segments.append(_Segment(seg, cols, _cat(starts, device), place, _cat(src, device), _cat(dense, device), span))
-        first += len(own)
+        if own:  # the held shards cut rows of it (a layout fact)
+            shapes.setdefault((cols, rank), []).append((seg, own))
+    batches = []
+    for (cols, rank), members in shapes.items():
+        k = max(len(own) for _, own in members)
+        src, dense, rows, slots, gather = [], [], [], [], []
+        for c, (_, own) in enumerate(members):
+            for i, (slot, (seg, row, c0, c1, j)) in enumerate(own):
+                src.append(position(j, seg, row, c0) + torch.arange(c1 - c0))
+                dense.append((c * k + i) * cols + torch.arange(c0, c1))
+                rows.append(c * k + i)
+                slots.append(slot)
+            gather += [slot for slot, _ in own] + [len(mine)] * (k - len(own))
+        segs = tuple(seg for seg, _ in members)
+        batches.append(
+            _Pieces(
+                segs,
+                cols,
+                rank,
+                k,
+                _cat(src, device),
+                _cat(dense, device),
+                _long(rows, device),
+                _long(slots, device),
+                _long(gather, device),
+            )
+        )
     # each own piece's row: every holder's piece of it, in shard order, as rows of [own | peers | zero]
     holders = {}
     for lp, pieces in enumerate(every):
@@ -157,10 +199,15 @@ def _tables(layout: BucketLayout, topo, local: int, whitened: tuple[int, ...], d
         _gather(coded, total, device),
         (_gather(plain[0], total, device), _gather(plain[1], total, device)),
         tuple(segments),
+        tuple(batches),
         peers,
         slots,
         sums.to(device),
     )
+
+
+def _long(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device)
 
 
 def _cat(ts: list[torch.Tensor], device) -> torch.Tensor:
@@ -220,8 +267,9 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
 
     def _tables(self, device) -> _Tables:
         whitened = tuple(i for i, t in enumerate(self.transforms) if t is not None)
-        key = ("sum-first", self.local, whitened, str(device))
-        return self.layout.cached(key, lambda: _tables(self.layout, self.topo, self.local, whitened, device))
+        ranks = tuple(self.transforms[i].rank for i in whitened)
+        key = ("sum-first", self.local, whitened, ranks, str(device))
+        return self.layout.cached(key, lambda: _tables(self.layout, self.topo, self.local, whitened, ranks, device))
 
     # -- 0: intra-node ------------------------------------------------------------------------------
     def _intra(self) -> StageResult:
@@ -246,19 +294,24 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         del self.held_sums
         self.coded = t.coded(sums).float()
         self.plain = [t.plain[c](sums) for c in range(2)]
-        self.dense, r_max = [], max((self.transforms[s.seg].rank for s in t.segments), default=0)
+        r_max = max((self.transforms[s.seg].rank for s in t.segments), default=0)
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
-        for s in t.segments:
-            w = self.transforms[s.seg]
-            # the whole rows (each contiguous in the held sums) gathered by their starts, G T written into place
+        for s in t.segments:  # the whole rows (each contiguous in the held sums) gathered by their starts
             rows = sums.unfold(0, s.cols, 1) if sums.numel() >= s.cols else sums.new_zeros(0, s.cols)
-            self.ops.whiten_place(rows.index_select(0, s.row_src), w, s.row_place.at(self.coded, 0))
-            y = None
-            if s.src.numel():  # the held shards cut rows of it (a layout fact): their pieces' projections
-                y = torch.zeros(s.slots.stop - s.slots.start, s.cols, device=sums.device)
-                y.view(-1)[s.dense] = self.coded[s.src]
-                self.own[s.slots, : w.rank] = w.input_projection(y, slice(None))
-            self.dense.append(y)
+            self.ops.whiten_place(
+                rows.index_select(0, s.row_src), self.transforms[s.seg], s.row_place.at(self.coded, 0)
+            )
+        self.stacks = []
+        for p in t.pieces:  # each cut piece's part of its row's (P D^{-1/2}) Q, one batch per shape
+            ws = [self.transforms[seg] for seg in p.segs]
+            y = torch.zeros(len(ws) * p.k * p.cols, device=sums.device)
+            y[p.dense] = self.coded[p.src]
+            d = torch.stack([w.d_inv_sqrt for w in ws]).unsqueeze(1)
+            q = torch.stack([w.q for w in ws])
+            with ieee_fp32(sums.device):
+                yd = y.view(len(ws), p.k, p.cols) * d
+                self.own[p.slots, : p.rank] = torch.bmm(yd, q).view(-1, p.rank)[p.rows]
+            self.stacks.append((yd, q, torch.stack([w.c for w in ws]).unsqueeze(1)))
         if not t.slots:  # no whitened row of the node's shards is cut (a layout fact: the same on its ranks)
             return StageResult([], [self.coded, *self.plain])
         self.recv = torch.empty(len(t.peers), *self.own.shape, device=sums.device)
@@ -270,7 +323,8 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         work = dist.all_to_all_single(
             self.recv.view(-1), send.view(-1), splits, splits, group=self.groups.intra, async_op=True
         )
-        return StageResult([work], [self.coded, *self.plain, self.own, self.recv, send])
+        stacks = [x for stack in self.stacks for x in stack]  # read by the next stage
+        return StageResult([work], [self.coded, *self.plain, self.own, self.recv, send, *stacks])
 
     # -- 2: node sums -------------------------------------------------------------------------------
     def _node_sums(self) -> StageResult:
@@ -281,10 +335,14 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
             r_max = self.own.shape[1]
             rows = torch.cat([self.own, self.recv.view(-1, r_max), self.own.new_zeros(1, r_max)])
             proj = rows[t.sums].sum(1)
-            for s, y in zip(t.segments, self.dense):
-                if y is not None:
-                    w = self.transforms[s.seg]
-                    coded[s.src] = w.apply_piece(y, proj[s.slots, : w.rank], slice(None)).view(-1)[s.dense]
+            proj = torch.cat([proj, proj.new_zeros(1, r_max)])  # padding rows of the stacks read the zero row
+            for p, (yd, q, c) in zip(t.pieces, self.stacks):
+                # the pieces' columns of P T (module doc), the row's projection summed over its holders
+                with ieee_fp32(coded.device):
+                    pt = torch.baddbmm(
+                        yd, proj[p.gather, : p.rank].view(len(p.segs), p.k, p.rank) * c, q.transpose(1, 2)
+                    )
+                coded[p.src] = pt.view(-1)[p.dense]
             del self.own, self.recv
-        del self.coded, self.plain, self.dense
+        del self.coded, self.plain, self.stacks
         return self._send_inter(coded, plain)

@@ -317,17 +317,6 @@ class LowRankWhitening:
         with ieee_fp32(u.device):
             return u @ self.q[cols]
 
-    def input_projection(self, g: torch.Tensor, cols: slice) -> torch.Tensor:
-        """``(G[:, cols] D^{-1/2}[cols]) Q[cols]`` (``[k, r]``): the part of a row's ``(G D^{-1/2}) Q``, which
-        ``G T`` needs whole, that columns ``cols`` hold."""
-        with ieee_fp32(g.device):
-            return (g * self.d_inv_sqrt[cols]) @ self.q[cols]
-
-    def apply_piece(self, g: torch.Tensor, proj: torch.Tensor, cols: slice) -> torch.Tensor:
-        """Columns ``cols`` of ``G T`` from those of ``G`` and the whole rows' ``(G D^{-1/2}) Q`` (``proj [k, r]``)."""
-        with ieee_fp32(g.device):
-            return torch.addmm(g * self.d_inv_sqrt[cols], proj * self.c, self.q[cols].T)
-
     def inverse_piece(self, u: torch.Tensor, proj: torch.Tensor, cols: slice) -> torch.Tensor:
         """Columns ``cols`` of ``U T⁻¹`` from those of ``U`` and the whole rows' ``U Q`` (``proj [k, r]``)."""
         with ieee_fp32(u.device):

@@ -28,14 +28,15 @@ from tests.reference import ordered_sum
 
 WORLD, PER_NODE = 4, 2
 ROTATION = BlockHadamard(64, seed=7)
-# shards of 640: the first cuts a row of "a" 64 columns in (a whole MXFP4 block), the others fall on
-# row or parameter boundaries; "norm" is sent in the bucket's dtype in the same messages.
-NUMEL = 2560
+# shards of 1024: the first and the second each cut a row 64 columns in (a whole MXFP4 block), of "a"
+# and of "c", of a's shape (sum-first: the cut pieces of two segments batched together), the third
+# falls on a parameter boundary; "norm" is sent in the bucket's dtype in the same messages.
+NUMEL = 4096
 SEGMENTS = [
     Segment(0, 12, 96, Mode.GIFT, "a"),
-    Segment(1152, 4, 32, Mode.OFF, "norm"),
-    Segment(1280, 8, 64, Mode.EUCLIDEAN, "b"),
-    Segment(1792, 6, 128, Mode.GIFT, "c"),
+    Segment(1152, 8, 32, Mode.OFF, "norm"),
+    Segment(1408, 12, 96, Mode.GIFT, "c"),
+    Segment(2560, 24, 64, Mode.EUCLIDEAN, "b"),
 ]
 # --gift-rotation hadamard: GIFT rows of whole 64-column blocks, a shard boundary 64 columns into a row
 ROT_NUMEL = 2816
@@ -195,7 +196,7 @@ def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_red
                 assert torch.equal(have, ref), (s.name, j, (have - ref).abs().max())
     # the quantization did happen: FP4 is far from the exact FP32 average
     exact = torch.stack([_bucket_grads(numel, segments, r) for r in range(WORLD)]).sum(0) / WORLD
-    b = segments[2]
+    b = next(s for s in segments if s.name == "b")
     assert not torch.equal(want[b.start : b.end], exact[b.start : b.end])
 
 

@@ -6,6 +6,7 @@ the creating stream's next allocation while a later stream still uses it)."""
 import torch
 import torch.distributed as dist
 
+from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
 from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.instances import AcrossInstances
 from megatron_gift.comm.layout import BucketLayout
@@ -14,12 +15,15 @@ from megatron_gift.comm.output_side import OutputSide
 from megatron_gift.comm.param_delta import DeltaGather
 from megatron_gift.comm.quantized import QuantizedReduce
 from megatron_gift.comm.schedule import Reduction, ReductionQueue, StageResult, StageStreams, reduce_now
+from megatron_gift.comm.sum_first import FP4SumFirstReduce
 from megatron_gift.comm.topology import build_groups
-from megatron_gift.config import Schedule
+from megatron_gift.config import IntraNode, Schedule
 from megatron_gift.numerics import CodecConfig
+from megatron_gift.numerics.fp4 import FP4_FORMATS
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.dispatch import Lifetimes
-from tests.dist.test_comm import checked_transforms
+from tests.dist import test_fp4_exchange as fp4
+from tests.dist.test_comm import _bucket_grads, _transforms, checked_transforms
 from tests.dist.test_output_side import NUMEL, SEGS, _grads, _outputs
 
 WORLD = 4  # two simulated nodes of two ranks
@@ -143,6 +147,32 @@ def _worker(rank, world):
     for key, lagged, plain, flight in flights:
         out[key] = _caught(lambda: queue.wait(flight))
         out[key + ("same",)] = torch.equal(lagged, plain)
+    nvfp4 = FP4_FORMATS["nvfp4"]
+    for rotation in (
+        False,
+        True,
+    ):  # four bits between nodes: flat, whitening first, sum first (cut rows of two GIFT segments)
+        (numel, segs), at = fp4._bucket(rotation), fp4._layout(rotation)
+        whitenings, rot = _transforms(segs), fp4.ROTATION if rotation else None
+        fp4_makers = {
+            "fp4/flat": lambda g, ar: FP4Reduce(
+                g, at, dist.group.WORLD, whitenings, nvfp4, all_reduce=ar, rotation=rot, topology=placed.topology
+            ),
+            "fp4/two-level": lambda g, ar: FP4TwoLevelReduce(
+                g, at, placed, whitenings, nvfp4, IntraNode.FP32, all_reduce=ar, rotation=rot
+            ),
+            "fp4/sum-first": lambda g, ar: FP4SumFirstReduce(
+                g, at, placed, whitenings, nvfp4, all_reduce=ar, rotation=rot
+            ),
+        }
+        for name, make in fp4_makers.items():
+            for all_reduce in (False, True):
+                key = (name, rotation, all_reduce)
+                watch, plain, checked = Lifetimes(), _bucket_grads(numel, segs, rank), _bucket_grads(numel, segs, rank)
+                reduce_now(make(plain, all_reduce), "cpu")
+                out[key] = _caught(lambda: reduce_now(make(checked, all_reduce), "cpu", watch=watch))
+                out[key + ("same",)] = torch.equal(plain, checked)
+                out[key + ("watched",)] = watch.stages
     for all_reduce in (False, True):
         for name, group in (("flat", dist.group.WORLD), ("one-rank", singles[rank])):
             g = _grads(rank)
@@ -161,8 +191,10 @@ def test_every_stage_hands_on_what_a_later_stage_uses():
     gradients, on a GPU only). The check raises for a toy temporary read two stages on and held by one
     handoff only, and for ``P`` left out (flat, one rank, two-level; all-reduce: the race; reduce-scatter:
     ``P``'s all-reduce given a tensor its handoff does not hold); every path (flat, groups of one rank,
-    two-level, output side on each, across instances, the delta gather; eager and lagged) passes, its
-    results unchanged by the watch."""
+    two-level, output side on each, across instances, the delta gather; eager and lagged; four bits flat,
+    whitening first and sum first, with and without the rotation) passes, its results unchanged by the
+    watch. Sum first's batched cut pieces (created by its rows stage, read by its node sums) were once
+    in no handoff."""
     for rank, r in enumerate(run_on_ranks(_worker, WORLD, timeout=600)):
         assert r.pop("toy_unheld") is not None and r.pop("toy_held") is None, rank
         stages, complaint = r.pop("delta")
