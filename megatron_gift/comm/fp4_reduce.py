@@ -50,7 +50,7 @@ from ..numerics.rotation import BlockHadamard
 from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
 from .layout import BucketLayout, _pad4
-from .ledger import CommLedger
+from .ledger import CommLedger, dtype_label
 from .packing import Received
 from .pieces import PieceExchange
 from .quantized import ShardReduction, Whitenings, destination, with_self
@@ -64,9 +64,6 @@ def exchange_rotation(rotation: Rotation, seed: int) -> BlockHadamard | None:
     """The rotation the four-bit exchange applies (``--gift-rotation``; None: none): the same signs on
     every rank, from ``seed``."""
     return BlockHadamard(ROTATION_BLOCK, seed) if rotation is Rotation.HADAMARD else None
-
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the ledger's
 
 
 @dataclass(frozen=True)
@@ -326,7 +323,7 @@ class _FP4Stages:
         nbytes = size * flat.element_size()
         self.ledger.add(
             "all_gather",
-            _DTYPE_NAMES.get(flat.dtype, str(flat.dtype).removeprefix("torch.")),
+            dtype_label(flat.dtype),
             (self.world - 1) * nbytes,
             self._links([nbytes] * self.world),
         )

@@ -15,13 +15,18 @@ def coded_label(fmt: WireFormat) -> str:
 _PLAIN_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
+def dtype_label(dtype) -> str:
+    """The ledger's name of values sent in ``dtype``: ``fp32``, ``bf16``, ``fp16``, else torch's name."""
+    return _PLAIN_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+
+
 def message_label(layout) -> str:
     """The ledger's dtype of a bucket's messages: ``coded_label`` where they carry codes; else what
     its plain parameters travel as (``bf16`` for a bucket of ``--gift-mode bf16`` parameters, which the
     ledger and ``megatron-gift report`` called ``fp8+scales``)."""
     if layout.n_coded:
         return coded_label(layout.codec.fmt)
-    names = [_PLAIN_NAMES.get(str(d), str(d)) for d, n in zip(layout.plain_dtypes, layout.n_plain) if n]
+    names = [dtype_label(d) for d, n in zip(layout.plain_dtypes, layout.n_plain) if n]
     return "+".join(dict.fromkeys(names)) or coded_label(layout.codec.fmt)
 
 

@@ -73,6 +73,7 @@ from torch.distributed import _coalescing_manager
 
 from .. import kernels
 from .._compat import all_gather as _all_gather
+from .ledger import dtype_label
 from .schedule import StageStreams
 
 BLOCK = 32
@@ -80,7 +81,6 @@ CODE_MAX = 127
 _SCALE_MIN, _SCALE_MAX, SCALE_NONFINITE = 1, 254, 255  # FP32 exponent fields of the normals; 255: a NaN/Inf block
 CODED_DTYPES = (torch.bfloat16, torch.float16)
 CHUNK = 1 << 24  # elements of each FP32 temporary of the PyTorch path (64 MiB): longer inputs go in chunks of it
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}  # stored mantissa bits
 
 
@@ -297,7 +297,7 @@ class DeltaGather:
                 own = self.own(i)
                 if i not in prev:
                     _all_gather(buf.view(torch.uint8), own.view(torch.uint8), group=self.group, async_op=async_op)
-                    self._count(_DTYPE_NAMES.get(buf.dtype, str(buf.dtype)), own.numel() * own.element_size())
+                    self._count(dtype_label(buf.dtype), own.numel() * own.element_size())
                     continue
                 m = message_bytes(own.numel())
                 send = torch.empty(m, dtype=torch.uint8, device=own.device)

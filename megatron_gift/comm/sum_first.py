@@ -38,12 +38,10 @@ from ..numerics.rotation import BlockHadamard
 from ..numerics.whitening import ieee_fp32
 from .fp4_reduce import FP4TwoLevelReduce
 from .layout import BucketLayout
-from .ledger import CommLedger
+from .ledger import CommLedger, dtype_label
 from .quantized import Whitenings
 from .schedule import StageResult, taken
 from .topology import TwoLevelGroups
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the ledger's
 
 
 @dataclass(frozen=True)
@@ -280,7 +278,7 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         sent = (g - 1) * n * size * flat.element_size()  # a ring's: (g-1)/g of the bucket
-        self.ledger.add("reduce_scatter", _DTYPE_NAMES.get(flat.dtype, str(flat.dtype)), sent, {"intra": sent})
+        self.ledger.add("reduce_scatter", dtype_label(flat.dtype), sent, {"intra": sent})
         work = self.groups.intra.reduce_scatter_tensor_coalesced(
             list(self.held_sums.view(n, size).unbind(0)), list(flat.view(n, g * size).unbind(0)), opts
         )
