@@ -148,10 +148,8 @@ def _worker(rank, world):
         out[key] = _caught(lambda: queue.wait(flight))
         out[key + ("same",)] = torch.equal(lagged, plain)
     nvfp4 = FP4_FORMATS["nvfp4"]
-    for rotation in (
-        False,
-        True,
-    ):  # four bits between nodes: flat, whitening first, sum first (cut rows of two GIFT segments)
+    # four bits between nodes: flat, whitening first, sum first (cut rows of two GIFT segments)
+    for rotation in (False, True):
         (numel, segs), at = fp4._bucket(rotation), fp4._layout(rotation)
         whitenings, rot = _transforms(segs), fp4.ROTATION if rotation else None
         fp4_makers = {

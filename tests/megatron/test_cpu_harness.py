@@ -117,7 +117,7 @@ def test_a_hung_run_reports_where_each_rank_waits():
     """Catches a hang reported without the hung ranks' stacks (an intermittent CI hang is then
     undiagnosable): both ranks' frames, rank 1 asleep and rank 0 in its barrier, are in the error."""
     with pytest.raises(RankError, match=r"did not finish") as caught:
-        run_on_ranks(_waits_for_a_peer_that_never_comes, 2, timeout=8)
+        run_on_ranks(_waits_for_a_peer_that_never_comes, 2, timeout=20)  # both ranks start and meet first
     text = str(caught.value)
     for rank in (0, 1):
         assert f"rank {rank}'s threads when it was stopped" in text
