@@ -13,8 +13,14 @@ The grid is 1-D (dimension 0: up to 2^31-1 programs, so no shape limit). ``_unit
 - ``_ROW_BLOCKS``: the same units, a program taking the same columns of ``BU`` consecutive rows
   so that they share the loads of ``D`` and ``Q`` (the sender with whitening);
 - ``_GROUPS``: with ``lengths`` (groups in memory order, e.g. cut at shard boundaries), a unit is
-  a group, found from the inclusive cumsum of ``lengths``; with whitening each group must lie
-  inside one row (the layout's groups do): a unit's row is that of its first element.
+  a group, found from the inclusive cumsum of ``lengths``, ``BU`` consecutive ones per program;
+- ``_ROW_GROUPS``: the same groups for the sender with whitening (each group inside one row, as the
+  layout's are): a program takes, for ``BU`` consecutive rows, the groups that start in the same
+  ``slot_w`` columns (one where no shard cuts the row, more where one does; two binary searches of
+  the ends per row), so that its units share the loads of ``D`` and ``Qᵀ`` as with ``_ROW_BLOCKS``.
+
+With ``_ROW_BLOCKS`` and ``_ROW_GROUPS`` a program loops over ``row_steps`` blocks of ``BU`` rows
+(more rows per load of ``D`` and ``Qᵀ``; ``_Tiling`` keeps at least ``ROW_PROGRAMS`` programs).
 
 Sender, ``whiten_encode``: ``P = G (D^{-1/2} Q) diag(c)`` ([rows, r], ``_project_kernel``), then
 per unit::
@@ -84,7 +90,9 @@ _READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _AMAX, _ENCODE, _ONE_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # The unit layouts of _units (module doc): the matrix codec's units in memory order or the same
 # columns of consecutive rows, or the groups of ``lengths``.
-_ORDERED, _ROW_BLOCKS, _GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_ORDERED, _ROW_BLOCKS, _GROUPS, _ROW_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+ROW_STEPS = 16  # blocks of BU rows a program of a row layout takes at most
+ROW_PROGRAMS = 512  # programs a row layout keeps where the matrix allows (~4 per SM of an H100)
 
 
 @triton.jit
@@ -172,54 +180,78 @@ def _units(
     n_units,
     rows,
     cols,
-    n_row_blocks,
     units_per_row,
     scale_row_stride,
     scale_col_stride,
     UNIT_W: tl.constexpr,
-    W: tl.constexpr,
     BU: tl.constexpr,
     LAYOUT: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
 ):
-    """This program's units: ``(start [BU], length [BU, 1], row [BU], col0, mask [BU], unit [BU],
-    scale index [BU], chunks)``; ``col0``, the first column, is one for all units with
-    ``_ROW_BLOCKS``, else ``[BU, 1]``; ``unit`` numbers the units in memory order; ``chunks``
-    of ``W`` elements cover the longest unit."""
+    """This program's units with ``_ORDERED`` or ``_GROUPS``: ``(start [BU], length [BU, 1], row [BU],
+    col0 [BU, 1], mask [BU], unit [BU], scale index [BU])``; ``unit`` numbers the units in memory order."""
     pid = tl.program_id(0).to(tl.int64)
-    if LAYOUT == _ROW_BLOCKS:  # block kb (UNIT_W columns) of BU consecutive rows
-        kb = pid // n_row_blocks
-        row = (pid % n_row_blocks) * BU + tl.arange(0, BU)
-        mask = row < rows
+    unit = pid * BU + tl.arange(0, BU)
+    mask = unit < n_units
+    if LAYOUT == _GROUPS:  # ends = cumsum(lengths)
+        end = tl.load(ends_ptr + unit, mask=mask, other=0)
+        start = tl.load(ends_ptr + unit - 1, mask=mask & (unit > 0), other=0)
+        row = start // cols
+        col0 = start - row * cols
+        length = end - start
+        scale_index = unit
+    else:
+        row = unit // units_per_row
+        kb = unit - row * units_per_row
         col0 = kb * UNIT_W
         start = row * cols + col0
-        length = tl.zeros([BU, 1], tl.int64) + tl.minimum(cols - col0, UNIT_W)
-        unit = row * units_per_row + kb
+        length = tl.minimum(cols - col0, UNIT_W)
         scale_index = row * scale_row_stride + kb * scale_col_stride
-    else:  # BU consecutive units
-        unit = pid * BU + tl.arange(0, BU)
-        mask = unit < n_units
-        if LAYOUT == _GROUPS:  # ends = cumsum(lengths)
-            end = tl.load(ends_ptr + unit, mask=mask, other=0)
-            start = tl.load(ends_ptr + unit - 1, mask=mask & (unit > 0), other=0)
-            row = start // cols
-            col0 = start - row * cols
-            length = end - start
-            scale_index = unit
-        else:
-            row = unit // units_per_row
-            kb = unit - row * units_per_row
-            col0 = kb * UNIT_W
-            start = row * cols + col0
-            length = tl.minimum(cols - col0, UNIT_W)
-            scale_index = row * scale_row_stride + kb * scale_col_stride
-        length = length[:, None]
-        col0 = col0[:, None]
+    return start, length[:, None], row, col0[:, None], mask, unit, scale_index
+
+
+@triton.jit
+def _n_chunks(length, W: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """Chunks of ``W`` elements that cover the longest of the units (``length [BU, 1]``)."""
     if ONE_CHUNK:
         chunks = 1
     else:
         chunks = tl.cdiv(tl.max(length), W)
-    return start, length, row, col0, mask, unit, scale_index, chunks
+    return chunks
+
+
+@triton.jit
+def _group_start(ends_ptr, t, mask):
+    """Flat offset where group ``t`` starts (``ends = cumsum(lengths)``; 0 for ``t <= 0``)."""
+    return tl.load(ends_ptr + t - 1, mask=mask & (t > 0), other=0)
+
+
+@triton.jit
+def _first_starting_at(ends_ptr, lo, hi, steps, x, mask):
+    """The first group ``t`` in ``[lo, hi]`` that starts at or after ``x`` (``hi`` where none before it
+    does), by ``steps >= log2(hi - lo + 1)`` halvings."""
+    for _ in range(steps):
+        active = mask & (lo < hi)
+        mid = (lo + hi) // 2
+        before = _group_start(ends_ptr, mid, active) < x
+        lo = tl.where(active & before, mid + 1, lo)
+        hi = tl.where(active & ~before, mid, hi)
+    return lo
+
+
+@triton.jit
+def _groups_before(ends_ptr, n_units, base, extra, window_steps, full_steps, x, mask):
+    """``#{t : group t starts before flat offset x}`` (``x [BU]``): searched in ``[base, base + extra]``
+    (exact where the groups refine the codec's, as a layout's do: ``base`` codec groups start before
+    ``x`` and at most ``extra`` cuts), checked, and searched over all groups for rows where it missed."""
+    t = _first_starting_at(
+        ends_ptr, tl.minimum(base, n_units), tl.minimum(base + extra, n_units), window_steps, x, mask
+    )
+    ok = ((t == 0) | (_group_start(ends_ptr, t - 1, mask) < x)) & (
+        (t == n_units) | (_group_start(ends_ptr, t, mask) >= x)
+    )
+    if tl.max((mask & ~ok).to(tl.int32)) > 0:
+        t = tl.where(ok, t, _first_starting_at(ends_ptr, t * 0, t * 0 + n_units, full_steps, x, mask & ~ok))
+    return t
 
 
 @triton.jit
@@ -332,6 +364,97 @@ def _store_codes(
 
 
 @triton.jit
+def _encode_units(
+    g_ptr,
+    dinv_ptr,
+    p_ptr,
+    qt_ptr,
+    dout_ptr,
+    qo_ptr,
+    pre_ptr,
+    u_ptr,
+    code_ptr,
+    scale_ptr,
+    amax_ptr,
+    cols,
+    rank,
+    rank_out,
+    start,
+    length,
+    row,
+    col0,
+    umask,
+    unit,
+    scale_index,
+    code_ends_ptr,
+    code_delta_ptr,
+    code_shards,
+    code_steps,
+    code_at,
+    scale_out_ptr,
+    scale_ends_ptr,
+    scale_delta_ptr,
+    scale_shards,
+    scale_steps,
+    scale_at,
+    e_ptr,
+    e_new_ptr,
+    W: tl.constexpr,
+    BU: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    WHITEN: tl.constexpr,
+    OUTPUT: tl.constexpr,
+    STORE_U: tl.constexpr,
+    PASS: tl.constexpr,
+    PLACE: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
+    NO_INF: tl.constexpr,
+    E8M0: tl.constexpr,
+):
+    """One pass of ``_encode_kernel`` over ``BU`` units (``_units``' tuple): their maxima (``_AMAX``),
+    or their scales and codes (``_ENCODE``: the stored scales; ``_ONE_PASS``: from the maxima)."""
+    n_chunks = _n_chunks(length, W, ONE_CHUNK)
+    # Where the codes and the scale of each unit go: one table lookup per unit (a unit never
+    # crosses a shard of the table); in place (codes at the flat offsets, scales at their index) without PLACE.
+    code_shift = tl.zeros([BU, 1], tl.int64)
+    scale_dest = scale_index
+    if PLACE:
+        k = code_at + start
+        code_shift = (code_at + _shard_delta(code_ends_ptr, code_delta_ptr, code_shards, code_steps, k, umask))[:, None]
+        k = scale_at + scale_index
+        scale_dest = k + _shard_delta(scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, k, umask)
+    chunk_args = (g_ptr, dinv_ptr, p_ptr, qt_ptr, e_ptr, dout_ptr, qo_ptr, pre_ptr, start, length, row, col0, umask)
+    u, flat, mask = _chunk_u(*chunk_args, 0, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT)
+    if PASS != _ENCODE:
+        amax = _finite_amax(u, mask)
+        if not ONE_CHUNK:
+            for ch in range(1, n_chunks):
+                uc, fc, mc = _chunk_u(*chunk_args, ch, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT)
+                amax = tl.maximum(amax, _finite_amax(uc, mc))
+    if PASS == _AMAX:
+        tl.store(amax_ptr + unit, amax, mask=umask)
+    else:
+        if PASS == _ONE_PASS:  # the FP32 scale of fp8.scales_from_amax
+            s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 2.0**-126)
+            s = tl.where(amax.to(tl.int32, bitcast=True) > 0, s, 1.0)
+            tl.store(scale_out_ptr + scale_dest, s, mask=umask)
+        else:
+            stored = tl.load(scale_ptr + scale_index, mask=umask, other=1)
+            if PLACE:
+                tl.store(scale_out_ptr + scale_dest, stored, mask=umask)
+            s = _scale_value(stored, E8M0)
+        codes = (s, code_ptr, code_shift, u_ptr, e_new_ptr)  # values only: a tuple keeps no constexpr
+        _store_codes(u, flat, mask, *codes, STORE_U, FEEDBACK, MANT, BIAS, FMAX, NO_INF)
+        if not ONE_CHUNK:
+            for ch in range(1, n_chunks):
+                uc, fc, mc = _chunk_u(*chunk_args, ch, cols, rank, rank_out, W, WHITEN, FEEDBACK, OUTPUT)
+                _store_codes(uc, fc, mc, *codes, STORE_U, FEEDBACK, MANT, BIAS, FMAX, NO_INF)
+
+
+@triton.jit
 def _encode_kernel(
     g_ptr,
     ends_ptr,
@@ -354,6 +477,11 @@ def _encode_kernel(
     units_per_row,
     scale_row_stride,
     scale_col_stride,
+    row_steps,
+    slot_w,
+    extra,
+    window_steps,
+    full_steps,
     code_ends_ptr,
     code_delta_ptr,
     code_shards,
@@ -384,124 +512,108 @@ def _encode_kernel(
     NO_INF: tl.constexpr,
     E8M0: tl.constexpr,
 ):
-    start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
-        ends_ptr,
-        n_units,
-        rows,
-        cols,
-        n_row_blocks,
-        units_per_row,
-        scale_row_stride,
-        scale_col_stride,
-        UNIT_W,
-        W,
-        BU,
-        LAYOUT,
-        ONE_CHUNK,
-    )
-    # Where the codes and the scale of each unit go: one table lookup per unit (a unit never
-    # crosses a shard of the table); in place (codes at the flat offsets, scales at their index) without PLACE.
-    code_shift = tl.zeros([BU, 1], tl.int64)
-    scale_dest = scale_index
-    if PLACE:
-        k = code_at + start
-        code_shift = (code_at + _shard_delta(code_ends_ptr, code_delta_ptr, code_shards, code_steps, k, umask))[:, None]
-        k = scale_at + scale_index
-        scale_dest = k + _shard_delta(scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, k, umask)
-    u, flat, mask = _chunk_u(
-        g_ptr,
-        dinv_ptr,
-        p_ptr,
-        qt_ptr,
-        e_ptr,
-        dout_ptr,
-        qo_ptr,
-        pre_ptr,
-        start,
-        length,
-        row,
-        col0,
-        umask,
-        0,
-        cols,
-        rank,
-        rank_out,
-        W,
-        WHITEN,
-        FEEDBACK,
-        OUTPUT,
-    )
-    if PASS != _ENCODE:
-        amax = _finite_amax(u, mask)
-        if not ONE_CHUNK:
-            for ch in range(1, n_chunks):
-                uc, fc, mc = _chunk_u(
-                    g_ptr,
-                    dinv_ptr,
-                    p_ptr,
-                    qt_ptr,
-                    e_ptr,
-                    dout_ptr,
-                    qo_ptr,
-                    pre_ptr,
-                    start,
-                    length,
-                    row,
-                    col0,
-                    umask,
-                    ch,
+    """The sender's pass (module doc) over this program's units: ``BU`` units of ``_units``, or with a
+    row layout (``_ROW_BLOCKS``, ``_ROW_GROUPS``) column slot ``kb`` of ``row_steps`` blocks of ``BU`` rows."""
+    factors = (g_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr)
+    tables = (code_ends_ptr, code_delta_ptr, code_shards, code_steps, code_at)
+    tables += (scale_out_ptr, scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, scale_at, e_ptr, e_new_ptr)
+    if LAYOUT == _ROW_BLOCKS or LAYOUT == _ROW_GROUPS:
+        pid = tl.program_id(0).to(tl.int64)
+        kb = pid // n_row_blocks
+        for step in range(row_steps):
+            row = ((pid % n_row_blocks) * row_steps + step) * BU + tl.arange(0, BU)
+            rmask = row < rows
+            if LAYOUT == _ROW_BLOCKS:  # unit kb (UNIT_W columns) of each row: one col0 for all
+                col0 = kb * UNIT_W
+                length = tl.zeros([BU, 1], tl.int64) + tl.minimum(cols - col0, UNIT_W)
+                unit = row * units_per_row + kb
+                scale_index = row * scale_row_stride + kb * scale_col_stride
+                units = (row * cols + col0, length, row, col0, rmask, unit, scale_index)
+                _encode_units(
+                    *factors,
                     cols,
                     rank,
                     rank_out,
+                    *units,
+                    *tables,
                     W,
+                    BU,
+                    ONE_CHUNK,
                     WHITEN,
-                    FEEDBACK,
                     OUTPUT,
+                    STORE_U,
+                    PASS,
+                    PLACE,
+                    FEEDBACK,
+                    MANT,
+                    BIAS,
+                    FMAX,
+                    NO_INF,
+                    E8M0,
                 )
-                amax = tl.maximum(amax, _finite_amax(uc, mc))
-    if PASS == _AMAX:
-        tl.store(amax_ptr + unit, amax, mask=umask)
+            else:  # the groups that start in columns [kb·slot_w, (kb+1)·slot_w) of each row, in turn
+                lo = row * cols + kb * slot_w
+                base = row * units_per_row + kb
+                search = (extra, window_steps, full_steps)
+                first = _groups_before(ends_ptr, n_units, base, *search, lo, rmask)
+                stop = _groups_before(
+                    ends_ptr, n_units, base + 1, *search, lo + tl.minimum(cols - kb * slot_w, slot_w), rmask
+                )
+                for j in range(tl.max(tl.where(rmask, stop - first, 0))):
+                    unit = first + j
+                    umask = rmask & (unit < stop)
+                    start = tl.load(ends_ptr + unit - 1, mask=umask & (unit > 0), other=0)
+                    length = tl.load(ends_ptr + unit, mask=umask, other=0) - start
+                    col0 = tl.where(umask, start - row * cols, kb * slot_w)[:, None]  # masked: the slot's own columns
+                    units = (start, length[:, None], row, col0, umask, unit, unit)
+                    _encode_units(
+                        *factors,
+                        cols,
+                        rank,
+                        rank_out,
+                        *units,
+                        *tables,
+                        W,
+                        BU,
+                        ONE_CHUNK,
+                        WHITEN,
+                        OUTPUT,
+                        STORE_U,
+                        PASS,
+                        PLACE,
+                        FEEDBACK,
+                        MANT,
+                        BIAS,
+                        FMAX,
+                        NO_INF,
+                        E8M0,
+                    )
     else:
-        if PASS == _ONE_PASS:  # the FP32 scale of fp8.scales_from_amax
-            s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 2.0**-126)
-            s = tl.where(amax.to(tl.int32, bitcast=True) > 0, s, 1.0)
-            tl.store(scale_out_ptr + scale_dest, s, mask=umask)
-        else:
-            stored = tl.load(scale_ptr + scale_index, mask=umask, other=1)
-            if PLACE:
-                tl.store(scale_out_ptr + scale_dest, stored, mask=umask)
-            s = _scale_value(stored, E8M0)
-        _store_codes(
-            u, flat, mask, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS, FMAX, NO_INF
+        units = _units(
+            ends_ptr, n_units, rows, cols, units_per_row, scale_row_stride, scale_col_stride, UNIT_W, BU, LAYOUT
         )
-        if not ONE_CHUNK:
-            for ch in range(1, n_chunks):
-                uc, fc, mc = _chunk_u(
-                    g_ptr,
-                    dinv_ptr,
-                    p_ptr,
-                    qt_ptr,
-                    e_ptr,
-                    dout_ptr,
-                    qo_ptr,
-                    pre_ptr,
-                    start,
-                    length,
-                    row,
-                    col0,
-                    umask,
-                    ch,
-                    cols,
-                    rank,
-                    rank_out,
-                    W,
-                    WHITEN,
-                    FEEDBACK,
-                    OUTPUT,
-                )
-                _store_codes(
-                    uc, fc, mc, s, code_ptr, code_shift, u_ptr, e_new_ptr, STORE_U, FEEDBACK, MANT, BIAS, FMAX, NO_INF
-                )
+        _encode_units(
+            *factors,
+            cols,
+            rank,
+            rank_out,
+            *units,
+            *tables,
+            W,
+            BU,
+            ONE_CHUNK,
+            WHITEN,
+            OUTPUT,
+            STORE_U,
+            PASS,
+            PLACE,
+            FEEDBACK,
+            MANT,
+            BIAS,
+            FMAX,
+            NO_INF,
+            E8M0,
+        )
 
 
 @triton.jit
@@ -574,21 +686,10 @@ def _decode_sum_kernel(
 ):
     """``out = Σ_i dec(code_i, s_i) [÷ world]`` (module doc) in ``out``'s dtype. Bytes (essential):
     reads every rank's codes (1 per element) and scales once, writes ``out`` once."""
-    start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
-        ends_ptr,
-        n_units,
-        rows,
-        cols,
-        n_row_blocks,
-        units_per_row,
-        scale_row_stride,
-        scale_col_stride,
-        UNIT_W,
-        W,
-        BU,
-        LAYOUT,
-        ONE_CHUNK,
+    start, length, row, col0, umask, unit, scale_index = _units(
+        ends_ptr, n_units, rows, cols, units_per_row, scale_row_stride, scale_col_stride, UNIT_W, BU, LAYOUT
     )
+    n_chunks = _n_chunks(length, W, ONE_CHUNK)
     for ch in range(n_chunks):
         _, flat, mask = _chunk(start, length, umask, ch, W)
         acc = tl.full([BU, W], -0.0, tl.float32)
@@ -753,14 +854,16 @@ def _fmt_args(cfg: CodecConfig, kernel: str) -> dict:
 class _Tiling:
     """The units of an ``[rows, cols]`` matrix (module doc) and the programs over them."""
 
-    layout: int  # _ORDERED, _ROW_BLOCKS or _GROUPS
+    layout: int  # _ORDERED, _ROW_BLOCKS, _GROUPS or _ROW_GROUPS
     unit_w: int  # columns of a unit of the matrix codec
     w: int  # elements of a chunk
-    bu: int  # units of a program
+    bu: int  # units of a program (of each of its row blocks with a row layout)
     n_units: int
-    n_row_blocks: int
-    units_per_row: int
+    n_row_blocks: int  # programs down the rows of a row layout
+    units_per_row: int  # of the matrix codec; a row layout's column slots
     scale_strides: tuple[int, int]  # where unit (row, block) of the matrix codec finds its scale
+    row_steps: int = 1  # blocks of bu rows of a row layout's program
+    slot_w: int = 0  # columns of a _ROW_GROUPS slot: a regular group's (the block; a whole row for ROW)
 
     @classmethod
     def of(cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False) -> _Tiling:
@@ -771,29 +874,39 @@ class _Tiling:
         upr = triton.cdiv(cols, unit_w)
         strides = {Scaling.TENSOR: (0, 0), Scaling.ROW: (1, 0)}.get(cfg.scaling, (upr, 1))
         w = min(triton.next_power_of_2(unit_w), MAX_TILE)  # a ROW group with lengths: chunks of TILE
+        if not row_blocks:
+            layout, n_units = (_ORDERED.value, rows * upr) if n_groups is None else (_GROUPS.value, n_groups)
+            bu = max(1, min(TILE_ELEMENTS // w, triton.next_power_of_2(n_units)))
+            return cls(layout, unit_w, w, bu, n_units, triton.cdiv(rows, bu), upr, strides)
+        layout, n_units, slot_w = _ROW_BLOCKS.value, rows * upr, 0
         if n_groups is not None:
-            layout, n_units = _GROUPS.value, n_groups
-        else:
-            layout, n_units = (_ROW_BLOCKS if row_blocks else _ORDERED).value, rows * upr
-        bu = max(1, min(TILE_ELEMENTS // w, triton.next_power_of_2(n_units)))
-        if layout == _ROW_BLOCKS.value:
-            bu = max(1, min(TILE_ELEMENTS // w, 16, triton.next_power_of_2(rows)))
-        return cls(layout, unit_w, w, bu, n_units, triton.cdiv(rows, bu), upr, strides)
+            slot_w = unit_w if per_group else cols
+            layout, n_units, upr = _ROW_GROUPS.value, n_groups, triton.cdiv(cols, slot_w)
+        bu = max(1, min(TILE_ELEMENTS // w, 16, triton.next_power_of_2(rows)))
+        blocks = triton.cdiv(rows, bu)
+        steps = max(1, min(ROW_STEPS, blocks, blocks * upr // ROW_PROGRAMS))
+        return cls(layout, unit_w, w, bu, n_units, triton.cdiv(blocks, steps), upr, strides, steps, slot_w)
 
     @property
     def programs(self) -> int:
-        if self.layout == _ROW_BLOCKS.value:
+        if self.layout in (_ROW_BLOCKS.value, _ROW_GROUPS.value):
             return self.n_row_blocks * self.units_per_row
         return triton.cdiv(self.n_units, self.bu)
 
     @property
     def one_chunk(self) -> bool:
         """Whether every unit fits one chunk (known for the matrix codec's units only)."""
-        return self.layout != _GROUPS.value and self.unit_w <= self.w
+        return self.layout not in (_GROUPS.value, _ROW_GROUPS.value) and self.unit_w <= self.w
 
     def args(self) -> tuple:
         """The kernels' arguments after ``(n_units, rows, cols[, rank])``."""
         return (self.n_row_blocks, self.units_per_row, *self.scale_strides)
+
+    def row_args(self, rows: int) -> tuple:
+        """The encode kernel's arguments after ``args()``: a row layout's ``row_steps`` and ``slot_w``; the
+        groups beyond the codec's (``extra``: cuts) and the halvings of ``_groups_before``'s two searches."""
+        extra = max(0, self.n_units - rows * self.units_per_row) if self.layout == _ROW_GROUPS.value else 0
+        return (self.row_steps, self.slot_w, extra, extra.bit_length(), self.n_units.bit_length())
 
     def constexprs(self) -> dict:
         return dict(UNIT_W=self.unit_w, W=self.w, BU=self.bu, LAYOUT=self.layout, ONE_CHUNK=self.one_chunk)
@@ -895,11 +1008,13 @@ def _table(place, fallback: torch.Tensor) -> tuple:
     return place.out, ends, place.table.delta, ends.numel(), ends.numel().bit_length(), place.at
 
 
-def encode_warps(transform: bool, layout: int) -> int:
-    """Warps of an ``_encode_kernel`` launch: 8 where a transform's ``Qᵀ`` is gathered per group (``_GROUPS``), whose
-    per-element addresses spilled registers at 4 (16-668 B, ``bench/compile.py``); 4 elsewhere. Each element's ``U``
-    and each unit's maximum are the same whatever the warps, so the codes are too."""
-    return 8 if transform and layout == _GROUPS.value else 4
+def encode_options(transform: bool, layout: int) -> dict:
+    """Launch options of an ``_encode_kernel``: 8 warps where a transform's ``Qᵀ`` is read at each unit's own
+    columns (``_GROUPS``, ``_ROW_GROUPS``), whose per-element addresses spilled registers at 4 (16-668 B,
+    ``bench/compile.py``), 4 elsewhere; and ``maxnreg`` 255, without which ptxas held the 8-warp MX maxima pass
+    to 128 registers and spilled 16-20 B. Each element's ``U`` and each unit's maximum are the same whatever
+    the warps, so the codes are too."""
+    return dict(num_warps=8 if transform and layout in (_GROUPS.value, _ROW_GROUPS.value) else 4, maxnreg=255)
 
 
 def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows | None) -> tuple:
@@ -949,7 +1064,7 @@ def whiten_encode(
     codes_table = _table(None if into is None else into.codes, g)[1:]
     transform, out_side = sender_factors(g, whitening, output)
 
-    warps = encode_warps(whitening is not None or output is not None, tiling.layout)
+    options = encode_options(whitening is not None or output is not None, tiling.layout)
 
     def launch(pass_: tl.constexpr, scales: torch.Tensor, amax: torch.Tensor = g, fusion: bool = False) -> None:
         scales_table = _table(None if into is None else into.scales, scales)
@@ -968,6 +1083,7 @@ def whiten_encode(
             transform[3],
             out_side[3],
             *tiling.args(),
+            *tiling.row_args(rows),
             *codes_table,
             *scales_table,
             residual,
@@ -980,7 +1096,7 @@ def whiten_encode(
             FEEDBACK=feedback is not None,
             FMAX=cfg.fmt.max,
             enable_fp_fusion=fusion and feedback is None,
-            num_warps=warps,
+            **options,
             **tiling.constexprs(),
             **fmt_args,
         )
@@ -1023,23 +1139,28 @@ def whiten_encode(
 def _scale_count(a: dict) -> int:
     """Distinct scales a launch addresses (per rank for a decode): one per unit of ``lengths`` or the
     matrix codec's blocks, one per row (ROW), one (TENSOR)."""
-    if a["LAYOUT"] == _GROUPS.value:
+    if a["LAYOUT"] in (_GROUPS.value, _ROW_GROUPS.value):
         return a["n_units"]
     return {(0, 0): 1, (1, 0): a["rows"]}.get((a["scale_row_stride"], a["scale_col_stride"]), a["n_units"])
 
 
 def _encode_traffic(a: dict) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one ``_encode_kernel`` launch from its bound arguments: ``G``
-    (and ``e``) once per pass, ``P`` and ``T``'s factors with whitening, the group ends, each unit's
-    stored scale (second pass) and table lookups; the codes, scales or maxima, ``U`` and ``e'``."""
-    n, units, rank = a["rows"] * a["cols"], a["n_units"], a["rank"]
+    (and ``e``) once per pass; with whitening (a row layout) what each program loads: its slot's
+    columns of ``D^{-1/2}`` and ``Qᵀ`` (and ``Pre T``), its rows of ``P`` (and ``D_out^{-1/2}``, ``Q_out``);
+    the group ends (with ``_ROW_GROUPS`` two binary searches per row); each unit's stored scale
+    (second pass) and table lookups; the codes, scales or maxima, ``U`` and ``e'``."""
+    n, units, rank, r_out = a["rows"] * a["cols"], a["n_units"], a["rank"], a["rank_out"]
     read = n * a["g_ptr"].element_size() + (4 * n if a["FEEDBACK"] else 0)
+    down, across = a["n_row_blocks"] * a["cols"], a["units_per_row"] * a["rows"]  # slot columns, program rows
     if a["WHITEN"]:
-        read += 4 * (a["rows"] * rank + a["cols"] * (1 + rank))
-    if a["OUTPUT"]:  # D_out^{-1/2}, Q_out, Pre
-        read += 4 * (a["rows"] * (1 + a["rank_out"]) + a["rank_out"] * a["cols"])
+        read += 4 * (down * (1 + rank) + across * rank)
+    if a["OUTPUT"]:
+        read += 4 * (down * r_out + across * (1 + r_out))
     if a["LAYOUT"] == _GROUPS.value:
         read += 8 * units
+    if a["LAYOUT"] == _ROW_GROUPS.value:  # each unit's ends; the searches' windows (around them)
+        read += 8 * (units + a["grid"][0] * 2 * a["window_steps"])
     if a["PLACE"]:  # the two tables (their lookups hit the cache)
         read += 16 * (a["code_shards"] + a["scale_shards"])
     if a["PASS"] == _AMAX.value:

@@ -32,6 +32,7 @@ from .fused import (
     _chunk,
     _ends,
     _fmt_args,
+    _n_chunks,
     _rows,
     _shard_delta,
     _shard_of,
@@ -84,21 +85,10 @@ def _decode_placed_kernel(
     ``seq_at + i`` and whose group ``u`` is group ``group_at + u``, each read at its table position
     (the shard found once per unit). Bytes: reads the codes (1 per element) and the scales once,
     the table per unit (cached); writes ``out``."""
-    start, length, row, col0, umask, unit, scale_index, n_chunks = _units(
-        ends_ptr,
-        n_units,
-        rows,
-        cols,
-        n_row_blocks,
-        units_per_row,
-        scale_row_stride,
-        scale_col_stride,
-        UNIT_W,
-        W,
-        BU,
-        LAYOUT,
-        ONE_CHUNK,
+    start, length, row, col0, umask, unit, scale_index = _units(
+        ends_ptr, n_units, rows, cols, units_per_row, scale_row_stride, scale_col_stride, UNIT_W, BU, LAYOUT
     )
+    n_chunks = _n_chunks(length, W, ONE_CHUNK)
     j = _shard_of(table_ptr, n_table, steps, seq_at + start, umask)
     code_shift = (seq_at + tl.load(code_delta_ptr + j, mask=umask, other=0))[:, None]
     scale_at = group_at + scale_index + tl.load(scale_delta_ptr + j, mask=umask, other=0)

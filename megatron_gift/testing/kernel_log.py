@@ -61,10 +61,11 @@ def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> Non
 # placement, error feedback or an output side.
 E4M3 = dict(MANT=3, BIAS=7, NO_INF=True, E8M0=False)
 E5M2_MX = dict(MANT=2, BIAS=15, NO_INF=False, E8M0=True)
-ROW_BLOCKS, GROUPS, ORDERED = (
+ROW_BLOCKS, GROUPS, ORDERED, ROW_GROUPS = (
     dict(LAYOUT=1, ONE_CHUNK=True),
     dict(LAYOUT=2, ONE_CHUNK=False),
     dict(LAYOUT=0, ONE_CHUNK=True),
+    dict(LAYOUT=3, ONE_CHUNK=False),
 )
 UNPLACED = dict(PLACE=False, FEEDBACK=False, OUTPUT=False)
 

@@ -7,8 +7,9 @@ from megatron_gift_tools.bench import compile as report
 SUBSET = [c for c in report.CASES if c[0] in ("delta", "place", "fp4")] + [
     next(c for c in report.CASES if c[1] == "_decode_sum_kernel")
 ]
-# the bucket sender's whitened encodes (groups given by lengths): they spilled at 4 warps
-GROUPED = [c for c in report.CASES if c[1] == "_encode_kernel" and c[0] == "fused" and c[2]["LAYOUT"] == 2]
+# the bucket sender's whitened encodes (groups given by lengths, the _ROW_GROUPS tiling): they spilled at 4 warps
+GROUPED = [c for c in report.CASES if c[1] == "_encode_kernel" and c[0] == "fused" and c[2]["LAYOUT"] == 3]
+assert GROUPED
 
 
 def _id(case) -> str:

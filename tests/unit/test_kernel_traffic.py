@@ -2,7 +2,7 @@
 
 The meter (``bench launches``) and the planner price each launch by ``TRAFFIC``; a formula that
 counts a tensor once per launch hides a tiling whose programs each reload it (issue 35 item 3: the
-GIFT sender's ``_GROUPS`` tiling gathers ``Qᵀ`` per element, ~4·r bytes, against 2 of gradient).
+GIFT sender's ``_GROUPS`` tiling gathered ``Qᵀ`` per element, ~4·r bytes, against 2 of gradient).
 Here every load of an ``_encode_kernel`` launch is counted as the interpreter runs it (the distinct
 addresses each program reads, in bytes) and the entry must agree. The counting needs the interpreter
 on before the kernels are defined: ``test_traffic_under_interpreter`` runs this file again in a fresh
@@ -94,26 +94,25 @@ def _encode_launches(fn):
 
 
 if INTERPRET:
-    _UNDERCOUNT = (
-        "TRAFFIC counts Qᵀ once per launch, the _GROUPS sender loads it per program (1.3x and 6x more here; "
-        "issue 35 item 3). Counting it so made the planner's eager schedule model non-monotone "
-        "(tests/tools/test_perfmodel.py::test_step_time_never_falls_when_a_cost_rises), so it waits for that fix"
-    )
-    GROUPS = pytest.param(True, id="groups", marks=pytest.mark.xfail(strict=True, reason=_UNDERCOUNT))
 
     @pytest.mark.parametrize("cols", [256, 2048])
-    @pytest.mark.parametrize("lengths", [pytest.param(False, id="row-blocks"), GROUPS])
-    def test_sender_traffic_is_what_its_programs_load(lengths, cols):
-        """GIFT's sender with and without ``lengths`` (the bucket sender always passes them: the
-        ``_GROUPS`` tiling), rows narrower and wider than a program's units: ``TRAFFIC``'s bytes read
-        are within 10% of the interpreter's count of the distinct addresses each program loads (bug
-        caught: ``Qᵀ`` counted once per launch, several times under the count with groups: the known gap,
-        marked)."""
+    @pytest.mark.parametrize("lengths", [None, "blocks", "cut"])
+    @pytest.mark.parametrize("programs", [pytest.param(None, id="default"), pytest.param(1, id="row-steps")])
+    def test_sender_traffic_is_what_its_programs_load(lengths, cols, programs, monkeypatch):
+        """GIFT's sender without and with ``lengths`` (the bucket sender always passes them: the
+        ``_ROW_GROUPS`` tiling), the layout's groups or groups cut mid-row by shard boundaries, rows
+        narrower and wider than a program's units, one row block per program or several
+        (``ROW_PROGRAMS`` lowered): ``TRAFFIC``'s bytes read are within 10% of the interpreter's count of
+        the distinct addresses each program loads. Bugs caught: ``Qᵀ`` counted once per launch where
+        programs reload it; a tiling whose programs take groups of different columns (the old
+        ``_GROUPS`` sender: ~4·r bytes of ``Qᵀ`` per element), which no formula of this shape matches."""
         from megatron_gift import kernels
         from megatron_gift.kernels import fused
         from megatron_gift.numerics.whitening import LowRankWhitening
 
-        rows, r = 16, 8
+        if programs is not None:
+            monkeypatch.setattr(fused, "ROW_PROGRAMS", programs)
+        rows, r = 40, 8
         gen = torch.Generator().manual_seed(0)
         g = torch.randn(rows, cols, generator=gen)
         w = LowRankWhitening.empty(cols, r)
@@ -121,10 +120,17 @@ if INTERPRET:
         w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
         w.c.copy_(torch.rand(r, generator=gen))
         cfg = CodecConfig()
-        groups = torch.full((rows * cols // 128,), 128, dtype=torch.int64) if lengths else None
+        groups = None
+        if lengths is not None:
+            bounds = torch.arange(0, rows * cols + 1, 128)
+            if lengths == "cut":  # shard boundaries mid-group, one at a row's second element
+                bounds = torch.unique(torch.cat([bounds, torch.tensor([cols + 1, 5 * cols + 77, 9 * cols + 300])]))
+            groups = torch.diff(bounds)
         launches = _encode_launches(lambda: kernels.whiten_encode(g, w, cfg, lengths=groups))
         assert launches and all(a["WHITEN"] for a, _ in launches)
-        assert {a["LAYOUT"] for a, _ in launches} == {fused._GROUPS.value if lengths else fused._ROW_BLOCKS.value}
+        want = fused._ROW_BLOCKS.value if lengths is None else fused._ROW_GROUPS.value
+        assert {a["LAYOUT"] for a, _ in launches} == {want}
+        assert programs is None or all(a["row_steps"] > 1 for a, _ in launches)
         for args, loaded in launches:
             read, _ = fused.TRAFFIC["_encode_kernel"](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["LAYOUT"])

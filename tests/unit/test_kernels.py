@@ -301,6 +301,42 @@ def test_whiten_encode_with_lengths(device, cfg, layout, rank, kernels_only):
     _assert_same_encoding(enc, _flat_encoding(u, lengths, cfg))
 
 
+# A taller weight whose groups are cut at shard boundaries: two cuts in one block, one at a row's
+# second element, one at a row's start, one before a row's last element.
+TALL = ((37, 300), [301, 302, 5 * 300 + 77, 5 * 300 + 90, 20 * 300, 33 * 300 + 299])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling", [Scaling.BLOCK, Scaling.ROW, Scaling.MX], ids=lambda s: s.name.lower())
+@pytest.mark.parametrize("groups", [None, "layout", "cut"])
+def test_row_layouts_over_several_row_blocks(device, scaling, groups, kernels_only, monkeypatch):
+    """The sender with whitening when each program takes several blocks of rows (``ROW_PROGRAMS``
+    lowered: one program per column slot over three blocks of 16 rows, the last partial), without
+    ``lengths`` (``_ROW_BLOCKS``), with the codec's groups or with them cut at shard boundaries
+    (``_ROW_GROUPS``): ``U = G T`` to FP32 rounding and codes and scales bit for bit the codec's of
+    that ``U``. Bugs caught: a program that skips or repeats a block of rows, a unit after a cut
+    taken by no column slot or by two, a masked row's unit written."""
+    from megatron_gift.kernels import fused
+
+    monkeypatch.setattr(fused, "ROW_PROGRAMS", 1)
+    cfg = CodecConfig(scaling=scaling)
+    (rows, cols), cuts = TALL
+    lengths = None
+    if groups is not None:
+        ends = torch.cumsum(group_lengths(rows, cols, cfg), 0)
+        cuts = torch.tensor(cuts if groups == "cut" else [], dtype=torch.int64)
+        lengths = torch.diff(torch.unique(torch.cat([torch.zeros(1, dtype=torch.int64), ends, cuts]))).to(device)
+    tiling = fused._Tiling.of(cfg, rows, cols, None if lengths is None else lengths.numel(), row_blocks=True)
+    assert (tiling.row_steps, tiling.n_row_blocks) == (3, 1)
+    g = _gradient(rows, cols, seed=5, device=device, special=False)
+    w = _whitening(cols, 4, device)
+    u, u_ref = torch.empty_like(g), torch.empty_like(g)
+    enc = kernels.whiten_encode(g, w, cfg, out=u, lengths=lengths)
+    reference_whiten_encode(g, w, cfg, out=u_ref, lengths=lengths)
+    _assert_fp32_close(u, u_ref, w)
+    _assert_same_encoding(enc, encode(u, cfg) if lengths is None else _flat_encoding(u, lengths, cfg))
+
+
 def _fp64(w, d):
     """Dense FP64 ``(T, |T|)`` of ``w`` (its own FP32 tensors, exactly converted; ``T = I`` of size ``d``
     for None): ``T = D^{-1/2} (I + Q diag(c) Qᵀ)`` and the magnitudes of its factors,
@@ -833,7 +869,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
         assert_passes_under_interpreter(__file__)
 
-    from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, UNPLACED
+    from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, ROW_GROUPS, UNPLACED
 
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
     SM90_CASES = [
@@ -845,19 +881,19 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         ),
         (
             "_encode_kernel",
-            dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3, **UNPLACED),
+            dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_GROUPS, **E4M3, **UNPLACED),
             False,
             True,
         ),
         (
             "_encode_kernel",
-            dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED),
+            dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **ROW_GROUPS, **E5M2_MX, **UNPLACED),
             False,
             False,
         ),
         (
             "_encode_kernel",
-            dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED),
+            dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **ROW_GROUPS, **E5M2_MX, **UNPLACED),
             False,
             True,
         ),
@@ -878,7 +914,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
                 PLACE=True,
                 FEEDBACK=True,
                 OUTPUT=False,
-                **GROUPS,
+                **ROW_GROUPS,
                 **E4M3,
             ),
             False,
@@ -911,7 +947,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
                 PLACE=True,
                 FEEDBACK=False,
                 OUTPUT=True,
-                **GROUPS,
+                **ROW_GROUPS,
                 **E4M3,
             ),
             False,

@@ -13,7 +13,7 @@ import platform
 import re
 import time
 
-from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, UNPLACED
+from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, ROW_GROUPS, UNPLACED
 
 TILE = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
 
@@ -28,25 +28,35 @@ CASES = [
     (
         "fused",
         "_encode_kernel",
-        dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **GROUPS, **E4M3, **UNPLACED),
+        dict(PASS=2, WHITEN=True, STORE_U=True, FMAX=448.0, **ROW_GROUPS, **E4M3, **UNPLACED),
         False,
     ),
     (
         "fused",
         "_encode_kernel",
-        dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED),
+        dict(PASS=0, WHITEN=True, STORE_U=False, FMAX=57344.0, **ROW_GROUPS, **E5M2_MX, **UNPLACED),
         False,
     ),
     (
         "fused",
         "_encode_kernel",
-        dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **GROUPS, **E5M2_MX, **UNPLACED),
+        dict(PASS=1, WHITEN=True, STORE_U=True, FMAX=57344.0, **ROW_GROUPS, **E5M2_MX, **UNPLACED),
         False,
     ),
     (
         "fused",
         "_encode_kernel",
-        dict(PASS=2, WHITEN=True, STORE_U=False, FMAX=448.0, PLACE=True, FEEDBACK=False, OUTPUT=True, **GROUPS, **E4M3),
+        dict(
+            PASS=2,
+            WHITEN=True,
+            STORE_U=False,
+            FMAX=448.0,
+            PLACE=True,
+            FEEDBACK=False,
+            OUTPUT=True,
+            **ROW_GROUPS,
+            **E4M3,
+        ),
         False,
     ),
     ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=32, BO=16), True),
@@ -124,10 +134,10 @@ def compile_case(module, name, constexprs, fusion, int_type):
     sig = signature(kernel, module, constexprs, int_type)
     src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     options = {"enable_fp_fusion": fusion}
-    if (module, name) == ("fused", "_encode_kernel"):  # the warps its launcher picks
-        from megatron_gift.kernels.fused import encode_warps
+    if (module, name) == ("fused", "_encode_kernel"):  # the warps and registers its launcher picks
+        from megatron_gift.kernels.fused import encode_options
 
-        options["num_warps"] = encode_warps(constexprs["WHITEN"] or constexprs["OUTPUT"], constexprs["LAYOUT"])
+        options.update(encode_options(constexprs["WHITEN"] or constexprs["OUTPUT"], constexprs["LAYOUT"]))
     start = time.perf_counter()
     try:
         compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)

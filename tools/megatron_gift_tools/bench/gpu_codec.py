@@ -14,8 +14,8 @@ path                         what runs                                          
                              FP8 in one pass                                    ``O(d_in·r)``)
 ``whiten_encode_groups``     the same with ``lengths`` (each row's 1x128        the same
                              blocks as groups): the bucket sender's call
-                             (``encode_bucket`` always passes them), whose
-                             ``_GROUPS`` tiling loads ``Qᵀ`` per group
+                             (``encode_bucket`` always passes them): the
+                             ``_ROW_GROUPS`` tiling
 ``decode_sum``               ``decode_sum_unwhiten(.., None)``: 8 peers'        ``8 (m + scales_m) + 4 m``
                              messages of this rank's shard
                              (``m = d_out/8 · d_in``), FP32 sum in rank order
@@ -62,7 +62,7 @@ from megatron_gift_tools.planner.workloads import layer_shapes
 
 PATHS = ("encode", "whiten_encode", "whiten_encode_groups", "decode_sum", "decode_sum_unwhiten")
 HOST_CALLS = 50
-# the bucket sender's whitened encode, without and with lengths (the _GROUPS tiling), at a larger model's shapes
+# the bucket sender's whitened encode, without and with lengths (the _ROW_GROUPS tiling), at a larger model's shapes
 # (issue 35 item 3 asks for the 8B's: gpu_check passes planner.workloads.PRESETS["8b"] on a GPU)
 SENDER_PATHS = ("whiten_encode", "whiten_encode_groups")
 TARGET_OVER_COPY = 0.7  # target: codec and fused kernels >= 70% of copy bandwidth at the 600M shapes
