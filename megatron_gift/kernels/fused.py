@@ -761,6 +761,8 @@ def _project_kernel(
     co_ptr,
     part_ptr,
     rank_out,
+    n_rb,
+    k_span,
     SCALE_D: tl.constexpr,
     PROJECT: tl.constexpr,
     OUTPUT: tl.constexpr,
@@ -780,9 +782,11 @@ def _project_kernel(
     ``torch.matmul`` in FP32 does on CUDA wherever ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (NGC
     images) whatever torch's flags say (~10 mantissa bits in ``P``, hence in ``G T``). FP64
     through torch would need an FP64 copy of ``X`` (8 B/element); this reads ``X`` once, a program
-    per ``BM`` rows looping over the columns."""
+    per ``BM`` rows looping over ``k_span`` columns (split ``ks``: its part of ``out`` at ``out[ks]``,
+    ``[splits, rows, r]``, summed after the launch; one split with ``OUTPUT``)."""
     pid = tl.program_id(0).to(tl.int64)
-    m = pid * BM + tl.arange(0, BM)
+    ks = pid // n_rb
+    m = (pid % n_rb) * BM + tl.arange(0, BM)
     j = tl.arange(0, BR)
     mmask, jmask = m < rows, j < rank
     acc = tl.zeros([BM, BR], tl.float32)
@@ -792,9 +796,10 @@ def _project_kernel(
         dm = tl.load(dout_ptr + m, mask=mmask, other=0.0)
         qo = tl.load(qo_ptr + m[:, None] * rank_out + o[None, :], mask=mmask[:, None] & omask[None, :], other=0.0)
         qot = tl.trans(qo * dm[:, None] * tl.load(co_ptr + o, mask=omask, other=0.0)[None, :])  # [BO, BM]
-    for k0 in range(0, cols, BK):
+    k_end = tl.minimum(cols, (ks + 1) * k_span)
+    for k0 in range(ks * k_span, k_end, BK):
         k = k0 + tl.arange(0, BK)
-        kmask = k < cols
+        kmask = k < k_end
         x = tl.load(x_ptr + m[:, None] * cols + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         x = x.to(tl.float32)
         if SCALE_D:
@@ -811,7 +816,7 @@ def _project_kernel(
         acc = acc * tl.load(coef_ptr + j, mask=jmask, other=0.0)[None, :]
         if OUTPUT:
             acc = acc * dm[:, None]
-        tl.store(out_ptr + m[:, None] * rank + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
+        tl.store(out_ptr + (ks * rows + m[:, None]) * rank + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
 
 
 @triton.jit
@@ -825,20 +830,26 @@ def _unwhiten_kernel(
     cols,
     rank,
     n_row_blocks,
+    row_steps,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BF16: tl.constexpr,
 ):
     """``out = (S + P' Qᵀ) D^{1/2}`` of FP32 ``S`` (``u_ptr``), written in ``out``'s dtype (``out``
-    may be ``S`` itself). Bytes: reads ``S`` (4 per element) and ``P'``, writes ``out``."""
+    may be ``S`` itself), a program taking ``BLOCK_C`` columns of ``row_steps`` blocks of ``BLOCK_R``
+    rows (they share its loads of ``Qᵀ`` and ``D^{1/2}``). Bytes: reads ``S`` (4 per element) and ``P'``,
+    writes ``out``."""
     pid = tl.program_id(0)
-    r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid // n_row_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    rmask, cmask = r < rows, c < cols
-    mask = rmask[:, None] & cmask
-    offs = r[:, None] * cols + c
-    u = _plus_low_rank(tl.load(u_ptr + offs, mask=mask, other=0.0), p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
-    _store_as(out_ptr + offs, u * tl.load(dsqrt_ptr + c, mask=cmask, other=0.0), mask, BF16)
+    cmask = c < cols
+    d = tl.load(dsqrt_ptr + c, mask=cmask, other=0.0)
+    for step in range(row_steps):
+        r = ((pid % n_row_blocks).to(tl.int64) * row_steps + step) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = r < rows
+        mask = rmask[:, None] & cmask
+        offs = r[:, None] * cols + c
+        u = _plus_low_rank(tl.load(u_ptr + offs, mask=mask, other=0.0), p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
+        _store_as(out_ptr + offs, u * d, mask, BF16)
 
 
 def _fmt_args(cfg: CodecConfig, kernel: str) -> dict:
@@ -918,14 +929,30 @@ def _ends(lengths: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     return fallback if lengths is None else torch.cumsum(lengths, 0, dtype=torch.int64)
 
 
+def project_options(bm: int, br: int, output: bool) -> dict:
+    """Launch options of a ``_project_kernel``: 8 warps where its ``[BM, BR]`` accumulator has 4096 elements
+    or more, or with ``OUTPUT`` (which spilled 4.7-5.2 KB at 4 warps, where ptxas chose 32 registers; 424-436 B
+    at 8; ``bench/compile.py``)."""
+    return dict(num_warps=8 if output or bm * br >= 4096 else 4)
+
+
+PROJECT_ROWS = 128  # rows of a _project program: they share its loads of Q (4·r/128 B per element of X)
+PROJECT_PROGRAMS = 128  # programs _project keeps where the columns allow (~one per SM), splitting the columns
+
+
 def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``((X diag(d)) Q) diag(coef)`` ``[rows, r]`` in FP32 (``_project_kernel``)."""
+    """``((X diag(d)) Q) diag(coef)`` ``[rows, r]`` in FP32 (``_project_kernel``): one launch, plus the sum
+    of the column splits' parts (in split order) where the rows alone give fewer than ``PROJECT_PROGRAMS``."""
     rows, cols = x.shape
     rank = q.shape[1]
-    out = torch.empty(rows, rank, device=x.device)
+    bm = max(16, min(PROJECT_ROWS, triton.next_power_of_2(rows)))
     br = max(16, triton.next_power_of_2(rank))
-    bk = max(16, min(64, 8192 // br))
-    _project_kernel[(triton.cdiv(rows, 16),)](
+    bk = max(16, min(64, 4096 // max(bm, br)))
+    n_rb, chunks = triton.cdiv(rows, bm), triton.cdiv(cols, bk)
+    k_span = triton.cdiv(chunks, max(1, min(chunks, PROJECT_PROGRAMS // n_rb))) * bk
+    splits = triton.cdiv(cols, k_span)
+    out = torch.empty(splits, rows, rank, device=x.device)
+    _project_kernel[(n_rb * splits,)](
         x,
         d if d is not None else x,
         q,
@@ -939,15 +966,18 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
         x,
         x,
         0,
+        n_rb,
+        k_span,
         SCALE_D=d is not None,
         PROJECT=True,
         OUTPUT=False,
-        BM=16,
+        BM=bm,
         BK=bk,
         BR=br,
         BO=16,
+        **project_options(bm, br, False),
     )
-    return out
+    return out[0] if splits == 1 else out.sum(0)
 
 
 OUTPUT_ROWS = 128  # rows of a program that also sums its share of Pre: its parts are r_out/128 of X's size
@@ -984,6 +1014,8 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
         output.c,
         part if r_out else g,
         r_out,
+        programs,
+        cols,
         SCALE_D=whitening is not None,
         PROJECT=project,
         OUTPUT=True,
@@ -991,6 +1023,7 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
         BK=32,
         BR=br,
         BO=max(16, triton.next_power_of_2(r_out)),
+        **project_options(bm, br, True),
     )
     pre = part.sum(0)
     if project and r_out:
@@ -1205,9 +1238,11 @@ def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | N
         rows, cols = s.shape
         p = _project(s, None, whitening.q, whitening.c_inv) if whitening.rank else s
         block_r = min(16, triton.next_power_of_2(rows))
-        n_rb = triton.cdiv(rows, block_r)
+        blocks, col_blocks = triton.cdiv(rows, block_r), triton.cdiv(cols, TILE)
+        steps = max(1, min(ROW_STEPS, blocks, blocks * col_blocks // ROW_PROGRAMS))
+        n_rb = triton.cdiv(blocks, steps)
         dest, bf16 = store_arg(out)
-        _unwhiten_kernel[(n_rb * triton.cdiv(cols, TILE),)](
+        _unwhiten_kernel[(n_rb * col_blocks,)](
             s,
             dest,
             whitening.d_sqrt,
@@ -1217,6 +1252,7 @@ def unwhiten(s: torch.Tensor, out: torch.Tensor, whitening: LowRankWhitening | N
             cols,
             whitening.rank,
             n_rb,
+            steps,
             BLOCK_R=block_r,
             BLOCK_C=TILE,
             BF16=bf16,
@@ -1274,22 +1310,25 @@ def _decode_sum_traffic(a: dict) -> tuple[int, int]:
 
 
 def _unwhiten_traffic(a: dict) -> tuple[int, int]:
-    n, rank = a["rows"] * a["cols"], a["rank"]
-    read = n * a["u_ptr"].element_size() + 4 * (rank * (a["rows"] + a["cols"]) + a["cols"])
+    """``S`` once; what each program loads: its columns of ``D^{1/2}`` and ``Qᵀ``, its rows of ``P'``; ``out``."""
+    n, rows, cols, rank = a["rows"] * a["cols"], a["rows"], a["cols"], a["rank"]
+    col_blocks = -(-cols // a["BLOCK_C"])
+    read = n * a["u_ptr"].element_size() + 4 * (a["n_row_blocks"] * cols * (1 + rank) + col_blocks * rows * rank)
     return read, n * a["out_ptr"].element_size()
 
 
 def _project_traffic(a: dict) -> tuple[int, int]:
-    """``X`` once, ``Q`` (and ``D``) with ``PROJECT``, ``T_out``'s rows with ``OUTPUT``;
-    ``P`` and the parts of ``Pre``."""
-    rows, cols, rank, r_out = a["rows"], a["cols"], a["rank"], a["rank_out"]
-    read, written = rows * cols * a["x_ptr"].element_size() + (4 * cols if a["SCALE_D"] else 0), 0
+    """``X`` once; what each program loads: its columns of ``Q`` (and ``D``) with ``PROJECT``, its rows of
+    ``T_out`` with ``OUTPUT``; the splits' parts of ``P`` and the programs' parts of ``Pre``."""
+    rows, cols, rank, r_out, programs = a["rows"], a["cols"], a["rank"], a["rank_out"], a["grid"][0]
+    down = a["n_rb"] * cols  # every program row block reads each column once
+    read, written = rows * cols * a["x_ptr"].element_size() + (4 * down if a["SCALE_D"] else 0), 0
     if a["PROJECT"]:
-        read += 4 * (cols * rank + rank)
-        written += 4 * rows * rank
+        read += 4 * (down * rank + programs * rank)
+        written += 4 * (programs // a["n_rb"]) * rows * rank
     if a["OUTPUT"]:
-        read += 4 * (rows * (1 + r_out) + r_out)
-        written += 4 * a["grid"][0] * r_out * cols
+        read += 4 * (rows * (1 + r_out) + programs * r_out)
+        written += 4 * programs * r_out * cols
     return read, written
 
 

@@ -72,7 +72,9 @@ def test_encode_traffic_is_the_bytes_of_its_tensors(scaling):
 
 def test_gift_decode_traffic_is_the_bytes_of_its_tensors():
     """The rank sum reads every part's codes and scales and writes the FP32 sum; ``S Q`` reads the
-    sum and Q; ``T⁻¹`` reads and writes the sum in place (plus D^½, P, Qᵀ)."""
+    sum and Q (four column splits of 64 of one 32-row block: each program its columns of ``Q`` and all
+    the coefficients) and writes a part of ``P`` per split; ``T⁻¹`` reads and writes the sum in place
+    (two programs of 16 rows per 128 columns: each its rows of ``P`` and its columns of ``D^½``, ``Qᵀ``)."""
     from megatron_gift import kernels
     from megatron_gift.numerics.whitening import LowRankWhitening
 
@@ -84,8 +86,10 @@ def test_gift_decode_traffic_is_the_bytes_of_its_tensors():
     assert [k.kernel for k in c.launches] == ["_decode_sum_kernel", "_project_kernel", "_unwhiten_kernel"]
     dec, proj, unw = c.launches
     assert (dec.read, dec.written) == (codes.nbytes + scales.nbytes, out.nbytes)
-    assert (proj.read, proj.written) == (out.nbytes + w.q.nbytes + w.c_inv.nbytes, 4 * rows * r)
-    assert (unw.read, unw.written) == (out.nbytes + w.d_sqrt.nbytes + 4 * rows * r + w.q.nbytes, out.nbytes)
+    assert proj.grid == (4,) and unw.grid == (4,)
+    assert (proj.read, proj.written) == (out.nbytes + w.q.nbytes + 4 * w.c_inv.nbytes, 4 * (4 * rows * r))
+    p_rows = 4 * rows * r
+    assert (unw.read, unw.written) == (out.nbytes + 2 * (w.d_sqrt.nbytes + w.q.nbytes) + 2 * p_rows, out.nbytes)
 
 
 def test_a_formula_claiming_more_than_its_tensors_is_refused(monkeypatch):

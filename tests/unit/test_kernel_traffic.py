@@ -70,11 +70,11 @@ def interpreter_np_dtype(ptrs):
     return _get_np_dtype(ptrs.get_element_ty())
 
 
-def _encode_launches(fn):
-    """``[(bound args, loaded bytes)]`` of the ``_encode_kernel`` launches ``fn`` makes."""
+def _encode_launches(fn, name="_encode_kernel"):
+    """``[(bound args, loaded bytes)]`` of the launches of ``fused.<name>`` that ``fn`` makes."""
     from megatron_gift.kernels import fused
 
-    kernel, out = fused._encode_kernel, []
+    kernel, out = getattr(fused, name), []
 
     class Counted:
         def __getitem__(self, grid):
@@ -85,11 +85,11 @@ def _encode_launches(fn):
 
             return launch
 
-    fused._encode_kernel = Counted()
+    setattr(fused, name, Counted())
     try:
         fn()
     finally:
-        fused._encode_kernel = kernel
+        setattr(fused, name, kernel)
     return out
 
 
@@ -134,6 +134,41 @@ if INTERPRET:
         for args, loaded in launches:
             read, _ = fused.TRAFFIC["_encode_kernel"](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["LAYOUT"])
+
+    @pytest.mark.parametrize("rows,cols", [(40, 256), (300, 2048)])
+    @pytest.mark.parametrize("name", ["_project_kernel", "_unwhiten_kernel"])
+    def test_projection_and_unwhiten_traffic_is_what_their_programs_load(name, rows, cols, monkeypatch):
+        """The receiver's ``T⁻¹`` (``_project_kernel``: ``S Q`` in column splits where the rows give few
+        programs, 128 rows each; ``_unwhiten_kernel``: several row blocks per program, ``ROW_PROGRAMS``
+        lowered) and the sender's ``G Q`` (the same kernel): ``TRAFFIC``'s bytes read within 10% of the
+        interpreter's count of the distinct addresses each program loads. Bugs caught: ``Q`` or ``Qᵀ``
+        counted once per launch where every program reloads it, a split's columns counted for all."""
+        from megatron_gift import kernels
+        from megatron_gift.kernels import fused
+        from megatron_gift.numerics.fp8 import Scaling
+        from megatron_gift.numerics.whitening import LowRankWhitening
+
+        monkeypatch.setattr(fused, "ROW_PROGRAMS", 1)
+        r = 8
+        gen = torch.Generator().manual_seed(1)
+        w = LowRankWhitening.empty(cols, r)
+        w.q.copy_(torch.randn(cols, r, generator=gen) / 16)
+        w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
+        w.c.copy_(torch.rand(r, generator=gen))
+        w.d_sqrt.copy_(w.d_inv_sqrt.reciprocal())
+        w.c_inv.copy_(torch.rand(r, generator=gen))
+        cfg = CodecConfig(scaling=Scaling.BLOCK)
+        enc = kernels.whiten_encode(torch.randn(rows, cols, generator=gen), None, cfg)
+        launches = _encode_launches(
+            lambda: kernels.decode_sum_unwhiten(
+                [enc.payload.view(1, -1)], [enc.scales.view(1, -1)], rows, cols, w, cfg, False
+            ),
+            name,
+        )
+        assert launches
+        for args, loaded in launches:
+            read, _ = fused.TRAFFIC[name](args)
+            assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
 
 else:
 

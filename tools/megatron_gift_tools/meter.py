@@ -19,8 +19,9 @@ Inside a stage:
   ``TRITON_INTERPRET=1``) is recorded with its kernel name and bound arguments (by parameter name,
   constexprs included, plus ``"grid"``); its bytes come from the ``TRAFFIC`` dict of the kernel's
   module (``TRAFFIC[name](args) -> (bytes_read, bytes_written)``), checked against the tensors the
-  launch is given: neither may exceed the bytes those tensors address (each counted once). A kernel
-  without an entry is an error.
+  launch is given: the bytes written may not exceed the bytes those tensors address, the bytes read
+  not those once per program (an entry counts what each program loads). A kernel without an entry
+  is an error.
 
 ``Meter(stub=True)`` records the launches without running them (for ``meta`` tensors, and to time
 the plugin's host work without kernel time); ``stub=False`` runs them after recording.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -231,10 +233,11 @@ def kernel_traffic(fn, bound: dict) -> tuple[int, int]:
         raise KeyError(f"Triton kernel {fn.__module__}.{name} launched without an entry in its module's TRAFFIC dict")
     read, written = table[name](bound)
     given = {id(t): nbytes(t) for t in bound.values() if isinstance(t, torch.Tensor)}
-    limit = sum(given.values())
-    if not (0 <= read <= limit and 0 <= written <= limit):
+    limit, programs = sum(given.values()), max(1, math.prod(bound["grid"]))
+    if not (0 <= read <= limit * programs and 0 <= written <= limit):
         raise AssertionError(
-            f"TRAFFIC[{name!r}] gives {read} B read, {written} B written: more than the {limit} B its tensors address"
+            f"TRAFFIC[{name!r}] gives {read} B read, {written} B written: more than the {limit} B its tensors address "
+            f"(read: once per program of {programs})"
         )
     return int(read), int(written)
 

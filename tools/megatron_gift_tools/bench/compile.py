@@ -59,7 +59,8 @@ CASES = [
         ),
         False,
     ),
-    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=32, BO=16), True),
+    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=128, BK=32, BR=32, BO=16), True),
+    ("fused", "_project_kernel", dict(SCALE_D=False, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=64, BO=16), True),
     ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=128, BK=32, BR=16, BO=16), True),
     ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2), True),
     ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2), True),
@@ -134,6 +135,10 @@ def compile_case(module, name, constexprs, fusion, int_type):
     sig = signature(kernel, module, constexprs, int_type)
     src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     options = {"enable_fp_fusion": fusion}
+    if (module, name) == ("fused", "_project_kernel"):  # the warps and registers its launchers pick
+        from megatron_gift.kernels.fused import project_options
+
+        options.update(project_options(constexprs["BM"], constexprs["BR"], constexprs["OUTPUT"]))
     if (module, name) == ("fused", "_encode_kernel"):  # the warps and registers its launcher picks
         from megatron_gift.kernels.fused import encode_options
 
