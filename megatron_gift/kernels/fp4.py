@@ -86,6 +86,11 @@ def _block_amax(x_ptr, blk, bmask, BLOCK: tl.constexpr):
     return xe, xo, amax, bad > 0
 
 
+# ptxas held _fp4_amax_kernel to 32 registers and spilled 4 B with 32-bit sizes; 64 allowed: 40, none
+# (``bench/compile.py``)
+AMAX_OPTIONS = dict(maxnreg=64)
+
+
 @triton.jit
 def _fp4_amax_kernel(x_ptr, seg_ends_ptr, n_seg, seg_steps, amax_ptr, n_blocks, BLOCK: tl.constexpr, BB: tl.constexpr):
     """Each segment's finite maximum into ``amax_ptr`` (int32 bits, zeroed before), in one vector atomic:
@@ -244,7 +249,7 @@ def encode_placed(
     nv = fmt.segment_scale
     amax = torch.zeros(seg_ends.numel() if nv else 1, dtype=torch.int32, device=x.device)
     if nv:
-        _fp4_amax_kernel[grid](x, *seg, amax, n_blocks, BLOCK=fmt.block, BB=BLOCKS)
+        _fp4_amax_kernel[grid](x, *seg, amax, n_blocks, BLOCK=fmt.block, BB=BLOCKS, **AMAX_OPTIONS)
     _fp4_encode_kernel[grid](
         x,
         *seg,

@@ -21,10 +21,11 @@ def _id(case) -> str:
 @pytest.mark.parametrize("case", SUBSET + GROUPED, ids=_id)
 def test_kernels_compile_for_sm90a_without_spills(case):
     """Catches a kernel that no longer compiles for sm_90a, one that spills registers to local
-    memory (``ptxas -v``'s spill bytes, issue 35 item 8) and, with sizes typed i64 (a shard above
-    2^31), a 32-bit multiply left in the PTX (an offset that would wrap)."""
-    row = report.compile_case(*case, "i64")
-    assert row["compiled"], row.get("error")
-    assert row["arch"] == "sm_90a"
-    assert 0 < row["n_regs"] <= 255 and row["n_spills"] == 0 and row["spill_loads"] == 0, row
+    memory (``ptxas -v``'s spill bytes, issue 35 item 8) with sizes typed i32 or i64, and, with i64
+    (a shard above 2^31), a 32-bit multiply left in the PTX (an offset that would wrap)."""
+    for ints in ("i32", "i64"):
+        row = report.compile_case(*case, ints)
+        assert row["compiled"], row.get("error")
+        assert row["arch"] == "sm_90a"
+        assert 0 < row["n_regs"] <= 255 and row["n_spills"] == 0 and row["spill_loads"] == 0, (ints, row)
     assert row["mul_lo_s32"] == 0 and row["mul_wide_s32"] == 0, row

@@ -233,11 +233,13 @@ def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
 # Groups other than the matrix codec's, as kernels.whiten_encode takes them with ``lengths``:
 # "cut": a [7, 300] weight's groups cut at shard boundaries (mid-row and mid-group, at a row's
 # start, leaving groups of one element); "long": one row of three groups, one longer than a
-# BLOCK/MX chunk (as padding sent as one group is); "wide": rows wider than fused.MAX_TILE, one cut.
+# BLOCK/MX chunk (as padding sent as one group is); "wide": rows wider than fused.MAX_TILE, one cut;
+# "rows": one group per row, coarser than a BLOCK/MX codec's (a row's groups not where its blocks are).
 LENGTHS = {
     "cut": ((7, 300), [1, 450, 600, 1000, 1001, 2099]),
     "long": ((1, 400), None),
     "wide": ((2, 4500), [100]),
+    "rows": ((3, 400), "rows"),
 }
 
 
@@ -246,6 +248,8 @@ def _lengths(layout, cfg, device, dtype=torch.int64):
     (rows, cols), cuts = LENGTHS[layout]
     if cuts is None:
         lengths = torch.tensor([3, 300, 97])
+    elif cuts == "rows":
+        lengths = torch.full((rows,), cols)
     else:
         ends = torch.cumsum(group_lengths(rows, cols, cfg), 0)
         lengths = torch.diff(torch.unique(torch.cat([torch.zeros(1, dtype=torch.int64), ends, torch.tensor(cuts)])))
@@ -282,6 +286,7 @@ GROUPED_WHITEN_CASES = [(CodecConfig(scaling=s), "cut", 4) for s in (Scaling.BLO
     (CodecConfig(fmt=FP8Format.E5M2), "cut", 4),
     (CodecConfig(), "long", 4),
     (CodecConfig(scaling=Scaling.MX), "long", 4),
+    (CodecConfig(), "rows", 4),
 ]
 
 
@@ -290,7 +295,8 @@ GROUPED_WHITEN_CASES = [(CodecConfig(scaling=s), "cut", 4) for s in (Scaling.BLO
 def test_whiten_encode_with_lengths(device, cfg, layout, rank, kernels_only):
     """With ``lengths``: ``U = G T`` to FP32 rounding (into a non-contiguous ``out``), and its
     encoding bit for bit ``encode_flat``'s of that ``U``; a unit with the wrong row or columns of
-    ``T``, or a long group whose ``U`` differs between the amax and the encoding pass, fails."""
+    ``T``, a long group whose ``U`` differs between the amax and the encoding pass, or groups coarser
+    than the codec's found by the window search alone (``_ROW_GROUPS`` unchecked), fails."""
     (rows, cols), lengths = _lengths(layout, cfg, device)
     g = _gradient(rows, cols, seed=4, device=device, special=False)
     w = _whitening(cols, rank, device)
