@@ -16,8 +16,9 @@ The grid is 1-D (dimension 0: up to 2^31-1 programs, so no shape limit). ``_unit
   a group, found from the inclusive cumsum of ``lengths``, ``BU`` consecutive ones per program;
 - ``_ROW_GROUPS``: the same groups for the sender with whitening (each group inside one row, as the
   layout's are): a program takes, for ``BU`` consecutive rows, the groups that start in the same
-  ``slot_w`` columns (one where no shard cuts the row, more where one does; two binary searches of
-  the ends per row), so that its units share the loads of ``D`` and ``Qᵀ`` as with ``_ROW_BLOCKS``.
+  ``slot_w`` columns (one where no shard cuts the row, more where one does; found per row by a
+  search of the ends in a window as wide as the cuts, checked, ``_groups_before``), so that its
+  units share the loads of ``D`` and ``Qᵀ`` as with ``_ROW_BLOCKS``.
 
 With ``_ROW_BLOCKS`` and ``_ROW_GROUPS`` a program loops over ``row_steps`` blocks of ``BU`` rows
 (more rows per load of ``D`` and ``Qᵀ``; ``_Tiling`` keeps at least ``ROW_PROGRAMS`` programs).

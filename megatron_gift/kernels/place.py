@@ -20,10 +20,13 @@ import triton.language as tl
 
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
-from .fused import TILE, _plus_low_rank, _shard_delta, sender_factors
+from .fused import ROW_PROGRAMS, ROW_STEPS, TILE, _plus_low_rank, _shard_delta, sender_factors
 
 FLAT_TILE = 1024  # elements of a program without whitening (the values as one row)
-ROWS = 16  # rows of a program with whitening (sharing the loads of D and Q), TILE columns
+# ptxas held the unwhitened placed cast to 96 registers and spilled 4 B with 32-bit sizes; 255 allowed: 111, none
+# (``bench/compile.py``; the whitened ones use 164-188 either way)
+PLACE_OPTIONS = dict(maxnreg=255)
+ROWS = 16  # rows of a block with whitening (a program's blocks share its loads of D and Q), TILE columns
 
 
 # What _place_kernel does to a value: nothing (out has x's dtype), to FP32, to BF16.
@@ -60,36 +63,40 @@ def _place_kernel(
     rank,
     rank_out,
     n_row_blocks,
+    row_steps,
     WHITEN: tl.constexpr,
     OUTPUT: tl.constexpr,
     CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """A ``BLOCK_R x BLOCK_C`` tile of ``X`` (``U`` with ``WHITEN``, ``T_outᵀ X T`` with ``OUTPUT``) at its placed
+    """``row_steps`` tiles of ``BLOCK_R x BLOCK_C`` of ``X`` down the same columns (``U`` with ``WHITEN``,
+    ``T_outᵀ X T`` with ``OUTPUT``; they share the program's loads of ``D`` and ``Qᵀ``) at their placed
     positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or in BF16 (``_bf16``)."""
     pid = tl.program_id(0)
-    r = (pid % n_row_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = (pid // n_row_blocks).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    rmask, cmask = r < rows, c < cols
-    mask = rmask[:, None] & cmask
-    k = r[:, None] * cols + c
-    x = tl.load(x_ptr + k, mask=mask, other=0.0)
-    if OUTPUT:
-        x = x.to(tl.float32) * tl.load(dout_ptr + r, mask=rmask, other=0.0)[:, None]
-    if WHITEN:
-        x = x.to(tl.float32) * tl.load(dinv_ptr + c, mask=cmask, other=0.0)
-    if OUTPUT:
-        x = _plus_low_rank(x, qo_ptr, pre_ptr, r, c, rmask, cmask, rank_out, cols)
-    if WHITEN:
-        x = _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
-    k += at
-    dest = k + _shard_delta(ends_ptr, delta_ptr, shards, steps, k, mask)
-    if CAST == _TO_BF16:
-        x = _bf16(x.to(tl.float32))
-    elif CAST == _TO_FP32:
-        x = x.to(tl.float32)
-    tl.store(out_ptr + dest, x, mask=mask)
+    cmask = c < cols
+    for step in range(row_steps):
+        r = ((pid % n_row_blocks).to(tl.int64) * row_steps + step) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = r < rows
+        mask = rmask[:, None] & cmask
+        k = r[:, None] * cols + c
+        x = tl.load(x_ptr + k, mask=mask, other=0.0)
+        if OUTPUT:
+            x = x.to(tl.float32) * tl.load(dout_ptr + r, mask=rmask, other=0.0)[:, None]
+        if WHITEN:
+            x = x.to(tl.float32) * tl.load(dinv_ptr + c, mask=cmask, other=0.0)
+        if OUTPUT:
+            x = _plus_low_rank(x, qo_ptr, pre_ptr, r, c, rmask, cmask, rank_out, cols)
+        if WHITEN:
+            x = _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
+        k += at
+        dest = k + _shard_delta(ends_ptr, delta_ptr, shards, steps, k, mask)
+        if CAST == _TO_BF16:
+            x = _bf16(x.to(tl.float32))
+        elif CAST == _TO_FP32:
+            x = x.to(tl.float32)
+        tl.store(out_ptr + dest, x, mask=mask)
 
 
 def _cast(src: torch.dtype, dst: torch.dtype) -> int:
@@ -128,17 +135,21 @@ def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, outp
             0,
             0,
             1,
+            1,
             WHITEN=False,
             OUTPUT=False,
             CAST=cast,
             BLOCK_R=1,
             BLOCK_C=FLAT_TILE,
+            **PLACE_OPTIONS,
         )
         return
     (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output)
     block_r = min(ROWS, triton.next_power_of_2(rows))
-    n_rb = triton.cdiv(rows, block_r)
-    _place_kernel[(n_rb * triton.cdiv(cols, TILE),)](
+    blocks, col_blocks = triton.cdiv(rows, block_r), triton.cdiv(cols, TILE)
+    row_steps = max(1, min(ROW_STEPS, blocks, blocks * col_blocks // ROW_PROGRAMS))
+    n_rb = triton.cdiv(blocks, row_steps)
+    _place_kernel[(n_rb * col_blocks,)](
         x,
         dinv,
         p,
@@ -152,25 +163,28 @@ def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, outp
         rank,
         rank_out,
         n_rb,
+        row_steps,
         WHITEN=whitening is not None,
         OUTPUT=output is not None,
         CAST=cast,
         BLOCK_R=block_r,
         BLOCK_C=TILE,
         enable_fp_fusion=True,
+        **PLACE_OPTIONS,
     )
 
 
 def _place_traffic(a: dict) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one ``_place_kernel`` launch from its bound arguments: ``X``
-    once (``P`` and ``T``'s factors with whitening, ``T_out``'s rows and ``Pre`` with an output side)
-    and the table; each element in ``out``'s dtype."""
-    n, rank = a["rows"] * a["cols"], a["rank"]
+    once; what each program loads: its columns of ``D`` and ``Qᵀ`` (``Pre`` with an output side) and
+    its rows of ``P`` (``T_out``'s); the table; each element in ``out``'s dtype."""
+    n, rank, r_out = a["rows"] * a["cols"], a["rank"], a["rank_out"]
+    down, across = a["n_row_blocks"] * a["cols"], -(-a["cols"] // a["BLOCK_C"]) * a["rows"]
     read = n * a["x_ptr"].element_size() + 16 * a["shards"]
     if a["WHITEN"]:
-        read += 4 * (a["rows"] * rank + a["cols"] * (1 + rank))
+        read += 4 * (down * (1 + rank) + across * rank)
     if a["OUTPUT"]:
-        read += 4 * (a["rows"] * (1 + a["rank_out"]) + a["rank_out"] * a["cols"])
+        read += 4 * (down * r_out + across * (1 + r_out))
     return read, n * a["out_ptr"].element_size()
 
 

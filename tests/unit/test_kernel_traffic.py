@@ -1,10 +1,12 @@
-"""The sender's ``TRAFFIC`` entry against what its programs load, counted by Triton's interpreter.
+"""The ``TRAFFIC`` entries of the kernels with whitening against what their programs load, counted by
+Triton's interpreter.
 
 The meter (``bench launches``) and the planner price each launch by ``TRAFFIC``; a formula that
 counts a tensor once per launch hides a tiling whose programs each reload it (issue 35 item 3: the
 GIFT sender's ``_GROUPS`` tiling gathered ``Qᵀ`` per element, ~4·r bytes, against 2 of gradient).
-Here every load of an ``_encode_kernel`` launch is counted as the interpreter runs it (the distinct
-addresses each program reads, in bytes) and the entry must agree. The counting needs the interpreter
+Here every load of a launch of the sender (``_encode_kernel``), the projection, ``T⁻¹`` and the placed
+cast is counted as the interpreter runs it (the distinct addresses each program reads, in bytes) and the
+entry must agree. The counting needs the interpreter
 on before the kernels are defined: ``test_traffic_under_interpreter`` runs this file again in a fresh
 process with ``TRITON_INTERPRET=1``."""
 
@@ -70,11 +72,13 @@ def interpreter_np_dtype(ptrs):
     return _get_np_dtype(ptrs.get_element_ty())
 
 
-def _encode_launches(fn, name="_encode_kernel"):
-    """``[(bound args, loaded bytes)]`` of the launches of ``fused.<name>`` that ``fn`` makes."""
+def _counted_launches(fn, name="_encode_kernel", module=None):
+    """``[(bound args, loaded bytes)]`` of the launches of ``<module>.<name>`` (``kernels.fused`` by
+    default) that ``fn`` makes."""
     from megatron_gift.kernels import fused
 
-    kernel, out = getattr(fused, name), []
+    module = module or fused
+    kernel, out = getattr(module, name), []
 
     class Counted:
         def __getitem__(self, grid):
@@ -85,11 +89,11 @@ def _encode_launches(fn, name="_encode_kernel"):
 
             return launch
 
-    setattr(fused, name, Counted())
+    setattr(module, name, Counted())
     try:
         fn()
     finally:
-        setattr(fused, name, kernel)
+        setattr(module, name, kernel)
     return out
 
 
@@ -126,7 +130,7 @@ if INTERPRET:
             if lengths == "cut":  # shard boundaries mid-group, one at a row's second element
                 bounds = torch.unique(torch.cat([bounds, torch.tensor([cols + 1, 5 * cols + 77, 9 * cols + 300])]))
             groups = torch.diff(bounds)
-        launches = _encode_launches(lambda: kernels.whiten_encode(g, w, cfg, lengths=groups))
+        launches = _counted_launches(lambda: kernels.whiten_encode(g, w, cfg, lengths=groups))
         assert launches and all(a["WHITEN"] for a, _ in launches)
         want = fused._ROW_BLOCKS.value if lengths is None else fused._ROW_GROUPS.value
         assert {a["LAYOUT"] for a, _ in launches} == {want}
@@ -159,7 +163,7 @@ if INTERPRET:
         w.c_inv.copy_(torch.rand(r, generator=gen))
         cfg = CodecConfig(scaling=Scaling.BLOCK)
         enc = kernels.whiten_encode(torch.randn(rows, cols, generator=gen), None, cfg)
-        launches = _encode_launches(
+        launches = _counted_launches(
             lambda: kernels.decode_sum_unwhiten(
                 [enc.payload.view(1, -1)], [enc.scales.view(1, -1)], rows, cols, w, cfg, False
             ),
@@ -168,6 +172,33 @@ if INTERPRET:
         assert launches
         for args, loaded in launches:
             read, _ = fused.TRAFFIC[name](args)
+            assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
+
+    @pytest.mark.parametrize("rows,cols", [(40, 256), (300, 640)])
+    def test_placed_whitening_traffic_is_what_its_programs_load(rows, cols, monkeypatch):
+        """The placed cast with whitening (the two-level sender's BF16 intra-node wire, the summed-first
+        rows): ``G T`` into a BF16 buffer, several row blocks per program (``ROW_PROGRAMS`` lowered):
+        ``TRAFFIC``'s bytes read within 10% of the interpreter's per-program count. Bug caught: ``Qᵀ``
+        counted once per launch where every program reloads it."""
+        from megatron_gift import kernels
+        from megatron_gift.kernels import place
+        from megatron_gift.kernels.placement import Placement
+        from megatron_gift.numerics.whitening import LowRankWhitening
+
+        monkeypatch.setattr(place, "ROW_PROGRAMS", 1)
+        r = 8
+        gen = torch.Generator().manual_seed(2)
+        w = LowRankWhitening.empty(cols, r)
+        w.q.copy_(torch.randn(cols, r, generator=gen) / 16)
+        w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
+        w.c.copy_(torch.rand(r, generator=gen))
+        g = torch.randn(rows, cols, generator=gen)
+        out = torch.zeros(rows * cols, dtype=torch.bfloat16)
+        into = Placement([rows * cols], [0], "cpu").at(out, 0)
+        launches = _counted_launches(lambda: kernels.whiten_place(g, w, into), "_place_kernel", place)
+        assert launches and all(a["row_steps"] > 1 for a, _ in launches)
+        for args, loaded in launches:
+            read, _ = place.TRAFFIC["_place_kernel"](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
 
 else:

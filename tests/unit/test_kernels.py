@@ -343,6 +343,28 @@ def test_row_layouts_over_several_row_blocks(device, scaling, groups, kernels_on
     _assert_same_encoding(enc, encode(u, cfg) if lengths is None else _flat_encoding(u, lengths, cfg))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_placed_cast_over_several_row_blocks(device, kernels_only, monkeypatch):
+    """``whiten_place`` (the two-level sender's BF16 wire) with each program taking several blocks of rows
+    (``place.ROW_PROGRAMS`` lowered) writes the same bits as with one block per program, which the
+    placed-cast tests check against the reference. Bugs caught: a block of rows skipped, repeated or
+    written at another block's positions."""
+    from megatron_gift.kernels import place
+
+    rows, cols = 37, 300
+    g = _gradient(rows, cols, seed=6, device=device, special=False)
+    w = _whitening(cols, 4, device)
+    table = Placement([rows * cols - 5, 5], [3, 7], device)
+    outs = []
+    for programs in (place.ROW_PROGRAMS, 1):
+        monkeypatch.setattr(place, "ROW_PROGRAMS", programs)
+        out = torch.full((rows * cols + 10,), 7.0, dtype=torch.bfloat16, device=device)
+        kernels.whiten_place(g, w, table.at(out, 0))
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert (outs[0][:3] == 7.0).all()  # the gap before the first shard untouched
+
+
 def _fp64(w, d):
     """Dense FP64 ``(T, |T|)`` of ``w`` (its own FP32 tensors, exactly converted; ``T = I`` of size ``d``
     for None): ``T = D^{-1/2} (I + Q diag(c) Qᵀ)`` and the magnitudes of its factors,

@@ -135,6 +135,10 @@ def compile_case(module, name, constexprs, fusion, int_type):
     sig = signature(kernel, module, constexprs, int_type)
     src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     options = {"enable_fp_fusion": fusion}
+    if (module, name) == ("place", "_place_kernel"):  # the registers its launcher allows
+        from megatron_gift.kernels.place import PLACE_OPTIONS
+
+        options.update(PLACE_OPTIONS)
     if (module, name) == ("fp4", "_fp4_amax_kernel"):  # the registers its launcher allows
         from megatron_gift.kernels.fp4 import AMAX_OPTIONS
 
