@@ -932,8 +932,7 @@ def _ends(lengths: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
 
 def project_options(bm: int, br: int, output: bool) -> dict:
     """Launch options of a ``_project_kernel``: 8 warps where its ``[BM, BR]`` accumulator has 4096 elements
-    or more, or with ``OUTPUT`` (which spilled 4.7-5.2 KB at 4 warps, where ptxas chose 32 registers; 424-436 B
-    at 8; ``bench/compile.py``)."""
+    or more, or with ``OUTPUT`` (at 4 warps ptxas chose 32 registers and spilled ~5 KB; ``bench/compile.py``)."""
     return dict(num_warps=8 if output or bm * br >= 4096 else 4)
 
 
@@ -981,7 +980,9 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
     return out[0] if splits == 1 else out.sum(0)
 
 
-OUTPUT_ROWS = 128  # rows of a program that also sums its share of Pre: its parts are r_out/128 of X's size
+OUTPUT_ROWS = 64  # rows of a program that also sums its share of Pre: its parts are r_out/64 of X's size (at 128
+# rows and 32 columns a step it spilled 1-5 KB at rank 32, ``bench/compile.py``; 64 x 16: none)
+OUTPUT_COLS = 16  # columns of such a program's step
 
 
 def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows) -> tuple:
@@ -1021,7 +1022,7 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
         PROJECT=project,
         OUTPUT=True,
         BM=bm,
-        BK=32,
+        BK=OUTPUT_COLS,
         BR=br,
         BO=max(16, triton.next_power_of_2(r_out)),
         **project_options(bm, br, True),

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_gift_tools.bench import compile as report
 
-SUBSET = [c for c in report.CASES if c[0] in ("delta", "place", "fp4")] + [
+SUBSET = [c for c in report.CASES if c[0] in ("delta", "place", "fp4") or c[1] == "_project_kernel"] + [
     next(c for c in report.CASES if c[1] == "_decode_sum_kernel")
 ]
 # the bucket sender's whitened encodes (groups given by lengths, the _ROW_GROUPS tiling): they spilled at 4 warps
@@ -14,7 +14,8 @@ assert GROUPED
 
 def _id(case) -> str:
     module, name, constexprs, _ = case
-    return ".".join([module, name, *(f"{k}={constexprs[k]}" for k in ("PASS", "OUTPUT") if k in constexprs)])
+    keys = ("PASS", "OUTPUT", "BM", "BR")
+    return ".".join([module, name, *(f"{k}={constexprs[k]}" for k in keys if k in constexprs)])
 
 
 @pytest.mark.slow

@@ -982,7 +982,7 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
             True,
         ),
         ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=32, BO=16), True, False),
-        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=128, BK=32, BR=16, BO=16), True, False),
+        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=64, BK=16, BR=32, BO=32), True, False),
         ("_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2), True, False),
         ("_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2), True, False),
         ("_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True, False),
