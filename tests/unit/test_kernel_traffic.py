@@ -97,6 +97,19 @@ def _counted_launches(fn, name="_encode_kernel", module=None):
     return out
 
 
+def _whitening(cols: int, r: int, gen: torch.Generator):
+    """A rank-``r`` whitening of ``cols`` inputs with every factor filled (the sender's and the receiver's)."""
+    from megatron_gift.numerics.whitening import LowRankWhitening
+
+    w = LowRankWhitening.empty(cols, r)
+    w.q.copy_(torch.randn(cols, r, generator=gen) / 16)
+    w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
+    w.c.copy_(torch.rand(r, generator=gen))
+    w.d_sqrt.copy_(w.d_inv_sqrt.reciprocal())
+    w.c_inv.copy_(torch.rand(r, generator=gen))
+    return w
+
+
 if INTERPRET:
 
     @pytest.mark.parametrize("cols", [256, 2048])
@@ -112,17 +125,13 @@ if INTERPRET:
         ``_GROUPS`` sender: ~4·r bytes of ``Qᵀ`` per element), which no formula of this shape matches."""
         from megatron_gift import kernels
         from megatron_gift.kernels import fused
-        from megatron_gift.numerics.whitening import LowRankWhitening
 
         if programs is not None:
             monkeypatch.setattr(fused, "ROW_PROGRAMS", programs)
         rows, r = 40, 8
         gen = torch.Generator().manual_seed(0)
         g = torch.randn(rows, cols, generator=gen)
-        w = LowRankWhitening.empty(cols, r)
-        w.q.copy_(torch.randn(cols, r, generator=gen) / 16)
-        w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
-        w.c.copy_(torch.rand(r, generator=gen))
+        w = _whitening(cols, r, gen)
         cfg = CodecConfig()
         groups = None
         if lengths is not None:
@@ -150,17 +159,11 @@ if INTERPRET:
         from megatron_gift import kernels
         from megatron_gift.kernels import fused
         from megatron_gift.numerics.fp8 import Scaling
-        from megatron_gift.numerics.whitening import LowRankWhitening
 
         monkeypatch.setattr(fused, "ROW_PROGRAMS", 1)
         r = 8
         gen = torch.Generator().manual_seed(1)
-        w = LowRankWhitening.empty(cols, r)
-        w.q.copy_(torch.randn(cols, r, generator=gen) / 16)
-        w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
-        w.c.copy_(torch.rand(r, generator=gen))
-        w.d_sqrt.copy_(w.d_inv_sqrt.reciprocal())
-        w.c_inv.copy_(torch.rand(r, generator=gen))
+        w = _whitening(cols, r, gen)
         cfg = CodecConfig(scaling=Scaling.BLOCK)
         enc = kernels.whiten_encode(torch.randn(rows, cols, generator=gen), None, cfg)
         launches = _counted_launches(
@@ -183,15 +186,11 @@ if INTERPRET:
         from megatron_gift import kernels
         from megatron_gift.kernels import place
         from megatron_gift.kernels.placement import Placement
-        from megatron_gift.numerics.whitening import LowRankWhitening
 
         monkeypatch.setattr(place, "ROW_PROGRAMS", 1)
         r = 8
         gen = torch.Generator().manual_seed(2)
-        w = LowRankWhitening.empty(cols, r)
-        w.q.copy_(torch.randn(cols, r, generator=gen) / 16)
-        w.d_inv_sqrt.copy_(torch.rand(cols, generator=gen) + 0.5)
-        w.c.copy_(torch.rand(r, generator=gen))
+        w = _whitening(cols, r, gen)
         g = torch.randn(rows, cols, generator=gen)
         out = torch.zeros(rows * cols, dtype=torch.bfloat16)
         into = Placement([rows * cols], [0], "cpu").at(out, 0)
