@@ -514,107 +514,64 @@ def _encode_kernel(
     E8M0: tl.constexpr,
 ):
     """The sender's pass (module doc) over this program's units: ``BU`` units of ``_units``, or with a
-    row layout (``_ROW_BLOCKS``, ``_ROW_GROUPS``) column slot ``kb`` of ``row_steps`` blocks of ``BU`` rows."""
+    row layout (``_ROW_BLOCKS``, ``_ROW_GROUPS``) column slot ``kb`` of ``row_steps`` blocks of ``BU`` rows
+    (``row_steps`` is 1 for the others)."""
     factors = (g_ptr, dinv_ptr, p_ptr, qt_ptr, dout_ptr, qo_ptr, pre_ptr, u_ptr, code_ptr, scale_ptr, amax_ptr)
     tables = (code_ends_ptr, code_delta_ptr, code_shards, code_steps, code_at)
     tables += (scale_out_ptr, scale_ends_ptr, scale_delta_ptr, scale_shards, scale_steps, scale_at, e_ptr, e_new_ptr)
-    if LAYOUT == _ROW_BLOCKS or LAYOUT == _ROW_GROUPS:
-        pid = tl.program_id(0).to(tl.int64)
-        kb = pid // n_row_blocks
-        for step in range(row_steps):
-            row = ((pid % n_row_blocks) * row_steps + step) * BU + tl.arange(0, BU)
-            rmask = row < rows
-            if LAYOUT == _ROW_BLOCKS:  # unit kb (UNIT_W columns) of each row: one col0 for all
+    pid = tl.program_id(0).to(tl.int64)
+    kb = pid // n_row_blocks
+    for step in range(row_steps):  # one step but with a row layout
+        row = ((pid % n_row_blocks) * row_steps + step) * BU + tl.arange(0, BU)
+        rmask = row < rows
+        n_sets = 1
+        if LAYOUT == _ROW_GROUPS:  # the groups that start in columns [kb·slot_w, (kb+1)·slot_w) of each row
+            lo = row * cols + kb * slot_w
+            base = row * units_per_row + kb
+            search = (extra, window_steps, full_steps)
+            first = _groups_before(ends_ptr, n_units, base, *search, lo, rmask)
+            hi = lo + tl.minimum(cols - kb * slot_w, slot_w)
+            stop = _groups_before(ends_ptr, n_units, base + 1, *search, hi, rmask)
+            n_sets = tl.max(tl.where(rmask, stop - first, 0))
+        for j in range(n_sets):  # the row's groups in turn
+            if LAYOUT == _ROW_GROUPS:
+                unit = first + j
+                umask = rmask & (unit < stop)
+                start = tl.load(ends_ptr + unit - 1, mask=umask & (unit > 0), other=0)
+                length = tl.load(ends_ptr + unit, mask=umask, other=0) - start
+                col0 = tl.where(umask, start - row * cols, kb * slot_w)[:, None]  # masked: the slot's own columns
+                units = (start, length[:, None], row, col0, umask, unit, unit)
+            elif LAYOUT == _ROW_BLOCKS:  # unit kb (UNIT_W columns) of each row: one col0 for all
                 col0 = kb * UNIT_W
                 length = tl.zeros([BU, 1], tl.int64) + tl.minimum(cols - col0, UNIT_W)
-                unit = row * units_per_row + kb
                 scale_index = row * scale_row_stride + kb * scale_col_stride
-                units = (row * cols + col0, length, row, col0, rmask, unit, scale_index)
-                _encode_units(
-                    *factors,
-                    cols,
-                    rank,
-                    rank_out,
-                    *units,
-                    *tables,
-                    W,
-                    BU,
-                    ONE_CHUNK,
-                    WHITEN,
-                    OUTPUT,
-                    STORE_U,
-                    PASS,
-                    PLACE,
-                    FEEDBACK,
-                    MANT,
-                    BIAS,
-                    FMAX,
-                    NO_INF,
-                    E8M0,
+                units = (row * cols + col0, length, row, col0, rmask, row * units_per_row + kb, scale_index)
+            else:
+                units = _units(
+                    ends_ptr, n_units, rows, cols, units_per_row, scale_row_stride, scale_col_stride, UNIT_W, BU, LAYOUT
                 )
-            else:  # the groups that start in columns [kb·slot_w, (kb+1)·slot_w) of each row, in turn
-                lo = row * cols + kb * slot_w
-                base = row * units_per_row + kb
-                search = (extra, window_steps, full_steps)
-                first = _groups_before(ends_ptr, n_units, base, *search, lo, rmask)
-                stop = _groups_before(
-                    ends_ptr, n_units, base + 1, *search, lo + tl.minimum(cols - kb * slot_w, slot_w), rmask
-                )
-                for j in range(tl.max(tl.where(rmask, stop - first, 0))):
-                    unit = first + j
-                    umask = rmask & (unit < stop)
-                    start = tl.load(ends_ptr + unit - 1, mask=umask & (unit > 0), other=0)
-                    length = tl.load(ends_ptr + unit, mask=umask, other=0) - start
-                    col0 = tl.where(umask, start - row * cols, kb * slot_w)[:, None]  # masked: the slot's own columns
-                    units = (start, length[:, None], row, col0, umask, unit, unit)
-                    _encode_units(
-                        *factors,
-                        cols,
-                        rank,
-                        rank_out,
-                        *units,
-                        *tables,
-                        W,
-                        BU,
-                        ONE_CHUNK,
-                        WHITEN,
-                        OUTPUT,
-                        STORE_U,
-                        PASS,
-                        PLACE,
-                        FEEDBACK,
-                        MANT,
-                        BIAS,
-                        FMAX,
-                        NO_INF,
-                        E8M0,
-                    )
-    else:
-        units = _units(
-            ends_ptr, n_units, rows, cols, units_per_row, scale_row_stride, scale_col_stride, UNIT_W, BU, LAYOUT
-        )
-        _encode_units(
-            *factors,
-            cols,
-            rank,
-            rank_out,
-            *units,
-            *tables,
-            W,
-            BU,
-            ONE_CHUNK,
-            WHITEN,
-            OUTPUT,
-            STORE_U,
-            PASS,
-            PLACE,
-            FEEDBACK,
-            MANT,
-            BIAS,
-            FMAX,
-            NO_INF,
-            E8M0,
-        )
+            _encode_units(
+                *factors,
+                cols,
+                rank,
+                rank_out,
+                *units,
+                *tables,
+                W,
+                BU,
+                ONE_CHUNK,
+                WHITEN,
+                OUTPUT,
+                STORE_U,
+                PASS,
+                PLACE,
+                FEEDBACK,
+                MANT,
+                BIAS,
+                FMAX,
+                NO_INF,
+                E8M0,
+            )
 
 
 @triton.jit
