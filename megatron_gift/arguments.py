@@ -66,8 +66,6 @@ CONCERNS = {
     "exchange": ("megatron-gift exchange", "GiftConfig.exchange: how a bucket's reduction runs"),
     "param_gather": ("megatron-gift parameter gather", "GiftConfig.param_gather: independent of --gift-mode"),
 }
-# Flags that act on a second concern as well: the rotation is applied to GIFT layers only.
-_ALSO_NEEDS = {"gift_rotation": "whitening"}
 
 # GiftConfig/CodecConfig field names as they appear in their ValueError messages -> flag names.
 _FIELD_FLAGS = {
@@ -242,9 +240,9 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--gift-rotation",
         choices=tuple(r.value for r in Rotation),
         default=_WIRE.rotation.value,
-        help="With --gift-inter-node-format nvfp4 or mxfp4: hadamard sends each whitened GIFT layer's G T H, "
-        "H a randomized Hadamard transform of 64-column blocks with signs from --seed (no communication), "
-        "undone on the sum at the receiver (default: %(default)s).",
+        help="With --gift-inter-node-format nvfp4 or mxfp4: hadamard sends each coded layer's G T H (G H where "
+        "Euclidean), H a randomized Hadamard transform of 64-column blocks with signs from --seed (no "
+        "communication), undone on the sum at the receiver (default: %(default)s).",
     )
     groups["wire"].add_argument(
         "--gift-error-feedback",
@@ -709,7 +707,7 @@ def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
     concerns = flag_concerns()
     out = []
     for k in changed:
-        why = absent.get(_ALSO_NEEDS.get(k, "")) or absent.get(concerns[k])
+        why = absent.get(concerns[k])
         if why and k not in _ANY_MODE:
             out.append((k, why))
         elif k == "gift_block_size" and cfg.wire.codec.scaling is not Scaling.BLOCK:

@@ -52,8 +52,9 @@ class InterNodeFormat(enum.Enum):
 
 
 class Rotation(enum.Enum):
-    """A rotation composed after GIFT's whitening in the four-bit exchange (``numerics.rotation``):
-    none, or a randomized block Hadamard transform of 64 columns (``U = G T H``)."""
+    """A rotation of every coded parameter's rows in the four-bit exchange, composed after GIFT's whitening
+    (``numerics.rotation``): none, or a randomized block Hadamard transform of 64 columns (``U = G T H``,
+    ``G H`` where Euclidean)."""
 
     NONE = "none"
     HADAMARD = "hadamard"
@@ -141,9 +142,10 @@ def _count(name: str, value, least: int, why: str = "") -> None:
 class WireConfig:
     """What the coded values are on the wire: the FP8 ``codec``; between nodes (the two-level
     exchange's inter-node stage, and the flat exchange) ``inter_node_format``: ``fp8`` (``codec``),
-    ``nvfp4`` or ``mxfp4``; with those, ``rotation`` ``hadamard`` sends GIFT layers' ``G T H``
-    (``numerics.rotation.BlockHadamard(64, rotation_seed)``, the same signs on every rank from the
-    seed, ``--seed``); ``error_feedback`` carries each rank's FP8 rounding error into the next step."""
+    ``nvfp4`` or ``mxfp4``; with those, ``rotation`` ``hadamard`` sends every coded parameter's ``G T H``
+    (``G H`` where Euclidean; ``numerics.rotation.BlockHadamard(64, rotation_seed)``, the same signs on
+    every rank from the seed, ``--seed``); ``error_feedback`` carries each rank's rounding error of
+    what it sends into the next step (kept in the whitened coordinates, before any rotation)."""
 
     codec: CodecConfig = field(default_factory=CodecConfig)
     inter_node_format: InterNodeFormat = InterNodeFormat.FP8

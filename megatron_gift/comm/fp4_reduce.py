@@ -26,11 +26,11 @@ The flat one on rank ``r`` of ``p``, for one bucket whose layout passed ``Bucket
 
 Every block lies inside one part (the layout's block rule), so codes and block scales never
 straddle a message. With a rotation (``--gift-rotation hadamard``, ``numerics.rotation``) the senders
-send ``G T H`` of whitened parameters (two-level: ``H`` on the node sums, ``H`` being linear) and the
-owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on 64-column blocks of a row, so a
-row cut by a shard is rotated piece by piece (the layout's check puts cuts on 64-column blocks):
-the whitened 64-blocks of all the shards at hand gathered, rotated and scattered back in a fixed
-number of calls (``_rotate_shards``), whatever the number of nodes.
+send ``G T H`` of every coded parameter (``G H`` where Euclidean; two-level: ``H`` on the node sums,
+``H`` being linear) and the owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on
+64-column blocks of a row, so a row cut by a shard is rotated piece by piece (the layout's check puts
+cuts on 64-column blocks): the coded 64-blocks of all the shards at hand gathered, rotated and
+scattered back in a fixed number of calls (``_rotate_shards``), whatever the number of nodes.
 Error feedback and the output side are refused at start-up with FP4.
 """
 
@@ -167,7 +167,7 @@ class _FP4Stages:
         )
 
     def _rotate_shards(self, x: torch.Tensor, shards: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
-        """``x``, the coded values of ``shards`` one after another (FP32), with every whitened part
+        """``x``, the coded values of ``shards`` one after another (FP32), with every part
         times ``H`` (``inverse``: ``Hᵀ``) in place where a rotation is on: ``H`` is block-diagonal
         along each row, ``fwht(x ⊙ s)`` per 64-column block with the block's column signs ``s``
         (``Hᵀ``: ``fwht(x) ⊙ s``), so a piece of a row cut by a shard is rotated by itself. A fixed
@@ -180,27 +180,25 @@ class _FP4Stages:
         return rotate(x, *self._rotation_table(shards, x.device), inverse)
 
     def _rotation_table(self, shards: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``_rotate_shards``' tables, built once per layout, shards and whitened set: the start in the
-        shards' coded values of each whitened 64-block (in order), its row in ``signs`` and ``signs``
-        (the whitened segments' signs, 64 per row, one segment after another)."""
+        """``_rotate_shards``' tables, built once per layout and shards: the start in the shards' coded
+        values of each 64-block (in order), its row in ``signs`` and ``signs`` (the signs of each width
+        of the coded parameters, 64 per row, one width after another: ``BlockHadamard.signs`` depends on
+        the width only)."""
         layout, block = self.layout, self.rotation.block
-        whitened = tuple(i for i, t in enumerate(self.transforms) if t is not None)
 
         def build():
             first, table, starts, rows, base = {}, [], [], [], 0
-            for i in whitened:
-                first[i] = sum(t.numel() for t in table) // block
-                table.append(self.rotation.signs(layout.segments[i].cols))
+            for cols in sorted({layout.segments[i].cols for i in layout.coded_segments}):  # signs per width
+                first[cols] = sum(t.numel() for t in table) // block
+                table.append(self.rotation.signs(cols))
             for j in shards:
                 plan = layout.shards[j]
                 for part in plan.coded_parts:
-                    if part.seg not in first:
-                        continue
                     s, at = layout.segments[part.seg], layout.seg_at[part.seg]
                     nb = (part.hi - part.lo) // block
                     starts.append(base + part.at - plan.coded_lo + block * torch.arange(nb))
                     col0 = (part.at - at) % s.cols // block  # the part's first block's column block
-                    rows.append(first[part.seg] + (col0 + torch.arange(nb)) % (s.cols // block))
+                    rows.append(first[s.cols] + (col0 + torch.arange(nb)) % (s.cols // block))
                 base += plan.n_coded
 
             def cat(ts, dt):
@@ -208,7 +206,7 @@ class _FP4Stages:
 
             return cat(starts, torch.int64), cat(rows, torch.int64), cat(table, torch.float32).view(-1, block)
 
-        return layout.cached(("fp4-rotation", shards, whitened, str(device)), build)
+        return layout.cached(("fp4-rotation", shards, str(device)), build)
 
     def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
         """``fp4_packing`` of ``shards``, built once per layout."""
@@ -381,7 +379,8 @@ class FP4Reduce(_FP4Stages, ShardReduction):
 
     # -- 0: send --------------------------------------------------------------------------------------
     def _coded_values(self) -> torch.Tensor:
-        """The bucket's coded sequence as sent, FP32: ``G T H`` of whole GIFT parameters, ``G`` elsewhere."""
+        """The bucket's coded sequence as sent, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere,
+        times ``H`` with a rotation."""
         layout, flat = self.layout, self.flat
         u = torch.empty(layout.n_coded, dtype=torch.float32, device=flat.device)
         for i in layout.coded_segments:
@@ -489,9 +488,9 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
 
     def _send_inter(self, sums: torch.Tensor, plain: list[torch.Tensor]) -> StageResult:
         """The held shards' node sums (``sums``: coded values, whitened, FP32; ``plain[c]``: class ``c``'s),
-        ``H`` on the whitened parts, encoded into their FP4 messages; the all-to-all among the nodes."""
+        ``H`` on the coded parts, encoded into their FP4 messages; the all-to-all among the nodes."""
         device, n, k = sums.device, self.topo.nodes, self.node
-        sums = self._rotate_shards(sums, tuple(self.held))  # H on the held shards' whitened parts
+        sums = self._rotate_shards(sums, tuple(self.held))  # H on the held shards' coded parts
         pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
         buf = self._encode_placed(pk, sums, plain)
         own = self.msgs[self.rank].nbytes

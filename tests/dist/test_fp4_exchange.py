@@ -105,15 +105,15 @@ def _sent(x, segments, ts):
     return torch.cat(out)
 
 
-def _rotated(u, segments, ts):
-    """``U H`` for the whitened parameters of a coded sequence ``u``, the rest as it is."""
+def _rotated(u, segments, inverse=False):
+    """``U H`` (``inverse``: ``U Hᵀ``) for every parameter of a coded sequence ``u``, whitened or not."""
     out, at = u.clone(), 0
-    for s, t in zip(segments, ts):
+    for s in segments:
         if s.mode is Mode.OFF:
             continue
         n = s.rows * s.cols
-        if t is not None:
-            out[at : at + n] = ROTATION.apply(u[at : at + n].view(s.rows, s.cols)).reshape(-1)
+        rotate = ROTATION.inverse if inverse else ROTATION.apply
+        out[at : at + n] = rotate(u[at : at + n].view(s.rows, s.cols)).reshape(-1)
         at += n
     return out
 
@@ -150,9 +150,11 @@ def expected(fmt, two_level, rotation, intra="fp32"):
         sent = [_fp8_shards(u, layout) for u in sent]
     if two_level and intra != "reduce-scatter":
         sent = [ordered_sum(sent[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
-    if rotation:  # H on each sender's (node sum's) whitened rows: H is linear
-        sent = [_rotated(u, segments, ts) for u in sent]
+    if rotation:  # H on each sender's (node sum's) coded rows, whitened or not: H is linear
+        sent = [_rotated(u, segments) for u in sent]
     total = ordered_sum([_quantized(u, layout, fmt) for u in sent]) / WORLD
+    if rotation:
+        total = _rotated(total, segments, inverse=True)
     want, at = torch.zeros(numel), 0
     for s, t in zip(segments, ts):
         if s.mode is Mode.OFF:
@@ -163,7 +165,7 @@ def expected(fmt, two_level, rotation, intra="fp32"):
             continue
         x = total[at : at + s.rows * s.cols].view(s.rows, s.cols)
         if t is not None:
-            x = t.inverse(ROTATION.inverse(x) if rotation else x)
+            x = t.inverse(x)
         want[s.start : s.end] = x.reshape(-1)
         at += s.rows * s.cols
     return want
@@ -176,7 +178,8 @@ def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_red
     applied twice or not at all, the cut rows' finish wrong; all-reduce: a rank holding other bits.
     Euclidean and plain values bit for bit; GIFT's within FP32 roundings of the hand ``T⁻¹`` (the
     runtime finishes cut rows from partial projections). Rotation: ``H`` missing, applied twice, not
-    undone before ``T⁻¹``, or with other signs on some rank; a cut row rotated across the cut."""
+    undone before ``T⁻¹``, or with other signs on some rank; a cut row rotated across the cut; a
+    Euclidean parameter left unrotated (``--gift-rotation`` rotates every coded parameter)."""
     (numel, segments), layout = _bucket(rotation), _layout(rotation)
     want = expected(fmt, two_level, rotation, intra)
     got = [r[(fmt, two_level, all_reduce, rotation, intra)][0] for r in results]

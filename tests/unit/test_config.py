@@ -155,8 +155,8 @@ ABSENT = {
 @pytest.mark.parametrize("mode", list(ABSENT))
 def test_a_flag_is_ineffective_exactly_where_its_concern_is_absent(mode):
     """Bug caught: a flag the chosen configuration never reads passing without a warning (the user
-    believes it acts), or a flag that does act warned about as ignored. ``--gift-rotation`` needs the
-    whitening too (it rotates GIFT layers only); the flags that refuse instead of warning, and the
+    believes it acts), or a flag that does act warned about as ignored (``--gift-rotation`` acts in
+    Euclidean mode too: it rotates every coded layer); the flags that refuse instead of warning, and the
     within-concern conditions (block size, intra-node, telemetry directory), are tested in
     tests/unit/test_arguments.py."""
     exceptions = {
@@ -177,5 +177,4 @@ def test_a_flag_is_ineffective_exactly_where_its_concern_is_absent(mode):
             argv += ["--gift-inter-node-format", "nvfp4"]
         args = _parse(*argv)
         warned = {"--" + k.replace("_", "-") for k, _ in _ineffective_flags(args, gift_config_from_args(args))}
-        needs = {concern} | ({"whitening"} if flag == "--gift-rotation" else set())
-        assert (flag in warned) == bool(needs & ABSENT[mode]), (mode, flag, warned)
+        assert (flag in warned) == (concern in ABSENT[mode]), (mode, flag, warned)

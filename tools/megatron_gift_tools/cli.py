@@ -81,6 +81,8 @@ def _bench_training(args: argparse.Namespace) -> int:
         iters=args.iters,
         modes=args.modes,
         command=args.command_line,
+        reuse_from=args.reuse,
+        rerun=args.rerun,
     )
     return 0
 
@@ -356,8 +358,8 @@ def _add_bench(subparsers) -> None:
         "training",
         help="does FP4 between nodes train like BF16? validation loss over seeds, 4 CPU ranks as 2 nodes x 2",
         description="Train the demo's small Llama through the launcher on 4 gloo ranks as 2 simulated nodes x 2 "
-        "for each mode (Megatron's BF16, Euclidean and GIFT FP8, Euclidean, GIFT and GIFT + Hadamard NVFP4) and "
-        "seed; report the final held-out validation loss, its gap to BF16 with the seed spread, and the bytes.",
+        "for each mode (Megatron's BF16, Euclidean and GIFT FP8, Euclidean, Hadamard, GIFT and GIFT + Hadamard NVFP4, "
+        "Euclidean NVFP4 with error feedback) and seed; report the final held-out validation loss, its gap to BF16 with the seed spread, and the bytes.",
     )
     tra.add_argument("--quick", action="store_true", help="10 iterations, one seed (a smoke test)")
     tra.add_argument("--json", metavar="PATH", help="write the results as JSON (and the plot as PATH.png)")
@@ -365,6 +367,10 @@ def _add_bench(subparsers) -> None:
     tra.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S", help="default 1234 1 2")
     tra.add_argument("--iters", type=positive_int, default=None, metavar="N", help="default 1000; --quick 10")
     tra.add_argument("--modes", nargs="+", default=None, metavar="MODE", help="a subset (bf16 always runs)")
+    tra.add_argument(
+        "--reuse", metavar="JSON", help="take an earlier JSON's runs (same preset, seeds and flags) of the modes"
+    )
+    tra.add_argument("--rerun", nargs="+", default=[], metavar="MODE", help="with --reuse: the modes run anew")
     tra.set_defaults(func=_bench_training, needs=PLOTS + CORPUS)
 
 

@@ -15,7 +15,9 @@ mean and the standard deviation of that paired gap over seeds. Bytes: rank 0's
 
 Writes ``--json`` (``iters``, ``seeds``, per mode ``final_val_loss``, ``gap_to_bf16``, ``gap_sd``,
 bytes, curves), a loss-curve plot next to it, and each run's log and record under ``--out``
-(a record already there is reused, not rerun: an interrupted run resumes).
+(a record already there is reused, not rerun: an interrupted run resumes). ``--reuse JSON`` takes the
+runs of an earlier JSON of this benchmark (same iterations, seeds and mode flags) for every mode not
+named by ``--rerun``; the JSON written names them under ``reused``, with the command and machine that ran them.
 """
 
 from __future__ import annotations
@@ -36,19 +38,19 @@ RANKS, PER_NODE = 4, 2
 EUCLID = ["--gift-mode", "euclidean", "--gift-euclidean-layers", ".*"]
 GIFT = ["--gift-mode", "gift", "--gift-euclidean-layers", ".*"]
 NVFP4 = ["--gift-inter-node-format", "nvfp4"]
-# name (format-scheme) -> flags; the linear weights are GIFT's layers, every other parameter Euclidean
+HADAMARD = ["--gift-rotation", "hadamard"]
+# name (format-scheme) -> flags; the linear weights are GIFT's layers, every other parameter Euclidean.
+# Error feedback (on Euclidean NVFP4, the scheme with the largest error) keeps one flat exchange: its
+# residual is per rank and bucket, so that mode's FP4 messages cross all four ranks.
 MODES = {
     "bf16": ["--gift-mode", "off", "--grad-reduce-in-bf16"],
     "fp8-euclidean": EUCLID,
     "fp8-gift": GIFT,
     "nvfp4-euclidean": EUCLID + NVFP4,
+    "nvfp4-hadamard": EUCLID + NVFP4 + HADAMARD,
     "nvfp4-gift": GIFT + NVFP4,
-    "nvfp4-gift+hadamard": GIFT + NVFP4 + ["--gift-rotation", "hadamard"],
-}
-NOT_RUN = {
-    "nvfp4-hadamard": "the rotation applies to GIFT layers only (comm/fp4_reduce.py: Euclidean segments are sent "
-    "unrotated); bench pretrained measures it alone at 1.03x Euclidean NVFP4",
-    "error feedback": "the error-feedback residual is staged by the FP8 encode only (config refuses it with FP4)",
+    "nvfp4-gift+hadamard": GIFT + NVFP4 + HADAMARD,
+    "nvfp4-euclidean+ef": EUCLID + NVFP4 + ["--gift-error-feedback"],
 }
 PRESET = dict(demo.PRESETS["quick"], ffn=192, global_batch=8, iters=1000)
 QUICK = dict(iters=10, seeds=[1234])
@@ -120,6 +122,36 @@ def train(mode: str, seed: int, p: dict, data_args: list[str], out: Path, timeou
     rec["wall_seconds"] = round(time.time() - t0, 1)
     record_path.write_text(json.dumps(rec) + "\n")
     return rec
+
+
+def reuse(path: str, rerun: list[str], p: dict, seeds: list[int], modes: list[str], out: Path) -> dict:
+    """Seed ``out`` with the per-seed records of ``path`` (an earlier JSON of this benchmark) for each of
+    ``modes`` it holds with the same flags, not in ``rerun``; refuses another preset or other seeds.
+    Per seed it keeps the losses, curves and wall time; bytes per step are the earlier mean (bytes
+    do not depend on the seed). Returns ``{mode: where it came from}``."""
+    doc = json.loads(Path(path).read_text())
+    if doc["iters"] != p["iters"] or doc["seeds"] != seeds or doc["preset"] != p:
+        raise SystemExit(f"bench training: {path} ran another preset or seeds; its runs cannot be reused")
+    taken = {}
+    for m in modes:
+        v = doc["modes"].get(m)
+        if m in rerun or v is None or v["flags"] != MODES[m]:
+            continue
+        for i, s in enumerate(seeds):
+            record = dict(
+                mode=m,
+                seed=s,
+                command=f"reused from {path}",
+                train_loss=v["train_loss_curves"][i],
+                val_curve=v["val_curves"][i],
+                final_val_loss=v["final_val_loss"][i],
+                bytes_per_step=v["bytes_per_step"],
+                bytes=v["bytes_detail"],
+                wall_seconds=v["wall_seconds"][i],
+            )
+            (out / f"{m}-s{s}.json").write_text(json.dumps(record) + "\n")
+        taken[m] = dict(source=path, command=doc["command"], machine=doc["machine"])
+    return taken
 
 
 def _sd(xs: list[float]) -> float:
@@ -226,8 +258,11 @@ def run(
     modes: list[str] | None = None,
     command: str | None = None,
     timeout: float = 3600,
+    reuse_from: str | None = None,
+    rerun: list[str] | None = None,
 ) -> dict:
-    """Train every mode for every seed (seed by seed), aggregate, write the JSON and the plot."""
+    """Train every mode for every seed (seed by seed; ``reuse_from``: an earlier JSON's runs of the modes
+    not in ``rerun``), aggregate, write the JSON and the plot."""
     from megatron_gift_tools.bench.corpus import build_token_corpus
     from megatron_gift_tools.bench.fidelity import machine
     from megatron_gift_tools.bench.indexed_data import megatron_data_args
@@ -235,7 +270,7 @@ def run(
     modes = modes or list(MODES)
     if "bf16" not in modes:
         modes = ["bf16", *modes]
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted((set(modes) | set(rerun or [])) - set(MODES))
     if unknown:
         raise SystemExit(f"bench training: unknown mode(s) {unknown}; choose from {list(MODES)}")
     p = dict(PRESET, eval_iters=20)
@@ -246,6 +281,7 @@ def run(
     seeds = seeds or (QUICK["seeds"] if quick else [1234, 1, 2])
     out_dir = Path(out)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    reused = reuse(reuse_from, rerun or [], p, seeds, modes, out_dir) if reuse_from else {}
     data_args = megatron_data_args(build_token_corpus(vocab_size=p["vocab"]))
     records = [train(m, s, p, data_args, out_dir, timeout) for s in seeds for m in modes]
     agg = aggregate(records, seeds, modes)
@@ -262,7 +298,7 @@ def run(
         final_val_loss_note=f"Megatron's end-of-training validation loss, {p['eval_iters']} batches of "
         f"{p['global_batch']} held-out sequences of {p['seq']} tokens (the same for every mode of a seed)",
         gap_note="gap_to_bf16: mean over seeds of (mode - bf16) on the same seed; gap_sd: their standard deviation",
-        not_run=NOT_RUN,
+        reused=reused,
         modes=agg,
         targets=verdicts(agg),
     )
