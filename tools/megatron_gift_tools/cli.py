@@ -358,8 +358,9 @@ def _add_bench(subparsers) -> None:
         "training",
         help="does FP4 between nodes train like BF16? validation loss over seeds, 4 CPU ranks as 2 nodes x 2",
         description="Train the demo's small Llama through the launcher on 4 gloo ranks as 2 simulated nodes x 2 "
-        "for each mode (Megatron's BF16, Euclidean and GIFT FP8, Euclidean, Hadamard, GIFT and GIFT + Hadamard NVFP4, "
-        "Euclidean NVFP4 with error feedback) and seed; report the final held-out validation loss, its gap to BF16 with the seed spread, and the bytes.",
+        "for each mode (Megatron's BF16, Euclidean and GIFT FP8, Euclidean, Hadamard, GIFT and GIFT + Hadamard "
+        "NVFP4, Euclidean NVFP4 with error feedback) and seed; report the final held-out validation loss, its gap "
+        "to BF16 with the seed spread, and the bytes.",
     )
     tra.add_argument("--quick", action="store_true", help="10 iterations, one seed (a smoke test)")
     tra.add_argument("--json", metavar="PATH", help="write the results as JSON (and the plot as PATH.png)")
