@@ -248,7 +248,8 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--gift-error-feedback",
         action=argparse.BooleanOptionalAction,
         default=_WIRE.error_feedback,
-        help="Carry each rank's FP8 rounding error into the next step (default: %(default)s).",
+        help="Carry each rank's rounding error of what it sends (FP8, or the four-bit format) into the next step; "
+        "keeps one flat exchange (default: %(default)s).",
     )
     groups["whitening"].add_argument(
         "--gift-rank",

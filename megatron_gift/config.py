@@ -156,11 +156,6 @@ class WireConfig:
     def __post_init__(self):
         _enum(self, "inter_node_format", InterNodeFormat)
         _enum(self, "rotation", Rotation)
-        if self.error_feedback and self.inter_node_format is not InterNodeFormat.FP8:
-            raise ValueError(
-                f"error_feedback works with FP8 only (its residual is staged by the FP8 encode), got "
-                f"inter_node_format {self.inter_node_format.value}"
-            )
         if self.inter_node_format is not InterNodeFormat.FP8 and self.codec.scaling is Scaling.TENSOR:
             raise ValueError(
                 f"inter_node_format {self.inter_node_format.value} cuts the coded values at whole FP8 scaling "

@@ -31,7 +31,10 @@ send ``G T H`` of every coded parameter (``G H`` where Euclidean; two-level: ``H
 64-column blocks of a row, so a row cut by a shard is rotated piece by piece (the layout's check puts
 cuts on 64-column blocks): the coded 64-blocks of all the shards at hand gathered, rotated and
 scattered back in a fixed number of calls (``_rotate_shards``), whatever the number of nodes.
-Error feedback and the output side are refused at start-up with FP4.
+With error feedback (``--gift-error-feedback``, the flat exchange only) each sender adds its residual
+``e`` to ``U`` and keeps ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` (``Ũ = U + e``): the residual stays in the
+whitened coordinates, before the rotation, where a refresh carries it over and a checkpoint keeps it.
+The output side is refused at start-up with FP4.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from .._compat import all_gather as _all_gather
 from ..config import IntraNode, Rotation
 from ..kernels.placement import Placement
 from ..kernels.reference import ordered_sum, reference_rotate_blocks, reference_sum_rows, sender_values
-from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
+from ..numerics.error_feedback import ErrorFeedback
+from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4, roundtrip_fp4
 from ..numerics.rotation import BlockHadamard
 from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
@@ -344,7 +348,8 @@ class _FP4Stages:
 
 
 class FP4Reduce(_FP4Stages, ShardReduction):
-    """One bucket's flat reduction in FP4 (module doc); construction does no work."""
+    """One bucket's flat reduction in FP4 (module doc), with ``error_feedback``'s residual where given;
+    construction does no work."""
 
     def __init__(
         self,
@@ -360,9 +365,11 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         topology: Topology | None = None,
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
+        error_feedback: ErrorFeedback | None = None,
     ):
         super().__init__(flat, layout, group, transforms, average, all_reduce, ledger, nonfinite, topology, kernels)
         self._fp4(fmt, rotation)
+        self.error_feedback = error_feedback
 
     def stages(self) -> list:
         if self.all_reduce:
@@ -387,7 +394,16 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             s, at = layout.segments[i], layout.seg_at[i]
             g = flat[s.start : s.end].view(s.rows, s.cols)
             u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
-        return self._rotate_shards(u, tuple(range(self.world)))  # the shards tile the coded sequence
+        shards = tuple(range(self.world))  # the shards tile the coded sequence
+        if self.error_feedback is None:
+            return self._rotate_shards(u, shards)
+        e, staged = self.error_feedback.feedback(0, u.numel())
+        u += e
+        v = self._rotate_shards(u.clone(), shards)
+        # what the owners decode of v (the same segments as the messages'), rotated back: the next residual
+        sent = roundtrip_fp4(v, self.fmt, self._packing(shards, self.rank, u.device).lengths)
+        torch.sub(u, self._rotate_shards(sent, shards, inverse=True), out=staged)
+        return v
 
     def _class_values(self, c: int) -> torch.Tensor:
         """Plain class ``c``'s sequence: its parameters' values one after another (the shards' parts

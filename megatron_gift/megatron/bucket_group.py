@@ -163,14 +163,24 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             kernels=ctx.config.exchange.kernels,
         )
         fp4 = ctx.config.wire.inter_node_format
-        if fp4.block is not None:  # four bits between nodes (input side only, no error feedback)
+        if fp4.block is not None:  # four bits between nodes (input side only)
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
             common["rotation"] = exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
-            if groups.intra is not None and cfg.exchange.intra_node is IntraNode.REDUCE_SCATTER:
+            two_level = groups.intra is not None and b.error_feedback is None
+            if two_level and cfg.exchange.intra_node is IntraNode.REDUCE_SCATTER:
                 return FP4SumFirstReduce(b.grad, b.layout, groups, transforms, fmt, **common)
-            if groups.intra is not None:
+            if two_level:
                 return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.exchange.intra_node, **common)
-            return FP4Reduce(b.grad, b.layout, groups.group, transforms, fmt, topology=groups.topology, **common)
+            return FP4Reduce(
+                b.grad,
+                b.layout,
+                groups.group,
+                transforms,
+                fmt,
+                topology=groups.topology,
+                error_feedback=b.error_feedback,
+                **common,
+            )
         if groups.intra is not None and b.error_feedback is None:
             inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.exchange.intra_node, **common)
         else:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cpu_harness
 STEPS = 3
 
 
-def _train(dist_opt, fmt, rotation, intra="bf16"):
+def _train(dist_opt, fmt, rotation, intra="bf16", ef=False):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -39,6 +39,7 @@ def _train(dist_opt, fmt, rotation, intra="bf16"):
         rotation=rotation,
         rotation_seed=1234,
         intra_node=intra,
+        error_feedback=ef,
     )
     ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=dist_opt), [ddp])
@@ -56,14 +57,23 @@ def _train(dist_opt, fmt, rotation, intra="bf16"):
         losses.append(float(loss))
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     whitened = sum(g.input.whitening is not None for g in ddp.gift_params.values())
+    residual = sum(float(view.abs().sum()) for view, _ in ddp._residual_views())
     parallel_state.destroy_model_parallel()
-    return dict(losses=losses, params=params, links=links, collectives=collectives, whitened=whitened)
+    return dict(
+        losses=losses, params=params, links=links, collectives=collectives, whitened=whitened, residual=residual
+    )
 
 
 # (distributed optimizer, format, rotation, intra-node stage): the reduce-scatter with NVFP4; the all-reduce
 # (the plugin's own shards, aligned to whole 64-column blocks) with MXFP4 and the Hadamard rotation; NVFP4
-# with the rotation after a plain reduce-scatter inside the node (``comm.sum_first``)
-RUNS = [(True, "nvfp4", "none"), (False, "mxfp4", "hadamard"), (True, "nvfp4", "hadamard", "reduce-scatter")]
+# with the rotation after a plain reduce-scatter inside the node (``comm.sum_first``); NVFP4 with the rotation
+# and error feedback (one flat exchange)
+RUNS = [
+    (True, "nvfp4", "none"),
+    (False, "mxfp4", "hadamard"),
+    (True, "nvfp4", "hadamard", "reduce-scatter"),
+    (True, "nvfp4", "hadamard", "bf16", True),
+]
 
 
 def _worker(rank, world):
@@ -75,7 +85,8 @@ def test_fp4_between_nodes_trains(results, run):
     """Bug caught: the FP4 exchange wired into the DDP wrongly (a NaN or Inf gradient, a rank whose
     weights drift from the others', FP8 sent where FP4 was asked, no GIFT layer ever whitened); the
     all-reduce's layout refused for want of aligned shards; ``--gift-intra-node reduce-scatter`` not
-    reaching the bucket groups (the whitening-first BF16 stage run instead)."""
+    reaching the bucket groups (the whitening-first BF16 stage run instead); error feedback with four bits
+    not keeping the flat exchange (an intra-node stage) or its residual never staged."""
     per_rank = [r[run] for r in results]
     fmt = RUNS[run][1]
     for res in per_rank:
@@ -86,6 +97,9 @@ def test_fp4_between_nodes_trains(results, run):
         if RUNS[run][3:] == ("reduce-scatter",):  # the node's reduce-scatter in the bucket's FP32, no BF16 stage
             assert ("reduce_scatter", "fp32") in res["collectives"], res["collectives"]
             assert res["links"].get(("intra", "fp32"), 0) > 0 and ("intra", "bf16") not in res["links"], res["links"]
+        if RUNS[run][4:] == (True,):  # error feedback: one flat exchange, FP4 inside the node too
+            assert res["links"].get(("intra", f"{fmt}+scales"), 0) > 0 and ("intra", "bf16") not in res["links"]
+            assert res["residual"] > 0
     assert all(torch.equal(r["params"], per_rank[0]["params"]) for r in per_rank)
 
 
@@ -116,19 +130,23 @@ def test_fp4_buckets_take_the_kernels_setting(monkeypatch, kernels, available, f
         gift_groups=SimpleNamespace(intra=None, group=group, topology=None),
         ddp_config=SimpleNamespace(average_in_collective=False),
     )
-    bucket = SimpleNamespace(grad=torch.zeros(2048), layout=layout, params=[None])
+    bucket = SimpleNamespace(grad=torch.zeros(2048), layout=layout, params=[None], error_feedback=None)
     red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
     assert isinstance(red, FP4Reduce) and red.ops.fused is fused
 
 
-@pytest.mark.parametrize("intra", ["reduce-scatter", "bf16"])
-def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra):
+@pytest.mark.parametrize(
+    "intra, ef", [("reduce-scatter", False), ("bf16", False), ("reduce-scatter", True), ("bf16", True)]
+)
+def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra, ef):
     """Bug caught: ``--gift-intra-node reduce-scatter`` reaching the bucket group but its four-bit buckets
     built as the whitening-first two-level exchange (which then sends FP32 inside the node: the same bytes,
-    so the ledger alone cannot tell), or the sum-first reduction built for another intra-node setting."""
+    so the ledger alone cannot tell), or the sum-first reduction built for another intra-node setting;
+    with error feedback (a residual per rank and bucket) a two-level reduction built, or the flat one
+    without the bucket's residual."""
     from types import SimpleNamespace
 
-    from megatron_gift.comm.fp4_reduce import FP4TwoLevelReduce
+    from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
     from megatron_gift.comm.layout import BucketLayout, Segment
     from megatron_gift.comm.sum_first import FP4SumFirstReduce
     from megatron_gift.comm.topology import Topology, TwoLevelGroups
@@ -138,12 +156,18 @@ def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra):
 
     groups = TwoLevelGroups(FakeGroup(4, 0), Topology(2, 2), FakeGroup(2, 0), FakeGroup(2, 0))
     layout = BucketLayout(4096, 4, [Segment(0, 32, 128, Mode.EUCLIDEAN, "w")], CodecConfig(), torch.float32)
-    config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", intra_node=intra)
+    from megatron_gift.numerics import ErrorFeedback
+
+    config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", intra_node=intra, error_feedback=ef)
     owner = SimpleNamespace(
         gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
         gift_groups=groups,
         ddp_config=SimpleNamespace(average_in_collective=False),
     )
-    bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=[None])
+    residual = ErrorFeedback(layout.n_coded) if ef else None
+    bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=[None], error_feedback=residual)
     red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
-    assert type(red) is {"reduce-scatter": FP4SumFirstReduce, "bf16": FP4TwoLevelReduce}[intra]
+    if ef:
+        assert type(red) is FP4Reduce and red.error_feedback is residual
+    else:
+        assert type(red) is {"reduce-scatter": FP4SumFirstReduce, "bf16": FP4TwoLevelReduce}[intra]

@@ -37,19 +37,6 @@ def test_block_sizes_are_the_formats():
     assert {f.value: f.block for f in InterNodeFormat} == {"fp8": None, **BLOCKS}
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_error_feedback_with_fp4_is_refused_naming_both_flags(fmt):
-    """Bug caught: error feedback accepted with a four-bit exchange, whose encode never stages the
-    residual (it would silently feed back the FP8 residual of nothing, or zeros)."""
-    with pytest.raises(ValueError) as exc:
-        gift_config_from_args(
-            parse("--gift-mode", "euclidean", "--gift-error-feedback", "--gift-inter-node-format", fmt)
-        )
-    msg = str(exc.value)
-    assert msg.startswith("megatron-gift: ") and "\n" not in msg
-    assert "--gift-error-feedback" in msg and "--gift-inter-node-format" in msg and fmt in msg
-
-
 def test_inter_node_format_without_coded_values_is_warned_ineffective():
     """Bug caught: ``--gift-inter-node-format`` accepted silently with ``--gift-mode bf16`` (nothing is
     coded, so nothing goes in four bits); and warned about where it does act."""
