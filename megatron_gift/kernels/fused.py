@@ -16,9 +16,10 @@ The grid is 1-D (dimension 0: up to 2^31-1 programs, so no shape limit). ``_unit
   a group, found from the inclusive cumsum of ``lengths``, ``BU`` consecutive ones per program;
 - ``_ROW_GROUPS``: the same groups for the sender with whitening (each group inside one row, as the
   layout's are): a program takes, for ``BU`` consecutive rows, the groups that start in the same
-  ``slot_w`` columns (one where no shard cuts the row, more where one does; found per row by a
-  search of the ends in a window as wide as the cuts, checked, ``_groups_before``), so that its
-  units share the loads of ``D`` and ``Qᵀ`` as with ``_ROW_BLOCKS``.
+  ``slot_w`` columns (``SLOT_COLS``, or a whole row for ROW scaling: ``slot_units`` of the codec's
+  groups, more where a shard cuts the row; found per row by a search of the ends in a window as wide
+  as the cuts, checked, ``_groups_before``), so that its units share the loads of ``D`` and ``Qᵀ`` as
+  with ``_ROW_BLOCKS``, and its rows of ``P`` serve ``slot_w`` columns (``4·r/slot_w`` B per element).
 
 With ``_ROW_BLOCKS`` and ``_ROW_GROUPS`` a program loops over ``row_steps`` blocks of ``BU`` rows
 (more rows per load of ``D`` and ``Qᵀ``; ``_Tiling`` keeps at least ``ROW_PROGRAMS`` programs).
@@ -94,6 +95,7 @@ _AMAX, _ENCODE, _ONE_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _ORDERED, _ROW_BLOCKS, _GROUPS, _ROW_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 ROW_STEPS = 16  # blocks of BU rows a program of a row layout takes at most
 ROW_PROGRAMS = 512  # programs a row layout keeps where the matrix allows (~4 per SM of an H100)
+SLOT_COLS = 256  # columns of a _ROW_GROUPS slot (BLOCK/MX scaling): its program's rows of P serve them all
 
 
 @triton.jit
@@ -480,6 +482,8 @@ def _encode_kernel(
     scale_col_stride,
     row_steps,
     slot_w,
+    slot_units,
+    codec_per_row,
     extra,
     window_steps,
     full_steps,
@@ -527,11 +531,12 @@ def _encode_kernel(
         n_sets = 1
         if LAYOUT == _ROW_GROUPS:  # the groups that start in columns [kb·slot_w, (kb+1)·slot_w) of each row
             lo = row * cols + kb * slot_w
-            base = row * units_per_row + kb
+            base = row * codec_per_row  # the codec's groups of the rows above start before lo and hi
             search = (extra, window_steps, full_steps)
-            first = _groups_before(ends_ptr, n_units, base, *search, lo, rmask)
+            first = _groups_before(ends_ptr, n_units, base + kb * slot_units, *search, lo, rmask)
             hi = lo + tl.minimum(cols - kb * slot_w, slot_w)
-            stop = _groups_before(ends_ptr, n_units, base + 1, *search, hi, rmask)
+            after = tl.minimum(codec_per_row, (kb + 1) * slot_units)  # the codec's groups before hi in the row
+            stop = _groups_before(ends_ptr, n_units, base + after, *search, hi, rmask)
             n_sets = tl.max(tl.where(rmask, stop - first, 0))
         for j in range(n_sets):  # the row's groups in turn
             if LAYOUT == _ROW_GROUPS:
@@ -832,7 +837,9 @@ class _Tiling:
     units_per_row: int  # of the matrix codec; a row layout's column slots
     scale_strides: tuple[int, int]  # where unit (row, block) of the matrix codec finds its scale
     row_steps: int = 1  # blocks of bu rows of a row layout's program
-    slot_w: int = 0  # columns of a _ROW_GROUPS slot: a regular group's (the block; a whole row for ROW)
+    slot_w: int = 0  # columns of a _ROW_GROUPS slot: SLOT_COLS (a whole row for ROW scaling)
+    codec_per_row: int = 1  # the matrix codec's groups in a row (_ROW_GROUPS' search windows)
+    slot_units: int = 1  # the matrix codec's groups in a _ROW_GROUPS slot
 
     @classmethod
     def of(cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False) -> _Tiling:
@@ -848,13 +855,16 @@ class _Tiling:
             bu = max(1, min(TILE_ELEMENTS // w, triton.next_power_of_2(n_units)))
             return cls(layout, unit_w, w, bu, n_units, triton.cdiv(rows, bu), upr, strides)
         layout, n_units, slot_w = _ROW_BLOCKS.value, rows * upr, 0
+        codec_per_row, slot_units = (upr if per_group else 1), 1
         if n_groups is not None:
-            slot_w = unit_w if per_group else cols
+            slot_units = max(1, SLOT_COLS // unit_w) if per_group else 1
+            slot_w = slot_units * unit_w if per_group else cols
             layout, n_units, upr = _ROW_GROUPS.value, n_groups, triton.cdiv(cols, slot_w)
         bu = max(1, min(TILE_ELEMENTS // w, 16, triton.next_power_of_2(rows)))
         blocks = triton.cdiv(rows, bu)
         steps = max(1, min(ROW_STEPS, blocks, blocks * upr // ROW_PROGRAMS))
-        return cls(layout, unit_w, w, bu, n_units, triton.cdiv(blocks, steps), upr, strides, steps, slot_w)
+        n_row_blocks = triton.cdiv(blocks, steps)
+        return cls(layout, unit_w, w, bu, n_units, n_row_blocks, upr, strides, steps, slot_w, codec_per_row, slot_units)
 
     @property
     def programs(self) -> int:
@@ -872,10 +882,12 @@ class _Tiling:
         return (self.n_row_blocks, self.units_per_row, *self.scale_strides)
 
     def row_args(self, rows: int) -> tuple:
-        """The encode kernel's arguments after ``args()``: a row layout's ``row_steps`` and ``slot_w``; the
-        groups beyond the codec's (``extra``: cuts) and the halvings of ``_groups_before``'s two searches."""
-        extra = max(0, self.n_units - rows * self.units_per_row) if self.layout == _ROW_GROUPS.value else 0
-        return (self.row_steps, self.slot_w, extra, extra.bit_length(), self.n_units.bit_length())
+        """The encode kernel's arguments after ``args()``: a row layout's ``row_steps``, ``slot_w``, the
+        codec's groups in a slot and in a row; the groups beyond the codec's (``extra``: cuts) and the
+        halvings of ``_groups_before``'s two searches."""
+        extra = max(0, self.n_units - rows * self.codec_per_row) if self.layout == _ROW_GROUPS.value else 0
+        steps = (extra.bit_length(), self.n_units.bit_length())
+        return (self.row_steps, self.slot_w, self.slot_units, self.codec_per_row, extra, *steps)
 
     def constexprs(self) -> dict:
         return dict(UNIT_W=self.unit_w, W=self.w, BU=self.bu, LAYOUT=self.layout, ONE_CHUNK=self.one_chunk)
