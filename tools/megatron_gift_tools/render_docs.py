@@ -175,7 +175,8 @@ def fidelity_pretrained(results: Path) -> str:
 
 def training_fp4(results: Path) -> str:
     """``bench training``: per mode the final held-out validation loss, its paired gap to Megatron's BF16
-    with the seed spread, and the bytes; then whether each gap is within two seed sd of zero."""
+    with the seed spread, and the bytes; then whether each gap is within two seed sd of zero. The coded
+    bytes of a flat exchange (error feedback) include the peer on the same node."""
     doc = _load(results, "training-cpu.json")
     bf16 = doc["modes"]["bf16"]
     lines = [
@@ -191,6 +192,9 @@ def training_fp4(results: Path) -> str:
         within = doc["targets"].get(m, {}).get("within_2sd_of_zero")
         gap = "-" if m == "bf16" else f"{v['gap_to_bf16']:+.4f} ± {v['gap_sd']:.4f}"
         coded = f"{v['coded_bytes_per_step']:,.0f}" if v["coded_bytes_per_step"] else "(one flat ring)"
+        if "--gift-error-feedback" in v["flags"]:  # error feedback keeps the flat exchange
+            peers = doc["ranks"] - 1
+            coded += f" (flat: to all {peers} peers, {doc['ranks'] - doc['ranks_per_node']} on the other node)"
         lines.append(
             f"| {m} | {v['final_val_mean']:.4f} ± {v['final_val_sd']:.4f} | {gap} | "
             f"{'-' if within is None else ('yes' if within else '**no**')} | "
