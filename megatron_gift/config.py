@@ -52,12 +52,14 @@ class InterNodeFormat(enum.Enum):
 
 
 class Rotation(enum.Enum):
-    """A rotation of every coded parameter's rows in the four-bit exchange, composed after GIFT's whitening
-    (``numerics.rotation``): none, or a randomized block Hadamard transform of 64 columns (``U = G T H``,
-    ``G H`` where Euclidean)."""
+    """A rotation of coded parameters' rows in the four-bit exchange, composed after GIFT's whitening
+    (``numerics.rotation``): none; a randomized block Hadamard transform of 64 columns for every coded
+    parameter (``U = G T H``, ``G H`` where Euclidean); or ``auto``: per GIFT layer, on where each
+    refresh measures a smaller error with it on the owner's gradient (other parameters unrotated)."""
 
     NONE = "none"
     HADAMARD = "hadamard"
+    AUTO = "auto"
 
 
 class Schedule(enum.Enum):

@@ -57,7 +57,7 @@ from ._compat import all_gather as _all_gather
 from ._compat import reduce_scatter as _reduce_scatter
 from .comm.fp4_reduce import exchange_rotation
 from .comm.ledger import ring_all_reduce_bytes
-from .config import GiftConfig, InterNodeFormat, Mode
+from .config import GiftConfig, InterNodeFormat, Mode, Rotation
 from .numerics.fp4 import FP4_FORMATS, FP4Wire
 from .numerics.kfac import KFACStatistics
 from .numerics.refresh import (
@@ -83,14 +83,17 @@ GATHER_BOUND = 2
 
 
 def damping_wire(cfg: GiftConfig):
-    """What a refresh measures the damping candidates' errors on (``FactorBuild``'s ``wire``): the
-    wire GIFT layers are sent in, FP8 (``cfg.codec``) or the four-bit format between nodes, rotated as
-    the exchange rotates it (``--gift-rotation``: the same signs from ``--seed``)."""
+    """What a refresh measures the damping candidates' errors on (``FactorBuild``'s ``wire`` and
+    ``rotated_wire``): the wire GIFT layers are sent in, FP8 (``cfg.codec``) or the four-bit format
+    between nodes, rotated as the exchange rotates it (``--gift-rotation hadamard``: the same signs from
+    ``--seed``); with ``auto`` the four-bit format unrotated and rotated (the refresh chooses)."""
     if cfg.wire.inter_node_format is InterNodeFormat.FP8:
-        return cfg.wire.codec
-    return FP4Wire(
-        FP4_FORMATS[cfg.wire.inter_node_format.value], exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
-    )
+        return cfg.wire.codec, None
+    fmt, rotation = FP4_FORMATS[cfg.wire.inter_node_format.value], cfg.wire.rotation
+    hadamard = exchange_rotation(rotation, cfg.wire.rotation_seed)
+    if rotation is Rotation.AUTO:
+        return FP4Wire(fmt, None), FP4Wire(fmt, hadamard)
+    return FP4Wire(fmt, hadamard), None
 
 
 def record_layout(gp: GiftParam, rank: int) -> RecordLayout:
@@ -183,7 +186,7 @@ class RefreshSync:
             raise ValueError(f"megatron-gift: side must be one of {', '.join(SIDE_KINDS)}, got {side!r}")
         self.state, self.side = state, side
         self.config, self.device = state.config, state.device
-        self.wire = damping_wire(state.config)  # what the damping candidates' errors are measured on
+        self.wire, self.rotated_wire = damping_wire(state.config)  # what the candidates' errors are measured on
         self.pending: _Refresh | None = None  # the refresh in flight (built and sent, not yet installed)
         self.layers: list = []  # (GiftParam, reduction group) of every GIFT layer (assign_owners)
         self.host_waits = 0  # host synchronisations of refreshes so far (3 per refresh: module doc)
@@ -321,7 +324,13 @@ class RefreshSync:
                 ]
                 owned.update({id(gp): o for gp, o in zip([gp for gp in members if gp.owner == group.rank()], mine)})
                 build = FactorBuild(
-                    mine, candidates, cfg.whitening.damping is None, self.wire, MAX_SHIFTS, SIDE_KINDS[self.side]
+                    mine,
+                    candidates,
+                    cfg.whitening.damping is None,
+                    self.wire,
+                    MAX_SHIFTS,
+                    SIDE_KINDS[self.side],
+                    self.rotated_wire,
                 )
                 starts = [sum(shares[:o]) if shares else o * slot for o in range(group.size())]
                 offsets = [starts[gp.owner] + p for gp, p in zip(members, places)]
@@ -517,6 +526,7 @@ class RefreshSync:
         # the next build's held-out check (the best pair), on the rank that runs it
         mine = owned is not None
         gp.input.factor, gp.input.whitening, gp.input.damping = factor, new, damping
+        gp.input.rotate = head["rotate"] > 0  # --gift-rotation auto's choice for the chosen T
         gp.input.held_out = best if mine and head["held_out"] > 0 else None
         if output is not None:
             output.factor, output.whitening, output.held_out = out_factor, new_out, out_best if mine else None

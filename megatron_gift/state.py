@@ -33,7 +33,8 @@ class SideState:
     output gradients), the groups they are summed over at a refresh, the factor built from them (on
     its owner only), the whitening in use and its relative damping (None: no ``T`` yet, or Euclidean
     chosen: ``T = I``), and ``held_out``: the owner's best ``T`` of the last build, checked on the next
-    refresh's gradient before a new ``T`` is trusted (the cold-start rule, ``profile.held_out_gate``)."""
+    refresh's gradient before a new ``T`` is trusted (the cold-start rule, ``profile.held_out_gate``);
+    ``rotate``: the four-bit exchange rotates it (``--gift-rotation auto``'s choice at the last refresh)."""
 
     stats: KFACStatistics | None = None
     groups: list = field(default_factory=list)
@@ -41,6 +42,7 @@ class SideState:
     whitening: LowRankWhitening | None = None
     damping: float | None = None
     held_out: LowRankWhitening | None = None
+    rotate: bool = False
 
 
 @dataclass
@@ -120,13 +122,13 @@ class GiftState:
     # -- checkpoint state -------------------------------------------------------------------
     def state_dict(self, residuals) -> dict:
         """This rank's state on the CPU, keyed by parameter name: ``{"step", "params": {name: {"mode",
-        "sides": {side: {"stats", "whitening", "damping", "factor", "held_out"}}, "residual"}}}`` with a
-        side's keys present where it holds them (``damping`` beside ``whitening``; None: Euclidean
-        chosen). ``residual`` (the error-feedback residual in the parameter's quantized coordinates),
-        ``stats`` (step accumulators and local per-step EMA), ``factor`` and ``held_out`` (on the
-        layer's factor owner only) are this rank's own (``PER_RANK``: what keeps per-rank state apart,
-        ``megatron.checkpoint.split_state``, moves them); the rest is identical on all ranks that hold
-        it. A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
+        "sides": {side: {"stats", "whitening", "damping", "rotate", "factor", "held_out"}}, "residual"}}}``
+        with a side's keys present where it holds them (``damping`` and ``rotate`` beside ``whitening``;
+        damping None: Euclidean chosen). ``residual`` (the error-feedback residual in the parameter's
+        quantized coordinates), ``stats`` (step accumulators and local per-step EMA), ``factor`` and
+        ``held_out`` (on the layer's factor owner only) are this rank's own (``PER_RANK``: what keeps
+        per-rank state apart, ``megatron.checkpoint.split_state``, moves them); the rest is identical on
+        all ranks that hold it. A refresh in flight is the caller's to install first (``RefreshSync.install``)."""
         params = {}
         for gp in self.params.values():
             entry = {"mode": gp.mode.value}
@@ -183,6 +185,7 @@ class GiftState:
                     s.stats.load_state_dict(saved[side]["stats"])
         if "whitening" in inp:
             gp.input.whitening, gp.input.damping = _whitening(inp["whitening"]), inp.get("damping")
+            gp.input.rotate = bool(inp.get("rotate", False))
         if "whitening" in out and gp.output is None:
             gp.output = SideState()
         if gp.output is not None:
@@ -216,7 +219,7 @@ def _side_state(side: SideState) -> dict:
         entry["stats"] = _to(side.stats.state_dict(), "cpu")
     if side.whitening is not None:
         entry["whitening"] = _to(side.whitening.tensors(), "cpu")
-        entry["damping"] = side.damping
+        entry["damping"], entry["rotate"] = side.damping, side.rotate
     if side.held_out is not None:  # the factor owner's held-out T (the cold-start rule), like the residual its own
         entry["held_out"] = _to(side.held_out.tensors(), "cpu")
     if side.factor is not None:  # the factor owner's

@@ -66,8 +66,8 @@ ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 
 
 def exchange_rotation(rotation: Rotation, seed: int) -> BlockHadamard | None:
     """The rotation the four-bit exchange applies (``--gift-rotation``; None: none): the same signs on
-    every rank, from ``seed``."""
-    return BlockHadamard(ROTATION_BLOCK, seed) if rotation is Rotation.HADAMARD else None
+    every rank, from ``seed``; with ``auto`` to the GIFT layers whose refresh chose it."""
+    return None if rotation is Rotation.NONE else BlockHadamard(ROTATION_BLOCK, seed)
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,11 @@ class _FP4Stages:
     decode and sum, the all-reduce's gather. ``_messages()``: every sender's message for the own
     shard, ``[senders, nbytes]`` in rank (node) order."""
 
-    def _fp4(self, fmt: FP4Format, rotation: BlockHadamard | None) -> None:
+    def _fp4(self, fmt: FP4Format, rotation: BlockHadamard | None, rotated: tuple[bool, ...] | None) -> None:
+        """``rotated``: per segment, whether ``rotation`` applies (``--gift-rotation auto``); None: to every
+        coded segment."""
         self.fmt, self.rotation = fmt, rotation
+        self.rotated = tuple(i for i in self.layout.coded_segments if rotated is None or rotated[i])
         self.fp4_label = f"{fmt.label}+scales"  # the ledger's name of the FP4 messages
         layout = self.layout
         self.msgs = layout.cached(("fp4", fmt.name), lambda: [fp4_message(layout, j, fmt) for j in range(self.world)])
@@ -177,27 +180,29 @@ class _FP4Stages:
         (``Hᵀ``: ``fwht(x) ⊙ s``), so a piece of a row cut by a shard is rotated by itself. A fixed
         number of calls whatever the shards and parts: one launch where the kernels run
         (``kernels.fp4.rotate_blocks``), else the blocks gathered, rotated and scattered back."""
-        if self.rotation is None or x.numel() == 0:
+        if self.rotation is None or not self.rotated or x.numel() == 0:
             return x
         fp4 = self.ops.fp4(x.device)
         rotate = reference_rotate_blocks if fp4 is None else fp4.rotate_blocks
         return rotate(x, *self._rotation_table(shards, x.device), inverse)
 
     def _rotation_table(self, shards: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``_rotate_shards``' tables, built once per layout and shards: the start in the shards' coded
-        values of each 64-block (in order), its row in ``signs`` and ``signs`` (the signs of each width
-        of the coded parameters, 64 per row, one width after another: ``BlockHadamard.signs`` depends on
-        the width only)."""
-        layout, block = self.layout, self.rotation.block
+        """``_rotate_shards``' tables, built once per layout, shards and rotated set: the start in the
+        shards' coded values of each rotated 64-block (in order), its row in ``signs`` and ``signs`` (the
+        signs of each width of the rotated parameters, 64 per row, one width after another:
+        ``BlockHadamard.signs`` depends on the width only)."""
+        layout, block, rotated = self.layout, self.rotation.block, set(self.rotated)
 
         def build():
             first, table, starts, rows, base = {}, [], [], [], 0
-            for cols in sorted({layout.segments[i].cols for i in layout.coded_segments}):  # signs per width
+            for cols in sorted({layout.segments[i].cols for i in self.rotated}):  # signs per width
                 first[cols] = sum(t.numel() for t in table) // block
                 table.append(self.rotation.signs(cols))
             for j in shards:
                 plan = layout.shards[j]
                 for part in plan.coded_parts:
+                    if part.seg not in rotated:
+                        continue
                     s, at = layout.segments[part.seg], layout.seg_at[part.seg]
                     nb = (part.hi - part.lo) // block
                     starts.append(base + part.at - plan.coded_lo + block * torch.arange(nb))
@@ -210,7 +215,7 @@ class _FP4Stages:
 
             return cat(starts, torch.int64), cat(rows, torch.int64), cat(table, torch.float32).view(-1, block)
 
-        return layout.cached(("fp4-rotation", shards, str(device)), build)
+        return layout.cached(("fp4-rotation", shards, self.rotated, str(device)), build)
 
     def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
         """``fp4_packing`` of ``shards``, built once per layout."""
@@ -366,9 +371,10 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
         error_feedback: ErrorFeedback | None = None,
+        rotated: tuple[bool, ...] | None = None,
     ):
         super().__init__(flat, layout, group, transforms, average, all_reduce, ledger, nonfinite, topology, kernels)
-        self._fp4(fmt, rotation)
+        self._fp4(fmt, rotation, rotated)
         self.error_feedback = error_feedback
 
     def stages(self) -> list:
@@ -463,9 +469,10 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         nonfinite: torch.Tensor | None = None,
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
+        rotated: tuple[bool, ...] | None = None,
     ):
         super().__init__(flat, layout, groups, transforms, intra, average, all_reduce, ledger, nonfinite, kernels)
-        self._fp4(fmt, rotation)
+        self._fp4(fmt, rotation, rotated)
 
     def stages(self) -> list:
         if self.all_reduce:

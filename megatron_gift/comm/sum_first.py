@@ -229,6 +229,7 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         nonfinite: torch.Tensor | None = None,
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
+        rotated: tuple[bool, ...] | None = None,
     ):
         super().__init__(
             flat,
@@ -243,6 +244,7 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
             nonfinite,
             rotation,
             kernels,
+            rotated,
         )
         if layout.shard_size * self.world != flat.numel():
             raise ValueError(

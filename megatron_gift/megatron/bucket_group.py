@@ -36,7 +36,7 @@ from ..comm.quantized import QuantizedReduce
 from ..comm.schedule import ReductionQueue
 from ..comm.sum_first import FP4SumFirstReduce
 from ..comm.topology import TwoLevelGroups
-from ..config import GiftConfig, IntraNode, Mode
+from ..config import GiftConfig, IntraNode, Mode, Rotation
 from ..numerics import two_sided
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp4 import FP4_FORMATS
@@ -166,6 +166,8 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         if fp4.block is not None:  # four bits between nodes (input side only)
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
             common["rotation"] = exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
+            if cfg.wire.rotation is Rotation.AUTO:  # the GIFT layers whose last refresh chose the rotation
+                common["rotated"] = tuple(p is not None and p.mode is Mode.GIFT and p.input.rotate for p in b.params)
             two_level = groups.intra is not None and b.error_feedback is None
             if two_level and cfg.exchange.intra_node is IntraNode.REDUCE_SCATTER:
                 return FP4SumFirstReduce(b.grad, b.layout, groups, transforms, fmt, **common)

@@ -234,7 +234,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
                 "--use-distributed-optimizer (or use --gift-intra-node bf16)"
             )
         fmt = cfg.wire.inter_node_format
-        block = None if fmt.block is None else ROTATION_BLOCK if cfg.wire.rotation is Rotation.HADAMARD else fmt.block
+        block = None if fmt.block is None else fmt.block if cfg.wire.rotation is Rotation.NONE else ROTATION_BLOCK
         layout = BucketLayout(
             bucket.grad_data.numel(),
             shards,
@@ -246,8 +246,8 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         layout.check(reduce_scatter=dist_opt)
         if fmt.block is not None:  # four bits between nodes: every boundary on a whole block
             layout.check_blocks(fmt.block, f"--gift-inter-node-format {fmt.value}")
-            if cfg.wire.rotation is Rotation.HADAMARD:  # H acts on 64-column blocks of a row
-                layout.check_blocks(ROTATION_BLOCK, "--gift-rotation hadamard")
+            if cfg.wire.rotation is not Rotation.NONE:  # H acts on 64-column blocks of a row
+                layout.check_blocks(ROTATION_BLOCK, f"--gift-rotation {cfg.wire.rotation.value}")
         return layout
 
     def _error_feedback(self, layout: BucketLayout, bucket) -> ErrorFeedback | None:

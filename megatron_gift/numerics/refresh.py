@@ -35,14 +35,15 @@ goes on alone, and the output header says why.
 Record of one layer (``RecordLayout``), per side (``input``: size ``d_in``, ``A``; then, for a layer
 with output statistics, ``output``: size ``d_out``, ``B``), factor rank ``r``, bytes::
 
-    FP64: header [status, rank, choice, damping, trace, held_out]   (each side's, input first)
+    FP64: header [status, rank, choice, damping, trace, held_out, rotate]   (each side's, input first)
     FP32: D^{-1/2} [d] | D^{1/2} [d] | Q [d, r] | c [r] | c' [r]     (each side's; padded to 8 bytes)
 
 ``status`` is the side's ``BuildStatus``, ``rank`` its factor's actual rank (0 for the diagonal
 fallback; columns beyond it are zero), ``choice`` the chosen damping (-1: Euclidean, ``T = I``; on the
 output side: δ_out of the chosen pair, -1 where that pair has no output side), ``damping`` the one
 the factor and ``T`` use, ``trace`` tr A (tr B), ``held_out`` 1 where this ``T`` is part of the best
-pair, the next refresh's held-out check (always on the input side).
+pair, the next refresh's held-out check (always on the input side), ``rotate`` 1 where the four-bit
+exchange is to rotate the layer's ``U`` (``--gift-rotation auto``'s choice; 0 on the output side).
 
 The record carries what every rank sends with (``T``) and what every rank must agree on (the
 header), not the FP64 factor ``(d, V, λ)`` it was built from: that stays on the owner
@@ -88,7 +89,7 @@ class BuildStatus(enum.IntEnum):
     FAILED = 4  # the owner's build raised: every rank stops with the same message
 
 
-HEADER = ("status", "rank", "choice", "damping", "trace", "held_out")  # each side's (module doc)
+HEADER = ("status", "rank", "choice", "damping", "trace", "held_out", "rotate")  # each side's (module doc)
 _FP32_KEYS = ("d_inv_sqrt", "d_sqrt", "q", "c", "c_inv")  # LowRankWhitening.tensors()
 _RANK_COLS = ("q", "c", "c_inv")  # columns beyond the built rank stay zero
 # ``--gift-side`` -> the candidate kinds of a layer with output statistics (module doc)
@@ -238,7 +239,9 @@ class FactorBuild:
     ``kinds`` (``SIDE_KINDS``): the candidates of a layer with output statistics. With one configured
     damping and two candidates (``auto`` side: ``(δ, I)`` and ``(δ, δ)``), the better one is chosen.
     ``wire``: what the candidates' errors are measured on (``profile.damping_errors``: a ``CodecConfig``
-    for FP8, or the wire's round trip, ``fp4.FP4Wire``)."""
+    for FP8, or the wire's round trip, ``fp4.FP4Wire``); ``rotated_wire`` (``--gift-rotation auto``):
+    the same wire with the rotation, each candidate's error the smaller of the two, and the record's
+    ``rotate`` says which one the chosen candidate had."""
 
     def __init__(
         self,
@@ -248,11 +251,12 @@ class FactorBuild:
         wire: CodecConfig | Callable[[torch.Tensor], torch.Tensor],
         max_shifts: int,
         kinds: tuple[str, ...] = ("input",),
+        rotated_wire: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         if not kinds or set(kinds) - {"input", "both"}:
             raise ValueError(f"candidate kinds must be 'input' and/or 'both', got {kinds!r}")
         self.layers, self.candidates, self.auto, self.wire, self.max_shifts = layers, candidates, auto, wire, max_shifts
-        self.kinds = kinds
+        self.kinds, self.rotated_wire = kinds, rotated_wire
 
     def _each(self, stage: str, fn, parts=None) -> list[list[torch.Tensor]]:
         """``fn(layer[, its parts])`` for every layer still building; a layer that raises is FAILED
@@ -398,6 +402,11 @@ class FactorBuild:
                 held = TwoSidedWhitening(held, layer.output.held_out)
             held_out = [held] if held is not None else []
             errs = damping_errors(layer.grad, whitenings + held_out, self.wire)  # [Euclidean, *whitenings, held-out]
+            rotate = torch.zeros_like(errs, dtype=torch.bool)
+            if self.rotated_wire is not None:  # each with or without the rotation: the smaller error
+                rotated = damping_errors(layer.grad, whitenings + held_out, self.rotated_wire)
+                rotate = torch.isfinite(rotated) & ~(errs <= rotated)  # a non-finite unrotated error loses
+                errs = torch.where(rotate, rotated, errs)
             if self.auto:
                 chosen, best = damping_choice(errs[: 1 + len(whitenings)])
             elif whitenings:  # one damping, two kinds of candidates: the better one (Euclidean is no candidate)
@@ -414,7 +423,7 @@ class FactorBuild:
             b_in = best if idx is None else at(idx[0], best)
             choices = torch.cat([minus1, w["deltas"] if idx is None else w["deltas"].index_select(0, idx[0])])
             kept = torch.ones((), dtype=torch.float64, device=dev_)  # the input T of the best pair: held out
-            values = [at(choices, chosen), at(w["deltas"], b_in), w["trace"], kept]
+            values = [at(choices, chosen), at(w["deltas"], b_in), w["trace"], kept, at(rotate, chosen).double()]
             self._write(rec["input"], layer.input, cand, b_in, values)
             if layer.output is None:
                 return []
@@ -447,7 +456,7 @@ class FactorBuild:
                     ),
                     chosen,
                 )
-            values = [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out]
+            values = [out_choice, at(wo["deltas"], b_out), wo["trace"], has_out, torch.zeros_like(has_out)]
             self._write(rec["output"], layer.output, cand_out, b_out, values)
             return []
 

@@ -105,15 +105,17 @@ def _sent(x, segments, ts):
     return torch.cat(out)
 
 
-def _rotated(u, segments, inverse=False):
-    """``U H`` (``inverse``: ``U Hᵀ``) for every parameter of a coded sequence ``u``, whitened or not."""
+def _rotated(u, segments, inverse=False, names=None):
+    """``U H`` (``inverse``: ``U Hᵀ``) for every parameter of a coded sequence ``u``, whitened or not
+    (``names``: only those parameters)."""
     out, at = u.clone(), 0
     for s in segments:
         if s.mode is Mode.OFF:
             continue
         n = s.rows * s.cols
         rotate = ROTATION.inverse if inverse else ROTATION.apply
-        out[at : at + n] = rotate(u[at : at + n].view(s.rows, s.cols)).reshape(-1)
+        if names is None or s.name in names:
+            out[at : at + n] = rotate(u[at : at + n].view(s.rows, s.cols)).reshape(-1)
         at += n
     return out
 
@@ -133,7 +135,7 @@ def _fp8_shards(u, layout):
     return torch.cat([_roundtrip(u[p.coded_lo : p.coded_hi], layout, j) for j, p in enumerate(layout.shards)])
 
 
-def expected(fmt, two_level, rotation, intra="fp32"):
+def expected(fmt, two_level, rotation, intra="fp32", names=None):
     """The averaged reduction by hand: each sender's (two-level: each node's FP32 sum's) coded values
     quantized (``intra`` fp8: each sender's values through FP8 first; reduce-scatter: ``T`` on each
     node's FP32 sum of ``G``, not summed after it), summed in FP32 in rank order,
@@ -151,10 +153,10 @@ def expected(fmt, two_level, rotation, intra="fp32"):
     if two_level and intra != "reduce-scatter":
         sent = [ordered_sum(sent[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
     if rotation:  # H on each sender's (node sum's) coded rows, whitened or not: H is linear
-        sent = [_rotated(u, segments) for u in sent]
+        sent = [_rotated(u, segments, names=names) for u in sent]
     total = ordered_sum([_quantized(u, layout, fmt) for u in sent]) / WORLD
     if rotation:
-        total = _rotated(total, segments, inverse=True)
+        total = _rotated(total, segments, inverse=True, names=names)
     want, at = torch.zeros(numel), 0
     for s, t in zip(segments, ts):
         if s.mode is Mode.OFF:
@@ -336,3 +338,51 @@ def test_fp4_error_feedback_keeps_the_running_sum_close(ef_results, rotation):
     owners; here the drift is rank 0's)."""
     without, with_ef = ef_results[0][("drift", rotation, False)], ef_results[0][("drift", rotation, True)]
     assert with_ef < 0.5 * without, (with_ef, without)
+
+
+# --gift-rotation auto: the refresh chose the rotation for GIFT parameter "a" only
+AUTO_CASES = [("flat", "fp32"), ("two-level", "fp32"), ("two-level", "reduce-scatter")]
+
+
+def _auto_worker(rank, world):
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    (numel, segments), layout = _bucket(True), _layout(True)
+    ts, fmt, out = _transforms(segments), FP4_FORMATS["nvfp4"], {}
+    rotated = tuple(s.name == "a" for s in segments)
+    for path, intra in AUTO_CASES:
+        flat = _bucket_grads(numel, segments, rank)
+        common = dict(average=True, rotation=ROTATION, rotated=rotated)
+        if intra == "reduce-scatter":
+            red = FP4SumFirstReduce(flat, layout, placed, ts, fmt, **common)
+        elif path == "two-level":
+            red = FP4TwoLevelReduce(flat, layout, placed, ts, fmt, IntraNode(intra), **common)
+        else:
+            red = FP4Reduce(flat, layout, dist.group.WORLD, ts, fmt, topology=placed.topology, **common)
+        reduce_now(red, "cpu")
+        out[(path, intra)] = flat
+    return out
+
+
+@pytest.fixture(scope="module")
+def auto_results():
+    return run_on_ranks(_auto_worker, WORLD)
+
+
+@pytest.mark.parametrize("path, intra", AUTO_CASES)
+def test_a_rotated_subset_matches_a_hand_reduction(auto_results, path, intra):
+    """``--gift-rotation auto`` hands the exchange the parameters to rotate: ``H`` on those alone, at
+    every sender (node sum) and undone at the owner. Bug caught: the choice ignored (every parameter
+    rotated, or none), or the owner undoing ``H`` on another set than the senders applied it to."""
+    (_, segments), layout = _bucket(True), _layout(True)
+    want = expected("nvfp4", path == "two-level", True, intra, names={"a"})
+    for j, plan in enumerate(layout.shards):
+        have = auto_results[j][(path, intra)]
+        for s in segments:
+            lo, hi = max(s.start, plan.lo), min(s.end, plan.hi)
+            if lo >= hi:
+                continue
+            if s.mode is Mode.GIFT:
+                tol = 1e-5 * float(want[lo:hi].abs().max())
+                assert torch.allclose(have[lo:hi], want[lo:hi], rtol=1e-5, atol=tol), (s.name, j)
+            else:
+                assert torch.equal(have[lo:hi], want[lo:hi]), (s.name, j)

@@ -619,8 +619,9 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     ``T_out`` in the per-rank part, with their input-side twins: only their owner holds them), an older
     checkpoint without the output side's keys loads without error with the output side fresh, a
     ``T_out`` saved for a layer now without output statistics stays until the next refresh (the
-    residual's coordinates), and another data-parallel layout restores no factor. Catches an output
-    side dropped or mixed with the input's, or a factor restored on a rank that did not build it."""
+    residual's coordinates), and another data-parallel layout restores no factor; ``--gift-rotation
+    auto``'s choice comes back with its ``T``. Catches an output side dropped or mixed with the input's,
+    a factor restored on a rank that did not build it, or the rotation choice lost at a resume."""
     state, gp, approximate_factor = _two_sided_state()
     x, y = _data(0, 0, 0)
     for _ in range(2):
@@ -633,6 +634,7 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
     gp.input.factor, gp.output.factor = approximate_factor(a, RANK, 1.0), approximate_factor(b, RANK, 3.0)
     gp.input.whitening, gp.input.damping = LowRankWhitening(gp.input.factor), 1.0
     gp.output.whitening, gp.output.damping = LowRankWhitening(gp.output.factor), 3.0
+    gp.input.rotate = True  # --gift-rotation auto's choice
     gp.input.held_out, gp.output.held_out = (
         LowRankWhitening(gp.input.factor.with_damping(0.3)),
         LowRankWhitening(gp.output.factor.with_damping(10.0)),
@@ -679,11 +681,13 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
         )
         assert torch.equal(s.tokens, t.tokens) and torch.equal(s.ema_tokens, t.ema_tokens) and s.folds == t.folds
     assert gq.input.damping == 1.0 and gq.output.damping == 3.0
+    assert gq.input.rotate is True and gq.output.rotate is False  # the rotation choice with its T
 
     # a checkpoint saved with the input side alone: no output side's keys
     entry = saved["params"]["qkv"]
     assert {"stats", "held_out", "factor", "whitening", "damping"} <= entry["sides"]["output"].keys()
-    old = {**entry, "sides": {"input": entry["sides"]["input"]}}
+    old_input = {k: v for k, v in entry["sides"]["input"].items() if k != "rotate"}  # before --gift-rotation auto
+    old = {**entry, "sides": {"input": old_input}}
     old = {"step": saved["step"], "params": {"qkv": old}}
     older, go, _ = _two_sided_state()
     older.params[object()] = go
@@ -695,6 +699,7 @@ def test_checkpoint_round_trip_is_bit_exact_on_both_sides():
         and float(go.output.stats.ema_tokens) == 0
     )
     assert go.output.damping is None and torch.equal(go.input.factor.v, gp.input.factor.v)
+    assert go.input.rotate is False  # an older checkpoint: no rotation chosen yet
     assert same(go.input.whitening, gp.input.whitening)
 
     # saved two-sided, restored without output statistics: T_out kept with T_in until the next refresh

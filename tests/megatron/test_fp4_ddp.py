@@ -27,7 +27,7 @@ def _train(dist_opt, fmt, rotation, intra="bf16", ef=False):
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt,
         overlap_grad_reduce=dist_opt,
-        pad_buckets_for_high_nccl_busbw=dist_opt and rotation == "hadamard",  # shards of whole 64-column blocks
+        pad_buckets_for_high_nccl_busbw=dist_opt and rotation != "none",  # shards of whole 64-column blocks
     )
     gift = GiftConfig.build(
         mode=Mode.GIFT,
@@ -58,21 +58,28 @@ def _train(dist_opt, fmt, rotation, intra="bf16", ef=False):
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     whitened = sum(g.input.whitening is not None for g in ddp.gift_params.values())
     residual = sum(float(view.abs().sum()) for view, _ in ddp._residual_views())
+    rotate = [g.input.rotate for g in ddp.gift_params.values()]
     parallel_state.destroy_model_parallel()
     return dict(
-        losses=losses, params=params, links=links, collectives=collectives, whitened=whitened, residual=residual
+        losses=losses,
+        params=params,
+        links=links,
+        collectives=collectives,
+        whitened=whitened,
+        residual=residual,
+        rotate=rotate,
     )
 
 
 # (distributed optimizer, format, rotation, intra-node stage): the reduce-scatter with NVFP4; the all-reduce
 # (the plugin's own shards, aligned to whole 64-column blocks) with MXFP4 and the Hadamard rotation; NVFP4
 # with the rotation after a plain reduce-scatter inside the node (``comm.sum_first``); NVFP4 with the rotation
-# and error feedback (one flat exchange)
+# chosen per layer (``--gift-rotation auto``) and error feedback (one flat exchange)
 RUNS = [
     (True, "nvfp4", "none"),
     (False, "mxfp4", "hadamard"),
     (True, "nvfp4", "hadamard", "reduce-scatter"),
-    (True, "nvfp4", "hadamard", "bf16", True),
+    (True, "nvfp4", "auto", "bf16", True),
 ]
 
 
@@ -86,7 +93,8 @@ def test_fp4_between_nodes_trains(results, run):
     weights drift from the others', FP8 sent where FP4 was asked, no GIFT layer ever whitened); the
     all-reduce's layout refused for want of aligned shards; ``--gift-intra-node reduce-scatter`` not
     reaching the bucket groups (the whitening-first BF16 stage run instead); error feedback with four bits
-    not keeping the flat exchange (an intra-node stage) or its residual never staged."""
+    not keeping the flat exchange (an intra-node stage) or its residual never staged; ``--gift-rotation
+    auto``'s per-layer choice differing between ranks."""
     per_rank = [r[run] for r in results]
     fmt = RUNS[run][1]
     for res in per_rank:
@@ -101,6 +109,7 @@ def test_fp4_between_nodes_trains(results, run):
             assert res["links"].get(("intra", f"{fmt}+scales"), 0) > 0 and ("intra", "bf16") not in res["links"]
             assert res["residual"] > 0
     assert all(torch.equal(r["params"], per_rank[0]["params"]) for r in per_rank)
+    assert all(r["rotate"] == per_rank[0]["rotate"] for r in per_rank)
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +180,59 @@ def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra, ef):
         assert type(red) is FP4Reduce and red.error_feedback is residual
     else:
         assert type(red) is {"reduce-scatter": FP4SumFirstReduce, "bf16": FP4TwoLevelReduce}[intra]
+
+
+def test_auto_rotation_reaches_the_bucket_reduction():
+    """``--gift-rotation auto``: the bucket's four-bit reduction rotates the GIFT parameters whose
+    refresh chose the rotation (``GiftParam.input.rotate``) and nothing else; ``hadamard``: every coded
+    parameter (no subset). Bug caught: the per-layer choice never reaching the exchange (every GIFT
+    layer rotated, or none), a Euclidean parameter rotated under ``auto``."""
+    from types import SimpleNamespace
+
+    from megatron_gift.comm.fp4_reduce import FP4Reduce
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.megatron.bucket_group import GiftBucketGroup
+    from megatron_gift.numerics import CodecConfig
+    from megatron_gift.state import GiftParam
+
+    segments = [
+        Segment(i * 1024, 8, 128, mode, name)
+        for i, (mode, name) in enumerate([(Mode.GIFT, "on"), (Mode.GIFT, "off"), (Mode.EUCLIDEAN, "plain")])
+    ]
+    layout = BucketLayout(4096, 2, segments + [Segment(3072, 8, 128, Mode.GIFT, "on2")], CodecConfig(), torch.float32)
+    params = [GiftParam(s.name, s.mode) for s in layout.segments]
+    params[0].input.rotate = params[3].input.rotate = True
+    params[2].input.rotate = True  # a stale flag on a parameter not sent GIFT: not rotated
+    group = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    for rotation, want in (("auto", (0, 3)), ("hadamard", (0, 1, 2, 3))):
+        config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", rotation=rotation)
+        owner = SimpleNamespace(
+            gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
+            gift_groups=SimpleNamespace(intra=None, group=group, topology=None),
+            ddp_config=SimpleNamespace(average_in_collective=False),
+        )
+        bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=params, error_feedback=None)
+        red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+        assert isinstance(red, FP4Reduce) and red.rotated == want, (rotation, red.rotated)
+
+
+def test_a_refresh_installs_the_rotation_choice():
+    """The record's ``rotate`` becomes ``GiftParam.input.rotate`` on every rank that installs it, with
+    the chosen ``T`` (Euclidean here: ``T = I``). Bug caught: the choice dropped at install (``auto``
+    then never rotates), or kept from an earlier refresh."""
+    from megatron_gift.numerics.kfac import KFACStatistics
+    from megatron_gift.numerics.refresh import HEADER, RecordLayout
+    from megatron_gift.refresh_sync import RefreshSync
+    from megatron_gift.state import GiftParam
+
+    d, r = 64, 4
+    for flag in (1.0, 0.0):
+        gp = GiftParam("w", Mode.GIFT, candidate=True)
+        gp.input.stats, gp.input.rotate = KFACStatistics(d, ema=0.5), not flag
+        lay = RecordLayout(d, r)
+        rec = lay.views(torch.zeros(lay.nbytes, dtype=torch.uint8))
+        rec["input"]["d_inv_sqrt"].fill_(1.0)
+        rec["input"]["d_sqrt"].fill_(1.0)
+        head = dict(zip(HEADER, (0.0, float(r), -1.0, 1.0, 1.0, 0.0, flag)))
+        RefreshSync._install(gp, rec, head, None, lambda *a: None, None)
+        assert gp.input.rotate is bool(flag) and gp.input.damping is None

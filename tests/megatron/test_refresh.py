@@ -128,9 +128,9 @@ def test_damping_choice_rules():
 
 def test_record_layout_views_are_disjoint_and_aligned():
     """Every field of a record lies in its own bytes, 8-aligned records tile a buffer (catches overlapping
-    views); the record holds the header and ``T`` alone, no FP64 factor: ``8·6 + 4·(2d + d·r + 2r)``
-    bytes, rounded up to 8, its header the six fields both sides' headers have (catches the factor sent
-    again, tripling the all-gather)."""
+    views); the record holds the header and ``T`` alone, no FP64 factor: ``8·7 + 4·(2d + d·r + 2r)``
+    bytes, rounded up to 8, its header the seven fields both sides' headers have (catches the factor
+    sent again, tripling the all-gather)."""
     lay = RecordLayout(37, 5)
     assert lay.nbytes % 8 == 0
     buf = torch.zeros(2 * lay.nbytes, dtype=torch.uint8)
@@ -149,8 +149,8 @@ def test_record_layout_views_are_disjoint_and_aligned():
         "c",
         "c_inv",
     ]
-    assert HEADER == ("status", "rank", "choice", "damping", "trace", "held_out")
-    assert lay.nbytes == 8 * 6 + 4 * (2 * 37 + 37 * 5 + 2 * 5) + 4
+    assert HEADER == ("status", "rank", "choice", "damping", "trace", "held_out", "rotate")
+    assert lay.nbytes == 8 * 7 + 4 * (2 * 37 + 37 * 5 + 2 * 5) + 4
 
 
 def test_owners_balance_the_record_bytes():

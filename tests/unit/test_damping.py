@@ -147,7 +147,8 @@ def test_four_bit_wire_chooses_on_its_own_errors():
     assert errs[ranked[1]] > 1.1 * errs[ranked[0]]  # the premise: a clear winner
     cfg = GiftConfig.build(inter_node_format=InterNodeFormat.NVFP4, rotation=Rotation.HADAMARD, rotation_seed=3)
     chosen = {}
-    for name, wire in (("nvfp4", damping_wire(cfg)), ("fp8", damping_wire(GiftConfig()))):
+    for name, (wire, rotated) in (("nvfp4", damping_wire(cfg)), ("fp8", damping_wire(GiftConfig()))):
+        assert rotated is None  # a second wire only with --gift-rotation auto
         layer = OwnedLayer(
             "w", FactorSide(R, {"xtx": a * tokens}, torch.tensor(tokens, dtype=torch.float64), None), grad=grad
         )
@@ -157,4 +158,51 @@ def test_four_bit_wire_chooses_on_its_own_errors():
         build.finish(parts, [rec])
         chosen[name] = dict(zip(HEADER, rec["input"]["header"].tolist()))["damping"]  # the best candidate (kept T)
     assert chosen["nvfp4"] == ranked[0] and chosen["fp8"] != ranked[0], (chosen, errs)
-    assert damping_wire(GiftConfig()) == GiftConfig().wire.codec
+    assert damping_wire(GiftConfig()) == (GiftConfig().wire.codec, None)
+
+
+def _mx_grid_gradient(rows, cols, gen):
+    """A gradient MXFP4 sends exactly unrotated: E2M1 values, every 32-block's largest 6 (scale 1)."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    x = grid[torch.randint(0, 8, (rows, cols), generator=gen)] * (
+        torch.randint(0, 2, (rows, cols), generator=gen) * 2 - 1
+    )
+    x.view(-1, 32)[:, 7] = 6.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["outliers", "grid"])
+def test_auto_rotation_is_the_smaller_four_bit_error(kind):
+    """``--gift-rotation auto``: the record's ``rotate`` is 1 exactly where the rotated wire's error on
+    the chosen candidate (here the Euclidean one: no held-out ``T`` yet) is the smaller, each error
+    computed here from the codec and the rotation (pinned by their own tests): a Gaussian gradient with
+    sparse outliers, which the rotation spreads (MXFP4: 0.65x), and one MXFP4 sends exactly without it.
+    Bug caught: the rotation chosen without measuring it (always on or always off), on the wrong
+    candidate's errors, or the flag lost on its way into the header."""
+    from megatron_gift.config import GiftConfig, InterNodeFormat, Rotation
+    from megatron_gift.numerics.fp4 import FP4_FORMATS, roundtrip_fp4
+    from megatron_gift.numerics.rotation import BlockHadamard
+    from megatron_gift.refresh_sync import damping_wire
+
+    gen = torch.Generator().manual_seed(5)
+    a, tokens, fmt, rot = structured_factor(), 7.0, FP4_FORMATS["mxfp4"], BlockHadamard(64, 3)
+    if kind == "outliers":
+        grad = torch.randn(40, D, generator=gen)
+        grad += (torch.rand(40, D, generator=gen) < 0.03) * 8 * torch.randn(40, D, generator=gen)
+    else:
+        grad = _mx_grid_gradient(40, D, gen)
+    plain = float((roundtrip_fp4(grad.reshape(-1), fmt).view_as(grad) - grad).norm())
+    rotated = float((rot.inverse(roundtrip_fp4(rot.apply(grad).reshape(-1), fmt).view_as(grad)) - grad).norm())
+    want = rotated < plain
+    assert (rotated < 0.8 * plain) if want else (plain < 0.8 * rotated)  # the premise: a clear winner
+    cfg = GiftConfig.build(inter_node_format=InterNodeFormat.MXFP4, rotation=Rotation.AUTO, rotation_seed=3)
+    wire, rotated_wire = damping_wire(cfg)
+    layer = OwnedLayer(
+        "w", FactorSide(R, {"xtx": a * tokens}, torch.tensor(tokens, dtype=torch.float64), None), grad=grad
+    )
+    build = FactorBuild([layer], (0.3, 1.0, 3.0, 10.0), True, wire, 12, rotated_wire=rotated_wire)
+    parts = build.whitening_cores(build.whitening_grams(build.cores(build.grams())))
+    rec = layer.layout.views(torch.zeros(layer.layout.nbytes, dtype=torch.uint8))
+    build.finish(parts, [rec])
+    head = dict(zip(HEADER, rec["input"]["header"].tolist()))
+    assert head["choice"] == -1 and head["rotate"] == float(want), (head, plain, rotated)

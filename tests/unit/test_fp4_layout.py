@@ -125,18 +125,19 @@ def test_output_side_with_fp4_is_refused(side):
     assert "--gift-side input" in msg and "--gift-inter-node-format mxfp4" in msg and "\n" not in msg
 
 
-def test_rotation_flag_reaches_the_config_with_the_seed():
-    """Bug caught: ``--gift-rotation hadamard`` dropped on its way to ``GiftConfig``, or its signs not
+@pytest.mark.parametrize("value", ["hadamard", "auto"])
+def test_rotation_flag_reaches_the_config_with_the_seed(value):
+    """Bug caught: ``--gift-rotation hadamard|auto`` dropped on its way to ``GiftConfig``, or its signs not
     seeded from Megatron's ``--seed`` (ranks or runs with other signs); asked for with FP8, where no
     exchange applies it, refused naming both flags."""
-    args = parse("--gift-mode", "gift", "--gift-inter-node-format", "nvfp4", "--gift-rotation", "hadamard")
+    args = parse("--gift-mode", "gift", "--gift-inter-node-format", "nvfp4", "--gift-rotation", value)
     args.seed = 1234  # Megatron's flag
     cfg = gift_config_from_args(args)
-    assert cfg.wire.rotation.value == "hadamard" and cfg.wire.rotation_seed == 1234
+    assert cfg.wire.rotation.value == value and cfg.wire.rotation_seed == 1234
     assert gift_config_from_args(parse("--gift-mode", "gift")).wire.rotation.value == "none"
     with pytest.raises(ValueError) as exc:
-        gift_config_from_args(parse("--gift-mode", "gift", "--gift-rotation", "hadamard"))
-    assert "--gift-rotation hadamard" in str(exc.value) and "--gift-inter-node-format" in str(exc.value)
+        gift_config_from_args(parse("--gift-mode", "gift", "--gift-rotation", value))
+    assert f"--gift-rotation {value}" in str(exc.value) and "--gift-inter-node-format" in str(exc.value)
 
 
 def test_all_reduce_shards_can_be_aligned_to_whole_blocks():
