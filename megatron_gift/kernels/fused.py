@@ -16,10 +16,11 @@ The grid is 1-D (dimension 0: up to 2^31-1 programs, so no shape limit). ``_unit
   a group, found from the inclusive cumsum of ``lengths``, ``BU`` consecutive ones per program;
 - ``_ROW_GROUPS``: the same groups for the sender with whitening (each group inside one row, as the
   layout's are): a program takes, for ``BU`` consecutive rows, the groups that start in the same
-  ``slot_w`` columns (``SLOT_COLS``, or a whole row for ROW scaling: ``slot_units`` of the codec's
-  groups, more where a shard cuts the row; found per row by a search of the ends in a window as wide
-  as the cuts, checked, ``_groups_before``), so that its units share the loads of ``D`` and ``Qᵀ`` as
-  with ``_ROW_BLOCKS``, and its rows of ``P`` serve ``slot_w`` columns (``4·r/slot_w`` B per element).
+  ``slot_w`` columns (``_slot_width``: 128 to 512, or a whole row for ROW scaling: ``slot_units`` of
+  the codec's groups, more where a shard cuts the row; found per row by a search of the ends in a
+  window as wide as the cuts, checked, ``_groups_before``), so that its units share the loads of ``D``
+  and ``Qᵀ`` as with ``_ROW_BLOCKS``, and its rows of ``P`` serve ``slot_w`` columns (``4·r/slot_w`` B
+  per element).
 
 With ``_ROW_BLOCKS`` and ``_ROW_GROUPS`` a program loops over ``row_steps`` blocks of ``BU`` rows
 (more rows per load of ``D`` and ``Qᵀ``; ``_Tiling`` keeps at least ``ROW_PROGRAMS`` programs).
@@ -95,7 +96,21 @@ _AMAX, _ENCODE, _ONE_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _ORDERED, _ROW_BLOCKS, _GROUPS, _ROW_GROUPS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 ROW_STEPS = 16  # blocks of BU rows a program of a row layout takes at most
 ROW_PROGRAMS = 512  # programs a row layout keeps where the matrix allows (~4 per SM of an H100)
-SLOT_COLS = 256  # columns of a _ROW_GROUPS slot (BLOCK/MX scaling): its program's rows of P serve them all
+SLOT_WIDTHS = (128, 256, 512)  # columns a _ROW_GROUPS slot may take (BLOCK/MX): the one of fewest bytes is chosen
+
+
+def _slot_width(unit_w: int, rows: int, cols: int, bu: int, rank: int) -> int:
+    """The ``_ROW_GROUPS`` slot width (a multiple of ``unit_w``) of fewest bytes per element beyond ``G``:
+    a program's rows of ``P``, ``4·r/w``, against its loads of ``Qᵀ`` and ``D``, ``4·(r + 1)/(bu·steps)``,
+    ``steps`` shrinking as wider slots leave fewer programs (``ROW_PROGRAMS``); the narrowest on ties."""
+    whole = triton.cdiv(cols, unit_w) * unit_w
+    blocks, best = triton.cdiv(rows, bu), None
+    for w in sorted({min(whole, max(unit_w, width // unit_w * unit_w)) for width in SLOT_WIDTHS}):
+        steps = max(1, min(ROW_STEPS, blocks, blocks * triton.cdiv(cols, w) // ROW_PROGRAMS))
+        cost = rank / w + (rank + 1) / (bu * steps)
+        if best is None or cost < best[0]:
+            best = (cost, w)
+    return best[1]
 
 
 @triton.jit
@@ -837,14 +852,17 @@ class _Tiling:
     units_per_row: int  # of the matrix codec; a row layout's column slots
     scale_strides: tuple[int, int]  # where unit (row, block) of the matrix codec finds its scale
     row_steps: int = 1  # blocks of bu rows of a row layout's program
-    slot_w: int = 0  # columns of a _ROW_GROUPS slot: SLOT_COLS (a whole row for ROW scaling)
+    slot_w: int = 0  # columns of a _ROW_GROUPS slot: _slot_width's (a whole row for ROW scaling)
     codec_per_row: int = 1  # the matrix codec's groups in a row (_ROW_GROUPS' search windows)
     slot_units: int = 1  # the matrix codec's groups in a _ROW_GROUPS slot
 
     @classmethod
-    def of(cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False) -> _Tiling:
+    def of(
+        cls, cfg: CodecConfig, rows: int, cols: int, n_groups: int | None, row_blocks: bool = False, rank: int = 0
+    ) -> _Tiling:
         """``n_groups``: the number of ``lengths`` groups, None for the matrix codec's;
-        ``row_blocks``: a program's units share their columns (for whitening's loads)."""
+        ``row_blocks``: a program's units share their columns (for whitening's loads), whose rank
+        (``r``, plus ``r_out`` two-sided) sizes ``_ROW_GROUPS``' slots."""
         per_group = cfg.scaling in (Scaling.BLOCK, Scaling.MX)
         unit_w = cfg.block if per_group else TILE
         upr = triton.cdiv(cols, unit_w)
@@ -856,11 +874,11 @@ class _Tiling:
             return cls(layout, unit_w, w, bu, n_units, triton.cdiv(rows, bu), upr, strides)
         layout, n_units, slot_w = _ROW_BLOCKS.value, rows * upr, 0
         codec_per_row, slot_units = (upr if per_group else 1), 1
-        if n_groups is not None:
-            slot_units = max(1, SLOT_COLS // unit_w) if per_group else 1
-            slot_w = slot_units * unit_w if per_group else cols
-            layout, n_units, upr = _ROW_GROUPS.value, n_groups, triton.cdiv(cols, slot_w)
         bu = max(1, min(TILE_ELEMENTS // w, 16, triton.next_power_of_2(rows)))
+        if n_groups is not None:
+            slot_w = _slot_width(unit_w, rows, cols, bu, rank) if per_group else cols
+            slot_units = slot_w // unit_w if per_group else 1
+            layout, n_units, upr = _ROW_GROUPS.value, n_groups, triton.cdiv(cols, slot_w)
         blocks = triton.cdiv(rows, bu)
         steps = max(1, min(ROW_STEPS, blocks, blocks * upr // ROW_PROGRAMS))
         n_row_blocks = triton.cdiv(blocks, steps)
@@ -1060,7 +1078,8 @@ def whiten_encode(
     fmt_args = _fmt_args(cfg, "whiten_encode")
     g = (g if g.dtype in _READ_DTYPES else g.float()).contiguous()
     n_groups = None if lengths is None else lengths.numel()
-    tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None or output is not None)
+    rank = (whitening.rank if whitening is not None else 0) + (output.rank if output is not None else 0)
+    tiling = _Tiling.of(cfg, rows, cols, n_groups, row_blocks=whitening is not None or output is not None, rank=rank)
     ends = _ends(lengths, g)
     payload = into.codes.out if into is not None else torch.empty(rows, cols, dtype=torch.uint8, device=g.device)
     u_out = out if out is None or out.is_contiguous() else torch.empty(rows, cols, device=g.device)
