@@ -37,7 +37,7 @@ def test_fused_launches_per_stage_do_not_grow(path):
     bucket issues the same launches at 1M and 10M elements and at 8 and 64 ranks, up to one per
     plain class that the rank's shards hold or not (where shard boundaries fall moves with the
     sizes): a loop over element chunks, or over peers, makes the host launch-bound. FP4 paths
-    (Hadamard rotation on; ``gift`` and ``euclidean`` buckets): the rotation of the held shards
+    (``gift`` buckets with the Hadamard rotation, ``euclidean`` ones without): the rotation of the held shards
     one call per shard part grew with the nodes; summing first, the node's reduce-scatter one call per
     node row, or the held rows whitened one call per held shard."""
     for bucket in ("gift", "euclidean") if "fp4" in path else ("gift", "plain"):

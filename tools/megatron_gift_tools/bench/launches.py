@@ -6,8 +6,9 @@ process group, recorded collectives) and metered stage by stage (``testing.meter
 
 - ``path``: ``flat`` or ``two-level/<intra dtype>`` (``bf16``, ``fp8``), ``-rs`` (reduce-scatter,
   the distributed optimizer) or ``-ar`` (all-reduce); ``-nvfp4-rs``: the four-bit exchange between
-  nodes (``comm.fp4_reduce``, NVFP4 with the Hadamard rotation; ``euclidean`` and ``gift`` buckets of
-  ``[rows, 1536]`` parameters, the rotation's whole 64-column blocks, rows cut by the shards; its messages
+  nodes (``comm.fp4_reduce``, NVFP4: ``euclidean`` buckets unrotated, the planner's Euclidean rows;
+  ``gift`` buckets with the Hadamard rotation, GIFT + Hadamard; both of ``[rows, 1536]`` parameters,
+  the rotation's whole 64-column blocks, rows cut by the shards; its messages
   in the essential bytes are the FP4 ones, the rotation's passes are not); ``two-level/reduce-scatter-nvfp4-rs``: the
   same after a plain reduce-scatter inside the node (``comm.sum_first``); ``kernels``: ``fused`` (the Triton path CUDA
   takes, launches recorded by stubs on ``meta`` tensors: nothing is computed) or ``pytorch``
@@ -187,7 +188,7 @@ class Case:
         self.path, self.bucket, self.numel, self.p, self.kernels = path, bucket, numel, p, kernels
         self.device, self.rank = torch.device(device), rank
         fmt = next((f for name, f in FP4_FORMATS.items() if f"-{name}-" in path), None)
-        self.fmt = fmt  # the FP4 format between nodes (``-nvfp4-`` in the path), with the Hadamard rotation
+        self.fmt = fmt  # the FP4 format between nodes (``-nvfp4-`` in the path), rotated where whitened
         cols = COLS if fmt is None else FP4_COLS
         self.layout = layout or BucketLayout(
             numel, p, segments(numel, BUCKETS[bucket], cols), CodecConfig(), torch.float32
@@ -218,9 +219,10 @@ class Case:
     def reduction(self):
         fused = self.kernels == "fused"
         if self.fmt is not None:
-            common = dict(
-                average=True, all_reduce=self.all_reduce, rotation=BlockHadamard(ROTATION_BLOCK, 0), kernels=fused
-            )
+            # GIFT buckets with the rotation (GIFT + Hadamard), Euclidean ones without (Euclidean NVFP4)
+            whitened = any(t is not None for t in self.transforms)
+            rotation = BlockHadamard(ROTATION_BLOCK, 0) if whitened else None
+            common = dict(average=True, all_reduce=self.all_reduce, rotation=rotation, kernels=fused)
             if self.intra is IntraNode.REDUCE_SCATTER:
                 groups = _two_level_groups(self.p, self.rank)
                 return FP4SumFirstReduce(self.flat, self.layout, groups, self.transforms, self.fmt, **common)

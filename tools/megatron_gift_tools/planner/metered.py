@@ -35,9 +35,9 @@ CUDA runs):
   ``ONE_PASS`` for the ``output`` stage: a lower bound.
 
 FP4 between nodes (``Scheme.inter_format``): the two-level reduce-scatter rows take the meter's FP4 records
-(``two-level/<intra>-nvfp4-rs``: the FP4 exchange with the Hadamard rotation, the scan's ``gift`` and ``euclidean``
-buckets of ``[rows, 1536]`` parameters) where the JSON has them; the others (mxfp4, the all-reduce, an older
-JSON) the FP8 path's, at the FP4 bytes.
+(``two-level/<intra>-nvfp4-rs``: the FP4 exchange, the scan's ``gift`` buckets with the Hadamard rotation and
+its ``euclidean`` ones without, of ``[rows, 1536]`` parameters) where the JSON has them; the others (mxfp4, the
+all-reduce, an older JSON) the FP8 path's, at the FP4 bytes.
 
 Stage names map to the meter's: flat ``send``, ``reduce`` (reduce-scatter), ``gather`` (all-reduce:
 decode-sum and re-encode of the shard, fused), ``decode_all``, ``finish`` (the cut rows: launches,
