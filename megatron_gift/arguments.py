@@ -721,6 +721,8 @@ def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:
             )
         elif k == "gift_telemetry_dir" and not cfg.log_interval:
             out.append((k, "without --gift-log-interval"))
+        elif k == "gift_rotation" and cfg.wire.rotation is Rotation.AUTO and cfg.whitening is None:
+            out.append((k, f"with --gift-mode {cfg.mode.value} (auto chooses per GIFT layer; hadamard rotates all)"))
     return out
 
 

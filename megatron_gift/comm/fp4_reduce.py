@@ -156,7 +156,7 @@ class _FP4Stages:
         """``rotated``: per segment, whether ``rotation`` applies (``--gift-rotation auto``); None: to every
         coded segment."""
         self.fmt, self.rotation = fmt, rotation
-        self.rotated = tuple(i for i in self.layout.coded_segments if rotated is None or rotated[i])
+        self.rotated_segments = tuple(i for i in self.layout.coded_segments if rotated is None or rotated[i])
         self.fp4_label = f"{fmt.label}+scales"  # the ledger's name of the FP4 messages
         layout = self.layout
         self.msgs = layout.cached(("fp4", fmt.name), lambda: [fp4_message(layout, j, fmt) for j in range(self.world)])
@@ -174,13 +174,13 @@ class _FP4Stages:
         )
 
     def _rotate_shards(self, x: torch.Tensor, shards: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
-        """``x``, the coded values of ``shards`` one after another (FP32), with every part
-        times ``H`` (``inverse``: ``Hᵀ``) in place where a rotation is on: ``H`` is block-diagonal
+        """``x``, the coded values of ``shards`` one after another (FP32), with every part of a rotated
+        segment times ``H`` (``inverse``: ``Hᵀ``) in place where a rotation is on: ``H`` is block-diagonal
         along each row, ``fwht(x ⊙ s)`` per 64-column block with the block's column signs ``s``
         (``Hᵀ``: ``fwht(x) ⊙ s``), so a piece of a row cut by a shard is rotated by itself. A fixed
         number of calls whatever the shards and parts: one launch where the kernels run
         (``kernels.fp4.rotate_blocks``), else the blocks gathered, rotated and scattered back."""
-        if self.rotation is None or not self.rotated or x.numel() == 0:
+        if self.rotation is None or not self.rotated_segments or x.numel() == 0:
             return x
         fp4 = self.ops.fp4(x.device)
         rotate = reference_rotate_blocks if fp4 is None else fp4.rotate_blocks
@@ -191,11 +191,11 @@ class _FP4Stages:
         shards' coded values of each rotated 64-block (in order), its row in ``signs`` and ``signs`` (the
         signs of each width of the rotated parameters, 64 per row, one width after another:
         ``BlockHadamard.signs`` depends on the width only)."""
-        layout, block, rotated = self.layout, self.rotation.block, set(self.rotated)
+        layout, block, rotated = self.layout, self.rotation.block, set(self.rotated_segments)
 
         def build():
             first, table, starts, rows, base = {}, [], [], [], 0
-            for cols in sorted({layout.segments[i].cols for i in self.rotated}):  # signs per width
+            for cols in sorted({layout.segments[i].cols for i in rotated}):  # signs per width
                 first[cols] = sum(t.numel() for t in table) // block
                 table.append(self.rotation.signs(cols))
             for j in shards:
@@ -215,7 +215,7 @@ class _FP4Stages:
 
             return cat(starts, torch.int64), cat(rows, torch.int64), cat(table, torch.float32).view(-1, block)
 
-        return layout.cached(("fp4-rotation", shards, self.rotated, str(device)), build)
+        return layout.cached(("fp4-rotation", shards, self.rotated_segments, str(device)), build)
 
     def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
         """``fp4_packing`` of ``shards``, built once per layout."""
@@ -405,7 +405,7 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             return self._rotate_shards(u, shards)
         e, staged = self.error_feedback.feedback(0, u.numel())
         u += e
-        v = self._rotate_shards(u.clone(), shards)
+        v = self._rotate_shards(u.clone() if self.rotation is not None else u, shards)
         # what the owners decode of v (the same segments as the messages'), rotated back: the next residual
         sent = roundtrip_fp4(v, self.fmt, self._packing(shards, self.rank, u.device).lengths)
         torch.sub(u, self._rotate_shards(sent, shards, inverse=True), out=staged)

@@ -213,7 +213,7 @@ def test_auto_rotation_reaches_the_bucket_reduction():
         )
         bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=params, error_feedback=None)
         red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
-        assert isinstance(red, FP4Reduce) and red.rotated == want, (rotation, red.rotated)
+        assert isinstance(red, FP4Reduce) and red.rotated_segments == want, (rotation, red.rotated_segments)
 
 
 def test_a_refresh_installs_the_rotation_choice():

@@ -483,6 +483,11 @@ def test_local_world_size_must_be_a_positive_integer(parse, monkeypatch):
             ["--gift-intra-node fp8 has no effect with --gift-exchange flat or --gift-error-feedback"],
         ),
         (
+            ["--gift-mode", "euclidean", "--gift-inter-node-format", "nvfp4", "--gift-rotation", "auto"],
+            ["--gift-rotation auto has no effect with --gift-mode euclidean (auto chooses per GIFT layer"],
+        ),
+        (["--gift-mode", "euclidean", "--gift-inter-node-format", "nvfp4", "--gift-rotation", "hadamard"], []),
+        (
             [
                 "--gift-mode",
                 "gift",
