@@ -217,21 +217,42 @@ class _FP4Stages:
 
         return layout.cached(("fp4-rotation", shards, self.rotated_segments, str(device)), build)
 
+    def _chunk_rows(self, shards: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kernels.fp4.encode_placed``'s rotation: each 64-element chunk of the shards' coded values, the
+        sign row of a rotated block starting there or -1 (every rotated block starts on a chunk: the
+        layout's block rule), and the signs; built once per layout, shards and rotated set."""
+
+        def build():
+            starts, rows, signs = self._rotation_table(shards, device)
+            n = sum(self.layout.shards[j].n_coded for j in shards)
+            chunk = torch.full((n // self.rotation.block,), -1, dtype=torch.int64, device=device)
+            return chunk.index_copy_(0, starts // self.rotation.block, rows), signs
+
+        return self.layout.cached(("fp4-rotation-chunks", shards, self.rotated_segments, str(device)), build)
+
     def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
         """``fp4_packing`` of ``shards``, built once per layout."""
         key = ("fp4-packing", self.fmt.name, shards, own, str(device))
         return self.layout.cached(key, lambda: fp4_packing(self.layout, self.fmt, shards, own, device))
 
-    def _encode_placed(self, pk: FP4Packing, coded: torch.Tensor, plain: list[torch.Tensor]) -> torch.Tensor:
+    def _encode_placed(
+        self, pk: FP4Packing, coded: torch.Tensor, plain: list[torch.Tensor], rotate: tuple[int, ...] | None
+    ) -> torch.Tensor:
         """The buffer of ``pk``'s messages: the source's coded values ``coded`` (FP32, its shards one
-        after another) encoded in one call (every block and segment lies inside one shard's part, so
-        the codes and scales are those of one call per message) and placed, the plain values
-        ``plain[c]`` (class ``c``'s, the shards one after another) cast into place; padding zero."""
+        after another; ``rotate``: those shards, whose rotated parts are sent times ``H``, in the encode's
+        passes where the kernels run, else by ``_rotate_shards`` first) encoded in one call (every block
+        and segment lies inside one shard's part, so the codes and scales are those of one call per
+        message) and placed, the plain values ``plain[c]`` (class ``c``'s, the shards one after another)
+        cast into place; padding zero."""
         buf = self.space.zeros(pk.nbytes, device=coded.device)
         fp4 = self.ops.fp4(coded.device)
+        rotating = rotate is not None and self.rotation is not None and bool(self.rotated_segments)
         if coded.numel() and fp4 is not None:
-            fp4.encode_placed(coded, self.fmt, pk.ends, buf, pk.place)
+            rotation = self._chunk_rows(rotate, coded.device) if rotating else None
+            fp4.encode_placed(coded, self.fmt, pk.ends, buf, pk.place, rotation)
         elif coded.numel():
+            if rotating:
+                coded = self._rotate_shards(coded, rotate)
             enc = encode_fp4(coded, self.fmt, pk.lengths)
             _place(buf, pk.place["coded"], enc.codes)
             _place(buf, pk.place["groups"], enc.block_scales)
@@ -391,9 +412,9 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         return taken(sum(sizes), (self.world - 1) * max(sizes), *self._gathered_bytes())
 
     # -- 0: send --------------------------------------------------------------------------------------
-    def _coded_values(self) -> torch.Tensor:
-        """The bucket's coded sequence as sent, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere,
-        times ``H`` with a rotation."""
+    def _coded_values(self) -> tuple[torch.Tensor, bool]:
+        """The bucket's coded sequence, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere (plus the
+        residual with error feedback, then times ``H`` already), and whether ``H`` is still to come."""
         layout, flat = self.layout, self.flat
         u = torch.empty(layout.n_coded, dtype=torch.float32, device=flat.device)
         for i in layout.coded_segments:
@@ -402,14 +423,14 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
         shards = tuple(range(self.world))  # the shards tile the coded sequence
         if self.error_feedback is None:
-            return self._rotate_shards(u, shards)
+            return u, True
         e, staged = self.error_feedback.feedback(0, u.numel())
         u += e
         v = self._rotate_shards(u.clone() if self.rotation is not None else u, shards)
         # what the owners decode of v (the same segments as the messages'), rotated back: the next residual
         sent = roundtrip_fp4(v, self.fmt, self._packing(shards, self.rank, u.device).lengths)
         torch.sub(u, self._rotate_shards(sent, shards, inverse=True), out=staged)
-        return v
+        return v, False
 
     def _class_values(self, c: int) -> torch.Tensor:
         """Plain class ``c``'s sequence: its parameters' values one after another (the shards' parts
@@ -421,7 +442,9 @@ class FP4Reduce(_FP4Stages, ShardReduction):
     def _send(self) -> StageResult:
         device, r = self.flat.device, self.rank
         pk = self._packing(tuple(range(self.world)), r, device)  # the peers' messages, then the own one
-        self.buf = self._encode_placed(pk, self._coded_values(), [self._class_values(c) for c in range(2)])
+        coded, to_rotate = self._coded_values()
+        plain = [self._class_values(c) for c in range(2)]
+        self.buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None)
         own = self.msgs[r].nbytes
         self.recv = self.space.empty((self.world - 1) * own, device=device)
         if self.world == 1:
@@ -513,9 +536,8 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         """The held shards' node sums (``sums``: coded values, whitened, FP32; ``plain[c]``: class ``c``'s),
         ``H`` on the coded parts, encoded into their FP4 messages; the all-to-all among the nodes."""
         device, n, k = sums.device, self.topo.nodes, self.node
-        sums = self._rotate_shards(sums, tuple(self.held))  # H on the held shards' coded parts
         pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
-        buf = self._encode_placed(pk, sums, plain)
+        buf = self._encode_placed(pk, sums, plain, tuple(self.held))  # H on the held shards' rotated parts
         own = self.msgs[self.rank].nbytes
         self.buf, self.recv = buf, self.space.empty((n - 1) * own, device=device)
         sent = pk.nbytes - own

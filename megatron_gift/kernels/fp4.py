@@ -74,13 +74,68 @@ def _pow2(e):
 
 
 @triton.jit
-def _block_amax(x_ptr, blk, bmask, BLOCK: tl.constexpr):
-    """``(even, odd, amax, bad)`` of blocks ``blk``: the even and odd elements ``[BB, BLOCK/2]``, the finite
-    maximum of each block and whether it holds a NaN or an Inf."""
-    off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
+def _butterflies(x, col, LOG: tl.constexpr, SCALE: tl.constexpr):
+    """``fwht`` of each row of ``x [*, 2^LOG]`` (``col``: its columns): butterfly h = 2^k is ``x_i + x_{i^h}``
+    where bit h of i is clear, else ``x_{i^h} - x_i``, then the scale (``numerics.rotation.fwht``'s order)."""
+    for k in tl.static_range(LOG):
+        partner = tl.gather(x, tl.broadcast_to((col ^ (1 << k))[None, :], x.shape), 1)
+        x = tl.where(((col & (1 << k)) != 0)[None, :], partner - x, x + partner)
+    return x * SCALE
+
+
+@triton.jit
+def _load_blocks(
+    x_ptr,
+    blk,
+    bmask,
+    n_blocks,
+    rot_ptr,
+    signs_ptr,
+    BLOCK: tl.constexpr,
+    BB: tl.constexpr,
+    RB: tl.constexpr,
+    RLOG: tl.constexpr,
+    RSCALE: tl.constexpr,
+):
+    """The even and odd elements ``[BB, BLOCK/2]`` of blocks ``blk`` (this program's ``BB`` consecutive ones);
+    with ``RB > 0`` each ``RB``-element chunk whose entry in ``rot_ptr`` is a sign row (``>= 0``) rotated
+    first, ``fwht(x ⊙ s)`` in registers (``_rotate_kernel``'s arithmetic), the others as they are."""
     m = bmask[:, None]
-    xe = tl.load(x_ptr + off, mask=m, other=0.0)
-    xo = tl.load(x_ptr + off + 1, mask=m, other=0.0)
+    if RB == 0:
+        off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
+        xe = tl.load(x_ptr + off, mask=m, other=0.0)
+        xo = tl.load(x_ptr + off + 1, mask=m, other=0.0)
+    else:
+        c = tl.program_id(0).to(tl.int64) * (BB * BLOCK // RB) + tl.arange(0, BB * BLOCK // RB)
+        cmask = c * RB < n_blocks * BLOCK
+        col = tl.arange(0, RB)
+        x = tl.load(x_ptr + c[:, None] * RB + col[None, :], mask=cmask[:, None], other=0.0)
+        row = tl.load(rot_ptr + c, mask=cmask, other=-1)
+        on = (row >= 0)[:, None]
+        s = tl.load(signs_ptr + tl.maximum(row, 0)[:, None] * RB + col[None, :], mask=cmask[:, None] & on, other=1.0)
+        x = tl.where(on, _butterflies(x * s, col, RLOG, RSCALE), x)
+        xe, xo = tl.split(tl.reshape(x, (BB, BLOCK // 2, 2)))
+    return xe, xo
+
+
+@triton.jit
+def _block_amax(
+    x_ptr,
+    blk,
+    bmask,
+    n_blocks,
+    rot_ptr,
+    signs_ptr,
+    BLOCK: tl.constexpr,
+    BB: tl.constexpr,
+    RB: tl.constexpr,
+    RLOG: tl.constexpr,
+    RSCALE: tl.constexpr,
+):
+    """``(even, odd, amax, bad)`` of blocks ``blk``: the even and odd elements ``[BB, BLOCK/2]`` (rotated
+    where ``_load_blocks`` rotates them), the finite maximum of each block and whether it holds a NaN or an Inf."""
+    m = bmask[:, None]
+    xe, xo = _load_blocks(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
     amax = tl.maximum(_finite_amax(xe, m), _finite_amax(xo, m))
     bad = tl.max(((tl.abs(xe) < float("inf")) == 0).to(tl.int32) + ((tl.abs(xo) < float("inf")) == 0).to(tl.int32), 1)
     return xe, xo, amax, bad > 0
@@ -92,13 +147,27 @@ AMAX_OPTIONS = dict(maxnreg=64)
 
 
 @triton.jit
-def _fp4_amax_kernel(x_ptr, seg_ends_ptr, n_seg, seg_steps, amax_ptr, n_blocks, BLOCK: tl.constexpr, BB: tl.constexpr):
+def _fp4_amax_kernel(
+    x_ptr,
+    seg_ends_ptr,
+    n_seg,
+    seg_steps,
+    amax_ptr,
+    n_blocks,
+    rot_ptr,
+    signs_ptr,
+    BLOCK: tl.constexpr,
+    BB: tl.constexpr,
+    RB: tl.constexpr,
+    RLOG: tl.constexpr,
+    RSCALE: tl.constexpr,
+):
     """Each segment's finite maximum into ``amax_ptr`` (int32 bits, zeroed before), in one vector atomic:
     the program's first block carries the maximum over the blocks of its segment here, a block of a
-    later segment its own."""
+    later segment its own. ``RB > 0``: of the values rotated as ``_load_blocks`` rotates them."""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
-    _, _, amax, _ = _block_amax(x_ptr, blk, bmask, BLOCK)
+    _, _, amax, _ = _block_amax(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
     seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
     first = tl.min(tl.where(bmask, seg, n_seg))  # the first block's (segments grow with the block)
     bits = amax.to(tl.int32, bitcast=True)
@@ -130,19 +199,25 @@ def _fp4_encode_kernel(
     segs_delta_ptr,
     segs_n,
     segs_steps,
+    rot_ptr,
+    signs_ptr,
     BLOCK: tl.constexpr,
     BB: tl.constexpr,
     NVFP4: tl.constexpr,
+    RB: tl.constexpr,
+    RLOG: tl.constexpr,
+    RSCALE: tl.constexpr,
 ):
     """Codes, block scales and (NVFP4) segment scales of blocks ``[pid·BB, pid·BB + BB)`` at their
-    tables' positions (``placement.Placement``; codes as bytes, two per byte, segment scales FP32)::
+    tables' positions (``placement.Placement``; codes as bytes, two per byte, segment scales FP32), of
+    the values rotated as ``_load_blocks`` rotates them where ``RB > 0``::
 
         NVFP4: s = max(amax_seg / (6·448), tiny) (1 for amax_seg = 0), b = e4m3_up(amax / (6 s)), scale = b·s
         MXFP4: e = ceil(log2(amax / 6)) in [-127, 127] (-127 for amax = 0), scale = 2^e
         code = e2m1(x / scale)  (0 where scale = 0); a block with a NaN or Inf: scale code NaN"""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
-    xe, xo, amax, bad = _block_amax(x_ptr, blk, bmask, BLOCK)
+    xe, xo, amax, bad = _block_amax(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
     if NVFP4:
         seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
         seg_amax = tl.load(amax_ptr + seg, mask=bmask, other=0).to(tl.float32, bitcast=True)
@@ -235,11 +310,19 @@ def _table(t: Placement) -> tuple:
 
 
 def encode_placed(
-    x: torch.Tensor, fmt: FP4Format, seg_ends: torch.Tensor, out: torch.Tensor, place: dict[str, Placement]
+    x: torch.Tensor,
+    fmt: FP4Format,
+    seg_ends: torch.Tensor,
+    out: torch.Tensor,
+    place: dict[str, Placement],
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``numerics.fp4.encode_fp4(x, fmt, lengths)`` written into the buffer ``out`` (uint8) at the positions
     of ``place`` (``comm.fp4_reduce.FP4Packing.place``: "coded", "groups", "segments"); ``seg_ends``: the
-    cumulative segment lengths (int64, on the device). Two launches and a memset for NVFP4, one for MXFP4.
+    cumulative segment lengths (int64, on the device). ``rotation`` ``(chunk_rows, signs)``: ``x`` is
+    encoded as ``rotate_blocks`` would leave it, chunk ``c`` of ``signs.shape[1]`` elements times ``H`` with
+    the signs of row ``chunk_rows[c]`` where that is ``>= 0``, in the passes' registers (``x`` unchanged).
+    Two launches and a memset for NVFP4, one for MXFP4.
 
     Essential bytes per element: reads ``x`` (4 B; NVFP4 twice), writes 0.5 B of codes and ``1/block`` B
     of block scales."""
@@ -248,8 +331,11 @@ def encode_placed(
     seg = (seg_ends, seg_ends.numel(), seg_ends.numel().bit_length())
     nv = fmt.segment_scale
     amax = torch.zeros(seg_ends.numel() if nv else 1, dtype=torch.int32, device=x.device)
+    rows, signs = rotation if rotation is not None else (seg_ends, x)  # pointers the kernels do not read
+    rb = signs.shape[1] if rotation is not None else 0
+    rot = dict(RB=rb, RLOG=max(rb, 1).bit_length() - 1, RSCALE=1.0 / math.sqrt(max(rb, 1)))
     if nv:
-        _fp4_amax_kernel[grid](x, *seg, amax, n_blocks, BLOCK=fmt.block, BB=BLOCKS, **AMAX_OPTIONS)
+        _fp4_amax_kernel[grid](x, *seg, amax, n_blocks, rows, signs, BLOCK=fmt.block, BB=BLOCKS, **rot, **AMAX_OPTIONS)
     _fp4_encode_kernel[grid](
         x,
         *seg,
@@ -261,9 +347,12 @@ def encode_placed(
         *_table(place["groups"]),
         out.view(torch.float32),
         *_table(place["segments"]),
+        rows,
+        signs,
         BLOCK=fmt.block,
         BB=BLOCKS,
         NVFP4=nv,
+        **rot,
     )
 
 
@@ -317,10 +406,7 @@ def _rotate_kernel(
     s = tl.load(signs_ptr + row[:, None] * BLOCK + col[None, :], mask=m, other=1.0)
     if not INVERSE:
         x = x * s
-    for k in tl.static_range(LOG):  # butterfly h = 2^k: x_i + x_{i^h} where bit h of i is clear, else x_{i^h} - x_i
-        partner = tl.gather(x, tl.broadcast_to((col ^ (1 << k))[None, :], (BB, BLOCK)), 1)
-        x = tl.where(((col & (1 << k)) != 0)[None, :], partner - x, x + partner)
-    x = x * SCALE
+    x = _butterflies(x, col, LOG, SCALE)
     if INVERSE:
         x = x * s
     tl.store(x_ptr + at, x, mask=m)
@@ -361,15 +447,23 @@ def _seg_bytes(a: dict) -> int:
     return 8 * a["n_seg"]
 
 
+def _rotation_bytes(a: dict) -> int:
+    """With the rotation in the pass (``RB > 0``): each chunk's sign row (int64) and the signs (a few rows)."""
+    if not a["RB"]:
+        return 0
+    return 8 * (a["n_blocks"] * a["BLOCK"] // a["RB"]) + 4 * a["signs_ptr"].numel()
+
+
 def _amax_traffic(a: dict) -> tuple[int, int]:
-    return a["n_blocks"] * a["BLOCK"] * a["x_ptr"].element_size() + _seg_bytes(a), 4 * a["n_seg"]
+    read = a["n_blocks"] * a["BLOCK"] * a["x_ptr"].element_size() + _seg_bytes(a) + _rotation_bytes(a)
+    return read, 4 * a["n_seg"]
 
 
 def _encode_traffic(a: dict) -> tuple[int, int]:
-    """``x`` once, the segment maxima and the three tables; the codes, the block scales and (NVFP4) a scale
-    per segment."""
+    """``x`` once (with the rotation's tables), the segment maxima and the three tables; the codes, the
+    block scales and (NVFP4) a scale per segment."""
     n, nv = a["n_blocks"] * a["BLOCK"], a["NVFP4"]
-    read = n * a["x_ptr"].element_size() + 16 * (a["codes_n"] + a["scales_n"] + a["segs_n"])
+    read = n * a["x_ptr"].element_size() + 16 * (a["codes_n"] + a["scales_n"] + a["segs_n"]) + _rotation_bytes(a)
     read += _seg_bytes(a) + 4 * a["n_seg"] if nv else 0
     return read, n // 2 + a["n_blocks"] + (4 * a["n_seg"] if nv else 0)
 

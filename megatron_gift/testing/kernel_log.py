@@ -79,7 +79,7 @@ def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
     integers ``int_type``; ``constexprs`` as given."""
     if "BB" in constexprs and "MANT" not in constexprs:  # kernels.fp4: maxima int32 bits, codes bytes
         types = {"amax_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "msg_ptr": "*u8"}
-        types.update(starts_ptr="*i64", rows_ptr="*i64")  # the rotation's block starts and sign rows
+        types.update(starts_ptr="*i64", rows_ptr="*i64", rot_ptr="*i64")  # the rotation's starts and sign rows
 
         def pointer(name):
             return "*i64" if "ends" in name or "delta" in name else types.get(name, "*fp32")

@@ -74,7 +74,7 @@ def test_resumed_run_is_bitwise_identical_to_the_uninterrupted_one(launcher_runs
     assert all(
         p["mode"] == "gift"
         and p["sides"].keys() == {"input"}
-        and {"whitening", "damping"} == p["sides"]["input"].keys()
+        and {"whitening", "damping", "rotate"} == p["sides"]["input"].keys()  # rotate: --gift-rotation auto's
         for p in state["params"].values()
     )
     local = [{n: e["input"] for n, e in whole[k].items()} for k in gift[1:3]]

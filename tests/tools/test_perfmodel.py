@@ -407,10 +407,10 @@ def test_factor_builds_once_per_refresh_shared_over_ranks():
         assert (r - f) * 10 == pytest.approx(builds, rel=1e-9)  # refresh every 10 steps
     d, d_out, k, rank = 3456, 1280, 64, 32
     stats = lambda d: (d * k + d + 1) * 4  # noqa: E731 - the EMAs of the sketch, diagonal and token count, FP32
-    record = lambda d: 4 * (2 * d + d * rank + 2 * rank)  # noqa: E731 - FP32 T's parts (its FP64 header of 6 apart)
+    record = lambda d: 4 * (2 * d + d * rank + 2 * rank)  # noqa: E731 - FP32 T's parts (its FP64 header of 7 apart)
     for side, stat, rec in (
-        ("input", stats(d), 8 * 6 + record(d)),
-        ("both", stats(d) + stats(d_out), 8 * 12 + record(d) + record(d_out)),
+        ("input", stats(d), 8 * 7 + record(d)),
+        ("both", stats(d) + stats(d_out), 8 * 14 + record(d) + record(d_out)),
     ):
         for gpus, slots in ((64, 1), (16, 2)):  # ring reduce-scatter and all-gather of p slots: (p - 1) slots out
             got = model.step_time(W, GH200, Scheme.GIFT, gpus, COSTS, Options(side=side))["refresh_bytes_per_rank"]

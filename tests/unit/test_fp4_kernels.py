@@ -102,6 +102,40 @@ def test_encode_placed_is_the_reference(fmt, shards, device):
     assert torch.equal(got, want), (got != want).nonzero()[:10].flatten().tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
+def test_encode_placed_rotates_in_its_passes(fmt, device):
+    """``encode_placed`` given a rotation table: every byte of the buffer as ``fwht(x ⊙ s)`` on the rotated
+    64-element chunks (``numerics.rotation``, chunk by chunk; the others as they are) then ``encode_fp4``
+    and a placement give it, ``x`` itself unchanged; the two passes of NVFP4 agree on the rotated values.
+    Bugs caught: a chunk rotated with another's signs or not at all, the segment maxima taken over the
+    unrotated values, the even and odd lanes of a block mixed up after the butterflies, ``x`` rotated in place."""
+    from megatron_gift.kernels import fp4
+    from megatron_gift.numerics.rotation import fwht
+
+    f = FP4_FORMATS[fmt]
+    lengths = [b * 64 for b in SEGMENT_BLOCKS]  # segments of whole rotation chunks, as the layout's are
+    n = sum(lengths)
+    x = values(n, f.block, seed=3).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) * 1e-3
+    gen = torch.Generator().manual_seed(11)
+    signs = (torch.randint(0, 2, (7, 64), generator=gen) * 2 - 1).float()
+    chunk_rows = torch.randint(-3, 7, (n // 64,), generator=gen).clamp(min=-1)  # about a third unrotated
+    rotated = x.clone()
+    for c in range(n // 64):
+        if chunk_rows[c] >= 0:
+            blk = rotated[64 * c : 64 * c + 64].view(1, 64)
+            rotated[64 * c : 64 * c + 64] = fwht(blk * signs[chunk_rows[c]], 64).view(-1)
+    nbytes, place = buffer_of(f, lengths, 3, device)
+    seg = torch.tensor(lengths, dtype=torch.int64, device=device)
+    got = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=device)
+    want = got.clone()
+    xd = x.to(device)
+    fp4.encode_placed(xd, f, seg.cumsum(0), got, place, rotation=(chunk_rows.to(device), signs.to(device)))
+    reference_placed(rotated, f, seg.cpu(), want, place)
+    assert torch.equal(xd.cpu(), x)
+    assert torch.equal(got.cpu(), want.cpu()), (got.cpu() != want.cpu()).nonzero()[:10].flatten().tolist()
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical, every NaN counted as the same NaN."""
     nan = a.isnan()

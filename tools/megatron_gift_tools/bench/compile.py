@@ -16,6 +16,8 @@ import time
 from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, ROW_GROUPS, UNPLACED
 
 TILE = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
+# the FP4 encode's passes without and with the Hadamard rotation in registers (64-element chunks)
+UNROTATED, ROTATED = dict(RB=0, RLOG=0, RSCALE=1.0), dict(RB=64, RLOG=6, RSCALE=0.125)
 
 # (module, kernel, constexprs, FMA contraction as the launcher sets it)
 CASES = [
@@ -78,9 +80,12 @@ CASES = [
     ("delta", "_encode_kernel", dict(BB=4, MANT=7), False),
     ("delta", "_decode_kernel", dict(BB=4, MANT=7), False),
     ("delta", "_decode_kernel", dict(BB=4, MANT=10), False),
-    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64), True),
-    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True), True),
-    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False), True),
+    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, **UNROTATED), True),
+    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, **ROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **UNROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **ROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **UNROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **ROTATED), True),
     ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True), True),
     ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=32, BB=64, NVFP4=False), True),
     ("fp4", "_rotate_kernel", dict(INVERSE=False, BLOCK=64, LOG=6, SCALE=0.125, BB=16), True),
