@@ -29,8 +29,10 @@ straddle a message. With a rotation (``--gift-rotation hadamard``, ``numerics.ro
 send ``G T H`` of every coded parameter (``G H`` where Euclidean; two-level: ``H`` on the node sums,
 ``H`` being linear) and the owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on
 64-column blocks of a row, so a row cut by a shard is rotated piece by piece (the layout's check puts
-cuts on 64-column blocks): the coded 64-blocks of all the shards at hand gathered, rotated and
-scattered back in a fixed number of calls (``_rotate_shards``), whatever the number of nodes.
+cuts on 64-column blocks): at the sender inside the FP4 encode's passes where the kernels run (a
+table of each 64-element chunk's sign row, ``_chunk_rows``), else, and at the owner, the rotated
+64-blocks of all the shards at hand gathered, rotated and scattered back in a fixed number of calls
+(``_rotate_shards``), whatever the number of nodes.
 With error feedback (``--gift-error-feedback``, the flat exchange only) each sender adds its residual
 ``e`` to ``U`` and keeps ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` (``Ũ = U + e``): the residual stays in the
 whitened coordinates, before the rotation, where a refresh carries it over and a checkpoint keeps it.

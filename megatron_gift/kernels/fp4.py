@@ -21,8 +21,10 @@ number.
 
 Rotation (``rotate_blocks``): the randomised Hadamard ``x ↦ fwht(x ⊙ s)`` (inverse ``fwht(x) ⊙ s``) of
 blocks of a sequence, in place, one launch: each block's butterflies in registers, partner ``i ^ h``
-by ``tl.gather``, the same additions in the same order as ``numerics.rotation.fwht``. No wrapper reads
-device data on the host."""
+by ``tl.gather``, the same additions in the same order as ``numerics.rotation.fwht``. The encode's
+passes take the same butterflies on their 64-element chunks where given a rotation table
+(``_load_blocks``): the sender rotates without a pass of its own. No wrapper reads device data on
+the host."""
 
 from __future__ import annotations
 
