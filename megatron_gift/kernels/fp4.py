@@ -111,7 +111,8 @@ def _load_blocks(
         c = tl.program_id(0).to(tl.int64) * (BB * BLOCK // RB) + tl.arange(0, BB * BLOCK // RB)
         cmask = c * RB < n_blocks * BLOCK
         col = tl.arange(0, RB)
-        x = tl.load(x_ptr + c[:, None] * RB + col[None, :], mask=cmask[:, None], other=0.0)
+        at = c[:, None] * RB + col[None, :]
+        x = tl.load(x_ptr + at, mask=at < n_blocks * BLOCK, other=0.0)
         row = tl.load(rot_ptr + c, mask=cmask, other=-1)
         on = (row >= 0)[:, None]
         s = tl.load(signs_ptr + tl.maximum(row, 0)[:, None] * RB + col[None, :], mask=cmask[:, None] & on, other=1.0)
@@ -334,6 +335,8 @@ def encode_placed(
     nv = fmt.segment_scale
     amax = torch.zeros(seg_ends.numel() if nv else 1, dtype=torch.int32, device=x.device)
     rows, signs = rotation if rotation is not None else (seg_ends, x)  # pointers the kernels do not read
+    if rotation is not None and x.numel() % signs.shape[1]:
+        raise ValueError(f"a rotation of {signs.shape[1]}-element chunks needs whole chunks, got {x.numel()} values")
     rb = signs.shape[1] if rotation is not None else 0
     rot = dict(RB=rb, RLOG=max(rb, 1).bit_length() - 1, RSCALE=1.0 / math.sqrt(max(rb, 1)))
     if nv:
