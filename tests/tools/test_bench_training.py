@@ -99,3 +99,27 @@ def test_quick_run_writes_losses_and_bytes(tmp_path):
     fp8, fp4 = (doc["modes"][m]["bytes_detail"] for m in ("fp8-euclidean", "nvfp4-gift+hadamard"))
     assert set(fp8) == {"all_to_all/bf16", "all_to_all/fp8+scales"} and "all_to_all/nvfp4+scales" in fp4
     assert 0.529 <= fp4["all_to_all/nvfp4+scales"] / fp8["all_to_all/fp8+scales"] <= 0.548
+
+
+def test_reuse_takes_an_earlier_jsons_runs_except_those_rerun(tmp_path):
+    """``--reuse``: each mode of the earlier JSON with today's flags and not in ``--rerun`` becomes one
+    record per seed under ``--out`` (its losses by seed, as ``train`` reads them back); a rerun mode, or
+    one whose flags changed, is left to run; another preset or other seeds refused. Bugs caught: seeds
+    mixed up between records, a rerun mode silently reused, a stale mode's runs taken for today's flags."""
+    seeds, modes = [1, 2], ["bf16", "nvfp4-gift", "nvfp4-hadamard", "fp8-gift"]
+    recs = [_rec(m, s, 5.0 + k + s / 10) for k, m in enumerate(modes) for s in seeds]
+    p = dict(training.PRESET, eval_iters=20)
+    agg = training.aggregate(recs, seeds, modes)
+    agg["fp8-gift"]["flags"] = ["--gift-mode", "gift"]  # a mode whose flags have changed since
+    doc = dict(command="earlier", machine={"cpu": "x"}, iters=p["iters"], seeds=seeds, preset=p, modes=agg)
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    out.mkdir()
+    taken = training.reuse(str(path), ["nvfp4-hadamard"], p, seeds, modes, out)
+    assert sorted(taken) == ["bf16", "nvfp4-gift"] and taken["bf16"]["command"] == "earlier"
+    assert sorted(f.name for f in out.iterdir()) == [f"{m}-s{s}.json" for m in ("bf16", "nvfp4-gift") for s in seeds]
+    back = json.loads((out / "nvfp4-gift-s2.json").read_text())
+    assert back["final_val_loss"] == pytest.approx(6.2) and back["seed"] == 2 and back["train_loss"] == [6.2] * 60
+    with pytest.raises(SystemExit, match="another preset or seeds"):
+        training.reuse(str(path), [], p, [1, 2, 3], modes, out)
