@@ -122,26 +122,12 @@ def _load_blocks(
 
 
 @triton.jit
-def _block_amax(
-    x_ptr,
-    blk,
-    bmask,
-    n_blocks,
-    rot_ptr,
-    signs_ptr,
-    BLOCK: tl.constexpr,
-    BB: tl.constexpr,
-    RB: tl.constexpr,
-    RLOG: tl.constexpr,
-    RSCALE: tl.constexpr,
-):
-    """``(even, odd, amax, bad)`` of blocks ``blk``: the even and odd elements ``[BB, BLOCK/2]`` (rotated
-    where ``_load_blocks`` rotates them), the finite maximum of each block and whether it holds a NaN or an Inf."""
-    m = bmask[:, None]
-    xe, xo = _load_blocks(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+def _block_amax(xe, xo, m):
+    """The finite maximum of each block (its even and odd elements ``xe``, ``xo`` ``[BB, BLOCK/2]``, rows
+    masked by ``m``) and whether it holds a NaN or an Inf."""
     amax = tl.maximum(_finite_amax(xe, m), _finite_amax(xo, m))
     bad = tl.max(((tl.abs(xe) < float("inf")) == 0).to(tl.int32) + ((tl.abs(xo) < float("inf")) == 0).to(tl.int32), 1)
-    return xe, xo, amax, bad > 0
+    return amax, bad > 0
 
 
 # ptxas held _fp4_amax_kernel to 32 registers and spilled 4 B with 32-bit sizes; 64 allowed: 40, none
@@ -170,7 +156,8 @@ def _fp4_amax_kernel(
     later segment its own. ``RB > 0``: of the values rotated as ``_load_blocks`` rotates them."""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
-    _, _, amax, _ = _block_amax(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+    xe, xo = _load_blocks(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+    amax, _ = _block_amax(xe, xo, bmask[:, None])
     seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
     first = tl.min(tl.where(bmask, seg, n_seg))  # the first block's (segments grow with the block)
     bits = amax.to(tl.int32, bitcast=True)
@@ -220,7 +207,8 @@ def _fp4_encode_kernel(
         code = e2m1(x / scale)  (0 where scale = 0); a block with a NaN or Inf: scale code NaN"""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
-    xe, xo, amax, bad = _block_amax(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+    xe, xo = _load_blocks(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+    amax, bad = _block_amax(xe, xo, bmask[:, None])
     if NVFP4:
         seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
         seg_amax = tl.load(amax_ptr + seg, mask=bmask, other=0).to(tl.float32, bitcast=True)
