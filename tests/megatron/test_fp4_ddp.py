@@ -117,6 +117,22 @@ def results():
     return run_on_ranks(_worker, 4, cpu_harness=True, timeout=600)
 
 
+def _bucket_reduction(config, groups, layout, params, error_feedback=None):
+    """``GiftBucketGroup._reduction`` of one bucket (zero gradient) for a bucket group of ``config`` over ``groups``."""
+    from types import SimpleNamespace
+
+    from megatron_gift.megatron.bucket_group import GiftBucketGroup
+
+    owner = SimpleNamespace(
+        gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
+        gift_groups=groups,
+        ddp_config=SimpleNamespace(average_in_collective=False),
+    )
+    grad = torch.zeros(layout.numel)
+    bucket = SimpleNamespace(grad=grad, layout=layout, params=params, error_feedback=error_feedback)
+    return GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+
+
 @pytest.mark.parametrize("kernels, available, fused", [(None, True, False), (True, True, True), (False, True, False)])
 def test_fp4_buckets_take_the_kernels_setting(monkeypatch, kernels, available, fused):
     """The bucket group's four-bit reduction runs its codec kernels exactly where ``--gift-kernels`` asks
@@ -127,20 +143,13 @@ def test_fp4_buckets_take_the_kernels_setting(monkeypatch, kernels, available, f
     from megatron_gift import kernels as runtime_kernels
     from megatron_gift.comm.fp4_reduce import FP4Reduce
     from megatron_gift.comm.layout import BucketLayout, Segment
-    from megatron_gift.megatron.bucket_group import GiftBucketGroup
     from megatron_gift.numerics import CodecConfig
 
     monkeypatch.setattr(runtime_kernels, "available", lambda device: available)
     group = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
     layout = BucketLayout(2048, 2, [Segment(0, 16, 128, Mode.EUCLIDEAN, "w")], CodecConfig(), torch.float32)
     config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", kernels=kernels)
-    owner = SimpleNamespace(
-        gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
-        gift_groups=SimpleNamespace(intra=None, group=group, topology=None),
-        ddp_config=SimpleNamespace(average_in_collective=False),
-    )
-    bucket = SimpleNamespace(grad=torch.zeros(2048), layout=layout, params=[None], error_feedback=None)
-    red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+    red = _bucket_reduction(config, SimpleNamespace(intra=None, group=group, topology=None), layout, [None])
     assert isinstance(red, FP4Reduce) and red.ops.fused is fused
 
 
@@ -153,13 +162,11 @@ def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra, ef):
     so the ledger alone cannot tell), or the sum-first reduction built for another intra-node setting;
     with error feedback (a residual per rank and bucket) a two-level reduction built, or the flat one
     without the bucket's residual."""
-    from types import SimpleNamespace
 
     from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
     from megatron_gift.comm.layout import BucketLayout, Segment
     from megatron_gift.comm.sum_first import FP4SumFirstReduce
     from megatron_gift.comm.topology import Topology, TwoLevelGroups
-    from megatron_gift.megatron.bucket_group import GiftBucketGroup
     from megatron_gift.numerics import CodecConfig
     from megatron_gift.testing.simulate import FakeGroup
 
@@ -168,14 +175,8 @@ def test_intra_node_setting_picks_the_two_level_fp4_reduction(intra, ef):
     from megatron_gift.numerics import ErrorFeedback
 
     config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", intra_node=intra, error_feedback=ef)
-    owner = SimpleNamespace(
-        gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
-        gift_groups=groups,
-        ddp_config=SimpleNamespace(average_in_collective=False),
-    )
     residual = ErrorFeedback(layout.n_coded) if ef else None
-    bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=[None], error_feedback=residual)
-    red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+    red = _bucket_reduction(config, groups, layout, [None], residual)
     if ef:
         assert type(red) is FP4Reduce and red.error_feedback is residual
     else:
@@ -191,7 +192,6 @@ def test_auto_rotation_reaches_the_bucket_reduction():
 
     from megatron_gift.comm.fp4_reduce import FP4Reduce
     from megatron_gift.comm.layout import BucketLayout, Segment
-    from megatron_gift.megatron.bucket_group import GiftBucketGroup
     from megatron_gift.numerics import CodecConfig
     from megatron_gift.state import GiftParam
 
@@ -206,13 +206,7 @@ def test_auto_rotation_reaches_the_bucket_reduction():
     group = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
     for rotation, want in (("auto", (0, 3)), ("hadamard", (0, 1, 2, 3))):
         config = GiftConfig.build(mode=Mode.GIFT, inter_node_format="nvfp4", rotation=rotation)
-        owner = SimpleNamespace(
-            gift_context=SimpleNamespace(config=config, state=SimpleNamespace(ledger=None, nonfinite=None)),
-            gift_groups=SimpleNamespace(intra=None, group=group, topology=None),
-            ddp_config=SimpleNamespace(average_in_collective=False),
-        )
-        bucket = SimpleNamespace(grad=torch.zeros(4096), layout=layout, params=params, error_feedback=None)
-        red = GiftBucketGroup._reduction(owner, bucket, all_reduce=False)
+        red = _bucket_reduction(config, SimpleNamespace(intra=None, group=group, topology=None), layout, params)
         assert isinstance(red, FP4Reduce) and red.rotated_segments == want, (rotation, red.rotated_segments)
 
 
