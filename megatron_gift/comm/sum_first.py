@@ -9,9 +9,9 @@ alone, ``1/g`` of the bucket. On rank ``i = k·g + l`` holding shards ``j = m·g
 0. *intra*: one coalesced reduce-scatter over the node of the bucket's ``n`` rows of ``g`` shards:
    rank ``i`` receives ``P_{k,j} = Σ_{l'} G_{k·g+l'}[shard j]`` for its held shards, in the bucket's
    dtype (the collective's order; an FP32 bucket sums in FP32).
-1. *rows*: the held coded values gathered in FP32 and whole GIFT rows times ``T`` (gathered by their
-   starts, whitened and placed by ``kernels.whiten_place``: one pass where the kernels run). A row a shard
-   boundary cuts has its other pieces on other ranks of the same node: each piece's part of the
+1. *rows*: the held coded values gathered in FP32 but for the whole GIFT rows, which
+   ``kernels.whiten_place`` reads where they lie (``RowsAt``: one pass where the kernels run), times
+   ``T``. A row a shard boundary cuts has its other pieces on other ranks of the same node: each piece's part of the
    row's ``(P D^{-1/2}) Q`` (r floats) goes to them in one all-to-all over the node, as the owner's
    ``pieces.PieceExchange`` does for ``T⁻¹``.
 2. *node sums*: each cut piece's columns of ``P T = P D^{-1/2} + ((P D^{-1/2}) Q ⊙ c) Qᵀ`` from its
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import IntraNode
-from ..kernels.placement import Placement
+from ..kernels.placement import Placement, RowsAt
 from ..numerics.fp4 import FP4Format
 from ..numerics.rotation import BlockHadamard
 from ..numerics.whitening import ieee_fp32
@@ -79,29 +79,57 @@ class _Pieces:
 class _Gather:
     """Runs of the held sums gathered into one sequence, ``granule`` elements at a time (the largest
     power of two up to 16 dividing every run's start and length: FP4 blocks keep coded runs whole),
-    ``index`` the held sums' granule of each: one index per granule, not per element."""
+    ``index`` the held sums' granule of each: one index per granule, not per element. With ``place``
+    (the sequence's granule of each) into an FP32 sequence of ``size`` elements whose other elements
+    the caller writes (the whole GIFT rows, which ``whiten_place`` reads where they lie)."""
 
     index: torch.Tensor
     granule: int
+    place: torch.Tensor | None = None
+    size: int = 0
 
     def __call__(self, sums: torch.Tensor) -> torch.Tensor:
-        return sums.view(-1, self.granule).index_select(0, self.index).view(-1)
+        taken = sums.view(-1, self.granule).index_select(0, self.index)
+        if self.place is None:
+            return taken.view(-1)
+        out = torch.empty(self.size, device=sums.device)
+        return out.view(-1, self.granule).index_copy_(0, self.place, taken.float()).view(-1)
 
 
-def _gather(runs: list[tuple[int, int]], total: int, device) -> _Gather:
-    """``_Gather`` of the runs ``(start, length)`` of a held sums' buffer of ``total`` elements."""
+def _gather(runs: list[tuple], total: int, device, size: int | None = None) -> _Gather:
+    """``_Gather`` of the runs ``(start, length)`` of a held sums' buffer of ``total`` elements, or with
+    ``size`` of the runs ``(start, length, position in the sequence)``."""
     granule = 16
     while granule > 1 and (total % granule or any(n % granule for run in runs for n in run)):
         granule //= 2
-    index = [a // granule + torch.arange(n // granule) for a, n in runs]
-    return _Gather(_cat(index, device), granule)
+    index = [run[0] // granule + torch.arange(run[1] // granule) for run in runs]
+    if size is None:
+        return _Gather(_cat(index, device), granule)
+    place = [run[2] // granule + torch.arange(run[1] // granule) for run in runs]
+    return _Gather(_cat(index, device), granule, _cat(place, device), size)
+
+
+def _without(runs: list[tuple[int, int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The runs ``(start, length, position)`` less the intervals ``cut`` ``(start, length)`` of their starts'
+    space (each inside one run), the positions shifted with the starts."""
+    out, cut = [], sorted(cut)
+    for a, n, b in runs:
+        at = a
+        for c, m in cut:
+            if a <= c and c + m <= a + n:
+                if c > at:
+                    out.append((at, c - at, b + at - a))
+                at = c + m
+        if a + n > at:
+            out.append((at, a + n - at, b + at - a))
+    return out
 
 
 @dataclass(frozen=True)
 class _Tables:
     """What stage 1 gathers and the cut rows' exchange, built once per layout, rank and whitened set."""
 
-    coded: _Gather  # the held shards' coded values in order, from the held sums
+    coded: _Gather  # the held shards' coded values in order from the held sums, but for the whole GIFT rows
     plain: tuple[_Gather, _Gather]  # the same per plain class
     segments: tuple[_Segment, ...]
     pieces: tuple[_Pieces, ...]  # one batch per shape
@@ -123,14 +151,16 @@ def _tables(
 ) -> _Tables:
     S, g = layout.shard_size, topo.ranks_per_node
     held = [m * g + local for m in range(topo.nodes)]
-    coded, plain = [], ([], [])  # runs (start in the held sums, length)
+    coded, plain = [], ([], [])  # runs (start in the held sums, length[, position in the coded sequence])
     base, at = {}, 0  # each held shard's first position in the held coded sequence
     for m, j in enumerate(held):
         plan, base[j] = layout.shards[j], at
-        coded += [(m * S + part.lo - plan.lo, part.hi - part.lo) for part in plan.coded_parts]
+        for part in plan.coded_parts:  # the coded sequence: the held shards' coded parts in order
+            coded.append((m * S + part.lo - plan.lo, part.hi - part.lo, at))
+            at += part.hi - part.lo
         for c in range(2):
             plain[c].extend((m * S + part.lo - plan.lo, part.hi - part.lo) for part in plan.plain_parts[c])
-        at += plan.n_coded
+        assert at == base[j] + plan.n_coded
 
     def position(j: int, seg: int, row: int, c0: int) -> int:
         s = layout.segments[seg]
@@ -139,6 +169,7 @@ def _tables(
     every = [_pieces(layout, [m * g + lp for m in range(topo.nodes)], whitened) for lp in range(g)]
     mine = every[local]
     segments, shapes = [], {}  # shapes: (cols, rank) -> [(seg, that segment's own pieces (slot, piece))]
+    whole = []  # the whole rows' runs (start in the held sums, length): not gathered
     for seg, rank in zip(whitened, ranks):
         cols = layout.segments[seg].cols
         starts, sizes, runs = [], [], []  # per held shard: its whole rows' starts in the held sums, their run
@@ -149,6 +180,7 @@ def _tables(
                     starts.append(row0 + cols * torch.arange(r1 - r0))
                     sizes.append((r1 - r0) * cols)
                     runs.append(position(j, seg, r0, 0))
+                    whole.append((row0, (r1 - r0) * cols))
         segments.append(_Segment(seg, cols, _cat(starts, device), Placement(sizes, runs, device)))
         own = [(k, p) for k, p in enumerate(mine) if p[0] == seg]
         if own:  # the held shards cut rows of it (a layout fact)
@@ -194,7 +226,7 @@ def _tables(
     sums = torch.tensor([t + [zero] * (width - len(t)) for t in table], dtype=torch.int64).view(len(table), width)
     total = topo.nodes * S
     return _Tables(
-        _gather(coded, total, device),
+        _gather(_without(coded, whole), total, device, at) if whole else _gather([r[:2] for r in coded], total, device),
         (_gather(plain[0], total, device), _gather(plain[1], total, device)),
         tuple(segments),
         tuple(batches),
@@ -296,16 +328,15 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         self.plain = [t.plain[c](sums) for c in range(2)]
         r_max = max((self.transforms[s.seg].rank for s in t.segments), default=0)
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
-        for s in t.segments:  # the whole rows (each contiguous in the held sums) gathered by their starts
-            rows = sums.unfold(0, s.cols, 1) if sums.numel() >= s.cols else sums.new_zeros(0, s.cols)
+        for s in t.segments:  # the whole rows, each contiguous in the held sums, read there by their starts
             self.ops.whiten_place(
-                rows.index_select(0, s.row_src), self.transforms[s.seg], s.row_place.at(self.coded, 0)
+                RowsAt(sums, s.row_src, s.cols), self.transforms[s.seg], s.row_place.at(self.coded, 0)
             )
         self.stacks = []
         for p in t.pieces:  # each cut piece's part of its row's (P D^{-1/2}) Q, one batch per shape
             ws = [self.transforms[seg] for seg in p.segs]
             y = torch.zeros(len(ws) * p.k * p.cols, device=sums.device)
-            y[p.dense] = self.coded[p.src]
+            y[p.dense] = self.coded.index_select(0, p.src)
             d = torch.stack([w.d_inv_sqrt for w in ws]).unsqueeze(1)
             q = torch.stack([w.q for w in ws])
             with ieee_fp32(sums.device):

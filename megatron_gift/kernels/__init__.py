@@ -46,7 +46,7 @@ from ..numerics.two_sided import OutputRows
 from ..numerics.two_sided import output_inverse as reference_output_inverse  # the reference lives with its math
 from ..numerics.whitening import LowRankWhitening
 from ..numerics.wire import KERNELS
-from .placement import Place
+from .placement import Place, RowsAt
 from .reference import (
     ordered_sum,
     reference_decode_placed,
@@ -62,6 +62,7 @@ __all__ = [
     "CodecOps",
     "ordered_sum",
     "Place",
+    "RowsAt",
     "Placed",
     "whiten_encode",
     "whiten_place",
@@ -192,7 +193,7 @@ def whiten_encode(
 
 
 def whiten_place(
-    x: torch.Tensor,
+    x: torch.Tensor | RowsAt,
     whitening: LowRankWhitening | None,
     into: Place,
     fused: bool = True,
@@ -200,14 +201,18 @@ def whiten_place(
 ) -> None:
     """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given, ``T_outᵀ G T`` with ``output``
     as in ``whiten_encode``) cast to ``into.out``'s dtype, element ``i`` (memory order) written at its
-    position of ``into`` (``Place``): the float intra-node wire and the plain values. ``fused``: the
-    Triton kernel wherever it can run (``available``; ``output`` without its ``Pre``), else the
-    PyTorch reference."""
+    position of ``into`` (``Place``): the float intra-node wire and the plain values. ``x`` may be a
+    ``RowsAt`` (with a whitening and no ``output``): rows read where they lie. ``fused``: the Triton
+    kernel wherever it can run (``available``; ``output`` without its ``Pre``), else the PyTorch reference."""
     if x.numel() == 0:  # nothing to place (a rank whose shards hold none of a parameter's rows)
         return None
-    if fused and available(x.device) and (output is None or output.pre is None):
+    rows_at = isinstance(x, RowsAt)
+    if rows_at and (whitening is None or output is not None):
+        raise ValueError("whiten_place reads rows in place (RowsAt) only for an input-side whitening")
+    device = x.buffer.device if rows_at else x.device
+    if fused and available(device) and (output is None or output.pre is None):
         return _place().whiten_place(x, whitening, into, output)
-    return reference_whiten_place(x, whitening, into, output)
+    return reference_whiten_place(x.gathered() if rows_at else x, whitening, into, output)
 
 
 def decode_sum_unwhiten(

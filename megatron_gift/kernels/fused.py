@@ -727,6 +727,7 @@ def _decode_sum_kernel(
 @triton.jit
 def _project_kernel(
     x_ptr,
+    row_ptr,
     d_ptr,
     q_ptr,
     coef_ptr,
@@ -748,10 +749,12 @@ def _project_kernel(
     BK: tl.constexpr,
     BR: tl.constexpr,
     BO: tl.constexpr,
+    ROW_INDEX: tl.constexpr,
 ):
     """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``) where
-    ``PROJECT``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the
-    same read of ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
+    ``PROJECT``; row ``m`` of ``X`` at ``x_ptr + row_ptr[m]`` with ``ROW_INDEX`` (``RowsAt``), else at
+    ``m·cols``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the same read of
+    ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
     and this program's share of ``Pre D = c_out ⊙ Q_outᵀ D_out^{-1/2} X D``, its ``BM`` rows' sum
     ``(D_out^{-1/2} Q_out c_out)[m]ᵀ X[m] D``, written as ``part[program] [r_out, cols]`` (the
     programs' parts summed in order after the launch: deterministic, no atomics).
@@ -774,11 +777,15 @@ def _project_kernel(
         dm = tl.load(dout_ptr + m, mask=mmask, other=0.0)
         qo = tl.load(qo_ptr + m[:, None] * rank_out + o[None, :], mask=mmask[:, None] & omask[None, :], other=0.0)
         qot = tl.trans(qo * dm[:, None] * tl.load(co_ptr + o, mask=omask, other=0.0)[None, :])  # [BO, BM]
+    if ROW_INDEX:
+        row0 = tl.load(row_ptr + m, mask=mmask, other=0)
+    else:
+        row0 = m * cols
     k_end = tl.minimum(cols, (ks + 1) * k_span)
     for k0 in range(ks * k_span, k_end, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < k_end
-        x = tl.load(x_ptr + m[:, None] * cols + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_ptr + row0[:, None] + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         x = x.to(tl.float32)
         if SCALE_D:
             x = x * tl.load(d_ptr + k, mask=kmask, other=0.0)[None, :]
@@ -927,10 +934,13 @@ PROJECT_ROWS = 128  # rows of a _project program: they share its loads of Q (4·
 PROJECT_PROGRAMS = 128  # programs _project keeps where the columns allow (~one per SM), splitting the columns
 
 
-def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def _project(
+    x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: torch.Tensor, starts: torch.Tensor | None = None
+) -> torch.Tensor:
     """``((X diag(d)) Q) diag(coef)`` ``[rows, r]`` in FP32 (``_project_kernel``): one launch, plus the sum
-    of the column splits' parts (in split order) where the rows alone give fewer than ``PROJECT_PROGRAMS``."""
-    rows, cols = x.shape
+    of the column splits' parts (in split order) where the rows alone give fewer than ``PROJECT_PROGRAMS``.
+    With ``starts`` ``x`` is a flat buffer holding row ``m`` at ``starts[m]`` (``RowsAt``)."""
+    rows, cols = x.shape if starts is None else (starts.numel(), q.shape[0])
     rank = q.shape[1]
     bm = max(16, min(PROJECT_ROWS, triton.next_power_of_2(rows)))
     br = max(16, triton.next_power_of_2(rank))
@@ -941,6 +951,7 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
     out = torch.empty(splits, rows, rank, device=x.device)
     _project_kernel[(n_rb * splits,)](
         x,
+        x if starts is None else starts,
         d if d is not None else x,
         q,
         coef,
@@ -962,6 +973,7 @@ def _project(x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: tor
         BK=bk,
         BR=br,
         BO=16,
+        ROW_INDEX=starts is not None,
         **project_options(bm, br, False),
     )
     return out[0] if splits == 1 else out.sum(0)
@@ -991,6 +1003,7 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
     br = max(16, triton.next_power_of_2(rank))
     _project_kernel[(programs,)](
         g,
+        g,
         dinv,
         q,
         c,
@@ -1012,6 +1025,7 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
         BK=OUTPUT_COLS,
         BR=br,
         BO=max(16, triton.next_power_of_2(r_out)),
+        ROW_INDEX=False,
         **project_options(bm, br, True),
     )
     pre = part.sum(0)
@@ -1039,17 +1053,22 @@ def encode_options(transform: bool, layout: int) -> dict:
     return dict(num_warps=8 if transform and layout in (_GROUPS.value, _ROW_GROUPS.value) else 4, maxnreg=255)
 
 
-def sender_factors(g: torch.Tensor, whitening: LowRankWhitening | None, output: OutputRows | None) -> tuple:
+def sender_factors(
+    g: torch.Tensor,
+    whitening: LowRankWhitening | None,
+    output: OutputRows | None,
+    starts: torch.Tensor | None = None,
+) -> tuple:
     """What the sender's pass over ``g`` (the whole parameter with ``output``) reads besides ``G``:
     ``(D_in^{-1/2}, P, Q_inᵀ, r_in)`` of ``T_in`` and ``(D_out^{-1/2}, Q_out, Pre T_in, r_out)`` of
     ``T_out`` (module doc; with ``output`` both from ``_project_two_sided``); ``g`` for the pointers
-    of a side not given (not read)."""
+    of a side not given (not read). ``starts``: ``g`` a flat buffer of rows (``RowsAt``; no ``output``)."""
     p, out_side = None, (g, g, g, 0)
     if output is not None:
         p, pre = _project_two_sided(g, whitening, output)
         out_side = (output.d_inv_sqrt, output.q, pre if output.rank else g, output.rank)
     elif whitening is not None and whitening.rank:
-        p = _project(g, whitening.d_inv_sqrt, whitening.q, whitening.c)
+        p = _project(g, whitening.d_inv_sqrt, whitening.q, whitening.c, starts)
     if whitening is None:
         return (g, g, g, 0), out_side
     return (whitening.d_inv_sqrt, g if p is None else p, whitening.q_t, whitening.rank), out_side
@@ -1313,6 +1332,7 @@ def _project_traffic(a: dict) -> tuple[int, int]:
     rows, cols, rank, r_out, programs = a["rows"], a["cols"], a["rank"], a["rank_out"], a["grid"][0]
     down = a["n_rb"] * cols  # every program row block reads each column once
     read, written = rows * cols * a["x_ptr"].element_size() + (4 * down if a["SCALE_D"] else 0), 0
+    read += 8 * rows * (programs // a["n_rb"]) if a["ROW_INDEX"] else 0  # each split's row starts
     if a["PROJECT"]:
         read += 4 * (down * rank + programs * rank)
         written += 4 * (programs // a["n_rb"]) * rows * rank

@@ -21,6 +21,7 @@ import triton.language as tl
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
 from .fused import ROW_PROGRAMS, ROW_STEPS, TILE, _plus_low_rank, _shard_delta, sender_factors
+from .placement import RowsAt
 
 FLAT_TILE = 1024  # elements of a program without whitening (the values as one row)
 # ptxas held the unwhitened placed cast to 96 registers and spilled 4 B with 32-bit sizes; 255 allowed: 111, none
@@ -46,6 +47,7 @@ def _bf16(x):
 @triton.jit
 def _place_kernel(
     x_ptr,
+    row_ptr,
     dinv_ptr,
     p_ptr,
     qt_ptr,
@@ -69,10 +71,12 @@ def _place_kernel(
     CAST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ROW_INDEX: tl.constexpr,
 ):
     """``row_steps`` tiles of ``BLOCK_R x BLOCK_C`` of ``X`` down the same columns (``U`` with ``WHITEN``,
     ``T_outᵀ X T`` with ``OUTPUT``; they share the program's loads of ``D`` and ``Qᵀ``) at their placed
-    positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or in BF16 (``_bf16``)."""
+    positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or in BF16 (``_bf16``). With
+    ``ROW_INDEX`` row ``i`` of ``X`` is read at ``x_ptr + row_ptr[i]`` (``RowsAt``), else at ``i·cols``."""
     pid = tl.program_id(0)
     c = (pid // n_row_blocks).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     cmask = c < cols
@@ -81,7 +85,10 @@ def _place_kernel(
         rmask = r < rows
         mask = rmask[:, None] & cmask
         k = r[:, None] * cols + c
-        x = tl.load(x_ptr + k, mask=mask, other=0.0)
+        if ROW_INDEX:
+            x = tl.load(x_ptr + tl.load(row_ptr + r, mask=rmask, other=0)[:, None] + c, mask=mask, other=0.0)
+        else:
+            x = tl.load(x_ptr + k, mask=mask, other=0.0)
         if OUTPUT:
             x = x.to(tl.float32) * tl.load(dout_ptr + r, mask=rmask, other=0.0)[:, None]
         if WHITEN:
@@ -107,21 +114,24 @@ def _cast(src: torch.dtype, dst: torch.dtype) -> int:
     raise ValueError(f"the placed cast writes FP32 or BF16 (or copies), not {src} to {dst}")
 
 
-def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, output: OutputRows | None = None) -> None:
+def whiten_place(
+    x: torch.Tensor | RowsAt, whitening: LowRankWhitening | None, into, output: OutputRows | None = None
+) -> None:
     """See ``kernels.whiten_place``: one launch (+ ``G Q`` and ``Qᵀ`` with a whitening of rank > 0, +
     ``fused.sender_factors``' few with ``output``).
 
     Essential bytes per element: reads ``x`` once (2 B for BF16, 4 for FP32; GIFT and the two-sided
-    map read it twice, for ``G Q`` and ``Pre`` and for the pass), writes the element in the wire
-    dtype (2 B for BF16, 4 for FP32)."""
+    map read it twice, for ``G Q`` and ``Pre`` and for the pass; a ``RowsAt`` adds 8 B per row), writes the
+    element in the wire dtype (2 B for BF16, 4 for FP32)."""
     rows, cols = x.shape
-    x = x.contiguous()
+    x, starts = (x.buffer, x.starts) if isinstance(x, RowsAt) else (x.contiguous(), None)
     table = into.table
     place = (into.out, table.ends, table.delta, table.ends.numel(), table.ends.numel().bit_length(), into.at)
     mapped = whitening is not None or output is not None
     cast = _cast(torch.float32 if mapped else x.dtype, into.out.dtype)
     if not mapped:
         _place_kernel[(triton.cdiv(x.numel(), FLAT_TILE),)](
+            x,
             x,
             x,
             x,
@@ -141,16 +151,18 @@ def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, outp
             CAST=cast,
             BLOCK_R=1,
             BLOCK_C=FLAT_TILE,
+            ROW_INDEX=False,
             **PLACE_OPTIONS,
         )
         return
-    (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output)
+    (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output, starts)
     block_r = min(ROWS, triton.next_power_of_2(rows))
     blocks, col_blocks = triton.cdiv(rows, block_r), triton.cdiv(cols, TILE)
     row_steps = max(1, min(ROW_STEPS, blocks, blocks * col_blocks // ROW_PROGRAMS))
     n_rb = triton.cdiv(blocks, row_steps)
     _place_kernel[(n_rb * col_blocks,)](
         x,
+        x if starts is None else starts,
         dinv,
         p,
         qt,
@@ -169,6 +181,7 @@ def whiten_place(x: torch.Tensor, whitening: LowRankWhitening | None, into, outp
         CAST=cast,
         BLOCK_R=block_r,
         BLOCK_C=TILE,
+        ROW_INDEX=starts is not None,
         enable_fp_fusion=True,
         **PLACE_OPTIONS,
     )
@@ -180,7 +193,7 @@ def _place_traffic(a: dict) -> tuple[int, int]:
     its rows of ``P`` (``T_out``'s); the table; each element in ``out``'s dtype."""
     n, rank, r_out = a["rows"] * a["cols"], a["rank"], a["rank_out"]
     down, across = a["n_row_blocks"] * a["cols"], -(-a["cols"] // a["BLOCK_C"]) * a["rows"]
-    read = n * a["x_ptr"].element_size() + 16 * a["shards"]
+    read = n * a["x_ptr"].element_size() + 16 * a["shards"] + (8 * a["rows"] if a["ROW_INDEX"] else 0)
     if a["WHITEN"]:
         read += 4 * (down * (1 + rank) + across * rank)
     if a["OUTPUT"]:

@@ -39,3 +39,27 @@ class Place:
     out: torch.Tensor
     table: Placement
     at: int
+
+
+@dataclass(frozen=True)
+class RowsAt:
+    """A matrix ``[len(starts), cols]`` whose row ``i`` is ``buffer[starts[i] : starts[i] + cols]``: whole rows
+    scattered in a flat buffer (the node's sums of ``comm.sum_first``), which the kernels read in place
+    instead of from a gathered copy. ``starts``: int64 on the buffer's device."""
+
+    buffer: torch.Tensor
+    starts: torch.Tensor
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.starts.numel(), self.cols
+
+    def numel(self) -> int:
+        return self.starts.numel() * self.cols
+
+    def gathered(self) -> torch.Tensor:
+        """The rows as a contiguous ``[rows, cols]`` copy (what the reference reads)."""
+        if self.buffer.numel() < self.cols:
+            return self.buffer.new_zeros(0, self.cols)
+        return self.buffer.unfold(0, self.cols, 1).index_select(0, self.starts)

@@ -177,12 +177,13 @@ if INTERPRET:
             read, _ = fused.TRAFFIC[name](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
 
-    @pytest.mark.parametrize("rows,cols", [(40, 256), (300, 640)])
-    def test_placed_whitening_traffic_is_what_its_programs_load(rows, cols, monkeypatch):
+    @pytest.mark.parametrize("rows,cols,in_place", [(40, 256, False), (300, 640, False), (300, 640, True)])
+    def test_placed_whitening_traffic_is_what_its_programs_load(rows, cols, in_place, monkeypatch):
         """The placed cast with whitening (the two-level sender's BF16 intra-node wire, the summed-first
-        rows): ``G T`` into a BF16 buffer, several row blocks per program (``ROW_PROGRAMS`` lowered):
-        ``TRAFFIC``'s bytes read within 10% of the interpreter's per-program count. Bug caught: ``Qᵀ``
-        counted once per launch where every program reloads it."""
+        rows, read in place with ``in_place``): ``G T`` into a BF16 buffer, several row blocks per program
+        (``ROW_PROGRAMS`` lowered): ``TRAFFIC``'s bytes read within 10% of the interpreter's per-program
+        count. Bugs caught: ``Qᵀ`` counted once per launch where every program reloads it; a ``RowsAt``'s
+        buffer counted whole instead of its rows."""
         from megatron_gift import kernels
         from megatron_gift.kernels import place
         from megatron_gift.kernels.placement import Placement
@@ -192,12 +193,21 @@ if INTERPRET:
         gen = torch.Generator().manual_seed(2)
         w = _whitening(cols, r, gen)
         g = torch.randn(rows, cols, generator=gen)
+        if in_place:  # the rows every other row of a buffer twice their size
+            g = kernels.RowsAt(torch.randn(2 * rows * cols, generator=gen), 2 * cols * torch.arange(rows), cols)
         out = torch.zeros(rows * cols, dtype=torch.bfloat16)
         into = Placement([rows * cols], [0], "cpu").at(out, 0)
         launches = _counted_launches(lambda: kernels.whiten_place(g, w, into), "_place_kernel", place)
         assert launches and all(a["row_steps"] > 1 for a, _ in launches)
         for args, loaded in launches:
             read, _ = place.TRAFFIC["_place_kernel"](args)
+            assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
+        from megatron_gift.kernels import fused
+
+        launches = _counted_launches(lambda: kernels.whiten_place(g, w, into), "_project_kernel")  # its G Q
+        assert launches and all(a["ROW_INDEX"] == in_place for a, _ in launches)
+        for args, loaded in launches:
+            read, _ = fused.TRAFFIC["_project_kernel"](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
 
 else:

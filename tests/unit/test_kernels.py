@@ -365,6 +365,34 @@ def test_placed_cast_over_several_row_blocks(device, kernels_only, monkeypatch):
     assert (outs[0][:3] == 7.0).all()  # the gap before the first shard untouched
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_placed_cast_reads_rows_where_they_lie(device, dtype, kernels_only):
+    """``whiten_place`` of a ``RowsAt`` (the summed-first sender's whole GIFT rows, read in the node's sums
+    by their starts, ``G Q`` included) writes the bits it writes for the same rows gathered into a matrix.
+    Rows out of order, with gaps between them and the buffer's last row among them. Bugs caught: a row read
+    at ``i·cols`` or at another row's start, the projection reading other rows than the pass, the last
+    row's mask."""
+    rows, cols = 21, 96
+    buffer = _gradient(1, 40 * cols + 7, seed=9, device=device, special=False).view(-1).to(dtype)
+    starts = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:rows] * cols + 7
+    starts[0] = buffer.numel() - cols  # the buffer's last row
+    starts = starts.to(device)
+    at = kernels.RowsAt(buffer, starts, cols)
+    dense = torch.stack([buffer[a : a + cols] for a in starts.tolist()])
+    w = _whitening(cols, 4, device)
+    table = Placement([rows * cols - 40, 40], [5, rows * cols], device)
+    outs = []
+    for x in (at, dense):
+        out = torch.full((2 * rows * cols,), 7.0, device=device)
+        kernels.whiten_place(x, w, table.at(out, 0))
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    assert kernels_only.since(0).count("_project_kernel") == 2  # both through the kernels
+    with pytest.raises(ValueError, match="RowsAt"):
+        kernels.whiten_place(at, None, table.at(outs[0], 0))
+
+
 def _fp64(w, d):
     """Dense FP64 ``(T, |T|)`` of ``w`` (its own FP32 tensors, exactly converted; ``T = I`` of size ``d``
     for None): ``T = D^{-1/2} (I + Q diag(c) Qᵀ)`` and the magnitudes of its factors,
@@ -897,7 +925,19 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         """The kernel tests of this file on the CPU, in Triton's interpreter, in a fresh process."""
         assert_passes_under_interpreter(__file__)
 
-    from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, ROW_GROUPS, UNPLACED
+    from megatron_gift.testing.kernel_log import (
+        E4M3,
+        E5M2_MX,
+        GROUPS,
+        IN_ORDER,
+        ORDERED,
+        ROW_BLOCKS,
+        ROW_GROUPS,
+        ROWS_AT,
+        UNPLACED,
+    )
+
+    PROJECT_16, PROJECT_64 = dict(BM=16, BK=64, BR=32, BO=16), dict(BM=64, BK=16, BR=32, BO=32)
 
     # (kernel, its constexprs, FMA contraction as the launcher sets it, whether it divides)
     SM90_CASES = [
@@ -981,11 +1021,13 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
             False,
             True,
         ),
-        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=32, BO=16), True, False),
-        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=64, BK=16, BR=32, BO=32), True, False),
-        ("_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2), True, False),
-        ("_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2), True, False),
-        ("_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True, False),
+        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, **PROJECT_16, **IN_ORDER), True, False),
+        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, **PROJECT_16, **ROWS_AT), True, False),
+        ("_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, **PROJECT_64, **IN_ORDER), True, False),
+        ("_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2, **IN_ORDER), True, False),
+        ("_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=0, **ROWS_AT), True, False),
+        ("_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2, **IN_ORDER), True, False),
+        ("_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024, **IN_ORDER), True, False),
         ("_decode_sum_kernel", dict(AVERAGE=True, BF16=False, **GROUPS, **E4M3), False, True),
         ("_decode_sum_kernel", dict(AVERAGE=False, BF16=True, **ORDERED, **E5M2_MX), False, False),
         ("_unwhiten_kernel", dict(BF16=False), True, False),

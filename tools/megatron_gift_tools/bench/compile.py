@@ -13,11 +13,22 @@ import platform
 import re
 import time
 
-from megatron_gift.testing.kernel_log import E4M3, E5M2_MX, GROUPS, ORDERED, ROW_BLOCKS, ROW_GROUPS, UNPLACED
+from megatron_gift.testing.kernel_log import (
+    E4M3,
+    E5M2_MX,
+    GROUPS,
+    IN_ORDER,
+    ORDERED,
+    ROW_BLOCKS,
+    ROW_GROUPS,
+    ROWS_AT,
+    UNPLACED,
+)
 
 TILE = {"UNIT_W": 128, "W": 128, "BU": 16, "BLOCK_R": 16, "BLOCK_C": 128}
 # the FP4 encode's passes without and with the Hadamard rotation in registers (64-element chunks)
 UNROTATED, ROTATED = dict(RB=0, RLOG=0, RSCALE=1.0), dict(RB=64, RLOG=6, RSCALE=0.125)
+PROJECT_128_32 = dict(BM=128, BK=32, BR=32, BO=16)  # the sender's G Q program shape
 
 # (module, kernel, constexprs, FMA contraction as the launcher sets it)
 CASES = [
@@ -61,13 +72,30 @@ CASES = [
         ),
         False,
     ),
-    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, BM=128, BK=32, BR=32, BO=16), True),
-    ("fused", "_project_kernel", dict(SCALE_D=False, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=64, BO=16), True),
-    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=64, BK=16, BR=32, BO=32), True),
-    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=64, BK=16, BR=16, BO=16), True),
-    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2), True),
-    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2), True),
-    ("place", "_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024), True),
+    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, **PROJECT_128_32, **IN_ORDER), True),
+    ("fused", "_project_kernel", dict(SCALE_D=True, PROJECT=True, OUTPUT=False, **PROJECT_128_32, **ROWS_AT), True),
+    (
+        "fused",
+        "_project_kernel",
+        dict(SCALE_D=False, PROJECT=True, OUTPUT=False, BM=16, BK=64, BR=64, BO=16, **IN_ORDER),
+        True,
+    ),
+    (
+        "fused",
+        "_project_kernel",
+        dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=64, BK=16, BR=32, BO=32, **IN_ORDER),
+        True,
+    ),
+    (
+        "fused",
+        "_project_kernel",
+        dict(SCALE_D=True, PROJECT=True, OUTPUT=True, BM=64, BK=16, BR=16, BO=16, **IN_ORDER),
+        True,
+    ),
+    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=2, **IN_ORDER), True),
+    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=False, CAST=0, **ROWS_AT), True),  # the summed-first rows
+    ("place", "_place_kernel", dict(WHITEN=True, OUTPUT=True, CAST=2, **IN_ORDER), True),
+    ("place", "_place_kernel", dict(WHITEN=False, OUTPUT=False, CAST=0, BLOCK_R=1, BLOCK_C=1024, **IN_ORDER), True),
     ("fused", "_decode_sum_kernel", dict(AVERAGE=True, BF16=False, **GROUPS, **E4M3), False),
     ("fused", "_decode_sum_kernel", dict(AVERAGE=False, BF16=True, **ORDERED, **E5M2_MX), False),
     ("receive", "_decode_placed_kernel", dict(BF16=True, **GROUPS, **E4M3), False),
