@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import IntraNode
-from ..kernels.placement import Placement, RowsAt
+from ..kernels.placement import Placement, RowsAt, aligned_rows
 from ..numerics.fp4 import FP4Format
 from ..numerics.rotation import BlockHadamard
 from ..numerics.whitening import ieee_fp32
@@ -45,15 +45,19 @@ from .topology import TwoLevelGroups
 
 
 @dataclass(frozen=True)
-class _Segment:
-    """One whitened segment's whole rows in the held shards: ``row_src``, the held sums' position of each
-    row's first element; ``row_place``, where those rows go in the held coded sequence (a run of rows per
-    held shard)."""
+class _WholeRows:
+    """The whole rows in the held shards of the whitened segments ``segs`` of one shape (``cols`` columns,
+    factor ``rank``), one matrix each: ``starts``, the held sums' position of each row's first element (-1
+    for the padding between matrices, ``kernels.placement.aligned_rows``), ``matrix`` and ``spans`` as
+    ``RowsAt`` has them; ``place``, where the rows go in the held coded sequence (a run of rows per held
+    shard and segment)."""
 
-    seg: int
+    segs: tuple[int, ...]
     cols: int
-    row_src: torch.Tensor
-    row_place: Placement
+    starts: torch.Tensor
+    matrix: torch.Tensor
+    spans: tuple[tuple[int, int], ...]
+    place: Placement
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class _Tables:
 
     coded: _Gather  # the held shards' coded values in order from the held sums, but for the whole GIFT rows
     plain: tuple[_Gather, _Gather]  # the same per plain class
-    segments: tuple[_Segment, ...]
+    segments: tuple[_WholeRows, ...]  # one per shape
     pieces: tuple[_Pieces, ...]  # one batch per shape
     peers: tuple[int, ...]  # the node's local ranks sharing a cut row with this one
     slots: int  # pieces per local rank's block in the exchange (the most any holds)
@@ -168,7 +172,7 @@ def _tables(
 
     every = [_pieces(layout, [m * g + lp for m in range(topo.nodes)], whitened) for lp in range(g)]
     mine = every[local]
-    segments, shapes = [], {}  # shapes: (cols, rank) -> [(seg, that segment's own pieces (slot, piece))]
+    rows_of, shapes = {}, {}  # per shape (cols, rank): [(seg, starts, sizes, runs)]; [(seg, own pieces (slot, piece))]
     whole = []  # the whole rows' runs (start in the held sums, length): not gathered
     for seg, rank in zip(whitened, ranks):
         cols = layout.segments[seg].cols
@@ -181,10 +185,20 @@ def _tables(
                     sizes.append((r1 - r0) * cols)
                     runs.append(position(j, seg, r0, 0))
                     whole.append((row0, (r1 - r0) * cols))
-        segments.append(_Segment(seg, cols, _cat(starts, device), Placement(sizes, runs, device)))
+        rows_of.setdefault((cols, rank), []).append((seg, starts, sizes, runs))
         own = [(k, p) for k, p in enumerate(mine) if p[0] == seg]
         if own:  # the held shards cut rows of it (a layout fact)
             shapes.setdefault((cols, rank), []).append((seg, own))
+    segments = []
+    for (cols, _), members in rows_of.items():  # one RowsAt per shape: its segments' rows, spans aligned
+        pads, matrix, spans = aligned_rows([sum(sizes) // cols for _, _, sizes, _ in members], device)
+        starts, sizes, runs = [], [], []
+        for (_, st, sz, ru), pad in zip(members, pads):
+            starts += st + [torch.full((pad,), -1, dtype=torch.int64)]
+            sizes += sz + ([pad * cols] if pad else [])
+            runs += ru + ([0] if pad else [])  # padding: never written
+        place = Placement(sizes, runs, device)
+        segments.append(_WholeRows(tuple(seg for seg, *_ in members), cols, _cat(starts, device), matrix, spans, place))
     batches = []
     for (cols, rank), members in shapes.items():
         k = max(len(own) for _, own in members)
@@ -326,12 +340,11 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         del self.held_sums
         self.coded = t.coded(sums).float()
         self.plain = [t.plain[c](sums) for c in range(2)]
-        r_max = max((self.transforms[s.seg].rank for s in t.segments), default=0)
+        r_max = max((self.transforms[seg].rank for s in t.segments for seg in s.segs), default=0)
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
-        for s in t.segments:  # the whole rows, each contiguous in the held sums, read there by their starts
-            self.ops.whiten_place(
-                RowsAt(sums, s.row_src, s.cols), self.transforms[s.seg], s.row_place.at(self.coded, 0)
-            )
+        for s in t.segments:  # the whole rows of one shape, each contiguous in the held sums, read there
+            rows = RowsAt(sums, s.starts, s.cols, s.matrix, s.spans)
+            self.ops.whiten_place(rows, [self.transforms[seg] for seg in s.segs], s.place.at(self.coded, 0))
         self.stacks = []
         for p in t.pieces:  # each cut piece's part of its row's (P D^{-1/2}) Q, one batch per shape
             ws = [self.transforms[seg] for seg in p.segs]

@@ -63,6 +63,7 @@ __all__ = [
     "ordered_sum",
     "Place",
     "RowsAt",
+    "StackedWhitening",
     "Placed",
     "whiten_encode",
     "whiten_place",
@@ -194,7 +195,7 @@ def whiten_encode(
 
 def whiten_place(
     x: torch.Tensor | RowsAt,
-    whitening: LowRankWhitening | None,
+    whitening: LowRankWhitening | Sequence[LowRankWhitening] | None,
     into: Place,
     fused: bool = True,
     output: OutputRows | None = None,
@@ -202,17 +203,45 @@ def whiten_place(
     """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given, ``T_outᵀ G T`` with ``output``
     as in ``whiten_encode``) cast to ``into.out``'s dtype, element ``i`` (memory order) written at its
     position of ``into`` (``Place``): the float intra-node wire and the plain values. ``x`` may be a
-    ``RowsAt`` (with a whitening and no ``output``): rows read where they lie. ``fused``: the Triton
-    kernel wherever it can run (``available``; ``output`` without its ``Pre``), else the PyTorch reference."""
+    ``RowsAt``, its rows read where they lie, with one input-side whitening per matrix (``whitening``: their
+    list; one launch each for ``G Q`` and the pass whatever the matrices). ``fused``: the Triton kernel
+    wherever it can run (``available``; ``output`` without its ``Pre``), else the PyTorch reference."""
     if x.numel() == 0:  # nothing to place (a rank whose shards hold none of a parameter's rows)
         return None
-    rows_at = isinstance(x, RowsAt)
-    if rows_at and (whitening is None or output is not None):
-        raise ValueError("whiten_place reads rows in place (RowsAt) only for an input-side whitening")
-    device = x.buffer.device if rows_at else x.device
-    if fused and available(device) and (output is None or output.pre is None):
+    if isinstance(x, RowsAt):
+        if output is not None or whitening is None or len(whitening) != len(x.spans):
+            raise ValueError("whiten_place reads rows in place (RowsAt) with one input-side whitening per matrix")
+        if fused and available(x.buffer.device):
+            return _place().whiten_place(x, StackedWhitening.of(whitening), into)
+        for (r0, n), w in zip(x.spans, whitening):  # each matrix's rows at its span of the sequence
+            if n:
+                reference_whiten_place(x.gathered(r0, n), w, Place(into.out, into.table, into.at + r0 * x.cols))
+        return None
+    if fused and available(x.device) and (output is None or output.pre is None):
         return _place().whiten_place(x, whitening, into, output)
-    return reference_whiten_place(x.gathered() if rows_at else x, whitening, into, output)
+    return reference_whiten_place(x, whitening, into, output)
+
+
+@dataclass(frozen=True)
+class StackedWhitening:
+    """The factors the sender's kernels read of several whitenings of one width and rank, stacked (matrix ``m``
+    at ``[m]``): what ``whiten_place`` passes them for a ``RowsAt`` of several matrices. One matrix: its own."""
+
+    d_inv_sqrt: torch.Tensor
+    q: torch.Tensor
+    q_t: torch.Tensor
+    c: torch.Tensor
+    rank: int
+
+    @classmethod
+    def of(cls, ws: Sequence[LowRankWhitening]) -> StackedWhitening:
+        if len(ws) == 1:
+            w = ws[0]
+            return cls(w.d_inv_sqrt, w.q, w.q_t, w.c, w.rank)
+        if len({(w.d_inv_sqrt.numel(), w.rank) for w in ws}) != 1:
+            raise ValueError("stacked whitenings need one width and one rank")
+        stack = [torch.stack([getattr(w, name) for w in ws]) for name in ("d_inv_sqrt", "q", "q_t", "c")]
+        return cls(*stack, ws[0].rank)
 
 
 def decode_sum_unwhiten(

@@ -82,6 +82,7 @@ import triton.language as tl
 from ..numerics.fp8 import CodecConfig, Encoded, Scaling, scales_from_amax
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening, ieee_fp32
+from .placement import RowsAt
 
 TILE = 128  # columns of a unit where the scaling group is a whole row or tensor
 MAX_TILE = 4096  # elements of a chunk: wider groups are read in several chunks
@@ -728,6 +729,8 @@ def _decode_sum_kernel(
 def _project_kernel(
     x_ptr,
     row_ptr,
+    mat_ptr,
+    live,
     d_ptr,
     q_ptr,
     coef_ptr,
@@ -752,9 +755,11 @@ def _project_kernel(
     ROW_INDEX: tl.constexpr,
 ):
     """``out = ((X D) Q) diag(coef)`` ([rows, r]; ``D = diag(d)`` when ``SCALE_D``, else ``I``) where
-    ``PROJECT``; row ``m`` of ``X`` at ``x_ptr + row_ptr[m]`` with ``ROW_INDEX`` (``RowsAt``), else at
-    ``m·cols``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the same read of
-    ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
+    ``PROJECT``; with ``ROW_INDEX`` (``RowsAt``) row ``m`` of ``X`` at ``x_ptr + row_ptr[m]`` (padding where
+    negative) and ``D``, ``Q`` and ``coef`` those of matrix ``mat_ptr[m]`` of stacks of them (the same for the
+    block's ``BM`` rows; ``live`` rows are not padding, which only the meter reads), else row ``m`` at
+    ``m·cols``. With ``OUTPUT`` (the output side's ``T_outᵀ``, ``X`` the whole parameter) from the same read
+    of ``X``: ``out``'s rows scaled by ``D_out^{-1/2}`` (the projection of ``D_out^{-1/2} X``)
     and this program's share of ``Pre D = c_out ⊙ Q_outᵀ D_out^{-1/2} X D``, its ``BM`` rows' sum
     ``(D_out^{-1/2} Q_out c_out)[m]ᵀ X[m] D``, written as ``part[program] [r_out, cols]`` (the
     programs' parts summed in order after the launch: deterministic, no atomics).
@@ -778,7 +783,12 @@ def _project_kernel(
         qo = tl.load(qo_ptr + m[:, None] * rank_out + o[None, :], mask=mmask[:, None] & omask[None, :], other=0.0)
         qot = tl.trans(qo * dm[:, None] * tl.load(co_ptr + o, mask=omask, other=0.0)[None, :])  # [BO, BM]
     if ROW_INDEX:
-        row0 = tl.load(row_ptr + m, mask=mmask, other=0)
+        row0 = tl.load(row_ptr + m, mask=mmask, other=-1)
+        mmask = mmask & (row0 >= 0)
+        mat = tl.load(mat_ptr + (pid % n_rb) * BM)  # the block's first row exists
+        d_ptr += mat * cols
+        q_ptr += mat * cols * rank
+        coef_ptr += mat * rank
     else:
         row0 = m * cols
     k_end = tl.minimum(cols, (ks + 1) * k_span)
@@ -935,13 +945,14 @@ PROJECT_PROGRAMS = 128  # programs _project keeps where the columns allow (~one 
 
 
 def _project(
-    x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: torch.Tensor, starts: torch.Tensor | None = None
+    x: torch.Tensor, d: torch.Tensor | None, q: torch.Tensor, coef: torch.Tensor, rows_at: RowsAt | None = None
 ) -> torch.Tensor:
     """``((X diag(d)) Q) diag(coef)`` ``[rows, r]`` in FP32 (``_project_kernel``): one launch, plus the sum
     of the column splits' parts (in split order) where the rows alone give fewer than ``PROJECT_PROGRAMS``.
-    With ``starts`` ``x`` is a flat buffer holding row ``m`` at ``starts[m]`` (``RowsAt``)."""
-    rows, cols = x.shape if starts is None else (starts.numel(), q.shape[0])
-    rank = q.shape[1]
+    With ``rows_at`` (``RowsAt``) ``x`` is its buffer and ``d``, ``q``, ``coef`` stacks of its matrices'
+    (padding rows' projections left unset)."""
+    rows, cols = x.shape if rows_at is None else rows_at.shape
+    rank = q.shape[-1]
     bm = max(16, min(PROJECT_ROWS, triton.next_power_of_2(rows)))
     br = max(16, triton.next_power_of_2(rank))
     bk = max(16, min(64, 4096 // max(bm, br)))
@@ -949,9 +960,10 @@ def _project(
     k_span = triton.cdiv(chunks, max(1, min(chunks, PROJECT_PROGRAMS // n_rb))) * bk
     splits = triton.cdiv(cols, k_span)
     out = torch.empty(splits, rows, rank, device=x.device)
+    row_args = (x, x, rows) if rows_at is None else (rows_at.starts, rows_at.matrix, rows_at.live)
     _project_kernel[(n_rb * splits,)](
         x,
-        x if starts is None else starts,
+        *row_args,
         d if d is not None else x,
         q,
         coef,
@@ -973,7 +985,7 @@ def _project(
         BK=bk,
         BR=br,
         BO=16,
-        ROW_INDEX=starts is not None,
+        ROW_INDEX=rows_at is not None,
         **project_options(bm, br, False),
     )
     return out[0] if splits == 1 else out.sum(0)
@@ -1004,6 +1016,8 @@ def _project_two_sided(g: torch.Tensor, whitening: LowRankWhitening | None, outp
     _project_kernel[(programs,)](
         g,
         g,
+        g,
+        rows,
         dinv,
         q,
         c,
@@ -1057,18 +1071,19 @@ def sender_factors(
     g: torch.Tensor,
     whitening: LowRankWhitening | None,
     output: OutputRows | None,
-    starts: torch.Tensor | None = None,
+    rows_at: RowsAt | None = None,
 ) -> tuple:
     """What the sender's pass over ``g`` (the whole parameter with ``output``) reads besides ``G``:
     ``(D_in^{-1/2}, P, Q_inᵀ, r_in)`` of ``T_in`` and ``(D_out^{-1/2}, Q_out, Pre T_in, r_out)`` of
     ``T_out`` (module doc; with ``output`` both from ``_project_two_sided``); ``g`` for the pointers
-    of a side not given (not read). ``starts``: ``g`` a flat buffer of rows (``RowsAt``; no ``output``)."""
+    of a side not given (not read). ``rows_at``: ``g`` its buffer, ``whitening`` its matrices' stacked
+    (``RowsAt``; no ``output``)."""
     p, out_side = None, (g, g, g, 0)
     if output is not None:
         p, pre = _project_two_sided(g, whitening, output)
         out_side = (output.d_inv_sqrt, output.q, pre if output.rank else g, output.rank)
     elif whitening is not None and whitening.rank:
-        p = _project(g, whitening.d_inv_sqrt, whitening.q, whitening.c, starts)
+        p = _project(g, whitening.d_inv_sqrt, whitening.q, whitening.c, rows_at)
     if whitening is None:
         return (g, g, g, 0), out_side
     return (whitening.d_inv_sqrt, g if p is None else p, whitening.q_t, whitening.rank), out_side
@@ -1330,12 +1345,14 @@ def _project_traffic(a: dict) -> tuple[int, int]:
     """``X`` once; what each program loads: its columns of ``Q`` (and ``D``) with ``PROJECT``, its rows of
     ``T_out`` with ``OUTPUT``; the splits' parts of ``P`` and the programs' parts of ``Pre``."""
     rows, cols, rank, r_out, programs = a["rows"], a["cols"], a["rank"], a["rank_out"], a["grid"][0]
+    live = a["live"] if a["ROW_INDEX"] else rows  # a RowsAt's padding rows move nothing
     down = a["n_rb"] * cols  # every program row block reads each column once
-    read, written = rows * cols * a["x_ptr"].element_size() + (4 * down if a["SCALE_D"] else 0), 0
-    read += 8 * rows * (programs // a["n_rb"]) if a["ROW_INDEX"] else 0  # each split's row starts
+    read, written = live * cols * a["x_ptr"].element_size() + (4 * down if a["SCALE_D"] else 0), 0
+    if a["ROW_INDEX"]:  # each split reads the row starts, each program its block's matrix
+        read += 8 * rows * (programs // a["n_rb"]) + 8 * programs
     if a["PROJECT"]:
         read += 4 * (down * rank + programs * rank)
-        written += 4 * (programs // a["n_rb"]) * rows * rank
+        written += 4 * (programs // a["n_rb"]) * live * rank
     if a["OUTPUT"]:
         read += 4 * (rows * (1 + r_out) + programs * r_out)
         written += 4 * programs * r_out * cols

@@ -48,6 +48,8 @@ def _bf16(x):
 def _place_kernel(
     x_ptr,
     row_ptr,
+    mat_ptr,
+    live,
     dinv_ptr,
     p_ptr,
     qt_ptr,
@@ -76,7 +78,9 @@ def _place_kernel(
     """``row_steps`` tiles of ``BLOCK_R x BLOCK_C`` of ``X`` down the same columns (``U`` with ``WHITEN``,
     ``T_outᵀ X T`` with ``OUTPUT``; they share the program's loads of ``D`` and ``Qᵀ``) at their placed
     positions in ``out``: as it is (``_COPY``: the same dtype), in FP32, or in BF16 (``_bf16``). With
-    ``ROW_INDEX`` row ``i`` of ``X`` is read at ``x_ptr + row_ptr[i]`` (``RowsAt``), else at ``i·cols``."""
+    ``ROW_INDEX`` (``RowsAt``) row ``i`` of ``X`` is read at ``x_ptr + row_ptr[i]`` (padding where negative),
+    ``D`` and ``Qᵀ`` those of matrix ``mat_ptr[i]`` of stacks of them (one per block of rows; ``live``: the
+    rows not padding, for the meter), else row ``i`` at ``i·cols``."""
     pid = tl.program_id(0)
     c = (pid // n_row_blocks).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     cmask = c < cols
@@ -85,18 +89,26 @@ def _place_kernel(
         rmask = r < rows
         mask = rmask[:, None] & cmask
         k = r[:, None] * cols + c
+        d_at, qt_at = dinv_ptr, qt_ptr
         if ROW_INDEX:
-            x = tl.load(x_ptr + tl.load(row_ptr + r, mask=rmask, other=0)[:, None] + c, mask=mask, other=0.0)
+            src = tl.load(row_ptr + r, mask=rmask, other=-1)
+            rmask = rmask & (src >= 0)
+            mask = rmask[:, None] & cmask
+            mat = tl.load(mat_ptr + r, mask=r < rows, other=0)
+            mat0 = tl.max(mat, axis=0)  # the block's matrix (padding rows carry theirs)
+            d_at += mat0 * cols
+            qt_at += mat0 * rank * cols
+            x = tl.load(x_ptr + src[:, None] + c, mask=mask, other=0.0)
         else:
             x = tl.load(x_ptr + k, mask=mask, other=0.0)
         if OUTPUT:
             x = x.to(tl.float32) * tl.load(dout_ptr + r, mask=rmask, other=0.0)[:, None]
         if WHITEN:
-            x = x.to(tl.float32) * tl.load(dinv_ptr + c, mask=cmask, other=0.0)
+            x = x.to(tl.float32) * tl.load(d_at + c, mask=cmask, other=0.0)
         if OUTPUT:
             x = _plus_low_rank(x, qo_ptr, pre_ptr, r, c, rmask, cmask, rank_out, cols)
         if WHITEN:
-            x = _plus_low_rank(x, p_ptr, qt_ptr, r, c, rmask, cmask, rank, cols)
+            x = _plus_low_rank(x, p_ptr, qt_at, r, c, rmask, cmask, rank, cols)
         k += at
         dest = k + _shard_delta(ends_ptr, delta_ptr, shards, steps, k, mask)
         if CAST == _TO_BF16:
@@ -121,10 +133,11 @@ def whiten_place(
     ``fused.sender_factors``' few with ``output``).
 
     Essential bytes per element: reads ``x`` once (2 B for BF16, 4 for FP32; GIFT and the two-sided
-    map read it twice, for ``G Q`` and ``Pre`` and for the pass; a ``RowsAt`` adds 8 B per row), writes the
-    element in the wire dtype (2 B for BF16, 4 for FP32)."""
+    map read it twice, for ``G Q`` and ``Pre`` and for the pass; a ``RowsAt`` adds 16 B per row and column block
+    of ``TILE``: its rows' starts and matrices), writes the element in the wire dtype (2 B for BF16, 4 for FP32)."""
     rows, cols = x.shape
-    x, starts = (x.buffer, x.starts) if isinstance(x, RowsAt) else (x.contiguous(), None)
+    rows_at = x if isinstance(x, RowsAt) else None
+    x = x.buffer if rows_at is not None else x.contiguous()
     table = into.table
     place = (into.out, table.ends, table.delta, table.ends.numel(), table.ends.numel().bit_length(), into.at)
     mapped = whitening is not None or output is not None
@@ -133,6 +146,8 @@ def whiten_place(
         _place_kernel[(triton.cdiv(x.numel(), FLAT_TILE),)](
             x,
             x,
+            x,
+            1,
             x,
             x,
             x,
@@ -155,14 +170,15 @@ def whiten_place(
             **PLACE_OPTIONS,
         )
         return
-    (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output, starts)
+    (dinv, p, qt, rank), (dout, qo, pre, rank_out) = sender_factors(x, whitening, output, rows_at)
     block_r = min(ROWS, triton.next_power_of_2(rows))
     blocks, col_blocks = triton.cdiv(rows, block_r), triton.cdiv(cols, TILE)
     row_steps = max(1, min(ROW_STEPS, blocks, blocks * col_blocks // ROW_PROGRAMS))
     n_rb = triton.cdiv(blocks, row_steps)
+    row_args = (x, x, rows) if rows_at is None else (rows_at.starts, rows_at.matrix, rows_at.live)
     _place_kernel[(n_rb * col_blocks,)](
         x,
-        x if starts is None else starts,
+        *row_args,
         dinv,
         p,
         qt,
@@ -181,7 +197,7 @@ def whiten_place(
         CAST=cast,
         BLOCK_R=block_r,
         BLOCK_C=TILE,
-        ROW_INDEX=starts is not None,
+        ROW_INDEX=rows_at is not None,
         enable_fp_fusion=True,
         **PLACE_OPTIONS,
     )
@@ -190,10 +206,13 @@ def whiten_place(
 def _place_traffic(a: dict) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one ``_place_kernel`` launch from its bound arguments: ``X``
     once; what each program loads: its columns of ``D`` and ``Qᵀ`` (``Pre`` with an output side) and
-    its rows of ``P`` (``T_out``'s); the table; each element in ``out``'s dtype."""
-    n, rank, r_out = a["rows"] * a["cols"], a["rank"], a["rank_out"]
-    down, across = a["n_row_blocks"] * a["cols"], -(-a["cols"] // a["BLOCK_C"]) * a["rows"]
-    read = n * a["x_ptr"].element_size() + 16 * a["shards"] + (8 * a["rows"] if a["ROW_INDEX"] else 0)
+    its rows of ``P`` (``T_out``'s); the table; each element in ``out``'s dtype. A ``RowsAt``'s padding
+    rows move nothing; each program reads its rows' starts and matrices."""
+    rows = a["live"] if a["ROW_INDEX"] else a["rows"]
+    rank, r_out, col_blocks = a["rank"], a["rank_out"], -(-a["cols"] // a["BLOCK_C"])
+    n = rows * a["cols"]
+    down, across = a["n_row_blocks"] * a["cols"], col_blocks * rows
+    read = n * a["x_ptr"].element_size() + 16 * a["shards"] + (16 * a["rows"] * col_blocks if a["ROW_INDEX"] else 0)
     if a["WHITEN"]:
         read += 4 * (down * (1 + rank) + across * rank)
     if a["OUTPUT"]:

@@ -45,21 +45,56 @@ class Place:
 class RowsAt:
     """A matrix ``[len(starts), cols]`` whose row ``i`` is ``buffer[starts[i] : starts[i] + cols]``: whole rows
     scattered in a flat buffer (the node's sums of ``comm.sum_first``), which the kernels read in place
-    instead of from a gathered copy. ``starts``: int64 on the buffer's device."""
+    instead of from a gathered copy. ``starts``: int64 on the buffer's device. The rows of one or more matrices
+    of that width (``kernels.whiten_place``): ``spans``, each matrix's ``(first row, rows)``, each starting at a
+    multiple of ``ROW_ALIGN`` rows, the rows between spans padding (start -1, never read or written);
+    ``matrix``: each row's matrix (int64, the device's), which the kernels read once per block of rows."""
 
     buffer: torch.Tensor
     starts: torch.Tensor
     cols: int
+    matrix: torch.Tensor
+    spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of_one(cls, buffer: torch.Tensor, starts: torch.Tensor, cols: int) -> RowsAt:
+        """The rows of one matrix."""
+        return cls(buffer, starts, cols, torch.zeros_like(starts), ((0, starts.numel()),))
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.starts.numel(), self.cols
 
+    @property
+    def live(self) -> int:
+        """The rows that are not padding."""
+        return sum(n for _, n in self.spans)
+
     def numel(self) -> int:
         return self.starts.numel() * self.cols
 
-    def gathered(self) -> torch.Tensor:
-        """The rows as a contiguous ``[rows, cols]`` copy (what the reference reads)."""
+    def gathered(self, r0: int = 0, n: int | None = None) -> torch.Tensor:
+        """Rows ``[r0, r0 + n)`` (all by default) as a contiguous ``[n, cols]`` copy (what the reference reads)."""
+        starts = self.starts[r0:] if n is None else self.starts[r0 : r0 + n]
         if self.buffer.numel() < self.cols:
             return self.buffer.new_zeros(0, self.cols)
-        return self.buffer.unfold(0, self.cols, 1).index_select(0, self.starts)
+        return self.buffer.unfold(0, self.cols, 1).index_select(0, starts)
+
+
+ROW_ALIGN = 128
+"""rows per matrix span of a ``RowsAt`` (a multiple of every block of rows the kernels take: 16 and up to 128)."""
+
+
+def aligned_rows(counts: list[int], device) -> tuple[list[int], torch.Tensor, tuple[tuple[int, int], ...]]:
+    """For matrices of ``counts`` rows one after another: the padding after each (``ROW_ALIGN`` alignment, none
+    after the last), each row's matrix (int64 on ``device``, padding rows their matrix's) and the spans."""
+    pads, spans, at = [], [], 0
+    if not counts:
+        return [], torch.zeros(0, dtype=torch.int64, device=device), ()
+    for k, n in enumerate(counts):
+        spans.append((at, n))
+        pad = 0 if k == len(counts) - 1 else -n % ROW_ALIGN
+        pads.append(pad)
+        at += n + pad
+    matrix = torch.cat([torch.full((n + pad,), k, dtype=torch.int64) for k, (n, pad) in enumerate(zip(counts, pads))])
+    return pads, matrix.to(device), tuple(spans)

@@ -73,7 +73,7 @@ IN_ORDER, ROWS_AT = dict(ROW_INDEX=False), dict(ROW_INDEX=True)  # rows at i·co
 
 def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
     """Triton types of ``kernel``'s arguments as the launchers pass them, for an offline compile: codes
-    uint8, scales E8M0 bytes or FP32, group ends, placement tables and row starts int64, a placed cast's
+    uint8, scales E8M0 bytes or FP32, group ends, placement tables, row starts and matrices int64, a placed cast's
     output BF16, a BF16 output of the receive kernels int16 bits, other pointers FP32 (the delta kernels: their
     parameters in BF16 for ``MANT`` 7, else FP16; the FP4 kernels: segment maxima int32 bits, the
     rotation's block starts and sign rows int64);
@@ -95,7 +95,7 @@ def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
     else:
 
         def pointer(name):
-            if name in ("ends_ptr", "table_ptr", "row_ptr") or name.endswith("delta_ptr"):
+            if name in ("ends_ptr", "table_ptr", "row_ptr", "mat_ptr") or name.endswith("delta_ptr"):
                 return "*i64"
             if name == "out_ptr" and constexprs.get("CAST") == 2:
                 return "*bf16"

@@ -114,6 +114,26 @@ def test_meter_counts_by_hand():
     assert m.delta("encode", 600, 4e8) == metered.StageCount(1.0, 1.1, 1.1)
 
 
+def test_launches_grow_with_the_widths_where_the_meter_has_two():
+    """A path with ``gift/2w`` records (the FP4 paths: four GIFT parameters of two widths) adds their launches
+    less the ``gift`` ones' for each width beyond the first; a bucket of one width, or a path without such
+    records, is priced as before. Numbers by hand: ``gift`` reduce 12 launches, ``gift/2w`` 15: 3 per width,
+    so 3 widths add 6. Bug caught: widths ignored (the sum-first exchange's per-shape launches priced as if
+    every model had one shape), or counted for the first width too."""
+    doc = _doc()
+    for r in [r for r in doc["records"] if r.get("bucket") == "gift" and r["kind"] == "reduction"]:
+        two = dict(r, bucket="gift/2w", stages=[dict(st, launches=st["launches"] + 3) for st in r["stages"]])
+        doc["records"].append(two)
+    m, plain = metered.Meter(doc, "by hand"), metered.Meter(_doc(), "by hand")
+    one = plain.reduction("flat-rs", "reduce", 16, 5e6, 30, 3).launches
+    assert m.reduction("flat-rs", "reduce", 16, 5e6, 30, 3, gift_widths=1).launches == one
+    assert m.reduction("flat-rs", "reduce", 16, 5e6, 30, 3, gift_widths=3).launches == one + 6
+    assert plain.reduction("flat-rs", "reduce", 16, 5e6, 30, 3, gift_widths=3).launches == one
+    assert m.reduction("flat-rs", "reduce", 16, 5e6, 30, 0, gift_widths=3).launches == plain.reduction(
+        "flat-rs", "reduce", 16, 5e6, 30, 0
+    ).launches  # no GIFT parameters: no widths
+
+
 def test_stage_seconds_are_launches_plus_ratio_times_bytes():
     """One flat reduce-scatter bucket at 8 ranks priced from ``_doc``: send = 34 launches x 5 us + (1.25 x the
     Euclidean share + 1.5 x the GIFT share of 4N + F, + 1.5 x 4N_g) / (0.6 x 4 TB/s). Pricing the essential

@@ -309,3 +309,59 @@ def test_reductions_with_kernels_are_their_pytorch_path():
             assert same(results[rank][(case, True)], results[rank][(case, False)]), (case, rank)
         if case[2]:  # all-reduce: every rank holds the whole reduced bucket
             assert all(torch.equal(results[r][(case, True)], results[0][(case, True)]) for r in range(4)), case
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernels on the CPU: the interpreter's run only")
+@pytest.mark.parametrize("rank", [2, 7])
+def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
+    """The sum-first node sums' whitening stage (``FP4SumFirstReduce._rows``) with the kernels, every GIFT
+    parameter of a shape in one ``RowsAt`` (two of 256 columns, padding between them; one of 128), against
+    its PyTorch path on the same held sums: the whole rows' ``G T`` to FP32 rounding, every other coded value
+    (cut pieces, the Euclidean parameter) exact, nothing left unset; one launch per width. Bugs caught: a
+    parameter's rows whitened with another's ``T`` or placed at another's positions, the Euclidean values or
+    cut pieces lost when the whole rows are left out of the gather."""
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.comm.sum_first import FP4SumFirstReduce
+    from megatron_gift.comm.topology import Topology, TwoLevelGroups
+    from megatron_gift.config import Mode
+    from megatron_gift.numerics.fp8 import CodecConfig
+    from megatron_gift.numerics.whitening import LowRankWhitening
+    from megatron_gift.testing.simulate import FakeGroup
+
+    p, topo = 8, Topology(2, 4)
+    shapes = [(40, 256, Mode.GIFT), (30, 128, Mode.GIFT), (44, 256, Mode.GIFT), (20, 256, Mode.EUCLIDEAN)]
+    segments, at = [], 0
+    for i, (rows, cols, mode) in enumerate(shapes):
+        segments.append(Segment(at, rows, cols, mode, f"p{i}"))
+        at += rows * cols
+    numel = -(-at // (64 * p)) * 64 * p
+    layout = BucketLayout(numel, p, segments, CodecConfig(), torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    ts = []
+    for _, cols, mode in shapes:
+        w = None
+        if mode is Mode.GIFT:
+            w = LowRankWhitening.empty(cols, 4)
+            for t in w.tensors().values():
+                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+        ts.append(w)
+    held = torch.randn(topo.nodes * layout.shard_size, generator=gen)
+    coded = {}
+    for kernels in (False, True):
+        groups = TwoLevelGroups(FakeGroup(p, rank), topo, FakeGroup(4, topo.local(rank)), FakeGroup(2, topo.node(rank)))
+        red = FP4SumFirstReduce(torch.zeros(numel), layout, groups, ts, FP4_FORMATS["nvfp4"], kernels=kernels)
+        assert red.ops.fused is kernels
+        stages = red.stages()
+        stages[0]()
+        red.held_sums.copy_(held)  # the node's reduce-scatter (a FakeGroup's leaves it unset)
+        with launches_of(__import__("megatron_gift.kernels.place", fromlist=["place"])) as log:
+            stages[1]()
+        held_shards = [m * topo.ranks_per_node + topo.local(rank) for m in range(topo.nodes)]
+        widths = {layout.segments[s].cols for j in held_shards for s, r0, r1 in layout.shards[j].gift_rows if r1 > r0}
+        assert len([name for name, _ in log if name == "_place_kernel"]) == (len(widths) if kernels else 0)
+        coded[kernels] = red.coded.clone()
+    ref, got = coded[False], coded[True]
+    assert torch.isfinite(got).all()
+    close = (got - ref).abs() <= 1e-5 * ref.abs().max()
+    assert close.all(), int((~close).sum())
+    assert (got == ref).sum() >= ref.numel() - sum(r * c for r, c, m in shapes if m is Mode.GIFT) // topo.ranks_per_node

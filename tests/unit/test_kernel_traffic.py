@@ -177,13 +177,14 @@ if INTERPRET:
             read, _ = fused.TRAFFIC[name](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])
 
-    @pytest.mark.parametrize("rows,cols,in_place", [(40, 256, False), (300, 640, False), (300, 640, True)])
+    @pytest.mark.parametrize("rows,cols,in_place", [(40, 256, 0), (300, 640, 0), (300, 640, 1), (300, 640, 3)], ids=str)
     def test_placed_whitening_traffic_is_what_its_programs_load(rows, cols, in_place, monkeypatch):
         """The placed cast with whitening (the two-level sender's BF16 intra-node wire, the summed-first
-        rows, read in place with ``in_place``): ``G T`` into a BF16 buffer, several row blocks per program
-        (``ROW_PROGRAMS`` lowered): ``TRAFFIC``'s bytes read within 10% of the interpreter's per-program
-        count. Bugs caught: ``Qᵀ`` counted once per launch where every program reloads it; a ``RowsAt``'s
-        buffer counted whole instead of its rows."""
+        rows, read in place from ``in_place`` matrices, padding between them): ``G T`` into a BF16 buffer,
+        several row blocks per program (``ROW_PROGRAMS`` lowered): ``TRAFFIC``'s bytes read within 10% of the
+        interpreter's per-program count, for the pass and its ``G Q``. Bugs caught: ``Qᵀ`` counted once per
+        launch where every program reloads it; a ``RowsAt``'s buffer counted whole instead of its rows, or
+        its padding rows as read."""
         from megatron_gift import kernels
         from megatron_gift.kernels import place
         from megatron_gift.kernels.placement import Placement
@@ -193,10 +194,18 @@ if INTERPRET:
         gen = torch.Generator().manual_seed(2)
         w = _whitening(cols, r, gen)
         g = torch.randn(rows, cols, generator=gen)
-        if in_place:  # the rows every other row of a buffer twice their size
-            g = kernels.RowsAt(torch.randn(2 * rows * cols, generator=gen), 2 * cols * torch.arange(rows), cols)
-        out = torch.zeros(rows * cols, dtype=torch.bfloat16)
-        into = Placement([rows * cols], [0], "cpu").at(out, 0)
+        if in_place:  # the rows every other row of a buffer twice their size, split among the matrices
+            counts = [rows // in_place + (k < rows % in_place) for k in range(in_place)]
+            pads, matrix, spans = kernels.placement.aligned_rows(counts, "cpu")
+            starts, at = [], 0
+            for n, pad in zip(counts, pads):
+                starts += (2 * cols * torch.arange(at, at + n)).tolist() + [-1] * pad
+                at += n
+            buffer = torch.randn(2 * rows * cols, generator=gen)
+            g = kernels.RowsAt(buffer, torch.tensor(starts), cols, matrix, spans)
+            w = [_whitening(cols, r, gen) for _ in counts]
+        out = torch.zeros(g.numel(), dtype=torch.bfloat16)
+        into = Placement([g.numel()], [0], "cpu").at(out, 0)
         launches = _counted_launches(lambda: kernels.whiten_place(g, w, into), "_place_kernel", place)
         assert launches and all(a["row_steps"] > 1 for a, _ in launches)
         for args, loaded in launches:
@@ -205,7 +214,7 @@ if INTERPRET:
         from megatron_gift.kernels import fused
 
         launches = _counted_launches(lambda: kernels.whiten_place(g, w, into), "_project_kernel")  # its G Q
-        assert launches and all(a["ROW_INDEX"] == in_place for a, _ in launches)
+        assert launches and all(a["ROW_INDEX"] == bool(in_place) for a, _ in launches)
         for args, loaded in launches:
             read, _ = fused.TRAFFIC["_project_kernel"](args)
             assert 0.9 * loaded <= read <= 1.1 * loaded, (read, loaded, args["grid"])

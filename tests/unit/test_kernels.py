@@ -378,19 +378,52 @@ def test_placed_cast_reads_rows_where_they_lie(device, dtype, kernels_only):
     starts = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:rows] * cols + 7
     starts[0] = buffer.numel() - cols  # the buffer's last row
     starts = starts.to(device)
-    at = kernels.RowsAt(buffer, starts, cols)
+    at = kernels.RowsAt.of_one(buffer, starts, cols)
     dense = torch.stack([buffer[a : a + cols] for a in starts.tolist()])
     w = _whitening(cols, 4, device)
     table = Placement([rows * cols - 40, 40], [5, rows * cols], device)
     outs = []
-    for x in (at, dense):
+    for x, ws in ((at, [w]), (dense, w)):
         out = torch.full((2 * rows * cols,), 7.0, device=device)
-        kernels.whiten_place(x, w, table.at(out, 0))
+        kernels.whiten_place(x, ws, table.at(out, 0))
         outs.append(out)
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
     assert kernels_only.since(0).count("_project_kernel") == 2  # both through the kernels
     with pytest.raises(ValueError, match="RowsAt"):
         kernels.whiten_place(at, None, table.at(outs[0], 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_placed_cast_of_several_matrices_in_one_launch(device, kernels_only):
+    """``whiten_place`` of a ``RowsAt`` holding three matrices of one width (the summed-first sender's whole rows
+    of every GIFT parameter of a shape: one ``G Q`` and one pass for them all): each matrix's rows whitened
+    with its own ``T`` (to FP32 rounding of the reference's per-matrix ``G T``) at its place, the padding
+    between spans neither read nor written. Bugs caught: every row whitened with the first matrix's ``D`` or
+    ``Q`` (a block's matrix misread), a span's rows placed at another's positions, padding written."""
+    cols, counts = 96, (21, 140, 5)  # spans at rows 0, 128 and 384 (ROW_ALIGN), padding between
+    pads, matrix, spans = kernels.placement.aligned_rows(list(counts), device)
+    total = sum(counts) + sum(pads)
+    buffer = _gradient(1, 200 * cols, seed=4, device=device, special=False).view(-1)
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(5))
+    starts, k = [], 0
+    for n, pad in zip(counts, pads):
+        starts += (perm[k : k + n] * cols).tolist() + [-1] * pad
+        k += n
+    starts = torch.tensor(starts, dtype=torch.int64, device=device)
+    at = kernels.RowsAt(buffer, starts, cols, matrix, spans)
+    ws = [_whitening(cols, 4, device, seed=s) for s in range(3)]
+    table = Placement([total * cols], [3], device)  # the sequence at 3 on
+    out = torch.full((total * cols + 10,), 7.0, device=device)
+    kernels.whiten_place(at, ws, table.at(out, 0))
+    assert kernels_only.since(0).count("_project_kernel") == 1  # one G Q for the three matrices
+    for (r0, n), w in zip(spans, ws):
+        ref = kernels.reference.sender_values(at.gathered(r0, n), w, None)
+        got = out[3 + r0 * cols : 3 + (r0 + n) * cols].view(n, cols)
+        _assert_fp32_close(got, ref, w)
+    written = torch.zeros(out.numel(), dtype=torch.bool)
+    for r0, n in spans:
+        written[3 + r0 * cols : 3 + (r0 + n) * cols] = True
+    assert (out.cpu()[~written] == 7.0).all()  # padding rows and the gaps untouched
 
 
 def _fp64(w, d):

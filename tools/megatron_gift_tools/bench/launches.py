@@ -53,7 +53,9 @@ the message; decode reads the ``p`` messages and every shard's base (``2pS``, th
 
 Buckets ``euclidean/8`` and ``gift/8`` (eight parameters instead of four, at one size and two
 group sizes) give each stage's launches per parameter segment (the planner's launch count for
-a bucket of any number of parameters: ``planner.metered``).
+a bucket of any number of parameters: ``planner.metered``); on the FP4 paths ``gift/2w`` (four GIFT
+parameters of two widths, ``[rows, 1536]`` and ``[rows, 768]``) gives those per width beyond the first
+(the sum-first exchange batches the parameters of one shape).
 
 The JSON records ``date`` (UTC) and ``sources``: the SHA-256 of the files metered (``SOURCES``:
 the kernels, the reduction and gather code, the numerics they call, this meter). A test
@@ -110,7 +112,10 @@ BUCKETS = {
     "gift+out": (Mode.GIFT,) * 4,
     "euclidean/8": (Mode.EUCLIDEAN,) * 8,
     "gift/8": (Mode.GIFT,) * 8,
+    "gift/2w": (Mode.GIFT,) * 4,
 }
+WIDTHS = {"gift/2w": (1, 2, 1, 2)}
+"""a bucket's parameters' widths, as divisors of the path's columns (other buckets: one width)."""
 SEGMENT_SCAN = ("10M", (64, 512))
 """size and group sizes of the ``*/8`` buckets (launches per segment)."""
 RANKS_PER_NODE = 8  # two-level: min(8, p/2) ranks per node
@@ -141,11 +146,16 @@ def source_hash() -> dict:
     return dict(files=files, sha256=h.hexdigest())
 
 
-def segments(numel: int, modes, cols: int = COLS) -> list[Segment]:
-    """Four ``[rows, cols]`` parameters filling all but less than ``4·cols`` elements of ``numel`` (the rest
-    padding), the same structure at every size."""
-    rows = numel // (len(modes) * cols)
-    return [Segment(i * rows * cols, rows, cols, m, f"p{i}") for i, m in enumerate(modes)]
+def segments(numel: int, modes, cols: int | tuple[int, ...] = COLS) -> list[Segment]:
+    """A ``[rows, cols]`` parameter per mode (``cols``: one width, or one per parameter), each an equal share
+    of ``numel`` in whole rows (the rest padding), the same structure at every size."""
+    widths = (cols,) * len(modes) if isinstance(cols, int) else cols
+    out, at = [], 0
+    for i, (m, c) in enumerate(zip(modes, widths)):
+        rows = numel // (len(modes) * c)
+        out.append(Segment(at, rows, c, m, f"p{i}"))
+        at += rows * c
+    return out
 
 
 def _whitenings(segs, device, output: bool = False):
@@ -190,6 +200,7 @@ class Case:
         fmt = next((f for name, f in FP4_FORMATS.items() if f"-{name}-" in path), None)
         self.fmt = fmt  # the FP4 format between nodes (``-nvfp4-`` in the path), rotated where whitened
         cols = COLS if fmt is None else FP4_COLS
+        cols = tuple(cols // k for k in WIDTHS[bucket]) if bucket in WIDTHS else cols
         self.layout = layout or BucketLayout(
             numel, p, segments(numel, BUCKETS[bucket], cols), CodecConfig(), torch.float32
         )
@@ -401,20 +412,23 @@ def scan(quick: bool) -> list[tuple]:
     if quick:
         paths = ["flat-rs", "two-level/bf16-rs"]  # Megatron's distributed optimizer, flat and the default two-level
     for bucket in ("euclidean", "gift", "plain", "euclidean+ef", "gift+out") + (
-        () if quick else ("euclidean/8", "gift/8")
+        () if quick else ("euclidean/8", "gift/8", "gift/2w")
     ):
         for size in sizes:
             for dp in dps:
                 for path in paths:
-                    if path in FP4_PATHS and bucket not in ("euclidean", "gift", "euclidean/8", "gift/8"):
+                    if path in FP4_PATHS and bucket not in ("euclidean", "gift", "euclidean/8", "gift/8", "gift/2w"):
                         continue  # FP4 refuses error feedback and the output side at start-up
+                    if bucket in WIDTHS and path not in FP4_PATHS:
+                        continue  # launches per width: the FP4 paths' (the sum-first exchange's batches)
                     if bucket.endswith("+ef") and (path != "flat-rs" or SIZES[size] > SIZES[torch_sizes[-1]]):
                         # error feedback: the flat reduce-scatter's sender (the same encode elsewhere),
                         # at the PyTorch path's sizes
                         continue
                     if path.startswith("two-level") and dp < 4:
                         continue  # two levels need >1 node of >1 ranks
-                    if bucket.endswith("/8") and (size, dp) not in [(SEGMENT_SCAN[0], d) for d in SEGMENT_SCAN[1]]:
+                    scan_only = bucket.endswith("/8") or bucket in WIDTHS
+                    if scan_only and (size, dp) not in [(SEGMENT_SCAN[0], d) for d in SEGMENT_SCAN[1]]:
                         continue
                     out.append((path, bucket, size, dp, "fused"))
     for bucket in ("euclidean", "gift"):
@@ -596,8 +610,8 @@ def run(
                 continue
             print(f"[bench launches] {path} {bucket} {size} dp={dp} {kernels} ...", file=sys.stderr, flush=True)
             # one layout (and its cached plans) per bucket, size, group and parameter width (FP4: FP4_COLS)
-            key = (BUCKETS[bucket], size, dp, "fp4" in path)
-            layouts = {k: v for k, v in layouts.items() if k[1] == size}
+            key = (BUCKETS[bucket], WIDTHS.get(bucket), size, dp, "fp4" in path)
+            layouts = {k: v for k, v in layouts.items() if k[2] == size}
             case = Case(path, bucket, SIZES[size], dp, kernels, layout=layouts.get(key))
             layouts[key] = case.layout
             t = time.time()

@@ -14,7 +14,10 @@ CUDA runs):
 - ``launches``: ``fixed + per_param x parameters`` of the bucket. ``per_param``: the 8-parameter
   buckets' launches less the 4-parameter ones', over 4 (``SEGMENT_SCAN``'s size); ``fixed``: the
   record's launches less 4 ``per_param``. A bucket with GIFT parameters takes the GIFT records'
-  ``fixed`` and per-parameter launches for those, the Euclidean records' for the others.
+  ``fixed`` and per-parameter launches for those, the Euclidean records' for the others, plus, where
+  the JSON has ``gift/2w`` records (the FP4 paths: four GIFT parameters of two widths), their launches
+  less the ``gift`` ones' for each width of its GIFT parameters beyond the first (the sum-first
+  exchange batches the parameters of one shape: its launches grow with the widths, not the parameters).
 - The record: the scanned group size nearest the planner's in ``log p``, then the scanned bucket
   size nearest in ``log N`` (1M to 200M elements: the ratios change by a few percent between
   them; a larger bucket takes the 200M record). The scan's two-level groups have 8 ranks per node
@@ -160,10 +163,11 @@ class Meter:
         parameters: int,
         gift_parameters: int,
         two_sided: bool = False,
+        gift_widths: int = 1,
     ) -> StageCount:
-        """``stage`` of a bucket of ``elements`` with ``parameters`` (``gift_parameters`` of them GIFT's) at ``p``
-        ranks on the meter's ``path`` (``flat-rs``, ``two-level/bf16-ar`` ...); ``two_sided``: its GIFT
-        parameters have an output side (module doc)."""
+        """``stage`` of a bucket of ``elements`` with ``parameters`` (``gift_parameters`` of them GIFT's, of
+        ``gift_widths`` widths) at ``p`` ranks on the meter's ``path`` (``flat-rs``, ``two-level/bf16-ar`` ...);
+        ``two_sided``: its GIFT parameters have an output side (module doc)."""
         path = self._path(path)
         if two_sided and gift_parameters and (path, "gift+out") in self._red:
             return self._two_sided(path, stage, p, elements, parameters, gift_parameters)
@@ -173,6 +177,10 @@ class Meter:
         g_fixed, g_per = self._launch_line(path, "gift", stage, p, elements)
         fixed = g_fixed if gift_parameters else e_fixed
         launches = max(0.0, fixed + e_per * (parameters - gift_parameters) + g_per * gift_parameters)
+        if gift_parameters and gift_widths > 1 and (path, "gift/2w") in self._red:
+            dp, size, two = self._pick(self._red[(path, "gift/2w")], p, elements)
+            one = self._pick(self._red[(path, "gift")], dp, size)[2]  # the same group and bucket size
+            launches += (two[stage]["launches"] - one[stage]["launches"]) * (gift_widths - 1)
         ratio = _ratio(self._pick(self._red[(path, "euclidean")], p, elements)[2][stage])
         gift_ratio = _ratio(self._pick(self._red[(path, "gift")], p, elements)[2][stage])
         return StageCount(launches, ratio, gift_ratio)

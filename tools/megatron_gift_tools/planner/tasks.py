@@ -61,7 +61,16 @@ class Context:
         return (
             ONE_PASS
             if m is None
-            else m.reduction(path, stage, self.p, b.elements, b.parameters, b.gift_parameters, self.two_sided)
+            else m.reduction(
+                path,
+                stage,
+                self.p,
+                b.elements,
+                b.parameters,
+                b.gift_parameters,
+                self.two_sided,
+                len({cols for _, cols in b.gift_shapes}) or 1,
+            )
         )
 
     def gpu(
