@@ -129,9 +129,10 @@ def test_launches_grow_with_the_widths_where_the_meter_has_two():
     assert m.reduction("flat-rs", "reduce", 16, 5e6, 30, 3, gift_widths=1).launches == one
     assert m.reduction("flat-rs", "reduce", 16, 5e6, 30, 3, gift_widths=3).launches == one + 6
     assert plain.reduction("flat-rs", "reduce", 16, 5e6, 30, 3, gift_widths=3).launches == one
-    assert m.reduction("flat-rs", "reduce", 16, 5e6, 30, 0, gift_widths=3).launches == plain.reduction(
-        "flat-rs", "reduce", 16, 5e6, 30, 0
-    ).launches  # no GIFT parameters: no widths
+    assert (
+        m.reduction("flat-rs", "reduce", 16, 5e6, 30, 0, gift_widths=3).launches
+        == plain.reduction("flat-rs", "reduce", 16, 5e6, 30, 0).launches
+    )  # no GIFT parameters: no widths
 
 
 def test_stage_seconds_are_launches_plus_ratio_times_bytes():
