@@ -90,10 +90,32 @@ def test_fp4_records_leave_fp8_records_bit_for_bit(monkeypatch):
     assert [r for r in both if r["format"] == "fp8"] == plain
     fp4 = [r for r in both if r["format"] == "nvfp4"]
     wired = {"gift/wire-damping", "gift+hadamard/wire-damping"}  # T chosen on NVFP4's errors, as the runtime does
-    assert {r["scheme"] for r in fp4} == set(fp4_schemes.SCHEMES) | {"gift+hadamard@16"} | wired
+    # chosen: --gift-rotation auto's, from the first refresh on
+    assert {r["scheme"] for r in fp4} == set(fp4_schemes.SCHEMES) | {"gift+hadamard@16", "chosen"} | wired
+    assert {r["step"] for r in fp4 if r["scheme"] == "chosen"} == {1, 2}
     assert {r["scheme"] for r in fp4 if r["layer"].endswith("fc2")} == {"euclidean", "gift", "gift+hadamard@16"}
     names = {r["scheme"] for r in pretrained_steps.summarize(both)["per_type"]}
     assert {"nvfp4 euclidean", "nvfp4 gift+hadamard", "gift-chosen"} <= names
+
+
+def test_chosen_takes_the_rotation_with_the_smaller_refresh_error():
+    """``chosen`` (``--gift-rotation auto``) copies the wire-damping record of the rotation whose error the
+    refresh measured smaller, per format, and nothing before a refresh. Bugs caught: the choice inverted, one
+    format's choice applied to another, a record made without the refresh's errors."""
+    recs = [
+        {"format": f, "scheme": s, "rel_l2": v}
+        for f, base in (("nvfp4", 1.0), ("mxfp4", 10.0))
+        for s, v in (("gift/wire-damping", base + 1), ("gift+hadamard/wire-damping", base + 2), ("gift", base))
+    ]
+    err = {
+        "input@('nvfp4', 'gift')": 0.5,
+        "input@('nvfp4', 'gift+hadamard')": 0.4,  # rotation measured better for NVFP4
+        "input@('mxfp4', 'gift')": 0.3,
+        "input@('mxfp4', 'gift+hadamard')": 0.6,  # and worse for MXFP4
+    }
+    got = {r["format"]: (r["rel_l2"], r["rotate"], r["scheme"]) for r in fp4_schemes.chosen(recs, err)}
+    assert got == {"nvfp4": (3.0, True, "chosen"), "mxfp4": (11.0, False, "chosen")}
+    assert fp4_schemes.chosen(recs, {}) == []
 
 
 def test_block_choice_takes_the_geometric_mean_over_common_layers():

@@ -216,8 +216,9 @@ def fp4_schemes(results: Path) -> str:
     for r in fid["summary"]["fp4"]:
         rows.setdefault((model, r["format"], r["scheme"]), {})[r["layer_type"]] = r["ratio"]
     types = ("qkv", "proj", "fc1", "fc2")
-    # "/wire-damping": T chosen on the four-bit wire's own errors, as the runtime's refresh chooses it
-    order = ("hadamard", "gift", "gift/wire-damping", "gift+hadamard", "gift+hadamard/wire-damping")
+    # "/wire-damping": T chosen on the four-bit wire's own errors, as the runtime's refresh chooses it; "chosen":
+    # --gift-rotation auto's, the rotation on or off per layer by the refresh's errors
+    order = ("hadamard", "gift", "gift/wire-damping", "gift+hadamard", "gift+hadamard/wire-damping", "chosen")
     lines = ["| model | format | scheme | " + " | ".join(types) + " |", "|---" * (len(types) + 3) + "|"]
     shown = sorted((m, fmt, order.index(scheme)) for m, fmt, scheme in rows if scheme in order)  # Euclidean: 1
     for m, fmt, k in shown:

@@ -5,7 +5,8 @@
 ``T`` is the input-side map the plugin sends at ``--gift-side input`` (``gift-chosen``'s: the damping
 chosen on FP8 errors, gated by the cold-start rule); ``R`` the seeded block Hadamard (``numerics.rotation``,
 block ``HADAMARD_BLOCK``). Each rank's gradient is one segment (one FP32 tensor scale for NVFP4). With
-``blocks``, ``gift+hadamard@b`` measures the rotation at other block sizes on the same gradients.
+``blocks``, ``gift+hadamard@b`` measures the rotation at other block sizes on the same gradients; ``chosen``
+is ``--gift-rotation auto``'s per layer (``chosen``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,27 @@ def measure(
             r["ratio"] = r["rel_l2"] / base["rel_l2"]
             r["euclid_se"] = base["rel_l2_se"]
         out += rows
+    return out
+
+
+def chosen(records: list[dict], wire_error: dict) -> list[dict]:
+    """``--gift-rotation auto``'s scheme (``chosen``) per FP4 format of one layer's ``records``: the last
+    refresh measured the four-bit error of its damping choice with and without the rotation on the owner's
+    gradient (``wire_error``: ``GiftLayer``'s, keyed ``input@(format, scheme)``) and sends the smaller, as
+    the runtime's refresh does (``damping_wire``); the record is that ``scheme/wire-damping`` one's, with
+    ``rotate``. None before the first refresh."""
+    out = []
+    for r in records:
+        if r["scheme"] != "gift/wire-damping":
+            continue
+        plain, rotated = (wire_error.get(f"input@{(r['format'], s)}") for s in ("gift", "gift+hadamard"))
+        if plain is None or rotated is None:
+            continue
+        rotate = rotated < plain
+        pick = "gift+hadamard/wire-damping" if rotate else "gift/wire-damping"
+        src = next((x for x in records if x["format"] == r["format"] and x["scheme"] == pick), None)
+        if src is not None:
+            out.append({**src, "scheme": "chosen", "rotate": rotate})
     return out
 
 

@@ -60,10 +60,12 @@ class GiftLayer:
     # name -> round trip ``u -> dec(enc(u))`` of another wire (FP4): the input side's damping chosen (and
     # gated) on its errors instead of FP8's, sent as side "input@name"
     quantizers: dict = field(default_factory=dict)
+    wire_error: dict = field(default_factory=dict)  # "input@name" -> the sent choice's error on g0 at the refresh
 
     def install(self) -> None:
         if self.pending is not None:
-            self.sent, self.held_out, self.pending = self.pending["sent"], self.pending["best"], None
+            self.sent, self.held_out = self.pending["sent"], self.pending["best"]
+            self.wire_error, self.pending = self.pending["wire_error"], None
 
     def observe(self, inputs: list[torch.Tensor], out_grads: list[torch.Tensor]) -> None:
         """One step's statistics, summed over the ranks' ``inputs`` and ``out_grads``: ``A``'s folded
@@ -111,6 +113,7 @@ class GiftLayer:
             for flag, i in ((False, int(chosen)), (True, int(gated))):
                 sent[(side, flag)] = (None, "euclidean") if i == 0 else cands[i - 1][::-1]
             best[side] = cands[int(b)][1]
+        wire_error = {}
         for name, q in self.quantizers.items():  # the input side's choice on another wire's errors
             side = f"input@{name}"
             cands, held = sides["input"], self.held_out.get(side)
@@ -120,4 +123,5 @@ class GiftLayer:
             for flag, i in ((False, int(chosen)), (True, int(gated))):
                 sent[(side, flag)] = (None, "euclidean") if i == 0 else cands[i - 1][::-1]
             best[side] = cands[int(b)][1]
-        self.pending = {"sent": sent, "best": best}
+            wire_error[side] = float(errs[int(gated)])
+        self.pending = {"sent": sent, "best": best, "wire_error": wire_error}

@@ -297,7 +297,7 @@ def _measure_step(
             wired = r["scheme"].endswith("/wire-damping")
             q = (r["format"], r["scheme"].removesuffix("/wire-damping"))
             r["damping"] = wire[q][1] if wired else label if "gift" in r["scheme"] else None
-        records += fp4
+        records += fp4 + fp4_schemes.chosen(fp4, main.wire_error)
         for v in gift[name].values():
             v.observe([s[1][name] for s in shards], [s[2][name] for s in shards])
             if refresh:
