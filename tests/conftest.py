@@ -6,12 +6,21 @@
   would take its CUDA paths with CPU tensors); skipped there. The ``gpu`` tests cover that machine.
   A test (or the fixtures it sets up) that starts the harness without the marker fails, on any
   machine: ``cpu_harness.check_host``, which the harness's entry points call first, fails it.
+- Under Triton's interpreter (the kernel tests' own runs) every kernel specialisation launched must be in
+  ``bench/results/kernel-specs.json``, the list the offline sm_90a compile report compiles.
 """
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_gift.megatron import cpu_harness
+from megatron_gift.testing import kernel_log
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPECS = pytest.StashKey[tuple]()
 
 _CHECK_HOST = cpu_harness.check_host
 
@@ -23,6 +32,31 @@ SKIP_REASONS = {
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_harness: " + SKIP_REASONS["cpu_harness"][1] + " (skipped there)")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernel tests' run: note what each launch specialises
+        recording = kernel_log.launched_specialisations()
+        config.stash[_SPECS] = (recording, recording.__enter__())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under the interpreter: with ``GIFT_KERNEL_SPECS`` set, add the launched specialisations to that JSON;
+    else fail the session if one is missing from the committed list, which the offline sm_90a compile
+    report (``bench/compile.py``) compiles: a kernel variant the report has never compiled (issue 35)."""
+    if _SPECS not in session.config.stash:
+        return
+    recording, seen = session.config.stash[_SPECS]
+    recording.__exit__(None, None, None)
+    out = os.environ.get(kernel_log.SPECS_ENV)
+    if out:
+        kernel_log.save_specs(out, kernel_log.load_specs(out) | seen)
+        return
+    missing = seen - kernel_log.load_specs(str(ROOT / kernel_log.SPECS))
+    if missing:
+        print(f"\n{len(missing)} kernel specialisation(s) launched here are not in {kernel_log.SPECS}: record them")
+        print(f"({kernel_log.SPECS_ENV}={kernel_log.SPECS} with the kernel tests under TRITON_INTERPRET=1) and")
+        print("recompile the report (python -m megatron_gift_tools.bench.compile):")
+        for m, k, c, f in sorted(missing):
+            print(f"  {m}.{k} {c} fusion={f}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):

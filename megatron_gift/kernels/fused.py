@@ -87,6 +87,10 @@ from .placement import RowsAt
 TILE = 128  # columns of a unit where the scaling group is a whole row or tensor
 MAX_TILE = 4096  # elements of a chunk: wider groups are read in several chunks
 TILE_ELEMENTS = 2048  # elements of a program's tile (BU x W) where its units allow
+DECODE_OPTIONS = dict(maxnreg=255)  # the decode-sum's: ptxas held 32 units of 32 elements (i64 sizes) to 128
+# registers and spilled 20-24 B; allowed 255, none (``bench/compile.py``)
+MAX_UNITS = 32  # units of a program (64 units of 32 elements spilled 4-96 B in the decode-sum and the MX maxima
+# pass at 255 registers, ``bench/compile.py``; 32: none)
 MAX_PARTS = 3  # parts of rows one decode launch takes (before the own rank, own, after)
 _READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -887,7 +891,7 @@ class _Tiling:
         w = min(triton.next_power_of_2(unit_w), MAX_TILE)  # a ROW group with lengths: chunks of TILE
         if not row_blocks:
             layout, n_units = (_ORDERED.value, rows * upr) if n_groups is None else (_GROUPS.value, n_groups)
-            bu = max(1, min(TILE_ELEMENTS // w, triton.next_power_of_2(n_units)))
+            bu = max(1, min(TILE_ELEMENTS // w, MAX_UNITS, triton.next_power_of_2(n_units)))
             return cls(layout, unit_w, w, bu, n_units, triton.cdiv(rows, bu), upr, strides)
         layout, n_units, slot_w = _ROW_BLOCKS.value, rows * upr, 0
         codec_per_row, slot_units = (upr if per_group else 1), 1
@@ -934,10 +938,11 @@ def _ends(lengths: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     return fallback if lengths is None else torch.cumsum(lengths, 0, dtype=torch.int64)
 
 
-def project_options(bm: int, br: int, output: bool) -> dict:
-    """Launch options of a ``_project_kernel``: 8 warps where its ``[BM, BR]`` accumulator has 4096 elements
-    or more, or with ``OUTPUT`` (at 4 warps ptxas chose 32 registers and spilled ~5 KB; ``bench/compile.py``)."""
-    return dict(num_warps=8 if output or bm * br >= 4096 else 4)
+def project_options(bm: int, br: int, output: bool, bk: int = 0) -> dict:
+    """Launch options of a ``_project_kernel``: 8 warps where its ``[BM, BR]`` accumulator or its ``[BM, BK]``
+    tile of ``X`` has 4096 elements or more, or with ``OUTPUT`` (at 4 warps ptxas chose 32 registers and
+    spilled ~5 KB with ``OUTPUT``, 8 B at BM = BK = 64; ``bench/compile.py``)."""
+    return dict(num_warps=8 if output or bm * max(br, bk) >= 4096 else 4)
 
 
 PROJECT_ROWS = 128  # rows of a _project program: they share its loads of Q (4·r/128 B per element of X)
@@ -986,7 +991,7 @@ def _project(
         BR=br,
         BO=16,
         ROW_INDEX=rows_at is not None,
-        **project_options(bm, br, False),
+        **project_options(bm, br, False, bk),
     )
     return out[0] if splits == 1 else out.sum(0)
 
@@ -1322,6 +1327,7 @@ def decode_sum_unwhiten(
         enable_fp_fusion=False,
         **tiling.constexprs(),
         **_fmt_args(cfg, "decode_sum_unwhiten"),
+        **DECODE_OPTIONS,
     )
     return unwhiten(acc, out, whitening)
 

@@ -40,6 +40,71 @@ def launches_of(module):
             setattr(module, name, kernel)
 
 
+SPECS = "bench/results/kernel-specs.json"
+"""the specialisations the kernel tests launch (``record_specialisations``), which ``bench/compile.py`` compiles."""
+SPECS_ENV = "GIFT_KERNEL_SPECS"
+"""set to a path: the interpreter sessions add the specialisations they launch to that JSON (tests/conftest.py)."""
+
+
+def specialisation(fn, args: tuple, kwargs: dict) -> tuple[str, str, str, bool]:
+    """``(module, kernel, constexprs as sorted JSON, FMA contraction)`` of one launch of the Triton function
+    ``fn`` (its Python function): what an offline compile needs besides the argument types."""
+    import inspect
+    import json
+
+    sig = inspect.signature(fn)
+    bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters}).arguments
+    constexprs = {
+        name: getattr(value, "value", value)
+        for name, value in bound.items()
+        if str(sig.parameters[name].annotation).endswith("constexpr")
+    }
+    module = fn.__module__.rpartition(".")[2]
+    return module, fn.__name__, json.dumps(constexprs, sort_keys=True), bool(kwargs.get("enable_fp_fusion", True))
+
+
+@contextmanager
+def launched_specialisations():
+    """Within the block, every interpreted launch of a ``megatron_gift.kernels`` function adds its
+    ``specialisation`` to the yielded set."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: set = set()
+    real = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__.startswith("megatron_gift.kernels"):
+            seen.add(specialisation(self.fn, args, kwargs))
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = real
+
+
+def load_specs(path: str) -> set:
+    """The recorded specialisations at ``path`` (an empty set where it does not exist)."""
+    import json
+
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {
+            (r["module"], r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["fusion"]) for r in json.load(f)
+        }
+
+
+def save_specs(path: str, specs: set) -> None:
+    """Write ``specs`` (``specialisation`` tuples) to ``path``, sorted: what ``load_specs`` reads."""
+    import json
+
+    rows = [dict(module=m, kernel=k, constexprs=json.loads(c), fusion=f) for m, k, c, f in sorted(specs)]
+    with open(path, "w") as f:  # one specialisation per line
+        f.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+
+
 def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> None:
     """Run ``test_file``'s tests in a fresh process with ``TRITON_INTERPRET=1`` (the interpreter must be on
     before the kernels are defined) and require every one to pass: none failed, skipped or deselected."""

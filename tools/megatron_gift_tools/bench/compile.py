@@ -4,6 +4,10 @@ Each case (kernel, constexprs as the launchers and kernel tests use them) is com
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton names that ``sm_90a``), with its
 integer arguments typed i32 and again i64 (a size above 2^31), and reported with registers,
 spills, shared memory and the 32-bit multiplies (``mul.lo.s32``/``mul.wide.s32``) in the PTX.
+The cases: every specialisation the kernel tests launch under the interpreter, as recorded in
+``bench/results/kernel-specs.json`` (``testing.kernel_log.SPECS``; the interpreter runs fail where they
+launch one it lacks: tests/conftest.py), launch options as the launchers derive them from the constexprs.
+``CASES`` (hand-picked) are the subset the slow test compiles in CI.
 Run: ``python -m megatron_gift_tools.bench.compile --out bench/results/compile-sm90-cpu.json``.
 """
 
@@ -177,10 +181,14 @@ def compile_case(module, name, constexprs, fusion, int_type):
         from megatron_gift.kernels.fp4 import AMAX_OPTIONS
 
         options.update(AMAX_OPTIONS)
+    if (module, name) == ("fused", "_decode_sum_kernel"):  # the registers its launcher allows
+        from megatron_gift.kernels.fused import DECODE_OPTIONS
+
+        options.update(DECODE_OPTIONS)
     if (module, name) == ("fused", "_project_kernel"):  # the warps and registers its launchers pick
         from megatron_gift.kernels.fused import project_options
 
-        options.update(project_options(constexprs["BM"], constexprs["BR"], constexprs["OUTPUT"]))
+        options.update(project_options(constexprs["BM"], constexprs["BR"], constexprs["OUTPUT"], constexprs["BK"]))
     if (module, name) == ("fused", "_encode_kernel"):  # the warps and registers its launcher picks
         from megatron_gift.kernels.fused import encode_options
 
@@ -213,18 +221,29 @@ def report(cases=CASES, int_types=("i32", "i64")):
     return rows
 
 
+def recorded_cases(path: str) -> list[tuple]:
+    """``CASES``-shaped cases of the recorded specialisations at ``path`` (``kernel_log.SPECS``)."""
+    from megatron_gift.testing.kernel_log import load_specs
+
+    return [(m, k, json.loads(c), f) for m, k, c, f in sorted(load_specs(path))]
+
+
 def main(argv=None):
+    from megatron_gift.testing.kernel_log import SPECS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/compile-sm90-cpu.json")
+    parser.add_argument("--specs", default=SPECS, help="the recorded specialisations (default: %(default)s)")
     args = parser.parse_args(argv)
     import triton
 
-    rows = report()
+    rows = report(recorded_cases(args.specs))
     doc = {
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), offline compile, no GPU",
         "triton": triton.__version__,
         "target": 'GPUTarget("cuda", 90, 32)',
-        "command": "python -m megatron_gift_tools.bench.compile --out " + args.out,
+        "command": f"python -m megatron_gift_tools.bench.compile --out {args.out} --specs {args.specs}",
+        "specs": args.specs,
         "compiled": f"{sum(r['compiled'] for r in rows)}/{len(rows)}",
         "rows": rows,
     }
