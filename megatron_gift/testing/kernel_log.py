@@ -41,7 +41,7 @@ def launches_of(module):
 
 
 SPECS = "bench/results/kernel-specs.json"
-"""the specialisations the kernel tests launch (``record_specialisations``), which ``bench/compile.py`` compiles."""
+"""the specialisations the kernel tests launch (``launched_specialisations``), which ``bench/compile.py`` compiles."""
 SPECS_ENV = "GIFT_KERNEL_SPECS"
 """set to a path: the interpreter sessions add the specialisations they launch to that JSON (tests/conftest.py)."""
 
