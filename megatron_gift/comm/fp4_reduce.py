@@ -59,7 +59,7 @@ from .layout import BucketLayout, _pad4
 from .ledger import CommLedger, dtype_label
 from .packing import Received
 from .pieces import PieceExchange
-from .quantized import ShardReduction, Whitenings, destination, with_self
+from .quantized import ShardReduction, Whitenings, destination
 from .schedule import StageResult, taken
 from .topology import Topology, TwoLevelGroups
 
@@ -108,8 +108,8 @@ def fp4_wire_bytes(layout: BucketLayout, j: int, fmt: FP4Format) -> int:
 @dataclass(frozen=True)
 class FP4Packing:
     """The messages of one FP4 exchange in its buffer: the messages of a *source*'s shards (the
-    bucket's, or the two-level exchange's held shards), the others in the source's order, then the
-    own one; per section a ``kernels.placement.Placement`` from the source's sequence (codes and block scales
+    bucket's, or the two-level exchange's held shards) in the source's order, the own one included; per
+    section a ``kernels.placement.Placement`` from the source's sequence (codes and block scales
     in bytes, segment scales in FP32, each plain class in its dtype) to the buffer, so that a whole
     exchange is encoded once and placed with a few ops, whatever the number of messages."""
 
@@ -119,12 +119,13 @@ class FP4Packing:
     nbytes: int
 
 
-def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], own: int, device) -> FP4Packing:
-    """The packing of the messages of ``shards`` (the source's shards in order) with ``shards[own]``'s last."""
+def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], device) -> FP4Packing:
+    """The packing of the messages of ``shards`` (the source's shards), one after another in that order: the
+    all-to-all's input in destination order, the own message included (the collective copies it into place)."""
     msgs = [fp4_message(layout, j, fmt) for j in shards]
     plans = [layout.shards[j] for j in shards]
     start, at = [0] * len(shards), 0
-    for i in [i for i in range(len(shards)) if i != own] + [own]:
+    for i in range(len(shards)):
         start[i], at = at, at + msgs[i].nbytes
 
     def table(sizes: list[int], offsets: list[int], itemsize: int) -> Placement:
@@ -232,10 +233,10 @@ class _FP4Stages:
 
         return self.layout.cached(("fp4-rotation-chunks", shards, self.rotated_segments, str(device)), build)
 
-    def _packing(self, shards: tuple[int, ...], own: int, device) -> FP4Packing:
+    def _packing(self, shards: tuple[int, ...], device) -> FP4Packing:
         """``fp4_packing`` of ``shards``, built once per layout."""
-        key = ("fp4-packing", self.fmt.name, shards, own, str(device))
-        return self.layout.cached(key, lambda: fp4_packing(self.layout, self.fmt, shards, own, device))
+        key = ("fp4-packing", self.fmt.name, shards, str(device))
+        return self.layout.cached(key, lambda: fp4_packing(self.layout, self.fmt, shards, device))
 
     def _encode_placed(
         self, pk: FP4Packing, coded: torch.Tensor, plain: list[torch.Tensor], rotate: tuple[int, ...] | None
@@ -409,9 +410,9 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         return (self.fmt.name,)
 
     def _footprint(self) -> int:
-        """Send buffer (every shard's FP4 message) and receive buffer ((p - 1) own messages), the most on any rank."""
+        """Send buffer (every shard's FP4 message) and receive buffer (p own messages), the most on any rank."""
         sizes = [m.nbytes for m in self.msgs]
-        return taken(sum(sizes), (self.world - 1) * max(sizes), *self._gathered_bytes())
+        return taken(sum(sizes), self.world * max(sizes), *self._gathered_bytes())
 
     # -- 0: send --------------------------------------------------------------------------------------
     def _coded_values(self) -> tuple[torch.Tensor, bool]:
@@ -430,7 +431,7 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         u += e
         v = self._rotate_shards(u.clone() if self.rotation is not None else u, shards)
         # what the owners decode of v (the same segments as the messages'), rotated back: the next residual
-        sent = roundtrip_fp4(v, self.fmt, self._packing(shards, self.rank, u.device).lengths)
+        sent = roundtrip_fp4(v, self.fmt, self._packing(shards, u.device).lengths)
         torch.sub(u, self._rotate_shards(sent, shards, inverse=True), out=staged)
         return v, False
 
@@ -443,34 +444,34 @@ class FP4Reduce(_FP4Stages, ShardReduction):
 
     def _send(self) -> StageResult:
         device, r = self.flat.device, self.rank
-        pk = self._packing(tuple(range(self.world)), r, device)  # the peers' messages, then the own one
+        pk = self._packing(tuple(range(self.world)), device)  # every rank's message, in rank order
         coded, to_rotate = self._coded_values()
         plain = [self._class_values(c) for c in range(2)]
         self.buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None)
-        own = self.msgs[r].nbytes
-        self.recv = self.space.empty((self.world - 1) * own, device=device)
         if self.world == 1:
-            return StageResult([], [self.buf, self.recv])
-        per_peer = [self.msgs[j].nbytes if j != r else 0 for j in range(self.world)]
-        sent = sum(per_peer)
-        self.ledger.add("all_to_all", self.fp4_label, sent, self._links(per_peer))
+            return StageResult([], [self.buf])
+        own = self.msgs[r].nbytes
+        self.recv = self.space.empty(self.world * own, device=device)
+        per_peer = [self.msgs[j].nbytes if j != r else 0 for j in range(self.world)]  # what leaves the rank
+        self.ledger.add("all_to_all", self.fp4_label, sum(per_peer), self._links(per_peer))
         work = dist.all_to_all_single(
             self.recv,
-            self.buf[:sent],
-            with_self([own] * (self.world - 1), r),
-            per_peer,
+            self.buf,
+            [own] * self.world,
+            [m.nbytes for m in self.msgs],
             group=self.group,
             async_op=True,
         )
         return StageResult([work], [self.buf, self.recv])
 
     def _messages(self) -> torch.Tensor:
-        """Every sender's message for the own shard, ``[p, nbytes]`` in rank order."""
-        r, own = self.rank, self.msgs[self.rank].nbytes
-        peers = self.recv.view(self.world - 1, own)
-        mine = self.buf[self.buf.numel() - own :].view(1, own)
-        rows = torch.cat([peers[:r], mine, peers[r:]])
-        del self.buf, self.recv
+        """Every sender's message for the own shard, ``[p, nbytes]`` in rank order: the receive buffer (the
+        own message copied there by the all-to-all), no copy of its own."""
+        own = self.msgs[self.rank].nbytes
+        rows = self.recv.view(self.world, own) if self.world > 1 else self.buf.view(1, own)
+        del self.buf
+        if self.world > 1:
+            del self.recv
         return rows
 
 
@@ -510,7 +511,7 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
     def _inter_bytes(self, r: int) -> list[int]:
         """Rank ``r``'s inter-node send (its held shards' FP4 messages) and receive buffers."""
         held = self.topo.inter_ranks(r)
-        return [sum(self.msgs[j].nbytes for j in held), (self.topo.nodes - 1) * self.msgs[r].nbytes]
+        return [sum(self.msgs[j].nbytes for j in held), self.topo.nodes * self.msgs[r].nbytes]
 
     def _node_sums(self) -> StageResult:
         """``P_{k,j}`` for the held shards ``j`` (FP32 sums of the node's messages, local ranks in
@@ -537,23 +538,26 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
     def _send_inter(self, sums: torch.Tensor, plain: list[torch.Tensor]) -> StageResult:
         """The held shards' node sums (``sums``: coded values, whitened, FP32; ``plain[c]``: class ``c``'s),
         ``H`` on the coded parts, encoded into their FP4 messages; the all-to-all among the nodes."""
-        device, n, k = sums.device, self.topo.nodes, self.node
-        pk = self._packing(tuple(self.held), k, device)  # the other nodes' messages, then the own one
+        device, n = sums.device, self.topo.nodes
+        pk = self._packing(tuple(self.held), device)  # the held shards' messages, in node order
         buf = self._encode_placed(pk, sums, plain, tuple(self.held))  # H on the held shards' rotated parts
         own = self.msgs[self.rank].nbytes
-        self.buf, self.recv = buf, self.space.empty((n - 1) * own, device=device)
+        self.buf, self.recv = buf, self.space.empty(n * own, device=device)
         sent = pk.nbytes - own
         self.ledger.add("all_to_all", self.fp4_label, sent, {"inter": sent})
-        per_peer = [self.msgs[self.held[m]].nbytes if m != k else 0 for m in range(n)]
         work = dist.all_to_all_single(
-            self.recv, buf[:sent], with_self([own] * (n - 1), k), per_peer, group=self.groups.inter, async_op=True
+            self.recv,
+            buf,
+            [own] * n,
+            [self.msgs[j].nbytes for j in self.held],
+            group=self.groups.inter,
+            async_op=True,
         )
         return StageResult([work], [buf, self.recv])
 
     def _messages(self) -> torch.Tensor:
-        """Every node's message for the own shard, ``[n, nbytes]`` in node order."""
-        k, own, n = self.node, self.msgs[self.rank].nbytes, self.topo.nodes
-        peers = self.recv.view(n - 1, own)
-        rows = torch.cat([peers[:k], self.buf[self.buf.numel() - own :].view(1, own), peers[k:]])
+        """Every node's message for the own shard, ``[n, nbytes]`` in node order: the receive buffer (the own
+        message copied there by the all-to-all), no copy of its own."""
+        rows = self.recv.view(self.topo.nodes, self.msgs[self.rank].nbytes)
         del self.buf, self.recv
         return rows
