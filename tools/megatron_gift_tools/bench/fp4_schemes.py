@@ -5,8 +5,8 @@
 ``T`` is the input-side map the plugin sends at ``--gift-side input`` (``gift-chosen``'s: the damping
 chosen on FP8 errors, gated by the cold-start rule); ``R`` the seeded block Hadamard (``numerics.rotation``,
 block ``HADAMARD_BLOCK``). Each rank's gradient is one segment (one FP32 tensor scale for NVFP4). With
-``blocks``, ``gift+hadamard@b`` measures the rotation at other block sizes on the same gradients; ``chosen``
-is ``--gift-rotation auto``'s per layer (``chosen``).
+``blocks``, ``gift+hadamard@b`` measures the rotation at other block sizes on the same gradients; the scheme
+``chosen`` is ``--gift-rotation auto``'s choice per layer (the function ``chosen``).
 """
 
 from __future__ import annotations
