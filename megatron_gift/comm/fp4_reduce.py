@@ -448,7 +448,8 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         coded, to_rotate = self._coded_values()
         plain = [self._class_values(c) for c in range(2)]
         self.buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None)
-        if self.world == 1:
+        if self.world == 1:  # the own message is all the receive buffer would hold
+            self.recv = self.buf
             return StageResult([], [self.buf])
         own = self.msgs[r].nbytes
         self.recv = self.space.empty(self.world * own, device=device)
@@ -467,11 +468,8 @@ class FP4Reduce(_FP4Stages, ShardReduction):
     def _messages(self) -> torch.Tensor:
         """Every sender's message for the own shard, ``[p, nbytes]`` in rank order: the receive buffer (the
         own message copied there by the all-to-all), no copy of its own."""
-        own = self.msgs[self.rank].nbytes
-        rows = self.recv.view(self.world, own) if self.world > 1 else self.buf.view(1, own)
-        del self.buf
-        if self.world > 1:
-            del self.recv
+        rows = self.recv.view(self.world, self.msgs[self.rank].nbytes)
+        del self.buf, self.recv
         return rows
 
 
