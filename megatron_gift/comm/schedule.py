@@ -190,7 +190,9 @@ class StageStreams:
             (torch.cuda.current_stream(self.device) if s is None else self.stream(s)).wait_event(event)
 
 
-_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (device, nbytes) -> Arena
+# (device, nbytes) -> Arena, held for the process: its ring's position must depend only on the
+# reservations made (the same on every rank), never on when the collector frees an earlier DDP
+_SHARED: dict = {}
 
 
 class Arena:
@@ -199,39 +201,74 @@ class Arena:
     it holds), used as a ring of regions, one per reduction, allocated on first use. A reduction
     larger than a stated ``nbytes`` takes its buffers from PyTorch's allocator (``over`` counts them;
     ``warn``, when given, is called with a message the first time). Queues may share one arena: a
-    region is given back through the queue that started the reduction holding it."""
+    region is given back through the queue that started the reduction holding it.
+
+    Every decision (a region's place, the earlier reductions it makes complete) is a function of the
+    ``plan`` and ``reserve`` calls alone, so ranks decide alike: never of whether the buffer is
+    allocated, which is given back when the last queue that used it is freed (whenever the garbage
+    collector gets to it) and allocated again, at the same size, by the next reservation."""
 
     @classmethod
     def shared(cls, device, nbytes: int | None, warn=None) -> Arena:
         """The arena of ``device`` for the bound ``nbytes``, one for the DDPs of a process (the model
         chunks of a virtual pipeline, whose reductions seldom overlap: the largest chunk's room, not
-        their sum); it lives while one of their queues does."""
+        their sum; a later model's DDPs continue its ring)."""
         key = (str(torch.device(device)), nbytes)
         arena = _SHARED.get(key)
         if arena is None:
             arena = _SHARED[key] = cls(nbytes, device, warn)
         return arena
 
+    @staticmethod
+    def forget_shared() -> None:
+        """The next ``shared`` arena starts a ring of its own: for tools that build independent models one
+        after another in a process (each measured alone); call it at the same point on every rank."""
+        _SHARED.clear()
+
     def __init__(self, nbytes: int | None, device, warn=None):
         self.fixed, self.nbytes, self.device = nbytes is not None, nbytes or 0, torch.device(device)
         self.warn, self.warned = warn, False
         self.buffer: torch.Tensor | None = None
         self.at = 0
-        self.regions: deque = deque()  # (lo, hi, queue, flight) in reservation order
-        self.queues: weakref.WeakSet = weakref.WeakSet()  # the queues that took regions (their streams used it)
+        self.regions: deque = deque()  # (lo, hi, weakref to the queue or None, flight) in reservation order
+        self.queues: weakref.WeakSet = weakref.WeakSet()  # the queues that took regions
+        self._live = 0  # of them, not yet freed
+        self._streams: list[StageStreams] = []  # of every queue that took a region: the buffer was used on them
         self.over = 0
 
     def plan(self, needs: list[int]) -> None:
         """Sized from a step's reductions (``needs``, their footprints, known at start-up): without a
         stated size, room for two of the largest, so that one bucket's exchange runs while the next is
-        encoded, and no more than all of them together; with one, a warning now for the largest if it
-        does not fit."""
-        if not needs or self.buffer is not None:
+        encoded, and no more than all of them together (never less than an earlier plan); with one,
+        a warning now for the largest if it does not fit."""
+        if not needs:
             return
         if not self.fixed:  # shared: the largest of its queues' plans
-            self.nbytes = max(self.nbytes, min(2 * max(needs), sum(needs)))
+            self._resize(max(self.nbytes, min(2 * max(needs), sum(needs))))
         elif max(needs) > self.nbytes:
             self._over(max(needs))
+
+    def _resize(self, nbytes: int) -> None:
+        """A larger ring, starting empty in a new buffer: earlier flights keep their views of the old."""
+        if nbytes > self.nbytes:
+            self._drop()
+            self.nbytes, self.at = nbytes, 0
+            self.regions.clear()
+
+    def _drop(self) -> None:
+        """Give the buffer back to PyTorch's allocator, which reuses it only once the streams that used
+        it are past their work."""
+        if self.buffer is not None and self.device.type == "cuda":
+            for stream in [s for streams in self._streams for s in streams.created()]:
+                self.buffer.record_stream(stream)
+        self.buffer = None
+
+    def _left(self) -> None:
+        """A queue that used the buffer was freed: with none left, the buffer goes (the ring stays)."""
+        self._live -= 1
+        if not self._live:
+            self._drop()
+            self._streams.clear()
 
     def _over(self, need: int) -> None:
         if self.warned or self.warn is None:
@@ -245,28 +282,33 @@ class Arena:
 
     def reserve(self, need: int, flight, queue=None) -> tuple[torch.Tensor | None, list]:
         """A region of ``need`` bytes for ``flight`` (started by ``queue``) and ``(queue, flight)`` of the
-        earlier flights whose regions it overlaps (they must be done before it is written); ``(None, [])``
-        where ``need`` exceeds a fixed size. Growing (no fixed size) starts a new buffer: earlier flights
-        keep their views of the old one."""
+        earlier flights whose regions it overlaps (they must be done before it is written; ``queue`` is
+        ``None`` where theirs was freed: what it enqueued is all they do); ``(None, [])`` where ``need``
+        exceeds a fixed size. Growing (no fixed size) starts a new buffer: earlier flights keep their
+        views of the old one."""
         if need > self.nbytes:
             if self.fixed:
                 self._over(need)
                 self.over += 1
                 return None, []
-            self.nbytes, self.buffer, self.at = 2 * need, None, 0
-            self.regions.clear()
+            self._resize(2 * need)
+        if queue is not None and queue not in self.queues:  # first: a collection from here on keeps the buffer
+            self.queues.add(queue)
+            self._live += 1
+            weakref.finalize(queue, self._left)
+            if all(streams is not queue.streams for streams in self._streams):
+                self._streams.append(queue.streams)
         if self.buffer is None:
             self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self.buffer
         if self.at + need > self.nbytes:
             self.at = 0
         lo, hi = self.at, self.at + need
         overlapped = [r for r in self.regions if r[0] < hi and lo < r[1]]
         self.regions = deque(r for r in self.regions if not (r[0] < hi and lo < r[1]))
-        self.regions.append((lo, hi, queue, flight))
-        if queue is not None:
-            self.queues.add(queue)
+        self.regions.append((lo, hi, None if queue is None else weakref.ref(queue), flight))
         self.at = hi
-        return self.buffer[lo:hi], [(q, f) for _, _, q, f in overlapped]
+        return buffer[lo:hi], [(None if ref is None else ref(), f) for _, _, ref, f in overlapped]
 
 
 class _InFlight:
@@ -301,13 +343,10 @@ class ReductionQueue:
         self.streams.wait_current(0)
         need = reduction.footprint() if self.arena is not None else None
         if need:
-            old, users = self.arena.buffer, list(self.arena.queues)
             block, earlier = self.arena.reserve(need, flight, self)
-            if old is not None and self.arena.buffer is not old and self.streams.cuda:
-                for stream in [s for q in users for s in q.streams.created()]:  # it goes once they pass it
-                    old.record_stream(stream)
             for queue, f in earlier:  # their stages all enqueued (each queue's in its start order)
-                queue._complete(f)
+                if queue is not None:
+                    queue._complete(f)
                 self.streams.wait_event(0, f.event)
             reduction.space = Space(block)
         self._enqueue(flight)

@@ -4,12 +4,12 @@ are those of reductions with buffers of their own."""
 
 import gc
 import random
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_gift.comm import schedule as schedule_module
 from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
 from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout
@@ -80,18 +80,63 @@ def test_a_bucket_over_a_stated_bound_is_warned_and_runs_outside():
     assert grown.nbytes == 6000 and earlier == [] and block.storage_offset() == 0
 
 
-def test_the_model_chunks_of_a_process_share_one_arena_per_device():
+def test_the_model_chunks_of_a_process_share_one_arena_per_device(monkeypatch):
     """Bug caught: one arena per DDP, so a virtual pipeline's model chunks (one DDP each) hold one arena
-    each, their sum instead of the largest; or chunks with different bounds sharing one."""
+    each, their sum instead of the largest; chunks with different bounds sharing one; or its buffer
+    kept after the last DDP that used it is gone."""
+    # this process's, without other tests' DDPs
+    monkeypatch.setattr(schedule_module, "_SHARED", type(schedule_module._SHARED)())
     a, b = Arena.shared("cpu", None), Arena.shared("cpu", None)
     assert a is b and Arena.shared("cpu", 1 << 20) is not a
     a.plan([100, 300])
     b.plan([50])  # a second chunk with smaller buckets: the first's plan stands
     assert a.nbytes == 400
-    ref = weakref.ref(a)
-    del a, b
+    queue = ReductionQueue(StageStreams("cpu"), Schedule.LAGGED, arena=a)
+    queue.cycle = queue  # as a DDP's hooks hold theirs: freed by the collector
+    a.reserve(100, "x", queue)
+    assert a.buffer is not None
+    del queue
     gc.collect()
-    assert ref() is None  # kept alive by its DDPs' queues only
+    assert a.buffer is None  # the memory goes with the last queue that used it
+    block, _ = Arena.shared("cpu", None).reserve(100, "y")
+    assert block.storage_offset() == 100 and a.buffer.numel() == 400  # the ring goes on where it was
+    Arena.forget_shared()  # tools measuring models one by one
+    assert Arena.shared("cpu", None) is not a
+
+
+def test_a_later_ddp_continues_the_ring_whether_or_not_the_earlier_was_collected(monkeypatch):
+    """Bug caught: the process's shared arena lived only while a DDP's queue did, which a reference
+    cycle keeps until the garbage collector runs, so a later DDP (the tests build one per case) got
+    the earlier ring on a rank that had not collected yet and a fresh one on a rank that had: the
+    ranks reused regions, and completed earlier reductions, at different points, their collectives
+    paired up wrong and two ranks deadlocked (tests/megatron/test_megatron_ddp.py, in CI). Both
+    DDPs' places must be those of one ring that saw all their plans and reservations in order."""
+
+    def places(ring, queues):
+        out = []
+        for name, plan, needs in (("a", [600, 700], [600, 700, 600]), ("b", [500, 600], [500, 600, 500])):
+            arena = ring() if queues else ring
+            queue = ReductionQueue(StageStreams("cpu"), Schedule.LAGGED, arena=arena) if queues else None
+            if queue is not None:
+                queue.cycle = queue
+            arena.plan(plan)
+            for i, need in enumerate(needs):
+                block, earlier = arena.reserve(need, f"{name}{i}", queue)
+                out.append((block.storage_offset(), block.numel(), sorted(f for _, f in earlier)))
+            del queue, arena, block, earlier  # this DDP is gone
+            if queues == "collect":
+                gc.collect()
+        return out
+
+    reference = places(Arena(None, "cpu"), None)  # one ring, both DDPs' calls in order
+    assert reference[3][2] == ["a1"]  # the second DDP's first region reuses the first's bytes
+    gc.disable()
+    try:
+        for when in ("later", "collect"):
+            monkeypatch.setattr(schedule_module, "_SHARED", type(schedule_module._SHARED)())
+            assert places(lambda: Arena.shared("cpu", None), when) == reference, when
+    finally:
+        gc.enable()
 
 
 def test_space_takes_aligned_views_and_refuses_beyond_its_region():

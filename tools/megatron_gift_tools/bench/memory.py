@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megatron_gift.comm.schedule import Arena
 from megatron_gift.config import GiftConfig, InterNodeFormat, Mode
 from megatron_gift_tools.bench.fidelity import machine
 
@@ -121,6 +122,7 @@ def _measure(name: str, spec: dict) -> dict:
     from megatron_gift.megatron.ddp import GiftDistributedDataParallel
     from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
 
+    Arena.forget_shared()  # this configuration's arena alone, not one sized by the configurations before
     model = build_tiny_gpt(**spec["model"])
     params = sum(p.numel() for p in model.parameters())
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
