@@ -6,8 +6,9 @@
   would take its CUDA paths with CPU tensors); skipped there. The ``gpu`` tests cover that machine.
   A test (or the fixtures it sets up) that starts the harness without the marker fails, on any
   machine: ``cpu_harness.check_host``, which the harness's entry points call first, fails it.
-- Under Triton's interpreter (the kernel tests' own runs) every kernel specialisation launched must be in
-  ``bench/results/kernel-specs.json``, the list the offline sm_90a compile report compiles.
+- Under Triton's interpreter (the kernel tests' own runs, and ranks a test spawns with ``TRITON_INTERPRET=1``)
+  every kernel specialisation launched must be in ``bench/results/kernel-specs.json``, the list the offline
+  sm_90a compile report compiles.
 """
 
 import os
@@ -38,13 +39,17 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Under the interpreter: with ``GIFT_KERNEL_SPECS`` set, add the launched specialisations to that JSON;
-    else fail the session if one is missing from the committed list, which the offline sm_90a compile
-    report (``bench/compile.py``) compiles: a kernel variant the report has never compiled (issue 35)."""
-    if _SPECS not in session.config.stash:
+    """Under the interpreter (this session's or its spawned ranks'): with ``GIFT_KERNEL_SPECS`` set, add the
+    launched specialisations to that JSON; else fail the session if one is missing from the committed list,
+    which the offline sm_90a compile report (``bench/compile.py``) compiles: a kernel variant the report has
+    never compiled (issue 35)."""
+    seen = set(kernel_log.SPAWNED)  # launched by interpreted ranks (testing.spawn), in any session
+    if _SPECS in session.config.stash:
+        recording, here = session.config.stash[_SPECS]
+        recording.__exit__(None, None, None)
+        seen |= here
+    if not seen:
         return
-    recording, seen = session.config.stash[_SPECS]
-    recording.__exit__(None, None, None)
     out = os.environ.get(kernel_log.SPECS_ENV)
     if out:
         kernel_log.save_specs(out, kernel_log.load_specs(out) | seen)
@@ -52,7 +57,8 @@ def pytest_sessionfinish(session, exitstatus):
     missing = seen - kernel_log.load_specs(str(ROOT / kernel_log.SPECS))
     if missing:
         print(f"\n{len(missing)} kernel specialisation(s) launched here are not in {kernel_log.SPECS}: record them")
-        print(f"({kernel_log.SPECS_ENV}={kernel_log.SPECS} with the kernel tests under TRITON_INTERPRET=1) and")
+        print(f"({kernel_log.SPECS_ENV}={kernel_log.SPECS} with the tests that launched them: the kernel tests")
+        print("under TRITON_INTERPRET=1, the tests whose ranks run them so, in an ordinary session) and")
         print("recompile the report (python -m megatron_gift_tools.bench.compile):")
         for m, k, c, f in sorted(missing):
             print(f"  {m}.{k} {c} fusion={f}")

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
-from .spawn import wall_limit
-
 
 class Logged:
     """``kernel`` (a Triton JIT function) launched as ``kernel[grid](...)``, appending to ``log`` first."""
@@ -44,6 +42,8 @@ SPECS = "bench/results/kernel-specs.json"
 """the specialisations the kernel tests launch (``launched_specialisations``), which ``bench/compile.py`` compiles."""
 SPECS_ENV = "GIFT_KERNEL_SPECS"
 """set to a path: the interpreter sessions add the specialisations they launch to that JSON (tests/conftest.py)."""
+SPAWNED: set = set()
+"""the specialisations that ranks spawned by ``testing.spawn`` under the interpreter launched (tests/conftest.py)."""
 
 
 def specialisation(fn, args: tuple, kwargs: dict) -> tuple[str, str, str, bool]:
@@ -108,13 +108,15 @@ def save_specs(path: str, specs: set) -> None:
 def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> None:
     """Run ``test_file``'s tests in a fresh process with ``TRITON_INTERPRET=1`` (the interpreter must be on
     before the kernels are defined) and require every one to pass: none failed, skipped or deselected."""
+    from . import spawn  # which records what its ranks launch with this module
+
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
         env=env,
         capture_output=True,
         text=True,
-        timeout=wall_limit(limit),
+        timeout=spawn.wall_limit(limit),
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     summary = proc.stdout.strip().splitlines()[-1]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gift.megatron import cpu_harness as _cpu_harness
+from megatron_gift.testing import kernel_log
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
 _DUMP_S = 3.0  # how long a hung rank gets to write its threads' stacks
@@ -114,7 +115,10 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
             with _environ(rank_env):
                 proc.start()
             procs.append(proc)
-        return _collect(procs, results, timeout, dumps.name)
+        values = _collect(procs, results, timeout, dumps.name)
+        for rank in range(world_size):  # what interpreted ranks launched, for tests/conftest.py's check
+            kernel_log.SPAWNED.update(kernel_log.load_specs(os.path.join(dumps.name, f"specs{rank}.json")))
+        return values
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -213,9 +217,14 @@ def _child(fn_bytes, rank, world_size, args, kwargs, env, cpu_harness, backend, 
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        interpreted = env.get("TRITON_INTERPRET") == "1"
+        with kernel_log.launched_specialisations() if interpreted else contextlib.nullcontext() as seen:
+            value = fn(rank, world_size, *args, **kwargs)
+        if interpreted:
+            kernel_log.save_specs(os.path.join(dump_dir, f"specs{rank}.json"), seen)
         # Plain pickle copies tensors by value; the default multiprocessing reducers would
         # hand over shared memory that disappears when this process exits.
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, (time.time(), traceback.format_exc())))
     finally:

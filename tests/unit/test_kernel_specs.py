@@ -26,10 +26,33 @@ def test_cast():
     assert (out == 1).all()
 """
 
+# The same variant launched by two gloo ranks that a test of an ordinary session spawns under the interpreter
+# (as tests/dist's kernel cases do).
+SPAWNED = """
+import torch
+from megatron_gift.testing import run_on_ranks
 
-def _run(test: Path, specs: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != kernel_log.SPECS_ENV}
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+
+def _rank(rank, world):
+    from megatron_gift import kernels
+    from megatron_gift.kernels.placement import Placement
+
+    out = torch.zeros(32)
+    kernels.whiten_place(torch.ones(4, 8, dtype=torch.bfloat16), None, Placement([32], [0], "cpu").at(out, 0))
+    return bool((out == 1).all())
+
+
+def test_ranks(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' processes inherit it
+    assert run_on_ranks(_rank, 2) == [True, True]
+"""
+
+
+def _run(test: Path, specs: str | None, interpret: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (kernel_log.SPECS_ENV, "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(test.parent), env.get("PYTHONPATH", "")])
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     if specs is not None:
         env[kernel_log.SPECS_ENV] = specs
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", str(test)]
@@ -52,6 +75,21 @@ def test_a_variant_missing_from_the_compile_list_fails_the_interpreter_run(tmp_p
     recorded = kernel_log.load_specs(str(specs))
     assert [(m, k, f) for m, k, _, f in recorded] == [("place", "_place_kernel", True)]
     assert '"CAST": 1' in next(iter(recorded))[2] and '"WHITEN": false' in next(iter(recorded))[2]
+
+
+def test_a_variant_only_spawned_ranks_launch_is_checked_too(tmp_path):
+    """The same check for the ranks a test spawns under the interpreter from an ordinary session. Bug caught:
+    their launches went unrecorded (17 specialisations of tests/dist's kernel cases were in no list, so the
+    compile report never compiled them)."""
+    test = tmp_path / "test_spawned_variant.py"
+    test.write_text(textwrap.dedent(SPAWNED))
+    proc = _run(test, None, interpret=False)
+    assert proc.returncode != 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "place._place_kernel" in proc.stdout and '"CAST": 1' in proc.stdout, proc.stdout[-3000:]
+    specs = tmp_path / "specs.json"
+    proc = _run(test, str(specs), interpret=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(m, k, f) for m, k, _, f in kernel_log.load_specs(str(specs))] == [("place", "_place_kernel", True)]
 
 
 def test_the_compile_report_covers_every_recorded_specialisation():
