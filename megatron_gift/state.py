@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm.ledger import CommLedger
-from .comm.schedule import MAX_STAGES
 from .config import GiftConfig, Mode
 from .numerics.kfac import KFACStatistics
 from .numerics.whitening import LowRankFactor, LowRankWhitening
@@ -73,9 +72,10 @@ def _to(tree, device):
 
 
 class GiftState:
-    """Statistics, factors, damping choices and step of one model chunk's plugin parameters."""
+    """Statistics, factors, damping choices and step of one model chunk's plugin parameters; ``nonfinite``,
+    one flag per stage of its reductions (``stages``: the most any has), each written by one stream only."""
 
-    def __init__(self, config: GiftConfig, device: torch.device):
+    def __init__(self, config: GiftConfig, device: torch.device, stages: int = 0):
         self.config = config
         self.device = torch.device(device)
         self.params: dict[torch.nn.Parameter, GiftParam] = {}
@@ -83,7 +83,7 @@ class GiftState:
         self.step = -1  # index of the current iteration once open_step() opened it
         self.step_open = False
         self.collect_statistics = True  # the forward hooks add statistics until the step's first sync
-        self.nonfinite = torch.zeros(MAX_STAGES, dtype=torch.bool, device=device)  # per stage: read with .any()
+        self.nonfinite = torch.zeros(stages, dtype=torch.bool, device=device)  # read with .any()
         self.last_step_bytes: dict[str, int] = {}
 
     # -- per step ---------------------------------------------------------------------------
