@@ -27,7 +27,7 @@ import psutil
 from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing.indexed_data import synthetic_data_args
 from megatron_gift.testing.launch import ENV, ROOT, launcher_command, run_launcher
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 
 ITERS, SAVE_EVERY, KILL_IN = 6, 2, 3
 FLAGS = [

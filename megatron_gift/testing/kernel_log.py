@@ -9,6 +9,8 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
+from .limits import wall_limit
+
 
 class Logged:
     """``kernel`` (a Triton JIT function) launched as ``kernel[grid](...)``, appending to ``log`` first."""
@@ -108,15 +110,13 @@ def save_specs(path: str, specs: set) -> None:
 def assert_passes_under_interpreter(test_file: str, limit: float = 900.0) -> None:
     """Run ``test_file``'s tests in a fresh process with ``TRITON_INTERPRET=1`` (the interpreter must be on
     before the kernels are defined) and require every one to pass: none failed, skipped or deselected."""
-    from . import spawn  # which records what its ranks launch with this module
-
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
         env=env,
         capture_output=True,
         text=True,
-        timeout=spawn.wall_limit(limit),
+        timeout=wall_limit(limit),
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     summary = proc.stdout.strip().splitlines()[-1]

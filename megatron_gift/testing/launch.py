@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from megatron_gift.megatron import cpu_harness
-from megatron_gift.testing.spawn import TIMEOUT_SCALE_ENV, wall_limit
+from megatron_gift.testing.limits import TIMEOUT_SCALE_ENV, wall_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 # one intra-op thread per rank (ranks share the cores); no git lookup for the package version

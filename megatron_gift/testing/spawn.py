@@ -26,29 +26,16 @@ import torch.distributed as dist
 
 from megatron_gift.megatron import cpu_harness as _cpu_harness
 from megatron_gift.testing import kernel_log
+from megatron_gift.testing.limits import TIMEOUT_SCALE_ENV, wall_limit
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
 _DUMP_S = 3.0  # how long a hung rank gets to write its threads' stacks
-TIMEOUT_SCALE_ENV = "MEGATRON_GIFT_TEST_TIMEOUT_SCALE"
 # What the fork server imports once. Triton (which Megatron-Core imports) makes each @jit function
 # interpreted or compiled by TRITON_INTERPRET when it is defined: a rank whose value differs from
 # the server's is spawned.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.distributed", "megatron.core.optimizer"]
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "NO_VCS_VERSION": "1"}  # read by libraries when they load
 _INTERPRET = os.environ.get("TRITON_INTERPRET")  # the fork server's: this process's at import
-
-
-def wall_limit(seconds: float) -> float:
-    """``seconds`` times ``$MEGATRON_GIFT_TEST_TIMEOUT_SCALE`` (default 1): the wall-clock limit of a
-    multi-process run, raised on a slow or loaded machine without editing the tests."""
-    raw = os.environ.get(TIMEOUT_SCALE_ENV, "1")
-    try:
-        scale = float(raw)
-    except ValueError:
-        scale = float("nan")
-    if not scale > 0:
-        raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r}: expected a positive number (a factor on every limit)")
-    return seconds * scale
 
 
 class RankError(RuntimeError):

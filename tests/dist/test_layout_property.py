@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_gift.testing import run_on_ranks
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 from tests.layout_cases import Case, check_case, reduce_case
 
 pytestmark = pytest.mark.cpu_harness

@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 from megatron_gift.testing.launch import ROOT
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 
 SCRIPT = textwrap.dedent(
     """

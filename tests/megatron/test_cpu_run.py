@@ -14,7 +14,7 @@ import pytest
 
 from megatron_gift.megatron import cpu_harness
 from megatron_gift.testing import launch
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 
 
 def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:

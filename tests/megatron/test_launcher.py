@@ -32,7 +32,7 @@ from megatron_gift.testing.indexed_data import (
     synthetic_data_args,
     synthetic_tokens,
 )
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 from tests.launches import ITERS, losses
 
 WRAPPED_RE = re.compile(r"megatron-gift: model wrapped in (\S+) \((a GiftDistributedDataParallel|not GIFT)\)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gift.config import Mode, ParamGather, Schedule
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 from megatron_gift_tools.cli import main
 from megatron_gift_tools.planner import checks, model, nccl, output, plan, refresh, validation
 from megatron_gift_tools.planner.buckets import Bucket, buckets

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from megatron_gift.testing import kernel_log
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,7 @@ from megatron_gift.numerics.whitening import LowRankWhitening
 from megatron_gift.testing import run_on_ranks
 from megatron_gift.testing.dispatch import OpCounter, SyncSanitizer
 from megatron_gift.testing.kernel_log import assert_passes_under_interpreter, kernel_signature
-from megatron_gift.testing.spawn import wall_limit
+from megatron_gift.testing.limits import wall_limit
 from tests.unit.test_whitening import fp32_bound
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
