@@ -135,16 +135,21 @@ def _fp8_shards(u, layout):
     return torch.cat([_roundtrip(u[p.coded_lo : p.coded_hi], layout, j) for j, p in enumerate(layout.shards)])
 
 
-def expected(fmt, two_level, rotation, intra="fp32", names=None):
+def expected(fmt, two_level, rotation, intra="fp32", names=None, dtype=torch.float32):
     """The averaged reduction by hand: each sender's (two-level: each node's FP32 sum's) coded values
     quantized (``intra`` fp8: each sender's values through FP8 first; reduce-scatter: ``T`` on each
     node's FP32 sum of ``G``, not summed after it), summed in FP32 in rank order,
-    ÷ 4, untransformed (``Hᵀ`` then ``T⁻¹``); plain values summed in FP32."""
+    ÷ 4, untransformed (``Hᵀ`` then ``T⁻¹``); plain values summed in FP32. ``dtype``: the bucket's (the
+    gradients in it; a node's sums rounded to it, as the reduce-scatter sums in it)."""
     (numel, segments), layout = _bucket(rotation), _layout(rotation)
     ts = _transforms(segments)
-    grads = [_bucket_grads(numel, segments, r) for r in range(WORLD)]
-    if intra == "reduce-scatter":  # each node's FP32 sum of G, then T on it
-        sums = [ordered_sum(grads[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
+    grads = [_bucket_grads(numel, segments, r).to(dtype).float() for r in range(WORLD)]
+
+    def node_sum(xs):
+        return ordered_sum(xs).to(dtype).float()
+
+    if intra == "reduce-scatter":  # each node's sum of G in the bucket's dtype, then T on it
+        sums = [node_sum(grads[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
         sent = [_sent(s, segments, ts) for s in sums]
     else:
         sent = [_sent(g, segments, ts) for g in grads]  # G T: H comes after the intra-node stage
@@ -162,7 +167,7 @@ def expected(fmt, two_level, rotation, intra="fp32", names=None):
         if s.mode is Mode.OFF:
             plain = [g[s.start : s.end] for g in grads]
             if two_level:  # each node's sum, then the nodes' in order
-                plain = [ordered_sum(plain[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
+                plain = [node_sum(plain[k * PER_NODE : (k + 1) * PER_NODE]) for k in range(WORLD // PER_NODE)]
             want[s.start : s.end] = ordered_sum(plain) / WORLD
             continue
         x = total[at : at + s.rows * s.cols].view(s.rows, s.cols)
@@ -203,6 +208,50 @@ def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_red
     exact = torch.stack([_bucket_grads(numel, segments, r) for r in range(WORLD)]).sum(0) / WORLD
     b = next(s for s in segments if s.name == "b")
     assert not torch.equal(want[b.start : b.end], exact[b.start : b.end])
+
+
+BF16_CASES = [("nvfp4", False, True), ("mxfp4", True, False)]  # (format, all-reduce, rotation)
+
+
+def _bf16_worker(rank, world):
+    """The sum-first exchange on BF16 buckets (Megatron's ``--grad-reduce-in-bf16``)."""
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    out = {}
+    for fmt, all_reduce, rotation in BF16_CASES:
+        numel, segments = _bucket(rotation)
+        layout = BucketLayout(numel, WORLD, segments, CodecConfig(), torch.bfloat16)
+        flat = _bucket_grads(numel, segments, rank).bfloat16()
+        common = dict(average=True, all_reduce=all_reduce, rotation=ROTATION if rotation else None)
+        reduce_now(FP4SumFirstReduce(flat, layout, placed, _transforms(segments), FP4_FORMATS[fmt], **common), "cpu")
+        out[(fmt, all_reduce, rotation)] = flat
+    return out
+
+
+@pytest.mark.parametrize("fmt, all_reduce, rotation", BF16_CASES)
+def test_sum_first_on_a_bf16_bucket_matches_a_hand_reduction(fmt, all_reduce, rotation):
+    """``--gift-intra-node reduce-scatter`` where Megatron reduces in BF16: the node's sums in BF16 (the
+    collective's), ``T``, the rotation and FP4 on them in FP32, the result rounded once into the bucket.
+    Bugs caught: BF16 sums read as FP32 bytes (or whole GIFT rows read in the wrong dtype where they lie),
+    the plain values sent or summed in the wrong dtype, the result rounded twice or written as FP32;
+    Euclidean and plain values bit for bit the hand reduction rounded to BF16, GIFT's within one BF16
+    rounding of it; every rank bit-identical."""
+    numel, segments = _bucket(rotation)
+    layout = BucketLayout(numel, WORLD, segments, CodecConfig(), torch.bfloat16)
+    want = expected(fmt, True, rotation, "reduce-scatter", dtype=torch.bfloat16)
+    got = [r[(fmt, all_reduce, rotation)] for r in run_on_ranks(_bf16_worker, WORLD)]
+    for j, plan in enumerate(layout.shards):
+        for r in range(WORLD) if all_reduce else [j]:
+            assert got[r].dtype == torch.bfloat16 and torch.equal(got[r][plan.lo : plan.hi], got[j][plan.lo : plan.hi])
+        for s in segments:
+            lo, hi = max(s.start, plan.lo), min(s.end, plan.hi)
+            if lo >= hi:
+                continue
+            have, ref = got[j][lo:hi].float(), want[lo:hi]
+            if s.mode is Mode.GIFT:  # FP32 roundings of T⁻¹ apart, then one BF16 rounding (2^-8 relative)
+                tol = 2**-8 * float(ref.abs().max())
+                assert torch.allclose(have, ref, rtol=2**-8, atol=tol), (s.name, j, (have - ref).abs().max())
+            else:
+                assert torch.equal(have, ref.bfloat16().float()), (s.name, j, (have - ref).abs().max())
 
 
 @pytest.mark.parametrize("fmt, two_level", [(f, t) for f in FP4_FORMATS for t in (False, True)])
