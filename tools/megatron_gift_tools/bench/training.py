@@ -3,10 +3,11 @@
 The demo's small Llama (its quick preset, FFN 192 so every linear row is whole 64-element Hadamard
 blocks) trained through the real launcher (``python -m megatron_gift.pretrain_gpt --gift-cpu``) on 4
 gloo ranks as 2 simulated nodes x 2 (``--gift-ranks-per-node 2``: the two-level exchange, BF16 inside
-a node, the chosen format between nodes), distributed optimizer, ``--overlap-grad-reduce``, once per
-gradient-communication mode and seed. Every run gets the same flags, data and padding
-(``--ddp-pad-buckets-for-high-nccl-busbw``: shards on whole four-bit blocks); only the mode's flags
-differ. The baseline is Megatron's own BF16 reduce-scatter (``--gift-mode off --grad-reduce-in-bf16``).
+a node, or a plain reduce-scatter there for ``-sum-first``, the chosen format between nodes), distributed
+optimizer, ``--overlap-grad-reduce``, once per gradient-communication mode and seed. Every run gets the
+same flags, data and padding (``--ddp-pad-buckets-for-high-nccl-busbw``: shards on whole four-bit blocks);
+only the mode's flags differ. The baseline is Megatron's own BF16 reduce-scatter (``--gift-mode off
+--grad-reduce-in-bf16``).
 
 Quality: the validation loss on held-out text (Megatron's ``--split 98,2,0`` validation documents) at
 the end of training; per mode its gap to BF16 on the same seed (same data, same initialisation), the
@@ -40,6 +41,7 @@ GIFT = ["--gift-mode", "gift", "--gift-euclidean-layers", ".*"]
 NVFP4 = ["--gift-inter-node-format", "nvfp4"]
 HADAMARD = ["--gift-rotation", "hadamard"]
 # name (format-scheme) -> flags; the linear weights are GIFT's layers, every other parameter Euclidean.
+# ``-sum-first``: the node's gradients summed by a plain reduce-scatter, ``T``, ``H`` and FP4 on the sums.
 # Error feedback (on Euclidean NVFP4, the scheme with the largest error) keeps one flat exchange: its
 # residual is per rank and bucket, so that mode's FP4 messages cross all four ranks.
 MODES = {
@@ -50,6 +52,7 @@ MODES = {
     "nvfp4-hadamard": EUCLID + NVFP4 + HADAMARD,
     "nvfp4-gift": GIFT + NVFP4,
     "nvfp4-gift+hadamard": GIFT + NVFP4 + HADAMARD,
+    "nvfp4-gift+hadamard-sum-first": GIFT + NVFP4 + HADAMARD + ["--gift-intra-node", "reduce-scatter"],
     "nvfp4-euclidean+ef": EUCLID + NVFP4 + ["--gift-error-feedback"],
 }
 PRESET = dict(demo.PRESETS["quick"], ffn=192, global_batch=8, iters=1000)
