@@ -79,8 +79,8 @@ def test_a_variant_missing_from_the_compile_list_fails_the_interpreter_run(tmp_p
 
 def test_a_variant_only_spawned_ranks_launch_is_checked_too(tmp_path):
     """The same check for the ranks a test spawns under the interpreter from an ordinary session. Bug caught:
-    their launches went unrecorded (17 specialisations of tests/dist's kernel cases were in no list, so the
-    compile report never compiled them)."""
+    their launches went unrecorded (53 specialisations that only such ranks launch, in tests/dist's kernel cases
+    and the kernel tests' multi-rank ones, were in no list, so the compile report never compiled them)."""
     test = tmp_path / "test_spawned_variant.py"
     test.write_text(textwrap.dedent(SPAWNED))
     proc = _run(test, None, interpret=False)
