@@ -304,7 +304,9 @@ class _FP4Stages:
                 rows = x[k0 : k0 + (r1 - r0) * s.cols].view(r1 - r0, s.cols)
                 lo = s.start + r0 * s.cols
                 dest = destination(flat, self.targets, part.seg, lo, lo + (r1 - r0) * s.cols)
-                self._store(dest, t.inverse(rows).reshape(-1))
+                target = self._target(dest)
+                self.ops.unwhiten(rows, t, target.view(r1 - r0, s.cols))  # T⁻¹: the kernels' two launches
+                self._store(dest, target)
         for p in plan.pieces:
             if self.transforms[p.seg] is None:
                 values.append(None)

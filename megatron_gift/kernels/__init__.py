@@ -72,6 +72,7 @@ __all__ = [
     "sum_rows",
     "take",
     "output_inverse",
+    "unwhiten",
     "reference_whiten_encode",
     "reference_whiten_place",
     "reference_decode_sum_unwhiten",
@@ -356,6 +357,16 @@ def output_inverse(
     return reference_output_inverse(w, values, cols, e0, proj, out)
 
 
+def unwhiten(s: torch.Tensor, whitening: LowRankWhitening, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """``out ← S T⁻¹`` of an FP32 sum ``S [rows, cols]`` (contiguous; ``out`` the same shape, FP32 or BF16:
+    the FP32 result rounded once), returned: the kernels' two launches (``fused.unwhiten``, ``G Q`` then the
+    pass) wherever they can run, else ``LowRankWhitening.inverse``. The two agree to FP32 rounding."""
+    if fused and s.numel() > 0 and available(s.device) and out.dtype in (torch.float32, torch.bfloat16):
+        return _fused().unwhiten(s, out, whitening)
+    out.copy_(whitening.inverse(s))
+    return out
+
+
 @dataclass(frozen=True)
 class CodecOps:
     """A reduction's codec calls, chosen once: the fused Triton kernels wherever they can run
@@ -394,6 +405,9 @@ class CodecOps:
 
     def output_inverse(self, w, values, cols, e0, proj, out) -> None:
         return output_inverse(w, values, cols, e0, proj, out, fused=self.fused)
+
+    def unwhiten(self, s, whitening, out) -> torch.Tensor:
+        return unwhiten(s, whitening, out, fused=self.fused)
 
     def fp4(self, device: torch.device):
         """The four-bit exchange's kernels (``kernels/fp4.py``: ``encode_placed``, ``decode_sum``) where they

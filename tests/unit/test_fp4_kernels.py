@@ -260,16 +260,18 @@ def _worker(rank, world):
     # The two-level intra-node stage's G T of whitened parameters on the PyTorch path in both runs: its
     # kernels agree with it to FP32 rounding only (tests/dist/test_two_level.py), and one rounding can
     # move an FP4 code; this test is about the FP4 kernels, which must then give the same bits.
-    encode, place = k.whiten_encode, k.whiten_place
+    # So is the owner's T⁻¹ (its own kernels, checked in tests/unit/test_kernels.py, and below: "t-inverse").
+    encode, place, unwhiten = k.whiten_encode, k.whiten_place, k.unwhiten
     k.whiten_encode = lambda g, w, cfg, fused=True, **kw: encode(g, w, cfg, fused=fused and w is None, **kw)
     k.whiten_place = lambda x, w, into, fused=True, output=None: place(x, w, into, fused and w is None, output)
     (placed,) = build_groups([dist.group.WORLD], PER_NODE)
     out = {}
-    for case in CASES:
-        fmt, two_level, all_reduce, rotation, intra = case
+    for case in CASES + [(*c, "t-inverse") for c in CASES if c[3] and c[4] == "reduce-scatter"]:
+        fmt, two_level, all_reduce, rotation, intra = case[:5]
         (numel, segments), layout = _bucket(rotation), _layout(rotation)
         layout.check_blocks(64 if rotation else FP4_FORMATS[fmt].block, "test")
-        for kernels in (False, True):
+        k.unwhiten = unwhiten if len(case) > 5 else (lambda s, w, out, fused=True: unwhiten(s, w, out, False))
+        for kernels in (False, True) if len(case) == 5 else (True,):
             flat = _bucket_grads(numel, segments, rank)
             common = dict(average=True, all_reduce=all_reduce, rotation=ROTATION if rotation else None, kernels=kernels)
             ts = _transforms(segments)
@@ -282,8 +284,10 @@ def _worker(rank, world):
                     flat, layout, dist.group.WORLD, ts, FP4_FORMATS[fmt], topology=placed.topology, **common
                 )
             assert red.ops.fused is kernels
-            with launches_of(fp4) as log:
+            with launches_of(fp4) as log, launches_of(k._fused()) as t_log:
                 reduce_now(red, "cpu")
+            if len(case) > 5:  # the owner's whole GIFT rows through the T⁻¹ kernel
+                assert "_unwhiten_kernel" in {name for name, _ in t_log}, case
             ran = {name for name, _ in log}  # the encode and the decode-sum ran where asked, and only there
             assert ran == ({"_fp4_encode_kernel", "_fp4_decode_sum_kernel"} if kernels else set()) | (
                 {"_fp4_amax_kernel"} if kernels and fmt == "nvfp4" else set()
@@ -299,9 +303,13 @@ def test_reductions_with_kernels_are_their_pytorch_path():
     bucket with the kernels bit for bit the PyTorch path's (which tests/dist/test_fp4_exchange.py holds
     to a hand FP32 sum), and every rank's the same for all-reduce. Bugs caught: the kernels given another
     shard's segment ends, plain values placed in another class's section, the decode reading the own
-    message from the wrong row."""
+    message from the wrong row. With the owner's ``T⁻¹`` in its kernel too (the rotated sum-first cases):
+    within two FP32 evaluations' bound of the PyTorch path, ranks bit-identical for all-reduce (a kernel
+    given another segment's factors, or rows written at another place, fails)."""
     from megatron_gift.testing import run_on_ranks
-    from tests.dist.test_fp4_exchange import CASES
+    from tests.dist.test_comm import _transforms
+    from tests.dist.test_fp4_exchange import CASES, ROT_SEGMENTS
+    from tests.unit.test_whitening import fp32_bound
 
     results = run_on_ranks(_worker, 4)
     for case in CASES:
@@ -309,6 +317,15 @@ def test_reductions_with_kernels_are_their_pytorch_path():
             assert same(results[rank][(case, True)], results[rank][(case, False)]), (case, rank)
         if case[2]:  # all-reduce: every rank holds the whole reduced bucket
             assert all(torch.equal(results[r][(case, True)], results[0][(case, True)]) for r in range(4)), case
+    # rows T⁻¹ made by the kernel: each off by at most the bound of its own norm, every other value exact
+    bound = max(fp32_bound(w.dense()[0], 2) for w in _transforms(ROT_SEGMENTS) if w is not None)
+    for case in [c for c in CASES if c[3] and c[4] == "reduce-scatter"]:
+        got = [results[rank][((*case, "t-inverse"), True)] for rank in range(4)]
+        for rank in range(4):
+            want = results[rank][(case, False)]
+            assert torch.isfinite(got[rank]).all() and float((got[rank] - want).norm()) <= bound * float(want.norm())
+        if case[2]:
+            assert all(torch.equal(g, got[0]) for g in got), case
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels on the CPU: the interpreter's run only")

@@ -230,6 +230,25 @@ def test_decode_sum_unwhiten(device, average, rank, cfg, kernels_only):
     _assert_fp32_close(out, reference_decode_sum_unwhiten(payloads, scales, rows, cols, w, cfg, average), w)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rank", [0, 4])
+def test_unwhiten_is_t_inverse_rounded_once(device, rank, kernels_only):
+    """``kernels.unwhiten`` (the FP4 owner's ``T⁻¹`` of whole rows): within two FP32 evaluations' bound of
+    ``LowRankWhitening.inverse`` in FP64, into BF16 the FP32 result rounded once (bit for bit), one launch
+    for the projection (none at rank 0) and one for the pass. Bugs caught: ``Qᵀ`` applied with ``c`` for
+    ``c⁻¹``, ``D^{-1/2}`` for ``D^{1/2}``, a BF16 output rounded from a BF16 intermediate."""
+    rows, cols = 9, 300
+    s = _gradient(rows, cols, seed=5, device=device, special=False)
+    w = _whitening(cols, rank, device)
+    mark = len(kernels_only.log)
+    fp32 = kernels.unwhiten(s, w, torch.empty_like(s))
+    assert kernels_only.since(mark) == ["_project_kernel"] * (rank > 0) + ["_unwhiten_kernel"]
+    w64 = LowRankWhitening.from_tensors({k: t.double() for k, t in w.tensors().items()})
+    _assert_fp32_close(fp32.double(), w64.inverse(s.double()), w)
+    bf16 = kernels.unwhiten(s, w, torch.empty(rows, cols, dtype=torch.bfloat16, device=device))
+    assert torch.equal(bf16.view(torch.int16), fp32.bfloat16().view(torch.int16))
+
+
 # Groups other than the matrix codec's, as kernels.whiten_encode takes them with ``lengths``:
 # "cut": a [7, 300] weight's groups cut at shard boundaries (mid-row and mid-group, at a row's
 # start, leaving groups of one element); "long": one row of three groups, one longer than a
