@@ -29,9 +29,9 @@ straddle a message. With a rotation (``--gift-rotation hadamard``, ``numerics.ro
 send ``G T H`` of every coded parameter (``G H`` where Euclidean; two-level: ``H`` on the node sums,
 ``H`` being linear) and the owner applies ``Hᵀ`` to the decoded sum before ``T⁻¹``; ``H`` acts on
 64-column blocks of a row, so a row cut by a shard is rotated piece by piece (the layout's check puts
-cuts on 64-column blocks): at the sender inside the FP4 encode's passes where the kernels run (a
-table of each 64-element chunk's sign row, ``_chunk_rows``), else, and at the owner, the rotated
-64-blocks of all the shards at hand gathered, rotated and scattered back in a fixed number of calls
+cuts on 64-column blocks): inside the sender's FP4 encode passes and the owner's decode pass where the
+kernels run (a table of each 64-element chunk's sign row, ``_chunk_rows``), else the rotated 64-blocks
+of all the shards at hand gathered, rotated and scattered back in a fixed number of calls
 (``_rotate_shards``), whatever the number of nodes.
 With error feedback (``--gift-error-feedback``, the flat exchange only) each sender adds its residual
 ``e`` to ``U`` and keeps ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` (``Ũ = U + e``): the residual stays in the
@@ -285,9 +285,7 @@ class _FP4Stages:
                 values = msgs[:, k : k + n].contiguous().view(dt)
                 dest = flat[part.lo : part.hi]
                 self._store(dest, reference_sum_rows([values], first, out=self._target(dest)))
-        total = self._decoded_sum(msgs, plan.n_coded, m)
-        if total is not None:
-            total = self._rotate_shards(total, (r,), inverse=True)  # Hᵀ on the sum (H is linear)
+        total = self._decoded_sum(msgs, plan.n_coded, m)  # times Hᵀ (H is linear: Hᵀ of the sum)
         if first and total is not None:
             total /= self.world
         values = []
@@ -319,16 +317,17 @@ class _FP4Stages:
         return StageResult([work] if work is not None else [], handoff)
 
     def _decoded_sum(self, msgs: torch.Tensor, n: int, m: FP4Message) -> torch.Tensor | None:
-        """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order: the
-        senders' messages decoded as one sequence (their segments one after another), then summed."""
+        """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order, times ``Hᵀ``
+        where a rotation is on: the senders' messages decoded as one sequence (their segments one after
+        another), summed, rotated back (in the decode's pass where the kernels run)."""
         if n == 0:
             return None
-        fp4 = self.ops.fp4(msgs.device)
+        fp4, r, dev = self.ops.fp4(msgs.device), self.rank, msgs.device
         if fp4 is not None:
-            ends = self.layout.cached(
-                ("fp4-ends", self.rank, str(msgs.device)), lambda: self._lengths(self.rank, msgs.device).cumsum(0)
-            )
-            return fp4.decode_sum(msgs, n, self.fmt, m.codes_at, m.scales_at, m.seg_at, ends)
+            ends = self.layout.cached(("fp4-ends", r, str(dev)), lambda: self._lengths(r, dev).cumsum(0))
+            rotating = self.rotation is not None and bool(self.rotated_segments)
+            rotation = self._chunk_rows((r,), dev) if rotating else None
+            return fp4.decode_sum(msgs, n, self.fmt, m.codes_at, m.scales_at, m.seg_at, ends, rotation)
         senders, parts = msgs.shape[0], len(m.lengths)
         segments = (
             msgs[:, : 4 * parts].contiguous().view(torch.float32).reshape(-1)
@@ -341,7 +340,8 @@ class _FP4Stages:
             segment_scales=segments,
         )
         lengths = self._lengths(self.rank, msgs.device).repeat(senders)
-        return ordered_sum([decode_fp4(enc, self.fmt, lengths).view(senders, n)])
+        total = ordered_sum([decode_fp4(enc, self.fmt, lengths).view(senders, n)])
+        return self._rotate_shards(total, (r,), inverse=True)  # Hᵀ on the sum (H is linear)
 
     # -- 2-3: all-reduce --------------------------------------------------------------------------------
     def _finish_gather(self) -> StageResult:

@@ -23,7 +23,8 @@ Rotation (``rotate_blocks``): the randomised Hadamard ``x ↦ fwht(x ⊙ s)`` (i
 blocks of a sequence, in place, one launch: each block's butterflies in registers, partner ``i ^ h``
 by ``tl.gather``, the same additions in the same order as ``numerics.rotation.fwht``. The encode's
 passes take the same butterflies on their 64-element chunks where given a rotation table
-(``_load_blocks``): the sender rotates without a pass of its own. No wrapper reads device data on
+(``_load_blocks``): the sender rotates without a pass of its own, and the decode's takes ``Hᵀ`` before it
+stores: neither does the owner. No wrapper reads device data on
 the host."""
 
 from __future__ import annotations
@@ -259,12 +260,19 @@ def _fp4_decode_sum_kernel(
     seg_steps,
     out_ptr,
     n_blocks,
+    rot_ptr,
+    signs_ptr,
     BLOCK: tl.constexpr,
     BB: tl.constexpr,
     NVFP4: tl.constexpr,
+    RB: tl.constexpr,
+    RLOG: tl.constexpr,
+    RSCALE: tl.constexpr,
 ):
     """``out = Σ_i dec(message_i)`` in FP32, the senders' rows in order, for blocks ``[pid·BB, pid·BB + BB)``
-    of the own shard: ``(e2m1(q) · b) · s`` (NVFP4; ``s`` the block's segment scale) or ``e2m1(q) · 2^(e-127)``."""
+    of the own shard: ``(e2m1(q) · b) · s`` (NVFP4; ``s`` the block's segment scale) or ``e2m1(q) · 2^(e-127)``.
+    ``RB > 0``: each ``RB``-element chunk whose entry in ``rot_ptr`` is a sign row then times ``Hᵀ``,
+    ``fwht(x) ⊙ s`` in registers (``_rotate_kernel``'s inverse arithmetic), before it is stored."""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
     m = bmask[:, None]
@@ -289,9 +297,20 @@ def _fp4_decode_sum_kernel(
             vo = vo * s[:, None]
         acc_e += ve
         acc_o += vo
-    off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
-    tl.store(out_ptr + off, acc_e, mask=m)
-    tl.store(out_ptr + off + 1, acc_o, mask=m)
+    if RB == 0:
+        off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
+        tl.store(out_ptr + off, acc_e, mask=m)
+        tl.store(out_ptr + off + 1, acc_o, mask=m)
+    else:
+        x = tl.reshape(tl.join(acc_e, acc_o), (BB * BLOCK // RB, RB))  # the blocks' elements in order, by chunk
+        c = tl.program_id(0).to(tl.int64) * (BB * BLOCK // RB) + tl.arange(0, BB * BLOCK // RB)
+        cmask = c * RB < n_blocks * BLOCK
+        col = tl.arange(0, RB)
+        row = tl.load(rot_ptr + c, mask=cmask, other=-1)
+        on = (row >= 0)[:, None]
+        s = tl.load(signs_ptr + tl.maximum(row, 0)[:, None] * RB + col[None, :], mask=cmask[:, None] & on, other=1.0)
+        x = tl.where(on, _butterflies(x, col, RLOG, RSCALE) * s, x)
+        tl.store(out_ptr + c[:, None] * RB + col[None, :], x, mask=cmask[:, None])
 
 
 def _table(t: Placement) -> tuple:
@@ -350,17 +369,29 @@ def encode_placed(
 
 
 def decode_sum(
-    msgs: torch.Tensor, n: int, fmt: FP4Format, codes_at: int, scales_at: int, seg_at: int, seg_ends: torch.Tensor
+    msgs: torch.Tensor,
+    n: int,
+    fmt: FP4Format,
+    codes_at: int,
+    scales_at: int,
+    seg_at: int,
+    seg_ends: torch.Tensor,
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``Σ_i decode_fp4(message_i)`` (FP32 ``[n]``, senders in order) of ``msgs [senders, row bytes]`` (uint8,
     rows 4-byte aligned), each holding ``n`` elements' packed codes at byte ``codes_at``, block scales at
     ``scales_at`` and (NVFP4) one FP32 scale per segment at ``seg_at``; ``seg_ends``: the segments' cumulative
-    lengths. One launch.
+    lengths. ``rotation`` ``(chunk_rows, signs)`` as ``encode_placed`` takes it: the sum left as
+    ``rotate_blocks(..., inverse=True)`` would leave it, ``Hᵀ`` in the pass. One launch.
 
     Essential bytes per element: reads ``senders · (0.5 + 1/block)`` B, writes 4 B."""
     senders, row_bytes = msgs.shape
     out = torch.empty(n, dtype=torch.float32, device=msgs.device)
     n_blocks = n // fmt.block
+    rows, signs = rotation if rotation is not None else (seg_ends, out)  # pointers the kernel does not read
+    if rotation is not None and n % signs.shape[1]:
+        raise ValueError(f"a rotation of {signs.shape[1]}-element chunks needs whole chunks, got {n} values")
+    rb = signs.shape[1] if rotation is not None else 0
     _fp4_decode_sum_kernel[(triton.cdiv(n_blocks, BLOCKS),)](
         msgs,
         msgs.view(torch.float32),
@@ -374,9 +405,14 @@ def decode_sum(
         seg_ends.numel().bit_length(),
         out,
         n_blocks,
+        rows,
+        signs,
         BLOCK=fmt.block,
         BB=BLOCKS,
         NVFP4=fmt.segment_scale,
+        RB=rb,
+        RLOG=max(rb, 1).bit_length() - 1,
+        RSCALE=1.0 / math.sqrt(max(rb, 1)),
     )
     return out
 
@@ -462,10 +498,10 @@ def _encode_traffic(a: dict) -> tuple[int, int]:
 
 
 def _decode_sum_traffic(a: dict) -> tuple[int, int]:
-    """Every sender's codes, block scales and (NVFP4) segment scales; the FP32 sum."""
+    """Every sender's codes, block scales and (NVFP4) segment scales (with the rotation's tables); the FP32 sum."""
     n, nv = a["n_blocks"] * a["BLOCK"], a["NVFP4"]
     read = a["senders"] * (n // 2 + a["n_blocks"] + (4 * a["n_seg"] if nv else 0)) + (_seg_bytes(a) if nv else 0)
-    return read, 4 * n
+    return read + _rotation_bytes(a), 4 * n
 
 
 def _rotate_traffic(a: dict) -> tuple[int, int]:

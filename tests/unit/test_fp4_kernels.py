@@ -174,6 +174,51 @@ def test_decode_sum_is_the_reference(fmt, senders, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
+def test_decode_sum_rotates_back_in_its_pass(fmt, device):
+    """``decode_sum`` given a rotation table: bit for bit the senders' ordered FP32 sum with each rotated
+    64-element chunk then ``fwht(x) ⊙ s`` (``numerics.rotation``, chunk by chunk; the others as they are),
+    one launch, its ``TRAFFIC`` the unrotated decode's plus the chunk table and the signs. Bugs caught: a
+    chunk rotated back with another's signs, the signs applied before the butterflies (``H`` for ``Hᵀ``),
+    the even and odd lanes interleaved wrongly before the butterflies."""
+    from megatron_gift.kernels import fp4
+    from megatron_gift.numerics.rotation import fwht
+
+    f = FP4_FORMATS[fmt]
+    lengths = [b * 64 for b in SEGMENT_BLOCKS]  # segments of whole rotation chunks, as the layout's are
+    n, seg, senders = sum(lengths), torch.tensor(lengths, dtype=torch.int64), 3
+    seg_at, scales_at = 0, -(-4 * len(lengths) // 16) * 16
+    codes_at = scales_at + -(-n // f.block // 4) * 4
+    rows, decoded = [], []
+    for i in range(senders):
+        x = values(n, f.block, seed=20 + i).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) * (i + 1)
+        enc = encode_fp4(x, f, seg)
+        row = torch.zeros(codes_at + n // 2, dtype=torch.uint8)
+        row[codes_at:] = enc.codes
+        row[scales_at : scales_at + n // f.block] = enc.block_scales
+        row[: 4 * len(lengths)] = enc.segment_scales.view(torch.uint8) if f.segment_scale else 0
+        rows.append(row)
+        decoded.append(decode_fp4(enc, f, seg))
+    gen = torch.Generator().manual_seed(12)
+    signs = (torch.randint(0, 2, (5, 64), generator=gen) * 2 - 1).float()
+    chunk_rows = torch.randint(-3, 5, (n // 64,), generator=gen).clamp(min=-1)  # about a third unrotated
+    want = ordered_sum(decoded)
+    for c in range(n // 64):
+        if chunk_rows[c] >= 0:
+            want[64 * c : 64 * c + 64] = (fwht(want[64 * c : 64 * c + 64].view(1, 64), 64) * signs[chunk_rows[c]])[0]
+    msgs = torch.stack(rows).to(device)
+    with launches_of(fp4) as log:
+        got = fp4.decode_sum(
+            msgs, n, f, codes_at, scales_at, seg_at, seg.cumsum(0).to(device), (chunk_rows.to(device), signs.to(device))
+        )
+    assert same(got.cpu(), want)
+    assert [name for name, _ in log] == ["_fp4_decode_sum_kernel"]
+    segs, codes = 4 * len(lengths) if f.segment_scale else 0, n // 2 + n // f.block
+    read = senders * (codes + segs) + (8 * len(lengths) if f.segment_scale else 0) + 8 * (n // 64) + 4 * signs.numel()
+    assert fp4.TRAFFIC["_fp4_decode_sum_kernel"](log[0][1]) == (read, 4 * n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
 def test_launches_and_traffic(fmt, device):
     """NVFP4's encode takes two launches (segment maxima, then the codes), MXFP4's one, the decode-sum
     one, whatever the elements and senders; each ``TRAFFIC`` entry is the bytes of what the launch
@@ -291,7 +336,7 @@ def _worker(rank, world):
             ran = {name for name, _ in log}  # the encode and the decode-sum ran where asked, and only there
             assert ran == ({"_fp4_encode_kernel", "_fp4_decode_sum_kernel"} if kernels else set()) | (
                 {"_fp4_amax_kernel"} if kernels and fmt == "nvfp4" else set()
-            ) | ({"_rotate_kernel"} if kernels and rotation else set()), (case, ran)
+            ), (case, ran)  # the rotation inside the encode's and the decode's passes: no pass of its own
             out[(case, kernels)] = flat
     return out
 

@@ -118,8 +118,10 @@ CASES = [
     ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **ROTATED), True),
     ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **UNROTATED), True),
     ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **ROTATED), True),
-    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True), True),
-    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=32, BB=64, NVFP4=False), True),
+    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **UNROTATED), True),
+    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **ROTATED), True),
+    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **UNROTATED), True),
+    ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **ROTATED), True),
     ("fp4", "_rotate_kernel", dict(INVERSE=False, BLOCK=64, LOG=6, SCALE=0.125, BB=16), True),
     ("fp4", "_rotate_kernel", dict(INVERSE=True, BLOCK=64, LOG=6, SCALE=0.125, BB=16), True),
 ]
