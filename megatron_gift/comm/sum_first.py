@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import IntraNode
+from ..kernels import StackedWhitening
 from ..kernels.placement import Placement, RowsAt, aligned_rows
 from ..numerics.fp4 import FP4Format
 from ..numerics.rotation import BlockHadamard
@@ -317,6 +318,18 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         key = ("sum-first", self.local, whitened, ranks, str(device))
         return self.layout.cached(key, lambda: _tables(self.layout, self.topo, self.local, whitened, ranks, device))
 
+    def _stacked(self, segs: tuple[int, ...], device) -> StackedWhitening:
+        """The whitenings of ``segs`` with their factors stacked, built again only when one of them changed (a
+        refresh, a transform written in place) and kept with the layout: not four stacking launches per step.
+        The factors' memory is held twice for them. The stacks a refresh replaces are freed on the host after
+        every earlier step's reductions were waited on (the step's order), so no stream still reads them."""
+        ws = tuple(self.transforms[seg] for seg in segs)
+        held = self.layout.cached(("sum-first-stack", segs, str(device)), dict)
+        versions = tuple((w.d_inv_sqrt._version, w.q._version, w.c._version) for w in ws)
+        if held.get("of") is None or any(a is not b for a, b in zip(held["of"], ws)) or held["versions"] != versions:
+            held.update(of=ws, versions=versions, stacked=StackedWhitening.of(ws))
+        return held["stacked"]
+
     # -- 0: intra-node ------------------------------------------------------------------------------
     def _intra(self) -> StageResult:
         """The node's reduce-scatter of the held shards: row ``m`` of the bucket's ``[n, g·S]`` onto row
@@ -344,18 +357,18 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
         for s in t.segments:  # the whole rows of one shape, each contiguous in the held sums, read there
             rows = RowsAt(sums, s.starts, s.cols, s.matrix, s.spans)
-            self.ops.whiten_place(rows, [self.transforms[seg] for seg in s.segs], s.place.at(self.coded, 0))
+            ws = [self.transforms[seg] for seg in s.segs]
+            self.ops.whiten_place(rows, ws, s.place.at(self.coded, 0), stacked=self._stacked(s.segs, sums.device))
         self.stacks = []
         for p in t.pieces:  # each cut piece's part of its row's (P D^{-1/2}) Q, one batch per shape
-            ws = [self.transforms[seg] for seg in p.segs]
-            y = torch.zeros(len(ws) * p.k * p.cols, device=sums.device)
+            m, st = len(p.segs), self._stacked(p.segs, sums.device)
+            y = torch.zeros(m * p.k * p.cols, device=sums.device)
             y[p.dense] = self.coded.index_select(0, p.src)
-            d = torch.stack([w.d_inv_sqrt for w in ws]).unsqueeze(1)
-            q = torch.stack([w.q for w in ws])
+            q = st.q.view(m, p.cols, p.rank)
             with ieee_fp32(sums.device):
-                yd = y.view(len(ws), p.k, p.cols) * d
+                yd = y.view(m, p.k, p.cols) * st.d_inv_sqrt.view(m, 1, p.cols)
                 self.own[p.slots, : p.rank] = torch.bmm(yd, q).view(-1, p.rank)[p.rows]
-            self.stacks.append((yd, q, torch.stack([w.c for w in ws]).unsqueeze(1)))
+            self.stacks.append((yd, q, st.c.view(m, 1, p.rank)))
         if not t.slots:  # no whitened row of the node's shards is cut (a layout fact: the same on its ranks)
             return StageResult([], [self.coded, *self.plain])
         self.recv = torch.empty(len(t.peers), *self.own.shape, device=sums.device)

@@ -200,20 +200,22 @@ def whiten_place(
     into: Place,
     fused: bool = True,
     output: OutputRows | None = None,
+    stacked: StackedWhitening | None = None,
 ) -> None:
     """``x [rows, cols]`` (``G T`` in FP32 where ``whitening`` is given, ``T_outᵀ G T`` with ``output``
     as in ``whiten_encode``) cast to ``into.out``'s dtype, element ``i`` (memory order) written at its
     position of ``into`` (``Place``): the float intra-node wire and the plain values. ``x`` may be a
     ``RowsAt``, its rows read where they lie, with one input-side whitening per matrix (``whitening``: their
-    list; one launch each for ``G Q`` and the pass whatever the matrices). ``fused``: the Triton kernel
-    wherever it can run (``available``; ``output`` without its ``Pre``), else the PyTorch reference."""
+    list, ``stacked`` their factors stacked where the caller keeps them; one launch each for ``G Q`` and
+    the pass whatever the matrices). ``fused``: the Triton kernel wherever it can run (``available``;
+    ``output`` without its ``Pre``), else the PyTorch reference."""
     if x.numel() == 0:  # nothing to place (a rank whose shards hold none of a parameter's rows)
         return None
     if isinstance(x, RowsAt):
         if output is not None or whitening is None or len(whitening) != len(x.spans):
             raise ValueError("whiten_place reads rows in place (RowsAt) with one input-side whitening per matrix")
         if fused and available(x.buffer.device):
-            return _place().whiten_place(x, StackedWhitening.of(whitening), into)
+            return _place().whiten_place(x, stacked or StackedWhitening.of(whitening), into)
         for (r0, n), w in zip(x.spans, whitening):  # each matrix's rows at its span of the sequence
             if n:
                 reference_whiten_place(x.gathered(r0, n), w, Place(into.out, into.table, into.at + r0 * x.cols))
@@ -226,7 +228,8 @@ def whiten_place(
 @dataclass(frozen=True)
 class StackedWhitening:
     """The factors the sender's kernels read of several whitenings of one width and rank, stacked (matrix ``m``
-    at ``[m]``): what ``whiten_place`` passes them for a ``RowsAt`` of several matrices. One matrix: its own."""
+    at ``[m]``): what ``whiten_place`` passes them for a ``RowsAt`` of several matrices. One matrix: its own
+    tensors (no copy). Four launches to build: a caller that uses them every step keeps them (``comm.sum_first``)."""
 
     d_inv_sqrt: torch.Tensor
     q: torch.Tensor
@@ -388,8 +391,8 @@ class CodecOps:
     def whiten_encode(self, g, whitening, cfg, **kw) -> Encoded | None:
         return whiten_encode(g, whitening, cfg, fused=self.fused, **kw)
 
-    def whiten_place(self, x, whitening, into, output=None) -> None:
-        return whiten_place(x, whitening, into, fused=self.fused, output=output)
+    def whiten_place(self, x, whitening, into, output=None, stacked=None) -> None:
+        return whiten_place(x, whitening, into, fused=self.fused, output=output, stacked=stacked)
 
     def decode_sum_unwhiten(self, payloads, scales, rows, cols, whitening, cfg, average, **kw) -> torch.Tensor:
         return decode_sum_unwhiten(payloads, scales, rows, cols, whitening, cfg, average, fused=self.fused, **kw)

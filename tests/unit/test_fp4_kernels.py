@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_gift.kernels.placement import Placement
 from megatron_gift.numerics.fp4 import FP4_FORMATS, decode_fp4, encode_fp4
+from megatron_gift.testing.dispatch import OpCounter
 from megatron_gift.testing.kernel_log import assert_passes_under_interpreter, launches_of
 from tests.reference import ordered_sum
 
@@ -308,7 +309,9 @@ def _worker(rank, world):
     # So is the owner's T⁻¹ (its own kernels, checked in tests/unit/test_kernels.py, and below: "t-inverse").
     encode, place, unwhiten = k.whiten_encode, k.whiten_place, k.unwhiten
     k.whiten_encode = lambda g, w, cfg, fused=True, **kw: encode(g, w, cfg, fused=fused and w is None, **kw)
-    k.whiten_place = lambda x, w, into, fused=True, output=None: place(x, w, into, fused and w is None, output)
+    k.whiten_place = lambda x, w, into, fused=True, output=None, stacked=None: place(
+        x, w, into, fused and w is None, output, stacked
+    )
     (placed,) = build_groups([dist.group.WORLD], PER_NODE)
     out = {}
     for case in CASES + [(*c, "t-inverse") for c in CASES if c[3] and c[4] == "reduce-scatter"]:
@@ -373,6 +376,60 @@ def test_reductions_with_kernels_are_their_pytorch_path():
             assert all(torch.equal(g, got[0]) for g in got), case
 
 
+SUM_FIRST_SHAPES = [(1, 64, "euclidean"), (40, 256, "gift"), (30, 128, "gift"), (44, 256, "gift"), (20, 256, "euclidean")]
+"""Two GIFT parameters of 256 columns (padding between them in a ``RowsAt``), one of 128, two Euclidean ones; the
+first one shifts the others so that shards of 3,840 elements cut GIFT rows (cut pieces: their projections)."""
+
+
+def _sum_first_layout():
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.config import Mode
+    from megatron_gift.numerics.fp8 import CodecConfig
+
+    segments, at = [], 0
+    for i, (rows, cols, mode) in enumerate(SUM_FIRST_SHAPES):
+        segments.append(Segment(at, rows, cols, Mode(mode), f"p{i}"))
+        at += rows * cols
+    return BucketLayout(-(-at // (64 * 8)) * 64 * 8, 8, segments, CodecConfig(), torch.float32)
+
+
+def _sum_first_transforms(seed):
+    from megatron_gift.numerics.whitening import LowRankWhitening
+
+    gen, ts = torch.Generator().manual_seed(seed), []
+    for _, cols, mode in SUM_FIRST_SHAPES:
+        w = None
+        if mode == "gift":
+            w = LowRankWhitening.empty(cols, 4)
+            for t in w.tensors().values():
+                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+        ts.append(w)
+    return ts
+
+
+def _sum_first_rows(layout, rank, ts, held, kernels, log_module=None):
+    """``FP4SumFirstReduce._rows`` of rank ``rank`` (8 ranks, 2 nodes x 4) on the node's sums ``held``: the
+    reduction (its ``coded`` values and cut pieces' projections ``own``) and the launches of ``log_module``."""
+    from megatron_gift.comm.sum_first import FP4SumFirstReduce
+    from megatron_gift.comm.topology import Topology, TwoLevelGroups
+    from megatron_gift.testing.simulate import FakeGroup, recorded_collectives
+
+    topo = Topology(2, 4)
+    groups = TwoLevelGroups(FakeGroup(8, rank), topo, FakeGroup(4, topo.local(rank)), FakeGroup(2, topo.node(rank)))
+    red = FP4SumFirstReduce(torch.zeros(layout.numel), layout, groups, ts, FP4_FORMATS["nvfp4"], kernels=kernels)
+    assert red.ops.fused is kernels
+    stages, log = red.stages(), []
+    with recorded_collectives():  # the cut pieces' all-to-all recorded, not run
+        stages[0]()
+        red.held_sums.copy_(held)  # the node's reduce-scatter (a FakeGroup's leaves it unset)
+        if log_module is None:
+            stages[1]()
+        else:
+            with launches_of(log_module) as log:
+                stages[1]()
+    return red, log
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the kernels on the CPU: the interpreter's run only")
 @pytest.mark.parametrize("rank", [2, 7])
 def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
@@ -382,42 +439,14 @@ def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
     (cut pieces, the Euclidean parameter) exact, nothing left unset; one launch per width. Bugs caught: a
     parameter's rows whitened with another's ``T`` or placed at another's positions, the Euclidean values or
     cut pieces lost when the whole rows are left out of the gather."""
-    from megatron_gift.comm.layout import BucketLayout, Segment
-    from megatron_gift.comm.sum_first import FP4SumFirstReduce
-    from megatron_gift.comm.topology import Topology, TwoLevelGroups
-    from megatron_gift.config import Mode
-    from megatron_gift.numerics.fp8 import CodecConfig
-    from megatron_gift.numerics.whitening import LowRankWhitening
-    from megatron_gift.testing.simulate import FakeGroup
+    from megatron_gift.comm.topology import Topology
+    from megatron_gift.kernels import place
 
-    p, topo = 8, Topology(2, 4)
-    shapes = [(40, 256, Mode.GIFT), (30, 128, Mode.GIFT), (44, 256, Mode.GIFT), (20, 256, Mode.EUCLIDEAN)]
-    segments, at = [], 0
-    for i, (rows, cols, mode) in enumerate(shapes):
-        segments.append(Segment(at, rows, cols, mode, f"p{i}"))
-        at += rows * cols
-    numel = -(-at // (64 * p)) * 64 * p
-    layout = BucketLayout(numel, p, segments, CodecConfig(), torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    ts = []
-    for _, cols, mode in shapes:
-        w = None
-        if mode is Mode.GIFT:
-            w = LowRankWhitening.empty(cols, 4)
-            for t in w.tensors().values():
-                t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
-        ts.append(w)
-    held = torch.randn(topo.nodes * layout.shard_size, generator=gen)
+    topo, layout, ts = Topology(2, 4), _sum_first_layout(), _sum_first_transforms(3)
+    held = torch.randn(topo.nodes * layout.shard_size, generator=torch.Generator().manual_seed(4))
     coded = {}
     for kernels in (False, True):
-        groups = TwoLevelGroups(FakeGroup(p, rank), topo, FakeGroup(4, topo.local(rank)), FakeGroup(2, topo.node(rank)))
-        red = FP4SumFirstReduce(torch.zeros(numel), layout, groups, ts, FP4_FORMATS["nvfp4"], kernels=kernels)
-        assert red.ops.fused is kernels
-        stages = red.stages()
-        stages[0]()
-        red.held_sums.copy_(held)  # the node's reduce-scatter (a FakeGroup's leaves it unset)
-        with launches_of(__import__("megatron_gift.kernels.place", fromlist=["place"])) as log:
-            stages[1]()
+        red, log = _sum_first_rows(layout, rank, ts, held, kernels, place)
         held_shards = [m * topo.ranks_per_node + topo.local(rank) for m in range(topo.nodes)]
         widths = {layout.segments[s].cols for j in held_shards for s, r0, r1 in layout.shards[j].gift_rows if r1 > r0}
         assert len([name for name, _ in log if name == "_place_kernel"]) == (len(widths) if kernels else 0)
@@ -426,4 +455,33 @@ def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
     assert torch.isfinite(got).all()
     close = (got - ref).abs() <= 1e-5 * ref.abs().max()
     assert close.all(), int((~close).sum())
-    assert (got == ref).sum() >= ref.numel() - sum(r * c for r, c, m in shapes if m is Mode.GIFT) // topo.ranks_per_node
+    gift = sum(r * c for r, c, m in SUM_FIRST_SHAPES if m == "gift")
+    assert (got == ref).sum() >= ref.numel() - gift // topo.ranks_per_node
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.skipif(not INTERPRET, reason="CPU"))])
+@pytest.mark.parametrize("rank", [2, 7])
+def test_sum_first_factor_stacks_follow_every_change_of_the_factors(rank, kernels):
+    """The sum-first reduction keeps its whitenings' stacked factors with the layout, across steps: a step
+    after a refresh (new transforms) and one after a transform written in place (a checkpoint's load) give
+    bit for bit what a fresh layout gives (the whole rows' ``G T`` and the cut pieces' projections), and a
+    steady step stacks nothing. Bugs caught: stacks kept from before a refresh or an in-place write."""
+    from megatron_gift.comm.topology import Topology
+
+    topo, layout = Topology(2, 4), _sum_first_layout()
+    held = torch.randn(topo.nodes * layout.shard_size, generator=torch.Generator().manual_seed(4))
+    ts = _sum_first_transforms(3)
+    _sum_first_rows(layout, rank, ts, held, kernels)  # stacks built for ts
+    refreshed = _sum_first_transforms(5)
+    with OpCounter() as ops:  # a steady step: the stacks kept
+        _sum_first_rows(layout, rank, ts, held, kernels)
+    assert ops.by_op["stack"] == 0, ops.by_op
+    for step, ws in (("refresh", refreshed), ("in place", refreshed)):
+        if step == "in place":
+            for w in refreshed:  # the same transforms written in place, as a checkpoint's load writes them
+                if w is not None:
+                    w.q.mul_(-1.5)
+        got, _ = _sum_first_rows(layout, rank, ws, held, kernels)
+        want, _ = _sum_first_rows(_sum_first_layout(), rank, ws, held, kernels)
+        assert same(got.coded, want.coded) and same(got.own, want.own), step
+        assert got.own.abs().sum() > 0  # the shards cut rows: the pieces' stacks were read
