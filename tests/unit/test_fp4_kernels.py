@@ -376,7 +376,8 @@ def test_reductions_with_kernels_are_their_pytorch_path():
             assert all(torch.equal(g, got[0]) for g in got), case
 
 
-SUM_FIRST_SHAPES = [(1, 64, "euclidean"), (40, 256, "gift"), (30, 128, "gift"), (44, 256, "gift"), (20, 256, "euclidean")]
+SUM_FIRST_SHAPES = [(1, 64, "euclidean"), (40, 256, "gift"), (30, 128, "gift"), (44, 256, "gift")]
+SUM_FIRST_SHAPES += [(20, 256, "euclidean")]
 """Two GIFT parameters of 256 columns (padding between them in a ``RowsAt``), one of 128, two Euclidean ones; the
 first one shifts the others so that shards of 3,840 elements cut GIFT rows (cut pieces: their projections)."""
 
