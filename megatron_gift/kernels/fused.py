@@ -965,10 +965,9 @@ def _project(
     k_span = triton.cdiv(chunks, max(1, min(chunks, PROJECT_PROGRAMS // n_rb))) * bk
     splits = triton.cdiv(cols, k_span)
     out = torch.empty(splits, rows, rank, device=x.device)
-    row_args = (x, x, rows) if rows_at is None else (rows_at.starts, rows_at.matrix, rows_at.live)
     _project_kernel[(n_rb * splits,)](
         x,
-        *row_args,
+        *RowsAt.kernel_args(x, rows, rows_at),
         d if d is not None else x,
         q,
         coef,

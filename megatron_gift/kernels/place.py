@@ -175,10 +175,9 @@ def whiten_place(
     blocks, col_blocks = triton.cdiv(rows, block_r), triton.cdiv(cols, TILE)
     row_steps = max(1, min(ROW_STEPS, blocks, blocks * col_blocks // ROW_PROGRAMS))
     n_rb = triton.cdiv(blocks, row_steps)
-    row_args = (x, x, rows) if rows_at is None else (rows_at.starts, rows_at.matrix, rows_at.live)
     _place_kernel[(n_rb * col_blocks,)](
         x,
-        *row_args,
+        *RowsAt.kernel_args(x, rows, rows_at),
         dinv,
         p,
         qt,

@@ -73,6 +73,12 @@ class RowsAt:
     def numel(self) -> int:
         return self.starts.numel() * self.cols
 
+    @staticmethod
+    def kernel_args(x: torch.Tensor, rows: int, rows_at: RowsAt | None) -> tuple:
+        """The ``row_ptr, mat_ptr, live`` launch arguments of the kernels that read rows where they lie (placeholders
+        that are not read where ``rows_at`` is None: ``x`` and ``rows``)."""
+        return (x, x, rows) if rows_at is None else (rows_at.starts, rows_at.matrix, rows_at.live)
+
     def gathered(self, r0: int = 0, n: int | None = None) -> torch.Tensor:
         """Rows ``[r0, r0 + n)`` (all by default) as a contiguous ``[n, cols]`` copy (what the reference reads)."""
         starts = self.starts[r0:] if n is None else self.starts[r0 : r0 + n]
