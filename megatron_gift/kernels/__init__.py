@@ -362,7 +362,7 @@ def output_inverse(
 
 def unwhiten(s: torch.Tensor, whitening: LowRankWhitening, out: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """``out ← S T⁻¹`` of an FP32 sum ``S [rows, cols]`` (contiguous; ``out`` the same shape, FP32 or BF16:
-    the FP32 result rounded once), returned: the kernels' two launches (``fused.unwhiten``, ``G Q`` then the
+    the FP32 result rounded once), returned: the kernels' two launches (``fused.unwhiten``, ``S Q`` then the
     pass) wherever they can run, else ``LowRankWhitening.inverse``. The two agree to FP32 rounding."""
     if fused and s.numel() > 0 and available(s.device) and out.dtype in (torch.float32, torch.bfloat16):
         return _fused().unwhiten(s, out, whitening)

@@ -941,8 +941,11 @@ def _ends(lengths: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
 def project_options(bm: int, br: int, output: bool, bk: int = 0) -> dict:
     """Launch options of a ``_project_kernel``: 8 warps where its ``[BM, BR]`` accumulator or its ``[BM, BK]``
     tile of ``X`` has 4096 elements or more, or with ``OUTPUT`` (at 4 warps ptxas chose 32 registers and
-    spilled ~5 KB with ``OUTPUT``, 8 B at BM = BK = 64; ``bench/compile.py``)."""
-    return dict(num_warps=8 if output or bm * max(br, bk) >= 4096 else 4)
+    spilled ~5 KB with ``OUTPUT``, 8 B at BM = BK = 64; ``bench/compile.py``); with ``OUTPUT`` up to 255
+    registers (left to itself sm_100a's ptxas held BM = 64 to 128 and spilled 4 B at i64 sizes; 147, none)."""
+    if output:
+        return dict(num_warps=8, maxnreg=255)
+    return dict(num_warps=8 if bm * max(br, bk) >= 4096 else 4)
 
 
 PROJECT_ROWS = 128  # rows of a _project program: they share its loads of Q (4·r/128 B per element of X)

@@ -1,11 +1,13 @@
-"""The kernel specialisations the interpreter runs launch, against the list the offline sm_90a compile report
-compiles (``testing.kernel_log``, tests/conftest.py, tools ``bench/compile.py``; issue 35 item 8)."""
+"""The kernel specialisations the interpreter runs launch, against the list the offline sm_90a and sm_100a compile
+reports compile (``testing.kernel_log``, tests/conftest.py, tools ``bench/compile.py``; issue 35 item 8)."""
 
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from megatron_gift.testing import kernel_log
 from megatron_gift.testing.limits import wall_limit
@@ -92,15 +94,18 @@ def test_a_variant_only_spawned_ranks_launch_is_checked_too(tmp_path):
     assert [(m, k, f) for m, k, _, f in kernel_log.load_specs(str(specs))] == [("place", "_place_kernel", True)]
 
 
-def test_the_compile_report_covers_every_recorded_specialisation():
-    """The committed sm_90a report (``bench/results/compile-sm90-cpu.json``) has every specialisation of
-    ``kernel-specs.json`` compiled with i32 and i64 sizes, none spilling registers and no 32-bit multiply
-    in an i64 build. Bugs caught: a recorded variant not compiled (the report regenerated from an older list),
-    one that fails to compile or spills (issue 35's target: 100% compile, none spills)."""
+@pytest.mark.parametrize("report,arch", [("compile-sm90-cpu.json", "sm_90a"), ("compile-sm100-cpu.json", "sm_100a")])
+def test_the_compile_report_covers_every_recorded_specialisation(report, arch):
+    """The committed sm_90a and sm_100a reports (``bench/results/compile-sm{90,100}-cpu.json``) have every
+    specialisation of ``kernel-specs.json`` compiled with i32 and i64 sizes for their architecture, none
+    spilling registers and no 32-bit multiply in an i64 build. Bugs caught: a recorded variant not compiled
+    (a report regenerated from an older list), one that fails to compile or spills (issue 35's target: 100%
+    compile, none spills)."""
     import json
 
-    with open(ROOT / "bench/results/compile-sm90-cpu.json") as f:
+    with open(ROOT / "bench/results" / report) as f:
         rows = json.load(f)["rows"]
+    assert {r["arch"] for r in rows} == {arch}
     compiled = {}
     for r in rows:
         key = (r["module"], r["kernel"], json.dumps(r["constexprs"], sort_keys=True))

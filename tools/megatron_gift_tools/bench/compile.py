@@ -1,14 +1,16 @@
-"""Offline sm_90a compile report of the Triton kernels (issue 35 item 8), no GPU needed.
+"""Offline sm_90a (or sm_100a) compile report of the Triton kernels (issue 35 item 8), no GPU needed.
 
 Each case (kernel, constexprs as the launchers and kernel tests use them) is compiled with
-``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton names that ``sm_90a``), with its
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (Triton names that ``sm_90a``; ``--arch 100``:
+``GPUTarget("cuda", 100, 32)``, ``sm_100a``, Blackwell), with its
 integer arguments typed i32 and again i64 (a size above 2^31), and reported with registers,
 spills, shared memory and the 32-bit multiplies (``mul.lo.s32``/``mul.wide.s32``) in the PTX.
 The cases: every specialisation the kernel tests launch under the interpreter, as recorded in
 ``bench/results/kernel-specs.json`` (``testing.kernel_log.SPECS``; the interpreter runs fail where they
 launch one it lacks: tests/conftest.py), launch options as the launchers derive them from the constexprs.
 ``CASES`` (hand-picked) are the subset the slow test compiles in CI.
-Run: ``python -m megatron_gift_tools.bench.compile --out bench/results/compile-sm90-cpu.json``.
+Run: ``python -m megatron_gift_tools.bench.compile --out bench/results/compile-sm90-cpu.json`` (``--arch 100
+--out bench/results/compile-sm100-cpu.json`` for Blackwell).
 """
 
 import argparse
@@ -134,7 +136,7 @@ def signature(kernel, module, constexprs, int_type):
     return kernel_signature(kernel, constexprs, int_type)
 
 
-def ptxas_usage(ptx, arch):
+def ptxas_usage(ptx, arch, capability=90):
     """Registers and spill bytes from ``ptxas -v`` (Triton's own ptxas): the compiled metadata has
     ``n_regs``/``n_spills`` only once a driver loads the cubin, which needs a GPU."""
     import os
@@ -148,7 +150,7 @@ def ptxas_usage(ptx, arch):
         with open(path, "w") as f:
             f.write(ptx)
         out = subprocess.run(
-            [get_ptxas(90).path, "-v", f"-arch={arch}", path, "-o", os.path.join(d, "k.cubin")],
+            [get_ptxas(capability).path, "-v", f"-arch={arch}", path, "-o", os.path.join(d, "k.cubin")],
             capture_output=True,
             text=True,
             check=True,
@@ -158,8 +160,9 @@ def ptxas_usage(ptx, arch):
     return {"n_regs": int(regs.group(1)), "n_spills": int(stores), "spill_loads": int(loads)}
 
 
-def compile_case(module, name, constexprs, fusion, int_type):
-    """One offline sm_90a compile: its registers, spills, shared memory and 32-bit multiplies."""
+def compile_case(module, name, constexprs, fusion, int_type, capability=90):
+    """One offline compile (``capability`` 90: sm_90a, 100: sm_100a): its registers, spills, shared memory
+    and 32-bit multiplies."""
     import importlib
 
     from triton import compile as triton_compile
@@ -197,7 +200,7 @@ def compile_case(module, name, constexprs, fusion, int_type):
         options.update(encode_options(constexprs["WHITEN"] or constexprs["OUTPUT"], constexprs["LAYOUT"]))
     start = time.perf_counter()
     try:
-        compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        compiled = triton_compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     except Exception as e:  # a failed compile is a result, reported
         return {"compiled": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     md, ptx = compiled.metadata, compiled.asm["ptx"]
@@ -205,7 +208,7 @@ def compile_case(module, name, constexprs, fusion, int_type):
     return {
         "compiled": True,
         "arch": arch,
-        **ptxas_usage(ptx, arch),
+        **ptxas_usage(ptx, arch, capability),
         "shared_bytes": md.shared,
         "num_warps": md.num_warps,
         "mul_lo_s32": ptx.count("mul.lo.s32"),
@@ -214,12 +217,12 @@ def compile_case(module, name, constexprs, fusion, int_type):
     }
 
 
-def report(cases=CASES, int_types=("i32", "i64")):
+def report(cases=CASES, int_types=("i32", "i64"), capability=90):
     rows = []
     for module, name, constexprs, fusion in cases:
         for int_type in int_types:
             row = {"module": module, "kernel": name, "constexprs": constexprs, "ints": int_type}
-            rows.append({**row, **compile_case(module, name, constexprs, fusion, int_type)})
+            rows.append({**row, **compile_case(module, name, constexprs, fusion, int_type, capability)})
     return rows
 
 
@@ -236,15 +239,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/compile-sm90-cpu.json")
     parser.add_argument("--specs", default=SPECS, help="the recorded specialisations (default: %(default)s)")
+    parser.add_argument("--arch", type=int, choices=(90, 100), default=90, help="90: sm_90a (Hopper), 100: sm_100a")
     args = parser.parse_args(argv)
     import triton
 
-    rows = report(recorded_cases(args.specs))
+    rows = report(recorded_cases(args.specs), capability=args.arch)
+    arch = "" if args.arch == 90 else f" --arch {args.arch}"
     doc = {
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), offline compile, no GPU",
         "triton": triton.__version__,
-        "target": 'GPUTarget("cuda", 90, 32)',
-        "command": f"python -m megatron_gift_tools.bench.compile --out {args.out} --specs {args.specs}",
+        "target": f'GPUTarget("cuda", {args.arch}, 32)',
+        "command": f"python -m megatron_gift_tools.bench.compile --out {args.out} --specs {args.specs}{arch}",
         "specs": args.specs,
         "compiled": f"{sum(r['compiled'] for r in rows)}/{len(rows)}",
         "rows": rows,
