@@ -143,6 +143,25 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
 
 
+def _messages(xs, f, lengths):
+    """Each sender's ``encode_fp4`` of ``xs[i]`` as one row of a message ``[segment scales | block scales |
+    codes]`` (uint8, sections 4-byte aligned), the rows stacked; each one's ``decode_fp4``; the sections'
+    byte offsets ``(seg_at, scales_at, codes_at)``."""
+    n, seg = sum(lengths), torch.tensor(lengths, dtype=torch.int64)
+    seg_at, scales_at = 0, -(-4 * len(lengths) // 16) * 16
+    codes_at = scales_at + -(-n // f.block // 4) * 4
+    rows, decoded = [], []
+    for x in xs:
+        enc = encode_fp4(x, f, seg)
+        row = torch.zeros(codes_at + n // 2, dtype=torch.uint8)
+        row[codes_at:] = enc.codes
+        row[scales_at : scales_at + n // f.block] = enc.block_scales
+        row[: 4 * len(lengths)] = enc.segment_scales.view(torch.uint8) if f.segment_scale else 0
+        rows.append(row)
+        decoded.append(decode_fp4(enc, f, seg))
+    return torch.stack(rows), decoded, (seg_at, scales_at, codes_at)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("senders", [1, 3])
 @pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
@@ -156,20 +175,9 @@ def test_decode_sum_is_the_reference(fmt, senders, device):
     f = FP4_FORMATS[fmt]
     lengths = [b * f.block for b in SEGMENT_BLOCKS]
     n, seg = sum(lengths), torch.tensor(lengths, dtype=torch.int64)
-    seg_at, scales_at = 0, -(-4 * len(lengths) // 16) * 16
-    codes_at = scales_at + -(-n // f.block // 4) * 4
-    rows, decoded = [], []
-    for i in range(senders):
-        x = values(n, f.block, seed=10 + i) * (i + 1)
-        enc = encode_fp4(x, f, seg)
-        row = torch.zeros(codes_at + n // 2, dtype=torch.uint8)
-        row[codes_at:] = enc.codes
-        row[scales_at : scales_at + n // f.block] = enc.block_scales
-        row[: 4 * len(lengths)] = enc.segment_scales.view(torch.uint8) if f.segment_scale else 0
-        rows.append(row)
-        decoded.append(decode_fp4(enc, f, seg))
-    msgs = torch.stack(rows).to(device)
-    got = fp4.decode_sum(msgs, n, f, codes_at, scales_at, seg_at, seg.cumsum(0).to(device))
+    xs = [values(n, f.block, seed=10 + i) * (i + 1) for i in range(senders)]
+    msgs, decoded, (seg_at, scales_at, codes_at) = _messages(xs, f, lengths)
+    got = fp4.decode_sum(msgs.to(device), n, f, codes_at, scales_at, seg_at, seg.cumsum(0).to(device))
     assert same(got.cpu(), ordered_sum(decoded))
 
 
@@ -187,18 +195,8 @@ def test_decode_sum_rotates_back_in_its_pass(fmt, device):
     f = FP4_FORMATS[fmt]
     lengths = [b * 64 for b in SEGMENT_BLOCKS]  # segments of whole rotation chunks, as the layout's are
     n, seg, senders = sum(lengths), torch.tensor(lengths, dtype=torch.int64), 3
-    seg_at, scales_at = 0, -(-4 * len(lengths) // 16) * 16
-    codes_at = scales_at + -(-n // f.block // 4) * 4
-    rows, decoded = [], []
-    for i in range(senders):
-        x = values(n, f.block, seed=20 + i).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) * (i + 1)
-        enc = encode_fp4(x, f, seg)
-        row = torch.zeros(codes_at + n // 2, dtype=torch.uint8)
-        row[codes_at:] = enc.codes
-        row[scales_at : scales_at + n // f.block] = enc.block_scales
-        row[: 4 * len(lengths)] = enc.segment_scales.view(torch.uint8) if f.segment_scale else 0
-        rows.append(row)
-        decoded.append(decode_fp4(enc, f, seg))
+    xs = [values(n, f.block, seed=20 + i).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) * (i + 1) for i in range(senders)]
+    msgs, decoded, (seg_at, scales_at, codes_at) = _messages(xs, f, lengths)
     gen = torch.Generator().manual_seed(12)
     signs = (torch.randint(0, 2, (5, 64), generator=gen) * 2 - 1).float()
     chunk_rows = torch.randint(-3, 5, (n // 64,), generator=gen).clamp(min=-1)  # about a third unrotated
@@ -206,10 +204,16 @@ def test_decode_sum_rotates_back_in_its_pass(fmt, device):
     for c in range(n // 64):
         if chunk_rows[c] >= 0:
             want[64 * c : 64 * c + 64] = (fwht(want[64 * c : 64 * c + 64].view(1, 64), 64) * signs[chunk_rows[c]])[0]
-    msgs = torch.stack(rows).to(device)
     with launches_of(fp4) as log:
         got = fp4.decode_sum(
-            msgs, n, f, codes_at, scales_at, seg_at, seg.cumsum(0).to(device), (chunk_rows.to(device), signs.to(device))
+            msgs.to(device),
+            n,
+            f,
+            codes_at,
+            scales_at,
+            seg_at,
+            seg.cumsum(0).to(device),
+            (chunk_rows.to(device), signs.to(device)),
         )
     assert same(got.cpu(), want)
     assert [name for name, _ in log] == ["_fp4_decode_sum_kernel"]
