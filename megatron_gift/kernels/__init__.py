@@ -4,7 +4,7 @@ code as reference and fallback:
 - sender, ``whiten_encode``: ``U = G T`` (``T_outᵀ G T`` with an output side; ``+ e`` with error
   feedback, the new residual written)
   and its FP8 codes and scales in one pass over ``G`` after the small ``G Q`` (1x128 block scales;
-  MX scaling, and TENSOR/ROW without ``lengths``, take two passes), written straight into a buffer
+  MX and TENSOR scaling, and ROW without ``lengths``, take two passes), written straight into a buffer
   of messages at the positions of a per-layout table (``into``) or returned; ``whiten_place``:
   ``G T`` (or the values as they are) cast to a float wire dtype at the table's positions
   (``kernels/place.py``);
@@ -26,9 +26,9 @@ where there is no whitening), and the rank sum bit for bit. The kernels' math is
 interpreter (``TRITON_INTERPRET=1``, set before the first call here: triton reads it when the
 kernels are defined), for every format whose table entry names them (``WireFormat.kernels``: E4M3
 and E5M2), scaling and block size, with or without ``lengths`` and messages in up to
-``fused.MAX_PARTS`` non-empty parts. The reference runs instead for other formats, for TENSOR
-scaling with ``lengths``, for an output side given with its ``Pre`` (rows of a parameter), for
-more parts, for empty inputs, elsewhere, and without triton.
+``fused.MAX_PARTS`` non-empty parts (TENSOR scaling with ``lengths`` through ``TensorUnits``). The
+reference runs instead for other formats, for an output side given with its ``Pre`` (rows of a
+parameter), for more parts, for empty inputs, elsewhere, and without triton.
 The kernel path never synchronises the host with the device.
 """
 
@@ -46,8 +46,9 @@ from ..numerics.two_sided import OutputRows
 from ..numerics.two_sided import output_inverse as reference_output_inverse  # the reference lives with its math
 from ..numerics.whitening import LowRankWhitening
 from ..numerics.wire import KERNELS
-from .placement import Place, RowsAt
+from .placement import Place, Placement, RowsAt
 from .reference import (
+    _write,
     ordered_sum,
     reference_decode_placed,
     reference_decode_sum_unwhiten,
@@ -135,17 +136,44 @@ def _lengths(cfg: CodecConfig, lengths: torch.Tensor | None) -> torch.Tensor | N
     return None if lengths is not None and cfg.scaling is Scaling.TENSOR and lengths.numel() == 1 else lengths
 
 
-def _use_kernels(
-    kernel: str, fused: bool, device: torch.device, numel: int, cfg: CodecConfig, lengths: torch.Tensor | None
-) -> bool:
+def _use_kernels(kernel: str, fused: bool, device: torch.device, numel: int, cfg: CodecConfig) -> bool:
     """Whether ``kernel`` runs rather than the reference (module doc)."""
-    return (
-        fused
-        and numel > 0
-        and kernel in cfg.fmt.kernels
-        and available(device)
-        and (lengths is None or cfg.scaling is not Scaling.TENSOR)
-    )
+    return fused and numel > 0 and kernel in cfg.fmt.kernels and available(device)
+
+
+TENSOR_UNIT = 512  # columns of a unit of a per-tensor group given by lengths (read in chunks of fused.TILE)
+
+
+@dataclass(frozen=True)
+class TensorUnits:
+    """Per-tensor scaling groups given by ``lengths`` (a weight's piece in a shard, many rows long) cut where
+    a row ends and every ``TENSOR_UNIT`` columns, so that the kernels take them as groups of one row: the
+    units' ``lengths`` (int64), each unit's ``group`` and the groups' count ``n``. Built on the device from
+    the shapes alone (no host sync; a cut on a group's end leaves an empty unit): ~10 small launches, a
+    unit index per ``TENSOR_UNIT`` elements."""
+
+    lengths: torch.Tensor
+    group: torch.Tensor
+    n: int
+
+    @classmethod
+    def of(cls, lengths: torch.Tensor, rows: int, cols: int) -> TensorUnits:
+        dev, n = lengths.device, lengths.numel()
+        ends = torch.cumsum(lengths, 0, dtype=torch.int64)
+        starts = torch.arange(rows, device=dev)[:, None] * cols + torch.arange(0, cols, TENSOR_UNIT, device=dev)
+        bounds = torch.sort(torch.cat([starts.view(-1)[1:], ends])).values  # the units' ends: cuts, the groups' ends
+        unit_lengths = torch.diff(bounds, prepend=bounds.new_zeros(1))
+        group = torch.searchsorted(ends, bounds - unit_lengths, right=True).clamp_(max=n - 1)
+        return cls(unit_lengths, group, n)
+
+    def scales(self, group_scales: torch.Tensor) -> torch.Tensor:
+        """Each unit's copy of its group's scale (``[..., n]`` to ``[..., units]``)."""
+        return group_scales.index_select(-1, self.group)
+
+    def place(self, buf: torch.Tensor, shards: int = 1) -> Place:
+        """``buf`` (the units' scales, one each) as a ``Place`` of its own, where the kernels put or find them
+        (``shards``: as many as the codes' table, whose shard ``decode_placed`` reads the scales' at)."""
+        return Placement.whole(buf.numel(), buf.device, shards).at(buf, 0)
 
 
 @dataclass(frozen=True)
@@ -182,13 +210,31 @@ def whiten_encode(
     ``lengths`` each group inside one row). Without its ``Pre`` (``g`` the whole parameter) the kernels
     form it in the read of ``G`` that gives ``T``'s projection and ``T_outᵀ`` row by row in the pass:
     ``G`` is read twice, as with ``T`` alone; with it (rows of a parameter) the reference runs."""
-    lengths = _lengths(cfg, lengths)
-    if _use_kernels("whiten_encode", fused, g.device, g.numel(), cfg, lengths) and (
-        output is None or output.pre is None
-    ):
-        return _fused().whiten_encode(
-            g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback, output=output
+    flat, lengths = lengths is not None, _lengths(cfg, lengths)
+    if _use_kernels("whiten_encode", fused, g.device, g.numel(), cfg) and (output is None or output.pre is None):
+        if lengths is None or cfg.scaling is not Scaling.TENSOR:
+            enc = _fused().whiten_encode(
+                g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback, output=output
+            )
+            return enc if enc is None or not flat else Encoded(enc.payload, enc.scales.reshape(-1))
+        units = TensorUnits.of(lengths, *g.shape)
+        scales = None if into is None else torch.empty(units.group.shape, dtype=into.scales.out.dtype, device=g.device)
+        scratch = None if into is None else Placed(into.codes, units.place(scales))
+        enc = _fused().whiten_encode(
+            g,
+            whitening,
+            cfg,
+            out=out,
+            lengths=units.lengths,
+            into=scratch,
+            feedback=feedback,
+            output=output,
+            groups=(units.group, units.n),
         )
+        if into is None:
+            return enc
+        _write(into.scales, enc.scales)
+        return None
     return reference_whiten_encode(
         g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback, output=output
     )
@@ -270,9 +316,13 @@ def decode_sum_unwhiten(
     lengths = _lengths(cfg, lengths)
     if (
         parts
-        and _use_kernels("decode_sum_unwhiten", fused, parts[0].device, rows * cols, cfg, lengths)
+        and _use_kernels("decode_sum_unwhiten", fused, parts[0].device, rows * cols, cfg)
         and len(parts) <= _fused().MAX_PARTS
     ):
+        if lengths is not None and cfg.scaling is Scaling.TENSOR:  # each unit given its group's scale
+            units = TensorUnits.of(lengths, rows, cols)
+            lengths = units.lengths
+            scales = units.scales(scales) if isinstance(scales, torch.Tensor) else [units.scales(s) for s in scales]
         return _fused().decode_sum_unwhiten(
             payloads, scales, rows, cols, whitening, cfg, average, lengths=lengths, out=out
         )
@@ -297,7 +347,12 @@ def decode_placed(
     matrix codec's, or ``lengths``') element ``u`` of ``src.scales``. Each group lies in one shard of
     the tables' source."""
     lengths = _lengths(cfg, lengths)
-    if _use_kernels("decode_sum_unwhiten", fused, src.codes.out.device, rows * cols, cfg, lengths):
+    if _use_kernels("decode_sum_unwhiten", fused, src.codes.out.device, rows * cols, cfg):
+        if lengths is not None and cfg.scaling is Scaling.TENSOR:  # each unit given its group's scale
+            units = TensorUnits.of(lengths, rows, cols)
+            group_scales = _receive().take(src.scales, torch.empty(units.n, device=src.scales.out.device))
+            scales = units.place(units.scales(group_scales), src.codes.table.delta.numel())
+            src, lengths = Placed(src.codes, scales), units.lengths
         return _receive().decode_placed(src, rows, cols, whitening, cfg, lengths, out)
     return reference_decode_placed(src, rows, cols, whitening, cfg, lengths, out)
 

@@ -53,7 +53,8 @@ kernel does all of it. MX scaling and ROW/TENSOR without ``lengths`` take two: t
 each unit's amax, ``fp8.scales_from_amax`` turns the groups' maxima into scales (E8M0 for MX), the
 second recomputes ``U`` and encodes it. A unit longer than ``W`` (a block wider than ``MAX_TILE``, a ROW
 group given by ``lengths``, padding given as one group) computes ``U`` of its later chunks twice.
-(TENSOR scaling with ``lengths`` is not handled here: ``kernels`` takes the reference.)
+TENSOR scaling with ``lengths`` takes the two passes over units (``kernels.TensorUnits``: each group cut at
+row ends and every ``TENSOR_UNIT`` columns), their maxima reduced to their groups' by one ``scatter_reduce``.
 
 Receiver, ``decode_sum_unwhiten``: per unit ``S = Σ_{i<R} fp8⁻¹(code_i) · s_i`` in FP32 in rank
 order (``acc = -0``, then ``acc += x_i``: the same bits as ``reference.ordered_sum``'s
@@ -1105,11 +1106,16 @@ def whiten_encode(
     into=None,
     feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     output: OutputRows | None = None,
+    groups: tuple[torch.Tensor, int] | None = None,
 ) -> Encoded | None:
-    """See ``kernels.whiten_encode``; with ``lengths``, any scaling but TENSOR. Launches: ``G Q`` with
-    whitening (with ``output``: ``sender_factors``' few), then one pass (BLOCK, ROW with ``lengths``)
-    or two (the others, with a few small ops on the groups' maxima between them), whatever ``g``'s
-    size and the table's.
+    """See ``kernels.whiten_encode``. Launches: ``G Q`` with whitening (with ``output``: ``sender_factors``'
+    few), then one pass (BLOCK, ROW with ``lengths``) or two (the others, with a few small ops on the
+    groups' maxima between them), whatever ``g``'s size and the table's.
+
+    ``groups = (group, n)``, TENSOR scaling with ``lengths``: ``lengths`` are units of ``n`` per-tensor
+    groups cut smaller (``kernels.TensorUnits``), unit ``u`` in group ``group[u]``; two passes, the units'
+    maxima reduced to their groups' between them, every unit encoded with its group's scale. The ``n``
+    group scales are returned, with ``into`` too (its scales table then receives the units' copies).
 
     Essential bytes per element of ``G`` (BLOCK 1x128, FP32 scales): reads ``G`` once (2 B for BF16,
     4 for FP32; GIFT reads it twice, for ``G Q`` and for the pass, and so does the two-sided map,
@@ -1165,6 +1171,16 @@ def whiten_encode(
             **fmt_args,
         )
 
+    if groups is not None:  # units of per-tensor groups: their maxima, the groups' scales, each unit encoded
+        amax = torch.zeros(tiling.n_units, device=g.device)  # zeros: an empty unit may be taken by no program
+        launch(_AMAX, g, amax)
+        unit_group, n_scales = groups
+        group_amax = torch.zeros(n_scales, device=g.device).scatter_reduce_(0, unit_group, amax, "amax")
+        group_scales = scales_from_amax(group_amax, cfg)
+        launch(_ENCODE, group_scales[unit_group])
+        if u_out is not out:
+            out.copy_(u_out)
+        return Encoded(payload=payload, scales=group_scales)
     # One pass where a unit's maximum is its group's and the scale FP32: BLOCK, or groups given by lengths.
     if cfg.scaling is Scaling.BLOCK or (n_groups is not None and cfg.scaling is not Scaling.MX):
         # Placed, the scales go straight to the buffer (the scales argument is then not read).

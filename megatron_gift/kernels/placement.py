@@ -20,6 +20,16 @@ class Placement:
         delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - lengths)
         self.ends, self.delta = ends.to(device), delta.to(device)
 
+    @classmethod
+    def whole(cls, n: int, device, shards: int = 1) -> Placement:
+        """Element ``k`` at ``k``: shard 0 of ``n`` elements at the buffer's start, then ``shards - 1`` empty
+        ones (for a kernel that reads this table's ``delta`` at another table's shard). Built on the device
+        (no copy from the host: usable in a steady step)."""
+        table = cls.__new__(cls)
+        table.ends = torch.full((shards,), n, dtype=torch.int64, device=device)
+        table.delta = torch.zeros(shards, dtype=torch.int64, device=device)
+        return table
+
     def index(self, lo: int, hi: int) -> torch.Tensor:
         k = torch.arange(lo, hi, device=self.ends.device)
         return k + self.delta[torch.searchsorted(self.ends, k, right=True)]

@@ -415,7 +415,9 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order():
 
 
 # -- the fused kernels (Triton's interpreter on the CPU) -----------------------------------------
-KERNEL_CASES = [("bf16", False), ("bf16", True), ("fp8", False)]  # (intra dtype, all-reduce)
+# (intra dtype, all-reduce, codec): "e5m2-tensor" sends the weights cut by shards as groups of many rows.
+KERNEL_CASES = [("bf16", False, "e4m3-block"), ("bf16", True, "e4m3-block"), ("fp8", False, "e4m3-block")]
+KERNEL_CASES += [("fp8", False, "e5m2-tensor")]
 
 
 def _kernel_worker(rank, world):
@@ -429,26 +431,36 @@ def _kernel_worker(rank, world):
             return _f(*args, **kwargs)
 
         setattr(kernels, name, counted)
+    forced = [False]
+    for name in ("reference_whiten_encode", "reference_decode_sum_unwhiten", "reference_decode_placed"):
+
+        def fallback(*args, _f=getattr(kernels, name), **kwargs):
+            assert not forced[0], "fell back to the PyTorch reference with the kernels on"
+            return _f(*args, **kwargs)
+
+        setattr(kernels, name, fallback)
     (placed,) = build_groups([dist.group.WORLD], 2)
     numel, segs = LAYOUTS["mixed"]
-    layout = BucketLayout(numel, world, segs, CodecConfig("e4m3", "block"), torch.float32)
     ts = _transforms(segs)
     out = {"calls": calls}
-    for (intra, all_reduce), use in itertools.product(KERNEL_CASES, (False, True)):
+    for (intra, all_reduce, codec), use in itertools.product(KERNEL_CASES, (False, True)):
+        layout = BucketLayout(numel, world, segs, CodecConfig(*codec.split("-")), torch.float32)
         flat = _bucket_grads(numel, segs, rank)
+        forced[0] = use
         reduce_now(
             TwoLevelReduce(flat, layout, placed, ts, intra=intra, average=True, all_reduce=all_reduce, kernels=use),
             "cpu",
         )
-        out[(intra, all_reduce, use)] = flat
+        out[(intra, all_reduce, codec, use)] = flat
     return out
 
 
 @pytest.mark.slow
 def test_two_level_with_kernels(monkeypatch):
     """Kernel path (whiten+encode of the node partials, decode+sum+unwhiten of the shard) against the
-    PyTorch path: non-GIFT values bit for bit; GIFT values differ only where FP32 rounding of G T
-    flips an FP8 code (one E4M3 step, 2^-4 relative, on few elements)."""
+    PyTorch path, per-tensor groups cut by shards included: non-GIFT values bit for bit; GIFT values differ
+    only where FP32 rounding of G T flips an FP8 code (one E4M3 step, 2^-4 relative, on few elements). A
+    fall back to the PyTorch reference with the kernels on fails."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' processes inherit it
     results = run_on_ranks(_kernel_worker, 4, timeout=900)
@@ -459,9 +471,9 @@ def test_two_level_with_kernels(monkeypatch):
     layout = BucketLayout(numel, 4, segs, CodecConfig("e4m3", "block"), torch.float32)
     for rank, res in enumerate(results):
         assert res["calls"]["whiten_encode"] > 0 and res["calls"]["decode_sum_unwhiten"] > 0, res["calls"]
-        for intra, all_reduce in KERNEL_CASES:
+        for intra, all_reduce, codec in KERNEL_CASES:
             lo, hi = (0, numel) if all_reduce else (layout.shards[rank].lo, layout.shards[rank].hi)
-            torch_path, kernel_path = res[(intra, all_reduce, False)][lo:hi], res[(intra, all_reduce, True)][lo:hi]
+            torch_path, kernel_path = (res[(intra, all_reduce, codec, use)][lo:hi] for use in (False, True))
             mask = gift[lo:hi]
             assert torch.equal(torch_path[~mask], kernel_path[~mask]), (rank, intra, all_reduce)
             diff = (torch_path[mask] - kernel_path[mask]).norm() / torch_path[mask].norm()

@@ -41,8 +41,6 @@ from tests.unit.test_whitening import fp32_bound
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
 CONFIGS = [CodecConfig(fmt=f, scaling=s) for f in FP8Format for s in Scaling]
-# With lengths TENSOR scaling takes the reference (kernels.whiten_encode's doc).
-GROUPED_CONFIGS = [c for c in CONFIGS if c.scaling is not Scaling.TENSOR]
 SHAPES = [(1, 1), (1, 300), (20, 257)]
 KERNELS = {
     "fused": ["_encode_kernel", "_decode_sum_kernel", "_project_kernel", "_unwhiten_kernel"],
@@ -283,7 +281,7 @@ def _flat_encoding(x, lengths, cfg):
 
 
 ENCODE_LENGTHS_CASES = (
-    [(cfg, "cut", torch.int64) for cfg in GROUPED_CONFIGS]
+    [(cfg, "cut", torch.int64) for cfg in CONFIGS]  # TENSOR's groups many rows long (kernels.TensorUnits)
     + [(CodecConfig(), "cut", torch.int32), (CodecConfig(), "long", torch.int64)]
     + [(CodecConfig(scaling=Scaling.MX), "long", torch.int64), (CodecConfig(scaling=Scaling.ROW), "wide", torch.int64)]
 )
@@ -300,7 +298,7 @@ def test_encode_with_lengths_is_bitwise_the_codec(device, cfg, layout, dtype, ke
     _assert_same_encoding(kernels.whiten_encode(g, None, cfg, lengths=lengths), _flat_encoding(g, lengths, cfg))
 
 
-GROUPED_WHITEN_CASES = [(CodecConfig(scaling=s), "cut", 4) for s in (Scaling.BLOCK, Scaling.ROW, Scaling.MX)] + [
+GROUPED_WHITEN_CASES = [(CodecConfig(scaling=s), "cut", 4) for s in Scaling] + [
     (CodecConfig(), "cut", 0),
     (CodecConfig(fmt=FP8Format.E5M2), "cut", 4),
     (CodecConfig(), "long", 4),
@@ -332,7 +330,7 @@ TALL = ((37, 300), [301, 302, 5 * 300 + 77, 5 * 300 + 90, 20 * 300, 33 * 300 + 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scaling", [Scaling.BLOCK, Scaling.ROW, Scaling.MX], ids=lambda s: s.name.lower())
+@pytest.mark.parametrize("scaling", list(Scaling), ids=lambda s: s.name.lower())
 @pytest.mark.parametrize("groups", [None, "layout", "cut"])
 def test_row_layouts_over_several_row_blocks(device, scaling, groups, kernels_only, monkeypatch):
     """The sender with whitening when each program takes several blocks of rows (``ROW_PROGRAMS``
@@ -550,7 +548,7 @@ def _split(t, counts):
 
 DECODE_CASES = (
     [(cfg, None, "middle") for cfg in CONFIGS]
-    + [(cfg, "cut", "middle") for cfg in GROUPED_CONFIGS]
+    + [(cfg, "cut", "middle") for cfg in CONFIGS]  # TENSOR's groups many rows long (kernels.TensorUnits)
     + [
         (cfg, "cut", split)
         for cfg in (CodecConfig(), CodecConfig(FP8Format.E5M2, Scaling.MX))
@@ -579,8 +577,12 @@ def test_decode_parts_is_bitwise(device, cfg, layout, split, kernels_only):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "cfg,layout",
-    [(c, None if c.scaling is Scaling.TENSOR else "cut") for c in CONFIGS]
-    + [(CodecConfig(), None), (CodecConfig(FP8Format.E5M2, Scaling.MX), None)],
+    [(c, "cut") for c in CONFIGS]
+    + [
+        (CodecConfig(), None),
+        (CodecConfig(FP8Format.E5M2, Scaling.MX), None),
+        (CodecConfig(scaling=Scaling.TENSOR), None),
+    ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
 @pytest.mark.filterwarnings(
@@ -657,6 +659,64 @@ def test_launches_do_not_grow_with_ranks(device, rank, kernels_only):
         assert ops[2] == ops[5] == ops[9], ops
 
 
+class _Allocated(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the new storages the ATen ops under it return (what they allocate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_t(a)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if _is_t(t) and t.untyped_storage().data_ptr() not in given:
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def _is_t(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rank", [None, 4])
+def test_tensor_scaling_with_lengths_runs_in_units(device, rank, kernels_only):
+    """Per-tensor groups cut by shards (each many rows long), as ``--gift-scaling tensor`` sends a weight
+    across shards: encode in two ``_encode_kernel`` passes, decode in one ``_decode_sum_kernel``, no host
+    sync, codes and scales bit for bit ``encode_flat``'s and the sum the reference's, and ATen allocations
+    beyond the codes under 1 B per element (the units' index arrays: ~12 int64 per 512 elements) where the
+    reference's unchunked temporaries take over 10. A fallback to the reference, a group's scale taken from
+    part of its rows, or an FP32 temporary of the gradient's size (4 B/element) fails."""
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.TENSOR)
+    rows, cols = 48, 1100  # a row of three units, the last partial
+    n = rows * cols
+    lengths = torch.tensor([1000, n - 3100, 2100], device=device)  # cut mid-row: groups of 1 to 45 rows
+    g = _gradient(rows, cols, seed=12, device=device, special=False)
+    w = None if rank is None else _whitening(cols, rank, device)
+    u = torch.empty_like(g)
+    mark = len(kernels_only.log)
+    with SyncSanitizer() as sync, _Allocated() as alloc:
+        enc = kernels.whiten_encode(g, w, cfg, out=u, lengths=lengths)
+    assert not sync.events, sync.counts()
+    assert kernels_only.since(mark) == ["_project_kernel"] * (w is not None) + ["_encode_kernel"] * 2
+    assert (alloc.bytes - enc.payload.numel()) / n < 1.0, alloc.bytes / n
+    _assert_same_encoding(enc, _flat_encoding(u, lengths, cfg))
+    with _Allocated() as alloc:
+        reference_whiten_encode(g, w, cfg, lengths=lengths)
+    assert alloc.bytes / n > 10, alloc.bytes / n  # what the count sees on the reference's path
+    payloads = torch.stack([enc.payload.view(-1), enc.payload.view(-1).flip(0), enc.payload.view(-1)])
+    scales = torch.stack([enc.scales, enc.scales.flip(0) * 3, enc.scales / 2])
+    out = torch.empty(rows, cols, device=device)
+    mark = len(kernels_only.log)
+    with SyncSanitizer() as sync, _Allocated() as alloc:
+        kernels.decode_sum_unwhiten(payloads, scales, rows, cols, None, cfg, False, lengths=lengths, out=out)
+    assert not sync.events, sync.counts()
+    assert kernels_only.since(mark) == ["_decode_sum_kernel"] and alloc.bytes / n < 1.0, alloc.bytes / n
+    ref = reference_decode_sum_unwhiten(payloads, scales, rows, cols, None, cfg, False, lengths=lengths)
+    _assert_same_bits(out, ref)
+
+
 def _bits(x):
     """``x`` as FP32 (exact from BF16/FP16) for ``_assert_same_bits``."""
     return x.float()
@@ -699,7 +759,12 @@ PLACED_LAYOUT = (
         Segment(760, 2, 102, Mode.EUCLIDEAN, "d"),
     ],
 )
-PLACED_CONFIGS = [CodecConfig(), CodecConfig(scaling=Scaling.ROW), CodecConfig(FP8Format.E5M2, Scaling.MX)]
+PLACED_CONFIGS = [
+    CodecConfig(),
+    CodecConfig(scaling=Scaling.ROW),
+    CodecConfig(FP8Format.E5M2, Scaling.MX),
+    CodecConfig(FP8Format.E5M2, Scaling.TENSOR),
+]
 
 
 def _gathered(layout, slots, device):
@@ -749,7 +814,9 @@ def test_gathered_decode_reads_at_table_positions(device, dtype, cfg, monkeypatc
     got = torch.full((numel,), 3.0, dtype=dtype, device=device)
     decode_gathered(gathered, layout, transforms, got, slots, kernels.CodecOps(True))
     placed = [name for name, _ in launches.log if name in KERNELS["receive"]]
-    assert placed == ["_decode_placed_kernel"] * 3 + ["_sum_kernel"] * 3, placed
+    # TENSOR scaling first reads the group scales of "a", the weight cut by a shard (one placed read).
+    reads = 1 if cfg.scaling is Scaling.TENSOR else 0
+    assert sorted(placed) == ["_decode_placed_kernel"] * 3 + ["_sum_kernel"] * (3 + reads), placed
     for k, s in enumerate(segments):
         a, b = got[s.start : s.end], want[s.start : s.end]
         if transforms[k] is None:
@@ -874,10 +941,7 @@ def _comm_worker(rank, world):
 
     def fallback(reference):
         def call(*args, **kwargs):
-            cfg, lengths = next(a for a in args if isinstance(a, CodecConfig)), kwargs.get("lengths")
-            # The kernels take no per-tensor group cut apart (a weight across shards): that alone falls back.
-            cut = cfg.scaling is Scaling.TENSOR and lengths is not None and lengths.numel() > 1
-            assert not forced[0] or cut, "fell back to the PyTorch reference"
+            assert not forced[0], "fell back to the PyTorch reference"
             return reference(*args, **kwargs)
 
         return call
