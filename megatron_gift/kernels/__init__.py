@@ -217,9 +217,9 @@ def whiten_encode(
                 g, whitening, cfg, out=out, lengths=lengths, into=into, feedback=feedback, output=output
             )
             return enc if enc is None or not flat else Encoded(enc.payload, enc.scales.reshape(-1))
-        units = TensorUnits.of(lengths, *g.shape)
-        scales = None if into is None else torch.empty(units.group.shape, dtype=into.scales.out.dtype, device=g.device)
-        scratch = None if into is None else Placed(into.codes, units.place(scales))
+        units, scratch = TensorUnits.of(lengths, *g.shape), None
+        if into is not None:  # the codes placed; the units' scales to a scratch, the groups' placed after
+            scratch = Placed(into.codes, units.place(torch.empty_like(units.group, dtype=into.scales.out.dtype)))
         enc = _fused().whiten_encode(
             g,
             whitening,

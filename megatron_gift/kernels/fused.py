@@ -1171,18 +1171,8 @@ def whiten_encode(
             **fmt_args,
         )
 
-    if groups is not None:  # units of per-tensor groups: their maxima, the groups' scales, each unit encoded
-        amax = torch.zeros(tiling.n_units, device=g.device)  # zeros: an empty unit may be taken by no program
-        launch(_AMAX, g, amax)
-        unit_group, n_scales = groups
-        group_amax = torch.zeros(n_scales, device=g.device).scatter_reduce_(0, unit_group, amax, "amax")
-        group_scales = scales_from_amax(group_amax, cfg)
-        launch(_ENCODE, group_scales[unit_group])
-        if u_out is not out:
-            out.copy_(u_out)
-        return Encoded(payload=payload, scales=group_scales)
     # One pass where a unit's maximum is its group's and the scale FP32: BLOCK, or groups given by lengths.
-    if cfg.scaling is Scaling.BLOCK or (n_groups is not None and cfg.scaling is not Scaling.MX):
+    if cfg.scaling is Scaling.BLOCK or (n_groups is not None and cfg.scaling is not Scaling.MX and groups is None):
         # Placed, the scales go straight to the buffer (the scales argument is then not read).
         scales = (
             into.scales.out
@@ -1193,17 +1183,20 @@ def whiten_encode(
         # rounded as the reference rounds it).
         launch(_ONE_PASS, scales, fusion=tiling.one_chunk)
     else:  # two passes, without FMA contraction so that both compute the same U bit for bit
-        amax = torch.empty(tiling.n_units, device=g.device)
+        # zeros for per-tensor units: an empty unit may be taken by no program
+        amax = torch.zeros(tiling.n_units, device=g.device) if groups else torch.empty(tiling.n_units, device=g.device)
         launch(_AMAX, g, amax)
-        if n_groups is None and cfg.scaling is Scaling.ROW:
+        if groups is not None:  # the units' maxima reduced to their per-tensor groups'
+            amax = torch.zeros(groups[1], device=g.device).scatter_reduce_(0, groups[0], amax, "amax")
+        elif n_groups is None and cfg.scaling is Scaling.ROW:
             amax = amax.view(rows, tiling.units_per_row).amax(dim=1)
         elif n_groups is None and cfg.scaling is Scaling.TENSOR:
             amax = amax.amax().reshape(1)
         scales = scales_from_amax(amax, cfg)
-        launch(_ENCODE, scales)
+        launch(_ENCODE, scales if groups is None else scales[groups[0]])  # each unit its group's scale
     if u_out is not out:
         out.copy_(u_out)
-    if into is not None:
+    if into is not None and groups is None:
         return None
     return Encoded(payload=payload, scales=scales if n_groups is not None else scales.view(cfg.groups(rows, cols)))
 
