@@ -51,10 +51,9 @@ class Packing:
     def peer_bytes(self) -> list[int]:
         return [m.nbytes for m in self.messages[:-1]]
 
-    def own_copy(self, buf: torch.Tensor) -> torch.Tensor:
-        """The own message out of the send buffer ``buf``, a copy (``1/p`` of it), so that the
-        buffer can go once its collective is done."""
-        return buf[self.own_at : self.own_at + self.own.nbytes].clone()
+    def own_in(self, buf: torch.Tensor) -> torch.Tensor:
+        """The own message in the send buffer ``buf`` (a view; ``Space.keep`` it past the buffer)."""
+        return buf[self.own_at : self.own_at + self.own.nbytes]
 
 
 def packing(

@@ -98,6 +98,12 @@ class Space:
     def zeros(self, numel: int, dtype: torch.dtype = torch.uint8, device=None) -> torch.Tensor:
         return self.empty(numel, dtype, device).zero_()
 
+    def keep(self, view: torch.Tensor) -> torch.Tensor:
+        """A view of one of this space's buffers for a later stage: itself in an arena region (which
+        lives for the reduction's whole run), else a copy, so that the buffer can go once its
+        collective is done."""
+        return view if self.block is not None else view.clone()
+
 
 def taken(*sizes: int) -> int:
     """Arena bytes of buffers of ``sizes`` bytes taken one after another (``Space.empty``'s alignment)."""

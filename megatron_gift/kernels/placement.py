@@ -31,8 +31,10 @@ class Placement:
         return table
 
     def index(self, lo: int, hi: int) -> torch.Tensor:
+        """int64 positions of source elements ``[lo, hi)`` for the PyTorch path's placed reads and writes:
+        24 B per element at the peak (the positions, each one's shard, its delta), added in place."""
         k = torch.arange(lo, hi, device=self.ends.device)
-        return k + self.delta[torch.searchsorted(self.ends, k, right=True)]
+        return k.add_(self.delta[torch.searchsorted(self.ends, k, right=True)])
 
     def at(self, out: torch.Tensor, lo: int) -> Place:
         """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the
