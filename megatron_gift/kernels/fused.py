@@ -1184,7 +1184,7 @@ def whiten_encode(
         launch(_ONE_PASS, scales, fusion=tiling.one_chunk)
     else:  # two passes, without FMA contraction so that both compute the same U bit for bit
         # zeros for per-tensor units: an empty unit may be taken by no program
-        amax = torch.zeros(tiling.n_units, device=g.device) if groups else torch.empty(tiling.n_units, device=g.device)
+        amax = (torch.zeros if groups is not None else torch.empty)(tiling.n_units, device=g.device)
         launch(_AMAX, g, amax)
         if groups is not None:  # the units' maxima reduced to their per-tensor groups'
             amax = torch.zeros(groups[1], device=g.device).scatter_reduce_(0, groups[0], amax, "amax")

@@ -680,7 +680,8 @@ class _Allocated(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("rank", [None, 4])
 def test_tensor_scaling_with_lengths_runs_in_units(device, rank, kernels_only):
     """Per-tensor groups cut by shards (each many rows long), as ``--gift-scaling tensor`` sends a weight
-    across shards: encode in two ``_encode_kernel`` passes, decode in one ``_decode_sum_kernel``, no host
+    across shards: encode in two ``_encode_kernel`` passes (into a tensor, and placed into two shards'
+    messages as the bucket's sender does), decode in one ``_decode_sum_kernel``, no host
     sync, codes and scales bit for bit ``encode_flat``'s and the sum the reference's, and ATen allocations
     beyond the codes under 1 B per element (the units' index arrays: ~12 int64 per 512 elements) where the
     reference's unchunked temporaries take over 10. A fallback to the reference, a group's scale taken from
@@ -699,6 +700,21 @@ def test_tensor_scaling_with_lengths_runs_in_units(device, rank, kernels_only):
     assert kernels_only.since(mark) == ["_project_kernel"] * (w is not None) + ["_encode_kernel"] * 2
     assert (alloc.bytes - enc.payload.numel()) / n < 1.0, alloc.bytes / n
     _assert_same_encoding(enc, _flat_encoding(u, lengths, cfg))
+    # placed, as the bucket's sender writes a segment into its messages: the codes at two shards' places
+    # (split where a shard cuts the weight, mid-row: a group boundary), the group scales beside them
+    buf = torch.zeros(n + 64, dtype=enc.payload.dtype, device=device)
+    sbuf = torch.zeros(8, dtype=enc.scales.dtype, device=device)
+    into = kernels.Placed(
+        Placement([1000, n - 1000], [0, 1000 + 64], device).at(buf, 0), Placement([3], [2], device).at(sbuf, 0)
+    )
+    with SyncSanitizer() as sync, _Allocated() as alloc:
+        kernels.whiten_encode(g, w, cfg, out=u, lengths=lengths, into=into)
+    assert not sync.events, sync.counts()
+    assert alloc.bytes / n < 1.0, alloc.bytes / n
+    codes = enc.payload.reshape(-1)
+    assert torch.equal(buf[:1000].view(torch.uint8), codes[:1000].view(torch.uint8))
+    assert torch.equal(buf[1064:].view(torch.uint8), codes[1000:].view(torch.uint8))
+    assert torch.equal(sbuf[2:5], enc.scales.reshape(-1))
     with _Allocated() as alloc:
         reference_whiten_encode(g, w, cfg, lengths=lengths)
     assert alloc.bytes / n > 10, alloc.bytes / n  # what the count sees on the reference's path
