@@ -41,7 +41,9 @@ GIFT = ["--gift-mode", "gift", "--gift-euclidean-layers", ".*"]
 NVFP4 = ["--gift-inter-node-format", "nvfp4"]
 HADAMARD = ["--gift-rotation", "hadamard"]
 # name (format-scheme) -> flags; the linear weights are GIFT's layers, every other parameter Euclidean.
-# ``-sum-first``: the node's gradients summed by a plain reduce-scatter, ``T``, ``H`` and FP4 on the sums.
+# ``-sum-first``: the node's gradients summed by a plain reduce-scatter, ``T``, ``H`` and FP4 on the sums;
+# ``-fp32-intra``: each rank's ``G T`` summed in FP32 inside the node, the same sums to FP32 rounding (the
+# control that tells the sum-first path's numerics from the BF16 intra-node wire's).
 # Error feedback (on Euclidean NVFP4, the scheme with the largest error) keeps one flat exchange: its
 # residual is per rank and bucket, so that mode's FP4 messages cross all four ranks.
 MODES = {
@@ -53,6 +55,7 @@ MODES = {
     "nvfp4-gift": GIFT + NVFP4,
     "nvfp4-gift+hadamard": GIFT + NVFP4 + HADAMARD,
     "nvfp4-gift+hadamard-sum-first": GIFT + NVFP4 + HADAMARD + ["--gift-intra-node", "reduce-scatter"],
+    "nvfp4-gift+hadamard-fp32-intra": GIFT + NVFP4 + HADAMARD + ["--gift-intra-node", "fp32"],
     "nvfp4-euclidean+ef": EUCLID + NVFP4 + ["--gift-error-feedback"],
 }
 PRESET = dict(demo.PRESETS["quick"], ffn=192, global_batch=8, iters=1000)
