@@ -57,7 +57,6 @@ from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
 from .layout import BucketLayout, _pad4
 from .ledger import CommLedger, dtype_label
-from .packing import Received
 from .pieces import PieceExchange
 from .quantized import ShardReduction, Whitenings, destination
 from .schedule import StageResult, taken
@@ -517,9 +516,7 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         """``P_{k,j}`` for the held shards ``j`` (FP32 sums of the node's messages, local ranks in
         order), each encoded into its FP4 message; the all-to-all among the nodes."""
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = Received(
-            self.recv1, self.space.keep(self.pk1.own_in(self.buf1)), self.local, self.pk1.own, self.topo.ranks_per_node
-        )
+        rows = self.pk1.received(self.recv1, self.buf1, self.local, self.topo.ranks_per_node, self.space)
         del self.buf1, self.recv1
         chunks, counts = self._held(device)
         plans = [layout.shards[j] for j in self.held]

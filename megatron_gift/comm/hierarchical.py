@@ -152,9 +152,7 @@ class TwoLevelReduce(ShardReduction):
     # -- 1: node sums, inter-node ------------------------------------------------------------------
     def _node_sums(self) -> StageResult:
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = Received(
-            self.recv1, self.space.keep(self.pk1.own_in(self.buf1)), self.local, self.pk1.own, self.topo.ranks_per_node
-        )
+        rows = self.pk1.received(self.recv1, self.buf1, self.local, self.topo.ranks_per_node, self.space)
         del self.buf1, self.recv1
         n, k = self.topo.nodes, self.node
         key = ("inter", self.rank, str(device))
@@ -219,7 +217,7 @@ class TwoLevelReduce(ShardReduction):
         return layout.cached(("held", self.local, str(device), self.chunk), build)
 
     def _inter_rows(self) -> Received:
-        rows = Received(self.recv, self.space.keep(self.pk2.own_in(self.buf)), self.node, self.pk2.own, self.topo.nodes)
+        rows = self.pk2.received(self.recv, self.buf, self.node, self.topo.nodes, self.space)
         del self.buf, self.recv
         return rows
 

@@ -51,9 +51,11 @@ class Packing:
     def peer_bytes(self) -> list[int]:
         return [m.nbytes for m in self.messages[:-1]]
 
-    def own_in(self, buf: torch.Tensor) -> torch.Tensor:
-        """The own message in the send buffer ``buf`` (a view; ``Space.keep`` it past the buffer)."""
-        return buf[self.own_at : self.own_at + self.own.nbytes]
+    def received(self, recv: torch.Tensor, buf: torch.Tensor, own_index: int, count: int, space) -> Received:
+        """The ``count`` messages the rank has after the all-to-all of ``buf``: the peers' rows of ``recv``
+        and its own message in ``buf`` (``space.keep``: read in place in an arena region, else a copy)."""
+        own = space.keep(buf[self.own_at : self.own_at + self.own.nbytes])
+        return Received(recv, own, own_index, self.own, count)
 
 
 def packing(

@@ -279,7 +279,7 @@ class QuantizedReduce(ShardReduction):
         ]
 
     def _rows(self) -> Received:
-        rows = Received(self.recv, self.space.keep(self.pk.own_in(self.buf)), self.rank, self.pk.own, self.world)
+        rows = self.pk.received(self.recv, self.buf, self.rank, self.world, self.space)
         del self.buf, self.recv
         return rows
 
