@@ -8,8 +8,10 @@ shard run as Triton kernels where the reduction's kernels do (``kernels/fp4.py``
 The flat one on rank ``r`` of ``p``, for one bucket whose layout passed ``BucketLayout.check_blocks``:
 
 0. *send*: ``U = G T`` (GIFT, whole parameters; ``G`` elsewhere) into the bucket's coded sequence in
-   FP32; shard ``j``'s range of it encoded with ``numerics.fp4.encode_fp4``, one *segment* (an NVFP4
-   FP32 segment scale) per coded parameter part of the shard, into message ``j``::
+   FP32 (where the kernels run without error feedback, ``G T`` alone: the encode reads ``G`` of the Euclidean
+   parameters in the bucket, ``kernels.placement.Source``); shard ``j``'s range of it encoded with
+   ``numerics.fp4.encode_fp4``, one *segment* (an NVFP4 FP32 segment scale) per coded parameter part of the
+   shard, into message ``j``::
 
        [segment scales (FP32) | off values | bf16 values | block scales | packed codes]
 
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode, Rotation
-from ..kernels.placement import Placement
+from ..kernels.placement import Placement, Source
 from ..kernels.reference import ordered_sum, reference_rotate_blocks, reference_sum_rows, sender_values
 from ..numerics.error_feedback import ErrorFeedback
 from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4, roundtrip_fp4
@@ -238,21 +240,28 @@ class _FP4Stages:
         return self.layout.cached(key, lambda: fp4_packing(self.layout, self.fmt, shards, device))
 
     def _encode_placed(
-        self, pk: FP4Packing, coded: torch.Tensor, plain: list[torch.Tensor], rotate: tuple[int, ...] | None
+        self,
+        pk: FP4Packing,
+        coded: torch.Tensor,
+        plain: list[torch.Tensor],
+        rotate: tuple[int, ...] | None,
+        source: Source | None = None,
     ) -> torch.Tensor:
         """The buffer of ``pk``'s messages: the source's coded values ``coded`` (FP32, its shards one
         after another; ``rotate``: those shards, whose rotated parts are sent times ``H``, in the encode's
         passes where the kernels run, else by ``_rotate_shards`` first) encoded in one call (every block
         and segment lies inside one shard's part, so the codes and scales are those of one call per
         message) and placed, the plain values ``plain[c]`` (class ``c``'s, the shards one after another)
-        cast into place; padding zero."""
+        cast into place; padding zero. ``source`` (where the kernels run): the runs of the coded values
+        that the encode reads where they lie, not in ``coded``."""
         buf = self.space.zeros(pk.nbytes, device=coded.device)
         fp4 = self.ops.fp4(coded.device)
         rotating = rotate is not None and self.rotation is not None and bool(self.rotated_segments)
         if coded.numel() and fp4 is not None:
             rotation = self._chunk_rows(rotate, coded.device) if rotating else None
-            fp4.encode_placed(coded, self.fmt, pk.ends, buf, pk.place, rotation)
+            fp4.encode_placed(coded, self.fmt, pk.ends, buf, pk.place, rotation, source)
         elif coded.numel():
+            assert source is None, "a source is read by the kernels only"
             if rotating:
                 coded = self._rotate_shards(coded, rotate)
             enc = encode_fp4(coded, self.fmt, pk.lengths)
@@ -416,25 +425,37 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         return taken(sum(sizes), self.world * max(sizes), *self._gathered_bytes())
 
     # -- 0: send --------------------------------------------------------------------------------------
-    def _coded_values(self) -> tuple[torch.Tensor, bool]:
+    def _coded_values(self) -> tuple[torch.Tensor, bool, Source | None]:
         """The bucket's coded sequence, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere (plus the
-        residual with error feedback, then times ``H`` already), and whether ``H`` is still to come."""
+        residual with error feedback, then times ``H`` already), whether ``H`` is still to come, and where the
+        kernels run without error feedback, the Euclidean parameters as a ``Source`` read in the bucket
+        (``u`` holds ``G T`` alone then: no FP32 copy of ``G``)."""
         layout, flat = self.layout, self.flat
         u = torch.empty(layout.n_coded, dtype=torch.float32, device=flat.device)
+        in_place = self.error_feedback is None and self.ops.fp4(flat.device) is not None
+        euclid = tuple(i for i in layout.coded_segments if self.transforms[i] is None) if in_place else ()
         for i in layout.coded_segments:
             s, at = layout.segments[i], layout.seg_at[i]
-            g = flat[s.start : s.end].view(s.rows, s.cols)
-            u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
+            if i not in euclid:
+                g = flat[s.start : s.end].view(s.rows, s.cols)
+                u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
         shards = tuple(range(self.world))  # the shards tile the coded sequence
         if self.error_feedback is None:
-            return u, True
+            segs = layout.segments
+
+            def runs() -> Source | None:  # (position in the coded sequence, length, start in the bucket)
+                runs = [(layout.seg_at[i], segs[i].end - segs[i].start, segs[i].start) for i in euclid]
+                return Source.runs(runs, layout.n_coded, flat.device)
+
+            source = layout.cached(("fp4-source", euclid, str(flat.device)), runs)
+            return u, True, source.on(flat) if source is not None else None
         e, staged = self.error_feedback.feedback(0, u.numel())
         u += e
         v = self._rotate_shards(u.clone() if self.rotation is not None else u, shards)
         # what the owners decode of v (the same segments as the messages'), rotated back: the next residual
         sent = roundtrip_fp4(v, self.fmt, self._packing(shards, u.device).lengths)
         torch.sub(u, self._rotate_shards(sent, shards, inverse=True), out=staged)
-        return v, False
+        return v, False, None
 
     def _class_values(self, c: int) -> torch.Tensor:
         """Plain class ``c``'s sequence: its parameters' values one after another (the shards' parts
@@ -446,9 +467,9 @@ class FP4Reduce(_FP4Stages, ShardReduction):
     def _send(self) -> StageResult:
         device, r = self.flat.device, self.rank
         pk = self._packing(tuple(range(self.world)), device)  # every rank's message, in rank order
-        coded, to_rotate = self._coded_values()
+        coded, to_rotate, source = self._coded_values()
         plain = [self._class_values(c) for c in range(2)]
-        self.buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None)
+        self.buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None, source)
         if self.world == 1:  # the own message is all the receive buffer would hold
             self.recv = self.buf
             return StageResult([], [self.buf])
@@ -534,12 +555,13 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         plain = [sum_plain(rows, layout, c, 0, counts[c], False, self.ops) if counts[c] else sums[:0] for c in range(2)]
         return self._send_inter(sums, plain)
 
-    def _send_inter(self, sums: torch.Tensor, plain: list[torch.Tensor]) -> StageResult:
-        """The held shards' node sums (``sums``: coded values, whitened, FP32; ``plain[c]``: class ``c``'s),
-        ``H`` on the coded parts, encoded into their FP4 messages; the all-to-all among the nodes."""
+    def _send_inter(self, sums: torch.Tensor, plain: list[torch.Tensor], source: Source | None = None) -> StageResult:
+        """The held shards' node sums (``sums``: coded values, whitened, FP32, but ``source``'s runs where given;
+        ``plain[c]``: class ``c``'s), ``H`` on the coded parts, encoded into their FP4 messages; the all-to-all
+        among the nodes."""
         device, n = sums.device, self.topo.nodes
         pk = self._packing(tuple(self.held), device)  # the held shards' messages, in node order
-        buf = self._encode_placed(pk, sums, plain, tuple(self.held))  # H on the held shards' rotated parts
+        buf = self._encode_placed(pk, sums, plain, tuple(self.held), source)  # H on the held shards' rotated parts
         own = self.msgs[self.rank].nbytes
         self.buf, self.recv = buf, self.space.empty(n * own, device=device)
         sent = pk.nbytes - own

@@ -9,11 +9,12 @@ alone, ``1/g`` of the bucket. On rank ``i = k·g + l`` holding shards ``j = m·g
 0. *intra*: one coalesced reduce-scatter over the node of the bucket's ``n`` rows of ``g`` shards:
    rank ``i`` receives ``P_{k,j} = Σ_{l'} G_{k·g+l'}[shard j]`` for its held shards, in the bucket's
    dtype (the collective's order; an FP32 bucket sums in FP32).
-1. *rows*: the held coded values gathered in FP32 but for the whole GIFT rows, which
-   ``kernels.whiten_place`` reads where they lie (``RowsAt``: one pass where the kernels run), times
-   ``T``. A row a shard boundary cuts has its other pieces on other ranks of the same node: each piece's part of the
-   row's ``(P D^{-1/2}) Q`` (r floats) goes to them in one all-to-all over the node, as the owner's
-   ``pieces.PieceExchange`` does for ``T⁻¹``.
+1. *rows*: the whole GIFT rows times ``T``, read where they lie by ``kernels.whiten_place`` (``RowsAt``: one
+   pass where the kernels run) into the held coded sequence (FP32); the other coded values gathered there in
+   FP32 on the PyTorch path, read by the kernels' encode where they lie in the held sums (a
+   ``kernels.placement.Source``: no gathered copy). A row a shard boundary cuts has its other pieces on
+   other ranks of the same node: each piece's part of the row's ``(P D^{-1/2}) Q`` (r floats) goes to them
+   in one all-to-all over the node, as the owner's ``pieces.PieceExchange`` does for ``T⁻¹``.
 2. *node sums*: each cut piece's columns of ``P T = P D^{-1/2} + ((P D^{-1/2}) Q ⊙ c) Qᵀ`` from its
    row's summed projections (holders in shard order), then ``H``, the FP4 messages and the
    all-to-all among the nodes (``FP4TwoLevelReduce._send_inter``).
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from ..config import IntraNode
 from ..kernels import StackedWhitening
-from ..kernels.placement import Placement, RowsAt, aligned_rows
+from ..kernels.placement import Placement, RowsAt, Source, aligned_rows
 from ..numerics.fp4 import FP4Format
 from ..numerics.rotation import BlockHadamard
 from ..numerics.whitening import ieee_fp32
@@ -65,7 +66,8 @@ class _WholeRows:
 class _Pieces:
     """The cut pieces of the whitened segments ``segs`` of one shape (``cols`` columns, factor ``rank``),
     batched: segment ``c``'s pieces are rows ``c·k ...`` of a ``[C, k, cols]`` stack, zeros elsewhere.
-    ``src``/``dense``: the pieces' elements in the held coded sequence and in the stack; ``rows``/``slots``:
+    ``src``/``dense``/``held``: the pieces' elements in the held coded sequence, in the stack and in the held
+    sums (where they are read); ``rows``/``slots``:
     the stack rows holding a piece and their rows in the exchange; ``gather``: each stack row's row of the
     summed projections (a zero row for padding)."""
 
@@ -75,6 +77,7 @@ class _Pieces:
     k: int
     src: torch.Tensor
     dense: torch.Tensor
+    held: torch.Tensor
     rows: torch.Tensor
     slots: torch.Tensor
     gather: torch.Tensor
@@ -135,6 +138,8 @@ class _Tables:
     """What stage 1 gathers and the cut rows' exchange, built once per layout, rank and whitened set."""
 
     coded: _Gather  # the held shards' coded values in order from the held sums, but for the whole GIFT rows
+    n_coded: int  # the held coded sequence's length
+    source: Source | None  # where the kernels run: the runs they read in the held sums (all but GIFT rows)
     plain: tuple[_Gather, _Gather]  # the same per plain class
     segments: tuple[_WholeRows, ...]  # one per shape
     pieces: tuple[_Pieces, ...]  # one batch per shape
@@ -171,6 +176,10 @@ def _tables(
         s = layout.segments[seg]
         return base[j] + layout.seg_at[seg] + row * s.cols + c0 - layout.shards[j].coded_lo
 
+    def held_at(j: int, seg: int, row: int, c0: int) -> int:
+        s = layout.segments[seg]
+        return held.index(j) * S + s.start + row * s.cols + c0 - layout.shards[j].lo
+
     every = [_pieces(layout, [m * g + lp for m in range(topo.nodes)], whitened) for lp in range(g)]
     mine = every[local]
     rows_of, shapes = {}, {}  # per shape (cols, rank): [(seg, starts, sizes, runs)]; [(seg, own pieces (slot, piece))]
@@ -203,11 +212,12 @@ def _tables(
     batches = []
     for (cols, rank), members in shapes.items():
         k = max(len(own) for _, own in members)
-        src, dense, rows, slots, gather = [], [], [], [], []
+        src, dense, at_held, rows, slots, gather = [], [], [], [], [], []
         for c, (_, own) in enumerate(members):
             for i, (slot, (seg, row, c0, c1, j)) in enumerate(own):
                 src.append(position(j, seg, row, c0) + torch.arange(c1 - c0))
                 dense.append((c * k + i) * cols + torch.arange(c0, c1))
+                at_held.append(held_at(j, seg, row, c0) + torch.arange(c1 - c0))
                 rows.append(c * k + i)
                 slots.append(slot)
             gather += [slot for slot, _ in own] + [len(mine)] * (k - len(own))
@@ -220,6 +230,7 @@ def _tables(
                 k,
                 _cat(src, device),
                 _cat(dense, device),
+                _cat(at_held, device),
                 _long(rows, device),
                 _long(slots, device),
                 _long(gather, device),
@@ -240,8 +251,12 @@ def _tables(
     width = max((len(t) for t in table), default=0)
     sums = torch.tensor([t + [zero] * (width - len(t)) for t in table], dtype=torch.int64).view(len(table), width)
     total = topo.nodes * S
+    cut = [(held_at(j, seg, row, c0), c1 - c0) for seg, row, c0, c1, j in mine]
+    in_place = _without(_without(coded, whole), cut)  # the Euclidean parts: read by the kernels' encode there
     return _Tables(
         _gather(_without(coded, whole), total, device, at) if whole else _gather([r[:2] for r in coded], total, device),
+        at,
+        Source.runs([(pos, n, start) for start, n, pos in in_place], at, device),
         (_gather(plain[0], total, device), _gather(plain[1], total, device)),
         tuple(segments),
         tuple(batches),
@@ -351,7 +366,11 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         to the node's other holders of its row."""
         sums, t = self.held_sums, self._tables(self.flat.device)
         del self.held_sums
-        self.coded = t.coded(sums).float()
+        in_place = self.ops.fp4(sums.device) is not None and t.source is not None
+        if in_place:  # the encode reads the Euclidean parts in the held sums; the GIFT values written below
+            self.coded, self.source = torch.empty(t.n_coded, device=sums.device), t.source.on(sums)
+        else:
+            self.coded, self.source = t.coded(sums).float(), None
         self.plain = [t.plain[c](sums) for c in range(2)]
         r_max = max((self.transforms[seg].rank for s in t.segments for seg in s.segs), default=0)
         self.own = torch.zeros(t.slots, r_max, device=sums.device)
@@ -363,14 +382,15 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         for p in t.pieces:  # each cut piece's part of its row's (P D^{-1/2}) Q, one batch per shape
             m, st = len(p.segs), self._stacked(p.segs, sums.device)
             y = torch.zeros(m * p.k * p.cols, device=sums.device)
-            y[p.dense] = self.coded.index_select(0, p.src)
+            y[p.dense] = sums.index_select(0, p.held).float()
             q = st.q.view(m, p.cols, p.rank)
             with ieee_fp32(sums.device):
                 yd = y.view(m, p.k, p.cols) * st.d_inv_sqrt.view(m, 1, p.cols)
                 self.own[p.slots, : p.rank] = torch.bmm(yd, q).view(-1, p.rank)[p.rows]
             self.stacks.append((yd, q, st.c.view(m, 1, p.rank)))
+        kept = [self.coded, *self.plain] + ([sums] if in_place else [])  # the held sums: read by the encode
         if not t.slots:  # no whitened row of the node's shards is cut (a layout fact: the same on its ranks)
-            return StageResult([], [self.coded, *self.plain])
+            return StageResult([], kept)
         self.recv = torch.empty(len(t.peers), *self.own.shape, device=sums.device)
         block = self.own.numel()
         splits = [block if lp in t.peers else 0 for lp in range(self.topo.ranks_per_node)]
@@ -381,13 +401,13 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
             self.recv.view(-1), send.view(-1), splits, splits, group=self.groups.intra, async_op=True
         )
         stacks = [x for stack in self.stacks for x in stack]  # read by the next stage
-        return StageResult([work], [self.coded, *self.plain, self.own, self.recv, send, *stacks])
+        return StageResult([work], [*kept, self.own, self.recv, send, *stacks])
 
     # -- 2: node sums -------------------------------------------------------------------------------
     def _node_sums(self) -> StageResult:
         """Each cut piece's columns of ``P T`` (its row's projections summed, holders in shard order),
         then ``_send_inter``."""
-        t, coded, plain = self._tables(self.flat.device), self.coded, self.plain
+        t, coded, plain, source = self._tables(self.flat.device), self.coded, self.plain, self.source
         if t.slots:
             r_max = self.own.shape[1]
             rows = torch.cat([self.own, self.recv.view(-1, r_max), self.own.new_zeros(1, r_max)])
@@ -401,5 +421,5 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
                     )
                 coded[p.src] = pt.view(-1)[p.dense]
             del self.own, self.recv
-        del self.coded, self.plain, self.stacks
-        return self._send_inter(coded, plain)
+        del self.coded, self.plain, self.stacks, self.source
+        return self._send_inter(coded, plain, source)

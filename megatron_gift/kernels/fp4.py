@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..numerics.fp4 import E2M1_MAX, E4M3_MAX, FP4Format
 from .fused import _finite_amax, _fp8_code, _fp8_value, _shard_delta, _shard_of
-from .placement import Placement
+from .placement import Placement, Source
 
 BLOCKS = 64  # blocks per program (1024 NVFP4 elements)
 # numerics.fp4's constants as the kernels may read them (constexpr globals)
@@ -87,6 +87,21 @@ def _butterflies(x, col, LOG: tl.constexpr, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _read(x_ptr, at, key, m, src_ptr, src_ends_ptr, src_delta_ptr, src_from_ptr, src_n, src_steps, SRC: tl.constexpr):
+    """FP32 values of the coded sequence at ``at`` (int64, any shape; ``m`` the elements to read): ``x[at]``,
+    or with ``SRC`` (a source table, ``encode_placed``'s ``source``) ``src[at + delta[j]]`` where run ``j``
+    holding ``key`` (``at``, or its block's start: runs are whole blocks) is the source's (``from[j] != 0``),
+    ``x[at]`` elsewhere: each element loaded once, from one of the two."""
+    if SRC == 0:
+        return tl.load(x_ptr + at, mask=m, other=0.0)
+    j = tl.minimum(_shard_of(src_ends_ptr, src_n, src_steps, key, m), src_n - 1)
+    d = tl.load(src_delta_ptr + j, mask=m, other=0)
+    held = tl.load(src_from_ptr + j, mask=m, other=0) != 0
+    s = tl.load(src_ptr + at + d, mask=m & held, other=0.0).to(tl.float32)
+    return tl.where(held, s, tl.load(x_ptr + at, mask=m & (held == 0), other=0.0))
+
+
+@triton.jit
 def _load_blocks(
     x_ptr,
     blk,
@@ -94,26 +109,47 @@ def _load_blocks(
     n_blocks,
     rot_ptr,
     signs_ptr,
+    src_ptr,
+    src_ends_ptr,
+    src_delta_ptr,
+    src_from_ptr,
+    src_n,
+    src_steps,
     BLOCK: tl.constexpr,
     BB: tl.constexpr,
     RB: tl.constexpr,
     RLOG: tl.constexpr,
     RSCALE: tl.constexpr,
+    SRC: tl.constexpr,
 ):
-    """The even and odd elements ``[BB, BLOCK/2]`` of blocks ``blk`` (this program's ``BB`` consecutive ones);
-    with ``RB > 0`` each ``RB``-element chunk whose entry in ``rot_ptr`` is a sign row (``>= 0``) rotated
-    first, ``fwht(x ⊙ s)`` in registers (``_rotate_kernel``'s arithmetic), the others as they are."""
+    """The even and odd elements ``[BB, BLOCK/2]`` of blocks ``blk`` (this program's ``BB`` consecutive ones,
+    read by ``_read``); with ``RB > 0`` each ``RB``-element chunk whose entry in ``rot_ptr`` is a sign row
+    (``>= 0``) rotated first, ``fwht(x ⊙ s)`` in registers (``_rotate_kernel``'s arithmetic), the others as
+    they are."""
     m = bmask[:, None]
     if RB == 0:
         off = blk[:, None] * BLOCK + 2 * tl.arange(0, BLOCK // 2)[None, :]
-        xe = tl.load(x_ptr + off, mask=m, other=0.0)
-        xo = tl.load(x_ptr + off + 1, mask=m, other=0.0)
+        key = blk[:, None] * BLOCK
+        xe = _read(x_ptr, off, key, m, src_ptr, src_ends_ptr, src_delta_ptr, src_from_ptr, src_n, src_steps, SRC)
+        xo = _read(x_ptr, off + 1, key, m, src_ptr, src_ends_ptr, src_delta_ptr, src_from_ptr, src_n, src_steps, SRC)
     else:
         c = tl.program_id(0).to(tl.int64) * (BB * BLOCK // RB) + tl.arange(0, BB * BLOCK // RB)
         cmask = c * RB < n_blocks * BLOCK
         col = tl.arange(0, RB)
         at = c[:, None] * RB + col[None, :]
-        x = tl.load(x_ptr + at, mask=at < n_blocks * BLOCK, other=0.0)
+        x = _read(
+            x_ptr,
+            at,
+            at,
+            at < n_blocks * BLOCK,
+            src_ptr,
+            src_ends_ptr,
+            src_delta_ptr,
+            src_from_ptr,
+            src_n,
+            src_steps,
+            SRC,
+        )
         row = tl.load(rot_ptr + c, mask=cmask, other=-1)
         on = (row >= 0)[:, None]
         s = tl.load(signs_ptr + tl.maximum(row, 0)[:, None] * RB + col[None, :], mask=cmask[:, None] & on, other=1.0)
@@ -131,9 +167,12 @@ def _block_amax(xe, xo, m):
     return amax, bad > 0
 
 
-# ptxas held _fp4_amax_kernel to 32 registers and spilled 4 B with 32-bit sizes; 64 allowed: 40, none
-# (``bench/compile.py``)
-AMAX_OPTIONS = dict(maxnreg=64)
+# ptxas held _fp4_amax_kernel to 32 registers and spilled 4 B with 32-bit sizes; 64 allowed: 40, none; read in a
+# BF16 source, rotated, 64 spilled 4 B on sm_100a: 96 allowed (``bench/compile.py``)
+AMAX_OPTIONS = dict(maxnreg=96)
+# ptxas held the MXFP4 encode reading a source to 80 registers and spilled 4 B on sm_90a; 128 allowed: the rotated
+# encodes spilled; 168 allowed
+ENCODE_OPTIONS = dict(maxnreg=168)
 
 
 @triton.jit
@@ -146,18 +185,45 @@ def _fp4_amax_kernel(
     n_blocks,
     rot_ptr,
     signs_ptr,
+    src_ptr,
+    src_ends_ptr,
+    src_delta_ptr,
+    src_from_ptr,
+    src_n,
+    src_steps,
+    src_elems,
     BLOCK: tl.constexpr,
     BB: tl.constexpr,
     RB: tl.constexpr,
     RLOG: tl.constexpr,
     RSCALE: tl.constexpr,
+    SRC: tl.constexpr,
 ):
     """Each segment's finite maximum into ``amax_ptr`` (int32 bits, zeroed before), in one vector atomic:
     the program's first block carries the maximum over the blocks of its segment here, a block of a
     later segment its own. ``RB > 0``: of the values rotated as ``_load_blocks`` rotates them."""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
-    xe, xo = _load_blocks(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+    xe, xo = _load_blocks(
+        x_ptr,
+        blk,
+        bmask,
+        n_blocks,
+        rot_ptr,
+        signs_ptr,
+        src_ptr,
+        src_ends_ptr,
+        src_delta_ptr,
+        src_from_ptr,
+        src_n,
+        src_steps,
+        BLOCK,
+        BB,
+        RB,
+        RLOG,
+        RSCALE,
+        SRC,
+    )
     amax, _ = _block_amax(xe, xo, bmask[:, None])
     seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
     first = tl.min(tl.where(bmask, seg, n_seg))  # the first block's (segments grow with the block)
@@ -192,12 +258,20 @@ def _fp4_encode_kernel(
     segs_steps,
     rot_ptr,
     signs_ptr,
+    src_ptr,
+    src_ends_ptr,
+    src_delta_ptr,
+    src_from_ptr,
+    src_n,
+    src_steps,
+    src_elems,
     BLOCK: tl.constexpr,
     BB: tl.constexpr,
     NVFP4: tl.constexpr,
     RB: tl.constexpr,
     RLOG: tl.constexpr,
     RSCALE: tl.constexpr,
+    SRC: tl.constexpr,
 ):
     """Codes, block scales and (NVFP4) segment scales of blocks ``[pid·BB, pid·BB + BB)`` at their
     tables' positions (``placement.Placement``; codes as bytes, two per byte, segment scales FP32), of
@@ -208,7 +282,26 @@ def _fp4_encode_kernel(
         code = e2m1(x / scale)  (0 where scale = 0); a block with a NaN or Inf: scale code NaN"""
     blk = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     bmask = blk < n_blocks
-    xe, xo = _load_blocks(x_ptr, blk, bmask, n_blocks, rot_ptr, signs_ptr, BLOCK, BB, RB, RLOG, RSCALE)
+    xe, xo = _load_blocks(
+        x_ptr,
+        blk,
+        bmask,
+        n_blocks,
+        rot_ptr,
+        signs_ptr,
+        src_ptr,
+        src_ends_ptr,
+        src_delta_ptr,
+        src_from_ptr,
+        src_n,
+        src_steps,
+        BLOCK,
+        BB,
+        RB,
+        RLOG,
+        RSCALE,
+        SRC,
+    )
     amax, bad = _block_amax(xe, xo, bmask[:, None])
     if NVFP4:
         seg = _shard_of(seg_ends_ptr, n_seg, seg_steps, blk * BLOCK, bmask)
@@ -326,16 +419,19 @@ def encode_placed(
     out: torch.Tensor,
     place: dict[str, Placement],
     rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    source: Source | None = None,
 ) -> None:
     """``numerics.fp4.encode_fp4(x, fmt, lengths)`` written into the buffer ``out`` (uint8) at the positions
     of ``place`` (``comm.fp4_reduce.FP4Packing.place``: "coded", "groups", "segments"); ``seg_ends``: the
     cumulative segment lengths (int64, on the device). ``rotation`` ``(chunk_rows, signs)``: ``x`` is
     encoded as ``rotate_blocks`` would leave it, chunk ``c`` of ``signs.shape[1]`` elements times ``H`` with
     the signs of row ``chunk_rows[c]`` where that is ``>= 0``, in the passes' registers (``x`` unchanged).
+    ``source`` (``placement.Source``): the sequence's runs that lie elsewhere, read there (in their dtype)
+    instead of from ``x``, whose elements there are not read: no gathered copy of them.
     Two launches and a memset for NVFP4, one for MXFP4.
 
-    Essential bytes per element: reads ``x`` (4 B; NVFP4 twice), writes 0.5 B of codes and ``1/block`` B
-    of block scales."""
+    Essential bytes per element: reads the value (4 B, or the source's size; NVFP4 twice), writes 0.5 B of
+    codes and ``1/block`` B of block scales."""
     n_blocks = x.numel() // fmt.block
     grid = (triton.cdiv(n_blocks, BLOCKS),)
     seg = (seg_ends, seg_ends.numel(), seg_ends.numel().bit_length())
@@ -346,8 +442,24 @@ def encode_placed(
         raise ValueError(f"a rotation of {signs.shape[1]}-element chunks needs whole chunks, got {x.numel()} values")
     rb = signs.shape[1] if rotation is not None else 0
     rot = dict(RB=rb, RLOG=max(rb, 1).bit_length() - 1, RSCALE=1.0 / math.sqrt(max(rb, 1)))
+    if source is None:  # placeholders the kernels do not read
+        src, rot["SRC"] = (x, seg_ends, seg_ends, seg_ends, 1, 1, 0), 0
+    else:
+        t = source.table
+        src = (
+            source.tensor,
+            t.ends,
+            t.delta,
+            source.held,
+            t.ends.numel(),
+            t.ends.numel().bit_length(),
+            source.elements,
+        )
+        rot["SRC"] = 2 if source.tensor.dtype == torch.bfloat16 else 1
     if nv:
-        _fp4_amax_kernel[grid](x, *seg, amax, n_blocks, rows, signs, BLOCK=fmt.block, BB=BLOCKS, **rot, **AMAX_OPTIONS)
+        _fp4_amax_kernel[grid](
+            x, *seg, amax, n_blocks, rows, signs, *src, BLOCK=fmt.block, BB=BLOCKS, **rot, **AMAX_OPTIONS
+        )
     _fp4_encode_kernel[grid](
         x,
         *seg,
@@ -361,10 +473,12 @@ def encode_placed(
         *_table(place["segments"]),
         rows,
         signs,
+        *src,
         BLOCK=fmt.block,
         BB=BLOCKS,
         NVFP4=nv,
         **rot,
+        **ENCODE_OPTIONS,
     )
 
 
@@ -483,16 +597,25 @@ def _rotation_bytes(a: dict) -> int:
     return 8 * (a["n_blocks"] * a["BLOCK"] // a["RB"]) + 4 * a["signs_ptr"].numel()
 
 
+def _value_bytes(a: dict) -> int:
+    """The coded values, each read once: from the source where given (its runs in its dtype, with its
+    table: ends, delta, flag), else from ``x``."""
+    n = a["n_blocks"] * a["BLOCK"]
+    if not a["SRC"]:
+        return n * a["x_ptr"].element_size()
+    held = a["src_elems"]
+    return held * a["src_ptr"].element_size() + (n - held) * a["x_ptr"].element_size() + 24 * a["src_n"]
+
+
 def _amax_traffic(a: dict) -> tuple[int, int]:
-    read = a["n_blocks"] * a["BLOCK"] * a["x_ptr"].element_size() + _seg_bytes(a) + _rotation_bytes(a)
-    return read, 4 * a["n_seg"]
+    return _value_bytes(a) + _seg_bytes(a) + _rotation_bytes(a), 4 * a["n_seg"]
 
 
 def _encode_traffic(a: dict) -> tuple[int, int]:
-    """``x`` once (with the rotation's tables), the segment maxima and the three tables; the codes, the
+    """The values once (with the rotation's tables), the segment maxima and the three tables; the codes, the
     block scales and (NVFP4) a scale per segment."""
     n, nv = a["n_blocks"] * a["BLOCK"], a["NVFP4"]
-    read = n * a["x_ptr"].element_size() + 16 * (a["codes_n"] + a["scales_n"] + a["segs_n"]) + _rotation_bytes(a)
+    read = _value_bytes(a) + 16 * (a["codes_n"] + a["scales_n"] + a["segs_n"]) + _rotation_bytes(a)
     read += _seg_bytes(a) + 4 * a["n_seg"] if nv else 0
     return read, n // 2 + a["n_blocks"] + (4 * a["n_seg"] if nv else 0)
 

@@ -54,6 +54,42 @@ class Place:
 
 
 @dataclass(frozen=True)
+class Source:
+    """Runs of a coded sequence read where they lie (``kernels.fp4.encode_placed``): the sequence cut into
+    runs of whole blocks (``table``'s shards, covering it), run ``j``'s element ``k`` at ``tensor[k + delta[j]]``
+    where ``held[j]`` (int64, nonzero), at ``k`` of the encode's own FP32 sequence elsewhere; ``elements``:
+    how many come from ``tensor`` (the traffic count's). Built once per layout without its tensor (``runs``),
+    bound to each step's buffer by ``on``."""
+
+    tensor: torch.Tensor | None
+    table: Placement
+    held: torch.Tensor
+    elements: int
+
+    @classmethod
+    def runs(cls, runs: list[tuple[int, int, int]], n: int, device) -> Source | None:
+        """From the runs ``(position in the sequence, length, start in the tensor)`` (disjoint), the rest of the
+        ``n`` elements left to the sequence's own buffer; None without runs. Plan-time host work."""
+        runs = sorted(r for r in runs if r[1])
+        if not runs:
+            return None
+        sizes, starts, held, at = [], [], [], 0
+        for pos, length, start in runs:
+            if pos > at:
+                sizes.append(pos - at), starts.append(at), held.append(0)
+            sizes.append(length), starts.append(start), held.append(1)
+            at = pos + length
+        if n > at:
+            sizes.append(n - at), starts.append(at), held.append(0)
+        flags = torch.tensor(held, dtype=torch.int64).to(device)
+        return cls(None, Placement(sizes, starts, device), flags, sum(length for _, length, _ in runs))
+
+    def on(self, tensor: torch.Tensor) -> Source:
+        """These runs read from ``tensor`` (a step's buffer)."""
+        return Source(tensor, self.table, self.held, self.elements)
+
+
+@dataclass(frozen=True)
 class RowsAt:
     """A matrix ``[len(starts), cols]`` whose row ``i`` is ``buffer[starts[i] : starts[i] + cols]``: whole rows
     scattered in a flat buffer (the node's sums of ``comm.sum_first``), which the kernels read in place

@@ -143,11 +143,12 @@ def kernel_signature(kernel, constexprs: dict, int_type: str = "i32") -> dict:
     uint8, scales E8M0 bytes or FP32, group ends, placement tables, row starts and matrices int64, a placed cast's
     output BF16, a BF16 output of the receive kernels int16 bits, other pointers FP32 (the delta kernels: their
     parameters in BF16 for ``MANT`` 7, else FP16; the FP4 kernels: segment maxima int32 bits, the
-    rotation's block starts and sign rows int64);
+    rotation's block starts and sign rows int64, a source's flags int64 and values BF16 for ``SRC`` 2);
     integers ``int_type``; ``constexprs`` as given."""
     if "BB" in constexprs and "MANT" not in constexprs:  # kernels.fp4: maxima int32 bits, codes bytes
         types = {"amax_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "msg_ptr": "*u8"}
         types.update(starts_ptr="*i64", rows_ptr="*i64", rot_ptr="*i64")  # the rotation's starts and sign rows
+        types.update(src_from_ptr="*i64", src_ptr="*bf16" if constexprs.get("SRC") == 2 else "*fp32")  # a Source
 
         def pointer(name):
             return "*i64" if "ends" in name or "delta" in name else types.get(name, "*fp32")

@@ -137,6 +137,81 @@ def test_encode_placed_rotates_in_its_passes(fmt, device):
     assert torch.equal(got.cpu(), want.cpu()), (got.cpu() != want.cpu()).nonzero()[:10].flatten().tolist()
 
 
+def _split_source(x: torch.Tensor, block: int, dtype, seed: int):
+    """``x`` with about half of its blocks (in runs of 1-9) moved into another tensor of ``dtype`` at shuffled
+    places with gaps, the values there rounded to ``dtype`` in ``x`` too; what is left in the sequence's own
+    buffer at the moved places NaN (never to be read). Returns ``(x as the encode must see it, own buffer,
+    source tensor, runs)``."""
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks, runs, at = x.numel() // block, [], 0
+    while at < n_blocks:
+        length = int(torch.randint(1, 10, (1,), generator=gen))
+        if torch.rand(1, generator=gen) < 0.5:
+            runs.append((at * block, min(length, n_blocks - at) * block))
+        at += length
+    order = torch.randperm(len(runs), generator=gen).tolist()
+    src = torch.full((sum(n for _, n in runs) + 7 * len(runs) + 5,), float("nan"), dtype=dtype)
+    want, own, placed, start = x.clone(), x.clone(), [], 5
+    for i in order:
+        pos, n = runs[i]
+        src[start : start + n] = x[pos : pos + n].to(dtype)
+        want[pos : pos + n] = src[start : start + n].float()
+        own[pos : pos + n] = float("nan")
+        placed.append((pos, n, start))
+        start += n + 7
+    return want, own, src, placed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
+def test_encode_placed_reads_its_source_in_place(fmt, dtype, rotate, device):
+    """``encode_placed`` given a ``Source`` (runs of blocks read from another tensor, FP32 or BF16, shuffled,
+    with gaps): every byte of the buffer as the encode of the whole sequence gathered first gives it, with and
+    without the rotation; the own buffer's elements at the source's runs are NaN and must not be read; the
+    ``TRAFFIC`` entries count each value once, in the dtype it is read in. Bugs caught: a run read at another
+    run's offset, a source element read as FP32 bits when it is BF16, the own buffer read where the source
+    holds the values (NaN reaches the scales), a run boundary inside a block misplaced."""
+    from megatron_gift.kernels import fp4
+    from megatron_gift.kernels.placement import Source
+    from megatron_gift.numerics.rotation import fwht
+
+    f = FP4_FORMATS[fmt]
+    lengths = [b * 64 for b in SEGMENT_BLOCKS]  # whole rotation chunks, as the layout's are
+    n = sum(lengths)
+    x = values(n, f.block, seed=5).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).clamp(-1e30, 1e30) * 1e-3
+    whole, own, src, runs = _split_source(x, f.block, dtype, seed=int(rotate) + 2 * (dtype == torch.bfloat16))
+    rotation, seen = None, whole.clone()
+    if rotate:
+        gen = torch.Generator().manual_seed(11)
+        signs = (torch.randint(0, 2, (7, 64), generator=gen) * 2 - 1).float()
+        chunk_rows = torch.randint(-3, 7, (n // 64,), generator=gen).clamp(min=-1)
+        for c in range(n // 64):
+            if chunk_rows[c] >= 0:
+                seen[64 * c : 64 * c + 64] = fwht(
+                    seen[64 * c : 64 * c + 64].view(1, 64) * signs[chunk_rows[c]], 64
+                ).view(-1)
+        rotation = (chunk_rows.to(device), signs.to(device))
+    nbytes, place = buffer_of(f, lengths, 3, device)
+    seg = torch.tensor(lengths, dtype=torch.int64, device=device)
+    got = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=device)
+    want = got.clone()
+    source = Source.runs(runs, n, device).on(src.to(device))
+    with launches_of(fp4) as log:
+        fp4.encode_placed(own.to(device), f, seg.cumsum(0), got, place, rotation, source)
+    reference_placed(seen, f, seg.cpu(), want, place)
+    assert torch.equal(got.cpu(), want.cpu()), (got.cpu() != want.cpu()).nonzero()[:10].flatten().tolist()
+    held = sum(length for _, length, _ in runs)
+    values_read = held * src.element_size() + (n - held) * 4 + 24 * source.table.ends.numel()
+    plain = dict(log)["_fp4_encode_kernel"]
+    extra = fp4.TRAFFIC["_fp4_encode_kernel"](plain)[0] - values_read
+    for name, args in log:  # the same tables and scales as without a source, the values once each
+        bare = {**args, "SRC": 0}
+        assert fp4.TRAFFIC[name](args)[0] - values_read == fp4.TRAFFIC[name](bare)[0] - 4 * n, name
+    assert extra > 0
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical, every NaN counted as the same NaN."""
     nan = a.isnan()
@@ -435,6 +510,22 @@ def _sum_first_rows(layout, rank, ts, held, kernels, log_module=None):
     return red, log
 
 
+def coded_sequence(red, held: torch.Tensor) -> torch.Tensor:
+    """The held coded sequence after ``_rows`` as the PyTorch path holds it: ``red.coded`` with the runs of its
+    ``source`` (the Euclidean parts, read by the encode in the held sums ``held`` where the kernels run) taken
+    from there, and the cut pieces (which ``_node_sums`` whitens into place) as the held sums hold them."""
+    seq, src = red.coded.clone(), red.source
+    for p in red._tables(held.device).pieces:
+        seq[p.src] = held[p.held].float()
+    if src is not None:
+        start = 0
+        for end, d, held in zip(src.table.ends.tolist(), src.table.delta.tolist(), src.held.tolist()):
+            if held:
+                seq[start:end] = src.tensor[start + d : end + d].float()
+            start = end
+    return seq
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the kernels on the CPU: the interpreter's run only")
 @pytest.mark.parametrize("rank", [2, 7])
 def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
@@ -443,7 +534,8 @@ def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
     its PyTorch path on the same held sums: the whole rows' ``G T`` to FP32 rounding, every other coded value
     (cut pieces, the Euclidean parameter) exact, nothing left unset; one launch per width. Bugs caught: a
     parameter's rows whitened with another's ``T`` or placed at another's positions, the Euclidean values or
-    cut pieces lost when the whole rows are left out of the gather."""
+    cut pieces lost when the whole rows are left out of the gather, the Euclidean values (read by the encode
+    in the held sums where the kernels run) looked up at another place there."""
     from megatron_gift.comm.topology import Topology
     from megatron_gift.kernels import place
 
@@ -455,7 +547,8 @@ def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
         held_shards = [m * topo.ranks_per_node + topo.local(rank) for m in range(topo.nodes)]
         widths = {layout.segments[s].cols for j in held_shards for s, r0, r1 in layout.shards[j].gift_rows if r1 > r0}
         assert len([name for name, _ in log if name == "_place_kernel"]) == (len(widths) if kernels else 0)
-        coded[kernels] = red.coded.clone()
+        coded[kernels] = coded_sequence(red, held)
+        assert (red.source is not None) == kernels  # the Euclidean parameter read where it lies, not gathered
     ref, got = coded[False], coded[True]
     assert torch.isfinite(got).all()
     close = (got - ref).abs() <= 1e-5 * ref.abs().max()
@@ -488,5 +581,5 @@ def test_sum_first_factor_stacks_follow_every_change_of_the_factors(rank, kernel
                     w.q.mul_(-1.5)
         got, _ = _sum_first_rows(layout, rank, ws, held, kernels)
         want, _ = _sum_first_rows(_sum_first_layout(), rank, ws, held, kernels)
-        assert same(got.coded, want.coded) and same(got.own, want.own), step
+        assert same(coded_sequence(got, held), coded_sequence(want, held)) and same(got.own, want.own), step
         assert got.own.abs().sum() > 0  # the shards cut rows: the pieces' stacks were read

@@ -114,12 +114,15 @@ CASES = [
     ("delta", "_encode_kernel", dict(BB=4, MANT=7), False),
     ("delta", "_decode_kernel", dict(BB=4, MANT=7), False),
     ("delta", "_decode_kernel", dict(BB=4, MANT=10), False),
-    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, **UNROTATED), True),
-    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, **ROTATED), True),
-    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **UNROTATED), True),
-    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **ROTATED), True),
-    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **UNROTATED), True),
-    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **ROTATED), True),
+    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, SRC=0, **UNROTATED), True),
+    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, SRC=0, **ROTATED), True),
+    ("fp4", "_fp4_amax_kernel", dict(BLOCK=16, BB=64, SRC=2, **ROTATED), True),  # read in a BF16 bucket
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, SRC=0, **UNROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, SRC=0, **ROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, SRC=1, **UNROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=16, BB=64, NVFP4=True, SRC=2, **ROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, SRC=0, **UNROTATED), True),
+    ("fp4", "_fp4_encode_kernel", dict(BLOCK=32, BB=64, NVFP4=False, SRC=0, **ROTATED), True),
     ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **UNROTATED), True),
     ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=16, BB=64, NVFP4=True, **ROTATED), True),
     ("fp4", "_fp4_decode_sum_kernel", dict(BLOCK=32, BB=64, NVFP4=False, **UNROTATED), True),
@@ -186,6 +189,10 @@ def compile_case(module, name, constexprs, fusion, int_type, capability=90):
         from megatron_gift.kernels.fp4 import AMAX_OPTIONS
 
         options.update(AMAX_OPTIONS)
+    if (module, name) == ("fp4", "_fp4_encode_kernel"):  # the registers its launcher allows
+        from megatron_gift.kernels.fp4 import ENCODE_OPTIONS
+
+        options.update(ENCODE_OPTIONS)
     if (module, name) == ("fused", "_decode_sum_kernel"):  # the registers its launcher allows
         from megatron_gift.kernels.fused import DECODE_OPTIONS
 
