@@ -14,7 +14,7 @@ assert GROUPED
 
 def _id(case) -> str:
     module, name, constexprs, _ = case
-    keys = ("PASS", "OUTPUT", "BM", "BR", "RB", "ROW_INDEX")
+    keys = ("PASS", "OUTPUT", "BM", "BR", "RB", "SRC", "ROW_INDEX")
     return ".".join([module, name, *(f"{k}={constexprs[k]}" for k in keys if k in constexprs)])
 
 
