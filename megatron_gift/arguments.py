@@ -340,13 +340,14 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     groups["exchange"].add_argument(
         "--gift-intra-node",
-        choices=tuple(d.value for d in IntraNode),
-        default=_EXCHANGE.intra_node.value,
-        help="Wire dtype of the two-level exchange's intra-node stage, summed in FP32 (default: %(default)s: "
-        "half of FP32's intra-node bytes at an error far below FP8's; fp8 quantizes twice); reduce-scatter: "
-        "NCCL's reduce-scatter of the gradient in the bucket's dtype, whitening, rotation and FP4 encode on "
-        "the node's sums only (1/ranks-per-node of the work; needs --gift-inter-node-format nvfp4 or mxfp4 "
-        "and --use-distributed-optimizer).",
+        choices=(AUTO, *(d.value for d in IntraNode)),
+        default=AUTO,
+        help="Wire dtype of the two-level exchange's intra-node stage, summed in FP32 (bf16: half of FP32's "
+        "intra-node bytes at an error far below FP8's; fp8 quantizes twice); reduce-scatter: NCCL's "
+        "reduce-scatter of the gradient in the bucket's dtype, whitening, rotation and FP4 encode on the node's "
+        "sums only (1/ranks-per-node of the work; needs --gift-inter-node-format nvfp4 or mxfp4 and "
+        f"--use-distributed-optimizer). {AUTO}: reduce-scatter where it runs (four bits between nodes, the "
+        "distributed optimizer, the two-level exchange), else bf16 (default: %(default)s).",
     )
     groups["exchange"].add_argument(
         "--gift-ranks-per-node",
@@ -472,7 +473,7 @@ def gift_config_from_args(args) -> GiftConfig | None:
             )
         exchange = ExchangeConfig(
             topology=Exchange(args.gift_exchange),
-            intra_node=IntraNode(args.gift_intra_node),
+            intra_node=intra_node(args),
             ranks_per_node=args.gift_ranks_per_node,
             schedule=None if args.gift_schedule == AUTO else Schedule(args.gift_schedule),
             loopback=args.gift_loopback,
@@ -689,6 +690,21 @@ def concern_groups(parser: argparse.ArgumentParser | None = None) -> list[tuple[
 def flag_concerns(parser: argparse.ArgumentParser | None = None) -> dict[str, str]:
     """Each ``--gift-*`` flag's destination -> its concern (``CONCERNS``)."""
     return {action.dest: concern for concern, group in concern_groups(parser) for action in group._group_actions}
+
+
+def intra_node(args) -> IntraNode:
+    """``--gift-intra-node``, with ``auto`` resolved: a reduce-scatter first where it runs (four bits between nodes,
+    the distributed optimizer's equal shards, the two-level exchange: the faster two-level path in the planner,
+    training as the per-rank path within the seeds' noise, docs/two-level-exchange.md), else bf16."""
+    if args.gift_intra_node != AUTO:
+        return IntraNode(args.gift_intra_node)
+    runs = (
+        args.gift_inter_node_format != InterNodeFormat.FP8.value
+        and getattr(args, "use_distributed_optimizer", False)
+        and args.gift_exchange != Exchange.FLAT.value
+        and not args.gift_error_feedback
+    )
+    return IntraNode.REDUCE_SCATTER if runs else IntraNode.BF16
 
 
 def _ineffective_flags(args, cfg: GiftConfig | None) -> list[tuple[str, str]]:

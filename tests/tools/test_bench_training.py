@@ -43,6 +43,26 @@ def test_gap_to_bf16_is_paired_by_seed():
     assert v["nvfp4-gift+hadamard"] == dict(within_2sd_of_zero=True, le_fp8_euclidean_plus_noise=True)
 
 
+def test_reduction_error_is_the_geometric_mean_of_the_logged_steps(tmp_path):
+    """Catches the telemetry's errors averaged arithmetically, taken from the first steps (before a tenth of the
+    run), mixed across layer modes, or reported where a seed's telemetry is missing. By hand: GIFT layers log
+    0.01 and 0.04 at step 20 and 0.02 at step 30 (geometric mean (8e-6)^(1/3) = 0.02), Euclidean 0.1 at 20 and
+    0.1 at 30; step 5 (before iters/10 = 10) logs 1.0 for both and is left out."""
+
+    def log(step, gift, euclid):
+        layers = {f"g{i}": {"mode": "gift", "rel_l2": v} for i, v in enumerate(gift)}
+        layers |= {"e": {"mode": "euclidean", "rel_l2": euclid}, "b": {"mode": "bf16", "rel_l2": None}}
+        return json.dumps({"step": step, "layers": layers})
+
+    for seed, lines in ((1, [log(5, [1.0], 1.0), log(20, [0.01, 0.04], 0.1)]), (2, [log(30, [0.02], 0.1)])):
+        d = tmp_path / "telemetry" / f"nvfp4-gift-s{seed}"
+        d.mkdir(parents=True)
+        (d / "gift_telemetry.jsonl").write_text("\n".join(lines) + "\n")
+    got = training.reduction_error(tmp_path, "nvfp4-gift", [1, 2], 100)
+    assert got == {"euclidean": pytest.approx(0.1), "gift": pytest.approx(0.02)}
+    assert training.reduction_error(tmp_path, "nvfp4-gift", [1, 2, 3], 100) is None
+
+
 def test_parse_reads_validation_and_bytes():
     """Catches a final validation loss taken from a training line or the wrong evaluation."""
     log = (

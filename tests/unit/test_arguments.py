@@ -129,6 +129,28 @@ def test_intra_node_flag_reaches_the_config(parse, intra):
     ).exchange.intra_node is IntraNode(intra)
 
 
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        (["--gift-inter-node-format", "nvfp4", "--use-distributed-optimizer"], "reduce-scatter"),
+        (["--gift-inter-node-format", "mxfp4", "--use-distributed-optimizer"], "reduce-scatter"),
+        (["--gift-inter-node-format", "nvfp4"], "bf16"),  # no equal shards to reduce-scatter
+        (["--use-distributed-optimizer"], "bf16"),  # FP8 between nodes: whitening the node's sums is FP4's
+        (["--gift-inter-node-format", "nvfp4", "--use-distributed-optimizer", "--gift-exchange", "flat"], "bf16"),
+        (["--gift-inter-node-format", "nvfp4", "--use-distributed-optimizer", "--gift-error-feedback"], "bf16"),
+        (["--gift-inter-node-format", "nvfp4", "--use-distributed-optimizer", "--gift-intra-node", "bf16"], "bf16"),
+    ],
+)
+def test_intra_node_auto_sums_first_where_it_runs(parse, flags, want):
+    """``--gift-intra-node`` left at auto: a reduce-scatter first with four bits between nodes and the distributed
+    optimizer, bf16 wherever that path cannot run (and an explicit choice kept), and every resolved configuration
+    passes the start-up checks. Bugs caught: auto resolved to the sum-first path without the distributed
+    optimizer (a start-up refusal of a flag the user never set), with FP8 between nodes, or over an explicit bf16."""
+    args = parse("--gift-mode", "gift", *flags)
+    validate_gift_args(args)
+    assert gift_config_from_args(args).exchange.intra_node is IntraNode(want)
+
+
 @pytest.mark.parametrize("side", ["input", "both", "auto"])
 def test_side_flag_reaches_the_config(parse, side):
     """Bug caught: ``--gift-side both`` dropped on its way to ``GiftConfig`` (no output statistics kept,

@@ -255,8 +255,9 @@ FLAG_ADVICE = {  # docs/flags.md's last column: when to change each flag
     "--gift-telemetry-dir": "with `--gift-log-interval` and no `--save`",
     "--gift-exchange": "`flat` only to compare; error feedback keeps the flat exchange",
     "--gift-intra-node": "`fp8` only if NVLink is the bottleneck (quantizes twice: +36-38% RelL2 in `bench comm`); "
-    "`reduce-scatter` with four bits between nodes (the planner's `-2level-rs-` rows: faster than the BF16 "
-    "intra-node stage in every run of `bench/results/model-*-nvfp4.json`; no GPU has run it)",
+    "`bf16` to keep each rank's `G T` on the wire with four bits between nodes, where `auto` sums first (the "
+    "planner's `-2level-rs-` rows: faster than the BF16 intra-node stage in every run of "
+    "`bench/results/model-*-nvfp4.json`; training alike within ten seeds' noise; no GPU has run it)",
     "--gift-inter-node-format": "an experiment: about 5x FP8's error, which GIFT reduces (issue 36)",
     "--gift-rotation": (
         "an experiment: issue 36 measured 0.61x of Euclidean NVFP4's error for GIFT then Hadamard, 0.76x for GIFT alone"

@@ -38,7 +38,8 @@ from megatron_gift_tools import demo
 RANKS, PER_NODE = 4, 2
 EUCLID = ["--gift-mode", "euclidean", "--gift-euclidean-layers", ".*"]
 GIFT = ["--gift-mode", "gift", "--gift-euclidean-layers", ".*"]
-NVFP4 = ["--gift-inter-node-format", "nvfp4"]
+FOUR = ["--gift-inter-node-format", "nvfp4"]
+NVFP4 = FOUR + ["--gift-intra-node", "bf16"]  # the per-rank path, BF16 in the node (auto sums first there)
 HADAMARD = ["--gift-rotation", "hadamard"]
 # name (format-scheme) -> flags; the linear weights are GIFT's layers, every other parameter Euclidean.
 # ``-sum-first``: the node's gradients summed by a plain reduce-scatter, ``T``, ``H`` and FP4 on the sums;
@@ -54,9 +55,9 @@ MODES = {
     "nvfp4-hadamard": EUCLID + NVFP4 + HADAMARD,
     "nvfp4-gift": GIFT + NVFP4,
     "nvfp4-gift+hadamard": GIFT + NVFP4 + HADAMARD,
-    "nvfp4-gift+hadamard-sum-first": GIFT + NVFP4 + HADAMARD + ["--gift-intra-node", "reduce-scatter"],
-    "nvfp4-gift+hadamard-fp32-intra": GIFT + NVFP4 + HADAMARD + ["--gift-intra-node", "fp32"],
-    "nvfp4-euclidean+ef": EUCLID + NVFP4 + ["--gift-error-feedback"],
+    "nvfp4-gift+hadamard-sum-first": GIFT + FOUR + HADAMARD + ["--gift-intra-node", "reduce-scatter"],
+    "nvfp4-gift+hadamard-fp32-intra": GIFT + FOUR + HADAMARD + ["--gift-intra-node", "fp32"],
+    "nvfp4-euclidean+ef": EUCLID + FOUR + ["--gift-error-feedback"],
 }
 PRESET = dict(demo.PRESETS["quick"], ffn=192, global_batch=8, iters=1000)
 QUICK = dict(iters=10, seeds=[1234])
@@ -193,6 +194,25 @@ def aggregate(records: list[dict], seeds: list[int], modes: list[str]) -> dict:
     return out
 
 
+def reduction_error(out: Path, mode: str, seeds: list[int], iters: int) -> dict | None:
+    """The reduction's error as the runs' telemetry logged it (``rel_l2`` of each coded layer's reduced gradient
+    against its FP32 reduction, every logging step from a tenth of the run on): the geometric mean over seeds,
+    steps and layers, per layer mode (``gift``, ``euclidean``); None where a seed's telemetry is missing (runs
+    reused from an earlier JSON, BF16). Tells a loss gap from a larger error per step."""
+    logs = {}
+    for s in seeds:
+        path = out / "telemetry" / f"{mode}-s{s}" / "gift_telemetry.jsonl"
+        if not path.exists():
+            return None
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["step"] >= iters // 10:
+                for layer in rec["layers"].values():
+                    if layer.get("rel_l2"):
+                        logs.setdefault(layer["mode"], []).append(math.log(layer["rel_l2"]))
+    return {k: round(math.exp(statistics.fmean(v)), 5) for k, v in sorted(logs.items())} or None
+
+
 def verdicts(agg: dict) -> dict:
     """The issue's targets, each as the numbers it compares: a gap within two seed sd of zero, and
     GIFT + Hadamard NVFP4's gap at most Euclidean FP8's plus that noise."""
@@ -291,6 +311,8 @@ def run(
     data_args = megatron_data_args(build_token_corpus(vocab_size=p["vocab"]))
     records = [train(m, s, p, data_args, out_dir, timeout) for s in seeds for m in modes]
     agg = aggregate(records, seeds, modes)
+    for m in modes:
+        agg[m]["reduction_rel_l2"] = reduction_error(out_dir, m, seeds, p["iters"]) if m != "bf16" else None
     doc = dict(
         benchmark="training",
         command=command or "megatron-gift bench training",
@@ -304,6 +326,8 @@ def run(
         final_val_loss_note=f"Megatron's end-of-training validation loss, {p['eval_iters']} batches of "
         f"{p['global_batch']} held-out sequences of {p['seq']} tokens (the same for every mode of a seed)",
         gap_note="gap_to_bf16: mean over seeds of (mode - bf16) on the same seed; gap_sd: their standard deviation",
+        reduction_rel_l2_note="per layer mode, the geometric mean over seeds, logging steps from iters/10 on and "
+        "layers of the telemetry's rel_l2 (reduced gradient against its FP32 reduction); null without telemetry",
         reused=reused,
         modes=agg,
         targets=verdicts(agg),
