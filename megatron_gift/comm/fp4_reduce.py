@@ -257,10 +257,11 @@ class _FP4Stages:
         buf = self.space.zeros(pk.nbytes, device=coded.device)
         fp4 = self.ops.fp4(coded.device)
         rotating = rotate is not None and self.rotation is not None and bool(self.rotated_segments)
-        if coded.numel() and fp4 is not None:
+        n = coded.numel() if source is None else source.n  # with a source ``coded`` holds its own part alone
+        if n and fp4 is not None:
             rotation = self._chunk_rows(rotate, coded.device) if rotating else None
             fp4.encode_placed(coded, self.fmt, pk.ends, buf, pk.place, rotation, source)
-        elif coded.numel():
+        elif n:
             assert source is None, "a source is read by the kernels only"
             if rotating:
                 coded = self._rotate_shards(coded, rotate)
@@ -431,9 +432,17 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         kernels run without error feedback, the Euclidean parameters as a ``Source`` read in the bucket
         (``u`` holds ``G T`` alone then: no FP32 copy of ``G``)."""
         layout, flat = self.layout, self.flat
-        u = torch.empty(layout.n_coded, dtype=torch.float32, device=flat.device)
         in_place = self.error_feedback is None and self.ops.fp4(flat.device) is not None
         euclid = tuple(i for i in layout.coded_segments if self.transforms[i] is None) if in_place else ()
+        segs = layout.segments
+
+        def runs() -> Source | None:  # (position in the coded sequence, length, start in the bucket)
+            runs = [(layout.seg_at[i], segs[i].end - segs[i].start, segs[i].start) for i in euclid]
+            return Source.runs(runs, layout.n_coded, flat.device)
+
+        source = layout.cached(("fp4-source", euclid, str(flat.device)), runs) if euclid else None
+        size = layout.n_coded if source is None else max(1, source.own)  # u: G T alone, up to its last part
+        u = torch.empty(size, dtype=torch.float32, device=flat.device)
         for i in layout.coded_segments:
             s, at = layout.segments[i], layout.seg_at[i]
             if i not in euclid:
@@ -441,13 +450,6 @@ class FP4Reduce(_FP4Stages, ShardReduction):
                 u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
         shards = tuple(range(self.world))  # the shards tile the coded sequence
         if self.error_feedback is None:
-            segs = layout.segments
-
-            def runs() -> Source | None:  # (position in the coded sequence, length, start in the bucket)
-                runs = [(layout.seg_at[i], segs[i].end - segs[i].start, segs[i].start) for i in euclid]
-                return Source.runs(runs, layout.n_coded, flat.device)
-
-            source = layout.cached(("fp4-source", euclid, str(flat.device)), runs)
             return u, True, source.on(flat) if source is not None else None
         e, staged = self.error_feedback.feedback(0, u.numel())
         u += e

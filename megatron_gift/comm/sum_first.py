@@ -368,7 +368,7 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         del self.held_sums
         in_place = self.ops.fp4(sums.device) is not None and t.source is not None
         if in_place:  # the encode reads the Euclidean parts in the held sums; the GIFT values written below
-            self.coded, self.source = torch.empty(t.n_coded, device=sums.device), t.source.on(sums)
+            self.coded, self.source = torch.empty(max(1, t.source.own), device=sums.device), t.source.on(sums)
         else:
             self.coded, self.source = t.coded(sums).float(), None
         self.plain = [t.plain[c](sums) for c in range(2)]

@@ -427,19 +427,23 @@ def encode_placed(
     encoded as ``rotate_blocks`` would leave it, chunk ``c`` of ``signs.shape[1]`` elements times ``H`` with
     the signs of row ``chunk_rows[c]`` where that is ``>= 0``, in the passes' registers (``x`` unchanged).
     ``source`` (``placement.Source``): the sequence's runs that lie elsewhere, read there (in their dtype)
-    instead of from ``x``, whose elements there are not read: no gathered copy of them.
+    instead of from ``x``, whose elements there are not read: no gathered copy of them, and ``x`` need only
+    hold ``source.own`` of the ``source.n`` elements.
     Two launches and a memset for NVFP4, one for MXFP4.
 
     Essential bytes per element: reads the value (4 B, or the source's size; NVFP4 twice), writes 0.5 B of
     codes and ``1/block`` B of block scales."""
-    n_blocks = x.numel() // fmt.block
+    n = x.numel() if source is None else source.n
+    n_blocks = n // fmt.block
     grid = (triton.cdiv(n_blocks, BLOCKS),)
     seg = (seg_ends, seg_ends.numel(), seg_ends.numel().bit_length())
     nv = fmt.segment_scale
     amax = torch.zeros(seg_ends.numel() if nv else 1, dtype=torch.int32, device=x.device)
     rows, signs = rotation if rotation is not None else (seg_ends, x)  # pointers the kernels do not read
-    if rotation is not None and x.numel() % signs.shape[1]:
-        raise ValueError(f"a rotation of {signs.shape[1]}-element chunks needs whole chunks, got {x.numel()} values")
+    if rotation is not None and n % signs.shape[1]:
+        raise ValueError(f"a rotation of {signs.shape[1]}-element chunks needs whole chunks, got {n} values")
+    if source is not None and x.numel() < source.own:
+        raise ValueError(f"the own sequence holds {x.numel()} values, its source leaves it {source.own}")
     rb = signs.shape[1] if rotation is not None else 0
     rot = dict(RB=rb, RLOG=max(rb, 1).bit_length() - 1, RSCALE=1.0 / math.sqrt(max(rb, 1)))
     if source is None:  # placeholders the kernels do not read

@@ -58,13 +58,16 @@ class Source:
     """Runs of a coded sequence read where they lie (``kernels.fp4.encode_placed``): the sequence cut into
     runs of whole blocks (``table``'s shards, covering it), run ``j``'s element ``k`` at ``tensor[k + delta[j]]``
     where ``held[j]`` (int64, nonzero), at ``k`` of the encode's own FP32 sequence elsewhere; ``elements``:
-    how many come from ``tensor`` (the traffic count's). Built once per layout without its tensor (``runs``),
-    bound to each step's buffer by ``on``."""
+    how many come from ``tensor`` (the traffic count's); ``n``: the sequence's length; ``own``: how much of
+    it the own sequence must hold (the end of its last run not read from ``tensor``: it may be shorter than
+    ``n``). Built once per layout without its tensor (``runs``), bound to each step's buffer by ``on``."""
 
     tensor: torch.Tensor | None
     table: Placement
     held: torch.Tensor
     elements: int
+    n: int
+    own: int
 
     @classmethod
     def runs(cls, runs: list[tuple[int, int, int]], n: int, device) -> Source | None:
@@ -73,20 +76,22 @@ class Source:
         runs = sorted(r for r in runs if r[1])
         if not runs:
             return None
-        sizes, starts, held, at = [], [], [], 0
+        sizes, starts, held, at, own = [], [], [], 0, 0
         for pos, length, start in runs:
             if pos > at:
                 sizes.append(pos - at), starts.append(at), held.append(0)
+                own = pos
             sizes.append(length), starts.append(start), held.append(1)
             at = pos + length
         if n > at:
             sizes.append(n - at), starts.append(at), held.append(0)
+            own = n
         flags = torch.tensor(held, dtype=torch.int64).to(device)
-        return cls(None, Placement(sizes, starts, device), flags, sum(length for _, length, _ in runs))
+        return cls(None, Placement(sizes, starts, device), flags, sum(length for _, length, _ in runs), n, own)
 
     def on(self, tensor: torch.Tensor) -> Source:
         """These runs read from ``tensor`` (a step's buffer)."""
-        return Source(tensor, self.table, self.held, self.elements)
+        return Source(tensor, self.table, self.held, self.elements, self.n, self.own)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,22 @@ def test_encode_placed_rotates_in_its_passes(fmt, device):
     assert torch.equal(got.cpu(), want.cpu()), (got.cpu() != want.cpu()).nonzero()[:10].flatten().tolist()
 
 
+def _own_runs(runs: list[tuple[int, int, int]], n: int) -> list[tuple[int, int]]:
+    """The ``(position, length)`` runs of ``[0, n)`` not in ``runs`` (a source's), by hand."""
+    held = torch.zeros(n, dtype=torch.bool)
+    for pos, length, _ in runs:
+        held[pos : pos + length] = True
+    out, at = [], 0
+    while at < n:
+        end = at
+        while end < n and held[end] == held[at]:
+            end += 1
+        if not held[at]:
+            out.append((at, end - at))
+        at = end
+    return out
+
+
 def _split_source(x: torch.Tensor, block: int, dtype, seed: int):
     """``x`` with about half of its blocks (in runs of 1-9) moved into another tensor of ``dtype`` at shuffled
     places with gaps, the values there rounded to ``dtype`` in ``x`` too; what is left in the sequence's own
@@ -170,9 +186,10 @@ def test_encode_placed_reads_its_source_in_place(fmt, dtype, rotate, device):
     """``encode_placed`` given a ``Source`` (runs of blocks read from another tensor, FP32 or BF16, shuffled,
     with gaps): every byte of the buffer as the encode of the whole sequence gathered first gives it, with and
     without the rotation; the own buffer's elements at the source's runs are NaN and must not be read; the
-    ``TRAFFIC`` entries count each value once, in the dtype it is read in. Bugs caught: a run read at another
-    run's offset, a source element read as FP32 bits when it is BF16, the own buffer read where the source
-    holds the values (NaN reaches the scales), a run boundary inside a block misplaced."""
+    ``TRAFFIC`` entries count each value once, in the dtype it is read in; the own buffer given only up to the
+    end of its last run. Bugs caught: a run read at another run's offset, a source element read as FP32 bits
+    when it is BF16, the own buffer read where the source holds the values (NaN reaches the scales), a run
+    boundary inside a block misplaced, the sequence's length taken from the own buffer."""
     from megatron_gift.kernels import fp4
     from megatron_gift.kernels.placement import Source
     from megatron_gift.numerics.rotation import fwht
@@ -199,7 +216,9 @@ def test_encode_placed_reads_its_source_in_place(fmt, dtype, rotate, device):
     want = got.clone()
     source = Source.runs(runs, n, device).on(src.to(device))
     with launches_of(fp4) as log:
-        fp4.encode_placed(own.to(device), f, seg.cumsum(0), got, place, rotation, source)
+        fp4.encode_placed(own[: max(1, source.own)].to(device), f, seg.cumsum(0), got, place, rotation, source)
+    own_runs = _own_runs(runs, n)
+    assert source.own == (own_runs[-1][0] + own_runs[-1][1] if own_runs else 0)
     reference_placed(seen, f, seg.cpu(), want, place)
     assert torch.equal(got.cpu(), want.cpu()), (got.cpu() != want.cpu()).nonzero()[:10].flatten().tolist()
     held = sum(length for _, length, _ in runs)
@@ -514,7 +533,9 @@ def coded_sequence(red, held: torch.Tensor) -> torch.Tensor:
     """The held coded sequence after ``_rows`` as the PyTorch path holds it: ``red.coded`` with the runs of its
     ``source`` (the Euclidean parts, read by the encode in the held sums ``held`` where the kernels run) taken
     from there, and the cut pieces (which ``_node_sums`` whitens into place) as the held sums hold them."""
-    seq, src = red.coded.clone(), red.source
+    src = red.source
+    seq = torch.full((red.coded.numel() if src is None else src.n,), float("nan"))
+    seq[: red.coded.numel() if src is None else src.own] = red.coded[: len(seq) if src is None else src.own]
     for p in red._tables(held.device).pieces:
         seq[p.src] = held[p.held].float()
     if src is not None:
