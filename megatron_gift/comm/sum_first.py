@@ -10,7 +10,7 @@ alone, ``1/g`` of the bucket. On rank ``i = k·g + l`` holding shards ``j = m·g
    rank ``i`` receives ``P_{k,j} = Σ_{l'} G_{k·g+l'}[shard j]`` for its held shards, in the bucket's
    dtype (the collective's order; an FP32 bucket sums in FP32).
 1. *rows*: the whole GIFT rows times ``T``, read where they lie by ``kernels.whiten_place`` (``RowsAt``: one
-   pass where the kernels run) into the held coded sequence (FP32); the other coded values gathered there in
+   pass where the kernels run) into the held coded sequence (FP32); the Euclidean values gathered there in
    FP32 on the PyTorch path, read by the kernels' encode where they lie in the held sums (a
    ``kernels.placement.Source``: no gathered copy). A row a shard boundary cuts has its other pieces on
    other ranks of the same node: each piece's part of the row's ``(P D^{-1/2}) Q`` (r floats) goes to them
@@ -137,7 +137,7 @@ def _without(runs: list[tuple[int, int, int]], cut: list[tuple[int, int]]) -> li
 class _Tables:
     """What stage 1 gathers and the cut rows' exchange, built once per layout, rank and whitened set."""
 
-    coded: _Gather  # the held shards' coded values in order from the held sums, but for the whole GIFT rows
+    coded: _Gather  # the held shards' coded values in order from the held sums, but for the GIFT rows and pieces
     n_coded: int  # the held coded sequence's length
     source: Source | None  # where the kernels run: the runs they read in the held sums (all but GIFT rows)
     plain: tuple[_Gather, _Gather]  # the same per plain class
@@ -252,11 +252,11 @@ def _tables(
     sums = torch.tensor([t + [zero] * (width - len(t)) for t in table], dtype=torch.int64).view(len(table), width)
     total = topo.nodes * S
     cut = [(held_at(j, seg, row, c0), c1 - c0) for seg, row, c0, c1, j in mine]
-    in_place = _without(_without(coded, whole), cut)  # the Euclidean parts: read by the kernels' encode there
+    rest = _without(_without(coded, whole), cut)  # the Euclidean parts: gathered, or read by the kernels' encode
     return _Tables(
-        _gather(_without(coded, whole), total, device, at) if whole else _gather([r[:2] for r in coded], total, device),
+        _gather(rest, total, device, at) if whole or cut else _gather([r[:2] for r in coded], total, device),
         at,
-        Source.runs([(pos, n, start) for start, n, pos in in_place], at, device),
+        Source.runs([(pos, n, start) for start, n, pos in rest], at, device),
         (_gather(plain[0], total, device), _gather(plain[1], total, device)),
         tuple(segments),
         tuple(batches),
