@@ -151,3 +151,15 @@ def test_cli_prints_flags_and_fit_warning(capsys):
     rec = next(line for line in out.splitlines() if line.startswith("recommended: "))
     assert rec.startswith("recommended: none: keep stock Megatron") or " add --" in rec
     assert "warning: may not fit" in out
+
+
+def test_summary_headers_tell_summing_first_apart():
+    """With ``--inter-node-format`` the two-level FP4 rows whitening at the sender and those summing first are
+    different columns: every header names one row (they were both "Euclidean two-level NVFP4 inter-node")."""
+    modes = ("bf16", "euclidean-2level-nvfp4", "gift-2level-nvfp4", "euclidean-2level-rs-nvfp4", "gift-2level-rs-nvfp4")
+    rows = [dict(mode=m, param_gather="bf16", vs_bf16_pct=0.0, ranks_per_node=4, nodes=2) for m in modes]
+    p = dict(model="600m", gpus=8, tp=1, bf16_default_step_s=1.0, bf16_tuned_step_s=1.0, rows=rows)
+    p.update(recommended="bf16", recommended_param_gather="bf16", recommended_bucket_size=None)
+    header = output.format_summary([p]).splitlines()[0].split(" | ")[6:-1]
+    assert len(header) == len(modes) - 1 and len(set(header)) == len(header), header
+    assert "GIFT two-level NVFP4 inter-node summed first" in header

@@ -113,3 +113,43 @@ def test_sum_first_rows_reduce_scatter_fp32_in_the_node_and_skip_the_whole_bucke
     assert "cast" not in [s["stage"] for s in rs["first_bucket_gpu_stages"]]
     assert "cast" in [s["stage"] for s in a2a["first_bucket_gpu_stages"]]
     assert rs["plugin_s"] < a2a["plugin_s"]
+
+
+def test_bf16_gradient_buffers_halve_the_sum_first_reduce_scatter_alone():
+    """``--grad-reduce-in-bf16`` (``Options.grad_reduce_in_bf16``): the sum-first rows' NVLink bytes are a ring
+    reduce-scatter of BF16 gradients, (g-1)/g x 2 B per parameter element (a hand count over the model's
+    parameters), equal to the BF16 intra stage's; the per-rank rows, the NIC bytes and Megatron's rings are
+    unchanged (an ``fp32`` intra stage is never widened either); the recommended flags of a plugin row carry
+    Megatron's flag. Catches the option priced nowhere, on the rings, or on the inter-node messages."""
+    from megatron_gift_tools.planner.metered import Meter
+    from megatron_gift_tools.planner.options import Options
+
+    w, c = workload("600m"), CLUSTERS["h100"]
+    costs = KernelCosts.from_hbm(c, Meter.load())
+    bf16 = Options(grad_reduce_in_bf16=True)
+    elements = sum(r * k for _, (r, k), _ in w.parameters())
+    rows = {
+        (s, o is bf16): model.step_time(w, c, s, 512, costs, o)
+        for s in (Scheme.GIFT_2LEVEL_RS_NVFP4, Scheme.GIFT_2LEVEL_NVFP4, Scheme.BF16, Scheme.FP32)
+        for o in (Options(), bf16)
+    }
+    rs, g = rows[Scheme.GIFT_2LEVEL_RS_NVFP4, True], rows[Scheme.GIFT_2LEVEL_RS_NVFP4, True]["ranks_per_node"]
+    assert rs["nvlink_bytes_per_rank"] == pytest.approx((g - 1) / g * 2 * elements, 1e-9)
+    assert rs["nvlink_bytes_per_rank"] == pytest.approx(rows[Scheme.GIFT_2LEVEL_NVFP4, True]["nvlink_bytes_per_rank"])
+    assert rs["nic_bytes_per_rank"] == pytest.approx(rows[Scheme.GIFT_2LEVEL_RS_NVFP4, False]["nic_bytes_per_rank"])
+    assert rs["step_s"] < rows[Scheme.GIFT_2LEVEL_RS_NVFP4, False]["step_s"]
+    for s in (Scheme.GIFT_2LEVEL_NVFP4, Scheme.BF16, Scheme.FP32):
+        assert rows[s, True]["step_s"] == rows[s, False]["step_s"], s
+    assert [rows[s, True]["grad_reduce_in_bf16"] for s in (Scheme.GIFT_2LEVEL_RS_NVFP4, Scheme.BF16, Scheme.FP32)] == [
+        True,
+        True,
+        False,
+    ]
+    fp32 = Options(grad_reduce_in_bf16=True, intra_dtype="fp32")
+    per_rank = model.step_time(w, c, Scheme.GIFT_2LEVEL_NVFP4, 512, costs, fp32)
+    assert per_rank["nvlink_bytes_per_rank"] == pytest.approx(
+        rows[Scheme.GIFT_2LEVEL_NVFP4, True]["nvlink_bytes_per_rank"]
+    )
+    row = dict(rs, vs_bf16_pct=-5.0, schedule="overlap")
+    p = dict(rows=[row], recommended=row["mode"], recommended_param_gather="bf16", recommended_bucket_size=None)
+    assert "--grad-reduce-in-bf16" in output.launcher_flags(p)

@@ -41,11 +41,14 @@ def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: F
     return wire_bytes(scheme.mode if fp8 else Mode.BF16, *shape, codec)
 
 
-def intra_param_bytes(dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig) -> float:
+def intra_param_bytes(
+    dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig, grad_bf16: bool = False
+) -> float:
     """Bytes of one parameter in the two-level exchange's intra-node stage in ``dtype`` (fp8: the scheme's;
-    reduce-scatter: the bucket's FP32 gradient, as the collective sums it)."""
-    if dtype == "reduce-scatter":
-        dtype = "fp32"
+    reduce-scatter: the bucket's gradient as the collective sums it, FP32 or with ``grad_bf16`` BF16, which
+    an ``fp32`` stage never widens either)."""
+    if dtype in ("reduce-scatter", "fp32"):
+        dtype = "bf16" if grad_bf16 else "fp32"
     if dtype == "fp8":
         return param_bytes(scheme, name, shape, fp8_params, codec)
     return param_bytes(Scheme(dtype), name, shape, fp8_params, codec)
@@ -69,10 +72,12 @@ def buckets(
     bucket_size: int | None = None,
     gift_layers: tuple[str, ...] = ("fc2",),
     codec: CodecConfig = CodecConfig(),
+    bf16: bool = False,
 ) -> tuple[Bucket, ...]:
     """Megatron's gradient buckets (backward order: parameters reversed, a bucket closes once it holds
     ``bucket_size`` elements, default ``max(40M, 1M·dp)`` as ``DistributedDataParallel``'s) with the bytes
-    (coded in ``codec``). Cached (the planner prices one layout many times): do not modify the buckets returned."""
+    (coded in ``codec``; ``bf16``: BF16 gradient buffers, ``intra_param_bytes``). Cached (the planner
+    prices one layout many times): do not modify the buckets returned."""
     size = bucket_size or max(40_000_000, 1_000_000 * dp)
     out = [Bucket()]
     for name, shape, flops in reversed(w.parameters()):
@@ -83,7 +88,7 @@ def buckets(
         b.wire_bytes += param_bytes(scheme, name, shape, fp8_params, codec)
         b.inter_bytes = (b.inter_bytes or 0.0) + inter_param_bytes(scheme, name, shape, fp8_params, codec)
         for dtype in INTRA_NODE_DTYPES:
-            b.intra_bytes[dtype] += intra_param_bytes(dtype, scheme, name, shape, fp8_params, codec)
+            b.intra_bytes[dtype] += intra_param_bytes(dtype, scheme, name, shape, fp8_params, codec, bf16)
         if scheme.mode is Mode.GIFT and is_kind(name, gift_layers):
             b.gift_elements += shape[0] * shape[1]
             b.gift_parameters += 1

@@ -133,6 +133,12 @@ def add_parser(subparsers) -> None:
         help="dtype of the two-level exchange's intra-node stage, as --gift-intra-node (default: %(default)s)",
     )
     mod.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="the plugin's rows keep BF16 gradient buffers, as Megatron's flag (the BF16 ring's); default FP32, "
+        "as --bf16 reduces: the sum-first reduce-scatter then sends BF16 (GPU stages priced from FP32 buckets)",
+    )
+    mod.add_argument(
         "--fp8-params",
         default="all",
         choices=_values(FP8Params),

@@ -63,6 +63,7 @@ def options_from_args(args: argparse.Namespace):
         intra_dtype=args.intra_node,
         delta_kernels=kernels,
         side=args.gift_side.value,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
     )
 
 

@@ -76,7 +76,7 @@ def step_time(
     dp, micro = data_parallel(w, gpus)
     g, n = placement(dp, w.tp, c)
     tokens = w.micro_batch * w.seq
-    bks = buckets(w, scheme, dp, opts.fp8_params, opts.bucket_size, opts.gift_layers)
+    bks = buckets(w, scheme, dp, opts.fp8_params, opts.bucket_size, opts.gift_layers, bf16=opts.grad_reduce_in_bf16)
     flops = sum(b.flops_per_token for b in bks) * tokens
     per_flop = compute_seconds / flops if compute_seconds is not None else 1.0 / (c.peak_flops * c.mfu)
     fwd = [b.flops_per_token * tokens * per_flop / 3 for b in bks]
@@ -103,6 +103,7 @@ def step_time(
         param_gather=opts.param_gather.value,
         intra_dtype="reduce-scatter" if scheme.sum_first else opts.intra_dtype if scheme.two_level else None,
         gift_side=opts.side if scheme.mode is Mode.GIFT else None,
+        grad_reduce_in_bf16=scheme is Scheme.BF16 or (scheme.mode is not Mode.OFF and opts.grad_reduce_in_bf16),
         step_s=compute + grad_exposed + gather_exposed + refresh_s,
         compute_s=compute,
         grad_comm_s=sum(t.seconds for t in grad if t.kind is Kind.COMM),

@@ -24,7 +24,10 @@ class Options:
     is reduced two-sided, ``stages``; ``auto``, which chooses per layer at each refresh, is priced as ``both``,
     its upper bound);
     ``cpu_waits``: the plugin's waits block the host (CPU/gloo: ``Work.wait()`` is a host wait, so each
-    bucket's whole reduction runs inside its hook; the CPU validation only)."""
+    bucket's whole reduction runs inside its hook; the CPU validation only); ``grad_reduce_in_bf16``: the plugin's
+    rows keep BF16 gradient buffers (Megatron's ``--grad-reduce-in-bf16``, as the BF16 ring's; default FP32, as
+    ``--bf16`` reduces): the sum-first reduce-scatter and an ``fp32`` intra-node stage then send BF16 (never widened);
+    the plugin's GPU stages stay priced from the meter's FP32-bucket records (an upper bound)."""
 
     schedule: MegatronSchedule = MegatronSchedule.OVERLAP
     gift_schedule: Schedule = Schedule.EAGER
@@ -40,6 +43,7 @@ class Options:
     rank: int = _GIFT.whitening.rank
     side: str = "input"
     cpu_waits: bool = False
+    grad_reduce_in_bf16: bool = False
 
     def __post_init__(self):
         for name, kind in (

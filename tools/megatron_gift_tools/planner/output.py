@@ -96,7 +96,14 @@ def format_costs(costs, opts) -> str:
         if costs.meter is not None
         else "one launch and the essential bytes per GPU stage (no meter)"
     )
-    return f"stage costs: {counts}; priced at {costs.source}{delta}\n"
+    grads = (
+        "; gradient buffers of the plugin's rows BF16 (--grad-reduce-in-bf16, as the BF16 ring's): a BF16 "
+        "reduce-scatter inside the node where summed first, GPU stages priced from the meter's FP32 buckets (an "
+        "upper bound)"
+        if opts.grad_reduce_in_bf16
+        else ""
+    )
+    return f"stage costs: {counts}; priced at {costs.source}{delta}{grads}\n"
 
 
 def _is_reference(r: dict) -> bool:
@@ -178,6 +185,7 @@ def launcher_flags(p: dict) -> list[str]:
         flags += ["--gift-intra-node", r["intra_dtype"]] if r["intra_dtype"] not in (None, "bf16") else []
         flags += ["--gift-side", r["gift_side"]] if r.get("gift_side") not in (None, "input") else []
         flags += ["--gift-schedule", r["gift_schedule"]]
+        flags += ["--grad-reduce-in-bf16"] if r.get("grad_reduce_in_bf16") else []
     if r["param_gather"] == "delta":
         flags += ["--gift-param-gather", "delta"]
     return flags + bucket
@@ -198,7 +206,7 @@ def format_summary(plans: list[dict]) -> str:
     names = [Scheme(r["mode"]) for r in plans[0]["rows"] if r["mode"] != "bf16" or delta]  # BF16 + delta: a row
     lines = [
         "| model | GPUs | TP | DP per node x nodes | BF16 ms (default bucket) | BF16 ms (best bucket) | "
-        + " | ".join(s.label + (" + delta" if delta else "") for s in names)
+        + " | ".join(s.label + (" summed first" if s.sum_first else "") + (" + delta" if delta else "") for s in names)
         + " | recommended |",
         "|---|---|---|---|---|---|" + "---|" * (len(names) + 1),
     ]

@@ -170,8 +170,9 @@ def _two_level(b: Bucket, x: Context, dist_opt: bool, fp4: str | None = None) ->
 
 def _sum_first(b: Bucket, x: Context, fp4: str) -> list[Task]:
     """``--gift-intra-node reduce-scatter`` (``comm.sum_first``, the distributed optimizer's): NCCL's ring
-    reduce-scatter of the FP32 bucket over the node's NVLink, no plugin pass over it; ``T`` on the node's sums
-    of the held ``1/g`` (``rows``: the held sums read, GIFT rows twice), the cut rows' exchange inside the node,
+    reduce-scatter of the bucket (FP32, or BF16: ``Options.grad_reduce_in_bf16``) over the node's NVLink, no
+    plugin pass over it; ``T`` on the node's sums of the held ``1/g`` (``rows``: the held sums read, GIFT rows
+    twice), the cut rows' exchange inside the node,
     ``H`` and the FP4 encode (``node_sums``: the messages written), the inter-node all-to-all and the owner's
     decode-sum. Stages: the meter's ``two-level/reduce-scatter-<fmt>-rs`` records (mxfp4: nvfp4's, at its bytes)."""
     F, p, g, N, Ng = b.inter_bytes, x.p, x.g, b.elements, b.gift_elements
@@ -181,7 +182,7 @@ def _sum_first(b: Bucket, x: Context, fp4: str) -> list[Task]:
         path = "two-level/reduce-scatter-nvfp4-rs"
     if meter is not None and not meter.has(path):  # an older meter JSON: one fused pass each (the lower bound)
         x = replace(x, costs=replace(x.costs, meter=None))
-    held = b.intra_bytes["reduce-scatter"]  # the FP32 bucket the node's ranks sum
+    held = b.intra_bytes["reduce-scatter"]  # the bucket the node's ranks sum, in its dtype (FP32 or BF16)
     tasks = [
         Task(
             "intra reduce-scatter",
