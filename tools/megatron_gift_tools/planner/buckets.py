@@ -42,13 +42,13 @@ def param_bytes(scheme: Scheme, name: str, shape: tuple[int, int], fp8_params: F
 
 
 def intra_param_bytes(
-    dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig, grad_bf16: bool = False
+    dtype: str, scheme: Scheme, name: str, shape, fp8_params: FP8Params, codec: CodecConfig, bf16: bool = False
 ) -> float:
     """Bytes of one parameter in the two-level exchange's intra-node stage in ``dtype`` (fp8: the scheme's;
-    reduce-scatter: the bucket's gradient as the collective sums it, FP32 or with ``grad_bf16`` BF16, which
-    an ``fp32`` stage never widens either)."""
+    reduce-scatter: the bucket's gradient as the collective sums it, FP32, or BF16 with ``bf16``, BF16 gradient
+    buffers, which an ``fp32`` stage never widens either)."""
     if dtype in ("reduce-scatter", "fp32"):
-        dtype = "bf16" if grad_bf16 else "fp32"
+        dtype = "bf16" if bf16 else "fp32"
     if dtype == "fp8":
         return param_bytes(scheme, name, shape, fp8_params, codec)
     return param_bytes(Scheme(dtype), name, shape, fp8_params, codec)

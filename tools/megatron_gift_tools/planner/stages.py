@@ -172,9 +172,9 @@ def _sum_first(b: Bucket, x: Context, fp4: str) -> list[Task]:
     """``--gift-intra-node reduce-scatter`` (``comm.sum_first``, the distributed optimizer's): NCCL's ring
     reduce-scatter of the bucket (FP32, or BF16: ``Options.grad_reduce_in_bf16``) over the node's NVLink, no
     plugin pass over it; ``T`` on the node's sums of the held ``1/g`` (``rows``: the held sums read, GIFT rows
-    twice), the cut rows' exchange inside the node,
-    ``H`` and the FP4 encode (``node_sums``: the messages written), the inter-node all-to-all and the owner's
-    decode-sum. Stages: the meter's ``two-level/reduce-scatter-<fmt>-rs`` records (mxfp4: nvfp4's, at its bytes)."""
+    twice), the cut rows' exchange inside the node, ``H`` and the FP4 encode (``node_sums``: the messages
+    written), the inter-node all-to-all and the owner's decode-sum. Stages: the meter's
+    ``two-level/reduce-scatter-<fmt>-rs`` records (mxfp4: nvfp4's, at its bytes)."""
     F, p, g, N, Ng = b.inter_bytes, x.p, x.g, b.elements, b.gift_elements
     path = f"two-level/reduce-scatter-{fp4}-rs"
     meter = x.costs.meter
