@@ -124,14 +124,17 @@ def test_quick_run_writes_losses_and_bytes(tmp_path):
 def test_reuse_takes_an_earlier_jsons_runs_except_those_rerun(tmp_path):
     """``--reuse``: each mode of the earlier JSON with today's flags and not in ``--rerun`` becomes one
     record per seed under ``--out`` (its losses by seed, as ``train`` reads them back); a rerun mode, or
-    one whose flags changed, is left to run; another preset or other seeds refused. Bugs caught: seeds
-    mixed up between records, a rerun mode silently reused, a stale mode's runs taken for today's flags."""
+    one whose flags changed, is left to run; another preset, other seeds or runs on another CPU model (whose FP32
+    rounding differs: a seed's runs would not pair) refused. Bugs caught: seeds mixed up between records, a rerun
+    mode silently reused, a stale mode's runs taken for today's flags, another machine's runs paired with these."""
+    from megatron_gift_tools.bench.fidelity import machine
+
     seeds, modes = [1, 2], ["bf16", "nvfp4-gift", "nvfp4-hadamard", "fp8-gift"]
     recs = [_rec(m, s, 5.0 + k + s / 10) for k, m in enumerate(modes) for s in seeds]
     p = dict(training.PRESET, eval_iters=20)
     agg = training.aggregate(recs, seeds, modes)
     agg["fp8-gift"]["flags"] = ["--gift-mode", "gift"]  # a mode whose flags have changed since
-    doc = dict(command="earlier", machine={"cpu": "x"}, iters=p["iters"], seeds=seeds, preset=p, modes=agg)
+    doc = dict(command="earlier", machine=machine(), iters=p["iters"], seeds=seeds, preset=p, modes=agg)
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(doc))
     out = tmp_path / "out"
@@ -143,3 +146,11 @@ def test_reuse_takes_an_earlier_jsons_runs_except_those_rerun(tmp_path):
     assert back["final_val_loss"] == pytest.approx(6.2) and back["seed"] == 2 and back["train_loss"] == [6.2] * 60
     with pytest.raises(SystemExit, match="another preset or seeds"):
         training.reuse(str(path), [], p, [1, 2, 3], modes, out)
+    assert training.train("nvfp4-gift", 2, p, [], out, 1.0) == back  # a record here is read back, not rerun
+    (out / "nvfp4-gift-s2.json").write_text(json.dumps(dict(back, cpu_model="another CPU")))
+    with pytest.raises(SystemExit, match="ran on 'another CPU'"):
+        training.train("nvfp4-gift", 2, p, [], out, 1.0)
+    for other in (dict(doc, machine={"cpu_model": "another CPU"}), dict(doc, reused={"bf16": {"machine": {}}})):
+        path.write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match="FP32 rounding differs between CPU models"):
+            training.reuse(str(path), [], p, seeds, modes, out)

@@ -6,8 +6,10 @@ gloo ranks as 2 simulated nodes x 2 (``--gift-ranks-per-node 2``: the two-level 
 a node, or a plain reduce-scatter there for ``-sum-first``, the chosen format between nodes), distributed
 optimizer, ``--overlap-grad-reduce``, once per gradient-communication mode and seed. Every run gets the
 same flags, data and padding (``--ddp-pad-buckets-for-high-nccl-busbw``: shards on whole four-bit blocks);
-only the mode's flags differ. The baseline is Megatron's own BF16 reduce-scatter (``--gift-mode off
---grad-reduce-in-bf16``).
+only the mode's flags differ. The baseline is Megatron's own reduce-scatter with its BF16 flag (``--gift-mode off
+--grad-reduce-in-bf16``); the demo's parameters are FP32, whose gradient buffers Megatron keeps in FP32 whatever
+that flag says, so these runs reduce in FP32 there, at least as accurately as a BF16 ring (its bytes are a BF16
+ring's, what it would send with BF16 parameters).
 
 Quality: the validation loss on held-out text (Megatron's ``--split 98,2,0`` validation documents) at
 the end of training; per mode its gap to BF16 on the same seed (same data, same initialisation), the
@@ -110,10 +112,16 @@ def parse(text: str, mode: str, iters: int) -> dict:
 
 
 def train(mode: str, seed: int, p: dict, data_args: list[str], out: Path, timeout: float) -> dict:
-    """One launcher run (or its record from an earlier run under ``out``)."""
-    record_path = out / f"{mode}-s{seed}.json"
+    """One launcher run (or its record from an earlier run under ``out``, refused if it names another CPU
+    model: ``reuse``)."""
+    from megatron_gift_tools.bench.fidelity import machine
+
+    record_path, here = out / f"{mode}-s{seed}.json", machine()["cpu_model"]
     if record_path.exists():
-        return json.loads(record_path.read_text())
+        rec = json.loads(record_path.read_text())
+        if rec.get("cpu_model", here) != here:
+            raise SystemExit(f"bench training: {record_path} ran on {rec['cpu_model']!r}, this CPU is {here!r}")
+        return rec
     from megatron_gift.testing import launch
 
     cmd = launch.launcher_command(
@@ -126,19 +134,29 @@ def train(mode: str, seed: int, p: dict, data_args: list[str], out: Path, timeou
     t0 = time.time()
     text = demo.run_mode(f"{mode} s{seed}", cmd, out / "logs" / f"{mode}-s{seed}.log", p["iters"], timeout)
     rec = dict(mode=mode, seed=seed, command=shlex.join(["OMP_NUM_THREADS=1", *cmd]), **parse(text, mode, p["iters"]))
-    rec["wall_seconds"] = round(time.time() - t0, 1)
+    rec["wall_seconds"], rec["cpu_model"] = round(time.time() - t0, 1), here
     record_path.write_text(json.dumps(rec) + "\n")
     return rec
 
 
 def reuse(path: str, rerun: list[str], p: dict, seeds: list[int], modes: list[str], out: Path) -> dict:
     """Seed ``out`` with the per-seed records of ``path`` (an earlier JSON of this benchmark) for each of
-    ``modes`` it holds with the same flags, not in ``rerun``; refuses another preset or other seeds.
+    ``modes`` it holds with the same flags, not in ``rerun``; refuses another preset, other seeds, or runs made
+    on another CPU model (FP32 rounding differs between them: a seed's runs would not pair).
     Per seed it keeps the losses, curves and wall time; bytes per step are the earlier mean (bytes
     do not depend on the seed). Returns ``{mode: where it came from}``."""
+    from megatron_gift_tools.bench.fidelity import machine
+
     doc = json.loads(Path(path).read_text())
     if doc["iters"] != p["iters"] or doc["seeds"] != seeds or doc["preset"] != p:
         raise SystemExit(f"bench training: {path} ran another preset or seeds; its runs cannot be reused")
+    ran = {m.get("cpu_model") for m in [doc["machine"], *(r["machine"] for r in (doc.get("reused") or {}).values())]}
+    here = machine()["cpu_model"]
+    if ran != {here}:  # a seed pairs the modes' runs only where they round alike
+        raise SystemExit(
+            f"bench training: {path}'s runs ran on {sorted(map(str, ran))}, this CPU is {here!r}: FP32 rounding "
+            "differs between CPU models, so runs of one seed would not pair; rerun them here (--rerun) or reuse there"
+        )
     taken = {}
     for m in modes:
         v = doc["modes"].get(m)
@@ -155,6 +173,7 @@ def reuse(path: str, rerun: list[str], p: dict, seeds: list[int], modes: list[st
                 bytes_per_step=v["bytes_per_step"],
                 bytes=v["bytes_detail"],
                 wall_seconds=v["wall_seconds"][i],
+                cpu_model=here,
             )
             (out / f"{m}-s{s}.json").write_text(json.dumps(record) + "\n")
         taken[m] = dict(source=path, command=doc["command"], machine=doc["machine"])
@@ -322,7 +341,9 @@ def run(
         ranks=RANKS,
         ranks_per_node=PER_NODE,
         preset=p,
-        baseline="bf16: Megatron's own reduce-scatter in BF16 (--gift-mode off --grad-reduce-in-bf16)",
+        baseline="bf16: Megatron's own reduce-scatter (--gift-mode off --grad-reduce-in-bf16), in FP32 on these "
+        "runs: the demo's parameters are FP32, whose gradient buffers stay FP32 whatever that flag says; its bytes "
+        "are a BF16 ring's",
         final_val_loss_note=f"Megatron's end-of-training validation loss, {p['eval_iters']} batches of "
         f"{p['global_batch']} held-out sequences of {p['seq']} tokens (the same for every mode of a seed)",
         gap_note="gap_to_bf16: mean over seeds of (mode - bf16) on the same seed; gap_sd: their standard deviation",
