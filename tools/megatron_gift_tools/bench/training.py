@@ -12,7 +12,7 @@ that flag says, so these runs reduce in FP32 there, at least as accurately as a 
 ring's, what it would send with BF16 parameters).
 
 Quality: the validation loss on held-out text (Megatron's ``--split 98,2,0`` validation documents) at
-the end of training; per mode its gap to BF16 on the same seed (same data, same initialisation), the
+the end of training; per mode its gap to the baseline on the same seed (same data, same initialisation), the
 mean and the standard deviation of that paired gap over seeds. Bytes: rank 0's
 ``gradient reduction sent`` lines (per link class); BF16's from Megatron's bucket sizes, as the demo.
 
@@ -185,7 +185,7 @@ def _sd(xs: list[float]) -> float:
 
 
 def aggregate(records: list[dict], seeds: list[int], modes: list[str]) -> dict:
-    """Per mode: final validation losses, the paired gap to BF16 (mean, sd over seeds), bytes."""
+    """Per mode: final validation losses, the paired gap to the baseline (mean, sd over seeds), bytes."""
     by = {(r["mode"], r["seed"]): r for r in records}
     out = {}
     for m in modes:
@@ -288,7 +288,7 @@ def plot(doc: dict, path: Path) -> None:
     bx.bar(range(len(names)), gaps, yerr=[2 * s for s in sds], capsize=4, color="tab:blue")
     bx.axhline(0, color="k", lw=0.8)
     bx.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
-    bx.set(ylabel="final validation loss - BF16's (error bars: 2 sd over seeds)", title="gap to BF16")
+    bx.set(ylabel="final validation loss - bf16's (error bars: 2 sd over seeds)", title="gap to the bf16 baseline")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
