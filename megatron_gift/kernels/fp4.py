@@ -537,9 +537,17 @@ def decode_sum(
 
 @triton.jit
 def _rotate_kernel(
-    x_ptr, starts_ptr, rows_ptr, signs_ptr, n_blocks, INVERSE: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr,
-    SCALE: tl.constexpr, BB: tl.constexpr
-):  # fmt: skip
+    x_ptr,
+    starts_ptr,
+    rows_ptr,
+    signs_ptr,
+    n_blocks,
+    INVERSE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LOG: tl.constexpr,
+    SCALE: tl.constexpr,
+    BB: tl.constexpr,
+):
     """``BB`` blocks of ``BLOCK`` elements of ``x`` from ``starts`` rotated in place; block ``b``'s signs are
     row ``rows[b]`` of ``signs`` ``[*, BLOCK]``."""
     b = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
