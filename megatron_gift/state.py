@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm.ledger import CommLedger
+from .comm.schedule import StageFlags
 from .config import GiftConfig, Mode
 from .numerics.kfac import KFACStatistics
 from .numerics.whitening import LowRankFactor, LowRankWhitening
@@ -73,9 +74,9 @@ def _to(tree, device):
 
 class GiftState:
     """Statistics, factors, damping choices and step of one model chunk's plugin parameters; ``nonfinite``,
-    one flag per stage of its reductions (``stages``: the most any has), each written by one stream only."""
+    where its reductions flag a NaN/Inf they wrote (``comm.schedule.StageFlags``)."""
 
-    def __init__(self, config: GiftConfig, device: torch.device, stages: int = 0):
+    def __init__(self, config: GiftConfig, device: torch.device):
         self.config = config
         self.device = torch.device(device)
         self.params: dict[torch.nn.Parameter, GiftParam] = {}
@@ -83,7 +84,7 @@ class GiftState:
         self.step = -1  # index of the current iteration once open_step() opened it
         self.step_open = False
         self.collect_statistics = True  # the forward hooks add statistics until the step's first sync
-        self.nonfinite = torch.zeros(stages, dtype=torch.bool, device=device)  # read with .any()
+        self.nonfinite = StageFlags(device)
         self.last_step_bytes: dict[str, int] = {}
 
     # -- per step ---------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from .layout import BucketLayout, _pad4
 from .ledger import CommLedger, dtype_label
 from .pieces import PieceExchange
 from .quantized import ShardReduction, Whitenings, destination
-from .schedule import StageResult, taken
+from .schedule import StageFlags, StageResult, taken
 from .topology import Topology, TwoLevelGroups
 
 ROTATION_BLOCK = 64  # columns per block of ``--gift-rotation hadamard`` (issue 36's measurement)
@@ -153,8 +153,8 @@ def _place(out: torch.Tensor, table: Placement, values: torch.Tensor) -> None:
 
 class _FP4Stages:
     """What the flat and two-level FP4 reductions share: the messages' encode, the own shard's
-    decode and sum, the all-reduce's gather. ``_messages()``: every sender's message for the own
-    shard, ``[senders, nbytes]`` in rank (node) order."""
+    decode and sum, the all-reduce's gather. ``_messages(prev)``: every sender's message for the own
+    shard, ``[senders, nbytes]`` in rank (node) order, from what the sending stage handed on."""
 
     def _fp4(self, fmt: FP4Format, rotation: BlockHadamard | None, rotated: tuple[bool, ...] | None) -> None:
         """``rotated``: per segment, whether ``rotation`` applies (``--gift-rotation auto``); None: to every
@@ -281,10 +281,10 @@ class _FP4Stages:
         return buf
 
     # -- the own shard ----------------------------------------------------------------------------------
-    def _reduce(self) -> StageResult:
-        layout, r, flat = self.layout, self.rank, self.flat
+    def _reduce(self, prev: StageResult) -> StageResult:
+        layout, r, flat, targets = self.layout, self.rank, self.flat, getattr(prev, "targets", {})
         plan, m = layout.shards[r], self.msgs[r]
-        msgs = self._messages()
+        msgs = self._messages(prev)
         first = self.average and self.divide_first
         for c, parts in enumerate(plan.plain_parts):
             dt = layout.plain_dtypes[c]
@@ -302,7 +302,7 @@ class _FP4Stages:
             s, at, t = layout.segments[part.seg], layout.seg_at[part.seg], self.transforms[part.seg]
             x = total[part.at - plan.coded_lo : part.at - plan.coded_lo + part.hi - part.lo]
             if t is None:
-                dest = destination(flat, self.targets, part.seg, part.lo, part.hi)
+                dest = destination(flat, targets, part.seg, part.lo, part.hi)
                 self._store(dest, x)  # a view of the sum: nothing reads it after
                 continue
             r0, r1 = -(-(part.at - at) // s.cols), (part.at + part.hi - part.lo - at) // s.cols
@@ -310,7 +310,7 @@ class _FP4Stages:
                 k0 = at + r0 * s.cols - part.at
                 rows = x[k0 : k0 + (r1 - r0) * s.cols].view(r1 - r0, s.cols)
                 lo = s.start + r0 * s.cols
-                dest = destination(flat, self.targets, part.seg, lo, lo + (r1 - r0) * s.cols)
+                dest = destination(flat, targets, part.seg, lo, lo + (r1 - r0) * s.cols)
                 target = self._target(dest)
                 self.ops.unwhiten(rows, t, target.view(r1 - r0, s.cols))  # T⁻¹: the kernels' two launches
                 self._store(dest, target)
@@ -320,10 +320,9 @@ class _FP4Stages:
                 continue
             k0 = layout.seg_at[p.seg] + p.row * layout.segments[p.seg].cols + p.c0 - plan.coded_lo
             values.append(total[k0 : k0 + p.c1 - p.c0].view(1, -1).clone())
-        self.exchange = PieceExchange(layout, r, self.transforms, self.group, self.ledger, self._links)
-        work = self.exchange.start(values, flat.device)
-        handoff = [v for v in values if v is not None] + self.exchange.buffers
-        return StageResult([work] if work is not None else [], handoff)
+        exchange = PieceExchange(layout, r, self.transforms, self.group, self.ledger, self._links)
+        work = exchange.start(values, flat.device)
+        return StageResult(works=[work] if work is not None else [], exchange=exchange)
 
     def _decoded_sum(self, msgs: torch.Tensor, n: int, m: FP4Message) -> torch.Tensor | None:
         """``Σ_i dec(message_i)`` of the own shard's coded values, FP32, senders in rank order, times ``Hᵀ``
@@ -353,15 +352,15 @@ class _FP4Stages:
         return self._rotate_shards(total, (r,), inverse=True)  # Hᵀ on the sum (H is linear)
 
     # -- 2-3: all-reduce --------------------------------------------------------------------------------
-    def _finish_gather(self) -> StageResult:
+    def _finish_gather(self, prev: StageResult) -> StageResult:
         """The cut rows' ``T⁻¹``, then every rank's shard of the bucket all-gathered (bucket dtype)."""
-        self._finish()
+        self._finish(prev)
         layout, flat = self.layout, self.flat
         size = layout.shard_size
         lo, hi = layout.shards[self.rank].lo, layout.shards[self.rank].hi
         mine = self.space.zeros(size, flat.dtype, flat.device)
         mine[: hi - lo].copy_(flat[lo:hi])
-        self.gathered = self.space.empty(self.world * size, flat.dtype, flat.device)
+        gathered = self.space.empty(self.world * size, flat.dtype, flat.device)
         nbytes = size * flat.element_size()
         self.ledger.add(
             "all_gather",
@@ -369,21 +368,20 @@ class _FP4Stages:
             (self.world - 1) * nbytes,
             self._links([nbytes] * self.world),
         )
-        work = _all_gather(self.gathered, mine, group=self.group, async_op=True)
-        return StageResult([work], [self.gathered, mine])
+        work = _all_gather(gathered, mine, group=self.group, async_op=True)
+        return StageResult(works=[work], gathered=gathered, mine=mine)
 
-    def _land(self) -> StageResult:
+    def _land(self, prev: StageResult) -> StageResult:
         """Every other shard's reduced values written into the bucket (only where parameters are)."""
-        layout, flat = self.layout, self.flat
+        layout, flat, targets = self.layout, self.flat, getattr(prev, "targets", {})
         for j, plan in enumerate(layout.shards):
             if j == self.rank:
                 continue
             base = j * layout.shard_size
             for parts in [plan.coded_parts, *plan.plain_parts]:
                 for part in parts:
-                    src = self.gathered[base + part.lo - plan.lo : base + part.hi - plan.lo]
-                    destination(flat, self.targets, part.seg, part.lo, part.hi).copy_(src)
-        del self.gathered
+                    src = prev.gathered[base + part.lo - plan.lo : base + part.hi - plan.lo]
+                    destination(flat, targets, part.seg, part.lo, part.hi).copy_(src)
         return StageResult()
 
 
@@ -401,7 +399,7 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         average: bool = False,
         all_reduce: bool = False,
         ledger: CommLedger | None = None,
-        nonfinite: torch.Tensor | None = None,
+        nonfinite: StageFlags | None = None,
         topology: Topology | None = None,
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
@@ -466,35 +464,32 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         values = [flat[layout.segments[i].start : layout.segments[i].end] for i in layout.plain_segments[c]]
         return torch.cat(values) if values else flat[:0]
 
-    def _send(self) -> StageResult:
+    def _send(self, prev: StageResult) -> StageResult:
         device, r = self.flat.device, self.rank
         pk = self._packing(tuple(range(self.world)), device)  # every rank's message, in rank order
         coded, to_rotate, source = self._coded_values()
         plain = [self._class_values(c) for c in range(2)]
-        self.buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None, source)
+        buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None, source)
         if self.world == 1:  # the own message is all the receive buffer would hold
-            self.recv = self.buf
-            return StageResult([], [self.buf])
+            return StageResult(works=[], recv=buf)
         own = self.msgs[r].nbytes
-        self.recv = self.space.empty(self.world * own, device=device)
+        recv = self.space.empty(self.world * own, device=device)
         per_peer = [self.msgs[j].nbytes if j != r else 0 for j in range(self.world)]  # what leaves the rank
         self.ledger.add("all_to_all", self.fp4_label, sum(per_peer), self._links(per_peer))
         work = dist.all_to_all_single(
-            self.recv,
-            self.buf,
+            recv,
+            buf,
             [own] * self.world,
             [m.nbytes for m in self.msgs],
             group=self.group,
             async_op=True,
         )
-        return StageResult([work], [self.buf, self.recv])
+        return StageResult(works=[work], buf=buf, recv=recv)
 
-    def _messages(self) -> torch.Tensor:
+    def _messages(self, prev: StageResult) -> torch.Tensor:
         """Every sender's message for the own shard, ``[p, nbytes]`` in rank order: the receive buffer (the
         own message copied there by the all-to-all), no copy of its own."""
-        rows = self.recv.view(self.world, self.msgs[self.rank].nbytes)
-        del self.buf, self.recv
-        return rows
+        return prev.recv.view(self.world, self.msgs[self.rank].nbytes)
 
 
 class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
@@ -514,7 +509,7 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         average: bool = False,
         all_reduce: bool = False,
         ledger: CommLedger | None = None,
-        nonfinite: torch.Tensor | None = None,
+        nonfinite: StageFlags | None = None,
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
         rotated: tuple[bool, ...] | None = None,
@@ -535,12 +530,11 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         held = self.topo.inter_ranks(r)
         return [sum(self.msgs[j].nbytes for j in held), self.topo.nodes * self.msgs[r].nbytes]
 
-    def _node_sums(self) -> StageResult:
+    def _node_sums(self, prev: StageResult) -> StageResult:
         """``P_{k,j}`` for the held shards ``j`` (FP32 sums of the node's messages, local ranks in
         order), each encoded into its FP4 message; the all-to-all among the nodes."""
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = self.pk1.received(self.recv1, self.buf1, self.local, self.topo.ranks_per_node, self.space)
-        del self.buf1, self.recv1
+        rows = self._intra_rows(prev)
         chunks, counts = self._held(device)
         plans = [layout.shards[j] for j in self.held]
         sums = torch.empty(sum(p.n_coded for p in plans), dtype=torch.float32, device=device)
@@ -565,22 +559,20 @@ class FP4TwoLevelReduce(_FP4Stages, TwoLevelReduce):
         pk = self._packing(tuple(self.held), device)  # the held shards' messages, in node order
         buf = self._encode_placed(pk, sums, plain, tuple(self.held), source)  # H on the held shards' rotated parts
         own = self.msgs[self.rank].nbytes
-        self.buf, self.recv = buf, self.space.empty(n * own, device=device)
+        recv = self.space.empty(n * own, device=device)
         sent = pk.nbytes - own
         self.ledger.add("all_to_all", self.fp4_label, sent, {"inter": sent})
         work = dist.all_to_all_single(
-            self.recv,
+            recv,
             buf,
             [own] * n,
             [self.msgs[j].nbytes for j in self.held],
             group=self.groups.inter,
             async_op=True,
         )
-        return StageResult([work], [buf, self.recv])
+        return StageResult(works=[work], buf=buf, recv=recv)
 
-    def _messages(self) -> torch.Tensor:
+    def _messages(self, prev: StageResult) -> torch.Tensor:
         """Every node's message for the own shard, ``[n, nbytes]`` in node order: the receive buffer (the own
         message copied there by the all-to-all), no copy of its own."""
-        rows = self.recv.view(self.topo.nodes, self.msgs[self.rank].nbytes)
-        del self.buf, self.recv
-        return rows
+        return prev.recv.view(self.topo.nodes, self.msgs[self.rank].nbytes)

@@ -41,7 +41,7 @@ from .layout import BucketLayout, group_chunks
 from .ledger import CommLedger
 from .packing import Received, packing
 from .quantized import ShardReduction, Whitenings, decode_gathered, with_self
-from .schedule import StageResult, taken
+from .schedule import StageFlags, StageResult, taken
 from .topology import TwoLevelGroups
 
 # reduce-scatter (``comm.sum_first``): the bucket's own dtype, which FP32 never widens
@@ -77,7 +77,7 @@ class TwoLevelReduce(ShardReduction):
         average: bool = False,
         all_reduce: bool = False,
         ledger: CommLedger | None = None,
-        nonfinite: torch.Tensor | None = None,
+        nonfinite: StageFlags | None = None,
         kernels: bool | None = None,
     ):
         topo = groups.topology
@@ -122,47 +122,49 @@ class TwoLevelReduce(ShardReduction):
         return [width, self.topo.nodes * width, self.world * width] if self.all_reduce else []
 
     # -- 0: intra-node ----------------------------------------------------------------------------
-    def _intra(self) -> StageResult:
+    def _intra(self, prev: StageResult) -> StageResult:
         layout, topo, device = self.layout, self.topo, self.flat.device
-        g, local = topo.ranks_per_node, self.local
+        g, local, outputs = topo.ranks_per_node, self.local, getattr(prev, "outputs", {})
         key = ("intra", self.rank, str(device), self.wire)
         messages = [topo.inter_ranks(lp) for lp in range(g) if lp != local] + [self.held]
-        self.pk1 = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
-        buf = self.space.empty(self.pk1.nbytes, device=device)
+        pk = layout.cached(key, lambda: packing(layout, list(range(self.world)), messages, self.wire, device))
+        buf = self.space.empty(pk.nbytes, device=device)
         if self.wire is None:
-            encode_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.ops, outputs=self.outputs)
+            encode_bucket(buf, pk, self.flat, layout, self.transforms, self.ops, outputs=outputs)
         else:
-            cast_bucket(buf, self.pk1, self.flat, layout, self.transforms, self.wire, self.ops, self.outputs)
-        plain_bucket(buf, self.pk1, self.flat, layout, self.ops)
-        own = self.pk1.own.nbytes
+            cast_bucket(buf, pk, self.flat, layout, self.transforms, self.wire, self.ops, outputs)
+        plain_bucket(buf, pk, self.flat, layout, self.ops)
+        own = pk.own.nbytes
         recv = self.space.empty((g - 1) * own, device=device)
-        sent = self.pk1.sent_bytes
+        sent = pk.sent_bytes
         self.ledger.add("all_to_all", _NAMES.get(self.wire, self.coded_label), sent, {"intra": sent})
         work = dist.all_to_all_single(
             recv,
             buf[:sent],
             with_self([own] * (g - 1), local),
-            with_self(self.pk1.peer_bytes, local),
+            with_self(pk.peer_bytes, local),
             group=self.groups.intra,
             async_op=True,
         )
-        self.buf1, self.recv1 = buf, recv
-        return StageResult([work], [buf, recv])
+        return StageResult(works=[work], pk=pk, buf=buf, recv=recv)
 
     # -- 1: node sums, inter-node ------------------------------------------------------------------
-    def _node_sums(self) -> StageResult:
+    def _intra_rows(self, prev: StageResult) -> Received:
+        """The node's messages of the held shards (stage 0's)."""
+        return prev.pk.received(prev.recv, prev.buf, self.local, self.topo.ranks_per_node, self.space)
+
+    def _node_sums(self, prev: StageResult) -> StageResult:
         layout, device, cfg = self.layout, self.flat.device, self.layout.codec
-        rows = self.pk1.received(self.recv1, self.buf1, self.local, self.topo.ranks_per_node, self.space)
-        del self.buf1, self.recv1
+        rows = self._intra_rows(prev)
         n, k = self.topo.nodes, self.node
         key = ("inter", self.rank, str(device))
-        self.pk2 = layout.cached(
+        pk = layout.cached(
             key,
             lambda: packing(
                 layout, self.held, [[j] for j in self.held if j != self.rank] + [[self.rank]], None, device
             ),
         )
-        buf = self.space.empty(self.pk2.nbytes, device=device)
+        buf = self.space.empty(pk.nbytes, device=device)
         out = views(buf, layout)
         chunks, counts = self._held(device)
         for (c0, c1), (g0, g1), lengths in chunks:
@@ -173,26 +175,24 @@ class TwoLevelReduce(ShardReduction):
                 )
             else:
                 values = self.ops.sum_rows(coded, False)
-            into = _kernels.Placed(
-                self.pk2.place["coded"].at(out["coded"], c0), self.pk2.place["groups"].at(out["groups"], g0)
-            )
+            into = _kernels.Placed(pk.place["coded"].at(out["coded"], c0), pk.place["groups"].at(out["groups"], g0))
             self.ops.whiten_encode(values.view(1, -1), None, cfg, lengths=lengths, into=into)
         for c, name in enumerate(("off", "bf16")):
             for a, b in spans(0, counts[c], self.chunk):
-                sum_plain(rows, layout, c, a, b, False, self.ops, out=self.pk2.place[name].at(out[name], a))
-        own = self.pk2.own.nbytes
-        self.buf, self.recv = buf, self.space.empty((n - 1) * own, device=device)
-        sent = self.pk2.sent_bytes
+                sum_plain(rows, layout, c, a, b, False, self.ops, out=pk.place[name].at(out[name], a))
+        own = pk.own.nbytes
+        recv = self.space.empty((n - 1) * own, device=device)
+        sent = pk.sent_bytes
         self.ledger.add("all_to_all", self.coded_label, sent, {"inter": sent})
         work = dist.all_to_all_single(
-            self.recv,
+            recv,
             buf[:sent],
             with_self([own] * (n - 1), k),
-            with_self(self.pk2.peer_bytes, k),
+            with_self(pk.peer_bytes, k),
             group=self.groups.inter,
             async_op=True,
         )
-        return StageResult([work], [buf, self.recv])
+        return StageResult(works=[work], pk=pk, buf=buf, recv=recv)
 
     def _held(self, device):
         """The chunks of the held shards' coded values one after another, aligned to their groups
@@ -216,37 +216,33 @@ class TwoLevelReduce(ShardReduction):
 
         return layout.cached(("held", self.local, str(device), self.chunk), build)
 
-    def _inter_rows(self) -> Received:
-        rows = self.pk2.received(self.recv, self.buf, self.node, self.topo.nodes, self.space)
-        del self.buf, self.recv
-        return rows
+    def _inter_rows(self, prev: StageResult) -> Received:
+        return prev.pk.received(prev.recv, prev.buf, self.node, self.topo.nodes, self.space)
 
     # -- 2-3: reduce-scatter --------------------------------------------------------------------------
-    def _reduce(self) -> StageResult:
-        return self._reduce_own(self._inter_rows())
+    def _reduce(self, prev: StageResult) -> StageResult:
+        return self._reduce_own(self._inter_rows(prev), getattr(prev, "targets", None))
 
     # -- 2-4: all-reduce --------------------------------------------------------------------------------
-    def _gather_inter(self) -> StageResult:
-        msg = self._own_message(self._inter_rows())
+    def _gather_inter(self, prev: StageResult) -> StageResult:
+        msg = self._own_message(self._inter_rows(prev))
         width, n = self.layout.max_message_bytes, self.topo.nodes
-        self.gathered = self.space.empty(n * width, device=msg.device)
+        gathered = self.space.empty(n * width, device=msg.device)
         self.ledger.add("all_gather", self.coded_label, (n - 1) * width, {"inter": (n - 1) * width})
-        return StageResult(
-            [_all_gather(self.gathered, msg, group=self.groups.inter, async_op=True)], [self.gathered, msg]
-        )
+        work = _all_gather(gathered, msg, group=self.groups.inter, async_op=True)
+        return StageResult(works=[work], gathered=gathered, msg=msg)
 
-    def _gather_intra(self) -> StageResult:
-        g, first = self.topo.ranks_per_node, self.gathered
-        self.gathered = self.space.empty(g * first.numel(), device=first.device)
+    def _gather_intra(self, prev: StageResult) -> StageResult:
+        g, first = self.topo.ranks_per_node, prev.gathered
+        gathered = self.space.empty(g * first.numel(), device=first.device)
         self.ledger.add("all_gather", self.coded_label, (g - 1) * first.numel(), {"intra": (g - 1) * first.numel()})
-        return StageResult(
-            [_all_gather(self.gathered, first, group=self.groups.intra, async_op=True)], [self.gathered, first]
-        )
+        work = _all_gather(gathered, first, group=self.groups.intra, async_op=True)
+        return StageResult(works=[work], gathered=gathered, first=first)
 
-    def _decode_all(self) -> StageResult:
+    def _decode_all(self, prev: StageResult) -> StageResult:
         """Every shard's message: shard ``m·g + l'`` came from local rank l' (row l'), node m (column m)."""
         g, n = self.topo.ranks_per_node, self.topo.nodes
         slots = [(j % g) * n + j // g for j in range(self.world)]
-        decode_gathered(self.gathered, self.layout, self.transforms, self.flat, slots, self.ops, self.targets)
-        del self.gathered
+        targets = getattr(prev, "targets", None)
+        decode_gathered(prev.gathered, self.layout, self.transforms, self.flat, slots, self.ops, targets)
         return StageResult()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .ledger import CommLedger, ring_all_reduce_bytes
-from .schedule import Reduction, StageResult, Wrapping
+from .schedule import Reduction, StageResult, Wrapping, then
 
 
 class AcrossInstances(Wrapping):
@@ -31,18 +31,17 @@ class AcrossInstances(Wrapping):
 
     def stages(self) -> list:
         stages = self.inner.stages()
-        return [*stages[:-1], lambda: self._launch(stages[-1]), self._write]
+        return [*stages[:-1], then(stages[-1], self._launch), self._write]
 
-    def _launch(self, last) -> StageResult:
-        last()  # a last stage leaves no collective in flight: the shard is final
-        self.total = self.shard.float()  # the shard itself when the buffer is FP32
-        self.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(self.group.size(), self.total.numel() * 4))
-        return StageResult([dist.all_reduce(self.total, group=self.group, async_op=True)], [self.total])
+    def _launch(self, last: StageResult) -> StageResult:
+        """After the inner's last stage (which leaves no collective in flight: the shard is final)."""
+        total = self.shard.float()  # the shard itself when the buffer is FP32
+        self.ledger.add("all_reduce", "fp32", ring_all_reduce_bytes(self.group.size(), total.numel() * 4))
+        return StageResult(works=[dist.all_reduce(total, group=self.group, async_op=True)], total=total)
 
-    def _write(self) -> StageResult:
+    def _write(self, prev: StageResult) -> StageResult:
         if self.average:
-            self.total.div_(self.group.size())
-        if self.total is not self.shard:
-            self.shard.copy_(self.total)
-        del self.total
+            prev.total.div_(self.group.size())
+        if prev.total is not self.shard:
+            self.shard.copy_(prev.total)
         return StageResult()

@@ -6,7 +6,7 @@ everything of ``T_in``, the quantization, the sums and averaging; ``T_out``'s ma
 (they act on the other side of ``G``). On rank ``r`` of ``p``, ``W = V T_in⁻¹`` (÷ p when averaging),
 the stages are the inner's, extended::
 
-    0    the inner's send, which encodes T_outᵀ G T_in (its ``outputs``: ``T_outᵀ`` applied row by
+    0    the inner's send, which encodes T_outᵀ G T_in (``outputs`` in its handoff: ``T_outᵀ`` applied row by
          row in the encode pass, ``X = D^{-1/2} G + Q Pre``, ``Pre = c ⊙ Qᵀ D^{-1/2} G`` from the
          read of G that gives T_in's projection: ``kernels.whiten_encode``'s ``output``)
     1..  the inner's stages; from stage 1 on it writes the two-sided segments' W on the rank's
@@ -40,7 +40,7 @@ from ..numerics.whitening import LowRankWhitening
 from .layout import FP8_MODES
 from .ledger import CommLedger, ring_all_reduce_bytes
 from .quantized import ShardReduction
-from .schedule import StageResult, Wrapping
+from .schedule import StageResult, Wrapping, then
 
 LEDGER_DTYPE = "fp32-out"  # the ledger's name of P's all-reduce (``all_reduce/fp32-out``)
 
@@ -60,15 +60,12 @@ class OutputSide(Wrapping):
                     f"({s.rows} x {s.cols}, mode {s.mode.value}): only FP8-coded parameters, d_out rows"
                 )
         self.inner, self.outputs, self.ledger = inner, outputs, ledger
-        count = len(inner.stages()) + 1
-        if inner.nonfinite is not None and inner.nonfinite.numel() < count:
-            raise ValueError(f"nonfinite needs one flag per stage ({count}), got shape {tuple(inner.nonfinite.shape)}")
         self.p_at, pos = {}, 0  # two-sided segment -> its P's first element in the packed buffer
         for i, w in enumerate(outputs):
             if w is not None:
                 self.p_at[i], pos = pos, pos + w.rank * layout.segments[i].cols
         self.p_numel = pos
-        inner.outputs = {i: outputs[i] for i in self.p_at}  # the sender's T_outᵀ (stage 0)
+        self.sender = {i: outputs[i] for i in self.p_at}  # the sender's T_outᵀ (stage 0)
         # the rank's elements of each two-sided segment, bucket positions [lo, hi)
         if inner.all_reduce:
             self.owned = {i: (layout.segments[i].start, layout.segments[i].end) for i in self.p_at}
@@ -76,29 +73,28 @@ class OutputSide(Wrapping):
             self.owned = {p.seg: (p.lo, p.hi) for p in layout.shards[inner.rank].coded_parts if p.seg in self.p_at}
 
     def stages(self) -> list:
+        """The inner's stages given ``outputs`` (stage 0) and the ``targets`` (from stage 1 on, handed on
+        by each), the last one followed by the projections (``then``), and the output stage."""
         inner = self.inner.stages()
-        last = len(inner) - 1
 
-        def wrapped(k, stage):
-            def run() -> StageResult:
-                if k == 1:
-                    self._targets()
-                step = stage()
-                if k == last:
-                    step = self._projections(step)
-                if k > 0:
-                    step.handoff += [t for t, _ in self.inner.targets.values()]
-                return step
+        def given(k, stage):
+            def run(prev: StageResult) -> StageResult:
+                if k == 0:
+                    return stage(StageResult(outputs=self.sender))
+                targets = self._targets() if k == 1 else prev.targets
+                step = stage(StageResult(works=prev.works, **{**prev.handoff, "targets": targets}))
+                return StageResult(works=step.works, **{**step.handoff, "targets": targets})
 
             run.__name__ = getattr(stage, "__name__", f"stage {k}")  # the meter's stage names
             return run
 
-        return [*(wrapped(k, s) for k, s in enumerate(inner)), self._output]
+        stages = [given(k, s) for k, s in enumerate(inner)]
+        return [*stages[:-1], then(stages[-1], self._projections), self._output]
 
-    def _targets(self) -> None:
+    def _targets(self) -> dict:
         """FP32 tensors receiving ``W`` on the rank's elements of each two-sided segment."""
         device = self.inner.flat.device
-        self.inner.targets = {i: (torch.empty(hi - lo, device=device), lo) for i, (lo, hi) in self.owned.items()}
+        return {i: (torch.empty(hi - lo, device=device), lo) for i, (lo, hi) in self.owned.items()}
 
     def _p(self, proj: torch.Tensor, i: int) -> torch.Tensor:
         return proj[self.p_at[i] : self.p_at[i] + self.outputs[i].rank * self.inner.layout.segments[i].cols].view(
@@ -108,30 +104,27 @@ class OutputSide(Wrapping):
     def _projections(self, step: StageResult) -> StageResult:
         """``P`` of every two-sided segment (module doc, stage L): the rank's partials, launched into
         their all-reduce with reduce-scatter; the whole ``P`` with all-reduce."""
-        inner, layout = self.inner, self.inner.layout
-        self.proj = torch.zeros(self.p_numel, device=inner.flat.device)
+        inner, layout, targets = self.inner, self.inner.layout, step.targets  # the inner's last handoff holds them
+        proj = torch.zeros(self.p_numel, device=inner.flat.device)
         for i, (lo, _hi) in self.owned.items():
             s = layout.segments[i]
-            output_projection(self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i))
+            output_projection(self.outputs[i], targets[i][0], s.cols, lo - s.start, self._p(proj, i))
         # P, allocated on this stage's stream, is read by the next one: in the handoff, collective or not
-        handoff = [*step.handoff, self.proj]
         if inner.all_reduce or inner.world == 1 or self.p_numel == 0:  # the same answer on every rank
-            return StageResult(step.works, handoff)
+            return StageResult(works=step.works, **step.handoff, proj=proj)
         # its own ledger dtype: apart from the refresh's and the instances' FP32 all-reduces
         self.ledger.add("all_reduce", LEDGER_DTYPE, ring_all_reduce_bytes(inner.world, 4 * self.p_numel))
-        work = dist.all_reduce(self.proj, group=inner.group, async_op=True)
-        return StageResult([*step.works, work], handoff)
+        work = dist.all_reduce(proj, group=inner.group, async_op=True)
+        return StageResult(works=[*step.works, work], **step.handoff, proj=proj)
 
-    def _output(self) -> StageResult:
+    def _output(self, prev: StageResult) -> StageResult:
         """``T_out⁻ᵀ W`` on the rank's elements, into the bucket (module doc, stage L+1)."""
         inner, layout = self.inner, self.inner.layout
         for i, (lo, hi) in self.owned.items():
             s, dest = layout.segments[i], inner.flat[lo:hi]
             inner.ops.output_inverse(
-                self.outputs[i], inner.targets[i][0], s.cols, lo - s.start, self._p(self.proj, i), dest
+                self.outputs[i], prev.targets[i][0], s.cols, lo - s.start, self._p(prev.proj, i), dest
             )
             if inner.nonfinite is not None:  # this stage's own flag (``ShardReduction._reduced``)
-                inner.nonfinite[self.stage].logical_or_(torch.isfinite(dest).all().logical_not())
-        inner.targets = {}
-        del self.proj
+                inner.nonfinite.mark(self.stage, dest)
         return StageResult()

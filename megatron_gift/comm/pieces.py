@@ -72,6 +72,11 @@ class PieceExchange:
             self.recv.view(-1), send.view(-1), splits, splits, group=self.group, async_op=True
         )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What the stage that started it hands on (``schedule.StageResult``): the values ``finish`` reads and
+        every tensor the collective was given."""
+        return [v for v in self.values if v is not None] + self.buffers
+
     def finish(self) -> list[torch.Tensor]:
         """Own pieces' columns of ``U T⁻¹`` (the values as they were where a row has no ``T``)."""
         out = []

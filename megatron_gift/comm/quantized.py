@@ -15,13 +15,14 @@ Stages (run by ``comm.schedule.ReductionQueue``), on rank ``r`` of ``p``:
 2. *finish*: the cut rows' ``T⁻¹`` (reduce-scatter); all-reduce: every shard's message decoded
    and ``T⁻¹`` applied to whole rows on every rank: the same bytes give the same bits everywhere.
 
-With the distributed optimizer, the bucket outside shard ``r`` is left as it was. Two hooks let a
-wrapper (``comm.output_side``) change what is sent and where results land, per coded segment:
-``outputs`` (a ``T_out`` whose ``T_outᵀ`` the sender applies in its encode pass, ``T_outᵀ G T``)
-and ``targets`` (FP32 tensors that receive the segment's results instead of the bucket;
-``destination``). ``nonfinite`` (a bool tensor of one flag per stage, ``schedule.MAX_STAGES``;
-read with ``.any()``), when given, has the flag of the stage that wrote a NaN/Inf set on the
-device. ``topology``, when given, splits the ledger's bytes into intra- and inter-node links.
+With the distributed optimizer, the bucket outside shard ``r`` is left as it was. Each stage reads
+what the last one handed it (``schedule.StageResult``); two entries a wrapper (``comm.output_side``)
+may add change what is sent and where results land, per coded segment: ``outputs`` in the first
+stage's (a ``T_out`` whose ``T_outᵀ`` the sender applies in its encode pass, ``T_outᵀ G T``) and
+``targets`` in the later ones' (FP32 tensors that receive the segment's results instead of the
+bucket; ``destination``). ``nonfinite`` (``schedule.StageFlags``), when given, has the flag of the
+stage that wrote a NaN/Inf set on the device. ``topology``, when given, splits the ledger's bytes
+into intra- and inter-node links.
 ``kernels``: the fused kernels' setting (``GiftConfig.exchange.kernels``), resolved once into ``ops``
 (``kernels.CodecOps``), which every stage calls.
 """
@@ -40,7 +41,7 @@ from .layout import BucketLayout
 from .ledger import CommLedger, message_label
 from .packing import Received, packing
 from .pieces import PieceExchange
-from .schedule import Reduction, StageResult, taken
+from .schedule import Reduction, StageFlags, StageResult, taken
 from .topology import Topology
 
 Whitenings = list[LowRankWhitening | None]  # per segment, None where not whitened
@@ -78,7 +79,7 @@ class ShardReduction(Reduction):
         average: bool,
         all_reduce: bool,
         ledger: CommLedger | None,
-        nonfinite: torch.Tensor | None,
+        nonfinite: StageFlags | None,
         topology: Topology | None,
         kernels: bool | None,
     ):
@@ -87,19 +88,11 @@ class ShardReduction(Reduction):
         self.ledger = ledger if ledger is not None else CommLedger()
         self.nonfinite, self.topology = nonfinite, topology
         self.world, self.rank = group.size(), group.rank()
-        if nonfinite is not None and (nonfinite.dim() != 1 or nonfinite.numel() < len(self.stages())):
-            raise ValueError(
-                f"nonfinite needs one flag per stage ({len(self.stages())}), got shape {tuple(nonfinite.shape)}"
-            )
         if self.world != layout.num_shards:
             raise ValueError(f"layout has {layout.num_shards} shards but the group has {self.world} ranks")
         self.ops = _kernels.CodecOps.resolve(flat.device, kernels, layout.codec)
         self.chunk = None if self.ops.fused else CHUNK
         self.coded_label = message_label(layout)  # the ledger's name of the bucket's messages
-        # hooks (module doc): segment -> T_out the sender applies (T_outᵀ G T); segment -> (FP32 tensor,
-        # bucket position of its first element) written instead of the bucket
-        self.outputs: dict[int, LowRankWhitening] = {}
-        self.targets: dict[int, tuple[torch.Tensor, int]] = {}
 
     def _message_bytes(self, shards: tuple[int, ...], wire: torch.dtype | None = None) -> int:
         """Bytes of the message of ``shards`` (``BucketLayout.message``), once per layout."""
@@ -130,7 +123,7 @@ class ShardReduction(Reduction):
         if self.average and not self.divide_first:
             values.div_(self.world)
         if self.nonfinite is not None:  # the running stage's own flag: one stream writes each
-            self.nonfinite[self.stage].logical_or_(torch.isfinite(values).all().logical_not())
+            self.nonfinite.mark(self.stage, values)
         return values
 
     def _target(self, dest: torch.Tensor) -> torch.Tensor:
@@ -147,10 +140,11 @@ class ShardReduction(Reduction):
         if values is not dest:
             dest.copy_(values)
 
-    def _reduce_own(self, rows: Received) -> StageResult:
+    def _reduce_own(self, rows: Received, targets: dict | None = None) -> StageResult:
         """Reduce-scatter: the own shard's sum of ``rows``' messages, ``T⁻¹`` of whole rows, written
-        into the bucket (one decode, or plain sum, per segment part on the fused path); the cut rows'
-        partials sent to the neighbours."""
+        into the bucket (or ``targets``) (one decode, or plain sum, per segment part on the fused path);
+        the cut rows' partials sent to the neighbours."""
+        targets = targets or {}
         layout, plan, flat = self.layout, self.layout.shards[self.rank], self.flat
         first = self.average and self.divide_first
         for c, parts in enumerate(plan.plain_parts):
@@ -162,7 +156,7 @@ class ShardReduction(Reduction):
         for part in plan.coded_parts:
             t = self.transforms[part.seg]
             for k0, k1, n_rows, cols in part_chunks(layout, part, self.chunk, t is not None):
-                dest = destination(flat, self.targets, part.seg, part.lo + k0 - part.at, part.lo + k1 - part.at).view(
+                dest = destination(flat, targets, part.seg, part.lo + k0 - part.at, part.lo + k1 - part.at).view(
                     n_rows, cols
                 )
                 out = self._target(dest)
@@ -176,19 +170,17 @@ class ShardReduction(Reduction):
             values.append(
                 reduce_coded(rows, layout, plan, k0, k0 + p.c1 - p.c0, (1, p.c1 - p.c0), None, first, self.ops)
             )
-        self.exchange = PieceExchange(layout, self.rank, self.transforms, self.group, self.ledger, self._links)
-        work = self.exchange.start(values, flat.device)
-        handoff = [v for v in values if v is not None] + self.exchange.buffers
-        return StageResult([work] if work is not None else [], handoff)
+        exchange = PieceExchange(layout, self.rank, self.transforms, self.group, self.ledger, self._links)
+        work = exchange.start(values, flat.device)
+        return StageResult(works=[work] if work is not None else [], exchange=exchange)
 
-    def _finish(self) -> StageResult:
+    def _finish(self, prev: StageResult) -> StageResult:
         """The cut rows' ``T⁻¹``, written into the bucket."""
-        layout = self.layout
-        for p, values in zip(layout.shards[self.rank].pieces, self.exchange.finish()):
+        layout, targets = self.layout, getattr(prev, "targets", {})
+        for p, values in zip(layout.shards[self.rank].pieces, prev.exchange.finish()):
             if values is not None:
                 values = self._reduced(values)
-                destination(self.flat, self.targets, p.seg, *p.flat(layout.segments[p.seg])).copy_(values.reshape(-1))
-        del self.exchange
+                destination(self.flat, targets, p.seg, *p.flat(layout.segments[p.seg])).copy_(values.reshape(-1))
         return StageResult()
 
     def _own_message(self, rows: Received) -> torch.Tensor:
@@ -232,7 +224,7 @@ class QuantizedReduce(ShardReduction):
         average: bool = False,
         all_reduce: bool = False,
         ledger: CommLedger | None = None,
-        nonfinite: torch.Tensor | None = None,
+        nonfinite: StageFlags | None = None,
         topology: Topology | None = None,
         kernels: bool | None = None,
     ):
@@ -249,55 +241,50 @@ class QuantizedReduce(ShardReduction):
         sizes = [self._message_bytes((j,)) for j in range(self.world)]
         return taken(sum(sizes), (self.world - 1) * max(sizes), *self._gathered_bytes())
 
-    def _send(self) -> StageResult:
+    def _send(self, prev: StageResult) -> StageResult:
         layout, r, device = self.layout, self.rank, self.flat.device
-        self.pk = layout.cached(
+        pk = layout.cached(
             ("flat", r, str(device)),
             lambda: packing(
                 layout, list(range(self.world)), [[j] for j in range(self.world) if j != r] + [[r]], None, device
             ),
         )
-        self.buf = self.space.empty(self.pk.nbytes, device=device)
-        encode_bucket(
-            self.buf, self.pk, self.flat, layout, self.transforms, self.ops, self.error_feedback, self.outputs
-        )
-        plain_bucket(self.buf, self.pk, self.flat, layout, self.ops)
-        self.recv = self.space.empty((self.world - 1) * self.pk.own.nbytes, device=device)
-        return StageResult(self._all_to_all(), [self.buf, self.recv])
-
-    def _all_to_all(self) -> list:
-        pk, r = self.pk, self.rank
-        if self.world == 1:
-            return []
-        per_peer = with_self(pk.peer_bytes, r)
-        self.ledger.add("all_to_all", self.coded_label, pk.sent_bytes, self._links(per_peer))
-        recv_sizes = with_self([pk.own.nbytes] * (self.world - 1), r)
-        return [
-            dist.all_to_all_single(
-                self.recv, self.buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True
+        buf = self.space.empty(pk.nbytes, device=device)
+        outputs = getattr(prev, "outputs", {})
+        encode_bucket(buf, pk, self.flat, layout, self.transforms, self.ops, self.error_feedback, outputs)
+        plain_bucket(buf, pk, self.flat, layout, self.ops)
+        recv = self.space.empty((self.world - 1) * pk.own.nbytes, device=device)
+        works = []
+        if self.world > 1:
+            per_peer = with_self(pk.peer_bytes, r)
+            self.ledger.add("all_to_all", self.coded_label, pk.sent_bytes, self._links(per_peer))
+            recv_sizes = with_self([pk.own.nbytes] * (self.world - 1), r)
+            works.append(
+                dist.all_to_all_single(
+                    recv, buf[: pk.sent_bytes], recv_sizes, per_peer, group=self.group, async_op=True
+                )
             )
-        ]
+        return StageResult(works=works, pk=pk, buf=buf, recv=recv)
 
-    def _rows(self) -> Received:
-        rows = self.pk.received(self.recv, self.buf, self.rank, self.world, self.space)
-        del self.buf, self.recv
-        return rows
+    def _rows(self, prev: StageResult) -> Received:
+        return prev.pk.received(prev.recv, prev.buf, self.rank, self.world, self.space)
 
-    def _reduce(self) -> StageResult:
-        return self._reduce_own(self._rows())
+    def _reduce(self, prev: StageResult) -> StageResult:
+        return self._reduce_own(self._rows(prev), getattr(prev, "targets", None))
 
-    def _gather(self) -> StageResult:
-        msg = self._own_message(self._rows())
+    def _gather(self, prev: StageResult) -> StageResult:
+        msg = self._own_message(self._rows(prev))
         width = self.layout.max_message_bytes
-        self.gathered = self.space.empty(self.world * width, device=msg.device)
+        gathered = self.space.empty(self.world * width, device=msg.device)
         self.ledger.add("all_gather", self.coded_label, (self.world - 1) * width, self._links([width] * self.world))
-        return StageResult([_all_gather(self.gathered, msg, group=self.group, async_op=True)], [self.gathered, msg])
-
-    def _decode_all(self) -> StageResult:
-        decode_gathered(
-            self.gathered, self.layout, self.transforms, self.flat, list(range(self.world)), self.ops, self.targets
+        return StageResult(
+            works=[_all_gather(gathered, msg, group=self.group, async_op=True)], gathered=gathered, msg=msg
         )
-        del self.gathered
+
+    def _decode_all(self, prev: StageResult) -> StageResult:
+        slots = list(range(self.world))
+        targets = getattr(prev, "targets", None)
+        decode_gathered(prev.gathered, self.layout, self.transforms, self.flat, slots, self.ops, targets)
         return StageResult()
 
 

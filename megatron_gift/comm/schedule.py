@@ -45,17 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from ..config import Schedule
-
-# the most stages a reduction has (the two-level all-reduce with the output side, comm.output_side):
-# per-stage flags' length
-MAX_STAGES = 6
 
 
 def default_schedule(device: torch.device) -> Schedule:
@@ -65,12 +61,70 @@ def default_schedule(device: torch.device) -> Schedule:
     return Schedule.EAGER
 
 
-@dataclass
-class StageResult:
-    """What a stage leaves for the next: collectives to wait for, tensors it hands over."""
+class StageResult(types.SimpleNamespace):
+    """What a stage leaves for the next, which is given it as its argument (``stage(prev)``): ``works``, the
+    collectives its stream waits for first, and the handoff, every other keyword (read as attributes:
+    ``prev.recv``). Every tensor in the handoff, also inside lists, tuples, dicts and objects with a
+    ``tensors()`` method, is recorded on the next stage's stream: the only way a later stage gets a tensor
+    is the way that keeps it alive (module doc). Keywords only (``works=[...]``)."""
 
-    works: list = field(default_factory=list)
-    handoff: list = field(default_factory=list)
+    works = ()  # none unless given
+
+    @property
+    def handoff(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "works"}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the handoff (module doc: what is recorded on the next stage's stream)."""
+        return _tensors(list(self.handoff.values()))
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return x.tensors() if callable(getattr(x, "tensors", None)) else []
+
+
+def then(stage, after):
+    """One stage (its stream, its name): ``stage`` and then ``after`` given its result (a wrapper's work
+    that belongs on the same stream, e.g. a collective launched once the inner's last stage wrote)."""
+
+    def run(prev: StageResult) -> StageResult:
+        return after(stage(prev) or StageResult())
+
+    run.__name__ = getattr(stage, "__name__", "stage")  # the meter's stage names
+    return run
+
+
+class StageFlags:
+    """Where reductions flag a NaN/Inf they wrote: one device flag per stage index, created when a stage
+    of that index first sets it (how many stages a reduction has is its own business), each written
+    only by the stage streams of that index, so that no two streams read-modify-write one flag.
+    Read with ``any()`` once the step's reductions are waited for; ``zero_()`` before the next."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.flags: list[torch.Tensor] = []  # [1] bool tensors, stage index i's at i
+
+    def mark(self, stage: int, values: torch.Tensor) -> None:
+        """Stage ``stage``'s flag set (on the device) where ``values`` holds a NaN/Inf."""
+        while len(self.flags) <= stage:
+            self.flags.append(torch.zeros(1, dtype=torch.bool, device=self.device))
+        self.flags[stage].logical_or_(torch.isfinite(values).all().logical_not())
+
+    def any(self) -> torch.Tensor:
+        """Whether any flag is set (a bool tensor on the device: no host synchronisation)."""
+        if not self.flags:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return torch.cat(self.flags).any()
+
+    def zero_(self) -> None:
+        if self.flags:
+            torch._foreach_zero_(self.flags)
 
 
 ALIGN = 512  # bytes: every buffer taken from an arena region starts at a multiple (any dtype's view)
@@ -111,7 +165,8 @@ def taken(*sizes: int) -> int:
 
 
 class Reduction:
-    """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables returning a ``StageResult``.
+    """Base of a reduction run by ``ReductionQueue``: ``stages()`` lists callables, each given the last one's
+    ``StageResult`` (the first an empty one) and returning its own.
 
     ``stage``: the index of the stage running now (set by the queue before it calls the stage), which
     is also the index of the stream it runs on. ``space``: where its message buffers come from (the
@@ -390,13 +445,13 @@ class ReductionQueue:
                 work.wait()
             flight.reduction.stage = s
             with self.watch.stage(flight, s) if self.watch is not None else contextlib.nullcontext():
-                step = flight.stages[s]() or StageResult()
+                step = flight.stages[s](flight.step) or StageResult()
             if self.watch is not None:
                 self.watch.handed(flight, s, step)
         if s == flight.count - 1 and step.works:
             raise RuntimeError("a reduction's last stage must not leave collectives in flight")
         if self.streams.cuda:
-            for t in step.handoff:
+            for t in step.tensors():
                 t.record_stream(self.streams.stream(s + 1))
         flight.step, flight.next = step, s + 1
         flight.event = self.streams.record(s)

@@ -42,7 +42,7 @@ from .fp4_reduce import FP4TwoLevelReduce
 from .layout import BucketLayout
 from .ledger import CommLedger, dtype_label
 from .quantized import Whitenings
-from .schedule import StageResult, taken
+from .schedule import StageFlags, StageResult, taken
 from .topology import TwoLevelGroups
 
 
@@ -288,7 +288,7 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         average: bool = False,
         all_reduce: bool = False,
         ledger: CommLedger | None = None,
-        nonfinite: torch.Tensor | None = None,
+        nonfinite: StageFlags | None = None,
         rotation: BlockHadamard | None = None,
         kernels: bool | None = None,
         rotated: tuple[bool, ...] | None = None,
@@ -346,39 +346,38 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
         return held["stacked"]
 
     # -- 0: intra-node ------------------------------------------------------------------------------
-    def _intra(self) -> StageResult:
+    def _intra(self, prev: StageResult) -> StageResult:
         """The node's reduce-scatter of the held shards: row ``m`` of the bucket's ``[n, g·S]`` onto row
         ``m`` of the held sums ``[n, S]``, local rank ``l`` taking shard ``m·g + l``; one coalesced call."""
         n, g, size, flat = self.topo.nodes, self.topo.ranks_per_node, self.layout.shard_size, self.flat
-        self.held_sums = self.space.empty(n * size, flat.dtype, flat.device)
+        held_sums = self.space.empty(n * size, flat.dtype, flat.device)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         sent = (g - 1) * n * size * flat.element_size()  # a ring's: (g-1)/g of the bucket
         self.ledger.add("reduce_scatter", dtype_label(flat.dtype), sent, {"intra": sent})
         work = self.groups.intra.reduce_scatter_tensor_coalesced(
-            list(self.held_sums.view(n, size).unbind(0)), list(flat.view(n, g * size).unbind(0)), opts
+            list(held_sums.view(n, size).unbind(0)), list(flat.view(n, g * size).unbind(0)), opts
         )
-        return StageResult([work], [self.held_sums, flat])
+        return StageResult(works=[work], held_sums=held_sums, bucket=flat)
 
     # -- 1: whole rows, the cut rows' projections -----------------------------------------------------
-    def _rows(self) -> StageResult:
+    def _rows(self, prev: StageResult) -> StageResult:
         """The held coded values in FP32 with whole GIFT rows times ``T``; each cut piece's projection sent
         to the node's other holders of its row."""
-        sums, t = self.held_sums, self._tables(self.flat.device)
-        del self.held_sums
+        sums, t = prev.held_sums, self._tables(self.flat.device)
         in_place = self.ops.fp4(sums.device) is not None and t.source is not None
         if in_place:  # the encode reads the Euclidean parts in the held sums; the GIFT values written below
-            self.coded, self.source = torch.empty(max(1, t.source.own), device=sums.device), t.source.on(sums)
+            coded, source = torch.empty(max(1, t.source.own), device=sums.device), t.source.on(sums)
         else:
-            self.coded, self.source = t.coded(sums).float(), None
-        self.plain = [t.plain[c](sums) for c in range(2)]
+            coded, source = t.coded(sums).float(), None
+        plain = [t.plain[c](sums) for c in range(2)]
         r_max = max((self.transforms[seg].rank for s in t.segments for seg in s.segs), default=0)
-        self.own = torch.zeros(t.slots, r_max, device=sums.device)
+        own = torch.zeros(t.slots, r_max, device=sums.device)
         for s in t.segments:  # the whole rows of one shape, each contiguous in the held sums, read there
             rows = RowsAt(sums, s.starts, s.cols, s.matrix, s.spans)
             ws = [self.transforms[seg] for seg in s.segs]
-            self.ops.whiten_place(rows, ws, s.place.at(self.coded, 0), stacked=self._stacked(s.segs, sums.device))
-        self.stacks = []
+            self.ops.whiten_place(rows, ws, s.place.at(coded, 0), stacked=self._stacked(s.segs, sums.device))
+        stacks = []
         for p in t.pieces:  # each cut piece's part of its row's (P D^{-1/2}) Q, one batch per shape
             m, st = len(p.segs), self._stacked(p.segs, sums.device)
             y = torch.zeros(m * p.k * p.cols, device=sums.device)
@@ -386,40 +385,38 @@ class FP4SumFirstReduce(FP4TwoLevelReduce):
             q = st.q.view(m, p.cols, p.rank)
             with ieee_fp32(sums.device):
                 yd = y.view(m, p.k, p.cols) * st.d_inv_sqrt.view(m, 1, p.cols)
-                self.own[p.slots, : p.rank] = torch.bmm(yd, q).view(-1, p.rank)[p.rows]
-            self.stacks.append((yd, q, st.c.view(m, 1, p.rank)))
-        kept = [self.coded, *self.plain] + ([sums] if in_place else [])  # the held sums: read by the encode
+                own[p.slots, : p.rank] = torch.bmm(yd, q).view(-1, p.rank)[p.rows]
+            stacks.append((yd, q, st.c.view(m, 1, p.rank)))
+        # the held sums: read by the encode where it reads them in place
+        kept = dict(coded=coded, plain=plain, source=source, held_sums=sums if in_place else None)
         if not t.slots:  # no whitened row of the node's shards is cut (a layout fact: the same on its ranks)
-            return StageResult([], kept)
-        self.recv = torch.empty(len(t.peers), *self.own.shape, device=sums.device)
-        block = self.own.numel()
+            return StageResult(works=[], **kept)
+        recv = torch.empty(len(t.peers), *own.shape, device=sums.device)
+        block = own.numel()
         splits = [block if lp in t.peers else 0 for lp in range(self.topo.ranks_per_node)]
-        send = self.own.expand(len(t.peers), *self.own.shape).contiguous()
+        send = own.expand(len(t.peers), *own.shape).contiguous()
         sent = 4 * block * len(t.peers)
         self.ledger.add("all_to_all", "fp32", sent, {"intra": sent})
         work = dist.all_to_all_single(
-            self.recv.view(-1), send.view(-1), splits, splits, group=self.groups.intra, async_op=True
+            recv.view(-1), send.view(-1), splits, splits, group=self.groups.intra, async_op=True
         )
-        stacks = [x for stack in self.stacks for x in stack]  # read by the next stage
-        return StageResult([work], [*kept, self.own, self.recv, send, *stacks])
+        return StageResult(works=[work], **kept, own=own, recv=recv, send=send, stacks=stacks)
 
     # -- 2: node sums -------------------------------------------------------------------------------
-    def _node_sums(self) -> StageResult:
+    def _node_sums(self, prev: StageResult) -> StageResult:
         """Each cut piece's columns of ``P T`` (its row's projections summed, holders in shard order),
         then ``_send_inter``."""
-        t, coded, plain, source = self._tables(self.flat.device), self.coded, self.plain, self.source
+        t, coded = self._tables(self.flat.device), prev.coded
         if t.slots:
-            r_max = self.own.shape[1]
-            rows = torch.cat([self.own, self.recv.view(-1, r_max), self.own.new_zeros(1, r_max)])
+            r_max = prev.own.shape[1]
+            rows = torch.cat([prev.own, prev.recv.view(-1, r_max), prev.own.new_zeros(1, r_max)])
             proj = rows[t.sums].sum(1)
             proj = torch.cat([proj, proj.new_zeros(1, r_max)])  # padding rows of the stacks read the zero row
-            for p, (yd, q, c) in zip(t.pieces, self.stacks):
+            for p, (yd, q, c) in zip(t.pieces, prev.stacks):
                 # the pieces' columns of P T (module doc), the row's projection summed over its holders
                 with ieee_fp32(coded.device):
                     pt = torch.baddbmm(
                         yd, proj[p.gather, : p.rank].view(len(p.segs), p.k, p.rank) * c, q.transpose(1, 2)
                     )
                 coded[p.src] = pt.view(-1)[p.dense]
-            del self.own, self.recv
-        del self.coded, self.plain, self.stacks, self.source
-        return self._send_inter(coded, plain, source)
+        return self._send_inter(coded, prev.plain, prev.source)

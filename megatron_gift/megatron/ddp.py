@@ -41,7 +41,7 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from ..comm.fp4_reduce import ROTATION_BLOCK
 from ..comm.layout import BucketLayout, Segment
 from ..comm.ledger import CommLedger
-from ..comm.schedule import MAX_STAGES, Arena, ReductionQueue, StageStreams, default_schedule
+from ..comm.schedule import Arena, ReductionQueue, StageStreams, default_schedule
 from ..comm.topology import build_groups, nodes_of_ranks
 from ..config import Exchange, GiftConfig, IntraNode, Mode, Rotation, Side, param_modes
 from ..numerics.error_feedback import ErrorFeedback
@@ -97,7 +97,7 @@ class GiftDistributedDataParallel(DistributedDataParallel):
         self.gift_config = gift_config or GiftConfig()
         refuse_unsupported(config, ddp_config, self.gift_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
-        self.gift_state = GiftState(self.gift_config, self._device(), MAX_STAGES)
+        self.gift_state = GiftState(self.gift_config, self._device())
         self.refresh = RefreshSync(self.gift_state, w.side if (w := self.gift_config.whitening) else Side.INPUT)
         # names as in the model, without the prefixes of wrappers such as Float16Module
         named = [(re.sub(r"^(module\.)+", "", n), p) for n, p in self.module.named_parameters() if p.requires_grad]

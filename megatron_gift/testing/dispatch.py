@@ -374,7 +374,7 @@ class Lifetimes(TorchDispatchMode):
     def handed(self, flight, s: int, step) -> None:
         """Stage ``s`` of ``flight`` returned ``step`` (its ``works`` and ``handoff``); ``flight.count``
         stages in all (its records go after the last)."""
-        key, held = id(flight), {_ptr(t) for t in step.handoff} - {0}
+        key, held = id(flight), {_ptr(t) for t in step.tensors()} - {0}
         given, self._given = self._given, []
         for op, t in given:
             if _ptr(t) not in held:

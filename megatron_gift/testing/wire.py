@@ -41,14 +41,15 @@ class WireEntry:
 
 
 def _reduction():
-    """The outermost caller frame's ``ShardReduction`` and its method's name (None, None outside one)."""
+    """The outermost caller frame's ``ShardReduction``, its method's name (the stage) and the output side's
+    targets that stage was handed (``prev.targets``; {} without); (None, None, {}) outside one."""
     from ..comm.quantized import ShardReduction
 
-    found, frame = (None, None), sys._getframe(2)
+    found, frame = (None, None, {}), sys._getframe(2)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, ShardReduction):
-            found = owner, frame.f_code.co_name
+            found = owner, frame.f_code.co_name, getattr(frame.f_locals.get("prev"), "targets", None) or {}
         frame = frame.f_back
     return found
 
@@ -58,12 +59,12 @@ def _within(t: torch.Tensor, base: torch.Tensor) -> bool:
     return t.dtype == base.dtype and 0 <= at < base.numel() * base.element_size()
 
 
-def _segment(owner, t: torch.Tensor | None) -> tuple[str | None, bool]:
+def _segment(owner, targets: dict, t: torch.Tensor | None) -> tuple[str | None, bool]:
     """The name of the segment of ``owner.flat`` that ``t`` starts in, or whose receiver target it lies
-    in (``ShardReduction.targets``: the output side's ``W``; then True), ``(None, False)``: neither."""
+    in (``targets``: the output side's ``W``; then True), ``(None, False)``: neither."""
     if owner is None or t is None or t.numel() == 0:
         return None, False
-    for i, (base, _) in owner.targets.items():
+    for i, (base, _) in targets.items():
         if _within(t, base):
             return owner.layout.segments[i].name, True
     flat = owner.flat
@@ -81,8 +82,8 @@ class WireRecord:
         self._saved = {}
 
     def _add(self, op, segment_of, dtype, nbytes, whitened, output=False):
-        owner, stage = _reduction()
-        segment, target = _segment(owner, segment_of)
+        owner, stage, targets = _reduction()
+        segment, target = _segment(owner, targets, segment_of)
         self.entries.append(WireEntry(stage, op, segment, dtype, int(nbytes), whitened, output or target))
 
     def __enter__(self) -> WireRecord:

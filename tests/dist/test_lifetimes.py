@@ -36,26 +36,32 @@ class _Toy(Reduction):
         self.hand = hand
 
     def stages(self):
-        return [self._make, lambda: self._pass(1), self._read]
+        return [self._make, lambda prev: self._pass(1), self._read]
 
-    def _make(self):
-        self.tmp = torch.arange(8.0)
-        return StageResult([], [self.tmp] if 0 in self.hand else [])
+    def _make(self, prev):
+        self.tmp = torch.arange(8.0)  # kept outside the handoff: what the check must catch
+        return StageResult(tmp=self.tmp) if 0 in self.hand else StageResult()
 
     def _pass(self, s):
-        return StageResult([], [self.tmp] if s in self.hand else [])
+        return StageResult(tmp=self.tmp) if s in self.hand else StageResult()
 
-    def _read(self):
+    def _read(self, prev):
         self.tmp.sum()
         return StageResult()
 
 
 class _Dropped(OutputSide):
-    """The race of issue 35: ``P`` (``proj``) left out of the last inner stage's handoff."""
+    """The race of issue 35: ``P`` (``proj``) left out of the last inner stage's handoff (kept aside, given to
+    the output stage past the queue)."""
 
     def _projections(self, step):
         step = super()._projections(step)
-        return StageResult(step.works, [t for t in step.handoff if t is not self.proj])
+        self.proj = step.proj
+        del step.proj
+        return step
+
+    def _output(self, prev):
+        return super()._output(StageResult(works=prev.works, **prev.handoff, proj=self.proj))
 
 
 def _caught(fn) -> str | None:
@@ -83,7 +89,7 @@ def _delta_gather(group) -> tuple[int, str | None]:
     def run():
         with watch.stage(flight, 0):
             pending = gather.start(async_op=True)
-        watch.handed(flight, 0, StageResult([], [t for ts in pending.keep for t in ts]))
+        watch.handed(flight, 0, StageResult(works=[], keep=pending.keep))
         with watch.stage(flight, 1):
             pending.wait()
         watch.handed(flight, 1, StageResult())

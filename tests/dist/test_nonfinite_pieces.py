@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout
 from megatron_gift.comm.quantized import QuantizedReduce
-from megatron_gift.comm.schedule import MAX_STAGES, reduce_now
+from megatron_gift.comm.schedule import StageFlags, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.testing import run_on_ranks
@@ -61,7 +61,7 @@ def _worker(rank, world):
                 if poison:
                     flat[at] = float(bad)
             given = flat.clone()
-            flag = torch.zeros(MAX_STAGES, dtype=torch.bool)
+            flag = StageFlags("cpu")
             if path == "flat":
                 red = QuantizedReduce(flat, layout, dist.group.WORLD, ts, all_reduce=all_reduce, nonfinite=flag)
             else:

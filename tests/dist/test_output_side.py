@@ -16,7 +16,7 @@ from megatron_gift.comm.layout import BucketLayout
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.output_side import OutputSide
 from megatron_gift.comm.quantized import QuantizedReduce, _all_gather
-from megatron_gift.comm.schedule import MAX_STAGES, reduce_now
+from megatron_gift.comm.schedule import StageFlags, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.numerics import CodecConfig, ErrorFeedback, LowRankWhitening, approximate_factor
 from megatron_gift.numerics.two_sided import (
@@ -170,7 +170,7 @@ def _reduction_worker(rank, world):
         runs = []
         for _ in range(2):  # the second run is the steady one: the same bits
             flat, ledger = grads[rank].clone(), CommLedger()
-            flag = torch.zeros(MAX_STAGES, dtype=torch.bool)
+            flag = StageFlags("cpu")
             common = dict(average=average, all_reduce=all_reduce, nonfinite=flag, ledger=ledger)
             if path == "flat":
                 inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, **common)
@@ -380,7 +380,7 @@ def _nan_worker(rank, world):
         flat = _grads(rank)
         if poison and rank == 1:
             flat[SEGS[3].start + 5 * 100 + 7] = float("nan")  # "c", row 5 (cut by the boundary at 1728)
-        flag = torch.zeros(MAX_STAGES, dtype=torch.bool)
+        flag = StageFlags("cpu")
         inner = QuantizedReduce(flat, layout, dist.group.WORLD, ts, all_reduce=all_reduce, nonfinite=flag)
         reduce_now(OutputSide(inner, outputs, CommLedger()), "cpu")
         out[(all_reduce, poison)] = (flat, flag)
@@ -392,7 +392,7 @@ def test_nan_in_a_two_sided_weight():
     element of that weight, so every rank's elements of it are NaN and every rank holding some of it
     flags it; the other segments keep the bits of the clean run, although their ``P`` travel in the
     same buffer. Bugs caught: ``P`` of one segment read from another's place, a flag missing or
-    raised by a rank that wrote no NaN, the output stage's flag outside ``MAX_STAGES``."""
+    raised by a rank that wrote no NaN, the output stage's flag never set."""
     results = run_on_ranks(_nan_worker, WORLD, timeout=300)
     layout = BucketLayout(NUMEL, WORLD, SEGS, CodecConfig("e4m3", "block"), torch.float32)
     c = torch.zeros(NUMEL, dtype=torch.bool)

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout
 from megatron_gift.comm.quantized import QuantizedReduce
-from megatron_gift.comm.schedule import MAX_STAGES, Reduction, ReductionQueue, StageResult, StageStreams, reduce_now
+from megatron_gift.comm.schedule import Reduction, ReductionQueue, StageFlags, StageResult, StageStreams, reduce_now
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import Schedule
 from megatron_gift.numerics import CodecConfig
@@ -33,16 +33,15 @@ class _Toy(Reduction):
         self.keep, self.view = keep, view
 
     def stages(self):
-        return [self._send, lambda: StageResult()]
+        return [self._send, lambda prev: StageResult()]
 
-    def _send(self):
+    def _send(self, prev):
         world = dist.get_world_size()
         tmp = torch.arange(2.0 * world)
         recv = torch.empty(2 * world)
         sent = tmp[:world] if self.view else tmp
-        return StageResult(
-            [dist.all_to_all_single(recv[: sent.numel()], sent, async_op=True)], [recv, tmp] if self.keep else [recv]
-        )
+        work = dist.all_to_all_single(recv[: sent.numel()], sent, async_op=True)
+        return StageResult(works=[work], recv=recv, tmp=tmp) if self.keep else StageResult(works=[work], recv=recv)
 
 
 def _raises(fn) -> bool:
@@ -115,27 +114,29 @@ def test_every_collective_tensor_is_held_by_its_stage_until_the_wait():
 
 # -- the non-finite flags ---------------------------------------------------------------------------
 class _FlagWrites(TorchDispatchMode):
-    """Which stage (``stage[0]``, kept by the test's own wrappers) wrote which element of ``flag``."""
+    """Which stage (``stage[0]``, kept by the test's own wrappers) wrote which flag of ``flags``
+    (``StageFlags``: flag i is ``flags.flags[i]``, created when first set)."""
 
-    def __init__(self, flag, stage):
+    def __init__(self, flags, stage):
         super().__init__()
-        self.ptr, self.stage, self.writes = flag.untyped_storage().data_ptr(), stage, set()
+        self.flags, self.stage, self.writes = flags, stage, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for a, t in zip(func._schema.arguments, args):
             if isinstance(t, torch.Tensor) and a.alias_info is not None and a.alias_info.is_write:
-                if t.untyped_storage().data_ptr() == self.ptr:
-                    lo = t.storage_offset()
-                    self.writes |= {(e, self.stage[0]) for e in range(lo, lo + t.numel())}
+                ptr = t.untyped_storage().data_ptr()
+                for e, f in enumerate(self.flags.flags):
+                    if f.untyped_storage().data_ptr() == ptr:
+                        self.writes.add((e, self.stage[0]))
         return func(*args, **(kwargs or {}))
 
 
 def _tracked(reduction, stage):
     """``reduction`` whose stages first note their index in ``stage[0]``."""
 
-    def run(s, fn):
+    def run(s, fn, prev):
         stage[0] = s
-        return fn()
+        return fn(prev)
 
     stages = reduction.stages()
     reduction.stages = lambda: [functools.partial(run, s, fn) for s, fn in enumerate(stages)]
@@ -144,7 +145,7 @@ def _tracked(reduction, stage):
 
 def _flag_worker(rank, world):
     (placed,) = build_groups([dist.group.WORLD], 2)
-    flag, stage = torch.zeros(MAX_STAGES, dtype=torch.bool), [None]
+    flag, stage = StageFlags("cpu"), [None]
     queue, flights = ReductionQueue(StageStreams("cpu"), Schedule.LAGGED), []
     mode = _FlagWrites(flag, stage)
     with mode:
@@ -158,7 +159,7 @@ def _flag_worker(rank, world):
                 flights.append(queue.start(_tracked(red, stage)))
         for f in flights:
             queue.wait(f)
-        clean = flag.clone()
+        clean = [bool(f) for f in flag.flags]
         # a NaN in the long row that every shard cuts: only the cut rows' stage (the last) sees it
         numel, segs = FLAT_LAYOUTS["long_row"]
         layout = BucketLayout(numel, world, segs, CodecConfig("e4m3", "block"), torch.float32)
@@ -173,7 +174,7 @@ def _flag_worker(rank, world):
         by_element.setdefault(e, set()).add(s)
     return dict(
         clean=clean,
-        flag=flag,
+        flag=[bool(f) for f in flag.flags],
         by_element=by_element,
         nan=bool(torch.isnan(flat[layout.shards[rank].lo : layout.shards[rank].hi]).any()),
     )
@@ -187,7 +188,7 @@ def test_each_nonfinite_flag_is_written_by_one_stage():
     all-reduce interleaved on a lagged queue; a NaN seen by the last stage alone still sets one."""
     for rank, r in enumerate(run_on_ranks(_flag_worker, WORLD, timeout=600)):
         assert r["by_element"] and all(len(s) == 1 for s in r["by_element"].values()), (rank, r["by_element"])
-        assert not r["clean"].any(), rank
+        assert not any(r["clean"]), rank
         assert r["nan"] and r["flag"][2], (
             rank
         )  # the flat reduce-scatter's last stage: the cut row's T⁻¹ spreads the NaN over every piece

@@ -23,7 +23,7 @@ from megatron_gift.comm.hierarchical import TwoLevelReduce
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.ledger import CommLedger
 from megatron_gift.comm.quantized import QuantizedReduce
-from megatron_gift.comm.schedule import MAX_STAGES, ReductionQueue, StageStreams, reduce_now
+from megatron_gift.comm.schedule import ReductionQueue, StageFlags, StageStreams, reduce_now
 from megatron_gift.comm.topology import Topology, build_groups, topology_of
 from megatron_gift.config import Exchange, IntraNode, Mode, Schedule
 from megatron_gift.numerics import CodecConfig
@@ -211,7 +211,7 @@ def _worker(rank, world, ranks_per_node):
         grads = [_bucket_grads(numel, segs, r) for r in range(world)]
         flat = grads[rank].clone()
         ledger = CommLedger()
-        nonfinite = torch.zeros(MAX_STAGES, dtype=torch.bool)
+        nonfinite = StageFlags("cpu")
         common = dict(intra=intra, average=average, all_reduce=all_reduce)
         reduce_now(TwoLevelReduce(flat, layout, placed, ts, ledger=ledger, nonfinite=nonfinite, **common), "cpu")
         again = grads[rank].clone()
@@ -318,7 +318,7 @@ def _nan_worker(rank, world):
         grads = _bucket_grads(numel, segs, rank)
         if rank == 1:
             grads[5] = float("nan")  # a GIFT row of the first weight, in shard 0
-        flag = torch.zeros(MAX_STAGES, dtype=torch.bool)
+        flag = StageFlags("cpu")
         reduce_now(TwoLevelReduce(grads, layout, placed, ts, all_reduce=all_reduce, nonfinite=flag), "cpu")
         out[all_reduce] = (bool(torch.isnan(grads).any()), bool(flag.any()))
     # defect 8: the flat reduce-scatter with GIFT writes nothing outside the rank's shard (a bucket

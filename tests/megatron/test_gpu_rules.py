@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_gift.comm.schedule import StageResult
 from megatron_gift.config import GiftConfig, Mode
 from megatron_gift.testing import run_on_ranks
 
@@ -119,10 +120,10 @@ class _Launches(TorchDispatchMode):
 
 def _stage_ops(reduction):
     """Kernel launches of each stage of ``reduction`` (run eagerly, collectives waited between stages)."""
-    counts = []
+    counts, step = [], StageResult()
     for stage in reduction.stages():
         with _Launches() as c:
-            step = stage()
+            step = stage(step)
         counts.append(c.total)
         for work in step.works:
             work.wait()

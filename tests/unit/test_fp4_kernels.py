@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_gift.comm.schedule import StageResult
 from megatron_gift.kernels.placement import Placement
 from megatron_gift.numerics.fp4 import FP4_FORMATS, decode_fp4, encode_fp4
 from megatron_gift.testing.dispatch import OpCounter
@@ -508,7 +509,8 @@ def _sum_first_transforms(seed):
 
 def _sum_first_rows(layout, rank, ts, held, kernels, log_module=None):
     """``FP4SumFirstReduce._rows`` of rank ``rank`` (8 ranks, 2 nodes x 4) on the node's sums ``held``: the
-    reduction (its ``coded`` values and cut pieces' projections ``own``) and the launches of ``log_module``."""
+    reduction, what the stage hands on (its ``coded`` values and cut pieces' projections ``own``) and the
+    launches of ``log_module``."""
     from megatron_gift.comm.sum_first import FP4SumFirstReduce
     from megatron_gift.comm.topology import Topology, TwoLevelGroups
     from megatron_gift.testing.simulate import FakeGroup, recorded_collectives
@@ -519,23 +521,24 @@ def _sum_first_rows(layout, rank, ts, held, kernels, log_module=None):
     assert red.ops.fused is kernels
     stages, log = red.stages(), []
     with recorded_collectives():  # the cut pieces' all-to-all recorded, not run
-        stages[0]()
-        red.held_sums.copy_(held)  # the node's reduce-scatter (a FakeGroup's leaves it unset)
+        sent = stages[0](StageResult())
+        sent.held_sums.copy_(held)  # the node's reduce-scatter (a FakeGroup's leaves it unset)
         if log_module is None:
-            stages[1]()
+            step = stages[1](sent)
         else:
             with launches_of(log_module) as log:
-                stages[1]()
-    return red, log
+                step = stages[1](sent)
+    return red, step, log
 
 
-def coded_sequence(red, held: torch.Tensor) -> torch.Tensor:
-    """The held coded sequence after ``_rows`` as the PyTorch path holds it: ``red.coded`` with the runs of its
-    ``source`` (the Euclidean parts, read by the encode in the held sums ``held`` where the kernels run) taken
-    from there, and the cut pieces (which ``_node_sums`` whitens into place) as the held sums hold them."""
-    src = red.source
-    seq = torch.full((red.coded.numel() if src is None else src.n,), float("nan"))
-    seq[: red.coded.numel() if src is None else src.own] = red.coded[: len(seq) if src is None else src.own]
+def coded_sequence(red, step, held: torch.Tensor) -> torch.Tensor:
+    """The held coded sequence after ``_rows`` (``step``: what it handed on) as the PyTorch path holds it: its
+    ``coded`` values with the runs of its ``source`` (the Euclidean parts, read by the encode in the held sums
+    ``held`` where the kernels run) taken from there, and the cut pieces (which ``_node_sums`` whitens into
+    place) as the held sums hold them."""
+    src = step.source
+    seq = torch.full((step.coded.numel() if src is None else src.n,), float("nan"))
+    seq[: step.coded.numel() if src is None else src.own] = step.coded[: len(seq) if src is None else src.own]
     for p in red._tables(held.device).pieces:
         seq[p.src] = held[p.held].float()
     if src is not None:
@@ -564,12 +567,12 @@ def test_sum_first_whole_rows_of_every_shape_through_the_kernels(rank):
     held = torch.randn(topo.nodes * layout.shard_size, generator=torch.Generator().manual_seed(4))
     coded = {}
     for kernels in (False, True):
-        red, log = _sum_first_rows(layout, rank, ts, held, kernels, place)
+        red, step, log = _sum_first_rows(layout, rank, ts, held, kernels, place)
         held_shards = [m * topo.ranks_per_node + topo.local(rank) for m in range(topo.nodes)]
         widths = {layout.segments[s].cols for j in held_shards for s, r0, r1 in layout.shards[j].gift_rows if r1 > r0}
         assert len([name for name, _ in log if name == "_place_kernel"]) == (len(widths) if kernels else 0)
-        coded[kernels] = coded_sequence(red, held)
-        assert (red.source is not None) == kernels  # the Euclidean parameter read where it lies, not gathered
+        coded[kernels] = coded_sequence(red, step, held)
+        assert (step.source is not None) == kernels  # the Euclidean parameter read where it lies, not gathered
     ref, got = coded[False], coded[True]
     assert torch.isfinite(got).all()
     close = (got - ref).abs() <= 1e-5 * ref.abs().max()
@@ -600,7 +603,8 @@ def test_sum_first_factor_stacks_follow_every_change_of_the_factors(rank, kernel
             for w in refreshed:  # the same transforms written in place, as a checkpoint's load writes them
                 if w is not None:
                     w.q.mul_(-1.5)
-        got, _ = _sum_first_rows(layout, rank, ws, held, kernels)
-        want, _ = _sum_first_rows(_sum_first_layout(), rank, ws, held, kernels)
-        assert same(coded_sequence(got, held), coded_sequence(want, held)) and same(got.own, want.own), step
+        red, got, _ = _sum_first_rows(layout, rank, ws, held, kernels)
+        fresh, want, _ = _sum_first_rows(_sum_first_layout(), rank, ws, held, kernels)
+        assert same(coded_sequence(red, got, held), coded_sequence(fresh, want, held)), step
+        assert same(got.own, want.own), step
         assert got.own.abs().sum() > 0  # the shards cut rows: the pieces' stacks were read

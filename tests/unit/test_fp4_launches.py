@@ -10,6 +10,7 @@ import torch
 from megatron_gift.comm import fp4_reduce
 from megatron_gift.comm.fp4_reduce import FP4Reduce
 from megatron_gift.comm.layout import BucketLayout, Segment
+from megatron_gift.comm.schedule import StageResult
 from megatron_gift.config import Mode
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.numerics.fp4 import FP4_FORMATS
@@ -56,10 +57,10 @@ def _counts(monkeypatch, elements: int, world: int, fmt: str) -> tuple[int, int]
         for _ in range(2):
             if stage == "send":
                 with OpCounter() as ops:
-                    red._send()
+                    sent = red._send(StageResult())
             else:
                 m = red.msgs[0]  # every sender's message for the own shard: the own one, as sent
-                msgs = red.buf[red.buf.numel() - m.nbytes :].view(1, -1).expand(world, -1).contiguous()
+                msgs = sent.buf[sent.buf.numel() - m.nbytes :].view(1, -1).expand(world, -1).contiguous()
                 with OpCounter() as ops:
                     total = red._decoded_sum(msgs, red.layout.shards[0].n_coded, m)
                 assert total is not None and total.numel() == red.layout.shards[0].n_coded
@@ -108,9 +109,9 @@ def test_fp4_node_sums_ops_do_not_grow(fmt, rotation, monkeypatch):
                 rotation=BlockHadamard(64, 3) if rotation else None,
             )
             for _ in range(2):  # the second run: the first builds the layout's plans
-                red._intra()
+                sent = red._intra(StageResult())
                 with OpCounter() as ops:
-                    red._node_sums()
+                    red._node_sums(sent)
             counts[(elements, nodes)] = ops.total
     print(fmt, rotation, counts)
     assert len(set(counts.values())) == 1, counts

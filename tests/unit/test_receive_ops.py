@@ -16,6 +16,7 @@ from megatron_gift.comm import hierarchical, quantized
 from megatron_gift.comm.hierarchical import intra_wire
 from megatron_gift.comm.layout import BucketLayout, Segment
 from megatron_gift.comm.packing import Received, packing
+from megatron_gift.comm.schedule import StageResult
 from megatron_gift.comm.topology import Topology, TwoLevelGroups
 from megatron_gift.config import Mode
 from megatron_gift.numerics.fp8 import CodecConfig
@@ -160,12 +161,11 @@ def _node_sums(numel, nodes, per_node, fused, log, rank=1):
         red = hierarchical.TwoLevelReduce(
             torch.randn(layout.numel), layout, groups, _transforms(layout), intra=intra, average=True, kernels=fused
         )
-        red.pk1 = packing(layout, list(range(world)), messages, intra_wire(intra, torch.float32), "cpu")
-        buf, recv = _received(red.pk1.nbytes), _received((per_node - 1) * red.pk1.own.nbytes)
+        pk = packing(layout, list(range(world)), messages, intra_wire(intra, torch.float32), "cpu")
+        buf, recv = _received(pk.nbytes), _received((per_node - 1) * pk.own.nbytes)
 
         def run():
-            red.buf1, red.recv1 = buf, recv
-            red._node_sums()
+            red._node_sums(StageResult(pk=pk, buf=buf, recv=recv))
 
         out[f"node sums ({intra})"] = _count(run, log)
     return out
