@@ -43,10 +43,10 @@ def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
 
 # Elements per chunk of the PyTorch path, where temporaries grow with the chunk (the fused kernels
 # take whole segments and segment parts: no chunks). Sender: FP32 ``U`` (and ``Ũ``), ``U / s``, the
-# per-element scales, the codes and the int64 placement index (``Placement.index``), ~48 bytes per
-# element, so at most ~800 MiB at a time. Receiver: ~24 bytes per element of each sender's message
-# in a chunk (R senders' copies of a part are at most the bucket). Not divided by the number of
-# senders: the ops of a part are the same at any data-parallel size.
+# per-element scales, the codes and the placement index (``Placement.index``: int32 where the
+# positions fit), ~36-48 bytes per element, so at most ~800 MiB at a time. Receiver: ~24 bytes per
+# element of each sender's message in a chunk (R senders' copies of a part are at most the bucket).
+# Not divided by the number of senders: the ops of a part are the same at any data-parallel size.
 CHUNK = 1 << 24
 
 

@@ -146,9 +146,9 @@ def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], d
 
 def _place(out: torch.Tensor, table: Placement, values: torch.Tensor) -> None:
     """``values`` (the source's sequence of one section, in ``out``'s dtype) into ``out`` at the
-    table's positions, ``CHUNK`` at a time (the index is 8 bytes per element)."""
+    table's positions, ``CHUNK`` at a time (``Placement.index``: up to 24 bytes per element at its peak)."""
     for a, b in spans(0, values.numel(), CHUNK):
-        out.index_copy_(0, table.index(a, b), values[a:b])
+        out.index_put_((table.index(a, b),), values[a:b])
 
 
 class _FP4Stages:

@@ -9,8 +9,9 @@ buffer, viewed in its section's dtype, at ``k + delta[j]``. The fused kernels ta
 (``kernels.placement.Placement.at``: ``ends`` and ``delta`` on the device) and look each unit's shard up themselves;
 on the PyTorch path ``kernels.placement.Placement.index`` computes the positions of a range of ``k`` on the device
 (``searchsorted`` over the shards' ends), so scattering a chunk into every message, or gathering it
-back, is one ``index_copy_`` / ``index_select``. The index is transient (8 bytes per element of the
-chunk, chunks are bounded); the per-layout state is a few integers per shard.
+back, is one ``index_put_`` / ``index_select``. The index is transient (4 bytes per element of the
+chunk where every position fits in int32, else 8; chunks are bounded); the per-layout state is a few
+integers per shard.
 """
 
 from __future__ import annotations

@@ -12,13 +12,21 @@ import torch
 class Placement:
     """Where the shards of a source sequence sit in a buffer of messages (``comm.packing``'s module
     doc): ``ends`` and ``delta``, int64 on the device, one per shard (element ``k`` of the source at
-    ``k + delta[j]``, ``j`` its shard); ``index(lo, hi)``: the buffer positions of ``[lo, hi)``."""
+    ``k + delta[j]``, ``j`` its shard); ``index(lo, hi)``: the buffer positions of ``[lo, hi)``, int32
+    where every position fits (``narrow``: a copy of the table in int32 then), else int64."""
 
     def __init__(self, sizes: list[int], buffer_starts: list[int], device):
         lengths = torch.tensor(sizes, dtype=torch.int64)  # host side, once per layout (plans are cached)
         ends = lengths.cumsum(0)
         delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - lengths)
         self.ends, self.delta = ends.to(device), delta.to(device)
+        last = max((b + n for b, n in zip(buffer_starts, sizes)), default=0)  # one past the last position
+        self._narrow(max(last, int(ends[-1]) if len(sizes) else 0))
+
+    def _narrow(self, bound: int) -> None:
+        """The table in int32 for ``index`` where every source element and position is below ``bound`` < 2^31."""
+        fits = bound < 2**31
+        self.narrow = (self.ends.to(torch.int32), self.delta.to(torch.int32)) if fits else None
 
     @classmethod
     def whole(cls, n: int, device, shards: int = 1) -> Placement:
@@ -28,13 +36,16 @@ class Placement:
         table = cls.__new__(cls)
         table.ends = torch.full((shards,), n, dtype=torch.int64, device=device)
         table.delta = torch.zeros(shards, dtype=torch.int64, device=device)
+        table._narrow(n)
         return table
 
     def index(self, lo: int, hi: int) -> torch.Tensor:
-        """int64 positions of source elements ``[lo, hi)`` for the PyTorch path's placed reads and writes:
-        24 B per element at the peak (the positions, each one's shard, its delta), added in place."""
-        k = torch.arange(lo, hi, device=self.ends.device)
-        return k.add_(self.delta[torch.searchsorted(self.ends, k, right=True)])
+        """Positions of source elements ``[lo, hi)`` for the PyTorch path's placed reads and writes
+        (``index_select``, ``index_put_``): the positions, each one's shard and its delta at the peak, 12 B
+        per element in int32 (24 B in int64), added in place."""
+        ends, delta = self.narrow if self.narrow is not None else (self.ends, self.delta)
+        k = torch.arange(lo, hi, dtype=ends.dtype, device=ends.device)
+        return k.add_(delta[torch.searchsorted(ends, k, right=True, out_int32=self.narrow is not None)])
 
     def at(self, out: torch.Tensor, lo: int) -> Place:
         """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the

@@ -56,9 +56,10 @@ def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Ten
 
 
 def _write(into, values: torch.Tensor) -> None:
-    """``values`` (cast to ``into.out``'s dtype) where a ``kernels.Place`` puts them: ``index_copy_`` at
-    its table's ``index`` (an int64 index per element)."""
-    into.out.index_copy_(0, into.table.index(into.at, into.at + values.numel()), values.reshape(-1).to(into.out.dtype))
+    """``values`` (cast to ``into.out``'s dtype) where a ``kernels.Place`` puts them: ``index_put_`` at
+    its table's ``index`` (an int32 index per element where the positions fit)."""
+    index = into.table.index(into.at, into.at + values.numel())
+    into.out.index_put_((index,), values.reshape(-1).to(into.out.dtype))
 
 
 def _read(src, n: int) -> torch.Tensor:
@@ -88,7 +89,7 @@ def reference_whiten_encode(
     given, receives the encoded values in FP32. ``lengths``: the scaling groups in memory order
     (each inside one row unless the scaling is per tensor), when they are not the matrix codec's
     own (groups cut at shard boundaries); the scales then come flat, one per group. ``into`` and
-    ``feedback`` as in ``kernels.whiten_encode``: ``index_copy_`` at the tables' positions; ``Ũ = U + e``
+    ``feedback`` as in ``kernels.whiten_encode``: ``index_put_`` at the tables' positions; ``Ũ = U + e``
     encoded, ``e' = Ũ - dec(q(Ũ))``."""
     rows, cols = g.shape
     u = sender_values(g, whitening, output)
@@ -114,7 +115,7 @@ def reference_whiten_place(
     x: torch.Tensor, whitening: LowRankWhitening | None, into, output: OutputRows | None = None
 ) -> None:
     """``kernels.whiten_place``: ``x T`` (FP32, ``T_outᵀ x T`` with ``output``: ``sender_values``; ``x``
-    where neither is given) in ``into.out``'s dtype, ``index_copy_`` at the table's positions of
+    where neither is given) in ``into.out``'s dtype, ``index_put_`` at the table's positions of
     ``[at, at + numel)``."""
     _write(into, x if whitening is None and output is None else sender_values(x, whitening, output))
 
@@ -164,7 +165,7 @@ def reference_decode_placed(
 
 def reference_sum_rows(parts: Parts, average: bool, out=None) -> torch.Tensor | None:
     """``kernels.sum_rows``: ``ordered_sum`` of the parts in FP32, then ``÷ R``, cast into ``out``
-    (a ``kernels.Place``: ``index_copy_`` at its table's ``index``)."""
+    (a ``kernels.Place``: ``index_put_`` at its table's ``index``)."""
     parts = _as_parts(parts)
     acc = ordered_sum([p.float() for p in parts])
     if average:

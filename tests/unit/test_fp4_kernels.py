@@ -75,10 +75,10 @@ def reference_placed(x, fmt, lengths, out, place):
     """``encode_fp4`` of the whole sequence, each section copied to its table's positions."""
     enc = encode_fp4(x, fmt, lengths)
     for key, t in (("coded", enc.codes), ("groups", enc.block_scales)):
-        out.index_copy_(0, place[key].index(0, t.numel()), t)
+        out.index_copy_(0, place[key].index(0, t.numel()).long(), t)
     if fmt.segment_scale:
         seg = enc.segment_scales
-        out.view(torch.float32).index_copy_(0, place["segments"].index(0, seg.numel()), seg)
+        out.view(torch.float32).index_copy_(0, place["segments"].index(0, seg.numel()).long(), seg)
 
 
 @pytest.mark.parametrize("device", DEVICES)

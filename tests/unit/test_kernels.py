@@ -796,11 +796,11 @@ def _gathered(layout, slots, device):
         scales = torch.randint(100, 150, (n_groups,), generator=gen, dtype=torch.uint8)
     else:
         scales = torch.tensor([2.0**-126, 1e-3, 0.1, 1.0, 7.5, 3e4])[torch.randint(0, 6, (n_groups,), generator=gen)]
-    views["groups"].index_copy_(0, gp.place["groups"].index(0, n_groups), scales.to(device))
+    views["groups"].index_copy_(0, gp.place["groups"].index(0, n_groups).long(), scales.to(device))
     for c, name in enumerate(("off", "bf16")):
         n = layout.n_plain[c]
         values = torch.randn(n, generator=gen).to(device, views[name].dtype)
-        views[name].index_copy_(0, gp.place[name].index(0, n), values)
+        views[name].index_copy_(0, gp.place[name].index(0, n).long(), values)
     return buf, gp
 
 

@@ -73,7 +73,7 @@ def _assert_same_placed(bufs, pk, layout, wire, key):
         sequences.append((name, layout.n_plain[c], lambda b, name=name: codec.views(b, layout)[name]))
     bufs = [b.clone() for b in bufs]
     for name, n, view in sequences:
-        index = pk.place[name].index(0, n)
+        index = pk.place[name].index(0, n).long()
         a, b = (view(buf)[index] for buf in bufs)
         nan = torch.isnan(a)
         assert torch.equal(torch.isnan(b), nan), (key, name)

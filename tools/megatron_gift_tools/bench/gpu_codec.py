@@ -258,8 +258,8 @@ def fp4_paths(shape: tuple[int, int], device: torch.device, impls: list[str]) ->
 
         def reference_encode(fmt=fmt, n_f=n_f, place=place, buf=buf, lengths=lengths):
             e = encode_fp4(x[:n_f], fmt, lengths)
-            buf.index_copy_(0, place["coded"].index(0, e.codes.numel()), e.codes)
-            buf.index_copy_(0, place["groups"].index(0, e.block_scales.numel()), e.block_scales)
+            buf.index_put_((place["coded"].index(0, e.codes.numel()),), e.codes)  # as the runtime's reference places
+            buf.index_put_((place["groups"].index(0, e.block_scales.numel()),), e.block_scales)
             if fmt.segment_scale:
                 buf.view(torch.float32)[-1:].copy_(e.segment_scales)
 
