@@ -40,12 +40,16 @@ class Placement:
         return table
 
     def index(self, lo: int, hi: int) -> torch.Tensor:
-        """Positions of source elements ``[lo, hi)`` for the PyTorch path's placed reads and writes
-        (``index_select``, ``index_put_``): the positions, each one's shard and its delta at the peak, 12 B
-        per element in int32 (24 B in int64), added in place."""
+        """Positions ``k + delta[shard(k)]`` of source elements ``k`` in ``[lo, hi)`` for the PyTorch path's
+        placed reads and writes (``index_select``, ``index_put_``): two tensors of the range at a time, 8 B per
+        element in int32 (16 B in int64), so ``k`` is made twice rather than kept."""
         ends, delta = self.narrow if self.narrow is not None else (self.ends, self.delta)
         k = torch.arange(lo, hi, dtype=ends.dtype, device=ends.device)
-        return k.add_(delta[torch.searchsorted(ends, k, right=True, out_int32=self.narrow is not None)])
+        shard = torch.searchsorted(ends, k, right=True, out_int32=self.narrow is not None)
+        del k
+        positions = delta[shard]
+        del shard
+        return positions.add_(torch.arange(lo, hi, dtype=ends.dtype, device=ends.device))
 
     def at(self, out: torch.Tensor, lo: int) -> Place:
         """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the
