@@ -13,20 +13,27 @@ class Placement:
     """Where the shards of a source sequence sit in a buffer of messages (``comm.packing``'s module
     doc): ``ends`` and ``delta``, int64 on the device, one per shard (element ``k`` of the source at
     ``k + delta[j]``, ``j`` its shard); ``index(lo, hi)``: the buffer positions of ``[lo, hi)``, int32
-    where every position fits (``narrow``: a copy of the table in int32 then), else int64."""
+    where every position fits (``narrow``: a copy of the table in int32 then), else int64; ``bound``: above
+    every source element and position."""
 
     def __init__(self, sizes: list[int], buffer_starts: list[int], device):
         lengths = torch.tensor(sizes, dtype=torch.int64)  # host side, once per layout (plans are cached)
         ends = lengths.cumsum(0)
         delta = torch.tensor(buffer_starts, dtype=torch.int64) - (ends - lengths)
         self.ends, self.delta = ends.to(device), delta.to(device)
-        last = max((b + n for b, n in zip(buffer_starts, sizes)), default=0)  # one past the last position
-        self._narrow(max(last, int(ends[-1]) if len(sizes) else 0))
+        # above every source element and buffer position
+        self.bound = max(sum(sizes), max((b + n for b, n in zip(buffer_starts, sizes)), default=0))
+        self._int32 = None
 
-    def _narrow(self, bound: int) -> None:
-        """The table in int32 for ``index`` where every source element and position is below ``bound`` < 2^31."""
-        fits = bound < 2**31
-        self.narrow = (self.ends.to(torch.int32), self.delta.to(torch.int32)) if fits else None
+    @property
+    def narrow(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``ends`` and ``delta`` in int32 for ``index`` (made on its first call: the kernels never need them)
+        where every source element and position is below 2^31, else None."""
+        if self.bound >= 2**31:
+            return None
+        if self._int32 is None:
+            self._int32 = (self.ends.to(torch.int32), self.delta.to(torch.int32))
+        return self._int32
 
     @classmethod
     def whole(cls, n: int, device, shards: int = 1) -> Placement:
@@ -36,16 +43,17 @@ class Placement:
         table = cls.__new__(cls)
         table.ends = torch.full((shards,), n, dtype=torch.int64, device=device)
         table.delta = torch.zeros(shards, dtype=torch.int64, device=device)
-        table._narrow(n)
+        table.bound, table._int32 = n, None
         return table
 
     def index(self, lo: int, hi: int) -> torch.Tensor:
         """Positions ``k + delta[shard(k)]`` of source elements ``k`` in ``[lo, hi)`` for the PyTorch path's
         placed reads and writes (``index_select``, ``index_put_``): two tensors of the range at a time, 8 B per
         element in int32 (16 B in int64), so ``k`` is made twice rather than kept."""
-        ends, delta = self.narrow if self.narrow is not None else (self.ends, self.delta)
+        narrow = self.narrow
+        ends, delta = narrow if narrow is not None else (self.ends, self.delta)
         k = torch.arange(lo, hi, dtype=ends.dtype, device=ends.device)
-        shard = torch.searchsorted(ends, k, right=True, out_int32=self.narrow is not None)
+        shard = torch.searchsorted(ends, k, right=True, out_int32=narrow is not None)
         del k
         positions = delta[shard]
         del shard
