@@ -26,9 +26,11 @@ def _as_parts(t: torch.Tensor | Parts) -> list[torch.Tensor]:
     return [t] if isinstance(t, torch.Tensor) else list(t)
 
 
-def ordered_sum(parts: Parts) -> torch.Tensor:
-    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each, FP32; some may be empty), accumulated
-    in FP32 in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank).
+def ordered_sum(parts: Parts, value=None) -> torch.Tensor:
+    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each; some may be empty), accumulated in FP32
+    in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank). ``value(i)``,
+    where given, makes part ``i``'s rows (a decode) when the sum reaches it; a part narrower than FP32 is
+    cast there: one part's FP32 rows live beside the sum at a time, not every part's.
 
     One op per part, whatever the number of rows (and the same ops whichever parts are empty): on
     the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
@@ -36,23 +38,27 @@ def ordered_sum(parts: Parts) -> torch.Tensor:
     ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/unit/test_kernels.py`` holds
     both to a Python loop, bit for bit."""
     first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
-    acc = parts[first][:1].clone()
+    head = parts[first] if value is None else value(first)
+    acc = head[:1].to(torch.float32, copy=True)
     for i, part in enumerate(parts):
-        rest = part[int(i == first) :]
+        if i == first:
+            x, head = head, None
+        else:
+            x = part if value is None else value(i)
+        rest = x[int(i == first) :].float()  # no copy where the rows are FP32 already
         if acc.device.type == "cuda":
             acc = torch.cumsum(torch.cat([acc, rest]), 0)[-1:]
         else:
             acc.index_add_(0, torch.zeros(rest.shape[0], dtype=torch.long, device=acc.device), rest)
+        del x, rest
     return acc[0]
 
 
 def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """FP32 values ``[k, n]`` of ``k`` flat encodings: ``payloads [k, n]`` codes, ``scales [k, G]``
     (one per group of ``lengths [G]``, summing to n), decoded as ``fp8.decode_flat`` does, row by row."""
-    k, n = payloads.shape
-    values = cfg.fmt.from_codes(payloads)
-    per_element = scale_values(scales, cfg).repeat_interleave(lengths, dim=1, output_size=n)
-    return values.mul_(per_element)
+    n = payloads.shape[1]  # the scales repeated first: their index is freed before the codes' values are made
+    return cfg.fmt.scaled(payloads, scale_values(scales, cfg).repeat_interleave(lengths, dim=1, output_size=n))
 
 
 def _write(into, values: torch.Tensor) -> None:
@@ -138,10 +144,10 @@ def reference_decode_sum_unwhiten(
     into it and returned."""
     if lengths is None:
         lengths = group_lengths(rows, cols, cfg, device=_as_parts(payloads)[0].device)
-    decoded = [decode_rows(p, s, lengths, cfg) for p, s in zip(_as_parts(payloads), _as_parts(scales))]
-    acc = ordered_sum(decoded)
+    payloads, scales = _as_parts(payloads), _as_parts(scales)
+    acc = ordered_sum(payloads, lambda i: decode_rows(payloads[i], scales[i], lengths, cfg))
     if average:
-        acc /= divisor(sum(d.shape[0] for d in decoded), acc.device)
+        acc /= divisor(sum(p.shape[0] for p in payloads), acc.device)
     acc = acc.view(rows, cols)
     acc = whitening.inverse(acc) if whitening is not None else acc
     return acc if out is None else out.view(rows, cols).copy_(acc)
@@ -167,7 +173,7 @@ def reference_sum_rows(parts: Parts, average: bool, out=None) -> torch.Tensor | 
     """``kernels.sum_rows``: ``ordered_sum`` of the parts in FP32, then ``÷ R``, cast into ``out``
     (a ``kernels.Place``: ``index_put_`` at its table's ``index``)."""
     parts = _as_parts(parts)
-    acc = ordered_sum([p.float() for p in parts])
+    acc = ordered_sum(parts)
     if average:
         acc.div_(divisor(sum(p.shape[0] for p in parts), acc.device))
     if out is not None and not isinstance(out, torch.Tensor):

@@ -88,13 +88,15 @@ def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
-def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8) of ``y``: nearest magnitude, ties to the even code, clamped to ±6; NaN gives 0."""
-    a = y.abs()
+def e2m1_encode(y: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    """E2M1 codes (uint8) of ``y``: nearest magnitude, ties to the even code, clamped to ±6; NaN gives 0.
+    ``scratch``: ``y`` is the caller's temporary, overwritten by its magnitudes (no copy of its size)."""
+    sign = torch.signbit(y).to(torch.uint8) << 3
+    a = y.abs_() if scratch else y.abs()
     mag = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
     for k, m in enumerate(_MIDPOINTS):
         mag += (a >= m) if k % 2 else (a > m)
-    return mag | (torch.signbit(y).to(torch.uint8) << 3)
+    return mag.bitwise_or_(sign)
 
 
 _E2M1_VALUES: dict[str, torch.Tensor] = {}  # device -> the 16 code values (``_e2m1_values``)
@@ -145,9 +147,8 @@ def encode_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = N
     x = x.reshape(-1).float()
     n = x.numel()
     blocks = x.view(-1, fmt.block)
-    finite = torch.isfinite(blocks)
-    bad = ~finite.all(dim=1)
-    amax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1)
+    bad = ~torch.isfinite(blocks).all(dim=1)
+    amax = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=1)  # the finite values' (one temporary)
     ids, nseg = _segment_ids(lengths, n, fmt.block, x.device)
     if fmt.segment_scale:
         seg_amax = torch.zeros(nseg, dtype=torch.float32, device=x.device)
@@ -169,9 +170,8 @@ def encode_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = N
         e = torch.where(amax > 0, e, torch.full_like(e, -_E8M0_BIAS)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
         scale = torch.ldexp(one, e)
         bits = torch.where(bad, torch.full_like(e, _E8M0_NAN), e + _E8M0_BIAS).to(torch.uint8)
-    y = blocks / scale[:, None]
-    y = torch.where(scale[:, None] > 0, y, torch.zeros_like(y))
-    codes = pack_nibbles(e2m1_encode(y).view(-1))
+    y = (blocks / scale[:, None]).masked_fill_(~(scale > 0)[:, None], 0.0)  # zero where the scale is 0 or NaN
+    codes = pack_nibbles(e2m1_encode(y, scratch=True).view(-1))
     return FP4Encoded(codes, bits, s)
 
 
@@ -186,11 +186,11 @@ def _block_scale_values(bits: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
 def decode_fp4(enc: FP4Encoded, fmt: FP4Format, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 values [n] of ``enc``: ``(e2m1_value * b) * s`` (nvfp4) or ``e2m1_value * 2^e`` (mxfp4)."""
     n = enc.codes.numel() * 2
-    vals = e2m1_decode(unpack_nibbles(enc.codes, n)).view(-1, fmt.block)
-    out = vals * _block_scale_values(enc.block_scales, fmt)[:, None]
+    out = e2m1_decode(unpack_nibbles(enc.codes, n)).view(-1, fmt.block)  # a new tensor: scaled in place
+    out.mul_(_block_scale_values(enc.block_scales, fmt)[:, None])
     if fmt.segment_scale:
         ids, _ = _segment_ids(lengths, n, fmt.block, enc.codes.device)
-        out = out * enc.segment_scales[ids][:, None]
+        out.mul_(enc.segment_scales[ids][:, None])
     return out.reshape(-1)
 
 

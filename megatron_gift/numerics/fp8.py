@@ -234,8 +234,9 @@ def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) 
 
 def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """Decode a flat encoding to FP32 ``[n]``."""
-    q = cfg.fmt.from_codes(enc.payload.reshape(-1))
-    return q.mul_(torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel()))
+    q = enc.payload.reshape(-1)
+    s = torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel())
+    return cfg.fmt.scaled(q, s)
 
 
 def _grouped(m: torch.Tensor, cfg: CodecConfig):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_gift.numerics import fp8
 from megatron_gift.numerics.fp8 import CodecConfig, CodecStats, FP8Format, Scaling
+from megatron_gift.numerics.wire import WireFormat
 from tests.reference import fp8_roundtrip, fp8_scales
 
 CONFIGS = [CodecConfig(f, s) for f in FP8Format for s in Scaling]
@@ -170,6 +171,48 @@ def test_matches_an_independent_roundtrip(fmt, scaling):
     width = {Scaling.TENSOR: None, Scaling.ROW: x.shape[1]}.get(scaling, cfg.block)
     want = fp8_roundtrip(x, fmt.dtype, width, power_of_two=scaling is Scaling.MX)
     assert torch.equal(fp8.roundtrip(x, cfg), want)
+
+
+def _code_values(fmt) -> torch.Tensor:
+    """Every code's value in FP64, from its bits: sign, exponent (``exponent_bias``), mantissa."""
+    m, e = fmt.mantissa_bits, fmt.bits - 1 - fmt.mantissa_bits
+    out = []
+    for c in range(1 << fmt.bits):
+        sign = -1.0 if c >> (fmt.bits - 1) else 1.0
+        E, M = (c >> m) & ((1 << e) - 1), c & ((1 << m) - 1)
+        if fmt.has_inf and E == (1 << e) - 1:
+            v = math.inf if M == 0 else math.nan
+        elif not fmt.has_inf and (c & fmt.magnitude_mask) == (fmt.nan_code & fmt.magnitude_mask):
+            v = math.nan
+        elif E == 0:
+            v = M * 2.0 ** (1 - fmt.exponent_bias - m)
+        else:
+            v = (1 + M / 2**m) * 2.0 ** (E - fmt.exponent_bias)
+        out.append(sign * v)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+TOY16 = WireFormat("toy-e5m10", 16, 15, 10, 65504.0, 0x7E00, True, torch.float16)
+
+
+@pytest.mark.parametrize("fmt", [f.wire for f in FP8Format] + [TOY16], ids=lambda f: f.name)
+def test_scaled_decode_is_the_fp32_product(fmt):
+    """``WireFormat.scaled`` (every decode's ``codes x scales``) against each code's value from its bits
+    times the scale, in FP64 (exact: at most 11 + 24 significant bits) rounded once to FP32. Catches a
+    narrow dtype for the codes' values that rounds some of them (BF16 cannot hold 10 mantissa bits) or
+    a product taken in that dtype instead of FP32."""
+    codes = torch.arange(1 << fmt.bits, dtype=torch.int64)
+    codes = codes.to(torch.uint8) if fmt.bits == 8 else (codes - (codes >= 32768) * 65536).to(torch.int16)
+    g = torch.Generator().manual_seed(3)
+    scales = torch.exp2(torch.empty(codes.numel(), dtype=torch.float64).uniform_(-100, 80, generator=g))
+    scales = scales * torch.empty_like(scales).uniform_(1, 2, generator=g)
+    scales = scales.float()  # FP32 scales, as the codec stores them
+    want = (_code_values(fmt) * scales.double()).float()
+    got = fmt.scaled(codes, scales.clone())
+    assert got.dtype == torch.float32
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan], want[~nan]), "some products differ from FP32's"
 
 
 def test_block_maxima_are_unbiased():

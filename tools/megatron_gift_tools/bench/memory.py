@@ -69,6 +69,9 @@ CONFIGS = {
     "gift fused": dict(mode=Mode.GIFT, error_feedback=False, kernels=True),
     "euclidean two-level fused": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2, kernels=True),
     "gift two-level fused": dict(mode=Mode.GIFT, ranks_per_node=2, kernels=True),
+    "gift two-level nvfp4 fused": dict(
+        mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4, kernels=True
+    ),
 }
 TWO_LEVEL = tuple(n for n, c in CONFIGS.items() if c and c.get("ranks_per_node"))
 QUICK_CONFIGS = ("stock", "off", "euclidean", "gift+error-feedback")

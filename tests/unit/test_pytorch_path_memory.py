@@ -1,0 +1,83 @@
+"""The PyTorch path's temporaries (what ``bench memory`` reports per parameter, docs/memory.md): the
+peak bytes of the tensors a receive decode-sum, an FP4 encode and an FP4 decode create, per element,
+held to a count of what each must hold at once (written out in each test), with the block- and
+group-level arrays as a small allowance. Bytes do not depend on the CPU."""
+
+import weakref
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_gift.kernels.reference import reference_decode_sum_unwhiten
+from megatron_gift.numerics.fp4 import MXFP4, NVFP4, decode_fp4, encode_fp4
+from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode_flat, group_lengths
+
+N = 1 << 15
+
+
+class _Peak(TorchDispatchMode):
+    """The most bytes of storages created inside the mode that were alive at once (the storages of
+    ``inputs``, which ops inside may return views of, do not count)."""
+
+    def __init__(self, *inputs):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen = {t.untyped_storage()._cdata for t in pytree.tree_leaves(inputs)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st._cdata not in self._seen:
+                    self._seen.add(st._cdata)
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._free, st._cdata, st.nbytes())
+        return out
+
+    def _free(self, key, n):
+        self._seen.discard(key)
+        self.live -= n
+
+
+def test_decode_sum_holds_one_part_decoded_at_a_time():
+    """Three parts of 2, 1 and 4 senders' E4M3 rows: the FP32 sum (4 B per column), the largest part's
+    FP32 rows (4 x 4 B) and, while they are made, either the scales' repeat index (8 B per column) or
+    the codes' values in BF16 (4 x 2 B): 28 B per column. Catches every part decoded before the sum
+    (the three parts' 7 rows live at once: 36 B and more) and a decode holding the codes' FP32 values
+    beside the repeated scales (4 x 8 B for the last part)."""
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
+    lengths = group_lengths(1, N, cfg)
+    g = torch.Generator().manual_seed(1)
+    encs = [[encode_flat(torch.randn(N, generator=g), lengths, cfg) for _ in range(k)] for k in (2, 1, 4)]
+    payloads = [torch.stack([e.payload for e in part]) for part in encs]
+    scales = [torch.stack([e.scales for e in part]) for part in encs]
+    with _Peak(payloads, scales, lengths) as p:
+        reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
+    assert p.peak <= (28 + 0.5) * N, f"{p.peak / N:.2f} B per column"
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
+def test_fp4_encode_temporaries(fmt):
+    """The encode of ``n`` FP32 values holds at most the scaled values (4 B per element), their sign,
+    magnitude code and one comparison (1 B each), the packed codes and the per-block arrays (within
+    2 B per element at 16 elements a block): 9 B. Catches the scaled values' masked copy (``where``
+    beside a ``zeros_like``: 12 B and more) and the magnitudes taken as another copy."""
+    x = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    with _Peak(x) as p:
+        encode_fp4(x, fmt)
+    assert p.peak <= 9 * N, f"{p.peak / N:.2f} B per element"
+
+
+def test_fp4_decode_temporaries():
+    """NVFP4's decode holds its FP32 output (4 B per element), the code values' int32 index (4 B), the
+    unpacked codes (1 B) and the per-block scales: within 9.5 B per element. Catches the block and
+    segment scales applied out of place (a new FP32 tensor each: 12.8 B)."""
+    x = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    enc = encode_fp4(x, NVFP4)
+    with _Peak(enc.codes, enc.block_scales, enc.segment_scales) as p:
+        decode_fp4(enc, NVFP4)
+    assert p.peak <= 9.5 * N, f"{p.peak / N:.2f} B per element"
