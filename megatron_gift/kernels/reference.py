@@ -14,7 +14,16 @@ from collections.abc import Sequence
 
 import torch
 
-from ..numerics.fp8 import CodecConfig, Encoded, decode_flat, divisor, encode_flat, group_lengths, scale_values
+from ..numerics.fp8 import (
+    CodecConfig,
+    Encoded,
+    decode_flat,
+    divisor,
+    encode_flat,
+    group_lengths,
+    repeat_groups,
+    scale_values,
+)
 from ..numerics.rotation import fwht
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
@@ -58,7 +67,7 @@ def decode_rows(payloads: torch.Tensor, scales: torch.Tensor, lengths: torch.Ten
     """FP32 values ``[k, n]`` of ``k`` flat encodings: ``payloads [k, n]`` codes, ``scales [k, G]``
     (one per group of ``lengths [G]``, summing to n), decoded as ``fp8.decode_flat`` does, row by row."""
     n = payloads.shape[1]  # the scales repeated first: their index is freed before the codes' values are made
-    return cfg.fmt.scaled(payloads, scale_values(scales, cfg).repeat_interleave(lengths, dim=1, output_size=n))
+    return cfg.fmt.scaled(payloads, repeat_groups(scale_values(scales, cfg), lengths, n, dim=1))
 
 
 def _write(into, values: torch.Tensor) -> None:

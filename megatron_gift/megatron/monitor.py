@@ -121,9 +121,10 @@ class Monitor:
             shard = bucket.layout.shards[rank]
             for seg, gp in bucket.segments():
                 a, b = max(seg.start, shard.lo), min(seg.end, shard.hi)
-                x = bucket.grad[a:b].double() if a < b else ref.new_zeros(0, dtype=torch.float64)
+                x = bucket.grad[a:b].to(torch.float64, copy=True) if a < b else ref.new_zeros(0, dtype=torch.float64)
                 y = ref[a - shard.lo : b - shard.lo].double() if a < b else x
-                rows.append(torch.stack([((x - y) ** 2).sum(), (y * y).sum(), (x * y).sum(), (x * x).sum()]))
+                ref_sq, dot, dec_sq = y.dot(y), x.dot(y), x.dot(x)  # FP64 sums, no product vectors
+                rows.append(torch.stack([x.sub_(y).dot(x), ref_sq, dot, dec_sq]))  # x's copy becomes x - y
                 names.append(gp.name)
         if not rows:
             return

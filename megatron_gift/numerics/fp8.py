@@ -193,6 +193,14 @@ def scale_values(scales: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     return scales.float()
 
 
+def repeat_groups(values: torch.Tensor, lengths: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
+    """``values`` (one per group along ``dim``) repeated over their groups' ``lengths`` (summing to
+    ``n``), as ``repeat_interleave`` does, by an int32 index where ``n`` fits: 4 B per element beside
+    the result, not int64's 8 (``output_size`` given: no host read of the total on CUDA)."""
+    idx = torch.repeat_interleave(lengths.to(torch.int32) if n < 2**31 else lengths, output_size=n)
+    return values.index_select(dim, idx)
+
+
 def encode_flat(
     x: torch.Tensor,
     lengths: torch.Tensor,
@@ -210,9 +218,9 @@ def encode_flat(
     if amax is None:
         amax = segment_amax(x, lengths)
     scales = scales_from_amax(amax, cfg)
-    s = torch.repeat_interleave(scale_values(scales, cfg), lengths, output_size=x.numel())
+    s = repeat_groups(scale_values(scales, cfg), lengths, x.numel())
     y = torch.div(x, s, out=s)  # into the repeated scales: one temporary of x's size, not two
-    q = cfg.fmt.to_codes(y)
+    q = cfg.fmt.to_codes(y, scratch=stats is None)  # y is this encode's own: the counts read it unclamped
     if stats is not None:
         stats += _count(x, y, q, cfg)
     return Encoded(payload=q, scales=scales)
@@ -235,8 +243,7 @@ def _count(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor, cfg: CodecConfig) 
 def decode_flat(enc: Encoded, lengths: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     """Decode a flat encoding to FP32 ``[n]``."""
     q = enc.payload.reshape(-1)
-    s = torch.repeat_interleave(scale_values(enc.scales.reshape(-1), cfg), lengths, output_size=q.numel())
-    return cfg.fmt.scaled(q, s)
+    return cfg.fmt.scaled(q, repeat_groups(scale_values(enc.scales.reshape(-1), cfg), lengths, q.numel()))
 
 
 def _grouped(m: torch.Tensor, cfg: CodecConfig):
@@ -274,7 +281,7 @@ def encode(
     y = torch.empty_like(m)
     for (v, g0, k), (out, _, _) in zip(groups, _grouped(y, cfg)):
         torch.div(v, s[:, g0 : g0 + k, None], out=out)
-    q = cfg.fmt.to_codes(y)
+    q = cfg.fmt.to_codes(y, scratch=stats is None)  # y is this encode's own: the counts read it unclamped
     if stats is not None:
         stats += _count(m, y, q, cfg)
     return Encoded(payload=q.view(rows, cols), scales=scales.view(cfg.groups(rows, cols)))

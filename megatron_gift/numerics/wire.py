@@ -85,13 +85,15 @@ class WireFormat:
         return ((e + self.exponent_bias) << self.mantissa_bits) | mantissa
 
     # -- the codec ----------------------------------------------------------------------------------
-    def to_codes(self, y: torch.Tensor) -> torch.Tensor:
+    def to_codes(self, y: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         """Codes (``code_dtype``) of the FP32 ``y``, finite values clamped to ``±max`` and rounded to
-        nearest even by torch's cast; NaN stays NaN, Inf is ±Inf or, without Inf, the NaN."""
-        q = y.clamp(-self.max, self.max).to(self.dtype).view(self.code_dtype)  # NaN stays NaN; ±Inf now ±max
+        nearest even by torch's cast; NaN stays NaN, Inf is ±Inf or, without Inf, the NaN. ``scratch``:
+        ``y`` is the caller's temporary, clamped in place (no FP32 copy of its size)."""
         inf = torch.isinf(y)
-        if self.has_inf:
-            return torch.where(inf, y.to(self.dtype).view(self.code_dtype), q)
+        wide = y.to(self.dtype).view(self.code_dtype) if self.has_inf else None  # read where ±Inf only
+        q = (y.clamp_ if scratch else y.clamp)(-self.max, self.max).to(self.dtype).view(self.code_dtype)
+        if self.has_inf:  # NaN stays NaN; ±Inf, clamped to ±max above, is ±Inf again
+            return torch.where(inf, wide, q)
         # torch saturates ±Inf to ±max when casting to a format without Inf: force its NaN (a
         # scalar fill: no tensor made from Python data, no host-to-device copy).
         return q.masked_fill(inf, self.nan_code)

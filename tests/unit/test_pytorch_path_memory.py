@@ -45,10 +45,10 @@ class _Peak(TorchDispatchMode):
 
 def test_decode_sum_holds_one_part_decoded_at_a_time():
     """Three parts of 2, 1 and 4 senders' E4M3 rows: the FP32 sum (4 B per column), the largest part's
-    FP32 rows (4 x 4 B) and, while they are made, either the scales' repeat index (8 B per column) or
-    the codes' values in BF16 (4 x 2 B): 28 B per column. Catches every part decoded before the sum
-    (the three parts' 7 rows live at once: 36 B and more) and a decode holding the codes' FP32 values
-    beside the repeated scales (4 x 8 B for the last part)."""
+    FP32 rows (4 x 4 B) and, while they are made, either the scales' int32 repeat index (4 B per
+    column) or the codes' values in BF16 (4 x 2 B): 28 B per column. Catches every part decoded before
+    the sum (the three parts' 7 rows live at once: 36 B and more) and a decode holding the codes' FP32
+    values beside the repeated scales (4 x 8 B for the last part)."""
     cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
     lengths = group_lengths(1, N, cfg)
     g = torch.Generator().manual_seed(1)
@@ -58,6 +58,21 @@ def test_decode_sum_holds_one_part_decoded_at_a_time():
     with _Peak(payloads, scales, lengths) as p:
         reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
     assert p.peak <= (28 + 0.5) * N, f"{p.peak / N:.2f} B per column"
+
+
+@pytest.mark.parametrize("fmt", list(FP8Format), ids=lambda f: f.value)
+def test_fp8_encode_temporaries(fmt):
+    """The flat FP8 encode (the PyTorch path's every sender) holds the per-element scales, divided in
+    place into the scaled values (4 B per element), beside their int32 repeat index (4 B) while they
+    are made, then beside the Inf mask and the codes (1 B each, E5M2's Inf codes one more): 8 B and the
+    per-group arrays. Catches an int64 repeat index (12 B) and a clamped FP32 copy of the scaled
+    values (11 B)."""
+    cfg = CodecConfig(fmt, Scaling.BLOCK)
+    lengths = group_lengths(1, N, cfg)
+    x = torch.randn(N, generator=torch.Generator().manual_seed(4))
+    with _Peak(x, lengths) as p:
+        encode_flat(x, lengths, cfg)
+    assert p.peak <= 8.25 * N, f"{p.peak / N:.2f} B per element"
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
