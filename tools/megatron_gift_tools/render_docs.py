@@ -358,6 +358,11 @@ def memory_fused(results: Path) -> str:
     return memory_table(results, "memory-fused-cpu.json")
 
 
+def memory_fused_nvfp4(results: Path) -> str:
+    """docs/memory.md: the fused path with NVFP4 between nodes, measured on its own (``--configs``)."""
+    return memory_table(results, "memory-fused-nvfp4-cpu.json")
+
+
 def memory_at_scale(results: Path) -> str:
     """docs/memory.md: ``bench memory --at-scale``, the message buffers of a 512M-element bucket at DP 512."""
     doc = _load(results, "memory-at-scale-cpu.json")
@@ -417,6 +422,7 @@ RENDERERS = {
     "memory-table": memory_table,
     "memory-at-scale": memory_at_scale,
     "memory-fused": memory_fused,
+    "memory-fused-nvfp4": memory_fused_nvfp4,
     "fp4-schemes": fp4_schemes,
     "decision": decision,
     "planner-600m": planner_600m,
