@@ -27,7 +27,8 @@ script transcribed: its training loop, batches, loss function), or inside one of
 functions in ``STOCK`` that the plugin's overrides call as Megatron does.
 
 ``OpCounter`` counts every ATen op dispatched while active (views included: each one is a host
-dispatch), to check that a bucket's work does not grow with the data-parallel size.
+dispatch), to check that a bucket's work does not grow with the data-parallel size. ``LiveBytes``
+counts the bytes of the storages made while active (``bench memory``, the PyTorch path's memory tests).
 
 ``Lifetimes`` (a ``comm.schedule.ReductionQueue``'s ``watch``) checks the stage protocol's lifetime
 rule: every tensor a stage gives a collective, or creates for a later stage, is in the handoff of
@@ -40,6 +41,7 @@ import collections
 import contextlib
 import os
 import sys
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -286,6 +288,34 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created while active, each from the op that first returns it until it
+    is freed: ``live`` now, ``peak`` the most at once. The storages of ``known`` tensors (inputs, whose views
+    ops return) do not count."""
+
+    def __init__(self, *known):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen = {t.untyped_storage()._cdata for t in pytree.tree_leaves(known)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
 
 
 # Ops that allocate or alias: a dispatch each, no memory traffic.

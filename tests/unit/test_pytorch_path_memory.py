@@ -1,46 +1,17 @@
 """The PyTorch path's temporaries (what ``bench memory`` reports per parameter, docs/memory.md): the
-peak bytes of the tensors a receive decode-sum, an FP4 encode and an FP4 decode create, per element,
+peak bytes of the tensors a receive decode-sum, an FP8 or FP4 encode and an FP4 decode create, per element,
 held to a count of what each must hold at once (written out in each test), with the block- and
 group-level arrays as a small allowance. Bytes do not depend on the CPU."""
 
-import weakref
-
 import pytest
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_gift.kernels.reference import reference_decode_sum_unwhiten
 from megatron_gift.numerics.fp4 import MXFP4, NVFP4, decode_fp4, encode_fp4
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode_flat, group_lengths
+from megatron_gift.testing.dispatch import LiveBytes
 
 N = 1 << 15
-
-
-class _Peak(TorchDispatchMode):
-    """The most bytes of storages created inside the mode that were alive at once (the storages of
-    ``inputs``, which ops inside may return views of, do not count)."""
-
-    def __init__(self, *inputs):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen = {t.untyped_storage()._cdata for t in pytree.tree_leaves(inputs)}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st._cdata not in self._seen:
-                    self._seen.add(st._cdata)
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(st, self._free, st._cdata, st.nbytes())
-        return out
-
-    def _free(self, key, n):
-        self._seen.discard(key)
-        self.live -= n
 
 
 def test_decode_sum_holds_one_part_decoded_at_a_time():
@@ -55,7 +26,7 @@ def test_decode_sum_holds_one_part_decoded_at_a_time():
     encs = [[encode_flat(torch.randn(N, generator=g), lengths, cfg) for _ in range(k)] for k in (2, 1, 4)]
     payloads = [torch.stack([e.payload for e in part]) for part in encs]
     scales = [torch.stack([e.scales for e in part]) for part in encs]
-    with _Peak(payloads, scales, lengths) as p:
+    with LiveBytes(payloads, scales, lengths) as p:
         reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
     assert p.peak <= (28 + 0.5) * N, f"{p.peak / N:.2f} B per column"
 
@@ -70,7 +41,7 @@ def test_fp8_encode_temporaries(fmt):
     cfg = CodecConfig(fmt, Scaling.BLOCK)
     lengths = group_lengths(1, N, cfg)
     x = torch.randn(N, generator=torch.Generator().manual_seed(4))
-    with _Peak(x, lengths) as p:
+    with LiveBytes(x, lengths) as p:
         encode_flat(x, lengths, cfg)
     assert p.peak <= 8.25 * N, f"{p.peak / N:.2f} B per element"
 
@@ -82,7 +53,7 @@ def test_fp4_encode_temporaries(fmt):
     2 B per element at 16 elements a block): 9 B. Catches the scaled values' masked copy (``where``
     beside a ``zeros_like``: 12 B and more) and the magnitudes taken as another copy."""
     x = torch.randn(N, generator=torch.Generator().manual_seed(2))
-    with _Peak(x) as p:
+    with LiveBytes(x) as p:
         encode_fp4(x, fmt)
     assert p.peak <= 9 * N, f"{p.peak / N:.2f} B per element"
 
@@ -93,6 +64,6 @@ def test_fp4_decode_temporaries():
     segment scales applied out of place (a new FP32 tensor each: 12.8 B)."""
     x = torch.randn(N, generator=torch.Generator().manual_seed(3))
     enc = encode_fp4(x, NVFP4)
-    with _Peak(enc.codes, enc.block_scales, enc.segment_scales) as p:
+    with LiveBytes(enc.codes, enc.block_scales, enc.segment_scales) as p:
         decode_fp4(enc, NVFP4)
     assert p.peak <= 9.5 * N, f"{p.peak / N:.2f} B per element"

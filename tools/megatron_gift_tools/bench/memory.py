@@ -35,14 +35,12 @@ import json
 import os
 import sys
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megatron_gift.comm.schedule import Arena
 from megatron_gift.config import GiftConfig, InterNodeFormat, Mode
+from megatron_gift.testing.dispatch import LiveBytes
 from megatron_gift_tools.bench.fidelity import machine
 
 MODEL = dict(hidden_size=128, ffn_hidden_size=512, num_attention_heads=4, num_layers=2)
@@ -75,32 +73,6 @@ CONFIGS = {
 }
 TWO_LEVEL = tuple(n for n, c in CONFIGS.items() if c and c.get("ranks_per_node"))
 QUICK_CONFIGS = ("stock", "off", "euclidean", "gift+error-feedback")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of every tensor storage created while active, until it is freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._seen.discard(key)
 
 
 def _steady_ahead(ddp) -> bool:
