@@ -30,6 +30,9 @@ from megatron_gift.testing.limits import TIMEOUT_SCALE_ENV, wall_limit
 
 _GRACE_S = 3.0  # after a failure, how long to wait for the other ranks' reports
 _DUMP_S = 3.0  # how long a hung rank gets to write its threads' stacks
+# How long the ranks get to start and join the group, before ``timeout`` starts counting: a fork
+# server started afresh imports torch and Megatron-Core first (5 s idle, 14 s beside two busy cores).
+_START_S = 120.0
 # What the fork server imports once. Triton (which Megatron-Core imports) makes each @jit function
 # interpreted or compiled by TRITON_INTERPRET when it is defined: a rank whose value differs from
 # the server's is spawned.
@@ -54,7 +57,8 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
     Returns the per-rank return values in rank order. Raises :class:`RankError` when a rank
     raises or dies (naming each failed rank with its traceback, the earliest failure first,
     after at most a few seconds' wait for the peers' reports) or when ``wall_limit(timeout)``
-    seconds pass; the remaining processes are killed.
+    seconds pass after every rank joined the group (starting has its own limit, so a hang is
+    caught where ``fn`` waits, whatever the machine's load); the remaining processes are killed.
     """
     timeout = wall_limit(timeout)
     if cpu_harness:
@@ -116,14 +120,18 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
 
 
 def _collect(procs, results, timeout, dump_dir):
-    """Wait for one message per rank; after the first failure, wait briefly for the others.
+    """Wait for each rank's two messages (joined, then its result); after the first failure, wait
+    briefly for the others.
 
-    A failing rank usually makes its peers fail too (their collectives lose the connection),
-    so failures are reported in the order they happened: the first one is the cause. Ranks that
-    never report are asked for their threads' Python stacks (SIGUSR1), which go into the error.
+    ``timeout`` counts from when the last rank joined the group; until then the start limit
+    applies. A failing rank usually makes its peers fail too (their collectives lose the
+    connection), so failures are reported in the order they happened: the first one is the cause.
+    Ranks that never report are asked for their threads' Python stacks (SIGUSR1), which go into
+    the error.
     """
-    deadline = time.monotonic() + timeout
-    values, failures = {}, {}  # rank -> result; rank -> (wall time, description)
+    start_limit = wall_limit(_START_S)
+    deadline = time.monotonic() + start_limit
+    joined, values, failures = set(), {}, {}  # ranks; rank -> result; rank -> (wall time, description)
     while len(values) + len(failures) < len(procs) and time.monotonic() < deadline:
         try:
             rank, ok, payload = results.get(timeout=0.2)
@@ -132,7 +140,11 @@ def _collect(procs, results, timeout, dump_dir):
                 if rank not in values and rank not in failures and proc.exitcode not in (None, 0):
                     failures[rank] = (time.time(), f"died with exit code {proc.exitcode}")
         else:
-            if ok:
+            if ok is None:  # joined the group: once all have, the run's own limit starts
+                joined.add(rank)
+                if len(joined) == len(procs) and not failures:
+                    deadline = time.monotonic() + timeout
+            elif ok:
                 values[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
@@ -146,8 +158,14 @@ def _collect(procs, results, timeout, dump_dir):
             "\n".join(f"rank {rank} of {len(procs)} failed:\n{text}" for rank, (_, text) in ordered) + stacks
         )
     if silent:
+        waiting = sorted(set(range(len(procs))) - joined)
+        what = (
+            f"did not finish within {timeout:.0f} s of joining the group"
+            if not waiting
+            else f"did not finish: ranks {waiting} had not joined the group within {start_limit:.0f} s"
+        )
         raise RankError(
-            f"ranks {silent} did not finish within {timeout:.0f} s; killed "
+            f"ranks {silent} {what}; killed "
             f"(on a slow machine, raise the limit with {TIMEOUT_SCALE_ENV}=<factor>)" + stacks
         )
     return [values[rank] for rank in range(len(procs))]
@@ -163,11 +181,12 @@ def _stacks(procs, ranks, dump_dir):
     text = {}
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
+        last = dict(text)
         for rank in alive:
             with contextlib.suppress(OSError):
                 with open(os.path.join(dump_dir, f"rank{rank}.txt")) as dump:
                     text[rank] = dump.read()
-        if all(text.get(rank) for rank in alive):
+        if all(text.get(rank) for rank in alive) and text == last:  # written, and no longer growing
             break
     return "".join(f"\nrank {rank}'s threads when it was stopped:\n{text.get(rank) or '(no dump)'}" for rank in alive)
 
@@ -204,6 +223,7 @@ def _child(fn_bytes, rank, world_size, args, kwargs, env, cpu_harness, backend, 
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        results.put((rank, None, None))  # joined: the caller's clock for ``fn`` starts once all have
         interpreted = env.get("TRITON_INTERPRET") == "1"
         with kernel_log.launched_specialisations() if interpreted else contextlib.nullcontext() as seen:
             value = fn(rank, world_size, *args, **kwargs)

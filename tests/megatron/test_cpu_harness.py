@@ -126,6 +126,33 @@ def test_a_hung_run_reports_where_each_rank_waits():
     assert "_waits_for_a_peer_that_never_comes" in rank1
 
 
+def _slow_to_start(seconds):
+    """What unpickling a :class:`_SlowStart` runs in each rank, before it joins the group."""
+    time.sleep(seconds)
+    return _meets_once
+
+
+def _meets_once(rank, world_size):
+    dist.barrier()
+    return rank
+
+
+class _SlowStart:
+    """A rank function whose ranks take ``seconds`` to start (the unpickling sleeps)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return _slow_to_start, (self.seconds,)
+
+
+def test_the_run_limit_counts_from_joining_the_group():
+    """Catches the run's limit counting from the spawn, so ranks that start slowly (a fork server
+    started afresh on a loaded machine) are reported hung before their function has run."""
+    assert run_on_ranks(_SlowStart(4.0), 2, timeout=2) == [0, 1]
+
+
 def _where(rank, world_size):
     import os
 
