@@ -13,8 +13,8 @@ class Placement:
     """Where the shards of a source sequence sit in a buffer of messages (``comm.packing``'s module
     doc): ``ends`` and ``delta``, int64 on the device, one per shard (element ``k`` of the source at
     ``k + delta[j]``, ``j`` its shard); ``index(lo, hi)``: the buffer positions of ``[lo, hi)``, int32
-    where every position fits (``narrow``: a copy of the table in int32 then), else int64; ``bound``: above
-    every source element and position."""
+    where every position and shard-to-shard step fits, else int64; ``bound``: above every source element
+    and position."""
 
     def __init__(self, sizes: list[int], buffer_starts: list[int], device):
         lengths = torch.tensor(sizes, dtype=torch.int64)  # host side, once per layout (plans are cached)
@@ -23,17 +23,18 @@ class Placement:
         self.ends, self.delta = ends.to(device), delta.to(device)
         # above every source element and buffer position
         self.bound = max(sum(sizes), max((b + n for b, n in zip(buffer_starts, sizes)), default=0))
-        self._int32 = None
+        # where the position jumps (``index``): at the start of each non-empty shard after the first, by
+        # its delta minus the previous non-empty shard's
+        full = [j for j, n in enumerate(sizes) if n]
+        starts = (ends - lengths)[full[1:]]
+        steps = delta[full[1:]] - delta[full[:-1]]
+        self._jumps = (starts.to(device), steps.to(device, self._dtype))
 
     @property
-    def narrow(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``ends`` and ``delta`` in int32 for ``index`` (made on its first call: the kernels never need them)
-        where every source element and position is below 2^31, else None."""
-        if self.bound >= 2**31:
-            return None
-        if self._int32 is None:
-            self._int32 = (self.ends.to(torch.int32), self.delta.to(torch.int32))
-        return self._int32
+    def _dtype(self) -> torch.dtype:
+        """int32 where every position and every jump between two shards' deltas fits (``bound`` below
+        2^30: deltas in (-2^30, 2^30)), else int64."""
+        return torch.int32 if self.bound < 2**30 else torch.int64
 
     @classmethod
     def whole(cls, n: int, device, shards: int = 1) -> Placement:
@@ -43,21 +44,25 @@ class Placement:
         table = cls.__new__(cls)
         table.ends = torch.full((shards,), n, dtype=torch.int64, device=device)
         table.delta = torch.zeros(shards, dtype=torch.int64, device=device)
-        table.bound, table._int32 = n, None
+        table.bound = n
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        table._jumps = (none, none.to(table._dtype))
         return table
 
     def index(self, lo: int, hi: int) -> torch.Tensor:
         """Positions ``k + delta[shard(k)]`` of source elements ``k`` in ``[lo, hi)`` for the PyTorch path's
-        placed reads and writes (``index_select``, ``index_put_``): two tensors of the range at a time, 8 B per
-        element in int32 (16 B in int64), so ``k`` is made twice rather than kept."""
-        narrow = self.narrow
-        ends, delta = narrow if narrow is not None else (self.ends, self.delta)
-        k = torch.arange(lo, hi, dtype=ends.dtype, device=ends.device)
-        shard = torch.searchsorted(ends, k, right=True, out_int32=narrow is not None)
-        del k
-        positions = delta[shard]
-        del shard
-        return positions.add_(torch.arange(lo, hi, dtype=ends.dtype, device=ends.device))
+        placed reads and writes (``index_select``, ``index_put_``), in one tensor of the range (4 B per
+        element in int32): consecutive positions step by one except where a shard starts, so the index is
+        the running sum of the steps (1, or 1 plus the jump between the two shards' deltas) from element
+        ``lo``'s position on. Steps outside the range land on the first element (then overwritten by its
+        position) or on one spare element past the range."""
+        n = hi - lo
+        starts, jumps = self._jumps
+        steps = torch.ones(n + 1, dtype=jumps.dtype, device=jumps.device)
+        steps.index_put_((starts.sub(lo).clamp_(0, n),), jumps.add(1))
+        shard = torch.searchsorted(self.ends, lo, right=True).clamp_(max=self.delta.numel() - 1).view(1)
+        torch.add(self.delta.index_select(0, shard), lo, out=steps[:1])  # on the device: no host read
+        return steps[:n].cumsum_(0)
 
     def at(self, out: torch.Tensor, lo: int) -> Place:
         """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the
