@@ -253,7 +253,8 @@ class _FP4Stages:
         and segment lies inside one shard's part, so the codes and scales are those of one call per
         message) and placed, the plain values ``plain[c]`` (class ``c``'s, the shards one after another)
         cast into place; padding zero. ``source`` (where the kernels run): the runs of the coded values
-        that the encode reads where they lie, not in ``coded``."""
+        that the encode reads where they lie, not in ``coded``. ``coded`` is the calling stage's own: the
+        PyTorch path's encode overwrites it."""
         buf = self.space.zeros(pk.nbytes, device=coded.device)
         fp4 = self.ops.fp4(coded.device)
         rotating = rotate is not None and self.rotation is not None and bool(self.rotated_segments)
@@ -265,7 +266,7 @@ class _FP4Stages:
             assert source is None, "a source is read by the kernels only"
             if rotating:
                 coded = self._rotate_shards(coded, rotate)
-            enc = encode_fp4(coded, self.fmt, pk.lengths)
+            enc = encode_fp4(coded, self.fmt, pk.lengths, scratch=True)  # the stage's own values: scaled in place
             _place(buf, pk.place["coded"], enc.codes)
             _place(buf, pk.place["groups"], enc.block_scales)
             if self.fmt.segment_scale:

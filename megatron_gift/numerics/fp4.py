@@ -141,14 +141,19 @@ def _segment_ids(lengths: torch.Tensor | None, n: int, block: int, device) -> tu
     return ids, lengths.numel()
 
 
-def encode_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = None) -> FP4Encoded:
+def encode_fp4(
+    x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = None, scratch: bool = False
+) -> FP4Encoded:
     """Encode FP32 ``x`` [n] (n a multiple of ``fmt.block``) in ``fmt``; ``lengths`` are segment lengths
-    (multiples of the block, summing to n; None: one segment)."""
+    (multiples of the block, summing to n; None: one segment). ``scratch``: ``x`` (FP32) is the caller's
+    temporary, scaled and overwritten in place (no FP32 copy of its size)."""
     x = x.reshape(-1).float()
     n = x.numel()
     blocks = x.view(-1, fmt.block)
-    bad = ~torch.isfinite(blocks).all(dim=1)
-    amax = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=1)  # the finite values' (one temporary)
+    a = blocks.abs()  # the one temporary of x's size before the scaled values
+    bad = ~torch.isfinite(a.amax(dim=1))  # amax propagates NaN: a block-level test, no mask per element
+    amax = a.nan_to_num_(nan=0.0, posinf=0.0).amax(dim=1)  # the finite values'
+    del a
     ids, nseg = _segment_ids(lengths, n, fmt.block, x.device)
     if fmt.segment_scale:
         seg_amax = torch.zeros(nseg, dtype=torch.float32, device=x.device)
@@ -170,7 +175,8 @@ def encode_fp4(x: torch.Tensor, fmt: FP4Format, lengths: torch.Tensor | None = N
         e = torch.where(amax > 0, e, torch.full_like(e, -_E8M0_BIAS)).clamp(-_E8M0_BIAS, _E8M0_BIAS)
         scale = torch.ldexp(one, e)
         bits = torch.where(bad, torch.full_like(e, _E8M0_NAN), e + _E8M0_BIAS).to(torch.uint8)
-    y = (blocks / scale[:, None]).masked_fill_(~(scale > 0)[:, None], 0.0)  # zero where the scale is 0 or NaN
+    y = blocks.div_(scale[:, None]) if scratch else blocks / scale[:, None]
+    y.masked_fill_(~(scale > 0)[:, None], 0.0)  # zero where the scale is 0 or NaN
     codes = pack_nibbles(e2m1_encode(y, scratch=True).view(-1))
     return FP4Encoded(codes, bits, s)
 

@@ -284,8 +284,7 @@ class FactorBuild:
             w["diag"] = torch.diagonal(a)
             return 0.5 * (a + a.T)
         w["y"], w["diag"] = side.sums["y"].double() / scale, side.sums["diag"].double() / scale
-        w["omega"] = side.omega.double()
-        return sketch_grams(w["y"], w["omega"])
+        return sketch_grams(w["y"], side.omega.double())  # Ω in FP64 made where used: not held across the step
 
     def _core(self, side, gram: torch.Tensor) -> list[torch.Tensor]:
         if side.omega is None:
@@ -299,7 +298,7 @@ class FactorBuild:
 
     def _whitening_gram(self, side, basis: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
         w = side.work
-        v = basis if side.omega is None else nystrom_basis(w["y"], w["omega"], w["nu"], basis)
+        v = basis if side.omega is None else nystrom_basis(w["y"], side.omega.double(), w["nu"], basis)
         base = residual_factor(w["diag"], v, lam, 0.0)
         deltas = torch.stack([torch.full((), c, dtype=torch.float64, device=v.device) for c in self.candidates])
         d = base.d + deltas.unsqueeze(1) * (base.trace_a / base.d.shape[0])  # [C, d]

@@ -120,6 +120,28 @@ def test_refresh_build_whitens_a_plus_its_damping(auto):
     assert_whitens(w, intended(a, head["damping"]), a)
 
 
+def test_a_sketched_build_holds_no_copy_of_omega_between_stages():
+    """Between the refresh's first device stage and its host cores (while the step's reductions run),
+    a sketched side holds its FP64 statistics (``Y``, ``diag``) and no FP64 copy of ``Ω``, which the
+    stages make where they use it (the two-level refresh step's peak: docs/memory.md). Bug caught:
+    ``Ω`` in FP64 kept in the build's work from the first stage to the second. Its build still
+    completes."""
+    a, tokens, k = structured_factor(), 5.0, 24
+    omega = torch.randn(D, k, generator=torch.Generator().manual_seed(8))
+    sums = {"y": (a @ omega.double()).float() * tokens, "diag": torch.diagonal(a).float() * tokens}
+    grad = torch.randn(40, D, generator=torch.Generator().manual_seed(9)) @ a.float()
+    side = FactorSide(R, sums, torch.tensor(tokens, dtype=torch.float64), omega)
+    layer = OwnedLayer("w", side, grad=grad)
+    build = FactorBuild([layer], (0.3, 1.0), True, CodecConfig(), 12)
+    grams = build.grams()
+    held = sum(t.numel() * t.element_size() for t in side.work.values() if isinstance(t, torch.Tensor))
+    assert held == 8 * (D * k + D), f"{held} bytes held: Y and diag in FP64 are {8 * (D * k + D)}"
+    parts = build.whitening_cores(build.whitening_grams(build.cores(grams)))
+    rec = layer.layout.views(torch.zeros(layer.layout.nbytes, dtype=torch.uint8))
+    build.finish(parts, [rec])
+    assert side.status.name in ("OK", "INDEFINITE") and side.factor is not None
+
+
 def test_four_bit_wire_chooses_on_its_own_errors():
     """With NVFP4 and a Hadamard rotation between nodes, the refresh's damping is the candidate of least
     four-bit error, ``‖(q(G T) − G T) T⁻¹‖`` with ``q(U) = dec(enc(U H)) Hᵀ`` computed here from the

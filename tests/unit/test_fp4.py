@@ -148,4 +148,7 @@ def test_zero_and_nonfinite_blocks(fmt):
     assert float((y[3 * b :] - x[3 * b :]).abs().max()) <= float(x[3 * b :].abs().max()) / 4
     nan_code = 0x7F if fmt.scale == "e4m3" else 0xFF
     assert encode_fp4(x, fmt).block_scales.tolist()[:3] == [0, nan_code, nan_code]
+    in_place = encode_fp4(x.clone(), fmt, scratch=True)  # the two-level node sums' encode: same codes
+    assert in_place.block_scales.tolist()[:3] == [0, nan_code, nan_code]
+    assert torch.equal(in_place.codes, encode_fp4(x, fmt).codes)
     assert roundtrip_fp4(torch.zeros(2 * b), fmt).tolist() == [0.0] * (2 * b)

@@ -58,6 +58,19 @@ def test_fp4_encode_temporaries(fmt):
     assert p.peak <= 9 * N, f"{p.peak / N:.2f} B per element"
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
+def test_fp4_encode_in_place_temporaries(fmt):
+    """With ``scratch`` (the stage's own FP32 values, as the two-level path's node sums), the encode
+    scales them in place: its largest temporary is the magnitudes for the block maxima (4 B per element),
+    then the sign, magnitude code and one comparison (1 B each), and the per-block arrays: 5 B. Catches
+    the scaled values made as a new tensor (8 B and more) and a per-element finiteness mask beside the
+    magnitudes (``isfinite``: 7 B)."""
+    x = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    with LiveBytes(x) as p:
+        encode_fp4(x, fmt, scratch=True)
+    assert p.peak <= 5 * N, f"{p.peak / N:.2f} B per element"
+
+
 def test_fp4_decode_temporaries():
     """NVFP4's decode holds its FP32 output (4 B per element), the code values' int32 index (4 B), the
     unpacked codes (1 B) and the per-block scales: within 9.5 B per element. Catches the block and
