@@ -1,9 +1,11 @@
 """Where a sequence's elements go in a buffer of messages: the placement table of a packing
 (``comm.packing``), built once per layout, and a kernel's view of it. Plan-time host work lives here
-(``Placement.__init__`` copies a few integers per shard to the device), nothing of the steady path."""
+(``Placement.__init__`` copies a few integers per shard to the device and keeps them on the host, where
+the PyTorch path's ``index`` looks its range up), nothing of the steady path's device work."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -23,17 +25,21 @@ class Placement:
         self.ends, self.delta = ends.to(device), delta.to(device)
         # above every source element and buffer position
         self.bound = max(sum(sizes), max((b + n for b, n in zip(buffer_starts, sizes)), default=0))
-        # where the position jumps (``index``): at the start of each non-empty shard after the first, by
-        # its delta minus the previous non-empty shard's
+        # for ``index``: the host's copy of the table, and where the position jumps (at the start of each
+        # non-empty shard after the first, by its delta minus the previous non-empty shard's) on both sides
+        self._ends, self._delta = ends.tolist(), delta.tolist()
         full = [j for j, n in enumerate(sizes) if n]
-        starts = (ends - lengths)[full[1:]]
-        steps = delta[full[1:]] - delta[full[:-1]]
-        self._jumps = (starts.to(device), steps.to(device, self._dtype))
+        self._starts = [self._ends[j] - sizes[j] for j in full[1:]]
+        steps = [1 + self._delta[j] - self._delta[i] for i, j in zip(full, full[1:])]
+        self._jumps = (
+            torch.tensor(self._starts, dtype=torch.int64).to(device),
+            torch.tensor(steps, dtype=self._dtype).to(device),
+        )
 
     @property
     def _dtype(self) -> torch.dtype:
-        """int32 where every position and every jump between two shards' deltas fits (``bound`` below
-        2^30: deltas in (-2^30, 2^30)), else int64."""
+        """int32 where every position and every step between two shards fits (``bound`` below 2^30:
+        deltas in (-2^30, 2^30)), else int64."""
         return torch.int32 if self.bound < 2**30 else torch.int64
 
     @classmethod
@@ -44,7 +50,7 @@ class Placement:
         table = cls.__new__(cls)
         table.ends = torch.full((shards,), n, dtype=torch.int64, device=device)
         table.delta = torch.zeros(shards, dtype=torch.int64, device=device)
-        table.bound = n
+        table.bound, table._ends, table._delta, table._starts = n, [n] * shards, [0] * shards, []
         none = torch.empty(0, dtype=torch.int64, device=device)
         table._jumps = (none, none.to(table._dtype))
         return table
@@ -52,17 +58,20 @@ class Placement:
     def index(self, lo: int, hi: int) -> torch.Tensor:
         """Positions ``k + delta[shard(k)]`` of source elements ``k`` in ``[lo, hi)`` for the PyTorch path's
         placed reads and writes (``index_select``, ``index_put_``), in one tensor of the range (4 B per
-        element in int32): consecutive positions step by one except where a shard starts, so the index is
-        the running sum of the steps (1, or 1 plus the jump between the two shards' deltas) from element
-        ``lo``'s position on. Steps outside the range land on the first element (then overwritten by its
-        position) or on one spare element past the range."""
+        element in int32): consecutive positions step by one except where a shard starts (by one plus the
+        jump between the two shards' deltas), so the index is the running sum of its steps from element
+        ``lo``'s position on, made in place. Which shards the range crosses is plan-time host data: the
+        device sees a fixed few ops, no lookup."""
         n = hi - lo
-        starts, jumps = self._jumps
-        steps = torch.ones(n + 1, dtype=jumps.dtype, device=jumps.device)
-        steps.index_put_((starts.sub(lo).clamp_(0, n),), jumps.add(1))
-        shard = torch.searchsorted(self.ends, lo, right=True).clamp_(max=self.delta.numel() - 1).view(1)
-        torch.add(self.delta.index_select(0, shard), lo, out=steps[:1])  # on the device: no host read
-        return steps[:n].cumsum_(0)
+        starts, steps = self._jumps
+        index = torch.ones(n, dtype=steps.dtype, device=steps.device)
+        if n == 0:
+            return index
+        a, b = bisect.bisect_right(self._starts, lo), bisect.bisect_left(self._starts, hi)  # the shards starting inside
+        index.index_put_((starts[a:b] - lo,), steps[a:b])  # also where none does: the same ops at any DP size
+        shard = min(bisect.bisect_right(self._ends, lo), len(self._ends) - 1)
+        index[0] = lo + self._delta[shard]
+        return index.cumsum_(0)
 
     def at(self, out: torch.Tensor, lo: int) -> Place:
         """Source elements from ``lo`` on into ``out`` (the buffer in the sequence's dtype), for the

@@ -3,12 +3,15 @@ peak bytes of the tensors a receive decode-sum, an FP8 or FP4 encode and an FP4 
 held to a count of what each must hold at once (written out in each test), with the block- and
 group-level arrays as a small allowance. Bytes do not depend on the CPU."""
 
+import math
+
 import pytest
 import torch
 
 from megatron_gift.kernels.reference import reference_decode_sum_unwhiten
 from megatron_gift.numerics.fp4 import MXFP4, NVFP4, decode_fp4, encode_fp4
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode_flat, group_lengths
+from megatron_gift.numerics.profile import _roundtrip_sums
 from megatron_gift.testing.dispatch import LiveBytes
 
 N = 1 << 15
@@ -80,3 +83,23 @@ def test_fp4_decode_temporaries():
     with LiveBytes(enc.codes, enc.block_scales, enc.segment_scales) as p:
         decode_fp4(enc, NVFP4)
     assert p.peak <= 9.5 * N, f"{p.peak / N:.2f} B per element"
+
+
+def test_profile_roundtrip_sums_hold_two_fp64_copies():
+    """The profile's ``[‖ĝ - g‖², ⟨ĝ, g⟩, ‖ĝ‖²]`` (telemetry's and the policy's, per layer on their steps)
+    holds the two FP64 copies (16 B per element) and no FP64 difference or products beside them, and
+    equals the sums taken exactly (``math.fsum`` of each FP64 term) to FP64 rounding. Catches the
+    difference and its square made as new tensors (32 B per element) and a sum taken in FP32."""
+    g = torch.randn(N, generator=torch.Generator().manual_seed(6))
+    g_hat = g + 1e-3 * torch.randn(N, generator=torch.Generator().manual_seed(7))
+    with LiveBytes(g, g_hat) as p:
+        sums = _roundtrip_sums(g, g_hat)
+    assert p.peak <= 16 * N + 64, f"{p.peak / N:.2f} B per element"
+    a, b = g.double().tolist(), g_hat.double().tolist()
+    exact = [
+        math.fsum((y - x) ** 2 for x, y in zip(a, b)),
+        math.fsum(x * y for x, y in zip(a, b)),
+        math.fsum(y * y for y in b),
+    ]
+    for got, want in zip(sums, exact):
+        assert abs(float(got) - want) <= 1e-12 * abs(want)
