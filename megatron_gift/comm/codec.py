@@ -44,7 +44,7 @@ def views(buf: torch.Tensor, layout: BucketLayout) -> dict[str, torch.Tensor]:
 # Elements per chunk of the PyTorch path, where temporaries grow with the chunk (the fused kernels
 # take whole segments and segment parts: no chunks). Sender: FP32 ``U`` (and ``Ũ``), the encode's
 # temporaries (at most 8 bytes per element: ``U / s`` in the repeated scales, their int32 index, the
-# codes) and the placement index (``Placement.index``: 8 bytes per element in int32), so a few hundred
+# codes) and the placement index (``Placement.index``: 4 bytes per element in int32), so a few hundred
 # MiB at a time. Receiver: one part of the senders' messages decoded at a time (``kernels.ordered_sum``),
 # 4 bytes per element of it beside at most 4 more (tests/unit/test_pytorch_path_memory.py; R senders'
 # copies of a part are at most the bucket). Not divided by the number of senders: the ops of a part

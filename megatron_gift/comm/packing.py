@@ -8,10 +8,11 @@ own message last (it never crosses a link). Element ``k`` of shard ``j`` of the 
 buffer, viewed in its section's dtype, at ``k + delta[j]``. The fused kernels take the table
 (``kernels.placement.Placement.at``: ``ends`` and ``delta`` on the device) and look each unit's shard up themselves;
 on the PyTorch path ``kernels.placement.Placement.index`` computes the positions of a range of ``k`` on the device
-(``searchsorted`` over the shards' ends), so scattering a chunk into every message, or gathering it
-back, is one ``index_put_`` / ``index_select``. The index is transient (4 bytes per element of the
-chunk where every position fits in int32, else 8; chunks are bounded); the per-layout state is a few
-integers per shard.
+(a running sum of steps, one except where a shard starts; which shards the range crosses is looked up
+in the table's host copy), so scattering a chunk into every message, or gathering it back, is one
+``index_put_`` / ``index_select``. The index is transient (4 bytes per element of the chunk where every
+position and step fits in int32, else 8; chunks are bounded); the per-layout state is a few integers
+per shard.
 """
 
 from __future__ import annotations
