@@ -64,13 +64,11 @@ class Placement:
         device sees a fixed few ops, no lookup."""
         n = hi - lo
         starts, steps = self._jumps
-        index = torch.ones(n, dtype=steps.dtype, device=steps.device)
-        if n == 0:
-            return index
+        index = torch.ones(n, dtype=steps.dtype, device=steps.device)  # an empty range runs the same ops
         a, b = bisect.bisect_right(self._starts, lo), bisect.bisect_left(self._starts, hi)  # the shards starting inside
         index.index_put_((starts[a:b] - lo,), steps[a:b])  # also where none does: the same ops at any DP size
         shard = min(bisect.bisect_right(self._ends, lo), len(self._ends) - 1)
-        index[0] = lo + self._delta[shard]
+        index[:1].fill_(lo + self._delta[shard])  # a scalar fill: no tensor from Python data
         return index.cumsum_(0)
 
     def at(self, out: torch.Tensor, lo: int) -> Place:
