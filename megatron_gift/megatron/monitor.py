@@ -126,6 +126,7 @@ class Monitor:
                 ref_sq, dot, dec_sq = y.dot(y), x.dot(y), x.dot(x)  # FP64 sums, no product vectors
                 rows.append(torch.stack([x.sub_(y).dot(x), ref_sq, dot, dec_sq]))  # x's copy becomes x - y
                 names.append(gp.name)
+                del x, y  # before the next segment's copies are made
         if not rows:
             return
         sums = torch.stack(rows)
