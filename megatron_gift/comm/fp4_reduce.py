@@ -146,7 +146,7 @@ def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], d
 
 def _place(out: torch.Tensor, table: Placement, values: torch.Tensor) -> None:
     """``values`` (the source's sequence of one section, in ``out``'s dtype) into ``out`` at the
-    table's positions, ``CHUNK`` at a time (``Placement.index``: 4 bytes per element, 8 past 2^30)."""
+    table's positions, ``CHUNK`` at a time (``Placement.index``: 4 bytes per element, 8 past 2^31)."""
     for a, b in spans(0, values.numel(), CHUNK):
         out.index_put_((table.index(a, b),), values[a:b])
 

@@ -38,9 +38,9 @@ class Placement:
 
     @property
     def _dtype(self) -> torch.dtype:
-        """int32 where every position and every step between two shards fits (``bound`` below 2^30:
-        deltas in (-2^30, 2^30)), else int64."""
-        return torch.int32 if self.bound < 2**30 else torch.int64
+        """int32 where every position fits (``bound`` below 2^31), else int64: each step is the difference of
+        two positions (the first of a shard and the last of the one before), so it fits too."""
+        return torch.int32 if self.bound < 2**31 else torch.int64
 
     @classmethod
     def whole(cls, n: int, device, shards: int = 1) -> Placement:
@@ -68,7 +68,7 @@ class Placement:
         a, b = bisect.bisect_right(self._starts, lo), bisect.bisect_left(self._starts, hi)  # the shards starting inside
         index.index_put_((starts[a:b] - lo,), steps[a:b])  # also where none does: the same ops at any DP size
         shard = min(bisect.bisect_right(self._ends, lo), len(self._ends) - 1)
-        index[:1].fill_(lo + self._delta[shard])  # a scalar fill: no tensor from Python data
+        index[:1].fill_(lo + self._delta[shard] if self._delta else lo)  # a scalar fill: no tensor from Python data
         return index.cumsum_(0)
 
     def at(self, out: torch.Tensor, lo: int) -> Place:

@@ -97,7 +97,9 @@ def run_on_ranks(fn, world_size, *args, timeout=180.0, cpu_harness=False, backen
                     rank_env,
                     cpu_harness,
                     backend,
-                    timeout,
+                    # the group's own timeout outlasts both limits, so a hang is this process's to report
+                    # (with the ranks' stacks), not a collective's timeout in one rank
+                    timeout + wall_limit(_START_S),
                     results,
                     dumps.name,
                 ),

@@ -20,10 +20,10 @@ def _by_hand(sizes, starts, lo, hi):
 
 def test_index_is_int32_where_positions_fit_and_int64_beyond():
     """Each element of a range at its shard's buffer position (a hand list), as int32 while every position
-    and step between shards is below 2^31 (half the transient of int64: the two-level node sums' peak), as
-    int64 once a shard sits past 2^30 (an int32 index would wrap to a negative position, before the message,
-    or a jump between two shards' deltas would overflow). Bugs caught: an int32 index for a buffer past
-    2^31, a position off its shard's delta, a shard taken one element late."""
+    is below 2^31 (half the transient of int64: the two-level node sums' peak), steps between shards of
+    nearly -2^31 and 2^31 included, as int64 once a shard sits past 2^31 (an int32 index would wrap to a
+    negative position, before the message). Bugs caught: an int32 index for a buffer past 2^31, a
+    position off its shard's delta, a shard taken one element late, a table without shards failing."""
     table = Placement([3, 2, 4], [10, 0, 20], "cpu")  # shard 0 at 10, shard 1 at 0, shard 2 at 20
     index = table.index(1, 8)
     assert index.dtype == torch.int32
@@ -32,14 +32,14 @@ def test_index_is_int32_where_positions_fit_and_int64_beyond():
     index = far.index(0, 5)
     assert index.dtype == torch.int64
     assert index.tolist() == [0, 1, 2, 2**31 + 5, 2**31 + 6]
-    # deltas 2^30 + 3 and -(2^30 - 2): every position below 2^31, their difference is not
-    swapped = Placement([2, 2**30 + 3, 2], [2**30 + 3, 0, 5], "cpu")
-    index = swapped.index(0, 4)
-    assert index.dtype == torch.int64
-    assert index.tolist() == [2**30 + 3, 2**30 + 4, 0, 1]
-    assert swapped.index(2**30 + 4, 2**30 + 7).tolist() == [2**30 + 2, 5, 6]
+    # steps of 3 - 2^31 (down to 0) and 2^31 - 4 (back up): the extremes int32 must hold
+    extremes = Placement([2, 3, 1], [2**31 - 4, 0, 2**31 - 2], "cpu")
+    index = extremes.index(0, 6)
+    assert index.dtype == torch.int32
+    assert index.tolist() == [2**31 - 4, 2**31 - 3, 0, 1, 2, 2**31 - 2]
     assert Placement.whole(100, "cpu").index(3, 6).tolist() == [3, 4, 5]
-    assert Placement.whole(2**30, "cpu").index(0, 2).dtype == torch.int64
+    assert Placement.whole(2**31, "cpu").index(0, 2).dtype == torch.int64  # its end, 2^31, is no int32
+    assert Placement([], [], "cpu").index(0, 0).tolist() == []
 
 
 def test_index_matches_a_hand_placement_over_random_tables():
