@@ -290,10 +290,15 @@ class OpCounter(TorchDispatchMode):
         return sum(self.by_op.values())
 
 
+_LIFTS = (torch.ops.aten.lift_fresh.default,)
+
+
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created while active, each from the op that first returns it until it
-    is freed: ``live`` now, ``peak`` the most at once. The storages of ``known`` tensors (inputs, whose views
-    ops return) do not count."""
+    """Bytes of the tensor storages created while active, each from the op that returns it, new (aliasing
+    none of the op's inputs), until it is freed: ``live`` now, ``peak`` the most at once. A storage made out
+    of the mode's sight (before it, or inside a collective: gloo's reduce-scatter copies its input and
+    splits the copy in ``wait()``, then frees it from its worker thread whenever) never counts, nor do the
+    storages of ``known`` tensors."""
 
     def __init__(self, *known):
         super().__init__()
@@ -302,11 +307,17 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # ``torch.tensor(data)`` fills its storage out of sight and hands it to ``lift_fresh``: that counts
+        inputs = (
+            set()
+            if func in _LIFTS
+            else {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        )
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage._cdata
-                if key not in self._seen:
+                if key not in self._seen and key not in inputs:
                     self._seen.add(key)
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)

@@ -25,7 +25,8 @@ parameter of the model, minus ``stock``'s, the largest over the ranks:
   bucket's, at most all of a step's), which would otherwise be transient.
 
 Only tensors count (the allocator's caching, gloo's internal buffers and Python objects do not),
-the same way for every configuration. The model's own parameters exist before the tracker starts.
+the same way for every configuration. The model's own parameters exist before the tracker starts;
+an unmeasured stock run before the measured ones allocates the process-wide buffers.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def _rank_main(rank: int, world: int, spec: dict, names: tuple) -> dict:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
+    # a run before the measured ones allocates the process-wide buffers (Megatron's global memory buffer
+    # of the attention), which the first configuration measured would otherwise pay for alone
+    _measure("stock", dict(spec, steps=1, steady_step=None))
     out = {name: _measure(name, spec) for name in names if world >= 4 or name not in TWO_LEVEL}
     parallel_state.destroy_model_parallel()
     return out
