@@ -108,14 +108,14 @@ def reference_whiten_encode(
     encoded, ``e' = Ũ - dec(q(Ũ))``."""
     rows, cols = g.shape
     u = sender_values(g, whitening, output)
-    if feedback is not None:
-        u = u + feedback[0].view_as(u)
+    if feedback is not None:  # Ũ made where e' is staged, then e' = Ũ - dec in place: no copy of Ũ beside it
+        u = torch.add(u, feedback[0].view_as(u), out=feedback[1].view_as(u))
     if out is not None:
         out.copy_(u)
     flat_lengths = lengths if lengths is not None else group_lengths(rows, cols, cfg, device=g.device)
     enc = encode_flat(u.reshape(-1), flat_lengths, cfg)
     if feedback is not None:
-        torch.sub(u.reshape(-1), decode_flat(enc, flat_lengths, cfg), out=feedback[1].view(-1))
+        u.reshape(-1).sub_(decode_flat(enc, flat_lengths, cfg))
     if into is not None:
         _write(into.codes, enc.payload)
         _write(into.scales, enc.scales)

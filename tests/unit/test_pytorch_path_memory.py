@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_gift.kernels.reference import reference_decode_sum_unwhiten
+from megatron_gift.kernels.reference import reference_decode_sum_unwhiten, reference_whiten_encode
 from megatron_gift.numerics.fp4 import MXFP4, NVFP4, decode_fp4, encode_fp4
-from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, encode_flat, group_lengths
+from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, decode_flat, encode_flat, group_lengths
 from megatron_gift.numerics.profile import _roundtrip_sums
 from megatron_gift.testing.dispatch import LiveBytes
 
@@ -47,6 +47,25 @@ def test_fp8_encode_temporaries(fmt):
     with LiveBytes(x, lengths) as p:
         encode_flat(x, lengths, cfg)
     assert p.peak <= 8.25 * N, f"{p.peak / N:.2f} B per element"
+
+
+def test_error_feedback_encode_stages_the_compensated_values_in_place():
+    """The PyTorch path's encode with error feedback makes ``Ũ = G + e`` where the next residual is staged
+    and takes ``e' = Ũ - dec(q(Ũ))`` there in place: beside the codes (1 B per element) it holds the
+    encode's 8 B, then the decode's repeated scales and their int32 index (4 B each): 9 B and the
+    per-group arrays. Catches ``Ũ`` made as a tensor of its own beside the staged residual (13 B)."""
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
+    lengths = group_lengths(1, N, cfg)
+    gen = torch.Generator().manual_seed(6)
+    g, e, staged = torch.randn(1, N, generator=gen), torch.randn(N, generator=gen) * 0.01, torch.empty(N)
+    with LiveBytes(g, e, staged, lengths) as p:
+        enc = reference_whiten_encode(g, None, cfg, lengths=lengths, feedback=(e, staged))
+    assert p.peak <= 9.25 * N, f"{p.peak / N:.2f} B per element"
+    # the staged residual is Ũ's, by a decode of its own
+    ref = (g.reshape(-1) + e) - decode_flat(encode_flat(g.reshape(-1) + e, lengths, cfg), lengths, cfg)
+    assert torch.equal(staged, ref) and torch.equal(
+        enc.payload.reshape(-1), encode_flat(g.reshape(-1) + e, lengths, cfg).payload
+    )
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
