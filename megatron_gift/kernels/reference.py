@@ -35,31 +35,53 @@ def _as_parts(t: torch.Tensor | Parts) -> list[torch.Tensor]:
     return [t] if isinstance(t, torch.Tensor) else list(t)
 
 
-def ordered_sum(parts: Parts, value=None) -> torch.Tensor:
-    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each; some may be empty), accumulated in FP32
-    in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank). ``value(i)``,
-    where given, makes part ``i``'s rows (a decode) when the sum reaches it; a part narrower than FP32 is
-    cast there: one part's FP32 rows live beside the sum at a time, not every part's.
+# The most values a receive's decode makes at once (``ordered_sum``'s ``budget``): its temporaries are a
+# few bytes per value whatever the number of senders (at DP 512, 511 rows of a shard otherwise).
+DECODE_VALUES = 1 << 24
 
-    One op per part, whatever the number of rows (and the same ops whichever parts are empty): on
-    the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
+
+def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``t``: ``t`` itself where that is all of them (no view op)."""
+    return t if (a, b) == (0, t.shape[0]) else t[a:b]
+
+
+def _row_blocks(k: int, blocks: int) -> list[tuple[int, int]]:
+    """``blocks`` consecutive row ranges covering ``[0, k)``, as even as whole rows allow (some empty)."""
+    step = max(1, -(-k // blocks))
+    return [(min(b * step, k), min((b + 1) * step, k)) for b in range(blocks)]
+
+
+def ordered_sum(parts: Parts, value=None, budget: int | None = None) -> torch.Tensor:
+    """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each; some may be empty), accumulated in FP32
+    in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank). ``value(i, a, b)``,
+    where given, makes rows ``[a, b)`` of part ``i`` (a decode) when the sum reaches them; a part narrower
+    than FP32 is cast there. Each part is taken in ``B`` blocks of rows, ``B`` the fewest that keep the
+    values of all parts' rows over ``B`` within ``budget`` (1 without one): one block's FP32 rows live
+    beside the sum at a time, and ``B`` depends on the total rows, not on how a rank's parts split them.
+
+    One op per block, whatever the number of rows (and the same ops whichever parts or blocks are empty):
+    on the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
     ``cumsum`` along dim 0 runs a sequential loop per column in FP32 (ScanUtils.cuh,
     ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/unit/test_kernels.py`` holds
     both to a Python loop, bit for bit."""
+    blocks = 1 if budget is None else max(1, -(-sum(p.shape[0] for p in parts) * parts[0].shape[-1] // budget))
+    spans = [_row_blocks(p.shape[0], blocks) for p in parts]
     first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
-    head = parts[first] if value is None else value(first)
+    rows = (lambda i, a, b: _rows(parts[i], a, b)) if value is None else value
+    head = rows(first, *spans[first][0])
     acc = head[:1].to(torch.float32, copy=True)
-    for i, part in enumerate(parts):
-        if i == first:
-            x, head = head, None
-        else:
-            x = part if value is None else value(i)
-        rest = x[int(i == first) :].float()  # no copy where the rows are FP32 already
-        if acc.device.type == "cuda":
-            acc = torch.cumsum(torch.cat([acc, rest]), 0)[-1:]
-        else:
-            acc.index_add_(0, torch.zeros(rest.shape[0], dtype=torch.long, device=acc.device), rest)
-        del x, rest
+    for i in range(len(parts)):
+        for j, (a, b) in enumerate(spans[i]):
+            if (i, j) == (first, 0):
+                x, head = head, None
+            else:
+                x = rows(i, a, b)
+            rest = x[int((i, j) == (first, 0)) :].float()  # no copy where the rows are FP32 already
+            if acc.device.type == "cuda":
+                acc = torch.cumsum(torch.cat([acc, rest]), 0)[-1:]
+            else:
+                acc.index_add_(0, torch.zeros(rest.shape[0], dtype=torch.long, device=acc.device), rest)
+            del x, rest
     return acc[0]
 
 
@@ -154,7 +176,11 @@ def reference_decode_sum_unwhiten(
     if lengths is None:
         lengths = group_lengths(rows, cols, cfg, device=_as_parts(payloads)[0].device)
     payloads, scales = _as_parts(payloads), _as_parts(scales)
-    acc = ordered_sum(payloads, lambda i: decode_rows(payloads[i], scales[i], lengths, cfg))
+    acc = ordered_sum(
+        payloads,
+        lambda i, a, b: decode_rows(_rows(payloads[i], a, b), _rows(scales[i], a, b), lengths, cfg),
+        DECODE_VALUES,
+    )
     if average:
         acc /= divisor(sum(p.shape[0] for p in payloads), acc.device)
     acc = acc.view(rows, cols)

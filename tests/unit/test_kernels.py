@@ -1204,8 +1204,10 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
             ((64, 1000), (63, 1, 0)),
         ],
     )
-    def test_ordered_sum_is_sequential(device, shape, split):
-        """``ordered_sum`` over any split into parts is bit for bit ``acc = x_0.clone(); acc += x_i``
+    @pytest.mark.parametrize("block_rows", [None, 2], ids=["whole-parts", "blocks-of-2-rows"])
+    def test_ordered_sum_is_sequential(device, shape, split, block_rows):
+        """``ordered_sum`` over any split into parts, each taken whole or in blocks of rows (a ``budget``
+        of two rows' values), is bit for bit ``acc = x_0.clone(); acc += x_i``
         in row order, the receivers' summation order on every rank. On the CPU it relies on
         ``index_add_`` adding its source's rows one after another in index order (ATen's
         ``index_add_cpu_`` loops over the index, each step an elementwise ``add_`` of one source row
@@ -1216,13 +1218,27 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         acc = x[0].clone()
         for row in x[1:]:
             acc += row
-        got = kernels.ordered_sum(_split(x, split))
+        got = kernels.ordered_sum(_split(x, split), budget=block_rows and block_rows * shape[1])
         assert torch.equal(got.view(torch.int32), acc.view(torch.int32))
         if shape[0] > 2:
             backwards = x[-1].clone()
             for row in x.flip(0)[1:]:
                 backwards += row
             assert not torch.equal(backwards, acc)
+
+    def test_ordered_sum_in_blocks_runs_the_same_ops_on_every_rank():
+        """Bug caught: blocks counted per part (a rank with its 6 senders in one part and one with 3 and 3
+        would enqueue different ops: the GPU rules' same work on every rank) or a budget ignored (the ops of
+        whole parts). With a budget of 2 rows' values, 7 rows take 4 blocks per part, however split."""
+        x = torch.randn(7, 300)
+        counts = []
+        for split in [(0, 1, 6), (3, 1, 3), (6, 1, 0)]:
+            with OpCounter() as ops:
+                kernels.ordered_sum(_split(x, split), budget=2 * 300)
+            counts.append(ops.by_op["index_add_"])
+        with OpCounter() as whole:
+            kernels.ordered_sum(_split(x, (3, 1, 3)))
+        assert counts == [12, 12, 12] and whole.by_op["index_add_"] == 3
 
     def test_imports_and_falls_back_without_triton():
         code = textwrap.dedent(

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron_gift.kernels import reference
 from megatron_gift.kernels.reference import reference_decode_sum_unwhiten, reference_whiten_encode
 from megatron_gift.numerics.fp4 import MXFP4, NVFP4, decode_fp4, encode_fp4
 from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, decode_flat, encode_flat, group_lengths
@@ -32,6 +33,25 @@ def test_decode_sum_holds_one_part_decoded_at_a_time():
     with LiveBytes(payloads, scales, lengths) as p:
         reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
     assert p.peak <= (28 + 0.5) * N, f"{p.peak / N:.2f} B per column"
+
+
+def test_decode_sum_in_blocks_of_rows_within_its_budget(monkeypatch):
+    """The same 2+1+4 senders' rows with a decode budget of two rows' values: 7 rows take 4 blocks per
+    part, one row decoded at a time: the FP32 sum, one row's FP32 values and either its int32 repeat index
+    or its codes' BF16 values, 12 B per column; bit for bit the sum decoded whole parts at a time. Catches
+    the budget ignored (28 B: at DP 512 a receiver would decode 511 rows of its shard at once)."""
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
+    lengths = group_lengths(1, N, cfg)
+    g = torch.Generator().manual_seed(2)
+    encs = [[encode_flat(torch.randn(N, generator=g), lengths, cfg) for _ in range(k)] for k in (2, 1, 4)]
+    payloads = [torch.stack([e.payload for e in part]) for part in encs]
+    scales = [torch.stack([e.scales for e in part]) for part in encs]
+    whole = reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
+    monkeypatch.setattr(reference, "DECODE_VALUES", 2 * N)
+    with LiveBytes(payloads, scales, lengths) as p:
+        blocks = reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
+    assert p.peak <= (12 + 0.5) * N, f"{p.peak / N:.2f} B per column"
+    assert torch.equal(blocks.view(torch.int32), whole.view(torch.int32))
 
 
 @pytest.mark.parametrize("fmt", list(FP8Format), ids=lambda f: f.value)
