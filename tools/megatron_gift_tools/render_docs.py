@@ -363,6 +363,11 @@ def memory_fused_nvfp4(results: Path) -> str:
     return memory_table(results, "memory-fused-nvfp4-cpu.json")
 
 
+def memory_fused_error_feedback(results: Path) -> str:
+    """docs/memory.md: the fused path with error feedback, measured on its own (``--configs``)."""
+    return memory_table(results, "memory-fused-ef-cpu.json")
+
+
 def memory_at_scale(results: Path) -> str:
     """docs/memory.md: ``bench memory --at-scale``, the message buffers of a 512M-element bucket at DP 512."""
     doc = _load(results, "memory-at-scale-cpu.json")
@@ -423,6 +428,7 @@ RENDERERS = {
     "memory-at-scale": memory_at_scale,
     "memory-fused": memory_fused,
     "memory-fused-nvfp4": memory_fused_nvfp4,
+    "memory-fused-ef": memory_fused_error_feedback,
     "fp4-schemes": fp4_schemes,
     "decision": decision,
     "planner-600m": planner_600m,

@@ -65,6 +65,7 @@ CONFIGS = {
     "gift two-level nvfp4": dict(mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4),
     # the fused kernels' path (CUDA's), here under Triton's interpreter: what its launches allocate
     "euclidean fused": dict(mode=Mode.EUCLIDEAN, error_feedback=False, kernels=True),
+    "euclidean+error-feedback fused": dict(mode=Mode.EUCLIDEAN, error_feedback=True, kernels=True),
     "gift fused": dict(mode=Mode.GIFT, error_feedback=False, kernels=True),
     "euclidean two-level fused": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2, kernels=True),
     "gift two-level fused": dict(mode=Mode.GIFT, ranks_per_node=2, kernels=True),
