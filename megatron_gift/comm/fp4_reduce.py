@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from .._compat import all_gather as _all_gather
 from ..config import IntraNode, Rotation
+from ..kernels import reference
 from ..kernels.placement import Placement, Source
 from ..kernels.reference import ordered_sum, reference_rotate_blocks, reference_sum_rows, sender_values
 from ..numerics.error_feedback import ErrorFeedback
@@ -343,13 +344,17 @@ class _FP4Stages:
             if self.fmt.segment_scale
             else torch.ones(senders * parts, dtype=torch.float32, device=msgs.device)
         )
-        enc = FP4Encoded(
-            codes=msgs[:, m.codes_at : m.codes_at + n // 2].reshape(-1),
-            block_scales=msgs[:, m.scales_at : m.scales_at + n // self.fmt.block].reshape(-1),
-            segment_scales=segments,
-        )
-        lengths = self._lengths(self.rank, msgs.device).repeat(senders)
-        total = ordered_sum([decode_fp4(enc, self.fmt, lengths).view(senders, n)])
+        lengths = self._lengths(self.rank, msgs.device)
+
+        def rows(_, a: int, b: int) -> torch.Tensor:  # senders [a, b) decoded, the budget's blocks at a time
+            enc = FP4Encoded(
+                codes=msgs[a:b, m.codes_at : m.codes_at + n // 2].reshape(-1),
+                block_scales=msgs[a:b, m.scales_at : m.scales_at + n // self.fmt.block].reshape(-1),
+                segment_scales=segments[a * parts : b * parts],
+            )
+            return decode_fp4(enc, self.fmt, lengths.repeat(b - a)).view(b - a, n)
+
+        total = ordered_sum([msgs], rows, reference.DECODE_VALUES, width=n)
         return self._rotate_shards(total, (r,), inverse=True)  # Hᵀ on the sum (H is linear)
 
     # -- 2-3: all-reduce --------------------------------------------------------------------------------

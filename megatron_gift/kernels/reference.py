@@ -51,20 +51,22 @@ def _row_blocks(k: int, blocks: int) -> list[tuple[int, int]]:
     return [(min(b * step, k), min((b + 1) * step, k)) for b in range(blocks)]
 
 
-def ordered_sum(parts: Parts, value=None, budget: int | None = None) -> torch.Tensor:
+def ordered_sum(parts: Parts, value=None, budget: int | None = None, width: int | None = None) -> torch.Tensor:
     """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each; some may be empty), accumulated in FP32
     in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank). ``value(i, a, b)``,
     where given, makes rows ``[a, b)`` of part ``i`` (a decode) when the sum reaches them; a part narrower
     than FP32 is cast there. Each part is taken in ``B`` blocks of rows, ``B`` the fewest that keep the
-    values of all parts' rows over ``B`` within ``budget`` (1 without one): one block's FP32 rows live
-    beside the sum at a time, and ``B`` depends on the total rows, not on how a rank's parts split them.
+    values of all parts' rows over ``B`` within ``budget`` (1 without one; ``width`` values per row, else
+    the parts' last dimension): one block's FP32 rows live beside the sum at a time, and ``B`` depends on
+    the total rows, not on how a rank's parts split them.
 
     One op per block, whatever the number of rows (and the same ops whichever parts or blocks are empty):
     on the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
     ``cumsum`` along dim 0 runs a sequential loop per column in FP32 (ScanUtils.cuh,
     ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/unit/test_kernels.py`` holds
     both to a Python loop, bit for bit."""
-    blocks = 1 if budget is None else max(1, -(-sum(p.shape[0] for p in parts) * parts[0].shape[-1] // budget))
+    values = sum(p.shape[0] for p in parts) * (width or parts[0].shape[-1])
+    blocks = 1 if budget is None else max(1, -(-values // budget))
     spans = [_row_blocks(p.shape[0], blocks) for p in parts]
     first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
     rows = (lambda i, a, b: _rows(parts[i], a, b)) if value is None else value

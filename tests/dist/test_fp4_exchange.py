@@ -18,6 +18,7 @@ from megatron_gift.comm.schedule import reduce_now
 from megatron_gift.comm.sum_first import FP4SumFirstReduce
 from megatron_gift.comm.topology import Topology, build_groups
 from megatron_gift.config import IntraNode, Mode
+from megatron_gift.kernels import reference
 from megatron_gift.numerics import CodecConfig
 from megatron_gift.numerics.fp4 import FP4_FORMATS, roundtrip_fp4
 from megatron_gift.numerics.rotation import BlockHadamard
@@ -208,6 +209,21 @@ def test_fp4_reduction_matches_a_hand_reduction(results, fmt, two_level, all_red
     exact = torch.stack([_bucket_grads(numel, segments, r) for r in range(WORLD)]).sum(0) / WORLD
     b = next(s for s in segments if s.name == "b")
     assert not torch.equal(want[b.start : b.end], exact[b.start : b.end])
+
+
+def _blocks_worker(rank, world):
+    reference.DECODE_VALUES = 64  # every receive decodes its senders a row or less at a time (blocks mostly empty)
+    return _worker(rank, world)
+
+
+def test_decoding_in_blocks_of_senders_changes_no_bit(results):
+    """Bug caught: a receive decoding its senders in blocks (``kernels.reference.DECODE_VALUES``) that pairs a
+    block's codes with another block's block, segment scales or lengths, skips or repeats a sender, or sums
+    in another order, or fails on an empty block: with a budget of 64 values every case above holds the
+    bits of the whole-part decode (itself held to the hand reduction)."""
+    for r, got in enumerate(run_on_ranks(_blocks_worker, WORLD)):
+        for case in CASES:
+            assert torch.equal(got[case][0], results[r][case][0]), (r, case)
 
 
 BF16_CASES = [("nvfp4", False, True), ("mxfp4", True, False)]  # (format, all-reduce, rotation)
