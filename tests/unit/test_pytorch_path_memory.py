@@ -18,18 +18,25 @@ from megatron_gift.testing.dispatch import LiveBytes
 N = 1 << 15
 
 
+def _senders_in_parts(seed: int):
+    """E4M3 messages of one row of ``N`` columns from 2, 1 and 4 senders, as a receive's three parts:
+    ``(cfg, lengths, payloads, scales)``."""
+    cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
+    lengths = group_lengths(1, N, cfg)
+    g = torch.Generator().manual_seed(seed)
+    encs = [[encode_flat(torch.randn(N, generator=g), lengths, cfg) for _ in range(k)] for k in (2, 1, 4)]
+    payloads = [torch.stack([e.payload for e in part]) for part in encs]
+    scales = [torch.stack([e.scales for e in part]) for part in encs]
+    return cfg, lengths, payloads, scales
+
+
 def test_decode_sum_holds_one_part_decoded_at_a_time():
     """Three parts of 2, 1 and 4 senders' E4M3 rows: the FP32 sum (4 B per column), the largest part's
     FP32 rows (4 x 4 B) and, while they are made, either the scales' int32 repeat index (4 B per
     column) or the codes' values in BF16 (4 x 2 B): 28 B per column. Catches every part decoded before
     the sum (the three parts' 7 rows live at once: 36 B and more) and a decode holding the codes' FP32
     values beside the repeated scales (4 x 8 B for the last part)."""
-    cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
-    lengths = group_lengths(1, N, cfg)
-    g = torch.Generator().manual_seed(1)
-    encs = [[encode_flat(torch.randn(N, generator=g), lengths, cfg) for _ in range(k)] for k in (2, 1, 4)]
-    payloads = [torch.stack([e.payload for e in part]) for part in encs]
-    scales = [torch.stack([e.scales for e in part]) for part in encs]
+    cfg, lengths, payloads, scales = _senders_in_parts(seed=1)
     with LiveBytes(payloads, scales, lengths) as p:
         reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
     assert p.peak <= (28 + 0.5) * N, f"{p.peak / N:.2f} B per column"
@@ -40,12 +47,7 @@ def test_decode_sum_in_blocks_of_rows_within_its_budget(monkeypatch):
     part, one row decoded at a time: the FP32 sum, one row's FP32 values and either its int32 repeat index
     or its codes' BF16 values, 12 B per column; bit for bit the sum decoded whole parts at a time. Catches
     the budget ignored (28 B: at DP 512 a receiver would decode 511 rows of its shard at once)."""
-    cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
-    lengths = group_lengths(1, N, cfg)
-    g = torch.Generator().manual_seed(2)
-    encs = [[encode_flat(torch.randn(N, generator=g), lengths, cfg) for _ in range(k)] for k in (2, 1, 4)]
-    payloads = [torch.stack([e.payload for e in part]) for part in encs]
-    scales = [torch.stack([e.scales for e in part]) for part in encs]
+    cfg, lengths, payloads, scales = _senders_in_parts(seed=2)
     whole = reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
     monkeypatch.setattr(reference, "DECODE_VALUES", 2 * N)
     with LiveBytes(payloads, scales, lengths) as p:
