@@ -347,14 +347,15 @@ class _FP4Stages:
         lengths = self._lengths(self.rank, msgs.device)
 
         def rows(_, a: int, b: int) -> torch.Tensor:  # senders [a, b) decoded, the budget's blocks at a time
+            # copies at any b - a (a reshape copies only where the rows are more than one): the same ops at any p
             enc = FP4Encoded(
-                codes=msgs[a:b, m.codes_at : m.codes_at + n // 2].reshape(-1),
-                block_scales=msgs[a:b, m.scales_at : m.scales_at + n // self.fmt.block].reshape(-1),
+                codes=msgs[a:b, m.codes_at : m.codes_at + n // 2].clone().view(-1),
+                block_scales=msgs[a:b, m.scales_at : m.scales_at + n // self.fmt.block].clone().view(-1),
                 segment_scales=segments[a * parts : b * parts],
             )
             return decode_fp4(enc, self.fmt, lengths.repeat(b - a)).view(b - a, n)
 
-        total = ordered_sum([msgs], rows, reference.DECODE_VALUES, width=n)
+        total = ordered_sum([msgs], rows, reference.DECODE_VALUES, width=n, blocks=reference.DECODE_BLOCKS)
         return self._rotate_shards(total, (r,), inverse=True)  # Hᵀ on the sum (H is linear)
 
     # -- 2-3: all-reduce --------------------------------------------------------------------------------

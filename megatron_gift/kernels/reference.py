@@ -38,6 +38,9 @@ def _as_parts(t: torch.Tensor | Parts) -> list[torch.Tensor]:
 # The most values a receive's decode makes at once (``ordered_sum``'s ``budget``): its temporaries are a
 # few bytes per value whatever the number of senders (at DP 512, 511 rows of a shard otherwise).
 DECODE_VALUES = 1 << 24
+# The fewest blocks it takes its senders' rows in (``ordered_sum``'s ``blocks``; some empty with fewer than
+# 4 senders): a quarter of the rows at once, about a bucket's (p - 1) / 4p values, in as many ops at any p.
+DECODE_BLOCKS = 4
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -51,14 +54,17 @@ def _row_blocks(k: int, blocks: int) -> list[tuple[int, int]]:
     return [(min(b * step, k), min((b + 1) * step, k)) for b in range(blocks)]
 
 
-def ordered_sum(parts: Parts, value=None, budget: int | None = None, width: int | None = None) -> torch.Tensor:
+def ordered_sum(
+    parts: Parts, value=None, budget: int | None = None, width: int | None = None, blocks: int = 1
+) -> torch.Tensor:
     """``Σ_i x_i`` over the rows of ``parts`` (``[k, n]`` each; some may be empty), accumulated in FP32
     in row order: ``acc = x_0``, then ``acc += x_1``, ... (the same order on every rank). ``value(i, a, b)``,
     where given, makes rows ``[a, b)`` of part ``i`` (a decode) when the sum reaches them; a part narrower
     than FP32 is cast there. Each part is taken in ``B`` blocks of rows, ``B`` the fewest that keep the
-    values of all parts' rows over ``B`` within ``budget`` (1 without one; ``width`` values per row, else
-    the parts' last dimension): one block's FP32 rows live beside the sum at a time, and ``B`` depends on
-    the total rows, not on how a rank's parts split them.
+    values of all parts' rows over ``B`` within ``budget`` (none without one; ``width`` values per row,
+    else the parts' last dimension) and at least ``blocks`` (some empty where the rows are fewer): one
+    block's FP32 rows live beside the sum at a time, and ``B`` depends on the total rows, not on how a
+    rank's parts split them nor (below the budget) on how many there are.
 
     One op per block, whatever the number of rows (and the same ops whichever parts or blocks are empty):
     on the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
@@ -66,7 +72,7 @@ def ordered_sum(parts: Parts, value=None, budget: int | None = None, width: int 
     ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/unit/test_kernels.py`` holds
     both to a Python loop, bit for bit."""
     values = sum(p.shape[0] for p in parts) * (width or parts[0].shape[-1])
-    blocks = 1 if budget is None else max(1, -(-values // budget))
+    blocks = max(1, blocks, 0 if budget is None else -(-values // budget))
     spans = [_row_blocks(p.shape[0], blocks) for p in parts]
     first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
     rows = (lambda i, a, b: _rows(parts[i], a, b)) if value is None else value
@@ -180,8 +186,9 @@ def reference_decode_sum_unwhiten(
     payloads, scales = _as_parts(payloads), _as_parts(scales)
     acc = ordered_sum(
         payloads,
-        lambda i, a, b: decode_rows(_rows(payloads[i], a, b), _rows(scales[i], a, b), lengths, cfg),
+        lambda i, a, b: decode_rows(payloads[i][a:b], scales[i][a:b], lengths, cfg),  # slices at any b - a
         DECODE_VALUES,
+        blocks=DECODE_BLOCKS,
     )
     if average:
         acc /= divisor(sum(p.shape[0] for p in payloads), acc.device)

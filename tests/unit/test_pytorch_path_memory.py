@@ -11,7 +11,7 @@ import torch
 from megatron_gift.kernels import reference
 from megatron_gift.kernels.reference import reference_decode_sum_unwhiten, reference_whiten_encode
 from megatron_gift.numerics.fp4 import MXFP4, NVFP4, decode_fp4, encode_fp4
-from megatron_gift.numerics.fp8 import CodecConfig, FP8Format, Scaling, decode_flat, encode_flat, group_lengths
+from megatron_gift.numerics.fp8 import CodecConfig, Encoded, FP8Format, Scaling, decode_flat, encode_flat, group_lengths
 from megatron_gift.numerics.profile import _roundtrip_sums
 from megatron_gift.testing.dispatch import LiveBytes
 
@@ -42,18 +42,42 @@ def test_decode_sum_holds_one_part_decoded_at_a_time():
     assert p.peak <= (28 + 0.5) * N, f"{p.peak / N:.2f} B per column"
 
 
+def _senders_in_one_part(seed: int):
+    """The 2+1+4 senders' messages of ``_senders_in_parts`` as one part of 7 rows (a flat receive's)."""
+    cfg, lengths, payloads, scales = _senders_in_parts(seed)
+    return cfg, lengths, [torch.cat(payloads)], [torch.cat(scales)]
+
+
 def test_decode_sum_in_blocks_of_rows_within_its_budget(monkeypatch):
-    """The same 2+1+4 senders' rows with a decode budget of two rows' values: 7 rows take 4 blocks per
-    part, one row decoded at a time: the FP32 sum, one row's FP32 values and either its int32 repeat index
-    or its codes' BF16 values, 12 B per column; bit for bit the sum decoded whole parts at a time. Catches
-    the budget ignored (28 B: at DP 512 a receiver would decode 511 rows of its shard at once)."""
-    cfg, lengths, payloads, scales = _senders_in_parts(seed=2)
+    """7 senders' rows in one part with a decode budget of one row's values: 7 blocks, one row decoded at
+    a time: the FP32 sum, one row's FP32 values and either its int32 repeat index or its codes' BF16
+    values, 12 B per column; bit for bit the sum decoded in the default blocks. Catches the budget ignored
+    (16 B, ``DECODE_BLOCKS``' two rows: at DP 512 a receiver would decode 128 rows of its shard at once)."""
+    cfg, lengths, payloads, scales = _senders_in_one_part(seed=2)
     whole = reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
-    monkeypatch.setattr(reference, "DECODE_VALUES", 2 * N)
+    monkeypatch.setattr(reference, "DECODE_VALUES", N)
     with LiveBytes(payloads, scales, lengths) as p:
         blocks = reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
     assert p.peak <= (12 + 0.5) * N, f"{p.peak / N:.2f} B per column"
     assert torch.equal(blocks.view(torch.int32), whole.view(torch.int32))
+
+
+def test_decode_sum_of_many_senders_takes_a_quarter_of_their_rows_at_a_time():
+    """7 senders' rows in one part at the default budget, which they fit many times over: they still take
+    ``DECODE_BLOCKS`` (4) blocks, 2 rows decoded at a time: the FP32 sum, two rows' FP32 values and either
+    their int32 repeat index or their codes' BF16 values, 16 B per column; bit for bit the sequential sum
+    of the rows decoded one by one. Catches blocks counted from the budget alone (28 B: at 8 ranks a
+    receiver decoded its 7 senders' rows of its shard at once, docs/memory.md)."""
+    cfg, lengths, payloads, scales = _senders_in_one_part(seed=3)
+    assert reference.DECODE_VALUES >= 7 * N and reference.DECODE_BLOCKS == 4
+    with LiveBytes(payloads, scales, lengths) as p:
+        blocks = reference_decode_sum_unwhiten(payloads, scales, 1, N, None, cfg, True, lengths)
+    assert p.peak <= (16 + 0.5) * N, f"{p.peak / N:.2f} B per column"
+    rows = [decode_flat(Encoded(p_, s_), lengths, cfg) for p_, s_ in zip(payloads[0], scales[0])]
+    want = rows[0].clone()
+    for row in rows[1:]:
+        want += row
+    assert torch.equal(blocks.reshape(-1).view(torch.int32), (want / 7).view(torch.int32))
 
 
 @pytest.mark.parametrize("fmt", list(FP8Format), ids=lambda f: f.value)
