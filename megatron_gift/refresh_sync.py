@@ -133,6 +133,13 @@ def _flat(parts: list[list]) -> list:
     return [t for p in parts for t in p]
 
 
+def _places(parts: list[list[list]]) -> list[list[list]]:
+    """``parts``' nesting with ``None`` for each tensor: what ``_unflat_groups`` needs once a ``HostCopy``
+    carries the values (the tensors themselves, kept, would hold a second copy of every Gram through the
+    step's reductions)."""
+    return [[[None] * len(layer) for layer in group] for group in parts]
+
+
 def _unflat_groups(flat: list, parts: list[list[list]]) -> list[list[list]]:
     """``flat`` (as ``_flat(_flat(parts))``) shaped back into per-group, per-layer lists like ``parts``."""
     it = iter(flat)
@@ -171,7 +178,7 @@ class _Refresh:
     groups: list[_GroupRefresh]
     owned: dict[int, OwnedLayer]  # id(GiftParam) -> this rank's build of it
     copy: HostCopy
-    parts: list | None  # per group, per own layer: the tensors ``copy`` carries
+    parts: list | None  # per group, per own layer: the places of the tensors ``copy`` carries (``_places``)
     stage: int = 1  # 1: statistics summed, 2: whitening Grams enqueued, 3: records sent
 
 
@@ -336,9 +343,8 @@ class RefreshSync:
                 offsets = [starts[gp.owner] + p for gp, p in zip(members, places)]
                 groups.append(_GroupRefresh(group, members, layouts, offsets, slot, build, shares))
             parts = [gr.build.grams() for gr in groups]
-            self.pending = _Refresh(
-                layers, sides, groups, owned, HostCopy([flags, *_flat(_flat(parts))], self.device), parts
-            )
+            copy = HostCopy([flags, *_flat(_flat(parts))], self.device)
+            self.pending = _Refresh(layers, sides, groups, owned, copy, _places(parts))
 
     def _cores(self) -> None:
         """Stage 2: host wait 1, the status of each side of this rank's layers from their summed
@@ -361,8 +367,8 @@ class RefreshSync:
         out = [gr.build.cores(p) for gr, p in zip(r.groups, _unflat_groups(rest, r.parts))]
         with self._side():
             dev = _unflat_groups(to_device(_flat(_flat(out)), self.device), out)
-            r.parts = [gr.build.whitening_grams(p) for gr, p in zip(r.groups, dev)]
-            r.copy, r.stage = HostCopy(_flat(_flat(r.parts)), self.device), 2
+            parts = [gr.build.whitening_grams(p) for gr, p in zip(r.groups, dev)]
+            r.copy, r.stage, r.parts = HostCopy(_flat(_flat(parts)), self.device), 2, _places(parts)
 
     def _send_refresh(self) -> None:
         """Stage 3: host wait 2, the r x r cores on the host, the records built and all-gathered."""

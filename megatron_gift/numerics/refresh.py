@@ -279,10 +279,12 @@ class FactorBuild:
     @staticmethod
     def _grams(side) -> torch.Tensor:
         w, scale = side.work, side.tokens.double()
-        if side.omega is None:
+        if side.omega is None:  # diag a copy: a view would hold A (d x d, FP64) through the step's reductions
             a = side.sums["xtx"].double() / scale
-            w["diag"] = torch.diagonal(a)
-            return 0.5 * (a + a.T)
+            w["diag"] = torch.diagonal(a).clone()
+            gram = a + a.T
+            del a
+            return gram.mul_(0.5)
         w["y"], w["diag"] = side.sums["y"].double() / scale, side.sums["diag"].double() / scale
         return sketch_grams(w["y"], side.omega.double())  # Ω in FP64 made where used: not held across the step
 
