@@ -60,6 +60,21 @@ def test_gloo_reduce_scatter_buffers_do_not_count():
     assert run_on_ranks(_reduce_scatter_live, 2) == [0, 0]
 
 
+def test_transient_is_each_ranks_own_peak_over_its_held():
+    """Bug caught: the transient taken as the largest peak less the largest held, which come from different
+    ranks where one holds more state (GIFT's statistics of the layers it owns) and another peaks higher: at
+    8 ranks the table read "+ -0.52". Here, per parameter over stock's, rank 0 holds 6 B more and peaks 3
+    higher, rank 1 holds 3 more and peaks 4 higher: not 4 - 6 = -2, but the larger of -3 and +1."""
+    stock = dict(peak=100, held=50, params=10, arena=0)
+    per_rank = [
+        {"stock": stock, "x": dict(peak=130, held=110, params=10, arena=0)},
+        {"stock": stock, "x": dict(peak=140, held=80, params=10, arena=0)},
+    ]
+    (_, row) = memory.summarize(per_rank, 2)
+    assert (row["peak_extra_B_per_param"], row["held_extra_B_per_param"]) == (4.0, 6.0)
+    assert row["transient_extra_B_per_param"] == 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_harness
 def test_quick_run(tmp_path):

@@ -151,23 +151,28 @@ def _rank_main(rank: int, world: int, spec: dict, names: tuple) -> dict:
 
 
 def summarize(per_rank: list[dict], world: int) -> list[dict]:
-    """Rows of the table for one data-parallel size: per configuration, bytes per parameter over ``stock``."""
+    """Rows of the table for one data-parallel size: per configuration, bytes per parameter over ``stock``,
+    each the largest over the ranks (the transient a rank's own peak over its own held: the ranks holding
+    the most need not be those peaking highest)."""
     rows = []
     for name in per_rank[0]:
 
         def extra(key, name=name):
             return max((r[name][key] - r["stock"][key]) / r[name]["params"] for r in per_rank)
 
-        peak, held = extra("peak"), extra("held")
+        def transient(r, name=name):  # one rank's peak over its own held, less stock's
+            return ((r[name]["peak"] - r[name]["held"]) - (r["stock"]["peak"] - r["stock"]["held"])) / r[name]["params"]
+
         row = dict(
             ranks=world,
             config=name,
             params=per_rank[0][name]["params"],
-            peak_extra_B_per_param=round(peak, 3),
-            held_extra_B_per_param=round(held, 3),
-            transient_extra_B_per_param=round(peak - held, 3),
+            peak_extra_B_per_param=round(extra("peak"), 3),
+            held_extra_B_per_param=round(extra("held"), 3),
+            transient_extra_B_per_param=round(max(transient(r) for r in per_rank), 3),
             arena_B_per_param=round(max(r[name]["arena"] / r[name]["params"] for r in per_rank), 3),
             peak_bytes_per_rank=[r[name]["peak"] for r in per_rank],
+            held_bytes_per_rank=[r[name]["held"] for r in per_rank],
         )
         if "steady" in per_rank[0][name]:
             row["steady_transient_extra_B_per_param"] = round(extra("steady"), 3)
