@@ -120,13 +120,17 @@ class Monitor:
                 ref /= world
             shard = bucket.layout.shards[rank]
             for seg, gp in bucket.segments():
-                a, b = max(seg.start, shard.lo), min(seg.end, shard.hi)
-                x = bucket.grad[a:b].to(torch.float64, copy=True) if a < b else ref.new_zeros(0, dtype=torch.float64)
-                y = ref[a - shard.lo : b - shard.lo].double() if a < b else x
-                ref_sq, dot, dec_sq = y.dot(y), x.dot(y), x.dot(x)  # FP64 sums, no product vectors
-                rows.append(torch.stack([x.sub_(y).dot(x), ref_sq, dot, dec_sq]))  # x's copy becomes x - y
+                a = max(seg.start, shard.lo)
+                b = max(a, min(seg.end, shard.hi))
+                row = torch.zeros(4, dtype=torch.float64, device=ref.device)
+                for lo, hi in _spans(a, b, COMPARE_BLOCKS):  # FP64 copies of a block at a time (some empty)
+                    x = bucket.grad[lo:hi].to(torch.float64, copy=True)
+                    y = ref[lo - shard.lo : hi - shard.lo].double()
+                    ref_sq, dot, dec_sq = y.dot(y), x.dot(y), x.dot(x)  # FP64 sums, no product vectors
+                    row += torch.stack([x.sub_(y).dot(x), ref_sq, dot, dec_sq])  # x's copy becomes x - y
+                    del x, y  # before the next block's copies are made
+                rows.append(row)
                 names.append(gp.name)
-                del x, y  # before the next segment's copies are made
         if not rows:
             return
         sums = torch.stack(rows)
@@ -176,3 +180,14 @@ class Monitor:
             self.decisions = []
         self.summaries, self.reduced, self.loss = {}, {}, None
         return record
+
+
+# A logging step compares a segment's part of the shard with the reference in this many blocks: FP64
+# copies of both (16 B per element) of a quarter of it at a time, 4 B per element of the segment.
+COMPARE_BLOCKS = 4
+
+
+def _spans(a: int, b: int, blocks: int) -> list[tuple[int, int]]:
+    """``blocks`` consecutive ranges covering ``[a, b)``, as even as whole elements allow (some empty)."""
+    step = -(-(b - a) // blocks)
+    return [(min(a + i * step, b), min(a + (i + 1) * step, b)) for i in range(blocks)]

@@ -168,3 +168,39 @@ def test_profile_roundtrip_sums_hold_two_fp64_copies():
     ]
     for got, want in zip(sums, exact):
         assert abs(float(got) - want) <= 1e-12 * abs(want)
+
+
+def test_logging_step_comparison_takes_a_segment_a_quarter_at_a_time(monkeypatch):
+    """Telemetry's comparison of a reduced shard with the FP32 reference (``Monitor.after_reduce``) holds
+    FP64 copies of both for a quarter of a segment at a time (16 B x N/4) and a few FP64 sums, and
+    gives RelL2 and cosine of the exact sums (``math.fsum`` of each FP64 term) to FP64 rounding. Catches
+    the whole segment copied at once (16 B per element: at 2 ranks the logging step's peak, 4.81 B/param
+    over stock's, docs/memory.md)."""
+    from types import SimpleNamespace
+
+    from megatron_gift.comm.layout import Segment
+    from megatron_gift.config import Mode
+    from megatron_gift.megatron import monitor
+
+    monkeypatch.setattr(monitor.dist, "all_reduce", lambda *a, **k: None)  # one rank: the sums are its own
+    gen = torch.Generator().manual_seed(11)
+    ref = torch.randn(N, generator=gen)
+    grad = ref + 1e-3 * torch.randn(N, generator=gen)
+    seg = Segment(0, 4, N // 4, Mode.GIFT, "w")
+    bucket = SimpleNamespace(
+        layout=SimpleNamespace(shards=[SimpleNamespace(lo=0, hi=N)]),
+        grad=grad,
+        segments=lambda: [(seg, SimpleNamespace(name="w"))],
+    )
+    group = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    m = monitor.Monitor.__new__(monitor.Monitor)
+    m.reduced = {}
+    with LiveBytes(grad, ref) as p:
+        m.after_reduce([bucket], group, [ref], average=False)
+    assert p.peak <= 16 * N // 4 + 1024, f"{p.peak / N:.2f} B per element"
+    x, y = grad.double().tolist(), ref.double().tolist()
+    err, ref_sq = math.fsum((a - b) ** 2 for a, b in zip(x, y)), math.fsum(b * b for b in y)
+    dot, dec_sq = math.fsum(a * b for a, b in zip(x, y)), math.fsum(a * a for a in x)
+    rel, cos = m.reduced["w"]
+    assert math.isclose(rel, math.sqrt(err / ref_sq), rel_tol=1e-9)
+    assert math.isclose(cos, dot / math.sqrt(dec_sq * ref_sq), rel_tol=1e-12)
