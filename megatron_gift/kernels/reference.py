@@ -66,11 +66,11 @@ def ordered_sum(
     block's FP32 rows live beside the sum at a time, and ``B`` depends on the total rows, not on how a
     rank's parts split them nor (below the budget) on how many there are.
 
-    One op per block, whatever the number of rows (and the same ops whichever parts or blocks are empty):
-    on the CPU ``index_add_`` adds the rows of its source one after another in index order; on CUDA
+    One op per block, whatever the number of rows: on the CPU ``index_add_`` adds the rows of its source
+    one after another in index order (the same ops whichever parts or blocks are empty); on CUDA
     ``cumsum`` along dim 0 runs a sequential loop per column in FP32 (ScanUtils.cuh,
-    ``tensor_kernel_scan_outer_dim``), whose last row is the sum. ``tests/unit/test_kernels.py`` holds
-    both to a Python loop, bit for bit."""
+    ``tensor_kernel_scan_outer_dim``), whose last row is the sum (none for an empty block).
+    ``tests/unit/test_kernels.py`` holds both to a Python loop, bit for bit."""
     values = sum(p.shape[0] for p in parts) * (width or parts[0].shape[-1])
     blocks = max(1, blocks, 0 if budget is None else -(-values // budget))
     spans = [_row_blocks(p.shape[0], blocks) for p in parts]
@@ -86,7 +86,8 @@ def ordered_sum(
                 x = rows(i, a, b)
             rest = x[int((i, j) == (first, 0)) :].float()  # no copy where the rows are FP32 already
             if acc.device.type == "cuda":
-                acc = torch.cumsum(torch.cat([acc, rest]), 0)[-1:]
+                if rest.shape[0]:  # an empty block adds nothing: no copy and scan of the sum for it
+                    acc = torch.cumsum(torch.cat([acc, rest]), 0)[-1:]
             else:
                 acc.index_add_(0, torch.zeros(rest.shape[0], dtype=torch.long, device=acc.device), rest)
             del x, rest
