@@ -31,9 +31,10 @@ def _senders_in_parts(seed: int):
 
 
 def test_decode_sum_holds_one_part_decoded_at_a_time():
-    """Three parts of 2, 1 and 4 senders' E4M3 rows: the FP32 sum (4 B per column), the largest part's
-    FP32 rows (4 x 4 B) and, while they are made, either the scales' int32 repeat index (4 B per
-    column) or the codes' values in BF16 (4 x 2 B): 28 B per column. Catches every part decoded before
+    """Three parts of 2, 1 and 4 senders' E4M3 rows: the FP32 sum (4 B per column), at most the largest
+    part's FP32 rows (4 x 4 B; one here, in ``DECODE_BLOCKS``' blocks) and, while they are made, either the
+    scales' int32 repeat index (4 B per column) or the codes' values in BF16 (4 x 2 B): at most 28 B per
+    column whatever the blocks. Catches every part decoded before
     the sum (the three parts' 7 rows live at once: 36 B and more) and a decode holding the codes' FP32
     values beside the repeated scales (4 x 8 B for the last part)."""
     cfg, lengths, payloads, scales = _senders_in_parts(seed=1)
