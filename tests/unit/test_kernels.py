@@ -1204,10 +1204,13 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
             ((64, 1000), (63, 1, 0)),
         ],
     )
-    @pytest.mark.parametrize("block_rows", [None, 2], ids=["whole-parts", "blocks-of-2-rows"])
+    @pytest.mark.parametrize(
+        "block_rows", [None, 2, "4-blocks"], ids=["whole-parts", "blocks-of-2-rows", "at-least-4-blocks"]
+    )
     def test_ordered_sum_is_sequential(device, shape, split, block_rows):
-        """``ordered_sum`` over any split into parts, each taken whole or in blocks of rows (a ``budget``
-        of two rows' values), is bit for bit ``acc = x_0.clone(); acc += x_i``
+        """``ordered_sum`` over any split into parts, each taken whole, in blocks of rows (a ``budget``
+        of two rows' values) or in at least 4 blocks (``blocks``: most of them empty for parts of a row or
+        two; on CUDA an empty block skips the scan), is bit for bit ``acc = x_0.clone(); acc += x_i``
         in row order, the receivers' summation order on every rank. On the CPU it relies on
         ``index_add_`` adding its source's rows one after another in index order (ATen's
         ``index_add_cpu_`` loops over the index, each step an elementwise ``add_`` of one source row
@@ -1218,7 +1221,10 @@ else:  # the outer run only, so that the interpreter run's summary has no skips
         acc = x[0].clone()
         for row in x[1:]:
             acc += row
-        got = kernels.ordered_sum(_split(x, split), budget=block_rows and block_rows * shape[1])
+        if block_rows == "4-blocks":
+            got = kernels.ordered_sum(_split(x, split), blocks=4)
+        else:
+            got = kernels.ordered_sum(_split(x, split), budget=block_rows and block_rows * shape[1])
         assert torch.equal(got.view(torch.int32), acc.view(torch.int32))
         if shape[0] > 2:
             backwards = x[-1].clone()
