@@ -4,33 +4,19 @@ twice the records' bytes, and install the same bits as the equal-slot all-gather
 
 import torch
 
-from megatron_gift.config import GiftConfig, Mode
-from megatron_gift.numerics import KFACStatistics
 from megatron_gift.testing import run_on_ranks
-
-LAYERS = {"big": (24, 48), "small": (16, 8)}  # name: (d_out, d_in); 2 layers on 4 ranks
+from tests.refresh_setup import LAYERS, refresh_of  # 2 layers on 4 ranks
 
 
 def _worker(rank, world, bound):
     import torch.distributed as dist
 
     import megatron_gift.refresh_sync as refresh_mod
-    from megatron_gift.refresh_sync import RefreshSync, record_layout
-    from megatron_gift.state import GiftParam, GiftState
+    from megatron_gift.refresh_sync import record_layout
 
     refresh_mod.GATHER_BOUND = bound
-    group = dist.group.WORLD
-    cfg = GiftConfig.build(mode=Mode.GIFT, rank=4, sketch=0, refresh_interval=1)
-    state = GiftState(cfg, torch.device("cpu"))
-    params = []
-    for name, (_, d_in) in LAYERS.items():
-        gp = GiftParam(name, Mode.GIFT, candidate=True)
-        gp.input.stats, gp.input.groups = KFACStatistics(d_in, ema=0.0), [group]
-        params.append(gp)
-        state.params[object()] = gp
-    st = RefreshSync(state)
-    every = [(gp, group) for gp in params]
-    st.assign_owners(every)
+    state, st, params, group = refresh_of()
+    cfg = state.config
     received = []
     real_broadcast, real_gather = dist.broadcast, refresh_mod._all_gather
 

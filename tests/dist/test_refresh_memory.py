@@ -3,31 +3,14 @@ step's reductions (the refresh step's peak, docs/memory.md), counted by hand per
 
 import torch
 
-from megatron_gift.config import GiftConfig, Mode
-from megatron_gift.numerics import KFACStatistics
 from megatron_gift.testing import run_on_ranks
-
-LAYERS = {"big": (24, 48), "small": (16, 8)}  # name: (d_out, d_in); exact statistics (no sketch)
+from tests.refresh_setup import LAYERS, refresh_of  # exact statistics (no sketch)
 
 
 def _worker(rank, world):
-    import torch.distributed as dist
-
-    from megatron_gift.refresh_sync import RefreshSync
-    from megatron_gift.state import GiftParam, GiftState
     from megatron_gift.testing.dispatch import LiveBytes
 
-    group = dist.group.WORLD
-    cfg = GiftConfig.build(mode=Mode.GIFT, rank=4, sketch=0, refresh_interval=1)
-    state = GiftState(cfg, torch.device("cpu"))
-    params = []
-    for name, (_, d_in) in LAYERS.items():
-        gp = GiftParam(name, Mode.GIFT, candidate=True)
-        gp.input.stats, gp.input.groups = KFACStatistics(d_in, ema=0.0), [group]
-        params.append(gp)
-        state.params[object()] = gp
-    st = RefreshSync(state)
-    st.assign_owners([(gp, group) for gp in params])
+    state, st, params, group = refresh_of()
     state.open_step()
     grads = []
     for i, (gp, (d_out, d_in)) in enumerate(zip(params, LAYERS.values())):
