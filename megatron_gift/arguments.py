@@ -250,8 +250,8 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--gift-error-feedback",
         action=argparse.BooleanOptionalAction,
         default=_WIRE.error_feedback,
-        help="Carry each rank's rounding error of what it sends (FP8, or the four-bit format) into the next step; "
-        "keeps one flat exchange (default: %(default)s).",
+        help="Carry each rank's rounding error of what it sends (FP8, or the four-bit format) into the next step "
+        "(4 B per coded element; a skipped step resets it); keeps one flat exchange (default: %(default)s).",
     )
     groups["whitening"].add_argument(
         "--gift-rank",

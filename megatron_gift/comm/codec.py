@@ -10,7 +10,7 @@ temporaries::
     U = G T            per GIFT weight, whole rows (``kernels.whiten_encode``; G elsewhere);
                        T_outᵀ G T with an output side (``outputs``), T_outᵀ applied row by row in the
                        same pass (its ``Pre``, a sum over all rows, from the read of G that gives G Q)
-    Ũ = U + e          with error feedback (then the residual e ← Ũ - dec(q(Ũ)) is staged)
+    Ũ = U + e          with error feedback (then the residual e ← Ũ - dec(q(Ũ)), in place)
     codes, scales of q(Ũ) → each shard's message        (``cast_bucket``: U in a float wire dtype)
 
 Receiver (``reduce_coded``, ``sum_plain``): the FP32 sum of every sender's codes (or plain values)
@@ -94,7 +94,7 @@ def encode_bucket(
 ) -> None:
     """Every coded value of ``flat`` (whitened where ``transforms`` has a ``T``, two-sided where
     ``outputs``, segment index -> ``T_out``, has one; plus the residual with ``error_feedback``, whose
-    next residual is staged) as codes of the format and scales into its message in ``buf`` (the
+    next residual overwrites it) as codes of the format and scales into its message in ``buf`` (the
     module doc's sender); ``pk``'s source is the bucket, which is only read."""
     out, cfg = views(buf, layout), layout.codec
     for _i, k0, k1, x, t, rows_of in _sends(flat, layout, transforms, outputs, ops.fused):

@@ -204,7 +204,8 @@ def whiten_encode(
     ``into``: the codes and scales are written straight into a buffer at the positions of its
     tables (``Placed``), nothing returned; every group must lie inside one shard of the tables (the
     layout's groups, cut at shard boundaries, do). ``feedback = (e, e')``: FP32 tensors of ``g``'s
-    numel (contiguous); ``Ũ = G T + e`` is encoded and ``e' ← Ũ - dec(q(Ũ))`` written (error feedback).
+    numel (contiguous; ``e'`` may be ``e`` itself, each element read before it is written); ``Ũ = G T + e``
+    is encoded and ``e' ← Ũ - dec(q(Ũ))`` written (error feedback).
 
     ``output``: the output side too, ``U = T_outᵀ G T`` (``two_sided.OutputRows``, on ``g``'s rows; with
     ``lengths`` each group inside one row). Without its ``Pre`` (``g`` the whole parameter) the kernels

@@ -139,7 +139,7 @@ def reference_whiten_encode(
     encoded, ``e' = Ũ - dec(q(Ũ))``."""
     rows, cols = g.shape
     u = sender_values(g, whitening, output)
-    if feedback is not None:  # Ũ made where e' is staged, then e' = Ũ - dec in place: no copy of Ũ beside it
+    if feedback is not None:  # Ũ made where e' goes (e itself, in place), then e' = Ũ - dec: no copy of Ũ beside it
         u = torch.add(u, feedback[0].view_as(u), out=feedback[1].view_as(u))
     if out is not None:
         out.copy_(u)

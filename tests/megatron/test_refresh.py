@@ -318,14 +318,15 @@ def test_fold_all_equals_one_fold_per_layer():
 
 @pytest.mark.parametrize("applied", [True, False])
 def test_error_feedback_commit_on_the_device(applied):
-    """A 0-d bool tensor commits like the Python bool: the new residual, or the old one kept (NaN staged)."""
+    """A 0-d bool tensor commits like the Python bool: the new residual kept, or, after a step not
+    applied (NaN written), zero. Bug caught: the device-side commit leaving the NaN residual in place."""
     ef, ref = ErrorFeedback(5), ErrorFeedback(5)
     for e in (ef, ref):
         e.residual.copy_(torch.arange(5.0))
         e.stage(torch.full((5,), float("nan")) if not applied else torch.ones(5), torch.zeros(5))
     ef.commit(torch.tensor(applied))
     ref.commit(applied)
-    assert torch.equal(ef.residual, ref.residual) and torch.isfinite(ef.residual).all()
+    assert torch.equal(ef.residual, ref.residual) and torch.equal(ef.residual, torch.full((5,), float(applied)))
 
 
 @pytest.mark.gpu

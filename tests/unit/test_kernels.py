@@ -985,19 +985,23 @@ def _comm_worker(rank, world):
                 "cpu",
             )
             out[(codec, all_reduce, average, use)] = (flat, {k: calls[k] - before[k] for k in calls})
-    # Error feedback on the kernels too: every coded element's residual staged (NaN before).
+    # Error feedback on the kernels too: every coded element's residual written (to a buffer of its own,
+    # NaN before); in place, the same bits.
+    from tests.staged_residual import StagedResidual
+
     layout = BucketLayout(numel, world, segments, CodecConfig(), torch.float32)
     for use in (False, True):
         forced[0] = use
-        ef = ErrorFeedback(layout.n_coded)
-        ef.feedback(0, layout.n_coded)[1].fill_(float("nan"))
-        reduce_now(
-            quantized.QuantizedReduce(
-                grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef, kernels=use
-            ),
-            "cpu",
-        )
-        out[("ef", use)] = ef._pending
+        efs = (ErrorFeedback(layout.n_coded), StagedResidual(torch.zeros(layout.n_coded)))
+        for ef in efs:
+            reduce_now(
+                quantized.QuantizedReduce(
+                    grads[rank].clone(), layout, dist.group.WORLD, transforms, error_feedback=ef, kernels=use
+                ),
+                "cpu",
+            )
+        out[("ef", use)] = efs[1].staged
+        out[("ef in place", use)] = efs[0].residual
     return out
 
 
@@ -1047,6 +1051,8 @@ if INTERPRET:
         for res in results:
             assert torch.isfinite(res[("ef", True)]).all() and torch.isfinite(res[("ef", False)]).all()
             assert torch.equal(res[("ef", True)][euclidean], res[("ef", False)][euclidean])
+            for use in (False, True):
+                assert torch.equal(res[("ef in place", use)].view(torch.int32), res[("ef", use)].view(torch.int32))
 
 else:  # the outer run only, so that the interpreter run's summary has no skips
 

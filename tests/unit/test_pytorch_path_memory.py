@@ -96,19 +96,23 @@ def test_fp8_encode_temporaries(fmt):
     assert p.peak <= 8.25 * N, f"{p.peak / N:.2f} B per element"
 
 
-def test_error_feedback_encode_stages_the_compensated_values_in_place():
-    """The PyTorch path's encode with error feedback makes ``Ũ = G + e`` where the next residual is staged
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+def test_error_feedback_encode_stages_the_compensated_values_in_place(in_place):
+    """The PyTorch path's encode with error feedback makes ``Ũ = G + e`` where the next residual goes
     and takes ``e' = Ũ - dec(q(Ũ))`` there in place: beside the codes (1 B per element) it holds the
     encode's 8 B, then the decode's repeated scales and their int32 index (4 B each): 9 B and the
-    per-group arrays. Catches ``Ũ`` made as a tensor of its own beside the staged residual (13 B)."""
+    per-group arrays. Catches ``Ũ`` made as a tensor of its own beside the next residual (13 B); with
+    ``e'`` the residual ``e`` itself (``ErrorFeedback.feedback``), the same values."""
     cfg = CodecConfig(FP8Format.E4M3, Scaling.BLOCK)
     lengths = group_lengths(1, N, cfg)
     gen = torch.Generator().manual_seed(6)
-    g, e, staged = torch.randn(1, N, generator=gen), torch.randn(N, generator=gen) * 0.01, torch.empty(N)
+    g, e = torch.randn(1, N, generator=gen), torch.randn(N, generator=gen) * 0.01
+    staged, old = (e, e.clone()) if in_place else (torch.empty(N), e)
     with LiveBytes(g, e, staged, lengths) as p:
         enc = reference_whiten_encode(g, None, cfg, lengths=lengths, feedback=(e, staged))
     assert p.peak <= 9.25 * N, f"{p.peak / N:.2f} B per element"
-    # the staged residual is Ũ's, by a decode of its own
+    # the next residual is Ũ's, by a decode of its own
+    e = old
     ref = (g.reshape(-1) + e) - decode_flat(encode_flat(g.reshape(-1) + e, lengths, cfg), lengths, cfg)
     assert torch.equal(staged, ref) and torch.equal(
         enc.payload.reshape(-1), encode_flat(g.reshape(-1) + e, lengths, cfg).payload

@@ -235,23 +235,32 @@ if INTERPRET:
     def test_encode_bucket_with_error_feedback(cfg):
         """``encode_bucket`` + ``plain_bucket`` with error feedback on the fused path vs the PyTorch path
         (rank-0 whitening: one rounded product, so both compute the same ``U``): the buffer and the
-        staged residual bit for bit, and ``commit`` adopts it. The kernels ran (error feedback no
-        longer turns them off)."""
+        new residual bit for bit. On each path the residual written in place is the one written to a
+        buffer of its own (``StagedResidual``), which every coded element reaches. Bugs caught: an
+        element read after the in-place write (a pass reading ``e`` again), a coded element never
+        written. The kernels ran (error feedback no longer turns them off)."""
+        from tests.staged_residual import StagedResidual
+
         layout = BucketLayout(NUMEL, 4, SEGMENTS, cfg, torch.float32)
         ts = [_whitening(s.cols, 0, "cpu", seed=i) if s.mode is Mode.GIFT else None for i, s in enumerate(SEGMENTS)]
         flat = _bucket(special=False)
+        old = torch.randn(layout.n_coded, generator=torch.Generator().manual_seed(3)) * 0.01
         for name, pk in _packings(layout):
             out = []
             for fused in (False, True):
-                ef = ErrorFeedback(layout.n_coded)
-                ef.residual.normal_(generator=torch.Generator().manual_seed(3)).mul_(0.01)
-                buf = torch.zeros(pk.nbytes, dtype=torch.uint8)
-                codec.encode_bucket(buf, pk, flat, layout, ts, kernels.CodecOps(fused), ef)
-                codec.plain_bucket(buf, pk, flat, layout, kernels.CodecOps(fused))
-                staged = ef._pending.clone()
-                ef.commit()
-                assert torch.equal(ef.residual, staged)
-                out.append((buf, staged))
+                efs, bufs = (ErrorFeedback(layout.n_coded), StagedResidual(old)), []
+                for ef in efs:
+                    ef.residual.copy_(old)
+                    buf = torch.zeros(pk.nbytes, dtype=torch.uint8)
+                    codec.encode_bucket(buf, pk, flat, layout, ts, kernels.CodecOps(fused), ef)
+                    codec.plain_bucket(buf, pk, flat, layout, kernels.CodecOps(fused))
+                    ef.commit()
+                    bufs.append(buf)
+                in_place, staged = efs[0].residual, efs[1].staged
+                assert torch.isfinite(staged).all() and torch.equal(efs[1].residual, old), name  # e only read
+                assert torch.equal(in_place.view(torch.int32), staged.view(torch.int32)), name
+                assert torch.equal(bufs[0], bufs[1]), name
+                out.append((bufs[0], staged))
             assert torch.equal(out[0][0], out[1][0]), name
             assert torch.equal(out[0][1].view(torch.int32), out[1][1].view(torch.int32)), name
 
