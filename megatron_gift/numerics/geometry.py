@@ -43,15 +43,32 @@ def shares_ratio(p: float, q: float, rho: float) -> float:
     return math.sqrt(rho * q / p + (1 - rho) * (1 - q) / (1 - p))
 
 
+# Profiles and geometry sums take a gradient's rows in this many blocks (fewer where the rows are): their
+# FP64 copies and round trips hold a quarter of the gradient at a time, in at most as many ops.
+ROW_BLOCKS = 4
+
+
+def row_spans(rows: int, blocks: int = ROW_BLOCKS) -> list[tuple[int, int]]:
+    """The non-empty ones of ``blocks`` consecutive row ranges covering ``[0, rows)``, as even as whole rows allow."""
+    step = max(1, -(-rows // blocks))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
 def geometry_sums(grad: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> torch.Tensor:
     """``[‖G‖², ‖G V‖², ‖G T‖²·tr(Â)/d_in, p]`` (FP64, on ``grad``'s device, no host synchronisation)
-    for the gradient ``grad`` (``G [d_out, d_in]``): the first three are additive over ranks."""
-    g64 = grad.detach().double().reshape(-1, factor.d.shape[0])
-    d_in, dev = g64.shape[1], g64.device
-    u = whitening.apply(grad.detach().float().reshape(-1, d_in)).double()
+    for the gradient ``grad`` (``G [d_out, d_in]``): the first three are additive over ranks (and over
+    the row blocks they are summed from)."""
+    g = grad.detach().reshape(-1, factor.d.shape[0])
+    d_in, dev = g.shape[1], g.device
+    v, sums = factor.v.to(dev), torch.zeros(3, dtype=torch.float64, device=dev)
+    for a, b in row_spans(g.shape[0]):
+        g64 = g[a:b].double().reshape(-1)
+        u = whitening.apply(g[a:b].float()).double().reshape(-1)
+        sums += torch.stack([torch.dot(g64, g64), ((g64.view(b - a, d_in) @ v) ** 2).sum(), torch.dot(u, u)])
+        del g64, u
     trace = factor.trace.to(dev, torch.float64)
     p = factor.lam.sum().to(dev, torch.float64) / factor.trace_a
-    return torch.stack([(g64 * g64).sum(), ((g64 @ factor.v.to(dev)) ** 2).sum(), (u * u).sum() * trace / d_in, p])
+    return torch.cat([sums[:2], sums[2:] * trace / d_in, p.view(1)])
 
 
 def geometry_stats(grad: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> GeometryStats:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .fp8 import CodecConfig, CodecStats, Scaling, decode, encode, roundtrip
-from .geometry import geometry_sums, shares_ratio
+from .geometry import geometry_sums, row_spans, shares_ratio
+from .two_sided import TwoSidedWhitening
 from .whitening import LowRankFactor, LowRankWhitening
 
 FIELDS = (
@@ -97,6 +98,11 @@ def _roundtrip_sums(g: torch.Tensor, g_hat: torch.Tensor) -> list[torch.Tensor]:
     return [torch.dot(diff, diff), dot, sq]
 
 
+def _finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over the finite values of ``x`` (0 where none), as ``fp8.encode`` takes a group's."""
+    return x.abs().nan_to_num_(nan=0.0, posinf=0.0).amax()
+
+
 def profile_gradient(
     g: torch.Tensor,
     cfg: CodecConfig,
@@ -118,29 +124,48 @@ def profile_gradient(
         whitening = LowRankWhitening(factor, device=g.device)
     v = dict.fromkeys(FIELDS, 0.0)
     v["ranks"], v["numel"] = 1.0, float(g.numel())
-    g64 = g.reshape(-1).double()
-    v["grad_sq"] = torch.dot(g64, g64)
-    del g64
-
-    tensor_stats = CodecStats()
-    amax = None if tensor_amax is None else tensor_amax.to(g.device, torch.float32)
-    encode(g, CodecConfig(cfg.fmt, Scaling.TENSOR), amax=amax, stats=tensor_stats)
-    v["nonfinite"] = tensor_stats.nonfinite
-    v["tensor_at_max"] = tensor_stats.at_max
-    v["tensor_at_min"] = tensor_stats.flushed + tensor_stats.at_min_subnormal
-
-    stats = CodecStats()
-    g_hat = decode(encode(g, cfg, stats=stats), cfg, out_shape=g.shape)
-    v["euclid_err_sq"], v["euclid_dot"], v["euclid_dec_sq"] = _roundtrip_sums(g, g_hat)
-    v["euclid_at_max"], v["euclid_flushed"] = stats.at_max, stats.flushed
-
+    # Row blocks (``geometry.row_spans``): every codec group lies inside a row, and a per-tensor scale
+    # comes from the maximum over the blocks (the same value), so each block encodes as the whole would;
+    # one block where the map mixes rows (a two-sided one's ``T_outᵀ``).
+    m = g.reshape(g.shape[0], -1) if g.dim() > 1 else g.reshape(1, -1)
+    rows = m.shape[0]
+    spans = (row_spans(rows) if not isinstance(whitening, TwoSidedWhitening) else [(0, rows)]) if g.numel() else []
+    over_rows = lambda f: torch.stack([f(m[a:b]) for a, b in spans]).amax()  # noqa: E731
+    per_tensor = cfg.scaling is Scaling.TENSOR
+    own = over_rows(_finite_amax) if spans and (tensor_amax is None or per_tensor) else None
+    shared = own if tensor_amax is None else tensor_amax.to(g.device, torch.float32)
+    u_amax = over_rows(lambda x: _finite_amax(whitening.apply(x))) if spans and per_tensor and whitening else None
+    tensor = CodecConfig(cfg.fmt, Scaling.TENSOR)
+    stats = {k: CodecStats() for k in ("tensor", "euclid", "gift")}  # an encode adds its counts
+    sums = {k: [] for k in ("grad", "euclid", "gift")}
+    for a, b in spans:
+        x = m[a:b]
+        x64 = x.reshape(-1).double()
+        sums["grad"].append(torch.dot(x64, x64))  # 0-d: their sum is too
+        del x64
+        encode(x, tensor, amax=shared, stats=stats["tensor"])
+        x_hat = decode(encode(x, cfg, amax=own if per_tensor else None, stats=stats["euclid"]), cfg)
+        sums["euclid"].append(torch.stack(_roundtrip_sums(x, x_hat)))
+        del x_hat
+        if whitening is not None:
+            u = whitening.apply(x)
+            x_hat = decode(encode(u, cfg, amax=u_amax, stats=stats["gift"]), cfg)
+            del u
+            x_hat = whitening.inverse(x_hat)
+            sums["gift"].append(torch.stack(_roundtrip_sums(x, x_hat)))
+            del x_hat
+    zero = torch.zeros(3, dtype=torch.float64, device=g.device)
+    total = lambda k: torch.stack(sums[k]).sum(0) if sums[k] else zero  # noqa: E731
+    v["grad_sq"] = total("grad") if spans else 0.0
+    v["nonfinite"] = stats["tensor"].nonfinite
+    v["tensor_at_max"] = stats["tensor"].at_max
+    v["tensor_at_min"] = stats["tensor"].flushed + stats["tensor"].at_min_subnormal
+    v["euclid_err_sq"], v["euclid_dot"], v["euclid_dec_sq"] = total("euclid").unbind()
+    v["euclid_at_max"], v["euclid_flushed"] = stats["euclid"].at_max, stats["euclid"].flushed
     if whitening is not None:
-        u = whitening.apply(g)
-        stats = CodecStats()
-        g_hat = whitening.inverse(decode(encode(u, cfg, stats=stats), cfg, out_shape=u.shape))
         v["gift_ranks"] = 1.0
-        v["gift_err_sq"], v["gift_dot"], v["gift_dec_sq"] = _roundtrip_sums(g, g_hat)
-        v["gift_at_max"], v["gift_flushed"] = stats.at_max, stats.flushed
+        v["gift_err_sq"], v["gift_dot"], v["gift_dec_sq"] = total("gift").unbind()
+        v["gift_at_max"], v["gift_flushed"] = stats["gift"].at_max, stats["gift"].flushed
 
     if factor is not None:
         v["geometry_grad_sq"], v["top_r_energy"], v["model_sq"], v["trace_share"] = geometry_sums(

@@ -104,6 +104,36 @@ def test_profile_measures_roundtrips_and_geometry():
     assert bare.euclidean_rel_l2 == s.euclidean_rel_l2 and bare.gift_rel_l2 is None and bare.top_r_share is None
 
 
+@pytest.mark.parametrize("scaling", ["block", "tensor"])
+def test_profile_takes_a_quarter_of_the_rows_at_a_time(setup, scaling):
+    """A profile (GIFT round trip and geometry included) takes the gradient's rows a quarter at a time:
+    at most the round-trip sums' FP64 copies of a block and its decode (20 B per element of the block),
+    5 B per element of the gradient, and the per-group scales. Catches the whole gradient's FP64 copies
+    at once (32 B per element before the blocks); with per-tensor scaling, each block scaled by its own
+    maximum instead of the tensor's (the errors then differ from the whole tensor's round trip)."""
+    basis, evals, factor = setup
+    w, cfg = LowRankWhitening(factor), CodecConfig("e4m3", scaling)
+    g = _grad(basis, evals, 2, seed=7, rows=256)
+    g[:64] *= 100.0  # the first block's maximum is the tensor's: the others' own would differ
+    amax = g.abs().max()
+    from megatron_gift.testing.dispatch import LiveBytes
+
+    with LiveBytes(g, amax) as p:
+        vec = profile_gradient(g, cfg, w, factor, tensor_amax=amax)
+    assert p.peak <= 5.25 * g.numel(), f"{p.peak / g.numel():.2f} B per element"
+    s = summarize(vec)
+    trip = (
+        (lambda x: fp8_roundtrip(x, width=128))
+        if scaling == "block"
+        else (lambda x: fp8_roundtrip(x.reshape(1, -1), width=None).view_as(x))
+    )
+    assert s.euclidean_rel_l2 == pytest.approx(_relerr(g, trip(g)), rel=1e-9)
+    # G T of a block is the whole's rows up to FP32 rounding (a GEMM of fewer rows may sum in another
+    # order): a code at a rounding tie may flip, moving the error energy by about 1/numel each; a block
+    # scaled by its own maximum moves it by far more (its values 100x finer)
+    assert s.gift_rel_l2 == pytest.approx(_relerr(g, w.inverse(trip(w.apply(g)))), rel=1e-3)
+
+
 def test_profile_is_additive_over_ranks(setup):
     """Summed per-rank vectors describe the stacked rank gradients (row-local codec and T)."""
     basis, evals, factor = setup
