@@ -194,6 +194,23 @@ def test_whiten_encode(device, cfg, shape, rank, kernels_only):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,shape,rank", WHITEN_CASES, ids=lambda v: getattr(v, "name", None))
+def test_whiten_encode_writes_the_residual_in_place(device, cfg, shape, rank, kernels_only):
+    """Error feedback with ``e'`` the residual ``e`` itself, as ``ErrorFeedback.feedback`` hands it: the
+    codes and the new residual bit for bit those with ``e'`` a buffer of its own. Bug caught: a pass
+    that reads ``e`` where the kernel already wrote ``e'`` (a maxima pass after the encode, a chunk
+    read again after its store; on CUDA a load moved past a store to what it took for another address)."""
+    g = _gradient(*shape, seed=3, device=device, special=False)
+    w = _whitening(shape[1], rank, device)
+    e = (torch.randn(g.numel(), generator=torch.Generator().manual_seed(5)) * 0.01).to(device)
+    apart = torch.full_like(e, float("nan"))
+    ref = kernels.whiten_encode(g, w, cfg, feedback=(e, apart))
+    in_place = e.clone()
+    _assert_same_encoding(kernels.whiten_encode(g, w, cfg, feedback=(in_place, in_place)), ref)
+    assert torch.isfinite(apart).all() and torch.equal(in_place.view(torch.int32), apart.view(torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("average", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1), (9, 300)])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
