@@ -67,6 +67,7 @@ CONFIGS = {
     "euclidean fused": dict(mode=Mode.EUCLIDEAN, error_feedback=False, kernels=True),
     "euclidean+error-feedback fused": dict(mode=Mode.EUCLIDEAN, error_feedback=True, kernels=True),
     "gift fused": dict(mode=Mode.GIFT, error_feedback=False, kernels=True),
+    "gift+error-feedback fused": dict(mode=Mode.GIFT, error_feedback=True, kernels=True),
     "euclidean two-level fused": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2, kernels=True),
     "gift two-level fused": dict(mode=Mode.GIFT, ranks_per_node=2, kernels=True),
     "gift two-level nvfp4 fused": dict(
