@@ -63,6 +63,8 @@ CONFIGS = {
     "euclidean two-level": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2),
     "gift two-level": dict(mode=Mode.GIFT, ranks_per_node=2),
     "gift two-level nvfp4": dict(mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4),
+    "gift nvfp4": dict(mode=Mode.GIFT, inter_node_format=InterNodeFormat.NVFP4),
+    "gift nvfp4+error-feedback": dict(mode=Mode.GIFT, inter_node_format=InterNodeFormat.NVFP4, error_feedback=True),
     # the fused kernels' path (CUDA's), here under Triton's interpreter: what its launches allocate
     "euclidean fused": dict(mode=Mode.EUCLIDEAN, error_feedback=False, kernels=True),
     "euclidean+error-feedback fused": dict(mode=Mode.EUCLIDEAN, error_feedback=True, kernels=True),
@@ -70,6 +72,7 @@ CONFIGS = {
     "gift+error-feedback fused": dict(mode=Mode.GIFT, error_feedback=True, kernels=True),
     "euclidean two-level fused": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2, kernels=True),
     "gift two-level fused": dict(mode=Mode.GIFT, ranks_per_node=2, kernels=True),
+    "gift nvfp4 fused": dict(mode=Mode.GIFT, inter_node_format=InterNodeFormat.NVFP4, kernels=True),
     "gift two-level nvfp4 fused": dict(
         mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4, kernels=True
     ),
