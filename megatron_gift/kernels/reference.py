@@ -239,5 +239,5 @@ def reference_rotate_blocks(
     block = signs.shape[1]
     at = (starts[:, None] + torch.arange(block, device=x.device)).reshape(-1)
     blocks, s = x.index_select(0, at).view(-1, block), signs.index_select(0, rows)
-    blocks = fwht(blocks, block) * s if inverse else fwht(blocks * s, block)
+    blocks = fwht(blocks, block, scratch=True).mul_(s) if inverse else fwht(blocks.mul_(s), block, scratch=True)
     return x.index_copy_(0, at, blocks.view(-1))

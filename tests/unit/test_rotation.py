@@ -29,6 +29,26 @@ def test_fwht_matches_dense_sylvester(block):
     assert torch.allclose(fwht(fwht(x, block), block), x, atol=1e-12)
 
 
+@pytest.mark.parametrize("block", [1, 2, 64])
+def test_fwht_on_views_and_scratch(block):
+    """A strided input (a transposed view) against the dense FP64 matrix; ``scratch`` (the input serving as
+    a stage buffer) changes no bit of the result, and without it the input is left as it was; at most two
+    copies of the input live at once. Catches a stage writing into the caller's tensor, a view taken of a
+    strided input as if contiguous, and each stage's halves stacked into new tensors (three copies)."""
+    from megatron_gift.testing.dispatch import LiveBytes
+
+    x = torch.randn(4 * block, 96, dtype=torch.float64).t()  # [96, 4 * block], not contiguous
+    before = x.clone()
+    want = x @ torch.block_diag(*[sylvester(block) / block**0.5] * 4)
+    got = fwht(x, block)
+    assert torch.allclose(got, want, atol=1e-12) and torch.equal(x, before)
+    y = torch.randn(96, 4 * block, dtype=torch.float32)
+    with LiveBytes() as p:
+        plain = fwht(y, block)
+    assert p.peak <= 2 * y.numel() * 4
+    assert torch.equal(fwht(y.clone(), block, scratch=True), plain)
+
+
 def test_fwht_rejects_bad_blocks():
     """Catches a silent wrong transform for a non-power-of-two block or a ragged last dim."""
     with pytest.raises(ValueError):
