@@ -7,18 +7,19 @@ shard run as Triton kernels where the reduction's kernels do (``kernels/fp4.py``
 
 The flat one on rank ``r`` of ``p``, for one bucket whose layout passed ``BucketLayout.check_blocks``:
 
-0. *send*: ``U = G T`` (GIFT, whole parameters; ``G`` elsewhere) into the bucket's coded sequence in
-   FP32 (where the kernels run without error feedback, ``G T`` alone: the encode reads ``G`` of the Euclidean
-   parameters in the bucket, ``kernels.placement.Source``); shard ``j``'s range of it encoded with
-   ``numerics.fp4.encode_fp4``, one *segment* (an NVFP4 FP32 segment scale) per coded parameter part of the
-   shard, into message ``j``::
+0. *send*: ``U = G T`` (GIFT, whole parameters; ``G`` elsewhere), the bucket's coded sequence; shard ``j``'s
+   range of it encoded with ``numerics.fp4.encode_fp4``, one *segment* (an NVFP4 FP32 segment scale) per
+   coded parameter part of the shard, into message ``j``::
 
        [segment scales (FP32) | off values | bf16 values | block scales | packed codes]
 
    each section padded to 4 bytes (``fp4_message``); every sender's message to ``j`` has the same
-   size. The whole coded sequence is encoded in one call and each section placed into every
-   message by one index (``FP4Packing``): the ops do not grow with ``p``. One all-to-all of the
-   ``p - 1`` others' messages.
+   size. Where the kernels run without error feedback, ``G T`` is made in FP32 (the encode reads ``G`` of
+   the Euclidean parameters in the bucket, ``kernels.placement.Source``) and the whole sequence encoded
+   in one launch; else each coded parameter is made and encoded by itself (its parts are whole
+   segments: the same codes and scales), one parameter's FP32 values at a time.
+   Each section is placed into every message by one index (``FP4Packing``): the ops grow with neither
+   ``p`` nor the bucket's size. One all-to-all of the ``p - 1`` others' messages.
 1. *reduce*: every sender's message decoded (``decode_fp4``, the messages as one sequence), summed in FP32 in rank order
    (``kernels.reference.ordered_sum``), ÷ p when averaging, ``T⁻¹`` of whole rows written into the
    bucket; the cut rows' partial projections go to the neighbours (``pieces.PieceExchange``).
@@ -36,8 +37,9 @@ kernels run (a table of each 64-element chunk's sign row, ``_chunk_rows``), else
 of all the shards at hand gathered, rotated and scattered back in a fixed number of calls
 (``_rotate_shards``), whatever the number of nodes.
 With error feedback (``--gift-error-feedback``, the flat exchange only) each sender adds its residual
-``e`` to ``U`` and keeps ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` (``Ũ = U + e``): the residual stays in the
-whitened coordinates, before the rotation, where a refresh carries it over and a checkpoint keeps it.
+``e`` to ``U`` and keeps ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` (``Ũ = U + e``), decoded from the message's own
+encode (``_encode_parameter``): the residual stays in the whitened coordinates, before the rotation,
+where a refresh carries it over and a checkpoint keeps it.
 The output side is refused at start-up with FP4.
 """
 
@@ -54,7 +56,7 @@ from ..kernels import reference
 from ..kernels.placement import Placement, Source
 from ..kernels.reference import ordered_sum, reference_rotate_blocks, reference_sum_rows, sender_values
 from ..numerics.error_feedback import ErrorFeedback
-from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4, roundtrip_fp4
+from ..numerics.fp4 import FP4Encoded, FP4Format, decode_fp4, encode_fp4
 from ..numerics.rotation import BlockHadamard
 from .codec import CHUNK, spans, sum_plain
 from .hierarchical import TwoLevelReduce
@@ -145,11 +147,12 @@ def fp4_packing(layout: BucketLayout, fmt: FP4Format, shards: tuple[int, ...], d
     return FP4Packing(place, lengths.to(device), lengths.cumsum(0).to(device), at)
 
 
-def _place(out: torch.Tensor, table: Placement, values: torch.Tensor) -> None:
-    """``values`` (the source's sequence of one section, in ``out``'s dtype) into ``out`` at the
-    table's positions, ``CHUNK`` at a time (``Placement.index``: 4 bytes per element, 8 past 2^31)."""
+def _place(out: torch.Tensor, table: Placement, values: torch.Tensor, at: int = 0) -> None:
+    """``values`` (the source's sequence of one section from its element ``at`` on, in ``out``'s dtype)
+    into ``out`` at the table's positions, ``CHUNK`` at a time (``Placement.index``: 4 bytes per element,
+    8 past 2^31)."""
     for a, b in spans(0, values.numel(), CHUNK):
-        out.index_put_((table.index(a, b),), values[a:b])
+        out.index_put_((table.index(at + a, at + b),), values[a:b])
 
 
 class _FP4Stages:
@@ -245,7 +248,7 @@ class _FP4Stages:
         pk: FP4Packing,
         coded: torch.Tensor,
         plain: list[torch.Tensor],
-        rotate: tuple[int, ...] | None,
+        rotate: tuple[int, ...],
         source: Source | None = None,
     ) -> torch.Tensor:
         """The buffer of ``pk``'s messages: the source's coded values ``coded`` (FP32, its shards one
@@ -258,7 +261,7 @@ class _FP4Stages:
         PyTorch path's encode overwrites it."""
         buf = self.space.zeros(pk.nbytes, device=coded.device)
         fp4 = self.ops.fp4(coded.device)
-        rotating = rotate is not None and self.rotation is not None and bool(self.rotated_segments)
+        rotating = self.rotation is not None and bool(self.rotated_segments)
         n = coded.numel() if source is None else source.n  # with a source ``coded`` holds its own part alone
         if n and fp4 is not None:
             rotation = self._chunk_rows(rotate, coded.device) if rotating else None
@@ -268,10 +271,22 @@ class _FP4Stages:
             if rotating:
                 coded = self._rotate_shards(coded, rotate)
             enc = encode_fp4(coded, self.fmt, pk.lengths, scratch=True)  # the stage's own values: scaled in place
-            _place(buf, pk.place["coded"], enc.codes)
-            _place(buf, pk.place["groups"], enc.block_scales)
-            if self.fmt.segment_scale:
-                _place(buf.view(torch.float32), pk.place["segments"], enc.segment_scales)
+            self._place_encoded(buf, pk, enc, 0, 0)
+        self._place_plain(buf, pk, plain)
+        return buf
+
+    def _place_encoded(self, buf: torch.Tensor, pk: FP4Packing, enc: FP4Encoded, at: int, part: int) -> None:
+        """``enc``, the encode of the source's coded values from element ``at`` on, whose first segment is the
+        source's part ``part``, into ``pk``'s messages in ``buf``: codes, block scales, segment scales."""
+        _place(buf, pk.place["coded"], enc.codes, at // 2)
+        _place(buf, pk.place["groups"], enc.block_scales, at // self.fmt.block)
+        if self.fmt.segment_scale:
+            _place(buf.view(torch.float32), pk.place["segments"], enc.segment_scales, part)
+
+    def _place_plain(self, buf: torch.Tensor, pk: FP4Packing, plain: list[torch.Tensor]) -> None:
+        """The plain values ``plain[c]`` (class ``c``'s, the source's shards one after another) cast into
+        ``pk``'s messages in ``buf``."""
+        fp4 = self.ops.fp4(buf.device)
         for c, name in enumerate(("off", "bf16")):
             dt = self.layout.plain_dtypes[c]
             if plain[c].numel() == 0:  # a class the source lacks (a layout fact): nothing to place
@@ -280,7 +295,6 @@ class _FP4Stages:
                 self.ops.whiten_place(plain[c].view(1, -1), None, pk.place[name].at(buf.view(dt), 0))
             else:
                 _place(buf.view(dt), pk.place[name], plain[c].to(dt))
-        return buf
 
     # -- the own shard ----------------------------------------------------------------------------------
     def _reduce(self, prev: StageResult) -> StageResult:
@@ -347,10 +361,9 @@ class _FP4Stages:
         lengths = self._lengths(self.rank, msgs.device)
 
         def rows(_, a: int, b: int) -> torch.Tensor:  # senders [a, b) decoded, the budget's blocks at a time
-            # copies at any b - a (a reshape copies only where the rows are more than one): the same ops at any p
-            enc = FP4Encoded(
-                codes=msgs[a:b, m.codes_at : m.codes_at + n // 2].clone().view(-1),
-                block_scales=msgs[a:b, m.scales_at : m.scales_at + n // self.fmt.block].clone().view(-1),
+            enc = FP4Encoded(  # the messages' codes and block scales where they lie (the decode reads rows)
+                codes=msgs[a:b, m.codes_at : m.codes_at + n // 2],
+                block_scales=msgs[a:b, m.scales_at : m.scales_at + n // self.fmt.block],
                 segment_scales=segments[a * parts : b * parts],
             )
             return decode_fp4(enc, self.fmt, lengths.repeat(b - a)).view(b - a, n)
@@ -431,14 +444,12 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         return taken(sum(sizes), self.world * max(sizes), *self._gathered_bytes())
 
     # -- 0: send --------------------------------------------------------------------------------------
-    def _coded_values(self) -> tuple[torch.Tensor, bool, Source | None]:
-        """The bucket's coded sequence, FP32: ``G T`` of whole GIFT parameters, ``G`` elsewhere (plus the
-        residual with error feedback, then times ``H`` already), whether ``H`` is still to come, and where the
-        kernels run without error feedback, the Euclidean parameters as a ``Source`` read in the bucket
-        (``u`` holds ``G T`` alone then: no FP32 copy of ``G``)."""
+    def _coded_values(self) -> tuple[torch.Tensor, Source | None]:
+        """The kernels' input (without error feedback): ``G T`` of whole GIFT parameters in FP32 at their
+        places in the bucket's coded sequence, and the Euclidean parameters as a ``Source`` read in the
+        bucket (``u`` holds ``G T`` alone: no FP32 copy of ``G``)."""
         layout, flat = self.layout, self.flat
-        in_place = self.error_feedback is None and self.ops.fp4(flat.device) is not None
-        euclid = tuple(i for i in layout.coded_segments if self.transforms[i] is None) if in_place else ()
+        euclid = tuple(i for i in layout.coded_segments if self.transforms[i] is None)
         segs = layout.segments
 
         def runs() -> Source | None:  # (position in the coded sequence, length, start in the bucket)
@@ -453,16 +464,7 @@ class FP4Reduce(_FP4Stages, ShardReduction):
             if i not in euclid:
                 g = flat[s.start : s.end].view(s.rows, s.cols)
                 u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
-        shards = tuple(range(self.world))  # the shards tile the coded sequence
-        if self.error_feedback is None:
-            return u, True, source.on(flat) if source is not None else None
-        e, staged = self.error_feedback.feedback(0, u.numel())
-        u += e
-        v = self._rotate_shards(u.clone() if self.rotation is not None else u, shards)
-        # what the owners decode of v (the same segments as the messages'), rotated back: the next residual
-        sent = roundtrip_fp4(v, self.fmt, self._packing(shards, u.device).lengths)
-        torch.sub(u, self._rotate_shards(sent, shards, inverse=True), out=staged)
-        return v, False, None
+        return u, source.on(flat) if source is not None else None
 
     def _class_values(self, c: int) -> torch.Tensor:
         """Plain class ``c``'s sequence: its parameters' values one after another (the shards' parts
@@ -471,12 +473,61 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         values = [flat[layout.segments[i].start : layout.segments[i].end] for i in layout.plain_segments[c]]
         return torch.cat(values) if values else flat[:0]
 
+    def _segment_parts(self) -> dict[int, tuple[int, int]]:
+        """Per coded parameter, the range of its parts among the coded sequence's parts (the segments of
+        the encode: the shards' coded parts one after another), built once per layout."""
+
+        def build():
+            parts = [p for plan in self.layout.shards for p in plan.coded_parts]
+            ranges = {}
+            for k, p in enumerate(parts):
+                ranges[p.seg] = (ranges.get(p.seg, (k, k))[0], k + 1)
+            return ranges
+
+        return self.layout.cached(("fp4-segment-parts",), build)
+
+    def _encode_parameters(self, pk: FP4Packing, buf: torch.Tensor) -> None:
+        """The PyTorch path's sender: each coded parameter by itself (``_encode_parameter``), one
+        parameter's FP32 values and its encode's temporaries at a time, not the bucket's."""
+        ranges, ef = self._segment_parts(), self.error_feedback
+        e = ef.feedback(0, self.layout.n_coded)[0] if ef is not None else None
+        for i in self.layout.coded_segments:
+            self._encode_parameter(pk, buf, i, ranges[i], e)
+
+    def _encode_parameter(self, pk: FP4Packing, buf: torch.Tensor, i: int, parts: tuple[int, int], e) -> None:
+        """Parameter ``i``'s ``U = G T`` (``G`` where Euclidean), with error feedback ``Ũ = U + e`` made where
+        ``e`` lies, times ``H`` where rotated, encoded by itself (``parts``: the range of its parts, whole
+        segments and blocks: the codes and scales of one call on the whole sequence) and placed into the
+        messages; with error feedback ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` from that same encode, written over ``e``."""
+        s, at, fmt = self.layout.segments[i], self.layout.seg_at[i], self.fmt
+        n, lengths = s.rows * s.cols, pk.lengths[parts[0] : parts[1]]
+        g = self.flat[s.start : s.end].view(s.rows, s.cols)
+        u = sender_values(g, self.transforms[i], None)  # ``g`` itself where Euclidean in FP32
+        if e is not None:
+            u = torch.add(u, e[at : at + n].view_as(u), out=e[at : at + n].view_as(u))
+        rotated = self.rotation is not None and i in self.rotated_segments
+        v = self.rotation.apply(u, scratch=u is not g and e is None) if rotated else u  # ``G T``, ours, in place
+        if e is None:
+            del u  # not read again: rotated, the encode's input alone is held
+        # the encode scales its input in place where nothing reads it after: not the gradient, not Ũ
+        enc = encode_fp4(v.reshape(-1), fmt, lengths, scratch=v is not g and (e is None or rotated))
+        del v
+        self._place_encoded(buf, pk, enc, at, parts[0])
+        if e is not None:
+            sent = decode_fp4(enc, fmt, lengths).view_as(u)
+            u.sub_(self.rotation.inverse(sent) if rotated else sent)
+
     def _send(self, prev: StageResult) -> StageResult:
         device, r = self.flat.device, self.rank
         pk = self._packing(tuple(range(self.world)), device)  # every rank's message, in rank order
-        coded, to_rotate, source = self._coded_values()
         plain = [self._class_values(c) for c in range(2)]
-        buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)) if to_rotate else None, source)
+        if self.ops.fp4(device) is not None and self.error_feedback is None:
+            coded, source = self._coded_values()
+            buf = self._encode_placed(pk, coded, plain, tuple(range(self.world)), source)
+        else:  # error feedback takes the next residual from the message's own encode (on either path)
+            buf = self.space.zeros(pk.nbytes, device=device)
+            self._encode_parameters(pk, buf)
+            self._place_plain(buf, pk, plain)
         if self.world == 1:  # the own message is all the receive buffer would hold
             return StageResult(works=[], recv=buf)
         own = self.msgs[r].nbytes

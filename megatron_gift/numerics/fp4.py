@@ -69,7 +69,8 @@ FP4_FORMATS = {"nvfp4": NVFP4, "mxfp4": MXFP4}
 
 @dataclass
 class FP4Encoded:
-    """Packed codes (uint8 [n // 2]), block scales (uint8 [n // block]) and segment scales (float32)."""
+    """Packed codes (uint8 [n // 2]), block scales (uint8 [n // block]) and segment scales (float32); a
+    decode takes codes and block scales also as ``[rows, ...]`` (views into messages, rows one after another)."""
 
     codes: torch.Tensor
     block_scales: torch.Tensor
@@ -80,12 +81,6 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte along the last dim: element 2i in the low nibble, 2i+1 in the high."""
     c = codes.to(torch.uint8)
     return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of ``pack_nibbles``: ``n`` codes along the last dim."""
-    out = torch.stack((packed & 0xF, packed >> 4), dim=-1)
-    return out.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
 def e2m1_encode(y: torch.Tensor, scratch: bool = False) -> torch.Tensor:
@@ -117,9 +112,22 @@ def _e2m1_values(device: torch.device) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """FP32 values of E2M1 codes (``_e2m1_values``), looked up by an int32 index: 8 B per element at the peak
-    (the index and the values; the arithmetic per element held ~7 such temporaries at once)."""
+    """FP32 values of E2M1 codes (``_e2m1_values``), looked up by an int32 index."""
     return _e2m1_values(codes.device)[codes.to(torch.int32)]
+
+
+_E2M1_PAIRS: dict[str, torch.Tensor] = {}  # device -> each byte's two code values (``e2m1_decode_packed``)
+
+
+def e2m1_decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """FP32 values of packed codes along the last dim (two per byte, low nibble first: ``pack_nibbles``),
+    each byte's pair looked up in a ``[256, 2]`` table made on the device once: 6 B per value at the peak
+    (half an int32 index and the value; unpacking first held 9: the codes, their index, the value)."""
+    key = str(packed.device)
+    if key not in _E2M1_PAIRS:
+        b = torch.arange(256, dtype=torch.int32, device=packed.device)
+        _E2M1_PAIRS[key] = torch.stack((e2m1_decode(b & 0xF), e2m1_decode(b >> 4)), dim=1)
+    return _E2M1_PAIRS[key][packed.to(torch.int32)].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _e4m3_round_up(v: torch.Tensor) -> torch.Tensor:
@@ -133,11 +141,10 @@ def _e4m3_round_up(v: torch.Tensor) -> torch.Tensor:
 def _segment_ids(lengths: torch.Tensor | None, n: int, block: int, device) -> tuple[torch.Tensor, int]:
     if lengths is None:
         return torch.zeros(n // block, dtype=torch.long, device=device), 1
-    lengths = lengths.to(device=device, dtype=torch.long)
-    # output_size given: on CUDA repeat_interleave would otherwise read the total back to the host
-    ids = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=device), lengths // block, output_size=n // block
-    )
+    ends = (lengths.to(device=device, dtype=torch.long) // block).cumsum(0)
+    # block b lies in the segment after the last one ending at or before it: the same ops for one
+    # segment as for many (repeat_interleave takes other ops for one) and no read back to the host
+    ids = torch.searchsorted(ends, torch.arange(n // block, device=device), right=True)
     return ids, lengths.numel()
 
 
@@ -192,8 +199,8 @@ def _block_scale_values(bits: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
 def decode_fp4(enc: FP4Encoded, fmt: FP4Format, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 values [n] of ``enc``: ``(e2m1_value * b) * s`` (nvfp4) or ``e2m1_value * 2^e`` (mxfp4)."""
     n = enc.codes.numel() * 2
-    out = e2m1_decode(unpack_nibbles(enc.codes, n)).view(-1, fmt.block)  # a new tensor: scaled in place
-    out.mul_(_block_scale_values(enc.block_scales, fmt)[:, None])
+    out = e2m1_decode_packed(enc.codes).view(-1, fmt.block)  # a new tensor: scaled in place
+    out.mul_(_block_scale_values(enc.block_scales, fmt).reshape(-1)[:, None])  # new: a view at any strides
     if fmt.segment_scale:
         ids, _ = _segment_ids(lengths, n, fmt.block, enc.codes.device)
         out.mul_(enc.segment_scales[ids][:, None])

@@ -14,11 +14,11 @@ from megatron_gift.numerics.fp4 import (
     NVFP4,
     decode_fp4,
     e2m1_decode,
+    e2m1_decode_packed,
     e2m1_encode,
     encode_fp4,
     pack_nibbles,
     roundtrip_fp4,
-    unpack_nibbles,
 )
 
 MAGS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -53,13 +53,17 @@ def test_e2m1_matches_table_on_values_midpoints_and_neighbours():
     assert dec == [math.copysign(MAGS[c & 7], -1.0 if c & 8 else 1.0) for c in want]
 
 
-def test_pack_unpack_nibble_order():
-    """Catches swapped nibbles: element 2i sits in the low nibble, 2i+1 in the high one."""
+def test_pack_and_decode_nibble_order():
+    """Catches swapped nibbles: element 2i sits in the low nibble, 2i+1 in the high one, on the encode's
+    packing and on the decode's pair table (every byte value, in rows)."""
     codes = torch.randint(0, 16, (3, 10), dtype=torch.uint8)
     packed = pack_nibbles(codes)
     want = [[int(r[2 * i]) + 16 * int(r[2 * i + 1]) for i in range(5)] for r in codes]
     assert packed.tolist() == want
-    assert torch.equal(unpack_nibbles(packed, 10), codes)
+    every = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    got = e2m1_decode_packed(every).tolist()
+    assert got == [[v for b in row for v in (e2m1_decode(b & 15).item(), e2m1_decode(b >> 4).item())] for row in every]
+    assert torch.equal(e2m1_decode_packed(packed), e2m1_decode(codes))
 
 
 def test_format_sizes():

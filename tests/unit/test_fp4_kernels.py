@@ -440,6 +440,24 @@ def _worker(rank, world):
                 {"_fp4_amax_kernel"} if kernels and fmt == "nvfp4" else set()
             ), (case, ran)  # the rotation inside the encode's and the decode's passes: no pass of its own
             out[(case, kernels)] = flat
+    from megatron_gift.numerics import ErrorFeedback
+
+    k.unwhiten = lambda s, w, out, fused=True: unwhiten(s, w, out, False)  # the owner's T⁻¹ as above
+    for rotation in (False, True):  # error feedback: the sender's encode is the PyTorch path's on either
+        (numel, segments), layout = _bucket(rotation), _layout(rotation)
+        for kernels in (False, True):
+            ef, ts = ErrorFeedback(layout.n_coded), _transforms(segments)
+            common = dict(average=True, rotation=ROTATION if rotation else None, kernels=kernels, error_feedback=ef)
+            for step in range(2):  # the second step adds the first's residual
+                flat = _bucket_grads(numel, segments, rank + 4 * step)
+                red = FP4Reduce(
+                    flat, layout, dist.group.WORLD, ts, FP4_FORMATS["nvfp4"], topology=placed.topology, **common
+                )
+                with launches_of(fp4) as log:
+                    reduce_now(red, "cpu")
+                ef.commit()
+                assert {name for name, _ in log} == ({"_fp4_decode_sum_kernel"} if kernels else set())
+            out[("ef", rotation, kernels)] = (flat, ef.residual)
     return out
 
 
@@ -452,13 +470,20 @@ def test_reductions_with_kernels_are_their_pytorch_path():
     shard's segment ends, plain values placed in another class's section, the decode reading the own
     message from the wrong row. With the owner's ``T⁻¹`` in its kernel too (the rotated sum-first cases):
     within two FP32 evaluations' bound of the PyTorch path, ranks bit-identical for all-reduce (a kernel
-    given another segment's factors, or rows written at another place, fails)."""
+    given another segment's factors, or rows written at another place, fails). With error feedback (flat
+    NVFP4, with and without the rotation, two steps): the bucket and the residual bit for bit the PyTorch
+    path's, the kernels running the decode-sum alone (the residual comes from the message's own encode;
+    a kernel encode beside it would send other bits than the residual assumes)."""
     from megatron_gift.testing import run_on_ranks
     from tests.dist.test_comm import _transforms
     from tests.dist.test_fp4_exchange import CASES, ROT_SEGMENTS
     from tests.unit.test_whitening import fp32_bound
 
     results = run_on_ranks(_worker, 4)
+    for rotation in (False, True):  # error feedback: the bucket and the residual the PyTorch path's
+        for rank in range(4):
+            (got, e_got), (want, e_want) = (results[rank][("ef", rotation, k)] for k in (True, False))
+            assert same(got, want) and torch.equal(e_got, e_want), (rotation, rank)
     for case in CASES:
         for rank in range(4):
             assert same(results[rank][(case, True)], results[rank][(case, False)]), (case, rank)

@@ -93,14 +93,15 @@ def test_fp4_round_trip_copies_no_host_constants(name):
     pageable host-to-device copy per message). The round trip now touches only its inputs and what it
     makes, and nothing synchronises (``repeat_interleave``'s output size, a readback on CUDA only, is
     given in the code; a CPU cannot see that one)."""
-    from megatron_gift.numerics.fp4 import FP4_FORMATS, _e2m1_values, roundtrip_fp4
+    from megatron_gift.numerics.fp4 import _E2M1_PAIRS, FP4_FORMATS, _e2m1_values, roundtrip_fp4
 
     fmt = FP4_FORMATS[name]
     x = torch.randn(4 * 128, generator=torch.Generator().manual_seed(0))
     lengths = torch.tensor([128, 256, 128], dtype=torch.int64)
     roundtrip_fp4(x, fmt, lengths)  # a cache filled on the first call would be read on the next
     # device constants, made on the device once: the NVFP4 segment scale's divisor, the E2M1 code values
-    known = [x, lengths, divisor(6.0 * 448.0, x.device), _e2m1_values(x.device)]
+    # and their pairs per byte
+    known = [x, lengths, divisor(6.0 * 448.0, x.device), _e2m1_values(x.device), _E2M1_PAIRS[str(x.device)]]
     with _Foreign(known) as foreign, SyncSanitizer() as sanitizer:
         roundtrip_fp4(x, fmt, lengths)
     assert not foreign.foreign, foreign.foreign

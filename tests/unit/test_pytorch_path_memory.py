@@ -144,15 +144,25 @@ def test_fp4_encode_in_place_temporaries(fmt):
     assert p.peak <= 5 * N, f"{p.peak / N:.2f} B per element"
 
 
-def test_fp4_decode_temporaries():
-    """NVFP4's decode holds its FP32 output (4 B per element), the code values' int32 index (4 B), the
-    unpacked codes (1 B) and the per-block scales: within 9.5 B per element. Catches the block and
-    segment scales applied out of place (a new FP32 tensor each: 12.8 B)."""
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp4_decode_temporaries(rows):
+    """NVFP4's decode holds its FP32 output (4 B per element) and the packed bytes' int32 index (2 B), then
+    the per-block scales: within 6.25 B per element, also for codes given as rows of a wider buffer (as the
+    receive's messages). Catches the codes unpacked first (their bytes and int32 index beside the values:
+    9 B), the block and segment scales applied out of place (a new FP32 tensor each: 8 B and more) and the
+    rows' codes copied before the decode (6.5 B)."""
     x = torch.randn(N, generator=torch.Generator().manual_seed(3))
     enc = encode_fp4(x, NVFP4)
-    with LiveBytes(enc.codes, enc.block_scales, enc.segment_scales) as p:
-        decode_fp4(enc, NVFP4)
-    assert p.peak <= 9.5 * N, f"{p.peak / N:.2f} B per element"
+    width = N // 2 + N // 16 + 64  # the rows' codes and scales inside wider message rows
+    msgs = torch.zeros(rows, width, dtype=torch.uint8)
+    n = N // rows
+    msgs[:, : n // 2] = enc.codes.view(rows, -1)
+    msgs[:, width - n // 16 :] = enc.block_scales.view(rows, -1)
+    strided = type(enc)(msgs[:, : n // 2], msgs[:, width - n // 16 :], enc.segment_scales)
+    with LiveBytes(msgs, enc.segment_scales) as p:
+        got = decode_fp4(strided, NVFP4)
+    assert p.peak <= 6.25 * N, f"{p.peak / N:.2f} B per element"
+    assert torch.equal(got, decode_fp4(enc, NVFP4))
 
 
 def test_profile_roundtrip_sums_hold_two_fp64_copies():
@@ -209,3 +219,50 @@ def test_logging_step_comparison_takes_a_segment_a_quarter_at_a_time(monkeypatch
     rel, cos = m.reduced["w"]
     assert math.isclose(rel, math.sqrt(err / ref_sq), rel_tol=1e-9)
     assert math.isclose(cos, dot / math.sqrt(dec_sq * ref_sq), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("rotation", [False, True], ids=["plain", "hadamard"])
+@pytest.mark.parametrize("error_feedback", [False, True], ids=["no-ef", "ef"])
+def test_fp4_sender_holds_one_parameter_at_a_time(error_feedback, rotation, monkeypatch):
+    """The flat NVFP4 sender (``FP4Reduce``'s send stage) on a bucket of four parameters of ``n`` elements
+    (two GIFT, two Euclidean), beside its messages: one parameter's FP32 values (4 B per element) and its
+    encode's magnitudes (4 B), or the rotation's two buffers: 8 B per element of one parameter, and with
+    error feedback and a rotation (``Ũ`` lies in the residual) the decoded values and the inverse
+    rotation's buffer besides the forward one's: 12 B; the block arrays within 1 B. Catches the bucket's
+    coded sequence made in FP32 and encoded in one call (16 B per parameter element before the encode's
+    temporaries), a parameter's values kept alive into the next one's, the rotation's stages stacked
+    into new tensors, and a Euclidean parameter's gradient scaled in place as the encode's scratch."""
+    from megatron_gift.comm import fp4_reduce
+    from megatron_gift.comm.fp4_reduce import FP4Reduce
+    from megatron_gift.comm.layout import BucketLayout, Segment
+    from megatron_gift.comm.schedule import StageResult
+    from megatron_gift.config import Mode
+    from megatron_gift.numerics.error_feedback import ErrorFeedback
+    from megatron_gift.numerics.rotation import BlockHadamard
+    from tests.dist.test_comm import _transforms
+    from tests.unit.test_fp4_launches import _Group
+
+    monkeypatch.setattr(fp4_reduce.dist, "all_to_all_single", lambda *a, **k: None)
+    rows, cols = 64, 512
+    n = rows * cols
+    modes = (Mode.GIFT, Mode.EUCLIDEAN, Mode.GIFT, Mode.EUCLIDEAN)
+    segments = [Segment(k * n, rows, cols, m, f"p{k}") for k, m in enumerate(modes)]
+    layout = BucketLayout(4 * n, 2, segments, CodecConfig(), torch.float32)
+    layout.check_blocks(64, "test")
+    flat = torch.randn(4 * n, generator=torch.Generator().manual_seed(8))
+    red = FP4Reduce(
+        flat,
+        layout,
+        _Group(2),
+        _transforms(segments),
+        NVFP4,
+        rotation=BlockHadamard(64, 1) if rotation else None,
+        error_feedback=ErrorFeedback(layout.n_coded) if error_feedback else None,
+    )
+    before = flat.clone()
+    red._send(StageResult())  # builds the layout's tables
+    with LiveBytes() as p:
+        sent = red._send(StageResult())
+    held = (p.peak - sent.buf.numel()) / n
+    assert held <= (13 if error_feedback and rotation else 9), f"{held:.2f} B per element of one parameter"
+    assert torch.equal(flat, before)  # the sender's scratch is its own values, never the bucket's
