@@ -445,25 +445,28 @@ class FP4Reduce(_FP4Stages, ShardReduction):
 
     # -- 0: send --------------------------------------------------------------------------------------
     def _coded_values(self) -> tuple[torch.Tensor, Source | None]:
-        """The kernels' input (without error feedback): ``G T`` of whole GIFT parameters in FP32 at their
-        places in the bucket's coded sequence, and the Euclidean parameters as a ``Source`` read in the
-        bucket (``u`` holds ``G T`` alone: no FP32 copy of ``G``)."""
+        """The kernels' input (without error feedback): ``G T`` of the GIFT parameters in FP32, one after
+        another, and the Euclidean parameters as a ``Source`` read in the bucket, which places those
+        values in the coded sequence (packed: ``u`` holds ``G T`` alone, no FP32 copy of ``G``)."""
         layout, flat = self.layout, self.flat
         euclid = tuple(i for i in layout.coded_segments if self.transforms[i] is None)
         segs = layout.segments
 
         def runs() -> Source | None:  # (position in the coded sequence, length, start in the bucket)
             runs = [(layout.seg_at[i], segs[i].end - segs[i].start, segs[i].start) for i in euclid]
-            return Source.runs(runs, layout.n_coded, flat.device)
+            return Source.runs(runs, layout.n_coded, flat.device, packed=True)
 
         source = layout.cached(("fp4-source", euclid, str(flat.device)), runs) if euclid else None
-        size = layout.n_coded if source is None else max(1, source.own)  # u: G T alone, up to its last part
-        u = torch.empty(size, dtype=torch.float32, device=flat.device)
+        u = torch.empty(
+            max(1, layout.n_coded if source is None else source.own), dtype=torch.float32, device=flat.device
+        )
+        at = 0
         for i in layout.coded_segments:
-            s, at = layout.segments[i], layout.seg_at[i]
-            if i not in euclid:
+            s = layout.segments[i]
+            if i not in euclid:  # the GIFT parameters' G T one after another (the packed source's own runs)
                 g = flat[s.start : s.end].view(s.rows, s.cols)
                 u[at : at + s.rows * s.cols].copy_(sender_values(g, self.transforms[i], None).reshape(-1))
+                at += s.rows * s.cols
         return u, source.on(flat) if source is not None else None
 
     def _class_values(self, c: int) -> torch.Tensor:

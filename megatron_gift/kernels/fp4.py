@@ -91,14 +91,15 @@ def _read(x_ptr, at, key, m, src_ptr, src_ends_ptr, src_delta_ptr, src_from_ptr,
     """FP32 values of the coded sequence at ``at`` (int64, any shape; ``m`` the elements to read): ``x[at]``,
     or with ``SRC`` (a source table, ``encode_placed``'s ``source``) ``src[at + delta[j]]`` where run ``j``
     holding ``key`` (``at``, or its block's start: runs are whole blocks) is the source's (``from[j] != 0``),
-    ``x[at]`` elsewhere: each element loaded once, from one of the two."""
+    ``x[at + delta[j]]`` elsewhere (the own runs where the source put them in ``x``): each element loaded
+    once, from one of the two."""
     if SRC == 0:
         return tl.load(x_ptr + at, mask=m, other=0.0)
     j = tl.minimum(_shard_of(src_ends_ptr, src_n, src_steps, key, m), src_n - 1)
     d = tl.load(src_delta_ptr + j, mask=m, other=0)
     held = tl.load(src_from_ptr + j, mask=m, other=0) != 0
     s = tl.load(src_ptr + at + d, mask=m & held, other=0.0).to(tl.float32)
-    return tl.where(held, s, tl.load(x_ptr + at, mask=m & (held == 0), other=0.0))
+    return tl.where(held, s, tl.load(x_ptr + at + d, mask=m & (held == 0), other=0.0))
 
 
 @triton.jit

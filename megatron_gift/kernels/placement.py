@@ -92,10 +92,11 @@ class Place:
 class Source:
     """Runs of a coded sequence read where they lie (``kernels.fp4.encode_placed``): the sequence cut into
     runs of whole blocks (``table``'s shards, covering it), run ``j``'s element ``k`` at ``tensor[k + delta[j]]``
-    where ``held[j]`` (int64, nonzero), at ``k`` of the encode's own FP32 sequence elsewhere; ``elements``:
-    how many come from ``tensor`` (the traffic count's); ``n``: the sequence's length; ``own``: how much of
-    it the own sequence must hold (the end of its last run not read from ``tensor``: it may be shorter than
-    ``n``). Built once per layout without its tensor (``runs``), bound to each step's buffer by ``on``."""
+    where ``held[j]`` (int64, nonzero), at ``k + delta[j]`` of the encode's own FP32 sequence elsewhere (at
+    ``k``, or packed: ``runs``); ``elements``: how many come from ``tensor`` (the traffic count's); ``n``: the
+    sequence's length; ``own``: how much the own sequence must hold (the end of its last run not read from
+    ``tensor``, or packed their total: either may be less than ``n``). Built once per layout without its
+    tensor (``runs``), bound to each step's buffer by ``on``."""
 
     tensor: torch.Tensor | None
     table: Placement
@@ -105,22 +106,21 @@ class Source:
     own: int
 
     @classmethod
-    def runs(cls, runs: list[tuple[int, int, int]], n: int, device) -> Source | None:
+    def runs(cls, runs: list[tuple[int, int, int]], n: int, device, packed: bool = False) -> Source | None:
         """From the runs ``(position in the sequence, length, start in the tensor)`` (disjoint), the rest of the
-        ``n`` elements left to the sequence's own buffer; None without runs. Plan-time host work."""
+        ``n`` elements left to the sequence's own buffer, at their positions or, ``packed``, one run after
+        another from its start (it then holds those alone); None without runs. Plan-time host work."""
         runs = sorted(r for r in runs if r[1])
         if not runs:
             return None
         sizes, starts, held, at, own = [], [], [], 0, 0
-        for pos, length, start in runs:
-            if pos > at:
-                sizes.append(pos - at), starts.append(at), held.append(0)
-                own = pos
-            sizes.append(length), starts.append(start), held.append(1)
+        for pos, length, start in [*runs, (n, 0, 0)]:
+            if pos > at:  # an own run
+                sizes.append(pos - at), starts.append(own if packed else at), held.append(0)
+                own = own + pos - at if packed else pos
+            if length:
+                sizes.append(length), starts.append(start), held.append(1)
             at = pos + length
-        if n > at:
-            sizes.append(n - at), starts.append(at), held.append(0)
-            own = n
         flags = torch.tensor(held, dtype=torch.int64).to(device)
         return cls(None, Placement(sizes, starts, device), flags, sum(length for _, length, _ in runs), n, own)
 

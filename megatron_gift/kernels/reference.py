@@ -24,6 +24,7 @@ from ..numerics.fp8 import (
     repeat_groups,
     scale_values,
 )
+from ..numerics.geometry import even_spans
 from ..numerics.rotation import fwht
 from ..numerics.two_sided import OutputRows
 from ..numerics.whitening import LowRankWhitening
@@ -48,12 +49,6 @@ def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return t if (a, b) == (0, t.shape[0]) else t[a:b]
 
 
-def _row_blocks(k: int, blocks: int) -> list[tuple[int, int]]:
-    """``blocks`` consecutive row ranges covering ``[0, k)``, as even as whole rows allow (some empty)."""
-    step = max(1, -(-k // blocks))
-    return [(min(b * step, k), min((b + 1) * step, k)) for b in range(blocks)]
-
-
 def ordered_sum(
     parts: Parts, value=None, budget: int | None = None, width: int | None = None, blocks: int = 1
 ) -> torch.Tensor:
@@ -73,7 +68,7 @@ def ordered_sum(
     ``tests/unit/test_kernels.py`` holds both to a Python loop, bit for bit."""
     values = sum(p.shape[0] for p in parts) * (width or parts[0].shape[-1])
     blocks = max(1, blocks, 0 if budget is None else -(-values // budget))
-    spans = [_row_blocks(p.shape[0], blocks) for p in parts]
+    spans = [even_spans(0, p.shape[0], blocks) for p in parts]
     first = next(i for i, p in enumerate(parts) if p.shape[0] > 0)
     rows = (lambda i, a, b: _rows(parts[i], a, b)) if value is None else value
     head = rows(first, *spans[first][0])

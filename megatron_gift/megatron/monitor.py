@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .._compat import reduce_scatter as _reduce_scatter
 from ..comm.layout import wire_bytes
 from ..config import GiftConfig, Mode
+from ..numerics.geometry import even_spans
 from ..numerics.profile import profile_gradient, summarize
 from ..policy import LayerPolicy
 from .bucket_group import output_side, sent_map
@@ -123,7 +124,7 @@ class Monitor:
                 a = max(seg.start, shard.lo)
                 b = max(a, min(seg.end, shard.hi))
                 row = torch.zeros(4, dtype=torch.float64, device=ref.device)
-                for lo, hi in _spans(a, b, COMPARE_BLOCKS):  # FP64 copies of a block at a time (some empty)
+                for lo, hi in even_spans(a, b, COMPARE_BLOCKS):  # FP64 copies of a block at a time (some empty)
                     x = bucket.grad[lo:hi].to(torch.float64, copy=True)
                     y = ref[lo - shard.lo : hi - shard.lo].double()
                     ref_sq, dot, dec_sq = y.dot(y), x.dot(y), x.dot(x)  # FP64 sums, no product vectors
@@ -185,9 +186,3 @@ class Monitor:
 # A logging step compares a segment's part of the shard with the reference in this many blocks: FP64
 # copies of both (16 B per element) of a quarter of it at a time, 4 B per element of the segment.
 COMPARE_BLOCKS = 4
-
-
-def _spans(a: int, b: int, blocks: int) -> list[tuple[int, int]]:
-    """``blocks`` consecutive ranges covering ``[a, b)``, as even as whole elements allow (some empty)."""
-    step = -(-(b - a) // blocks)
-    return [(min(a + i * step, b), min(a + (i + 1) * step, b)) for i in range(blocks)]

@@ -200,7 +200,7 @@ def decode_fp4(enc: FP4Encoded, fmt: FP4Format, lengths: torch.Tensor | None = N
     """FP32 values [n] of ``enc``: ``(e2m1_value * b) * s`` (nvfp4) or ``e2m1_value * 2^e`` (mxfp4)."""
     n = enc.codes.numel() * 2
     out = e2m1_decode_packed(enc.codes).view(-1, fmt.block)  # a new tensor: scaled in place
-    out.mul_(_block_scale_values(enc.block_scales, fmt).reshape(-1)[:, None])  # new: a view at any strides
+    out.mul_(_block_scale_values(enc.block_scales, fmt).reshape(-1)[:, None])  # a new tensor: reshaped in place
     if fmt.segment_scale:
         ids, _ = _segment_ids(lengths, n, fmt.block, enc.codes.device)
         out.mul_(enc.segment_scales[ids][:, None])

@@ -48,10 +48,16 @@ def shares_ratio(p: float, q: float, rho: float) -> float:
 ROW_BLOCKS = 4
 
 
+def even_spans(lo: int, hi: int, blocks: int) -> list[tuple[int, int]]:
+    """``blocks`` consecutive ranges covering ``[lo, hi)``, as even as whole elements (rows) allow, some empty
+    where they are fewer: the pieces the PyTorch path takes a long range in, so many ops whatever its length."""
+    step = max(1, -(-(hi - lo) // blocks))
+    return [(min(lo + i * step, hi), min(lo + (i + 1) * step, hi)) for i in range(blocks)]
+
+
 def row_spans(rows: int, blocks: int = ROW_BLOCKS) -> list[tuple[int, int]]:
-    """The non-empty ones of ``blocks`` consecutive row ranges covering ``[0, rows)``, as even as whole rows allow."""
-    step = max(1, -(-rows // blocks))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+    """The non-empty ones of ``even_spans(0, rows, blocks)``."""
+    return [(a, b) for a, b in even_spans(0, rows, blocks) if b > a]
 
 
 def geometry_sums(grad: torch.Tensor, factor: LowRankFactor, whitening: LowRankWhitening) -> torch.Tensor:

@@ -180,17 +180,20 @@ def _split_source(x: torch.Tensor, block: int, dtype, seed: int):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True], ids=["at-positions", "packed"])
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", sorted(FP4_FORMATS))
-def test_encode_placed_reads_its_source_in_place(fmt, dtype, rotate, device):
+def test_encode_placed_reads_its_source_in_place(fmt, dtype, rotate, packed, device):
     """``encode_placed`` given a ``Source`` (runs of blocks read from another tensor, FP32 or BF16, shuffled,
     with gaps): every byte of the buffer as the encode of the whole sequence gathered first gives it, with and
     without the rotation; the own buffer's elements at the source's runs are NaN and must not be read; the
     ``TRAFFIC`` entries count each value once, in the dtype it is read in; the own buffer given only up to the
-    end of its last run. Bugs caught: a run read at another run's offset, a source element read as FP32 bits
-    when it is BF16, the own buffer read where the source holds the values (NaN reaches the scales), a run
-    boundary inside a block misplaced, the sequence's length taken from the own buffer."""
+    end of its last run, or ``packed`` (the flat FP4 sender's ``G T``) its runs alone, one after another.
+    Bugs caught: a run read at another run's offset, a source element read as FP32 bits when it is BF16, the
+    own buffer read where the source holds the values (NaN reaches the scales), a run boundary inside a block
+    misplaced, the sequence's length taken from the own buffer, a packed own run read at its position in the
+    sequence."""
     from megatron_gift.kernels import fp4
     from megatron_gift.kernels.placement import Source
     from megatron_gift.numerics.rotation import fwht
@@ -215,11 +218,16 @@ def test_encode_placed_reads_its_source_in_place(fmt, dtype, rotate, device):
     seg = torch.tensor(lengths, dtype=torch.int64, device=device)
     got = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=device)
     want = got.clone()
-    source = Source.runs(runs, n, device).on(src.to(device))
-    with launches_of(fp4) as log:
-        fp4.encode_placed(own[: max(1, source.own)].to(device), f, seg.cumsum(0), got, place, rotation, source)
+    source = Source.runs(runs, n, device, packed=packed).on(src.to(device))
     own_runs = _own_runs(runs, n)
-    assert source.own == (own_runs[-1][0] + own_runs[-1][1] if own_runs else 0)
+    if packed:
+        assert source.own == sum(k for _, k in own_runs)
+        mine = torch.cat([own[p : p + k] for p, k in own_runs] + [own[:1]])  # one spare value: never read
+    else:
+        assert source.own == (own_runs[-1][0] + own_runs[-1][1] if own_runs else 0)
+        mine = own[: max(1, source.own)]
+    with launches_of(fp4) as log:
+        fp4.encode_placed(mine.to(device), f, seg.cumsum(0), got, place, rotation, source)
     reference_placed(seen, f, seg.cpu(), want, place)
     assert torch.equal(got.cpu(), want.cpu()), (got.cpu() != want.cpu()).nonzero()[:10].flatten().tolist()
     held = sum(length for _, length, _ in runs)
