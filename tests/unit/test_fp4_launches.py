@@ -115,3 +115,23 @@ def test_fp4_node_sums_ops_do_not_grow(fmt, rotation, monkeypatch):
             counts[(elements, nodes)] = ops.total
     print(fmt, rotation, counts)
     assert len(set(counts.values())) == 1, counts
+
+
+def test_kernel_sender_input_holds_the_gift_values_alone():
+    """Where the kernels encode (``FP4Reduce._coded_values``), the sender's FP32 input holds ``G T`` of the
+    GIFT parameters one after another and nothing of the Euclidean ones, which the encode reads in the
+    bucket (a packed ``Source``): here the two GIFT parameters' elements, each its whitening of its
+    gradient. Catches the input laid out up to the last GIFT parameter's position in the coded sequence
+    (4 B per element of every coded parameter before it, Euclidean ones included)."""
+    red = _reduction(1 << 16, 2, "nvfp4")
+    layout, flat = red.layout, red.flat
+    u, source = red._coded_values()
+    gift = [i for i in layout.coded_segments if red.transforms[i] is not None]
+    elements = sum(layout.segments[i].end - layout.segments[i].start for i in gift)
+    assert source is not None and source.own == u.numel() == elements
+    at = 0
+    for i in gift:
+        s = layout.segments[i]
+        want = red.transforms[i].apply(flat[s.start : s.end].view(s.rows, s.cols)).reshape(-1)
+        assert torch.equal(u[at : at + want.numel()], want)
+        at += want.numel()
