@@ -73,6 +73,9 @@ CONFIGS = {
     "euclidean two-level fused": dict(mode=Mode.EUCLIDEAN, ranks_per_node=2, kernels=True),
     "gift two-level fused": dict(mode=Mode.GIFT, ranks_per_node=2, kernels=True),
     "gift nvfp4 fused": dict(mode=Mode.GIFT, inter_node_format=InterNodeFormat.NVFP4, kernels=True),
+    "gift nvfp4+error-feedback fused": dict(
+        mode=Mode.GIFT, inter_node_format=InterNodeFormat.NVFP4, error_feedback=True, kernels=True
+    ),
     "gift two-level nvfp4 fused": dict(
         mode=Mode.GIFT, ranks_per_node=2, inter_node_format=InterNodeFormat.NVFP4, kernels=True
     ),
