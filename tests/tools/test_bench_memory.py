@@ -1,6 +1,8 @@
 """``megatron-gift bench memory``: the byte tracker counts what it should, and a --quick run (2 ranks)
 writes its table with ``off`` costing nothing over stock Megatron."""
 
+import contextlib
+import gc
 import json
 
 import pytest
@@ -39,6 +41,44 @@ def test_live_bytes_never_counts_a_storage_made_out_of_its_sight():
         assert (tracker.live, tracker.peak) == (800, 800)
         del new, data
     assert tracker.live == 0
+
+
+def _interpreted_double():
+    """A kernel run by Triton's interpreter whatever ``TRITON_INTERPRET`` says: ``y = 2 x``."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def double(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n) * 2, mask=o < n)
+
+    return InterpretedFunction(triton.jit(double).fn)
+
+
+@pytest.mark.parametrize("collected", [False, True])
+def test_an_interpreted_launch_leaves_its_dropped_output_counted_unless_collected(collected):
+    """Catches fused tables that count a kernel's output past its last use (the interpreter's
+    reference cycle holds every launch argument's storage until a collection, a CUDA launch none):
+    with ``collected_launches`` the output is gone when dropped; without, it is not (so the test
+    sees the artifact it removes)."""
+    kernel, x = _interpreted_double(), torch.arange(256.0)
+    was = gc.isenabled()
+    gc.disable()  # a collection between the launch and the check would hide the artifact
+    try:
+        with memory.collected_launches() if collected else contextlib.nullcontext():
+            tracker = memory.LiveBytes()
+            with tracker:
+                y = torch.empty(256)
+                kernel[(2,)](x, y, 256, BLOCK=128)
+                assert torch.equal(y, 2 * x)
+                del y
+                live = tracker.live
+        assert live == (0 if collected else 1024)
+        gc.collect()
+    finally:
+        if was:
+            gc.enable()
 
 
 def _reduce_scatter_live(rank: int, world: int) -> int:

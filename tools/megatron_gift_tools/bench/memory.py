@@ -25,12 +25,16 @@ parameter of the model, minus ``stock``'s, the largest over the ranks:
   bucket's, at most all of a step's), which would otherwise be transient.
 
 Only tensors count (the allocator's caching, gloo's internal buffers and Python objects do not),
-the same way for every configuration. The model's own parameters exist before the tracker starts;
-an unmeasured stock run before the measured ones allocates the process-wide buffers.
+the same way for every configuration. Under Triton's interpreter (the fused configurations) a
+garbage collection follows each launch: the interpreter holds a launch's tensor arguments in a
+reference cycle, which a CUDA launch does not, and would keep them past their owner's last use.
+The model's own parameters exist before the tracker starts; an unmeasured stock run before the
+measured ones allocates the process-wide buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -145,14 +149,39 @@ def _measure(name: str, spec: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def collected_launches():
+    """Collect garbage after each launch under Triton's interpreter, whose launch keeps every tensor
+    argument's storage in a reference cycle (a recursive closure over a dict of them) until the next
+    collection: a kernel's output dropped by its caller would otherwise stay counted, as on CUDA it
+    does not."""
+    from triton.runtime.interpreter import GridExecutor
+
+    launch = GridExecutor.__call__
+
+    def launch_and_collect(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            gc.collect()
+
+    GridExecutor.__call__ = launch_and_collect
+    try:
+        yield
+    finally:
+        GridExecutor.__call__ = launch
+
+
 def _rank_main(rank: int, world: int, spec: dict, names: tuple) -> dict:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
-    # a run before the measured ones allocates the process-wide buffers (Megatron's global memory buffer
-    # of the attention), which the first configuration measured would otherwise pay for alone
-    _measure("stock", dict(spec, steps=1, steady_step=None))
-    out = {name: _measure(name, spec) for name in names if world >= 4 or name not in TWO_LEVEL}
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    with collected_launches() if interpreted else contextlib.nullcontext():
+        # a run before the measured ones allocates the process-wide buffers (Megatron's global memory buffer
+        # of the attention), which the first configuration measured would otherwise pay for alone
+        _measure("stock", dict(spec, steps=1, steady_step=None))
+        out = {name: _measure(name, spec) for name in names if world >= 4 or name not in TWO_LEVEL}
     parallel_state.destroy_model_parallel()
     return out
 
