@@ -1,13 +1,15 @@
 """Static plan of one flat gradient bucket for quantized collectives (no torch.distributed here).
 
-A bucket ``[numel]`` holds parameters (*segments*) at known offsets and is cut into
-``num_shards`` shards ``[j·S, (j+1)·S)``, ``S = ceil(numel / num_shards)``, as Megatron's
-distributed optimizer cuts it (its buckets divide evenly; an all-reduce bucket's last shard may be
-short). Elements of ``off`` parameters are sent in the bucket's dtype and those of ``bf16``
-parameters in BF16 (the two *plain* classes); those of Euclidean and GIFT parameters are *coded*
-in FP8. Padding between parameters is neither: it is not sent and not written (Megatron keeps it
-zero). The coded elements in bucket order form the *coded sequence* (``n_coded``), each plain
-class its own sequence; a shard's elements are a contiguous range of each.
+A bucket ``[numel]`` holds parameters (*segments*) at known offsets and is cut into ``num_shards``
+shards ``[j·S, (j+1)·S)``, ``S = ceil(numel / num_shards)``, as Megatron's distributed optimizer
+cuts it (its buckets divide evenly; an all-reduce bucket's last shard may be short); a sub-bucket's
+layout (``comm.rounds``) names its shards' ranges instead (``bounds``: a piece of each of the
+bucket's shards, its segments the parameters' rows inside them). Elements of ``off`` parameters are
+sent in the bucket's dtype and those of ``bf16`` parameters in BF16 (the two *plain* classes);
+those of Euclidean and GIFT parameters are *coded* in FP8. Padding between parameters is neither:
+it is not sent and not written (Megatron keeps it zero). The coded elements in bucket order form
+the *coded sequence* (``n_coded``), each plain class its own sequence; a shard's elements are a
+contiguous range of each.
 
 Scaling groups follow each parameter's granularity (``fp8.group_lengths``) and are additionally
 cut at shard boundaries, so every group lives in one shard and each shard's message is
@@ -25,6 +27,7 @@ exchange per piece.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -166,6 +169,7 @@ class BucketLayout:
         codec: CodecConfig,
         raw_dtype: torch.dtype,
         align: int = 1,
+        bounds: list[tuple[int, int]] | None = None,
     ):
         segs = sorted(segments, key=lambda s: s.start)
         for a, b in zip(segs, segs[1:]):
@@ -175,10 +179,23 @@ class BucketLayout:
             raise ValueError(f"parameter {segs[-1].name!r} ends beyond the bucket")
         self.numel = numel
         self.num_shards = num_shards
-        # ``align``: shards of a multiple of it (an all-reduce's shards are the plugin's own: with four bits
-        # on the wire, whole blocks); the reduce-scatter's are Megatron's, ``align`` 1
-        base = -(-numel // num_shards)
-        self.shard_size = -(-base // align) * align
+        if bounds is None:
+            # ``align``: shards of a multiple of it (an all-reduce's shards are the plugin's own: with four
+            # bits on the wire, whole blocks); the reduce-scatter's are Megatron's, ``align`` 1
+            base = -(-numel // num_shards)
+            size = -(-base // align) * align
+            bounds = [(min(j * size, numel), min((j + 1) * size, numel)) for j in range(num_shards)]
+        else:  # a sub-bucket's (``comm.rounds``): a piece of each shard, in bucket order
+            if (
+                len(bounds) != num_shards
+                or any(not (0 <= a <= b <= numel) for a, b in bounds)
+                or any(b > c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+            ):
+                raise ValueError(f"shard bounds {bounds} are not {num_shards} ordered ranges of the bucket")
+            size = max(b - a for a, b in bounds)
+        # ``bounds``: shard ``j`` is bucket ``[lo, hi)``; ``shard_size``: the longest (an all-gather's slots)
+        self.bounds, self.shard_size = [tuple(b) for b in bounds], size
+        self._edges = sorted({x for lo_hi in self.bounds for x in lo_hi})
         self.segments = segs
         self.codec = codec
         self.plain_dtypes = [raw_dtype, torch.bfloat16]
@@ -230,8 +247,7 @@ class BucketLayout:
                     f"{s.cols % block}): leave it out of --gift-layers/--gift-euclidean-layers or use "
                     "--gift-inter-node-format fp8"
                 )
-            first = -(-(s.start + 1) // self.shard_size) * self.shard_size
-            for cut in range(first, s.end, self.shard_size):
+            for cut in self._cuts(s):
                 if (cut - s.start) % block:
                     raise ValueError(
                         f"megatron-gift: {flag} needs every shard boundary on a whole {block}-element block, but "
@@ -266,14 +282,17 @@ class BucketLayout:
         for i in self.coded_segments:
             s = self.segments[i]
             ends = s.start + torch.cumsum(group_lengths(s.rows, s.cols, self.codec), 0)
-            first = -(-(s.start + 1) // self.shard_size) * self.shard_size  # the first shard boundary after its start
-            cuts = torch.arange(first, max(first, s.end), self.shard_size)
+            cuts = torch.tensor(self._cuts(s), dtype=torch.int64)
             bounds = torch.unique(torch.cat([torch.tensor([s.start]), ends, cuts]))
             lengths = torch.diff(bounds)
             ranges[i] = (n, n + lengths.numel())
             n += lengths.numel()
             out.append(lengths)
         return torch.cat(out), ranges
+
+    def _cuts(self, s: Segment) -> list[int]:
+        """The shard boundaries strictly inside segment ``s``, in order."""
+        return self._edges[bisect.bisect_right(self._edges, s.start) : bisect.bisect_left(self._edges, s.end)]
 
     def cached(self, key: tuple, build):
         """``build()``, once per layout and ``key``: what reductions derive from the layout (packings,
@@ -319,7 +338,7 @@ class BucketLayout:
 
     # -- shards -----------------------------------------------------------------------------------
     def _shard(self, j: int) -> ShardPlan:
-        lo, hi = min(j * self.shard_size, self.numel), min((j + 1) * self.shard_size, self.numel)
+        lo, hi = self.bounds[j]
         coded, plain = [], [[], []]
         gift_rows, pieces = [], []
         for i, s in enumerate(self.segments):

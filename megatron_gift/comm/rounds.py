@@ -1,0 +1,89 @@
+"""Sub-buckets: a bucket whose message buffers exceed the stated bound (``--gift-inflight-mb``)
+reduced in rounds, each a reduction of its own with a region of the arena, one after another.
+
+A round must take a piece of *every* shard (a contiguous sub-range of the bucket would send all
+its bytes to one or two owners at a time), and a row of a parameter stays whole inside a round,
+except where the bucket's own shard boundary cuts it, which a layout handles inside one reduction
+(``RowPiece``: the cut row's projections exchanged). Both hold when each shard is cut into
+``rounds`` pieces at row boundaries (or in padding between parameters) and the shards alternate
+their order: even shards give round ``k`` their ``k``-th piece from the start, odd ones from the
+end. Shard ``j``'s last piece and shard ``j + 1``'s first, the two halves of a cut row, then fall
+in the same round (round ``rounds - 1`` after an even ``j``, round 0 after an odd one), adjacent as
+they are in the bucket. A round is a ``BucketLayout`` over the same bucket whose shards are those
+pieces (``bounds``, unequal) and whose segments are the parameters' rows inside them: every
+reduction runs on it unchanged, writing the own shard's pieces, or every piece for an all-reduce,
+where the whole bucket's reduction would. Scaling groups never cross a row, so a round's groups
+are the bucket's: the same codes and sums, other than a transform's product taken over other rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from .layout import BucketLayout, Segment
+
+
+@dataclass(frozen=True)
+class Round:
+    """One sub-bucket: ``layout`` (its shards the pieces, its segments the rows inside them) and
+    ``origin``, per segment of it the index of its parameter's segment in the bucket's layout."""
+
+    layout: BucketLayout
+    origin: tuple[int, ...]
+
+    def per_segment(self, values) -> list:
+        """``values`` given per segment of the bucket's layout, for this round's segments."""
+        return [values[i] for i in self.origin]
+
+
+def _cut(segments: list[Segment], starts: list[int], lo: int, hi: int, target: int) -> int:
+    """A point of ``(lo, hi)`` where a round may end inside shard ``[lo, hi)``, near ``target``: the
+    row boundary at or below it of the parameter holding it (padding: ``target`` itself), else the
+    next one above; ``hi`` where there is none (the shard lies inside one row)."""
+    i = bisect.bisect_right(starts, target) - 1
+    if i < 0 or target >= segments[i].end:
+        return target
+    s = segments[i]
+    down = s.start + (target - s.start) // s.cols * s.cols
+    return down if down > lo else min(hi, down + s.cols)
+
+
+def split(layout: BucketLayout, rounds: int) -> list[Round] | None:
+    """``layout``'s bucket in ``rounds`` sub-buckets of about equal pieces of every shard (module doc),
+    or None where a row would be cut across rounds (a shard inside one row)."""
+    segs, starts = layout.segments, [s.start for s in layout.segments]
+    pieces = []  # per shard: its rounds + 1 cut points, lo first, hi last
+    for lo, hi in layout.bounds:
+        cuts = [lo]
+        for k in range(1, rounds):
+            cuts.append(max(cuts[-1], _cut(segs, starts, lo, hi, lo + (hi - lo) * k // rounds)))
+        pieces.append([*cuts, hi])
+    out = []
+    for k in range(rounds):
+        bounds = []
+        for j, cuts in enumerate(pieces):
+            p = k if j % 2 == 0 else rounds - 1 - k
+            bounds.append((cuts[p], cuts[p + 1]))
+        spans: list[list[int]] = []  # [start, end, origin], adjacent pieces of one segment merged
+        for a, b in bounds:
+            first = max(0, bisect.bisect_right(starts, a) - 1)
+            for i in range(first, bisect.bisect_left(starts, b)):
+                lo, hi = max(segs[i].start, a), min(segs[i].end, b)
+                if lo >= hi:
+                    continue
+                if spans and spans[-1][2] == i and spans[-1][1] == lo:
+                    spans[-1][1] = hi
+                else:
+                    spans.append([lo, hi, i])
+        round_segs = []
+        for lo, hi, i in spans:
+            s = segs[i]
+            if (lo - s.start) % s.cols or (hi - s.start) % s.cols:
+                return None  # a row of ``s`` split between two rounds
+            round_segs.append(Segment(lo, (hi - lo) // s.cols, s.cols, s.mode, s.name))
+        sub = BucketLayout(
+            layout.numel, layout.num_shards, round_segs, layout.codec, layout.plain_dtypes[0], bounds=bounds
+        )
+        out.append(Round(sub, tuple(i for _, _, i in spans)))
+    return out

@@ -1,0 +1,92 @@
+"""A bucket reduced in sub-buckets (``comm.rounds``) through an arena smaller than its whole
+reduction needs: the bucket's own reduction's results, every round within the bound."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_gift.comm.rounds import split
+from megatron_gift.comm.schedule import ALIGN, Arena, ReductionQueue, StageStreams, reduce_now
+from megatron_gift.comm.topology import build_groups
+from megatron_gift.config import Mode, Schedule
+from megatron_gift.testing import run_on_ranks
+from tests.dist.test_arena import PER_NODE, WORLD, _cases, _make
+from tests.dist.test_comm import _bucket_grads, _transforms
+
+ROUNDS = 3
+
+
+def _worker(rank, world):
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    out = {}
+    for name, kind, layout, numel, segs in _cases():
+        if kind == "fp4sum":  # the sum-first exchange reduce-scatters equal shards: never split
+            continue
+        ts = _transforms(segs)
+        rounds = split(layout, ROUNDS)
+        if rounds is None:  # a shard inside one row (flat/long_row): the bucket stays whole
+            continue
+        grads = [_bucket_grads(numel, segs, r) for r in range(world)]
+        plain, euclidean = torch.zeros(numel, dtype=torch.bool), torch.zeros(numel, dtype=torch.bool)
+        for s in segs:
+            plain[s.start : s.end] = s.mode in (Mode.OFF, Mode.BF16)
+            euclidean[s.start : s.end] = s.mode is Mode.EUCLIDEAN
+        for all_reduce in (False, True):
+            whole = grads[rank].clone()
+            reduction = _make(kind, whole, layout, placed, ts, all_reduce)
+            need = reduction.footprint()
+            reduce_now(reduction, "cpu")  # the bucket in one reduction, buffers of its own
+            for schedule in (Schedule.EAGER, Schedule.LAGGED):
+                flat = grads[rank].clone()
+                parts = [_make(kind, flat, r.layout, placed, r.per_segment(ts), all_reduce) for r in rounds]
+                needs = [p.footprint() for p in parts]
+                arena = Arena(max(needs) + ALIGN, "cpu")  # about one round: each waits for the one before
+                queue = ReductionQueue(StageStreams("cpu"), schedule, arena=arena)
+                for flight in [queue.start(p) for p in parts]:
+                    queue.wait(flight)
+                lo, hi = (0, numel) if all_reduce else layout.bounds[rank]
+                exact = torch.stack(grads).double().mean(0)
+                out[(name, all_reduce, schedule.value)] = dict(
+                    rounds=len(rounds),
+                    bounded=arena.over == 0 and arena.nbytes < need,
+                    same_plain=torch.equal(flat[lo:hi][plain[lo:hi]], whole[lo:hi][plain[lo:hi]]),
+                    same_euclidean=torch.equal(flat[lo:hi][euclidean[lo:hi]], whole[lo:hi][euclidean[lo:hi]]),
+                    outside=torch.equal(flat[:lo], grads[rank][:lo]) and torch.equal(flat[hi:], grads[rank][hi:]),
+                    rel=((flat.double() - exact)[lo:hi].norm() / exact[lo:hi].norm()).item(),
+                    rel_whole=((whole.double() - exact)[lo:hi].norm() / exact[lo:hi].norm()).item(),
+                    result=flat.clone() if all_reduce else None,
+                )
+    return out
+
+
+@pytest.mark.slow
+def test_a_bucket_in_rounds_is_its_own_reduction_within_a_bound():
+    """Bug caught: rounds whose pieces leave an element of the own shard unreduced or reduce one
+    twice, write outside the own shard (reduce-scatter), cut a GIFT row between rounds (its
+    whitening would see half a row), or need more than the arena that holds one round. Flat and
+    two-level FP8, flat and two-level NVFP4, reduce-scatter and all-reduce, eager and lagged,
+    three rounds in an arena smaller than the whole reduction's footprint: the plain elements,
+    and with FP8 the Euclidean ones (the same scaling groups: none crosses a row), bit for bit the
+    whole reduction's, every element within the format's bound of the FP32 average, the bucket
+    outside the own shard untouched, every rank the same after an all-reduce."""
+    results = run_on_ranks(_worker, WORLD, timeout=900)
+    assert {k[0] for k in results[0]} == {
+        "flat/mixed",
+        "two-level/mixed",
+        "two-level/gift",
+        "fp4-flat",
+        "fp4-two-level",
+    }
+    for key, r0 in results[0].items():
+        for rank, res in enumerate(results):
+            r = res[key]
+            assert r["rounds"] == ROUNDS and r["bounded"], (key, rank)
+            assert r["same_plain"] and (key[1] or r["outside"]), (key, rank)
+            # FP8's scaling groups never cross a row: a round's are the bucket's. NVFP4's second scale
+            # is its part's maximum, of a round's rows alone: other codes, within the same bound
+            assert r["same_euclidean"] or key[0].startswith("fp4"), (key, rank)
+            # FP8 E4M3: 2^-4 relative per quantization, twice in the two-level path; NVFP4: E2M1's
+            # half step of ~1/6 of a block's range, GIFT's T⁻¹ raising it by its condition number
+            assert r["rel"] < (0.5 if key[0].startswith("fp4") else 0.16), (key, rank, r["rel"])
+            if key[1]:
+                assert torch.equal(r["result"], r0["result"]), (key, rank)
