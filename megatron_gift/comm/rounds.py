@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .layout import BucketLayout, Segment
+from .layout import BucketLayout, Segment, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -49,15 +49,39 @@ def _cut(segments: list[Segment], starts: list[int], lo: int, hi: int, target: i
     return down if down > lo else min(hi, down + s.cols)
 
 
+def _targets(layout: BucketLayout, starts: list[int], lo: int, hi: int, rounds: int) -> list[int]:
+    """Where shard ``[lo, hi)`` would end its first ``rounds - 1`` pieces for equal shares of its message
+    bytes (each parameter's elements weighted by their bytes on the wire; by elements where it has none)."""
+    first = max(0, bisect.bisect_right(starts, lo) - 1)
+    runs = []  # (a, b, bytes per element) of the parameters inside the shard
+    for s in layout.segments[first : bisect.bisect_left(starts, hi)]:
+        a, b = max(s.start, lo), min(s.end, hi)
+        if a < b:
+            n = s.rows * s.cols
+            runs.append((a, b, wire_bytes(s.mode, s.rows, s.cols, layout.codec, layout.plain_dtypes[0].itemsize) / n))
+    total = sum((b - a) * w for a, b, w in runs)
+    if not total:
+        return [lo + (hi - lo) * k // rounds for k in range(1, rounds)]
+    out, done, runs = [], 0.0, iter(runs)
+    a, b, w = next(runs)
+    for k in range(1, rounds):
+        share = total * k / rounds
+        while done + (b - a) * w < share and (after := next(runs, None)) is not None:
+            done += (b - a) * w
+            a, b, w = after
+        out.append(min(b - 1, a + int((share - done) / w)))
+    return out
+
+
 def split(layout: BucketLayout, rounds: int) -> list[Round] | None:
-    """``layout``'s bucket in ``rounds`` sub-buckets of about equal pieces of every shard (module doc),
-    or None where a row would be cut across rounds (a shard inside one row)."""
+    """``layout``'s bucket in ``rounds`` sub-buckets, each about an equal share of every shard's message
+    bytes (module doc), or None where a row would be cut across rounds (a shard inside one row)."""
     segs, starts = layout.segments, [s.start for s in layout.segments]
     pieces = []  # per shard: its rounds + 1 cut points, lo first, hi last
     for lo, hi in layout.bounds:
         cuts = [lo]
-        for k in range(1, rounds):
-            cuts.append(max(cuts[-1], _cut(segs, starts, lo, hi, lo + (hi - lo) * k // rounds)))
+        for target in _targets(layout, starts, lo, hi, rounds):
+            cuts.append(max(cuts[-1], _cut(segs, starts, lo, hi, target)))
         pieces.append([*cuts, hi])
     out = []
     for k in range(rounds):
@@ -87,3 +111,20 @@ def split(layout: BucketLayout, rounds: int) -> list[Round] | None:
         )
         out.append(Round(sub, tuple(i for _, _, i in spans)))
     return out
+
+
+def plan(layout: BucketLayout, footprint, need: int, nbytes: int) -> tuple[list[Round] | None, int | None]:
+    """The fewest rounds (a few tries) whose reductions' footprints (``footprint(round)``, the bucket's
+    ``need``) are at most ``nbytes / 2`` each, one exchange in flight while the next is encoded, else at
+    most ``nbytes``; with the largest footprint. ``(None, None)``: the bucket cannot be split (``split``);
+    ``(None, footprint)``: its rounds of whole rows stay above ``nbytes``."""
+    count, worst = 1, need
+    for _ in range(4):
+        count = max(count + 1, -(-count * worst // (nbytes // 2)))
+        rounds = split(layout, count)
+        if rounds is None:
+            return None, None
+        worst = max(footprint(r) for r in rounds)
+        if worst <= nbytes // 2:
+            break
+    return (rounds if worst <= nbytes else None), worst

@@ -19,8 +19,9 @@ state of the group (``GiftBucketGroup.finish_grad_sync``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,7 @@ from ..comm.instances import AcrossInstances
 from ..comm.layout import BucketLayout, Segment
 from ..comm.output_side import OutputSide
 from ..comm.quantized import QuantizedReduce
+from ..comm.rounds import Round, plan
 from ..comm.schedule import ReductionQueue
 from ..comm.sum_first import FP4SumFirstReduce
 from ..comm.topology import TwoLevelGroups
@@ -45,6 +47,8 @@ from ..state import GiftParam, GiftState
 
 if TYPE_CHECKING:
     from .monitor import Monitor
+
+logger = logging.getLogger(__name__)
 
 
 def output_side(gp: GiftParam) -> LowRankWhitening | None:
@@ -79,6 +83,8 @@ class GiftBucket:
     layout: BucketLayout
     params: list[GiftParam | None]
     error_feedback: ErrorFeedback | None
+    # all_reduce -> (the layout they split, its sub-buckets or None): ``GiftBucketGroup._reductions``
+    rounds: dict = field(default_factory=dict)
 
     @property
     def grad(self) -> torch.Tensor:
@@ -125,8 +131,9 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         group = reduction_group(self)
         refs = ctx.monitor.before_reduce(self.gift_buckets, group, ctx.state.step)
         flights = [
-            ctx.queue.start(self._across_instances(self._reduction(b, all_reduce=not use_rs), b))
+            ctx.queue.start(self._across_instances(reduction, b))
             for b in self.gift_buckets
+            for reduction in self._reductions(b, all_reduce=not use_rs)
         ]
         after = None
         if refs is not None:
@@ -142,18 +149,76 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             handle.wait()
 
     def footprints(self) -> list[int]:
-        """The arena bytes each bucket's reduction takes (``comm.schedule.Reduction.footprint``), as a
-        step without ``force_all_reduce`` builds it: what the DDP sizes its arena by."""
+        """The arena bytes each reduction takes (``comm.schedule.Reduction.footprint``; a bucket's rounds
+        one by one), as a step without ``force_all_reduce`` builds them: what the DDP sizes its arena by."""
         all_reduce = not self.ddp_config.use_distributed_optimizer
-        return [self._across_instances(self._reduction(b, all_reduce), b).footprint() or 0 for b in self.gift_buckets]
+        return [
+            self._across_instances(r, b).footprint() or 0
+            for b in self.gift_buckets
+            for r in self._reductions(b, all_reduce)
+        ]
 
-    def _reduction(self, b: GiftBucket, all_reduce: bool):
+    def _reductions(self, b: GiftBucket, all_reduce: bool) -> list:
+        """The bucket's reduction; where its message buffers exceed a stated ``--gift-inflight-mb``, its
+        sub-buckets' (``comm.rounds``), each within half the bound (one exchange in flight while the next is
+        encoded), planned once per layout. Not split (the arena warns that it runs outside it): with error
+        feedback (a residual per whole bucket), an output side, the sum-first exchange (Megatron's equal
+        shards), several distributed-optimizer instances, or a shard inside one row."""
+        whole = self._reduction(b, all_reduce)
+        arena = self.gift_context.queue.arena
+        if arena is None or not arena.fixed or (whole.footprint() or 0) <= arena.nbytes:
+            return [whole]
+        if b.rounds.get(all_reduce, (None,))[0] is not b.layout:
+            b.rounds[all_reduce] = (b.layout, self._split(b, all_reduce, whole, arena.nbytes))
+        rounds = b.rounds[all_reduce][1]
+        return [whole] if rounds is None else [self._reduction(b, all_reduce, r) for r in rounds]
+
+    def _split(self, b: GiftBucket, all_reduce: bool, whole, nbytes: int) -> list[Round] | None:
+        """``b``'s rounds (``comm.rounds.plan``), or None, warned with the reason, where the bucket cannot be
+        split (``_reductions``)."""
+        why = (
+            "error feedback (its residual is the whole bucket's)"
+            if b.error_feedback is not None
+            else "several distributed-optimizer instances"
+            if self.ddp_config.num_distributed_optimizer_instances > 1
+            else "an output side (--gift-side both / auto)"
+            if isinstance(whole, OutputSide)
+            else "the sum-first exchange (--gift-intra-node reduce-scatter: Megatron's equal shards)"
+            if isinstance(whole, FP4SumFirstReduce)
+            else None
+        )
+        if why is None:
+            rounds, worst = plan(
+                b.layout, lambda r: self._reduction(b, all_reduce, r).footprint() or 0, whole.footprint(), nbytes
+            )
+            if rounds is None:
+                why = (
+                    "a shard lying inside one row"
+                    if worst is None
+                    else f"rounds of rows needing {worst / 2**20:.1f} MiB"
+                )
+        if why is not None:
+            logger.warning("megatron-gift: a bucket over --gift-inflight-mb is not split into sub-buckets: %s", why)
+            return None
+        logger.info(
+            "megatron-gift: a bucket's message buffers (%.1f MiB) exceed --gift-inflight-mb %d: reduced in %d "
+            "sub-buckets of at most %.1f MiB",
+            whole.footprint() / 2**20,
+            nbytes >> 20,
+            len(rounds),
+            worst / 2**20,
+        )
+        return rounds
+
+    def _reduction(self, b: GiftBucket, all_reduce: bool, part: Round | None = None):
         """The two-level reduction where the group has its subgroups (several nodes of several
         ranks) and there is no error feedback (its residual belongs to one rank's whole bucket),
         else the flat one (their FP4 variants with four bits between nodes: ``comm.fp4_reduce``); wrapped in
         ``comm.output_side.OutputSide`` where a parameter has an
-        output side (``--gift-side both`` / ``auto``)."""
-        transforms = [p.input.whitening if p is not None and p.mode is Mode.GIFT else None for p in b.params]
+        output side (``--gift-side both`` / ``auto``). ``part``: one round of the bucket (``comm.rounds``)."""
+        layout = b.layout if part is None else part.layout
+        params = b.params if part is None else part.per_segment(b.params)
+        transforms = [p.input.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
         ctx, groups = self.gift_context, self.gift_groups
         common = dict(
             average=self.ddp_config.average_in_collective,
@@ -167,15 +232,15 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
             fmt, cfg = FP4_FORMATS[fp4.value], ctx.config
             common["rotation"] = exchange_rotation(cfg.wire.rotation, cfg.wire.rotation_seed)
             if cfg.wire.rotation is Rotation.AUTO:  # the GIFT layers whose last refresh chose the rotation
-                common["rotated"] = tuple(p is not None and p.mode is Mode.GIFT and p.input.rotate for p in b.params)
+                common["rotated"] = tuple(p is not None and p.mode is Mode.GIFT and p.input.rotate for p in params)
             two_level = groups.intra is not None and b.error_feedback is None
             if two_level and cfg.exchange.intra_node is IntraNode.REDUCE_SCATTER:
-                return FP4SumFirstReduce(b.grad, b.layout, groups, transforms, fmt, **common)
+                return FP4SumFirstReduce(b.grad, layout, groups, transforms, fmt, **common)
             if two_level:
-                return FP4TwoLevelReduce(b.grad, b.layout, groups, transforms, fmt, cfg.exchange.intra_node, **common)
+                return FP4TwoLevelReduce(b.grad, layout, groups, transforms, fmt, cfg.exchange.intra_node, **common)
             return FP4Reduce(
                 b.grad,
-                b.layout,
+                layout,
                 groups.group,
                 transforms,
                 fmt,
@@ -184,18 +249,18 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
                 **common,
             )
         if groups.intra is not None and b.error_feedback is None:
-            inner = TwoLevelReduce(b.grad, b.layout, groups, transforms, intra=ctx.config.exchange.intra_node, **common)
+            inner = TwoLevelReduce(b.grad, layout, groups, transforms, intra=ctx.config.exchange.intra_node, **common)
         else:
             inner = QuantizedReduce(
                 b.grad,
-                b.layout,
+                layout,
                 groups.group,
                 transforms,
                 error_feedback=b.error_feedback,
                 topology=groups.topology,
                 **common,
             )
-        outputs = [output_side(p) if p is not None and p.mode is Mode.GIFT else None for p in b.params]
+        outputs = [output_side(p) if p is not None and p.mode is Mode.GIFT else None for p in params]
         if any(w is not None for w in outputs):
             return OutputSide(inner, outputs, ctx.state.ledger)
         return inner

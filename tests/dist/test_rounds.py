@@ -10,6 +10,7 @@ from megatron_gift.comm.schedule import ALIGN, Arena, ReductionQueue, StageStrea
 from megatron_gift.comm.topology import build_groups
 from megatron_gift.config import Mode, Schedule
 from megatron_gift.testing import run_on_ranks
+from megatron_gift.testing.dispatch import Lifetimes
 from tests.dist.test_arena import PER_NODE, WORLD, _cases, _make
 from tests.dist.test_comm import _bucket_grads, _transforms
 
@@ -41,7 +42,8 @@ def _worker(rank, world):
                 parts = [_make(kind, flat, r.layout, placed, r.per_segment(ts), all_reduce) for r in rounds]
                 needs = [p.footprint() for p in parts]
                 arena = Arena(max(needs) + ALIGN, "cpu")  # about one round: each waits for the one before
-                queue = ReductionQueue(StageStreams("cpu"), schedule, arena=arena)
+                # the lifetime rule watched across rounds (``testing.dispatch.Lifetimes`` raises where broken)
+                queue = ReductionQueue(StageStreams("cpu"), schedule, watch=Lifetimes(), arena=arena)
                 for flight in [queue.start(p) for p in parts]:
                     queue.wait(flight)
                 lo, hi = (0, numel) if all_reduce else layout.bounds[rank]
@@ -61,14 +63,14 @@ def _worker(rank, world):
 
 @pytest.mark.slow
 def test_a_bucket_in_rounds_is_its_own_reduction_within_a_bound():
-    """Bug caught: rounds whose pieces leave an element of the own shard unreduced or reduce one
-    twice, write outside the own shard (reduce-scatter), cut a GIFT row between rounds (its
-    whitening would see half a row), or need more than the arena that holds one round. Flat and
-    two-level FP8, flat and two-level NVFP4, reduce-scatter and all-reduce, eager and lagged,
-    three rounds in an arena smaller than the whole reduction's footprint: the plain elements,
-    and with FP8 the Euclidean ones (the same scaling groups: none crosses a row), bit for bit the
-    whole reduction's, every element within the format's bound of the FP32 average, the bucket
-    outside the own shard untouched, every rank the same after an all-reduce."""
+    """Bug caught: rounds whose pieces leave an element of the own shard unreduced or reduce one twice,
+    write outside the own shard (reduce-scatter), cut a GIFT row between rounds (its whitening would
+    see half a row), or need more than the arena that holds one round. Flat and two-level FP8, flat
+    and two-level NVFP4, reduce-scatter and all-reduce, eager and lagged, three rounds in an arena
+    smaller than the whole reduction's footprint, the lifetime rule watched: the plain elements, and
+    with FP8 the Euclidean ones (the same scaling groups: none crosses a row), bit for bit the whole
+    reduction's, every element within the format's bound of the FP32 average, the bucket outside the
+    own shard untouched, every rank the same after an all-reduce."""
     results = run_on_ranks(_worker, WORLD, timeout=900)
     assert {k[0] for k in results[0]} == {
         "flat/mixed",
