@@ -139,7 +139,8 @@ def test_at_scale_footprints_are_the_hand_count_of_the_messages():
     element of a BF16 bucket over p = 512 ranks in nodes of g = 8 (n = 64), FP8 codes with one FP32
     scale per 128 (1 + 4/128 bytes): flat, the send buffer holds every shard's message and the
     receive buffer p - 1 of the own one; two-level, BF16 intra-node send (2 B) and receive of the
-    g - 1 peers' held shards, then the n held shards' FP8 messages out and n - 1 in."""
+    g - 1 peers' held shards, then the n held shards' FP8 messages out and n - 1 in. And a bucket over a
+    stated bound in more sub-buckets than it needs, or in sub-buckets over half the bound."""
     doc = memory.at_scale()
     rows = {(r["reduction"], r["collective"]): r["footprint_B_per_element"] for r in doc["results"]}
     p, g = 512, 8
@@ -154,3 +155,12 @@ def test_at_scale_footprints_are_the_hand_count_of_the_messages():
         two_level + fp8 / p + fp8 / g + fp8, abs=2e-3
     )
     assert all(r["arena_GiB"] == pytest.approx(2 * r["footprint_GiB"], rel=0.01) for r in doc["results"])
+    # with --gift-inflight-mb 1024: a bucket over it in sub-buckets of at most half of it, as few as that allows
+    # but a row's rounding (the shares are equal within a row: a handful of rounds at most); one under it whole
+    half = doc["spec"]["stated_mib"] / 2 / 1024
+    for r in doc["results"]:
+        if r["footprint_GiB"] <= 2 * half:
+            assert (r["sub_buckets"], r["sub_bucket_GiB"]) == (1, r["footprint_GiB"]), r
+        else:
+            assert r["sub_bucket_GiB"] <= half and -(-r["footprint_GiB"] // half) <= r["sub_buckets"], r
+            assert r["sub_buckets"] <= -(-r["footprint_GiB"] // half) + 1, r

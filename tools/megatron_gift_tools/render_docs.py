@@ -371,15 +371,16 @@ def memory_fused_error_feedback(results: Path) -> str:
 def memory_at_scale(results: Path) -> str:
     """docs/memory.md: ``bench memory --at-scale``, the message buffers of a 512M-element bucket at DP 512."""
     doc = _load(results, "memory-at-scale-cpu.json")
-    n = doc["spec"]["buckets"]
+    n, stated = doc["spec"]["buckets"], doc["spec"]["stated_mib"]
     out = [
-        f"| reduction | collective | B/element | GiB per bucket | {n} buckets in flight, GiB | default arena, GiB |",
-        "|---|---|---|---|---|---|",
+        f"| reduction | collective | B/element | GiB per bucket | {n} buckets in flight, GiB | default arena, GiB | "
+        f"`--gift-inflight-mb {stated}`: sub-buckets (largest, GiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
         out.append(
             f"| {r['reduction']} | {r['collective']} | {r['footprint_B_per_element']:.3f} | {r['footprint_GiB']:.2f} | "
-            f"{r['all_buckets_GiB']:.2f} | {r['arena_GiB']:.2f} |"
+            f"{r['all_buckets_GiB']:.2f} | {r['arena_GiB']:.2f} | {r['sub_buckets']} ({r['sub_bucket_GiB']:.2f}) |"
         )
     return "\n".join(out) + "\n"
 

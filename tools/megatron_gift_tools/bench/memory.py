@@ -261,18 +261,21 @@ def run(
     return doc
 
 
-SCALE = dict(dp=512, ranks_per_node=8, bucket=512 * 2**20, params_per_rank=2 * 10**9, dtype="bfloat16")
+SCALE = dict(dp=512, ranks_per_node=8, bucket=512 * 2**20, params_per_rank=2 * 10**9, dtype="bfloat16", stated_mib=1024)
 
 
 def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
     """The message buffers of one Megatron bucket at DP 512 (max(40M, 1M x DP) elements, one GIFT-coded
     weight, BF16 gradients, nodes of 8) as each reduction's ``footprint()`` computes them from the
     layout (the most any rank takes), and the arena an 8B model's 2B parameters per pipeline rank
-    (four such buckets) get: by default two of the largest bucket's, against all four in flight."""
+    (four such buckets) get: by default two of the largest bucket's, against all four in flight; and
+    with a stated ``--gift-inflight-mb`` (``stated_mib``), the sub-buckets (``comm.rounds.plan``) each
+    bucket is reduced in and the largest one's footprint."""
     from megatron_gift.comm.fp4_reduce import FP4Reduce, FP4TwoLevelReduce
     from megatron_gift.comm.hierarchical import TwoLevelReduce
     from megatron_gift.comm.layout import BucketLayout, Segment
     from megatron_gift.comm.quantized import QuantizedReduce
+    from megatron_gift.comm.rounds import plan
     from megatron_gift.comm.topology import Topology, TwoLevelGroups
     from megatron_gift.numerics import CodecConfig
     from megatron_gift.numerics.fp4 import FP4_FORMATS
@@ -286,19 +289,29 @@ def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
     flat = torch.empty(numel, dtype=torch.bfloat16, device="meta")
     topology, nvfp4 = Topology(dp // g, g), FP4_FORMATS["nvfp4"]
     groups = TwoLevelGroups(StubGroup(dp), topology, StubGroup(g), StubGroup(dp // g))
-    kinds = {
-        "flat fp8": lambda ar: QuantizedReduce(flat, layout, groups.group, [None], all_reduce=ar),
-        "two-level fp8 (bf16 intra-node)": lambda ar: TwoLevelReduce(flat, layout, groups, [None], all_reduce=ar),
-        "flat nvfp4": lambda ar: FP4Reduce(flat, layout, groups.group, [None], nvfp4, all_reduce=ar),
-        "two-level nvfp4 (bf16 intra-node)": lambda ar: FP4TwoLevelReduce(
-            flat, layout, groups, [None], nvfp4, all_reduce=ar
+    kinds = {  # (all_reduce, layout) -> the reduction; no transforms (a footprint does not depend on them)
+        "flat fp8": lambda ar, lay: QuantizedReduce(flat, lay, groups.group, [None] * len(lay.segments), all_reduce=ar),
+        "two-level fp8 (bf16 intra-node)": lambda ar, lay: TwoLevelReduce(
+            flat, lay, groups, [None] * len(lay.segments), all_reduce=ar
+        ),
+        "flat nvfp4": lambda ar, lay: FP4Reduce(
+            flat, lay, groups.group, [None] * len(lay.segments), nvfp4, all_reduce=ar
+        ),
+        "two-level nvfp4 (bf16 intra-node)": lambda ar, lay: FP4TwoLevelReduce(
+            flat, lay, groups, [None] * len(lay.segments), nvfp4, all_reduce=ar
         ),
     }
     buckets = -(-SCALE["params_per_rank"] // numel)
+    stated = SCALE["stated_mib"] << 20
     rows = []
     for name, make in kinds.items():
         for all_reduce in (False, True):
-            need = make(all_reduce).footprint()
+            need = make(all_reduce, layout).footprint()
+            rounds, worst = [layout], need  # within the stated bound: whole, as the DDP reduces it
+            if need > stated:
+                rounds, worst = plan(
+                    layout, lambda r, ar=all_reduce, mk=make: mk(ar, r.layout).footprint(), need, stated
+                )
             rows.append(
                 dict(
                     reduction=name,
@@ -307,6 +320,8 @@ def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
                     footprint_GiB=round(need / 2**30, 3),
                     all_buckets_GiB=round(buckets * need / 2**30, 2),
                     arena_GiB=round(min(2, buckets) * need / 2**30, 2),
+                    sub_buckets=None if rounds is None else len(rounds),
+                    sub_bucket_GiB=None if worst is None else round(worst / 2**30, 3),
                 )
             )
     doc = dict(
@@ -321,7 +336,8 @@ def at_scale(json_path: str | None = None, command: str | None = None) -> dict:
         print(
             f"{r['reduction']:36s} {r['collective']:15s} {r['footprint_B_per_element']:6.3f} B/element "
             f"{r['footprint_GiB']:6.3f} GiB per bucket; {buckets} buckets in flight {r['all_buckets_GiB']:6.2f} GiB, "
-            f"default arena {r['arena_GiB']:6.2f} GiB"
+            f"default arena {r['arena_GiB']:6.2f} GiB; stated {SCALE['stated_mib']} MiB: {r['sub_buckets']} "
+            f"sub-buckets of at most {r['sub_bucket_GiB']} GiB"
         )
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
