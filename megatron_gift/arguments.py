@@ -374,8 +374,8 @@ def add_gift_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Bound on the reductions' message buffers in flight, in MiB: a bucket's exchange reuses an earlier "
         "one's memory once that one is done, ordered on the GPU without a host sync (default: two of the "
         "largest bucket's, at most all of a step's, so one exchange runs while the next bucket is encoded). A "
-        "bucket larger than the bound is reduced in sub-buckets of at most half of it each; with error feedback, "
-        "an output side or the sum-first exchange it runs outside the bound (warned at start-up).",
+        "bucket larger than the bound is reduced in sub-buckets of at most half of it each; with an output side "
+        "or the sum-first exchange it runs outside the bound (warned at start-up).",
     )
     groups["exchange"].add_argument(
         "--gift-loopback",

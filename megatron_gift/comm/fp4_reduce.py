@@ -493,21 +493,22 @@ class FP4Reduce(_FP4Stages, ShardReduction):
         """The PyTorch path's sender: each coded parameter by itself (``_encode_parameter``), one
         parameter's FP32 values and its encode's temporaries at a time, not the bucket's."""
         ranges, ef = self._segment_parts(), self.error_feedback
-        e = ef.feedback(0, self.layout.n_coded)[0] if ef is not None else None
         for i in self.layout.coded_segments:
-            self._encode_parameter(pk, buf, i, ranges[i], e)
+            self._encode_parameter(pk, buf, i, ranges[i], ef)
 
-    def _encode_parameter(self, pk: FP4Packing, buf: torch.Tensor, i: int, parts: tuple[int, int], e) -> None:
+    def _encode_parameter(self, pk: FP4Packing, buf: torch.Tensor, i: int, parts: tuple[int, int], ef) -> None:
         """Parameter ``i``'s ``U = G T`` (``G`` where Euclidean), with error feedback ``Ũ = U + e`` made where
-        ``e`` lies, times ``H`` where rotated, encoded by itself (``parts``: the range of its parts, whole
-        segments and blocks: the codes and scales of one call on the whole sequence) and placed into the
-        messages; with error feedback ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` from that same encode, written over ``e``."""
+        ``e`` (its part of ``ef``'s residual) lies, times ``H`` where rotated, encoded by itself (``parts``: the
+        range of its parts, whole segments and blocks: the codes and scales of one call on the whole sequence)
+        and placed into the messages; with error feedback ``e' = Ũ - dec(enc(Ũ H)) Hᵀ`` from that same encode,
+        written over ``e``."""
         s, at, fmt = self.layout.segments[i], self.layout.seg_at[i], self.fmt
         n, lengths = s.rows * s.cols, pk.lengths[parts[0] : parts[1]]
         g = self.flat[s.start : s.end].view(s.rows, s.cols)
         u = sender_values(g, self.transforms[i], None)  # ``g`` itself where Euclidean in FP32
+        e = ef.feedback(at, n)[0].view_as(u) if ef is not None else None
         if e is not None:
-            u = torch.add(u, e[at : at + n].view_as(u), out=e[at : at + n].view_as(u))
+            u = torch.add(u, e, out=e)
         rotated = self.rotation is not None and i in self.rotated_segments
         v = self.rotation.apply(u, scratch=u is not g and e is None) if rotated else u  # ``G T``, ours, in place
         if e is None:

@@ -36,6 +36,36 @@ class Round:
         """``values`` given per segment of the bucket's layout, for this round's segments."""
         return [values[i] for i in self.origin]
 
+    def feedback(self, error_feedback, bucket: BucketLayout) -> RoundFeedback:
+        """The round's view of the bucket's error-feedback residual (indexed by ``bucket``'s coded sequence)."""
+        return RoundFeedback(error_feedback, self, bucket)
+
+
+class RoundFeedback:
+    """A round's error feedback: the bucket's residual (``numerics.ErrorFeedback``, kept, committed and
+    checkpointed whole), each range of the round's coded sequence mapped to where its segment's values
+    lie in the bucket's. A reduction asks for one segment's range at a time (``feedback``)."""
+
+    def __init__(self, error_feedback, part: Round, bucket: BucketLayout):
+        layout, self.inner = part.layout, error_feedback
+
+        def build():  # per coded segment of the round: its range there, and where its values start in the bucket's
+            segs = [(layout.seg_at[i], layout.segments[i], part.origin[i]) for i in layout.coded_segments]
+            return (
+                [at for at, _, _ in segs],
+                [at + s.rows * s.cols for at, s, _ in segs],
+                [bucket.seg_at[o] + s.start - bucket.segments[o].start for _, s, o in segs],
+            )
+
+        self.starts, self.ends, self.bases = layout.cached(("round-feedback",), build)
+
+    def feedback(self, lo: int, n: int):
+        """``ErrorFeedback.feedback`` of the round's coded ``[lo, lo + n)``, which lies in one segment."""
+        k = bisect.bisect_right(self.starts, lo) - 1
+        if k < 0 or lo + n > self.ends[k]:
+            raise ValueError(f"coded range [{lo}, {lo + n}) of a round crosses its segments")
+        return self.inner.feedback(self.bases[k] + lo - self.starts[k], n)
+
 
 def _cut(segments: list[Segment], starts: list[int], lo: int, hi: int, target: int) -> int:
     """A point of ``(lo, hi)`` where a round may end inside shard ``[lo, hi)``, near ``target``: the

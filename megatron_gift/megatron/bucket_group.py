@@ -83,7 +83,7 @@ class GiftBucket:
     layout: BucketLayout
     params: list[GiftParam | None]
     error_feedback: ErrorFeedback | None
-    # all_reduce -> (the layout they split, its sub-buckets or None): ``GiftBucketGroup._reductions``
+    # all_reduce -> (the layout split, the whole reduction's type, the sub-buckets or None): ``_reductions``
     rounds: dict = field(default_factory=dict)
 
     @property
@@ -161,25 +161,25 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
     def _reductions(self, b: GiftBucket, all_reduce: bool) -> list:
         """The bucket's reduction; where its message buffers exceed a stated ``--gift-inflight-mb``, its
         sub-buckets' (``comm.rounds``), each within half the bound (one exchange in flight while the next is
-        encoded), planned once per layout. Not split (the arena warns that it runs outside it): with error
-        feedback (a residual per whole bucket), an output side, the sum-first exchange (Megatron's equal
-        shards), several distributed-optimizer instances, or a shard inside one row."""
+        encoded), planned once per layout and kind of reduction, error feedback reading the bucket's residual
+        where each round's values lie. Not split (the arena warns that it runs outside it): with an output
+        side, the sum-first exchange (Megatron's equal shards), several distributed-optimizer instances, or a
+        shard inside one row."""
         whole = self._reduction(b, all_reduce)
         arena = self.gift_context.queue.arena
         if arena is None or not arena.fixed or (whole.footprint() or 0) <= arena.nbytes:
             return [whole]
-        if b.rounds.get(all_reduce, (None,))[0] is not b.layout:
-            b.rounds[all_reduce] = (b.layout, self._split(b, all_reduce, whole, arena.nbytes))
-        rounds = b.rounds[all_reduce][1]
+        planned = b.rounds.get(all_reduce)
+        if planned is None or planned[0] is not b.layout or planned[1] is not type(whole):  # an output side since?
+            b.rounds[all_reduce] = planned = (b.layout, type(whole), self._split(b, all_reduce, whole, arena.nbytes))
+        rounds = planned[2]
         return [whole] if rounds is None else [self._reduction(b, all_reduce, r) for r in rounds]
 
     def _split(self, b: GiftBucket, all_reduce: bool, whole, nbytes: int) -> list[Round] | None:
         """``b``'s rounds (``comm.rounds.plan``), or None, warned with the reason, where the bucket cannot be
         split (``_reductions``)."""
         why = (
-            "error feedback (its residual is the whole bucket's)"
-            if b.error_feedback is not None
-            else "several distributed-optimizer instances"
+            "several distributed-optimizer instances"
             if self.ddp_config.num_distributed_optimizer_instances > 1
             else "an output side (--gift-side both / auto)"
             if isinstance(whole, OutputSide)
@@ -218,6 +218,9 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         output side (``--gift-side both`` / ``auto``). ``part``: one round of the bucket (``comm.rounds``)."""
         layout = b.layout if part is None else part.layout
         params = b.params if part is None else part.per_segment(b.params)
+        feedback = (
+            b.error_feedback if part is None or b.error_feedback is None else part.feedback(b.error_feedback, b.layout)
+        )
         transforms = [p.input.whitening if p is not None and p.mode is Mode.GIFT else None for p in params]
         ctx, groups = self.gift_context, self.gift_groups
         common = dict(
@@ -245,7 +248,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
                 transforms,
                 fmt,
                 topology=groups.topology,
-                error_feedback=b.error_feedback,
+                error_feedback=feedback,
                 **common,
             )
         if groups.intra is not None and b.error_feedback is None:
@@ -256,7 +259,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
                 layout,
                 groups.group,
                 transforms,
-                error_feedback=b.error_feedback,
+                error_feedback=feedback,
                 topology=groups.topology,
                 **common,
             )
