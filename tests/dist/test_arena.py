@@ -171,8 +171,8 @@ def _cases():
     return out
 
 
-def _make(kind, flat, layout, placed, ts, all_reduce):
-    common = dict(average=True, all_reduce=all_reduce)
+def _make(kind, flat, layout, placed, ts, all_reduce, kernels=None):
+    common = dict(average=True, all_reduce=all_reduce, kernels=kernels)
     if kind == "flat":
         return QuantizedReduce(flat, layout, dist.group.WORLD, ts, **common)
     if kind == "two":

@@ -167,3 +167,39 @@ def test_error_feedback_in_rounds_is_the_whole_buckets():
                 assert r["bucket"] and r["residual"], (key, rank, step)
                 whole, rounds = r["residual_norm"]
                 assert whole > 0 and abs(rounds - whole) <= 0.1 * whole, (key, rank, step, r["residual_norm"])
+
+
+def _kernel_worker(rank, world):
+    """Flat and two-level NVFP4 in rounds, every coded parameter sent without a transform, with the fused
+    kernels (under Triton's interpreter) and on the PyTorch path: each rank's bucket."""
+    (placed,) = build_groups([dist.group.WORLD], PER_NODE)
+    out = {}
+    for name, kind, layout, numel, segs in _cases():
+        if kind not in ("fp4", "fp4two"):
+            continue
+        ts, rounds = [None] * len(segs), split(layout, ROUNDS)  # unwhitened: FP32 products differ by path
+        for all_reduce in (False, True):
+            buckets = []
+            for kernels in (True, False):
+                flat = _bucket_grads(numel, segs, rank)
+                for r in rounds:
+                    reduce_now(_make(kind, flat, r.layout, placed, r.per_segment(ts), all_reduce, kernels), "cpu")
+                buckets.append(flat)
+            out[(name, all_reduce)] = buckets
+    return out
+
+
+@pytest.mark.slow
+def test_rounds_with_the_kernels_are_their_pytorch_path(monkeypatch):
+    """Bug caught: the fused kernels' placement tables or segment ends built for a layout of equal shards
+    from the bucket's start (a round's shards are pieces, unequal, with gaps between them): codes
+    placed at another element, a shard's values read from another. Flat and two-level NVFP4, three
+    rounds, reduce-scatter and all-reduce, no transform (the kernels' FP32 products are not PyTorch's):
+    each rank's bucket with the kernels (the ranks under Triton's interpreter) bit for bit the PyTorch
+    path's, as for a whole bucket (tests/unit/test_fp4_kernels.py)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks define the kernels under it
+    results = run_on_ranks(_kernel_worker, WORLD, timeout=900)
+    assert {k[0] for k in results[0]} == {"fp4-flat", "fp4-two-level"}
+    for rank, res in enumerate(results):
+        for key, (kernels, pytorch) in res.items():
+            assert torch.equal(kernels, pytorch), (key, rank)
