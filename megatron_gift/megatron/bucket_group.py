@@ -131,7 +131,7 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         group = reduction_group(self)
         refs = ctx.monitor.before_reduce(self.gift_buckets, group, ctx.state.step)
         flights = [
-            ctx.queue.start(self._across_instances(reduction, b))
+            ctx.queue.start(reduction)
             for b in self.gift_buckets
             for reduction in self._reductions(b, all_reduce=not use_rs)
         ]
@@ -152,36 +152,38 @@ class GiftBucketGroup(_ParamAndGradBucketGroup):
         """The arena bytes each reduction takes (``comm.schedule.Reduction.footprint``; a bucket's rounds
         one by one), as a step without ``force_all_reduce`` builds them: what the DDP sizes its arena by."""
         all_reduce = not self.ddp_config.use_distributed_optimizer
-        return [
-            self._across_instances(r, b).footprint() or 0
-            for b in self.gift_buckets
-            for r in self._reductions(b, all_reduce)
-        ]
+        return [r.footprint() or 0 for b in self.gift_buckets for r in self._reductions(b, all_reduce)]
 
     def _reductions(self, b: GiftBucket, all_reduce: bool) -> list:
         """The bucket's reduction; where its message buffers exceed a stated ``--gift-inflight-mb``, its
         sub-buckets' (``comm.rounds``), each within half the bound (one exchange in flight while the next is
         encoded), planned once per layout and kind of reduction, error feedback reading the bucket's residual
-        where each round's values lie. Not split (the arena warns that it runs outside it): with an output
-        side, the sum-first exchange (Megatron's equal shards), several distributed-optimizer instances, or a
-        shard inside one row."""
+        where each round's values lie; with several distributed-optimizer instances the last one followed by
+        the shard's all-reduce across them. Not split (the arena warns that it runs outside it): with an
+        output side, the sum-first exchange (Megatron's equal shards), or a shard inside one row."""
         whole = self._reduction(b, all_reduce)
         arena = self.gift_context.queue.arena
-        if arena is None or not arena.fixed or (whole.footprint() or 0) <= arena.nbytes:
-            return [whole]
-        planned = b.rounds.get(all_reduce)
-        if planned is None or planned[0] is not b.layout or planned[1] is not type(whole):  # an output side since?
-            b.rounds[all_reduce] = planned = (b.layout, type(whole), self._split(b, all_reduce, whole, arena.nbytes))
-        rounds = planned[2]
-        return [whole] if rounds is None else [self._reduction(b, all_reduce, r) for r in rounds]
+        out = [whole]
+        if arena is not None and arena.fixed and (whole.footprint() or 0) > arena.nbytes:
+            planned = b.rounds.get(all_reduce)
+            if planned is None or planned[0] is not b.layout or planned[1] is not type(whole):  # an output side since?
+                b.rounds[all_reduce] = planned = (
+                    b.layout,
+                    type(whole),
+                    self._split(b, all_reduce, whole, arena.nbytes),
+                )
+            if planned[2] is not None:
+                out = [self._reduction(b, all_reduce, r) for r in planned[2]]
+        # several instances: the own shard's all-reduce across them after the last round (each round's last
+        # stage on the same stream, in start order: the shard is whole there)
+        out[-1] = self._across_instances(out[-1], b)
+        return out
 
     def _split(self, b: GiftBucket, all_reduce: bool, whole, nbytes: int) -> list[Round] | None:
         """``b``'s rounds (``comm.rounds.plan``), or None, warned with the reason, where the bucket cannot be
         split (``_reductions``)."""
         why = (
-            "several distributed-optimizer instances"
-            if self.ddp_config.num_distributed_optimizer_instances > 1
-            else "an output side (--gift-side both / auto)"
+            "an output side (--gift-side both / auto)"
             if isinstance(whole, OutputSide)
             else "the sum-first exchange (--gift-intra-node reduce-scatter: Megatron's equal shards)"
             if isinstance(whole, FP4SumFirstReduce)

@@ -55,7 +55,6 @@ def _worker(rank, world):
                     same_euclidean=torch.equal(flat[lo:hi][euclidean[lo:hi]], whole[lo:hi][euclidean[lo:hi]]),
                     outside=torch.equal(flat[:lo], grads[rank][:lo]) and torch.equal(flat[hi:], grads[rank][hi:]),
                     rel=((flat.double() - exact)[lo:hi].norm() / exact[lo:hi].norm()).item(),
-                    rel_whole=((whole.double() - exact)[lo:hi].norm() / exact[lo:hi].norm()).item(),
                     result=flat.clone() if all_reduce else None,
                 )
     return out

@@ -86,3 +86,48 @@ def test_a_bucket_over_the_bound_runs_in_sub_buckets_inside_it():
                     assert torch.equal(a, b), (key, rank, step)
                 else:
                     assert ((a - b).norm() / a.norm()).item() < 2 * 2**-4, (key, rank, step)
+
+
+def _instances_worker(rank, world):
+    """Two distributed-optimizer instances of two ranks, Euclidean, two steps with the arena sized from the
+    buckets and with 1 MiB: each step's gradients and the reductions the bound gives."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_gift.comm.schedule import Arena
+    from megatron_gift.megatron.ddp import GiftDistributedDataParallel
+    from megatron_gift.testing.gpt import build_tiny_gpt, lm_loss, random_tokens
+
+    parallel_state.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=2)
+    runs = {}
+    for inflight in (None, 1):
+        Arena.forget_shared()
+        model = build_tiny_gpt(**MODEL)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, num_distributed_optimizer_instances=2
+        )
+        gift = GiftConfig.build(mode=Mode.EUCLIDEAN, inflight_mb=inflight)
+        ddp = GiftDistributedDataParallel(model.config, ddp_config, model, gift_config=gift)
+        (bg,) = ddp._converted()
+        grads = []
+        for step in range(2):
+            ddp.zero_grad_buffer()
+            lm_loss(ddp, random_tokens(step, rank)).backward()
+            ddp.finish_grad_sync()
+            grads.append(torch.cat([x.grad_data.clone() for x in ddp.buffers]))
+        runs[inflight] = dict(grads=grads, reductions=len(bg._reductions(bg.gift_buckets[0], False)))
+    parallel_state.destroy_model_parallel()
+    return runs
+
+
+@pytest.mark.cpu_harness
+@pytest.mark.slow
+def test_sub_buckets_with_several_optimizer_instances():
+    """Bug caught: with several distributed-optimizer instances, the shard's FP32 all-reduce across them
+    run after a round other than the last (the later rounds' pieces then summed inside the instance
+    only), or once per round (summed several times). Two instances of two ranks, Euclidean, 1 MiB for a
+    3.5 MiB bucket: several rounds, each step's gradients bit for bit the whole bucket's."""
+    for rank, runs in enumerate(run_on_ranks(_instances_worker, 4, cpu_harness=True, timeout=900)):
+        assert runs[None]["reductions"] == 1 and runs[1]["reductions"] > 2, (rank, runs[1]["reductions"])
+        for step, (a, b) in enumerate(zip(runs[None]["grads"], runs[1]["grads"])):
+            assert torch.equal(a, b), (rank, step)
