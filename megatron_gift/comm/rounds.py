@@ -67,6 +67,14 @@ class RoundFeedback:
         return self.inner.feedback(self.bases[k] + lo - self.starts[k], n)
 
 
+def _inside(segments: list[Segment], starts: list[int], lo: int, hi: int):
+    """``(index, a, b)`` of each segment's non-empty part ``[a, b)`` inside bucket ``[lo, hi)``, in order."""
+    for i in range(max(0, bisect.bisect_right(starts, lo) - 1), bisect.bisect_left(starts, hi)):
+        a, b = max(segments[i].start, lo), min(segments[i].end, hi)
+        if a < b:
+            yield i, a, b
+
+
 def _cut(segments: list[Segment], starts: list[int], lo: int, hi: int, target: int) -> int:
     """A point of ``(lo, hi)`` where a round may end inside shard ``[lo, hi)``, near ``target``: the
     row boundary at or below it of the parameter holding it (padding: ``target`` itself), else the
@@ -82,13 +90,11 @@ def _cut(segments: list[Segment], starts: list[int], lo: int, hi: int, target: i
 def _targets(layout: BucketLayout, starts: list[int], lo: int, hi: int, rounds: int) -> list[int]:
     """Where shard ``[lo, hi)`` would end its first ``rounds - 1`` pieces for equal shares of its message
     bytes (each parameter's elements weighted by their bytes on the wire; by elements where it has none)."""
-    first = max(0, bisect.bisect_right(starts, lo) - 1)
     runs = []  # (a, b, bytes per element) of the parameters inside the shard
-    for s in layout.segments[first : bisect.bisect_left(starts, hi)]:
-        a, b = max(s.start, lo), min(s.end, hi)
-        if a < b:
-            n = s.rows * s.cols
-            runs.append((a, b, wire_bytes(s.mode, s.rows, s.cols, layout.codec, layout.plain_dtypes[0].itemsize) / n))
+    for i, a, b in _inside(layout.segments, starts, lo, hi):
+        s = layout.segments[i]
+        n = s.rows * s.cols
+        runs.append((a, b, wire_bytes(s.mode, s.rows, s.cols, layout.codec, layout.plain_dtypes[0].itemsize) / n))
     total = sum((b - a) * w for a, b, w in runs)
     if not total:
         return [lo + (hi - lo) * k // rounds for k in range(1, rounds)]
@@ -120,16 +126,11 @@ def split(layout: BucketLayout, rounds: int) -> list[Round] | None:
             p = k if j % 2 == 0 else rounds - 1 - k
             bounds.append((cuts[p], cuts[p + 1]))
         spans: list[list[int]] = []  # [start, end, origin], adjacent pieces of one segment merged
-        for a, b in bounds:
-            first = max(0, bisect.bisect_right(starts, a) - 1)
-            for i in range(first, bisect.bisect_left(starts, b)):
-                lo, hi = max(segs[i].start, a), min(segs[i].end, b)
-                if lo >= hi:
-                    continue
-                if spans and spans[-1][2] == i and spans[-1][1] == lo:
-                    spans[-1][1] = hi
-                else:
-                    spans.append([lo, hi, i])
+        for i, lo, hi in (part for a, b in bounds for part in _inside(segs, starts, a, b)):
+            if spans and spans[-1][2] == i and spans[-1][1] == lo:
+                spans[-1][1] = hi
+            else:
+                spans.append([lo, hi, i])
         round_segs = []
         for lo, hi, i in spans:
             s = segs[i]
